@@ -1,0 +1,3 @@
+from cnnkit.cli import main
+
+main()

@@ -1,0 +1,64 @@
+"""The command line: the only place that parses arguments. One module per area registers its
+commands; each command is a few lines that call the library.
+
+    cnnkit zoo | info NET | train RUN | eval | classify | detect | export | import-caffe
+    cnnkit pack | synth shapes | bench layers|train|infer|loader|scaling | show filters|net
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cnnkit.cli import bench, data, infer, net, train
+from cnnkit.errors import CnnkitError
+
+app = typer.Typer(
+    name="cnnkit",
+    help="Describe any CNN in a file; train, classify, export and benchmark it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+bench_app = typer.Typer(
+    help="Measure speed: layers, train, infer, loader, scaling.", no_args_is_help=True
+)
+app.add_typer(bench_app, name="bench")
+
+for area in (net, train, data, infer, bench):
+    area.register(app, bench_app)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback on errors."),
+) -> None:
+    """cnnkit: convolutional networks from a file."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        app(args=argv, prog_name="cnnkit", standalone_mode=False)
+    except CnnkitError as e:
+        if "--debug" in argv:
+            raise
+        print(f"cnnkit: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("cnnkit: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # click usage errors and aborts
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(130)
+        raise

@@ -1,0 +1,37 @@
+"""`cnnkit zoo` and `cnnkit info`: what networks exist and what a network is made of."""
+
+from __future__ import annotations
+
+import typer
+
+from cnnkit.nn import build_model
+from cnnkit.nn.summary import print_layer_table, wide_console
+from cnnkit.zoo import NETS, RUNS
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    app.command("zoo")(zoo)
+    app.command("info")(info)
+
+
+def zoo() -> None:
+    """List the built-in networks and runs."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="cnnkit zoo", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("name", style="bold")
+    table.add_column("kind")
+    table.add_column("description")
+    for kind, entries in (("network", NETS), ("run", RUNS)):
+        for name, (_, description) in entries.items():
+            table.add_row(name, kind, description)
+    wide_console().print(table)
+
+
+def info(
+    net: str = typer.Argument(..., help="A zoo name or a network / run file."),
+    num_classes: int = typer.Option(None, "--num-classes", help="Override the file's class count."),
+) -> None:
+    """Print the layer table: output shape, parameters and multiply-adds per layer, then totals."""
+    print_layer_table(build_model(net, num_classes=num_classes, device="meta"))

@@ -1,0 +1,113 @@
+"""Weight initialisation named in a network file: `{weight: {normal: 0.01}, bias: 0.1}`.
+
+A rule is a number (constant), a name (`kaiming_normal`, `xavier_uniform`, `zeros`, ...) or a
+one-key mapping from a name to its argument (`{normal: 0.01}`, `{uniform: [-0.1, 0.1]}`,
+`{kaiming_normal: {mode: fan_out, nonlinearity: relu}}`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+# name -> the keyword arguments its mapping form accepts
+_KEYWORDS = {
+    "normal": {"mean", "std"},
+    "truncated_normal": {"mean", "std"},
+    "uniform": {"a", "b"},
+    "constant": {"value"},
+    "zeros": set(),
+    "ones": set(),
+    "kaiming_normal": {"a", "mode", "nonlinearity"},
+    "kaiming_uniform": {"a", "mode", "nonlinearity"},
+    "xavier_normal": {"gain"},
+    "xavier_uniform": {"gain"},
+    "orthogonal": {"gain"},
+    "default": set(),
+}
+
+
+def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
+    """Turn one init rule into (name, keyword arguments); raise ValueError when malformed."""
+    if isinstance(rule, bool):
+        raise ValueError(f"init rule {rule!r} is not a number, a name or a one-key mapping")
+    if isinstance(rule, (int, float)):
+        return "constant", {"value": float(rule)}
+    if isinstance(rule, str):
+        if rule not in _KEYWORDS:
+            raise ValueError(f"unknown init {rule!r} (known: {', '.join(sorted(_KEYWORDS))})")
+        return rule, {}
+    if not isinstance(rule, dict) or len(rule) != 1:
+        raise ValueError(f"init rule {rule!r} is not a number, a name or a one-key mapping")
+    ((name, arg),) = rule.items()
+    if name not in _KEYWORDS:
+        raise ValueError(f"unknown init {name!r} (known: {', '.join(sorted(_KEYWORDS))})")
+    if isinstance(arg, dict):
+        unknown = set(arg) - _KEYWORDS[name]
+        if unknown:
+            raise ValueError(
+                f"init {name!r} takes {sorted(_KEYWORDS[name])}, not {sorted(unknown)}"
+            )
+        return name, dict(arg)
+    if name in ("normal", "truncated_normal") and _is_number(arg):
+        return name, {"std": float(arg)}
+    if name == "uniform" and _is_number(arg):
+        return name, {"a": -float(arg), "b": float(arg)}
+    if name == "uniform" and isinstance(arg, list) and len(arg) == 2 and all(map(_is_number, arg)):
+        return name, {"a": float(arg[0]), "b": float(arg[1])}
+    if name == "constant" and _is_number(arg):
+        return name, {"value": float(arg)}
+    if name in ("xavier_normal", "xavier_uniform", "orthogonal") and _is_number(arg):
+        return name, {"gain": float(arg)}
+    raise ValueError(f"init {name!r} cannot take {arg!r}")
+
+
+def check_init(spec: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
+    """Validate an `init:` mapping whose keys name the layer's parameters (`weight`, `bias`)."""
+    if not isinstance(spec, dict):
+        raise ValueError("init must map parameter names (weight, bias) to rules")
+    for key, rule in spec.items():
+        if key not in allowed:
+            raise ValueError(f"init names {key!r}; this layer has {sorted(allowed)}")
+        parse_rule(rule)
+    return spec
+
+
+@torch.no_grad()
+def apply_rule(tensor: torch.Tensor, rule: Any) -> None:
+    """Fill `tensor` in place by one init rule."""
+    name, kw = parse_rule(rule)
+    if name == "default":
+        return
+    if name == "normal":
+        nn.init.normal_(tensor, kw.get("mean", 0.0), kw.get("std", 1.0))
+    elif name == "truncated_normal":
+        mean, std = kw.get("mean", 0.0), kw.get("std", 1.0)
+        nn.init.trunc_normal_(tensor, mean, std, mean - 2 * std, mean + 2 * std)
+    elif name == "uniform":
+        nn.init.uniform_(tensor, kw.get("a", 0.0), kw.get("b", 1.0))
+    elif name == "constant":
+        nn.init.constant_(tensor, kw["value"])
+    elif name in ("zeros", "ones"):
+        nn.init.constant_(tensor, 0.0 if name == "zeros" else 1.0)
+    elif name.startswith("kaiming"):
+        fill = nn.init.kaiming_normal_ if name == "kaiming_normal" else nn.init.kaiming_uniform_
+        fill(
+            tensor,
+            a=kw.get("a", 0.0),
+            mode=kw.get("mode", "fan_in"),
+            nonlinearity=kw.get("nonlinearity", "relu"),
+        )
+    elif name == "xavier_normal":
+        nn.init.xavier_normal_(tensor, gain=kw.get("gain", 1.0))
+    elif name == "xavier_uniform":
+        nn.init.xavier_uniform_(tensor, gain=kw.get("gain", 1.0))
+    elif name == "orthogonal":
+        nn.init.orthogonal_(tensor, gain=kw.get("gain", 1.0))
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

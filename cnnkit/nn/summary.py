@@ -1,0 +1,48 @@
+"""The layer table of `cnnkit info`: one row per layer, then totals."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from cnnkit.nn.graph import Network
+
+
+def print_layer_table(model: Network, console: Console | None = None) -> None:
+    """Print name, type, inputs, output shape, parameters and multiply-adds of every layer."""
+    console = console or wide_console()
+    title = f"{model.name}  input {_shape(model.input_shape)}"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("#", "name", "type", "inputs", "output"):
+        table.add_column(column)
+    table.add_column("params", justify="right")
+    table.add_column("mult-adds", justify="right")
+    previous = "input"
+    for i, row in enumerate(model.table):
+        inputs = "" if row.inputs == (previous,) else ", ".join(row.inputs)
+        table.add_row(
+            str(i),
+            row.name,
+            row.type,
+            inputs,
+            _shape(row.output_shape),
+            f"{row.params:,}" if row.params else "",
+            f"{row.macs:,}" if row.macs else "",
+        )
+        previous = row.name
+    console.print(table)
+    params = sum(row.params for row in model.table)
+    macs = sum(row.macs for row in model.table)
+    console.print(f"layers: {len(model.table)}   output: {_shape(model.output_shape)}")
+    console.print(f"parameters: {params:,}")
+    console.print(f"multiply-adds: {macs:,} ({macs / 1e9:.3f} G) per image")
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def wide_console() -> Console:
+    """A console at least 120 columns wide, so tables piped to a file are not cut."""
+    return Console(width=max(Console().width, 120))
