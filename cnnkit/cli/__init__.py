@@ -42,23 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        app(args=argv, prog_name="cnnkit", standalone_mode=False)
+        app(args=argv, prog_name="cnnkit")  # usage errors: typer prints them and exits 2
     except CnnkitError as e:
         if "--debug" in argv:
             raise
         print(f"cnnkit: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("cnnkit: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as e:  # click usage errors and aborts
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
-        raise

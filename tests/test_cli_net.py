@@ -1,0 +1,57 @@
+"""CLI smoke tests of `cnnkit zoo` and `cnnkit info`, and the one-line error contract."""
+
+import subprocess
+import sys
+
+import pytest
+
+from cnnkit.cli import main
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return e.value.code or 0, out.out, out.err
+
+
+def test_zoo_lists_networks(capsys):
+    code, out, _ = run_cli(["zoo"], capsys)
+    assert code == 0 and "alexnet-owt" in out and "resnet18" in out
+
+
+@pytest.mark.parametrize("name, total", [("alexnet", "60,965,224"), ("alexnet-owt", "61,100,840")])
+def test_info_ends_with_parameter_total(name, total, capsys):
+    code, out, _ = run_cli(["info", name], capsys)
+    lines = out.strip().splitlines()
+    assert code == 0 and f"parameters: {total}" in lines[-2]
+    assert "(256, 6, 6)" not in out and "256x6x6" in out
+
+
+def test_kernel_larger_than_input_exits_2_naming_the_layer(tmp_path):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(
+        "model:\n  input: [1, 8, 8]\n  layers:\n"
+        "    - {name: c1, type: conv, out_channels: 4, kernel_size: 11}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "cnnkit", "info", str(spec)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "cnnkit: error: layer 0 (c1): kernel_size: kernel 11 is larger than its input 8 (input (1, 8, 8))"
+    ]
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    from cnnkit import ConfigError
+
+    with pytest.raises(ConfigError):
+        main(["--debug", "info", str(tmp_path / "missing.yaml")])
+
+
+def test_usage_error_exits_2(capsys):
+    code, _, err = run_cli(["info"], capsys)
+    assert code == 2 and "Missing argument" in err

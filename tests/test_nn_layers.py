@@ -1,0 +1,137 @@
+"""Each layer kind against the same torch.nn layer with the same weights."""
+
+import pytest
+import torch
+from torch import nn
+
+from cnnkit import build_model
+
+
+def one_layer(layer: dict, input_shape: list[int]) -> torch.nn.Module:
+    """A network holding just `layer`, named `x`."""
+    return build_model({"input": input_shape, "layers": [{"name": "x", **layer}]}).eval()
+
+
+CASES = [
+    (
+        {"type": "conv", "out_channels": 8, "kernel_size": 3, "stride": 2, "padding": 1},
+        nn.Conv2d(4, 8, 3, 2, 1),
+    ),
+    (
+        {"type": "conv", "out_channels": 8, "kernel_size": [3, 5], "groups": 2, "dilation": 2},
+        nn.Conv2d(4, 8, (3, 5), dilation=2, groups=2),
+    ),
+    (
+        {"type": "conv", "out_channels": 6, "kernel_size": 3, "padding": "same", "bias": False},
+        nn.Conv2d(4, 6, 3, padding="same", bias=False),
+    ),
+    ({"type": "maxpool", "kernel_size": 3, "stride": 2}, nn.MaxPool2d(3, 2)),
+    (
+        {"type": "maxpool", "kernel_size": 3, "stride": 2, "ceil_mode": True},
+        nn.MaxPool2d(3, 2, ceil_mode=True),
+    ),
+    (
+        {"type": "avgpool", "kernel_size": 3, "stride": 2, "padding": 1, "ceil_mode": True},
+        nn.AvgPool2d(3, 2, 1, ceil_mode=True),
+    ),
+    ({"type": "adaptive_avgpool", "output_size": [2, 3]}, nn.AdaptiveAvgPool2d((2, 3))),
+    (
+        {"type": "global_avgpool"},
+        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+    ),
+    (
+        {"type": "lrn", "convention": "caffe", "size": 5, "alpha": 1e-2, "beta": 0.75},
+        nn.LocalResponseNorm(5, 1e-2, 0.75, 1.0),
+    ),
+    ({"type": "batchnorm"}, nn.BatchNorm2d(4)),
+    ({"type": "relu"}, nn.ReLU()),
+    ({"type": "leaky_relu", "negative_slope": 0.2}, nn.LeakyReLU(0.2)),
+    ({"type": "prelu"}, nn.PReLU(4)),
+    ({"type": "tanh"}, nn.Tanh()),
+    ({"type": "sigmoid"}, nn.Sigmoid()),
+    ({"type": "gelu"}, nn.GELU()),
+    ({"type": "silu"}, nn.SiLU()),
+    ({"type": "dropout", "p": 0.3}, nn.Dropout(0.3)),
+    ({"type": "identity"}, nn.Identity()),
+    ({"type": "flatten"}, nn.Flatten()),
+    ({"type": "linear", "out_features": 7}, nn.Sequential(nn.Flatten(), nn.Linear(4 * 11 * 13, 7))),
+]
+
+
+@pytest.mark.parametrize("layer, ref", CASES, ids=[c[0]["type"] for c in CASES])
+def test_layer_matches_torch(layer, ref):
+    torch.manual_seed(0)
+    model = one_layer(layer, [4, 11, 13])
+    x = torch.randn(3, 4, 11, 13)
+    if isinstance(ref, nn.Sequential) and isinstance(ref[-1], nn.Linear):
+        ref[-1].load_state_dict(model.x.state_dict())
+    elif list(ref.state_dict()):
+        ref.load_state_dict(model.x.state_dict())
+    if isinstance(ref, nn.BatchNorm2d):  # non-trivial running statistics
+        with torch.no_grad():
+            model.x.running_mean.uniform_(-1, 1)
+            model.x.running_var.uniform_(0.5, 2)
+            ref.load_state_dict(model.x.state_dict())
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert tuple(model(x).shape[1:]) == model.output_shape
+
+
+def test_lrn_paper_convention_is_the_2012_formula():
+    model = one_layer(
+        {"type": "lrn", "convention": "paper", "size": 5, "alpha": 1e-3, "beta": 0.75, "k": 2},
+        [7, 3, 3],
+    )
+    a = torch.randn(2, 7, 3, 3) * 10
+    squares = torch.nn.functional.pad(a.pow(2), (0, 0, 0, 0, 2, 2))  # pad channels by n//2
+    window = sum(squares[:, i : i + 7] for i in range(5))
+    expected = a / (2 + 1e-3 * window) ** 0.75
+    torch.testing.assert_close(model(a), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_scaled_tanh_is_lecuns():
+    model = one_layer({"type": "tanh", "scaled": True}, [3])
+    x = torch.linspace(-3, 3, 12).view(4, 3)
+    torch.testing.assert_close(model(x), 1.7159 * torch.tanh(2 * x / 3))
+
+
+@pytest.mark.parametrize(
+    "kind, op", [("add", torch.add), ("mul", torch.mul), ("max", torch.maximum)]
+)
+def test_elementwise_merges(kind, op):
+    spec = {
+        "input": [3, 4, 4],
+        "layers": [
+            {"name": "a", "type": "conv", "out_channels": 5, "kernel_size": 1},
+            {"name": "b", "type": "conv", "out_channels": 5, "kernel_size": 1, "inputs": "input"},
+            {"name": "m", "type": kind, "inputs": ["a", "b"]},
+        ],
+    }
+    model = build_model(spec).eval()
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), op(model.a(x), model.b(x)))
+
+
+def test_concat_joins_channels():
+    spec = {
+        "input": [3, 6, 6],
+        "layers": [
+            {"name": "a", "type": "conv", "out_channels": 2, "kernel_size": 1},
+            {
+                "name": "b",
+                "type": "conv",
+                "out_channels": 5,
+                "kernel_size": 3,
+                "padding": 1,
+                "inputs": "input",
+            },
+            {"name": "c", "type": "concat", "inputs": ["a", "b"]},
+        ],
+    }
+    model = build_model(spec).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), torch.cat([model.a(x), model.b(x)], 1))
+    assert model.output_shape == (7, 6, 6)

@@ -1,0 +1,167 @@
+"""The network file: blocks, repeat, inputs, defaults, num_classes, and every error it reports."""
+
+import pytest
+import torch
+
+from cnnkit import ConfigError, build_model
+
+
+def net(*layers, **extra):
+    return {"input": [3, 8, 8], "layers": list(layers), **extra}
+
+
+def conv(name=None, **kw):
+    layer = {"type": "conv", "out_channels": 4, "kernel_size": 3, "padding": 1, **kw}
+    return {"name": name, **layer} if name else layer
+
+
+def test_blocks_repeat_with_parameters_and_names():
+    spec = net(
+        conv("stem"),
+        {"name": "stage", "block": "res", "channels": 4, "repeat": 3},
+        {"name": "head", "type": "linear", "out_features": 2},
+        blocks={
+            "res": {
+                "params": {"channels": None},
+                "layers": [
+                    {
+                        "name": "c",
+                        "type": "conv",
+                        "out_channels": "$channels",
+                        "kernel_size": 3,
+                        "padding": 1,
+                    },
+                    {"name": "sum", "type": "add", "inputs": ["c", "input"]},
+                ],
+            }
+        },
+    )
+    model = build_model(spec)
+    names = [row.name for row in model.table]
+    assert names[:3] == ["stem", "stage.0.c", "stage.0.sum"] and "stage.2.sum" in names
+    assert model.table[2].inputs == ("stage.0.c", "stem")
+    assert model.table[4].inputs == ("stage.1.c", "stage.0.sum")  # repetitions chain
+    assert "stage.1.c.weight" in model.state_dict()
+    assert model(torch.randn(2, 3, 8, 8)).shape == (2, 2)
+
+
+def test_residual_dag_computes_what_it_says():
+    spec = net(conv("a"), conv("b"), {"name": "sum", "type": "add", "inputs": ["b", "a"]})
+    model = build_model(spec).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.b(model.a(x)) + model.a(x))
+
+
+def test_num_classes_from_argument_and_defaults_by_type():
+    spec = net(conv(), {"type": "linear"}, defaults={"conv": {"bias": False}})
+    model = build_model(spec, num_classes=7)
+    assert model.output_shape == (7,) and model.conv0.bias is None
+
+
+def test_init_rules():
+    spec = net(
+        conv("a", init={"weight": {"normal": 0.5}, "bias": 0.25}),
+        conv("b", init={"weight": "zeros", "bias": {"uniform": [1, 2]}}),
+    )
+    torch.manual_seed(0)
+    model = build_model(spec)
+    assert abs(model.a.weight.std().item() - 0.5) < 0.1 and torch.all(model.a.bias == 0.25)
+    assert torch.all(model.b.weight == 0) and torch.all((model.b.bias >= 1) & (model.b.bias <= 2))
+
+
+BAD = [
+    (
+        net({"type": "convv", "out_channels": 4, "kernel_size": 3}),
+        "layer 0 (convv0): type: unknown type 'convv' (did you mean 'conv'?)",
+    ),
+    (net({"type": "conv", "kernel_size": 3}), "layer 0 (conv0): out_channels: Field required"),
+    (net(conv(kernal_size=3)), "layer 0 (conv0): kernal_size: Extra inputs are not permitted"),
+    (
+        net(conv(out_channels="four")),
+        "layer 0 (conv0): out_channels: Input should be a valid integer",
+    ),
+    (
+        net(conv("big", kernel_size=11, padding=0)),
+        "layer 0 (big): kernel_size: kernel 11 is larger than its input 8",
+    ),
+    (
+        net(
+            {"name": "p", "type": "maxpool", "kernel_size": 2, "stride": 2},
+            {"name": "q", "type": "maxpool", "kernel_size": 2, "stride": 4},
+            {"name": "r", "type": "maxpool", "kernel_size": 3, "padding": 1, "stride": 9},
+            {"name": "s", "type": "maxpool", "kernel_size": 2},
+        ),
+        "layer 3 (s): kernel_size: kernel 2 is larger than its input 1",
+    ),
+    (net(conv("a", inputs=["nope"])), "layer 0 (a): inputs: unknown layer 'nope'"),
+    (
+        net(conv("a", inputs=["b"]), conv("b")),
+        "layer 0 (a): inputs: 'b' comes later; inputs may only name earlier layers",
+    ),
+    (net(conv("a", inputs=["a"])), "layer 0 (a): inputs: names itself (a cycle)"),
+    (
+        net(
+            conv("a"), conv("b", out_channels=5), {"name": "s", "type": "add", "inputs": ["a", "b"]}
+        ),
+        "layer 2 (s): inputs: shapes differ: (4, 8, 8) vs (5, 8, 8)",
+    ),
+    (
+        net(
+            conv("a"),
+            {"name": "f", "type": "flatten"},
+            {"name": "c", "type": "concat", "inputs": ["a", "f"]},
+        ),
+        "layer 2 (c): inputs: only channels may differ",
+    ),
+    (net(conv("a"), conv("a")), "layer 1 (a): name: 'a' is used twice"),
+    (
+        net(conv("a", groups=3)),
+        "layer 0 (a): groups: groups=3 must divide both in_channels=3 and out_channels=4",
+    ),
+    (
+        net({"type": "linear"}),
+        "layer 0 (linear0): out_features: is not set and the network has no num_classes",
+    ),
+    (net({"name": "l", "type": "lrn", "size": 5}), "layer 0 (l): convention: Field required"),
+    (net({"name": "u", "block": "nope"}), "layer 0 (u): block: unknown block 'nope'"),
+    (
+        net(conv("a", init={"weight": {"gaussian": 1}})),
+        "layer 0 (a): init: unknown init 'gaussian'",
+    ),
+    (net(conv("a", lr_mult={"bais": 2})), "layer 0 (a): lr_mult: names ['bais']"),
+    ({"input": [3, 8], "layers": [conv()]}, "model: input: give [C, H, W]"),
+    ({"input": [3, 8, 8], "layers": []}, "model: layers: List should have at least 1 item"),
+    ({"input": [3, 8, 8]}, "no 'layers' list"),
+]
+
+
+@pytest.mark.parametrize("spec, message", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_network_gives_one_clear_line(spec, message):
+    with pytest.raises(ConfigError) as e:
+        build_model(spec)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_block_parameter():
+    spec = net(
+        {"name": "b", "block": "blk", "chanels": 4},
+        blocks={"blk": {"params": {"channels": 4}, "layers": [conv(out_channels="$channels")]}},
+    )
+    with pytest.raises(
+        ConfigError, match="block 'blk' has no parameter 'chanels' \\(it takes channels\\)"
+    ):
+        build_model(spec)
+
+
+def test_bad_files(tmp_path):
+    not_yaml = tmp_path / "net.yaml"
+    not_yaml.write_text("model: {input: [3, 8, 8], layers: [\n")
+    with pytest.raises(ConfigError, match="net.yaml: not valid YAML \\(line"):
+        build_model(not_yaml)
+    binary = tmp_path / "img.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    with pytest.raises(ConfigError, match="img.yaml"):
+        build_model(binary)
+    with pytest.raises(ConfigError, match="neither a zoo network"):
+        build_model(str(tmp_path / "missing.yaml"))

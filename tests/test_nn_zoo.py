@@ -1,0 +1,85 @@
+"""Zoo networks: the published parameter counts, and parity with torchvision by weights."""
+
+import pytest
+import torch
+import torchvision
+
+from cnnkit import build_model
+from cnnkit.zoo import NETS
+
+
+def count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [("alexnet", 60_965_224), ("caffenet", 60_965_224), ("alexnet-owt", 61_100_840)],
+)
+def test_seed_parameter_counts(name, params):
+    assert count(build_model(name, device="meta")) == params
+
+
+@pytest.mark.parametrize(
+    "name, reference",
+    [
+        ("alexnet-owt", torchvision.models.alexnet),
+        ("resnet18", torchvision.models.resnet18),
+        ("vgg16", torchvision.models.vgg16),
+    ],
+)
+def test_counts_match_torchvision(name, reference):
+    with torch.device("meta"):
+        expected = count(reference())
+    assert count(build_model(name, device="meta")) == expected
+
+
+def test_alexnet_owt_multiply_adds():
+    macs = sum(row.macs for row in build_model("alexnet-owt", device="meta").table)
+    assert 0.70e9 < macs < 0.72e9
+
+
+@pytest.mark.parametrize(
+    "name, reference",
+    [("alexnet-owt", torchvision.models.alexnet), ("resnet18", torchvision.models.resnet18)],
+)
+def test_torchvision_weights_give_the_same_logits(name, reference):
+    torch.manual_seed(0)
+    ref = reference().eval()
+    ours = build_model(name).eval()
+    ours.load_state_dict(ref.state_dict())  # layer names match torchvision's
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert (ours(x) - ref(x)).abs().max().item() < 1e-5
+
+
+def test_every_zoo_net_builds_and_runs():
+    for name in NETS:
+        model = build_model(name, device="meta")
+        assert model.output_shape == (model.num_classes,), name
+    small = build_model("inception-small").eval()
+    assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_alexnet_init_and_multipliers_follow_the_paper():
+    torch.manual_seed(0)
+    model = build_model("alexnet")
+    assert torch.all(model.conv1.bias == 0) and torch.all(model.conv2.bias == 0.1)
+    assert torch.all(model.conv5.bias == 0.1) and torch.all(model.fc7.bias == 0.1)
+    assert abs(model.conv1.weight.std().item() - 0.01) < 5e-4
+    assert abs(model.fc6.weight.std().item() - 0.005) < 1e-4
+    groups = {
+        (g["lr"], g["weight_decay"]): len(g["params"]) for g in model.param_groups(0.01, 5e-4)
+    }
+    assert groups == {(0.01, 5e-4): 8, (0.02, 0.0): 8}  # weights; biases at 2x lr, no decay
+
+
+def test_lrn_conventions_differ_in_zoo_alexnets():
+    alexnet, caffenet = (
+        build_model("alexnet", device="meta"),
+        build_model("caffenet", device="meta"),
+    )
+    assert alexnet.norm1.k == 2 and abs(alexnet.norm1.alpha - 5e-4) < 1e-12  # paper: alpha * n
+    assert caffenet.norm1.k == 1 and abs(caffenet.norm1.alpha - 1e-4) < 1e-12
+    order = [row.type for row in caffenet.table[:4]]
+    assert order == ["conv", "relu", "maxpool", "lrn"]  # CaffeNet pools before LRN
