@@ -1,0 +1,105 @@
+"""The small real data sets that ship inside installed packages: nothing is downloaded.
+
+digits: scikit-learn's 1,797 handwritten 8x8 digits. faces: scikit-image's 200 25x25 LFW
+face / non-face patches. Each has a fixed, seeded, stratified held-out split never trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
+from cnnkit.data.memory import Augment, TensorBatches
+from cnnkit.errors import DataError
+
+
+class BundledConfig(DataConfigBase):
+    """Fields shared by the bundled sets: split and batched device-side augmentation."""
+
+    val_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="held-out share (stratified)")
+    split_seed: int = Field(0, ge=0, description="fixes the held-out split (not the run seed)")
+    shift: float = Field(0.0, ge=0.0, le=0.5, description="max random shift, fraction of side")
+    rotate: float = Field(0.0, ge=0.0, le=180.0, description="max random rotation, degrees")
+    scale: float = Field(0.0, ge=0.0, lt=1.0, description="max random zoom (0.1: 0.9x-1.1x)")
+    mirror: bool = Field(False, description="random horizontal flip")
+    padding: Literal["zeros", "border"] = Field("zeros", description="fill outside the image")
+
+    def load(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """All images uint8 (N, H, W), labels (N,), class names."""
+        raise NotImplementedError
+
+    def build(
+        self, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0
+    ) -> DataBundle:
+        """Split, move both parts to the device once, and wrap them as batch streams."""
+        images, labels, classes = self.load()
+        train_idx, val_idx = split_indices(labels, self.val_fraction, self.split_seed)
+        x = torch.from_numpy(images).unsqueeze(1).to(device)  # (N, 1, H, W) uint8
+        y = torch.from_numpy(labels.astype(np.int64)).to(device)
+        train_x = x[torch.from_numpy(train_idx).to(device)]
+        mean, std = train_x.float().mean().item(), train_x.float().std().item()
+        h, w = images.shape[1:]
+        pre = Preprocess(channels=1, crop=h, resize=None, mean=[mean], std=[std])
+        augment = Augment(self.shift, self.rotate, self.scale, self.mirror, self.padding)
+        common = dict(preprocess=pre, rank=rank, world_size=world_size, seed=seed)
+        val_x, val_y = (
+            x[torch.from_numpy(val_idx).to(device)],
+            y[torch.from_numpy(val_idx).to(device)],
+        )
+        train_y = y[torch.from_numpy(train_idx).to(device)]
+        train = TensorBatches(
+            train_x, train_y, self.batch_size, train=True, augment=augment, **common
+        )
+        eval_batch = self.eval_batch_size or max(self.batch_size, 256)
+        val = TensorBatches(val_x, val_y, eval_batch, train=False, **common)
+        return DataBundle(train, val, classes, (1, h, w), pre)
+
+
+class DigitsConfig(BundledConfig):
+    """scikit-learn's handwritten digits: 1,797 grey 8x8 images, 10 classes (0-16 -> 0-255)."""
+
+    source: Literal["digits"] = "digits"
+    batch_size: int = Field(64, gt=0, description="global batch")
+
+    def load(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = np.rint(digits.images * (255.0 / 16.0)).astype(np.uint8)  # (1797, 8, 8)
+        return images, digits.target, [str(d) for d in range(10)]
+
+
+class FacesConfig(BundledConfig):
+    """scikit-image's LFW subset: 100 faces + 100 non-face patches, grey 25x25."""
+
+    source: Literal["faces"] = "faces"
+    batch_size: int = Field(32, gt=0, description="global batch")
+    val_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="held-out share (stratified)")
+    padding: Literal["zeros", "border"] = "border"
+
+    def load(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        try:
+            from skimage.data import lfw_subset
+
+            patches = lfw_subset()  # (200, 25, 25) float in [0, 1]; faces first
+        except Exception as e:  # a broken scikit-image install: say so in one line
+            raise DataError(f"faces: cannot load skimage.data.lfw_subset(): {e}") from None
+        images = np.rint(patches * 255.0).astype(np.uint8)
+        labels = np.array([1] * 100 + [0] * 100)
+        return images, labels, ["non-face", "face"]
+
+
+def split_indices(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A stratified (train, held-out) index split that depends only on `seed`."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_val = int(round(len(idx) * fraction))
+        val.append(idx[:n_val])
+        train.append(idx[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))

@@ -1,0 +1,40 @@
+"""Synthetic data: random uint8 images and labels of a given shape, made on the device (speed work)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, PositiveInt
+
+from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
+from cnnkit.data.memory import TensorBatches, hash_seed
+
+
+class SyntheticConfig(DataConfigBase):
+    """Random images (uniform 0-255) with random labels: measures speed, learns nothing general."""
+
+    source: Literal["synthetic"] = "synthetic"
+    shape: list[PositiveInt] = Field([3, 224, 224], min_length=3, max_length=3, description="C,H,W")
+    num_classes: PositiveInt = Field(1000)
+    train_size: PositiveInt = Field(1024, description="images per epoch")
+    val_size: PositiveInt = Field(256)
+
+    def build(
+        self, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0
+    ) -> DataBundle:
+        """Generate both sets once (the same on every rank), on the device."""
+        gen = torch.Generator().manual_seed(hash_seed(seed, 12345))
+        n = self.train_size + self.val_size
+        images = torch.randint(0, 256, (n, *self.shape), generator=gen, dtype=torch.uint8)
+        labels = torch.randint(0, self.num_classes, (n,), generator=gen)
+        images, labels = images.to(device), labels.to(device)
+        c, h, _ = self.shape
+        pre = Preprocess(channels=c, crop=h, mean=[127.5] * c, std=[73.9] * c)
+        common = dict(preprocess=pre, rank=rank, world_size=world_size, seed=seed)
+        t = self.train_size
+        train = TensorBatches(images[:t], labels[:t], self.batch_size, train=True, **common)
+        eval_batch = self.eval_batch_size or self.batch_size
+        val = TensorBatches(images[t:], labels[t:], eval_batch, train=False, **common)
+        classes = [f"class{i}" for i in range(self.num_classes)]
+        return DataBundle(train, val, classes, (c, h, self.shape[2]), pre)
