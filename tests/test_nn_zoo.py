@@ -83,3 +83,17 @@ def test_lrn_conventions_differ_in_zoo_alexnets():
     assert caffenet.norm1.k == 1 and abs(caffenet.norm1.alpha - 1e-4) < 1e-12
     order = [row.type for row in caffenet.table[:4]]
     assert order == ["conv", "relu", "maxpool", "lrn"]  # CaffeNet pools before LRN
+
+
+def test_copies_trace_and_channels_last_behave_like_the_original():
+    import copy
+
+    model = build_model("resnet18", num_classes=5).eval()
+    twin = copy.deepcopy(model)  # optimizers' averaging and EMA deep-copy models
+    with torch.no_grad():
+        twin.fc.weight.add_(1.0)
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert not torch.equal(twin(x), model(x))
+        fast = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        torch.testing.assert_close(fast(x.to(memory_format=torch.channels_last)), model(x))
