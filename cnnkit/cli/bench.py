@@ -1,7 +1,126 @@
-"""Commands of this area (filled in by its issue)."""
+"""`cnnkit bench layers|train|infer|scaling`: speed measurements (the loader's is in cli/data.py).
+
+With --json the last line of output is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import typer
 
+NET = typer.Argument(..., help="A zoo name or a network / run file.")
+BATCH = typer.Option(64, "--batch", "-b", help="Images per step.")
+DEVICE = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N")
+PRECISION = typer.Option("auto", "--precision", "-p", help="auto | fp32 | bf16 | fp16")
+JSON = typer.Option(False, "--json", help="End with one line of JSON holding every figure.")
+REPEATS = typer.Option(None, "--repeats", help="Timed repeats (default: 5 on CPU, 30 on GPU).")
+WARMUP = typer.Option(None, "--warmup", help="Untimed warm-up steps first.")
+CLASSES = typer.Option(None, "--num-classes", help="Override the network's class count.")
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    """Add this area's commands to the app."""
+    bench.command("layers")(layers)
+    bench.command("train")(train)
+    bench.command("infer")(infer)
+    bench.command("scaling")(scaling)
+
+
+def layers(
+    net: str = NET,
+    batch: int = BATCH,
+    device: str = DEVICE,
+    precision: str = typer.Option("fp32", "--precision", "-p", help="fp32 | bf16 | fp16"),
+    channels_last: bool = typer.Option(False, "--channels-last/--no-channels-last"),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repeats per measurement."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed calls before each measurement."),
+    num_classes: int = CLASSES,
+    as_json: bool = JSON,
+) -> None:
+    """Per-layer forward and backward ms, and the whole passes timed as a whole (like caffe time)."""
+    from cnnkit.bench.layers import bench_layers, print_layers
+    from cnnkit.bench.timing import check_precision, resolve_device
+
+    dev = resolve_device(device)
+    check_precision(precision, dev)
+    _positive(batch=batch, repeats=repeats)
+    report = bench_layers(
+        net, batch, dev, precision, channels_last, warmup, repeats, num_classes=num_classes
+    )
+    print_layers(report)
+    _emit(report, as_json)
+
+
+def train(
+    net: str = NET,
+    batch: int = BATCH,
+    device: str = DEVICE,
+    precision: str = PRECISION,
+    channels_last: bool = typer.Option(None, "--channels-last/--no-channels-last"),
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the model."),
+    repeats: int = REPEATS,
+    warmup: int = WARMUP,
+    num_classes: int = CLASSES,
+    as_json: bool = JSON,
+) -> None:
+    """Training throughput with the engine's real step: images/s, step ms, FLOP/s vs peak."""
+    _throughput("train", **locals())
+
+
+def infer(
+    net: str = NET,
+    batch: int = BATCH,
+    device: str = DEVICE,
+    precision: str = PRECISION,
+    channels_last: bool = typer.Option(None, "--channels-last/--no-channels-last"),
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the model."),
+    repeats: int = REPEATS,
+    warmup: int = WARMUP,
+    num_classes: int = CLASSES,
+    as_json: bool = JSON,
+) -> None:
+    """Classification throughput (eval mode, no autograd): images/s, step ms, FLOP/s vs peak."""
+    _throughput("infer", **locals())
+
+
+def scaling(
+    devices: str = typer.Option(
+        None, "--devices", help="Comma list, e.g. cpu,cuda (default: all)."
+    ),
+    precision: str = typer.Option("fp32", "--precision", "-p", help="fp32 | bf16 | fp16"),
+    out: Path = typer.Option(Path("."), "--out", "-o", help="Folder for scaling.json/.png."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer networks and repeats (a smoke run)."),
+    as_json: bool = JSON,
+) -> None:
+    """The second seed's study: growing networks timed on every device; GPU/CPU speed-up."""
+    from cnnkit.bench.scaling import parse_devices, print_scaling, run_scaling, write_outputs
+
+    report = run_scaling(parse_devices(devices), precision, quick=quick)
+    print_scaling(report)
+    paths = write_outputs(report, out)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    _emit(report, as_json)
+
+
+def _throughput(mode: str, net: str, device: str, as_json: bool, **options) -> None:
+    from cnnkit.bench.throughput import bench_throughput, print_throughput
+    from cnnkit.bench.timing import resolve_device
+
+    _positive(batch=options["batch"], repeats=options["repeats"] or 1)
+    report = bench_throughput(net, mode, device=resolve_device(device), **options)
+    print_throughput(report)
+    _emit(report, as_json)
+
+
+def _positive(**values: int) -> None:
+    from cnnkit.errors import ConfigError
+
+    for name, value in values.items():
+        if value < 1:
+            raise ConfigError(f"--{name}: must be >= 1, got {value}")
+
+
+def _emit(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report))

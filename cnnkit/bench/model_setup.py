@@ -1,0 +1,49 @@
+"""What every model benchmark starts from: the network on its device in its memory format, and a
+synthetic batch of the right shape (so the model is timed, not the data pipeline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnnkit.errors import ConfigError
+from cnnkit.nn import Network, build_model
+
+
+def load_network(
+    net: str | Path | dict[str, Any],
+    device: torch.device,
+    num_classes: int | None = None,
+    channels_last: bool = False,
+) -> Network:
+    """Build a zoo name / file / dict on `device`, optionally in channels_last memory format."""
+    model = build_model(net, num_classes=num_classes, device=device)
+    if model.num_classes is None:
+        raise ConfigError(
+            f"{model.name}: the network does not end in class scores (output "
+            f"{model.output_shape}); benchmarks need a classifier"
+        )
+    if channels_last and len(model.input_shape) == 3:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def synthetic_batch(
+    model: Network, batch: int, device: torch.device, channels_last: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random (x, y) batch for `model`: normalised-looking inputs, labels in range."""
+    if batch < 1:
+        raise ConfigError(f"--batch: must be >= 1, got {batch}")
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch, *model.input_shape), generator=generator).to(device)
+    y = torch.randint(0, model.num_classes, (batch,), generator=generator).to(device)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y
+
+
+def forward_flops(model: Network) -> float:
+    """FLOPs of one image's forward pass: 2 per multiply-add of the layer table (conv, linear)."""
+    return 2.0 * sum(row.macs for row in model.table)

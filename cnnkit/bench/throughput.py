@@ -1,0 +1,164 @@
+"""`cnnkit bench train|infer`: images/s, step time, achieved FLOP/s and its fraction of the
+device's measured peak (large matmul and conv timed in the same run).
+
+FLOPs come from the layer table's multiply-adds (conv and linear): 2 per multiply-add forward,
+and training counted as 3x the forward (backward ~ 2x forward), the usual convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cnnkit.bench.model_setup import forward_flops, load_network, synthetic_batch
+from cnnkit.bench.peak import measure_peak, peak_dict
+from cnnkit.bench.timing import (
+    Timing,
+    autocast,
+    check_precision,
+    device_name,
+    measure,
+)
+from cnnkit.nn import Network
+
+TRAIN_FLOPS_FACTOR = 3.0  # forward + backward (grad of inputs and of weights) ~ 3x forward
+
+
+def default_precision(device: torch.device) -> str:
+    """`cnnkit train`'s automatic precision: bf16 where the hardware has it, else fp16 / fp32."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+
+
+def resolve_settings(
+    device: torch.device, precision: str | None, channels_last: bool | None
+) -> tuple[str, bool]:
+    """Fill 'auto'/None with the training defaults for this device; validate the precision."""
+    if precision in (None, "auto"):
+        precision = default_precision(device)
+    check_precision(precision, device)
+    return precision, True if channels_last is None else channels_last
+
+
+def make_train_step(
+    model: Network, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str
+) -> Callable[[Any], None]:
+    """One real training step: SGD with the network's lr/decay groups, autocast, loss scaling."""
+    from cnnkit.config import TrainConfig
+    from cnnkit.train.optim import build_optimizer
+
+    optimizer = build_optimizer(model, TrainConfig(device=device.type, precision=precision))
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def step(_: Any = None) -> None:
+        with autocast(device, precision):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    return step
+
+
+def make_infer_step(model: Network, x: torch.Tensor, device: torch.device, precision: str):
+    """One classification forward pass in eval mode, without autograd."""
+
+    def step(_: Any = None) -> None:
+        with torch.inference_mode(), autocast(device, precision):
+            model(x)
+
+    return step
+
+
+def bench_throughput(
+    net: str | dict[str, Any],
+    mode: str,
+    batch: int,
+    device: torch.device,
+    precision: str | None = "auto",
+    channels_last: bool | None = None,
+    compile: bool = False,
+    warmup: int | None = None,
+    repeats: int | None = None,
+    num_classes: int | None = None,
+    quick_peak: bool = False,
+) -> dict[str, Any]:
+    """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak."""
+    precision, channels_last = resolve_settings(device, precision, channels_last)
+    model = load_network(net, device, num_classes, channels_last)
+    x, y = synthetic_batch(model, batch, device, channels_last)
+    runnable = torch.compile(model) if compile else model
+    if mode == "train":
+        step = make_train_step(runnable, x, y, device, precision)  # type: ignore[arg-type]
+        model.train()
+    else:
+        step = make_infer_step(runnable, x, device, precision)  # type: ignore[arg-type]
+        model.eval()
+    warmup, repeats = _counts(device, compile, warmup, repeats)
+    timing = measure(step, device, warmup=warmup, repeats=repeats, max_seconds=60.0)
+    peaks = measure_peak(device, tuple(dict.fromkeys(("fp32", "bf16", precision))), quick_peak)
+    factor = TRAIN_FLOPS_FACTOR if mode == "train" else 1.0
+    settings = {"precision": precision, "channels_last": channels_last, "compile": compile}
+    return _report(model, mode, batch, device, settings, timing, factor, peaks)
+
+
+def _counts(device: torch.device, compile: bool, warmup: int | None, repeats: int | None):
+    """Warm-up and repeat counts: more on a GPU (steps are short), 2 warm-ups when compiling."""
+    default_warmup, default_repeats = (5, 30) if device.type == "cuda" else (1, 5)
+    warmup = default_warmup if warmup is None else warmup
+    return (max(warmup, 2) if compile else warmup), (
+        default_repeats if repeats is None else repeats
+    )
+
+
+def _report(model, mode, batch, device, settings, timing: Timing, factor, peaks) -> dict[str, Any]:
+    flops_per_image = factor * forward_flops(model)
+    images_per_second = batch / timing.median
+    flops_per_second = flops_per_image * images_per_second
+    peak = peaks[settings["precision"]].flops_per_second
+    return {
+        "net": model.name,
+        "mode": mode,
+        "device": str(device),
+        "hardware": device_name(device),
+        "torch": torch.__version__,
+        "batch": batch,
+        **settings,
+        "images_per_second": images_per_second,
+        "step_ms": timing.median * 1e3,
+        "step": timing.to_dict(),
+        "flops_per_image": flops_per_image,
+        "flops_per_second": flops_per_second,
+        "peak": peak_dict(peaks),
+        "peak_flops_per_second": peak,
+        "peak_fraction": flops_per_second / peak,
+    }
+
+
+def print_throughput(report: dict[str, Any], console: Any = None) -> None:
+    """A few human lines: settings, images/s, step times, FLOP/s against the peak."""
+    from cnnkit.nn.summary import wide_console
+
+    console = console or wide_console()
+    r, s = report, report["step"]
+    console.print(
+        f"{r['net']} {r['mode']}  batch {r['batch']}  {r['device']} ({r['hardware']})  "
+        f"{r['precision']}  channels_last={r['channels_last']}  compile={r['compile']}"
+    )
+    console.print(
+        f"  {r['images_per_second']:.1f} images/s   step median {s['median_ms']:.2f} ms  "
+        f"min {s['min_ms']:.2f}  max {s['max_ms']:.2f}  ({s['repeats']} repeats)"
+    )
+    peaks = ", ".join(
+        f"{p} {v['flops_per_second'] / 1e12:.3f} TFLOP/s ({v['kernel']})"
+        for p, v in r["peak"].items()
+    )
+    console.print(
+        f"  {r['flops_per_second'] / 1e12:.3f} TFLOP/s achieved = "
+        f"{100 * r['peak_fraction']:.1f}% of the measured {r['precision']} peak"
+    )
+    console.print(f"  measured peaks: {peaks}", markup=False)

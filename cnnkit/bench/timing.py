@@ -1,0 +1,144 @@
+"""Careful timing: warm-up first, device synchronised around every measurement, median of repeats.
+
+Everything in cnnkit.bench times through `measure`, so all figures share one method.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cnnkit.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds of each timed repeat (warm-up excluded)."""
+
+    seconds: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def min(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def max(self) -> float:
+        return max(self.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Milliseconds: median, min, max and the number of repeats."""
+        return {
+            "median_ms": self.median * 1e3,
+            "min_ms": self.min * 1e3,
+            "max_ms": self.max * 1e3,
+            "repeats": len(self.seconds),
+        }
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until every kernel queued on `device` has finished (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    fn: Callable[[Any], Any],
+    device: torch.device,
+    *,
+    setup: Callable[[], Any] | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    max_seconds: float | None = None,
+) -> Timing:
+    """Time `fn(setup())` `repeats` times after `warmup` untimed calls; `setup` is never timed.
+
+    With `max_seconds`, stops early once that much time was spent timing (at least 2 repeats),
+    so a slow network on a slow device cannot run for ever.
+    """
+    for _ in range(warmup):
+        fn(setup() if setup else None)
+    synchronize(device)
+    seconds: list[float] = []
+    spent = 0.0
+    while len(seconds) < repeats:
+        arg = setup() if setup else None
+        synchronize(device)
+        start = time.perf_counter()
+        fn(arg)
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        spent += seconds[-1]
+        if max_seconds is not None and spent > max_seconds and len(seconds) >= 2:
+            break
+    return Timing(tuple(seconds))
+
+
+def timer_overhead(device: torch.device, repeats: int = 50) -> float:
+    """Median seconds that `measure` reports for doing nothing: the floor under every figure."""
+    return measure(lambda _: None, device, warmup=3, repeats=repeats).median
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """'auto' (or None) -> cuda if available else cpu; a CUDA name must exist here."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            f"--device: unknown device {name!r} (cpu, cuda, cuda:N or auto)"
+        ) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device: {name!r}: cnnkit benchmarks cpu and cuda devices")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device: {name!r}: no CUDA device on this machine")
+        if (device.index or 0) >= count:
+            raise ConfigError(f"--device: {name!r}: this machine has {count} CUDA device(s)")
+    return device
+
+
+def check_precision(precision: str, device: torch.device) -> str:
+    """Validate a precision name for a device (fp16 autocast is for CUDA)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("--precision: fp16 needs a CUDA device (use bf16 on the CPU)")
+    return precision
+
+
+def autocast(device: torch.device, precision: str) -> AbstractContextManager:
+    """The autocast context of a precision: bf16/fp16 mixed precision, or nothing for fp32."""
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def device_name(device: torch.device) -> str:
+    """A human name for the hardware: the GPU's name or the CPU's model and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
+    except OSError:
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
