@@ -1,0 +1,230 @@
+"""The fast loader shared by the folder and packed sources: worker processes build whole uint8
+batches (one dataset call per batch, no per-image collate), pinned and prefetched by torch's
+DataLoader; a side CUDA stream copies the next batch and augments it while the model computes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from cnnkit.data.augment import Augment
+from cnnkit.data.base import DataConfigBase
+from cnnkit.errors import ConfigError
+
+
+class ImageSetConfig(DataConfigBase):
+    """Fields shared by the image sources (folder, packed): loading and augmentation."""
+
+    crop: PositiveInt = Field(227, description="network input side (227 of 256 like the seeds)")
+    train_crop: Literal["random", "resized"] = Field(
+        "random", description="random: random crop; resized: random-resized-crop (torchvision's)"
+    )
+    scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
+    mirror: bool = Field(True, description="random horizontal mirror in training")
+    lighting: float = Field(0.0, ge=0, description="PCA lighting std (0.1 in the 2012 paper)")
+    normalize: Literal["channel", "mean_image"] = Field(
+        "channel", description="channel: (x - mean_c) / std_c; mean_image: x - mean image"
+    )
+    workers: NonNegativeInt = Field(2, description="loader processes (0: in the main process)")
+    prefetch: PositiveInt = Field(2, description="batches prefetched per worker")
+    val_fraction: float = Field(0.1, ge=0, lt=1, description="held out when no val_path")
+
+    @model_validator(mode="after")
+    def _check_scale(self) -> ImageSetConfig:
+        if not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ValueError(f"scale: need 0 < min <= max <= 1, got {self.scale}")
+        return self
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers (seed, epoch, rank, batch...)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """This rank's batches of one epoch: seeded shuffle (train) or an exactly-once split (val).
+
+    Training: every rank gets n // world_size images of a per-epoch permutation; full batches
+    only when at least one fits. Validation: contiguous slices covering each image once.
+    """
+
+    def __init__(self, n: int, batch: int, rank: int, world_size: int, seed: int, shuffle: bool):
+        if shuffle and n < world_size:
+            raise ConfigError(f"data: {n} training images cannot be split over {world_size} ranks")
+        self.n, self.batch, self.rank, self.world = n, batch, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip_batches
+
+    def _mine(self) -> torch.Tensor:
+        if not self.shuffle:
+            lo, hi = self.rank * self.n // self.world, (self.rank + 1) * self.n // self.world
+            return torch.arange(lo, hi)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch))
+        per = self.n // self.world
+        return torch.randperm(self.n, generator=g)[self.rank * per : (self.rank + 1) * per]
+
+    def batches(self) -> list[list[int]]:
+        """All batches of this epoch for this rank (before skipping)."""
+        mine = self._mine().tolist()
+        cut = (
+            len(mine) - len(mine) % self.batch
+            if self.shuffle and len(mine) >= self.batch
+            else len(mine)
+        )
+        return [mine[i : i + self.batch] for i in range(0, cut, self.batch)]
+
+    def total(self) -> int:
+        """Batches per epoch for this rank."""
+        per = self.n // self.world if self.shuffle else len(self._mine())
+        if self.shuffle and per >= self.batch:
+            return per // self.batch
+        return -(-per // self.batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches()[self.skip :])
+
+    def __len__(self) -> int:
+        return max(0, self.total() - self.skip)
+
+
+def _load_batch_in_worker(worker_id: int) -> None:
+    torch.set_num_threads(1)  # each worker is one core's worth of decoding
+
+
+class ImageBatches:
+    """A `Batches` stream: uint8 batches from worker processes, augmented on the device."""
+
+    def __init__(self, dataset: Dataset, sampler: EpochBatchSampler, augment: Augment,
+                 device: torch.device, train: bool, workers: int, prefetch: int,
+                 num_samples: int) -> None:  # fmt: skip
+        self.dataset, self.sampler, self.train = dataset, sampler, train
+        self.device = torch.device(device)
+        self.augment = augment.to(self.device)
+        self.workers, self.prefetch = workers, prefetch
+        self.num_samples = num_samples
+        self._loader: DataLoader | None = None
+        self._reported: set[str] = set()
+
+    def __len__(self) -> int:
+        return self.sampler.total()
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Seeded order of `epoch`, starting after `skip_batches` (mid-epoch resume)."""
+        self.sampler.set_epoch(epoch, skip_batches)
+
+    def loader(self) -> DataLoader:
+        """The torch DataLoader (persistent workers, pinned memory when the device is CUDA)."""
+        if self._loader is None:
+            extra = (
+                {"prefetch_factor": self.prefetch, "persistent_workers": True}
+                if self.workers
+                else {}
+            )
+            self._loader = DataLoader(
+                self.dataset, batch_size=None, sampler=self.sampler, num_workers=self.workers,
+                pin_memory=self.device.type == "cuda", worker_init_fn=_load_batch_in_worker,
+                **extra,
+            )  # fmt: skip
+        return self._loader
+
+    def uint8_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The raw (x uint8, y int64) CPU batches of this epoch, bad images reported and dropped."""
+        for x, y, bad in self.loader():
+            self._report(bad)
+            if len(y):
+                yield x, y
+
+    def _report(self, bad: list[tuple[str, str]]) -> None:
+        for path, reason in bad:
+            if path not in self._reported:
+                self._reported.add(path)
+                print(f"cnnkit: skipped {path}: {reason}", file=sys.stderr)
+
+    def _prepare(self, x: torch.Tensor, y: torch.Tensor, position: int) -> tuple:
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        if not self.train:
+            return self.augment.eval(x), y
+        s = self.sampler
+        g = torch.Generator().manual_seed(derive_seed(s.seed, s.epoch, s.rank, position, 1))
+        params = self.augment.sample(x.shape[0], x.shape[2], x.shape[3], g)
+        return self.augment.train(x, params), y
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        start = self.sampler.skip
+        batches = enumerate(self.uint8_batches(), start)
+        if self.device.type != "cuda":
+            for position, (x, y) in batches:
+                yield self._prepare(x, y, position)
+            return
+        yield from self._overlapped(batches)
+
+    def _overlapped(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Copy + augment batch i+1 on a side stream while the caller computes on batch i."""
+        stream = torch.cuda.Stream(self.device)
+        pending = None
+        for position, (x, y) in batches:
+            with torch.cuda.stream(stream):
+                staged = self._prepare(x, y, position), stream.record_event()
+            if pending is not None:
+                yield self._handover(*pending)
+            pending = staged
+        if pending is not None:
+            yield self._handover(*pending)
+
+    def _handover(self, batch: tuple, ready: torch.cuda.Event) -> tuple:
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(ready)
+        for t in batch:
+            t.record_stream(current)  # memory from the side stream is now used on this one
+        return batch
+
+
+def split_holdout(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed (seed 0) random split of range(n) into (train, val) index arrays."""
+    order = np.random.default_rng(0).permutation(n)
+    n_val = int(round(n * fraction)) if fraction else 0
+    if fraction and (n_val == 0 or n_val == n):
+        raise ConfigError(f"data.val_fraction: {fraction} of {n} images leaves an empty split")
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def build_augment(cfg: ImageSetConfig, stats: dict) -> Augment:
+    """The Augment of a config, given the data's stats: mean (C,) or mean image, std, lighting."""
+    image_mean = cfg.normalize == "mean_image"
+    mean = torch.as_tensor(
+        stats["mean_image"] if image_mean else stats["mean"], dtype=torch.float32
+    )
+    std = torch.ones(3) if image_mean else torch.as_tensor(stats["std"], dtype=torch.float32)
+    eigval, eigvec = stats["lighting"]
+    return Augment(cfg.crop, cfg.train_crop, cfg.mirror, cfg.lighting, mean, std, eigval, eigvec,
+                   scale=cfg.scale)  # fmt: skip
+
+
+def build_streams(cfg: ImageSetConfig, train: Dataset, val: Dataset, augment: Augment,
+                  device: torch.device, rank: int, world_size: int,
+                  seed: int) -> tuple[ImageBatches, ImageBatches]:  # fmt: skip
+    """Train and validation streams for this rank over two batch datasets."""
+    local = max(1, cfg.batch_size // world_size)
+    local_eval = max(1, (cfg.eval_batch_size or cfg.batch_size) // world_size)
+    n_train, n_val = len(train), len(val)
+    train_sampler = EpochBatchSampler(n_train, local, rank, world_size, seed, shuffle=True)
+    val_sampler = EpochBatchSampler(n_val, local_eval, rank, world_size, seed, shuffle=False)
+    per_rank = n_train // world_size
+    seen = per_rank - per_rank % local if per_rank >= local else per_rank
+    streams = (
+        ImageBatches(train, train_sampler, augment, device, True, cfg.workers, cfg.prefetch,
+                     seen * world_size),
+        ImageBatches(val, val_sampler, augment, device, False, cfg.workers, cfg.prefetch, n_val),
+    )  # fmt: skip
+    return streams

@@ -1,0 +1,138 @@
+"""The `packed` source: a set written by `cnnkit pack`. Raw shards are memory-mapped, so every
+loader process and every rank shares the page cache and a batch is one gather of uint8 rows;
+JPEG shards are decoded by the workers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+from torch.utils.data import Dataset
+
+from cnnkit.data.augment import lighting_from_cov
+from cnnkit.data.base import DataBundle, Preprocess
+from cnnkit.data.decode import decode_jpeg_bytes
+from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams, split_holdout
+from cnnkit.errors import ConfigError, DataError
+
+PACK_FORMAT = "cnnkit-packed/1"
+
+
+def read_meta(path: str | Path) -> dict:
+    """The meta.json of a packed set (DataError if DST is not a finished pack)."""
+    meta_path = Path(path) / "meta.json"
+    if not meta_path.is_file():
+        hint = (
+            " (interrupted? run cnnkit pack again to resume)"
+            if (Path(path) / "plan.json").exists()
+            else ""
+        )
+        raise DataError(f"{path}: not a packed data set, no meta.json{hint}")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != PACK_FORMAT:
+        raise DataError(f"{meta_path}: format {meta.get('format')!r}, expected {PACK_FORMAT!r}")
+    return meta
+
+
+class PackedImages(Dataset):
+    """Batch dataset over a packed set: dataset[list of positions] -> (x uint8, y, [])."""
+
+    def __init__(self, path: str | Path, ids: np.ndarray | None = None,
+                 label_map: np.ndarray | None = None) -> None:  # fmt: skip
+        self.path = Path(path)
+        self.meta = read_meta(path)
+        with np.load(self.path / "index.npz") as z:
+            self.index = {k: z[k] for k in z.files}
+        labels = self.index["labels"]
+        self.labels = label_map[labels] if label_map is not None else labels
+        self.ids = np.arange(len(labels)) if ids is None else ids
+        self.size = self.meta["size"]
+        self._shards: list[np.memmap] | None = None  # opened lazily in each process
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_shards": None}  # never pickle the mappings
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def shards(self) -> list[np.memmap]:
+        """The shard files, memory-mapped read-only (page cache shared by all processes)."""
+        if self._shards is None:
+            folder = self.path / "shards"
+            self._shards = [np.memmap(folder / name, np.uint8, "r") for name in self.meta["shards"]]
+        return self._shards
+
+    def __getitem__(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        ids = self.ids[positions]
+        s = self.size
+        x = torch.empty((len(ids), 3, s, s), dtype=torch.uint8)
+        out, shards = x.numpy().reshape(len(ids), -1), self.shards()
+        shard_of, offset, length = (
+            self.index["shard"][ids],
+            self.index["offset"][ids],
+            self.index["length"][ids],
+        )
+        raw = self.meta["storage"] == "raw"
+        for i in range(len(ids)):
+            record = shards[shard_of[i]][offset[i] : offset[i] + length[i]]
+            if raw:
+                out[i] = record  # one memcpy from the page cache
+            else:
+                out[i] = decode_jpeg_bytes(record, s).transpose(2, 0, 1).reshape(-1)
+        return x, torch.from_numpy(self.labels[ids]), []
+
+
+def _val_label_map(train_classes: list[str], val_classes: list[str], where: str) -> np.ndarray:
+    """Index map from the val pack's class ids to the training pack's (matched by name)."""
+    lookup = {name: k for k, name in enumerate(train_classes)}
+    unknown = [c for c in val_classes if c not in lookup]
+    if unknown:
+        raise DataError(f"{where}: class {unknown[0]!r} is not among the training classes")
+    return np.array([lookup[c] for c in val_classes], np.int64)
+
+
+class PackedConfig(ImageSetConfig):
+    """Train from sets written by `cnnkit pack` (raw memory-mapped or JPEG shards)."""
+
+    source: Literal["packed"] = "packed"
+    path: str = Field(description="packed training set (cnnkit pack output)")
+    val_path: str | None = Field(None, description="packed validation set (default: hold out)")
+
+    def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
+              seed: int = 0) -> DataBundle:  # fmt: skip
+        """Open the packed sets and make this rank's streams."""
+        meta = read_meta(self.path)
+        if self.crop > meta["size"]:
+            raise ConfigError(
+                f"data.crop: {self.crop} is larger than the packed size {meta['size']}"
+            )
+        if self.val_path:
+            train = PackedImages(self.path)
+            val_meta = read_meta(self.val_path)
+            if val_meta["size"] != meta["size"]:
+                raise DataError(
+                    f"{self.val_path}: packed at {val_meta['size']} px, train at {meta['size']}"
+                )
+            label_map = _val_label_map(meta["classes"], val_meta["classes"], self.val_path)
+            val = PackedImages(self.val_path, label_map=label_map)
+        else:
+            train_ids, val_ids = split_holdout(meta["num_images"], self.val_fraction)
+            train, val = PackedImages(self.path, train_ids), PackedImages(self.path, val_ids)
+        stats = {"mean": meta["mean"], "std": meta["std"], "lighting": lighting_from_cov(meta["rgb_cov"]),
+                 "mean_image": np.load(Path(self.path) / "mean.npy")}  # fmt: skip
+        augment = build_augment(self, stats)
+        train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed)
+        mean, std = self._preprocess_stats(meta, stats)
+        pre = Preprocess(3, self.crop, meta["size"], meta["resize"], mean, std)
+        return DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop), pre)
+
+    def _preprocess_stats(self, meta: dict, stats: dict) -> tuple[list[float], list[float]]:
+        """Per-channel mean/std for classification (the mean image's channel averages if used)."""
+        if self.normalize == "mean_image":
+            return stats["mean_image"].mean(axis=(1, 2)).tolist(), [1.0, 1.0, 1.0]
+        return list(meta["mean"]), list(meta["std"])

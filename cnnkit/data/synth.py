@@ -1,0 +1,112 @@
+"""`cnnkit synth shapes`: a learnable synthetic ImageNet-style folder of JPEGs (one folder per
+class; each class is a shape in a colour family on a textured background) for offline tests.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import math
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter
+
+from cnnkit.errors import ConfigError
+
+SHAPES = (
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "cross",
+    "ring",
+    "diamond",
+    "hexagon",
+    "bar",
+    "arc",
+)
+COLOURS = ("red", "orange", "yellow", "lime", "green", "teal", "cyan", "blue", "purple", "pink")
+
+
+def class_names(classes: int) -> list[str]:
+    """Names of the first `classes` (shape, colour) classes, e.g. 'red-circle'."""
+    pairs = [(s, (s + k) % len(COLOURS)) for k in range(len(COLOURS)) for s in range(len(SHAPES))]
+    return [f"{COLOURS[c]}-{SHAPES[s]}" for s, c in pairs[:classes]]
+
+
+def _background(rng: np.random.Generator, h: int, w: int) -> Image.Image:
+    """Smooth random colour noise plus a few faint lines: a texture the net must ignore."""
+    coarse = rng.integers(40, 216, size=(4, 4, 3), dtype=np.uint8)
+    im = Image.fromarray(coarse).resize((w, h), Image.BICUBIC)
+    draw = ImageDraw.Draw(im)
+    for _ in range(int(rng.integers(3, 8))):
+        xy = [tuple(rng.integers(0, [w, h])) for _ in range(2)]
+        draw.line(xy, fill=tuple(int(v) for v in rng.integers(0, 256, 3)), width=2)
+    return im
+
+
+def _polygon(cx: float, cy: float, r: float, sides: int, turn: float, inner: float = 1.0) -> list:
+    """Corners of a regular polygon, or of a star when inner < 1 (every other corner pulled in)."""
+    n = sides * 2 if inner < 1 else sides
+    radii = [r * inner if inner < 1 and i % 2 else r for i in range(n)]
+    angles = [turn + 2 * math.pi * i / n for i in range(n)]
+    return [(cx + q * math.cos(a), cy + q * math.sin(a)) for q, a in zip(radii, angles, strict=True)]
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float,
+                turn: float, fill: tuple) -> None:  # fmt: skip
+    box = (cx - r, cy - r, cx + r, cy + r)
+    width = max(2, int(r / 3))
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "ring":
+        draw.ellipse(box, outline=fill, width=width)
+    elif shape == "arc":
+        draw.arc(box, math.degrees(turn), math.degrees(turn) + 200, fill=fill, width=width)
+    elif shape == "cross":
+        draw.line((cx - r, cy, cx + r, cy), fill=fill, width=width)
+        draw.line((cx, cy - r, cx, cy + r), fill=fill, width=width)
+    elif shape == "bar":
+        dx, dy = r * math.cos(turn), r * math.sin(turn)
+        draw.line((cx - dx, cy - dy, cx + dx, cy + dy), fill=fill, width=int(r / 2))
+    else:
+        sides, inner, base = {"square": (4, 1, math.pi / 4), "triangle": (3, 1, -math.pi / 2),
+                              "star": (5, 0.45, -math.pi / 2), "diamond": (4, 1, 0),
+                              "hexagon": (6, 1, 0)}[shape]  # fmt: skip
+        draw.polygon(_polygon(cx, cy, r, sides, base + 0.3 * turn, inner), fill=fill)
+
+
+def draw_example(rng: np.random.Generator, class_index: int, size: int) -> Image.Image:
+    """One image of class `class_index`: shorter side `size`, aspect up to 4:3 like photos."""
+    pairs = [(s, (s + k) % len(COLOURS)) for k in range(len(COLOURS)) for s in range(len(SHAPES))]
+    shape, colour = pairs[class_index]
+    h, w = size, int(size * rng.uniform(1.0, 4 / 3))
+    if rng.random() < 0.5:
+        h, w = w, h
+    im = _background(rng, h, w)
+    hue = (colour / len(COLOURS) + rng.uniform(-0.03, 0.03)) % 1.0
+    fill = tuple(
+        int(255 * v) for v in colorsys.hsv_to_rgb(hue, rng.uniform(0.7, 1), rng.uniform(0.75, 1))
+    )
+    r = size * rng.uniform(0.18, 0.32)
+    cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
+    _draw_shape(ImageDraw.Draw(im), SHAPES[shape], cx, cy, r, rng.uniform(0, 2 * math.pi), fill)
+    return im.filter(ImageFilter.GaussianBlur(rng.uniform(0, 1.0)))
+
+
+def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size: int = 256,
+                 seed: int = 0, quality: int = 90) -> list[str]:  # fmt: skip
+    """Write DST/<class>/<class>_<i>.JPEG for each class; returns the class names."""
+    limit = len(SHAPES) * len(COLOURS)
+    if not 1 <= classes <= limit:
+        raise ConfigError(f"--classes: must be 1..{limit}, got {classes}")
+    if per_class < 1 or size < 8:
+        raise ConfigError("--per-class must be >= 1 and --size >= 8")
+    names = class_names(classes)
+    for k, name in enumerate(names):
+        folder = Path(dst) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng([seed, k])
+        for i in range(per_class):
+            draw_example(rng, k, size).save(folder / f"{name}_{i:05d}.JPEG", quality=quality)
+    return names
