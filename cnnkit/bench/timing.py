@@ -61,11 +61,12 @@ def measure(
     warmup: int = 1,
     repeats: int = 5,
     max_seconds: float | None = None,
+    min_repeats: int = 2,
 ) -> Timing:
     """Time `fn(setup())` `repeats` times after `warmup` untimed calls; `setup` is never timed.
 
-    With `max_seconds`, stops early once that much time was spent timing (at least 2 repeats),
-    so a slow network on a slow device cannot run for ever.
+    With `max_seconds`, stops early once that much time was spent timing (after at least
+    `min_repeats`), so a slow network on a slow device cannot run for ever.
     """
     for _ in range(warmup):
         fn(setup() if setup else None)
@@ -80,7 +81,7 @@ def measure(
         synchronize(device)
         seconds.append(time.perf_counter() - start)
         spent += seconds[-1]
-        if max_seconds is not None and spent > max_seconds and len(seconds) >= 2:
+        if max_seconds is not None and spent > max_seconds and len(seconds) >= min_repeats:
             break
     return Timing(tuple(seconds))
 

@@ -96,7 +96,10 @@ def scaling(
     """The second seed's study: growing networks timed on every device; GPU/CPU speed-up."""
     from cnnkit.bench.scaling import parse_devices, print_scaling, run_scaling, write_outputs
 
-    report = run_scaling(parse_devices(devices), precision, quick=quick)
+    chosen = parse_devices(devices)
+    if chosen[1]:
+        print(chosen[1])  # CPU only: say so before the run, not after
+    report = run_scaling(chosen, precision, quick=quick)
     print_scaling(report)
     paths = write_outputs(report, out)
     print("wrote " + ", ".join(str(p) for p in paths))

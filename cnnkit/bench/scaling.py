@@ -1,0 +1,255 @@
+"""`cnnkit bench scaling`: the second seed's study, redone. Network families of growing size
+(LeNet-5 with input 32 -> 104, a small CNN at widths x1..x8, AlexNet) timed for training and
+classification on every device, with the GPU/CPU speed-up per network against its multiply-adds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnnkit.bench.model_setup import load_network, synthetic_batch
+from cnnkit.bench.throughput import make_infer_step, make_train_step
+from cnnkit.bench.timing import check_precision, device_name, measure
+from cnnkit.errors import ConfigError
+from cnnkit.nn import read_spec
+
+MODES = ("train", "infer")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One network of the study: its family, a label of its size, its spec and batch size."""
+
+    family: str
+    size: str
+    spec: dict[str, Any]
+    batch: int
+
+
+def lenet(side: int) -> dict[str, Any]:
+    """The zoo LeNet-5 with a square input of `side` pixels (the fully connected part grows)."""
+    spec = read_spec("lenet5")
+    spec["input"] = [1, side, side]
+    spec["name"] = f"lenet5-{side}"
+    return spec
+
+
+def small_cnn(width: int) -> dict[str, Any]:
+    """A small CIFAR-style CNN (two conv + pool stages, two linear layers) at `width` x channels."""
+    conv = {"type": "conv", "kernel_size": 5}
+    return {
+        "name": f"smallcnn-x{width}",
+        "input": [3, 32, 32],
+        "num_classes": 10,
+        "layers": [
+            {**conv, "name": "conv1", "out_channels": 8 * width},  # (8w, 28, 28)
+            {"type": "relu"},
+            {"type": "maxpool", "kernel_size": 2},  # (8w, 14, 14)
+            {**conv, "name": "conv2", "out_channels": 16 * width},  # (16w, 10, 10)
+            {"type": "relu"},
+            {"type": "maxpool", "kernel_size": 2},  # (16w, 5, 5)
+            {"name": "fc1", "type": "linear", "out_features": 64 * width},
+            {"type": "relu"},
+            {"name": "fc2", "type": "linear"},
+        ],
+    }
+
+
+def study(quick: bool = False) -> list[Entry]:
+    """The networks of the study in order of family and size (quick: a few small ones)."""
+    sides = (32, 104) if quick else tuple(range(32, 105, 8))
+    widths = (1, 2) if quick else (1, 2, 4, 8)
+    batch = 8 if quick else 64
+    entries = [Entry("lenet5", f"input {s}", lenet(s), batch) for s in sides]
+    entries += [Entry("smallcnn", f"width x{w}", small_cnn(w), batch) for w in widths]
+    if not quick:
+        alexnet = copy.deepcopy(read_spec("alexnet"))
+        entries.append(Entry("alexnet", "227 px, 1000 classes", alexnet, 32))
+    return entries
+
+
+def parse_devices(text: str | None) -> tuple[list[torch.device], str | None]:
+    """Devices to time (default: cpu and cuda when present) and a note when CUDA is absent."""
+    names = ["cpu", "cuda"] if not text else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ("cpu", "cuda") and not n.startswith("cuda:")]
+    if unknown or not names:
+        raise ConfigError(f"--devices: {text!r}: give a comma list of cpu, cuda, cuda:N")
+    has_cuda = torch.cuda.is_available()
+    devices = [torch.device(n) for n in names if n == "cpu" or has_cuda]
+    note = None
+    if not has_cuda and any(n != "cpu" for n in names):
+        note = "no CUDA device on this machine: timing the CPU half only (no speed-ups)"
+        devices = devices or [torch.device("cpu")]
+    return devices, note
+
+
+def time_network(
+    entry: Entry, device: torch.device, precision: str, repeats: int, budget: float
+) -> dict[str, Any]:
+    """Training and classification time per image of one network on one device."""
+    model = load_network(entry.spec, device, channels_last=False)
+    x, y = synthetic_batch(model, entry.batch, device)
+    result: dict[str, Any] = {}
+    for mode in MODES:
+        if mode == "train":
+            step = make_train_step(model.train(), x, y, device, precision)
+        else:
+            step = make_infer_step(model.eval(), x, device, precision)
+        # small networks: many short repeats within a second; large ones: at least 3
+        timing = measure(step, device, warmup=1, repeats=repeats, max_seconds=budget, min_repeats=3)
+        result[f"{mode}_ms_per_image"] = timing.median * 1e3 / entry.batch
+        result[mode] = timing.to_dict()
+    del model, x, y
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_scaling(
+    devices: tuple[list[torch.device], str | None],
+    precision: str = "fp32",
+    quick: bool = False,
+    entries: list[Entry] | None = None,
+) -> dict[str, Any]:
+    """Time every network of the study on every device; a JSON-ready report with speed-ups."""
+    device_list, note = devices
+    for device in device_list:
+        check_precision(precision, device)
+    entries = entries if entries is not None else study(quick)
+    rows = []
+    for entry in entries:
+        model = load_network(entry.spec, torch.device("meta"))
+        results = {
+            str(d): time_network(entry, d, precision, *((3, 0.2) if quick else (30, 1.5)))
+            for d in device_list
+        }
+        row = {
+            "family": entry.family,
+            "name": model.name,
+            "size": entry.size,
+            "batch": entry.batch,
+            "macs": sum(r.macs for r in model.table),
+            "params": sum(r.params for r in model.table),
+            "results": results,
+        }
+        rows.append({**row, "speedup": _speedup(results)})
+    return {
+        "precision": precision,
+        "devices": {str(d): device_name(d) for d in device_list},
+        "note": note,
+        "torch": torch.__version__,
+        "networks": rows,
+    }
+
+
+def _speedup(results: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+    """GPU/CPU speed-up per mode: CPU time per image over the first GPU's."""
+    gpu = next((r for d, r in results.items() if d.startswith("cuda")), None)
+    if gpu is None or "cpu" not in results:
+        return None
+    cpu = results["cpu"]
+    return {m: cpu[f"{m}_ms_per_image"] / gpu[f"{m}_ms_per_image"] for m in MODES}
+
+
+def print_scaling(report: dict[str, Any], console: Any = None) -> None:
+    """The study's table: time per image on each device and the GPU/CPU speed-up per network."""
+    from rich import box
+    from rich.table import Table
+
+    from cnnkit.nn.summary import wide_console
+
+    console = console or wide_console()
+    devices = list(report["devices"])
+    hardware = "; ".join(f"{d}: {name}" for d, name in report["devices"].items())
+    title = f"scaling study, {report['precision']}, ms per image  ({hardware})"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("family", "network", "mult-adds"):
+        table.add_column(column, justify="right" if column == "mult-adds" else "left")
+    for d in devices:
+        table.add_column(f"{d} train", justify="right")
+        table.add_column(f"{d} classify", justify="right")
+    if any(row["speedup"] for row in report["networks"]):
+        table.add_column("speed-up train", justify="right")
+        table.add_column("speed-up classify", justify="right")
+    for row in report["networks"]:
+        cells = [row["family"], row["name"], f"{row['macs'] / 1e6:,.1f} M"]
+        for d in devices:
+            r = row["results"][d]
+            cells += [f"{r['train_ms_per_image']:.4f}", f"{r['infer_ms_per_image']:.4f}"]
+        if row["speedup"]:
+            cells += [f"{row['speedup']['train']:.1f}x", f"{row['speedup']['infer']:.1f}x"]
+        table.add_row(*cells)
+    console.print(table)
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write scaling.json and scaling.png into `out` (created if needed)."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out: cannot create {out}: {e.strerror}") from None
+    json_path, png_path = out / "scaling.json", out / "scaling.png"
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    plot_scaling(report, png_path)
+    return [json_path, png_path]
+
+
+def plot_scaling(report: dict[str, Any], path: Path) -> None:
+    """Time per image (left) and GPU/CPU speed-up (right) against multiply-adds, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    families = list(dict.fromkeys(row["family"] for row in report["networks"]))
+    markers = dict(zip(families, "osD^v", strict=False))
+    for device in report["devices"]:
+        for mode, style in (("train", "-"), ("infer", "--")):
+            for family in families:
+                rows = [r for r in report["networks"] if r["family"] == family]
+                xs = [r["macs"] for r in rows]
+                ys = [r["results"][device][f"{mode}_ms_per_image"] for r in rows]
+                label = f"{device} {'classify' if mode == 'infer' else mode} {family}"
+                left.plot(xs, ys, style, marker=markers[family], label=label)
+    _axes(left, "time per image (ms)", "time per image")
+    left.legend(fontsize=7)
+    _plot_speedup(right, report, families, markers)
+    fig.suptitle(f"cnnkit scaling study ({report['precision']}): " + ", ".join(report["devices"]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_speedup(ax: Any, report: dict[str, Any], families: list[str], markers: dict) -> None:
+    rows = [r for r in report["networks"] if r["speedup"]]
+    if not rows:
+        ax.text(0.5, 0.5, "CPU only: no GPU speed-up measured", ha="center", va="center")
+        ax.set_axis_off()
+        return
+    for mode, style in (("train", "-"), ("infer", "--")):
+        for family in families:
+            fam = [r for r in rows if r["family"] == family]
+            xs = [r["macs"] for r in fam]
+            ys = [r["speedup"][mode] for r in fam]
+            label = f"{'classify' if mode == 'infer' else mode} {family}"
+            ax.plot(xs, ys, style, marker=markers[family], label=label)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    _axes(ax, "GPU / CPU speed-up", "speed-up")
+    ax.legend(fontsize=7)
+
+
+def _axes(ax: Any, ylabel: str, title: str) -> None:
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("multiply-adds per image")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
