@@ -1,20 +1,91 @@
-"""Inference commands: classify, export, import-caffe, show filters / show net (and detect)."""
+"""Inference commands: classify, export, import-caffe, show filters / show net."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
+from cnnkit.errors import CnnkitError
+
+TARGET_HELP = "A run directory, checkpoint (.pt) or .safetensors export."
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     """Add this area's commands to the app."""
+    app.command("classify")(classify)
+    app.command("export")(export)
     app.command("import-caffe")(import_caffe)
     show = typer.Typer(
         help="Draw a network: its graph or its first-layer filters.", no_args_is_help=True
     )
     show.command("net")(show_net)
+    show.command("filters")(show_filters)
     app.add_typer(show, name="show")
+
+
+def classify(
+    target: str = typer.Argument(..., help=TARGET_HELP),
+    paths: list[str] = typer.Argument(..., help="Image files, folders or globs."),
+    top: int = typer.Option(5, "--top", min=1, help="How many classes to print per image."),
+    tencrop: bool = typer.Option(
+        False, "--tencrop", help="Average 10 crops (corners, centre, mirrored)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per image."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, mps, or auto."),
+) -> None:
+    """Print the top classes and probabilities of each image; exit status 1 if any image failed."""
+    from cnnkit.infer.classify import Classifier
+    from cnnkit.infer.images import expand_paths
+
+    classifier = Classifier.load(target, _device(device))
+    failed = 0
+    for pred in classifier.iter_predict(expand_paths(paths), top, tencrop, batch_size):
+        failed += pred.error is not None
+        if as_json:
+            typer.echo(json.dumps(pred.to_dict()))
+        elif pred.error is not None:
+            typer.echo(f"cnnkit: error: {pred.error}", err=True)
+        else:
+            ranked = ", ".join(
+                f"{c} ({p:.3f})" for c, p in zip(pred.labels, pred.probs, strict=True)
+            )
+            typer.echo(f"{pred.image}: {ranked}")
+    if failed:
+        raise typer.Exit(1)
+
+
+def export(
+    target: str = typer.Argument(
+        ..., help=TARGET_HELP + " Or a network (zoo name, YAML, prototxt)."
+    ),
+    fmt: str = typer.Option("onnx", "--format", "-f", help="onnx, torchscript or safetensors."),
+    out: Path = typer.Option(..., "-o", "--out", help="The file to write."),
+    check: bool = typer.Option(
+        False, "--check", help="Compare the export with PyTorch (ONNX: in ONNX Runtime)."
+    ),
+) -> None:
+    """Export a trained model (or a network with fresh weights) to ONNX, TorchScript or safetensors."""
+    from cnnkit.infer.export import TOLERANCE, check_export
+    from cnnkit.infer.export import export as export_model
+    from cnnkit.infer.load import load_for_inference
+
+    loaded = load_for_inference(target)
+    export_model(loaded, fmt, out)
+    typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
+    if check:
+        r = check_export(loaded, fmt, out)
+        runtime = "ONNX Runtime" if fmt == "onnx" else fmt
+        verdict = "passed" if r.ok else "FAILED"
+        typer.echo(
+            f"check ({runtime} vs PyTorch, fp32 logits): max abs diff {r.random_diff:.2e} on random "
+            f"inputs (batch 1 and 3), {r.real_diff:.2e} on {r.batch_sizes[-1]} real images; "
+            f"tolerance {TOLERANCE:.0e}: {verdict}"
+        )
+        if not r.ok:
+            raise CnnkitError(f"{out}: export check failed (max abs diff {r.max_diff:.2e})")
 
 
 def import_caffe(
@@ -36,19 +107,38 @@ def import_caffe(
         return
     out.write_text(text)
     params = sum(p.numel() for p in net.parameters())
-    typer.echo(
-        f"wrote {out}: {len(net.table)} layers, {params:,} parameters, output {net.output_shape}"
-    )
+    shape = "x".join(map(str, net.output_shape))
+    typer.echo(f"wrote {out}: {len(net.table)} layers, {params:,} parameters, output {shape}")
 
 
 def show_net(
-    net: str = typer.Argument(
-        ..., help="A zoo name, network / run file, Caffe prototxt or run directory."
-    ),
+    net: str = typer.Argument(..., help="A zoo name, network file, Caffe prototxt, run or export."),
     out: Path = typer.Option(..., "-o", "--out", help="Image file: .png, .svg or .pdf."),
 ) -> None:
-    """Draw the network graph (like Caffe's draw_net)."""
+    """Draw the network graph (like Caffe's draw_net), with matplotlib."""
+    from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import draw_net
 
-    draw_net(net, out)
-    typer.echo(f"wrote {out}")
+    loaded = load_for_inference(net)
+    draw_net(loaded.model, out)
+    typer.echo(f"wrote {out}: {len(loaded.model.table)} layers")
+
+
+def show_filters(
+    target: str = typer.Argument(..., help=TARGET_HELP),
+    out: Path = typer.Option(..., "-o", "--out", help="Image file (.png)."),
+) -> None:
+    """Draw the first convolution layer's filters as a grid (the 2012 paper's figure 3)."""
+    from cnnkit.infer.load import load_for_inference
+    from cnnkit.infer.show import draw_filters
+
+    shape = draw_filters(load_for_inference(target).model, out)
+    typer.echo(f"wrote {out}: {shape[0]} filters of {shape[1]}x{shape[2]}x{shape[3]}")
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name

@@ -1,0 +1,108 @@
+"""Classify images with a trained model: top-k names and probabilities, centre crop or the
+2012 paper's 10-crop average, preprocessing exactly as at evaluation time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnnkit.errors import CnnkitError
+from cnnkit.infer.images import ImageInput, crops_of, image_name
+from cnnkit.infer.load import Loaded, load_for_inference
+
+
+@dataclass
+class Prediction:
+    """One image's result: top-k class names with probabilities, best first (or an error)."""
+
+    image: str
+    labels: list[str] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def label(self) -> str | None:
+        """The most probable class."""
+        return self.labels[0] if self.labels else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready mapping (what `cnnkit classify --json` prints)."""
+        if self.error is not None:
+            return {"image": self.image, "error": self.error}
+        top = [
+            {"class": c, "prob": round(p, 6)} for c, p in zip(self.labels, self.probs, strict=True)
+        ]
+        return {"image": self.image, "label": self.label, "top": top}
+
+
+class Classifier:
+    """A model plus its class names and evaluation preprocessing."""
+
+    def __init__(self, loaded: Loaded, device: Any = "cpu"):
+        self.model = loaded.model.to(device).eval()
+        self.classes = loaded.classes
+        self.preprocess = loaded.preprocess
+        self.device = torch.device(device)
+
+    @classmethod
+    def load(cls, path: str | Path, device: Any = "cpu") -> Classifier:
+        """From a run directory, a checkpoint or a .safetensors export (GPU-trained works on CPU)."""
+        return cls(load_for_inference(path, "cpu"), device)
+
+    def predict(
+        self, images: ImageInput | Sequence[ImageInput], top: int = 5, tencrop: bool = False
+    ) -> Prediction | list[Prediction]:
+        """Classify one image (-> Prediction) or a list (-> list); an unreadable image raises."""
+        single = not isinstance(images, (list, tuple))
+        batch = [images] if single else list(images)
+        results = list(self.iter_predict(batch, top, tencrop))
+        failed = next((r for r in results if r.error), None)
+        if failed is not None:
+            raise CnnkitError(failed.error)
+        return results[0] if single else results
+
+    def iter_predict(
+        self,
+        images: Iterable[ImageInput],
+        top: int = 5,
+        tencrop: bool = False,
+        batch_size: int = 64,
+    ) -> Iterator[Prediction]:
+        """Classify images in batches, in order; an unreadable one yields a Prediction with error."""
+        pending: list[tuple[str, torch.Tensor]] = []
+        for index, image in enumerate(images):
+            name = image_name(image, index)
+            try:
+                pending.append((name, crops_of(image, self.preprocess, tencrop)))
+            except CnnkitError as e:
+                yield from self._run(pending, top)
+                pending = []
+                yield Prediction(name, error=str(e))
+                continue
+            if len(pending) >= batch_size:
+                yield from self._run(pending, top)
+                pending = []
+        yield from self._run(pending, top)
+
+    @torch.no_grad()
+    def probabilities(self, crops: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, N, C, H, W) crops -> class probabilities (B, K), averaged over the N crops."""
+        b, n = crops.shape[:2]
+        x = self.preprocess.normalize(crops.flatten(0, 1).to(self.device))
+        probs = self.model(x).float().softmax(dim=1)  # (B * N, K)
+        return probs.view(b, n, -1).mean(dim=1)
+
+    def _run(self, pending: list[tuple[str, torch.Tensor]], top: int) -> Iterator[Prediction]:
+        if not pending:
+            return
+        probs = self.probabilities(torch.stack([crops for _, crops in pending]))
+        values, indices = probs.topk(min(top, probs.shape[1]), dim=1)
+        for (name, _), p, i in zip(pending, values.tolist(), indices.tolist(), strict=True):
+            yield Prediction(name, [self._name(k) for k in i], p)
+
+    def _name(self, index: int) -> str:
+        return self.classes[index] if index < len(self.classes) else str(index)

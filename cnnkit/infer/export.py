@@ -1,0 +1,141 @@
+"""Export a model: ONNX (dynamic batch, preprocessing in its metadata), TorchScript, safetensors;
+and the check that the exported model computes what PyTorch computes."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from cnnkit.errors import CnnkitError, ConfigError
+from cnnkit.infer.images import crops_of
+from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors
+
+Format = Literal["onnx", "torchscript", "safetensors"]
+FORMATS: tuple[str, ...] = ("onnx", "torchscript", "safetensors")
+TOLERANCE = 1e-4  # max abs difference of fp32 logits
+
+
+@dataclass
+class CheckResult:
+    """How far the exported model is from PyTorch on random and on real inputs."""
+
+    random_diff: float
+    real_diff: float
+    batch_sizes: tuple[int, ...]
+
+    @property
+    def max_diff(self) -> float:
+        return max(self.random_diff, self.real_diff)
+
+    @property
+    def ok(self) -> bool:
+        return self.max_diff <= TOLERANCE
+
+
+def export(loaded: Loaded, fmt: str, path: Path) -> None:
+    """Write `loaded`'s model to `path` in format `fmt`."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    model = loaded.model.to("cpu").eval()
+    if fmt == "safetensors":
+        save_safetensors(loaded, path)
+    elif fmt == "torchscript":
+        example = torch.zeros(2, *model.input_shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit's deprecation notice
+            traced = torch.jit.trace(model, example)
+            extra = {"cnnkit.json": json.dumps(metadata(loaded))}
+            torch.jit.save(traced, str(path), _extra_files=extra)
+    else:
+        export_onnx(loaded, path)
+
+
+def export_onnx(loaded: Loaded, path: Path) -> None:
+    """ONNX with a dynamic batch dimension; classes and preprocessing go in metadata_props."""
+    import onnx
+
+    model = loaded.model.to("cpu").eval()
+    example = torch.zeros(2, *model.input_shape)
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model,
+            (example,),
+            dynamo=True,
+            input_names=["image"],
+            output_names=["logits"],
+            dynamic_shapes=({0: batch},),
+            verbose=False,
+        )
+    proto = program.model_proto
+    pre = loaded.preprocess
+    props = {
+        **metadata(loaded),
+        "mean": json.dumps(pre.mean),  # per channel, 0-255 units: x = (pixel - mean) / std
+        "std": json.dumps(pre.std),
+        "crop": str(pre.crop),
+        "resize": json.dumps(pre.resize),
+        "resize_mode": pre.resize_mode,
+        "channels": str(pre.channels),
+    }
+    del proto.metadata_props[:]
+    for key, value in props.items():
+        proto.metadata_props.add(key=key, value=value)
+    onnx.save(proto, str(path))
+
+
+def run_exported(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:
+    """A function running the exported file (ONNX Runtime for ONNX) on a float batch."""
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+        return lambda x: session.run(None, {name: x.numpy()})[0]
+    if fmt == "torchscript":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit's deprecation notice
+            module = torch.jit.load(str(path), map_location="cpu").eval()
+    else:
+        module = load_safetensors(path).model
+    return lambda x: module(x).detach().numpy()
+
+
+def real_inputs(loaded: Loaded) -> torch.Tensor:
+    """Real photographs that ship with scikit-image, preprocessed as at evaluation (normalised)."""
+    from skimage import data
+
+    images = [data.astronaut(), data.coffee(), data.chelsea(), data.camera(), data.coins()]
+    crops = torch.cat([crops_of(im, loaded.preprocess, tencrop=False) for im in images])
+    return loaded.preprocess.normalize(crops)
+
+
+@torch.no_grad()
+def check_export(loaded: Loaded, fmt: str, path: Path, seed: int = 0) -> CheckResult:
+    """Max abs difference of logits, exported vs PyTorch, on random inputs (batch 1 and 3:
+    the batch is dynamic) and on real images."""
+    model = loaded.model.to("cpu").eval()
+    run = run_exported(fmt, path)
+    gen = torch.Generator().manual_seed(seed)
+    diffs = []
+    for n in (1, 3):
+        x = torch.randn(n, *model.input_shape, generator=gen)
+        diffs.append(_diff(model(x), run(x)))
+    real = real_inputs(loaded)
+    return CheckResult(max(diffs), _diff(model(real), run(real)), (1, 3, len(real)))
+
+
+def _diff(expected: torch.Tensor, got: np.ndarray) -> float:
+    if tuple(got.shape) != tuple(expected.shape):
+        raise CnnkitError(
+            f"exported model gives shape {tuple(got.shape)}, PyTorch {tuple(expected.shape)}"
+        )
+    return float(np.abs(expected.numpy().astype(np.float64) - got.astype(np.float64)).max())

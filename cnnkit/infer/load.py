@@ -1,0 +1,111 @@
+"""One loader for everything inference reads: a run directory, a checkpoint, a .safetensors
+export, or a bare network (zoo name, YAML, Caffe prototxt) with freshly initialised weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnnkit.data.base import Preprocess
+from cnnkit.errors import CheckpointError, CnnkitError
+from cnnkit.nn import Network, build_model
+
+SAFETENSORS_FORMAT = "cnnkit-safetensors/1"
+
+
+@dataclass
+class Loaded:
+    """A model ready for inference with what it needs to read images and name classes."""
+
+    model: Network  # eval mode
+    classes: list[str]
+    preprocess: Preprocess
+    source: str  # what was loaded, for messages
+
+
+def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
+    """Load a run directory, checkpoint, .safetensors file or network description."""
+    from cnnkit.zoo import net_path
+
+    path = Path(target)
+    if not path.exists() and net_path(str(target)) is None:
+        raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network")
+    if path.suffix == ".safetensors":
+        return load_safetensors(path, device)
+    if path.is_dir() or path.suffix in (".pt", ".pth"):
+        from cnnkit.train.checkpoint import load_trained
+
+        model, meta = load_trained(path, device)
+        preprocess = Preprocess.from_dict(meta["preprocess"])
+        return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)))
+    return load_network(str(target), device)
+
+
+def load_network(spec: str, device: Any = "cpu") -> Loaded:
+    """A network file, zoo name or Caffe prototxt with fresh weights (for export and drawing)."""
+    if spec.endswith(".prototxt"):
+        from cnnkit.caffe import import_caffe
+
+        model = build_model(import_caffe(spec), device=device)
+    else:
+        model = build_model(spec, device=device)
+    c, size = model.input_shape[0], model.input_shape[-1]
+    preprocess = Preprocess(channels=c, crop=size, mean=[0.0] * c, std=[255.0] * c)
+    classes = [f"class{i}" for i in range(model.num_classes or 0)]
+    return Loaded(model.eval(), classes, preprocess, spec)
+
+
+def metadata(loaded: Loaded) -> dict[str, str]:
+    """String metadata describing a model: network, classes and preprocessing (JSON values)."""
+    return {
+        "format": SAFETENSORS_FORMAT,
+        "model_spec": json.dumps(loaded.model.spec),
+        "num_classes": json.dumps(loaded.model.num_classes),
+        "classes": json.dumps(loaded.classes),
+        "preprocess": json.dumps(loaded.preprocess.to_dict()),
+    }
+
+
+def load_safetensors(path: Path, device: Any = "cpu") -> Loaded:
+    """Rebuild a model from a .safetensors export (weights + metadata; no code is run)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        weights = load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    if meta.get("format") != SAFETENSORS_FORMAT:
+        raise CheckpointError(
+            f"{path}: no cnnkit metadata (expected format {SAFETENSORS_FORMAT!r})"
+        )
+    try:
+        model = build_model(json.loads(meta["model_spec"]), json.loads(meta["num_classes"]))
+        model.load_state_dict(weights)
+        classes = json.loads(meta["classes"])
+        preprocess = Preprocess.from_dict(json.loads(meta["preprocess"]))
+    except (CnnkitError, KeyError, RuntimeError, TypeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: its metadata or weights do not fit ({first})") from None
+    return Loaded(model.to(device).eval(), classes, preprocess, str(path))
+
+
+def save_safetensors(loaded: Loaded, path: Path) -> None:
+    """Write weights plus network, classes and preprocessing as metadata."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").contiguous() for k, v in loaded.model.state_dict().items()}
+    save_file(state, str(path), metadata=metadata(loaded))
+
+
+def state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """True when two state dicts hold the same names and values."""
+    return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
