@@ -1,7 +1,62 @@
-"""Commands of this area (filled in by its issue)."""
+"""`cnnkit train` and `cnnkit eval`: run files in, run directories out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import typer
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    """Add this area's commands to the app."""
+    """Add train and eval to the app."""
+    app.command("train")(train)
+    app.command("eval")(evaluate)
+
+
+def train(
+    run: str = typer.Argument(None, help="A zoo run (digits, faces, ...) or a run file."),
+    overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
+    out: Path = typer.Option(None, "--out", help="Run directory (default runs/<name>-<time>)."),
+    resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars or epoch lines."),
+    nproc: int = typer.Option(
+        None, "--nproc", help="Start N processes on this machine (torchrun)."
+    ),
+) -> None:
+    """Train a network: `cnnkit train digits`, `cnnkit train run.yaml train.lr=0.02`."""
+    from cnnkit.config import load_run
+    from cnnkit.errors import ConfigError
+    from cnnkit.train.run import fit, new_run_dir, resume_config, resume_state
+
+    overrides = list(overrides or [])
+    if run is not None and "=" in run and resume is not None:
+        run, overrides = None, [run, *overrides]
+    if resume is not None:
+        state = resume_state(resume)
+        fit(resume_config(state, overrides), resume, resume=state, quiet=quiet)
+        return
+    if run is None:
+        raise ConfigError("train: give a run (a zoo name or a run file) or --resume RUN_DIR")
+    config = load_run(run, overrides)
+    fit(config, new_run_dir(config.name, out), quiet=quiet)
+
+
+def evaluate(
+    target: str = typer.Argument(..., help="A run directory or checkpoint file."),
+    data: str = typer.Option(None, "--data", help="Source name, data YAML or directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
+    batch_size: int = typer.Option(None, "--batch-size", min=1, help="Evaluation batch size."),
+) -> None:
+    """Loss, top-1 and top-5 accuracy on the held-out split (or --data)."""
+    from cnnkit.train.evaluation import evaluate_checkpoint
+
+    result = evaluate_checkpoint(target, data=data, device=device, batch_size=batch_size)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    print(
+        f"{result['checkpoint']}: {result['images']} images  loss {result['loss']:.4f}  "
+        f"top-1 {result['top1']:.2%}  top-5 {result['top5']:.2%}"
+    )

@@ -25,8 +25,11 @@ NETS: dict[str, tuple[str, str]] = {
         "nets/inception-small.yaml",
         "a small Inception-style net: branches + concat",
     ),
+    "digitnet": ("nets/digitnet.yaml", "a small CNN for 8x8 handwritten digits"),
 }
-RUNS: dict[str, tuple[str, str]] = {}
+RUNS: dict[str, tuple[str, str]] = {
+    "digits": ("runs/digits.yaml", "digitnet on scikit-learn's 8x8 digits (offline, seconds)"),
+}
 
 
 def net_path(name: str) -> Path | None:

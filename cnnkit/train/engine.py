@@ -1,0 +1,150 @@
+"""The training step itself, as `cnnkit train` runs it, as a small public API.
+
+    engine = build_engine(network, TrainConfig(), device=resolve_device("auto"))
+    loss, correct = train_step(engine, x, y)   # one optimizer step on batch (x, y)
+
+`build_engine` picks what `cnnkit train` picks: device, precision (fp32 | bf16 autocast | fp16
++ GradScaler), channels_last, optional torch.compile, the optimizer over the network's per-layer
+groups, label smoothing, clipping and accumulation. `cnnkit bench train` times `train_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cnnkit.config import TrainConfig
+from cnnkit.errors import ConfigError
+from cnnkit.nn import Network
+from cnnkit.train.optim import build_optimizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Engine:
+    """Everything one training step needs; `network` is the plain model checkpoints save."""
+
+    network: Network
+    model: nn.Module  # what runs: the network, maybe compiled and/or wrapped (DDP)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    loss_fn: nn.Module
+    device: torch.device
+    precision: str  # fp32 | bf16 | fp16 (resolved)
+    channels_last: bool
+    accumulate: int = 1
+    grad_clip: float | None = None
+
+    def autocast(self):
+        """The autocast context of this engine's precision (a no-op for fp32)."""
+        if self.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Put a batch in the memory format the model was converted to."""
+        if self.channels_last and x.dim() == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """auto -> cuda if available, else cpu; cuda:N checked against the devices present."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device: {name!r} asked for, but no CUDA device is available")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(
+                f"train.device: {name!r}: only {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
+def default_precision(device: torch.device) -> str:
+    """The fastest precision that keeps accuracy: bf16 where the hardware has it, else fp16 on
+    CUDA (with loss scaling), else fp32."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return "bf16"
+    return "fp32"
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
+    """(precision, channels_last) for this device: the config's, or the measured defaults."""
+    precision = default_precision(device) if cfg.precision == "auto" else cfg.precision
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision: fp16 needs a CUDA device (use bf16 on CPU)")
+    channels_last = cfg.channels_last
+    if channels_last is None:  # NHWC pays off with reduced precision (oneDNN, tensor cores)
+        channels_last = precision != "fp32"
+    return precision, channels_last
+
+
+def build_engine(
+    network: Network,
+    cfg: TrainConfig,
+    device: torch.device,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+) -> Engine:
+    """Move the network to the device in the chosen format and build optimizer, scaler and loss."""
+    precision, channels_last = resolve_precision(cfg, device)
+    network = network.to(device)
+    if channels_last:
+        network = network.to(memory_format=torch.channels_last)
+    model: nn.Module = wrap(network) if wrap else network
+    if cfg.compile:
+        model = torch.compile(model)
+    return Engine(
+        network=network,
+        model=model,
+        optimizer=build_optimizer(network, cfg),
+        scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
+        loss_fn=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+        device=device,
+        precision=precision,
+        channels_last=channels_last,
+        accumulate=cfg.accumulate,
+        grad_clip=cfg.grad_clip,
+    )
+
+
+def train_step(
+    engine: Engine, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on (x, y), split into `accumulate` micro-batches.
+
+    Returns (mean loss, number correct) as device tensors (no host sync).
+    """
+    model, opt = engine.model, engine.optimizer
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    x = engine.prepare(x)
+    chunks = list(zip(x.chunk(engine.accumulate), y.chunk(engine.accumulate), strict=True))
+    loss_sum = torch.zeros((), device=x.device)
+    correct = torch.zeros((), device=x.device, dtype=torch.long)
+    for i, (xc, yc) in enumerate(chunks):
+        last = i == len(chunks) - 1
+        sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with engine.autocast():
+                logits = model(xc)
+                loss = engine.loss_fn(logits.float(), yc)
+            engine.scaler.scale(loss * (len(yc) / len(y))).backward()
+        loss_sum += loss.detach() * len(yc)
+        correct += (logits.argmax(1) == yc).sum()
+    if engine.grad_clip is not None:
+        engine.scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(engine.network.parameters(), engine.grad_clip)
+    engine.scaler.step(opt)
+    engine.scaler.update()
+    return loss_sum / len(y), correct

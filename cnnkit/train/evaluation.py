@@ -1,0 +1,73 @@
+"""`evaluate_checkpoint`: loss, top-1 and top-5 of a trained network on its held-out split or
+on another data set, with the precision and preprocessing it was trained with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cnnkit.config import TrainConfig
+from cnnkit.data import SOURCES, data_config
+from cnnkit.errors import ConfigError, DataError
+from cnnkit.train.checkpoint import load_trained
+from cnnkit.train.engine import build_engine, resolve_device
+from cnnkit.train.loop import evaluate
+
+
+def data_section(spec: str | None, trained: dict[str, Any]) -> dict[str, Any]:
+    """The data section to evaluate on: the run's own (held-out split) when `spec` is None; a
+    source name; a YAML file with a `data:` mapping; or a directory (packed set or image folder)."""
+    if spec is None:
+        return dict(trained)
+    if spec in SOURCES:
+        return {"source": spec}
+    path = Path(spec)
+    if path.is_file():
+        loaded = yaml.safe_load(path.read_text())
+        section = loaded.get("data", loaded) if isinstance(loaded, dict) else None
+        if not isinstance(section, dict):
+            raise ConfigError(f"--data {spec}: the file has no data: mapping")
+        return section
+    if path.is_dir():
+        packed = (path / "meta.json").is_file() or any(path.glob("*.json"))
+        return (
+            {"source": "packed", "path": str(path)}
+            if packed
+            else {"source": "folder", "path": str(path)}
+        )
+    raise DataError(
+        f"--data {spec}: neither a data source ({', '.join(SOURCES)}), a file nor a directory"
+    )
+
+
+def evaluate_checkpoint(
+    target: str | Path,
+    data: str | None = None,
+    device: str = "auto",
+    batch_size: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate a run directory or checkpoint; returns loss, top1, top5, images and where."""
+    network, meta = load_trained(target)
+    config = meta["config"]
+    section = data_section(data, config["data"])
+    if batch_size is not None:
+        section["eval_batch_size"] = batch_size
+    train_cfg = TrainConfig.model_validate(
+        {**config.get("train", {}), "device": device, "compile": False}
+    )
+    dev = resolve_device(device)
+    bundle = data_config(section).build(dev, 0, 1, config.get("seed", 0))
+    if len(bundle.classes) != network.num_classes:
+        raise DataError(
+            f"--data: {len(bundle.classes)} classes, but the network was trained on {network.num_classes}"
+        )
+    engine = build_engine(network, train_cfg, dev)
+    result = evaluate(engine, bundle.val)
+    return {
+        **result,
+        "images": bundle.val.num_samples,
+        "checkpoint": meta["path"],
+        "device": str(dev),
+    }

@@ -1,0 +1,268 @@
+"""`fit`: one whole run. Validates and builds everything before touching the run directory,
+then trains epoch by epoch, saving last.pt every epoch and every N steps, best.pt, metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnnkit.config import RunConfig, apply_override, dump_run, validate_run
+from cnnkit.data import data_config
+from cnnkit.errors import CheckpointError, ConfigError
+from cnnkit.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from cnnkit.train.engine import Engine, build_engine
+from cnnkit.train.loop import (
+    Local,
+    Progress,
+    StepHook,
+    build_network,
+    deterministic_mode,
+    evaluate,
+    seed_everything,
+    train_one_epoch,
+)
+from cnnkit.train.metrics import Console, RunLog, write_summary
+from cnnkit.train.optim import Schedule
+
+RUN_FILES = ("config.yaml", "last.pt", "best.pt", "metrics.csv", "summary.json")
+
+
+def new_run_dir(name: str, out: str | Path | None) -> Path:
+    """The directory a new run will write (not created yet); refuses one that holds a run."""
+    if out is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{name}-{stamp}"
+        n = 1
+        while path.exists():
+            n += 1
+            path = Path("runs") / f"{name}-{stamp}-{n}"
+        return path
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path}: exists and is not a directory")
+    if any((path / f).exists() for f in RUN_FILES):
+        raise ConfigError(f"--out {path}: already holds a run (continue it with --resume {path})")
+    return path
+
+
+def resume_state(run_dir: str | Path) -> dict[str, Any]:
+    """The last.pt of a run directory (CheckpointError if missing, truncated or foreign)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"--resume {run_dir}: no such run directory")
+    return load_checkpoint(run_dir / "last.pt")
+
+
+def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """The run config stored in a checkpoint, with overrides (e.g. train.epochs=30) applied."""
+    raw = dict(state["config"])
+    for item in overrides or []:
+        apply_override(raw, item)
+    return validate_run(raw)
+
+
+def fit(
+    config: RunConfig,
+    run_dir: str | Path | None = None,
+    resume: dict[str, Any] | None = None,
+    quiet: bool = False,
+    on_step: StepHook | None = None,
+    dist: Any = None,
+) -> dict[str, Any]:
+    """Train as `config` says into `run_dir` (resume: a state from `resume_state`); return the
+    summary (also written to summary.json)."""
+    started = time.perf_counter()
+    dist = dist or Local()
+    run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
+    device = dist.device(config.train.device)
+    with deterministic_mode(config.deterministic, device):
+        seed_everything(config.seed)
+        data = data_config(config.data).build(device, dist.rank, dist.world_size, config.seed)
+        network = build_network(config, data)
+        engine = build_engine(network, config.train, device, wrap=dist.wrap)
+        schedule = Schedule(config.train)
+        progress = restore(resume, engine, schedule) if resume else Progress()
+        log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
+        console = Console(quiet or not dist.is_main)
+        context = dict(config=config, data=data, dist=dist, run_dir=run_dir, log=log)
+        context["started"] = started
+        _describe(console, config, engine, data, run_dir, progress)
+        if resume:
+            set_rng_state(resume["rng"])  # last: nothing above may draw from the restored streams
+        try:
+            _train_epochs(engine, schedule, progress, console, on_step, context)
+        finally:
+            if log is not None:
+                log.close()
+        return _finish(engine, progress, context, time.perf_counter() - started, console)
+
+
+def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLog:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_run(config, run_dir / "config.yaml")
+    log = RunLog(run_dir, progress.history)
+    if progress.history:  # resumed: drop rows written after the checkpoint
+        log.write_epoch(progress.history[-1], final=True)
+    return log
+
+
+def _describe(console: Console, config, engine: Engine, data, run_dir: Path, progress) -> None:
+    what = "resuming" if progress.global_step else "training"
+    at = f" from epoch {progress.epoch + 1} step {progress.step}" if progress.global_step else ""
+    console.print(
+        f"{what} {config.name}{at}: {engine.network.name} on {engine.device} "
+        f"({engine.precision}{', channels_last' if engine.channels_last else ''}), "
+        f"{data.train.num_samples} train / {data.val.num_samples} held-out images, "
+        f"batch {config.data['batch_size']} -> {run_dir}"
+    )
+
+
+def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx) -> None:
+    config, data, dist = ctx["config"], ctx["data"], ctx["dist"]
+    every, steps = config.train.checkpoint_every, len(data.train)
+
+    def after_step(epoch: int, step: int, global_step: int) -> None:
+        if dist.is_main and every and global_step % every == 0 and step < steps:
+            save_checkpoint(
+                training_state(engine, schedule, progress, ctx), ctx["run_dir"] / "last.pt"
+            )
+        if on_step is not None:
+            on_step(epoch, step, global_step)
+
+    epochs = config.train.epochs
+    while progress.epoch < epochs:
+        console.start_epoch(progress.epoch + 1, epochs, steps, progress.step)
+        stats = train_one_epoch(engine, data.train, schedule, progress, console, after_step, dist)
+        val = evaluate(engine, data.val, dist)
+        schedule.end_epoch(1.0 - val["top1"])
+        row = _epoch_row(progress, stats, val, schedule, dist, engine.device)
+        progress.history.append(row)
+        progress.epoch, progress.step, progress.partial = progress.epoch + 1, 0, {}
+        _save_epoch(engine, schedule, progress, ctx, row)
+        console.end_epoch(row, epochs)
+
+
+def _epoch_row(progress, stats, val, schedule, dist, device) -> dict[str, float]:
+    total = torch.tensor([stats["loss"], stats["correct"], stats["seen"]], device=device)
+    loss, correct, seen = dist.all_reduce(total.double()).tolist()
+    seen = max(seen, 1.0)
+    return {
+        "epoch": progress.epoch + 1,
+        "train_loss": loss / seen,
+        "train_top1": correct / seen,
+        "val_loss": val["loss"],
+        "val_top1": val["top1"],
+        "val_top5": val["top5"],
+        "lr": schedule.lr(progress.epoch + 1),
+        "images_per_second": seen / max(stats["seconds"], 1e-9),
+        "seconds": stats["seconds"],
+    }
+
+
+def _save_epoch(engine, schedule, progress: Progress, ctx, row: dict[str, float]) -> None:
+    """last.pt first (it holds the history), then best.pt and the metrics files."""
+    if not ctx["dist"].is_main:
+        return
+    run_dir = ctx["run_dir"]
+    state = training_state(engine, schedule, progress, ctx)
+    if row["val_top1"] > progress.best_top1:
+        progress.best_top1 = state["best_top1"] = row["val_top1"]
+        best = {k: v for k, v in state.items() if k not in ("optimizer", "scaler", "rng")}
+        save_checkpoint(best, run_dir / "best.pt")
+    save_checkpoint(state, run_dir / "last.pt")
+    ctx["log"].write_epoch(row, final=progress.epoch == ctx["config"].train.epochs)
+
+
+def training_state(engine: Engine, schedule: Schedule, progress: Progress, ctx) -> dict[str, Any]:
+    """Everything a checkpoint holds: the inference contract plus the exact training state."""
+    partial = progress.running() if progress.running and progress.step else {}
+    data = ctx["data"]
+    return {
+        "model_spec": engine.network.spec,
+        "num_classes": engine.network.num_classes,
+        "model": plain_state_dict(engine.network),
+        "classes": list(data.classes),
+        "preprocess": data.preprocess.to_dict(),
+        "config": ctx["config"].model_dump(mode="json"),
+        "optimizer": engine.optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "scaler": engine.scaler.state_dict(),
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "global_step": progress.global_step,
+        "best_top1": progress.best_top1,
+        "seconds": progress.seconds + time.perf_counter() - ctx["started"],
+        "history": list(progress.history),
+        "partial": partial,
+        "rng": rng_state(),
+    }
+
+
+def plain_state_dict(network: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors on the CPU, contiguous, floats as fp32 (portable across devices)."""
+    out = {}
+    for k, v in network.state_dict().items():
+        v = v.detach()
+        out[k] = (v.float() if v.is_floating_point() else v).contiguous().cpu()
+    return out
+
+
+def restore(state: dict[str, Any], engine: Engine, schedule: Schedule) -> Progress:
+    """Load model, optimizer, scaler and schedule from a checkpoint; return where it stood."""
+    try:
+        engine.network.load_state_dict(state["model"])
+        engine.optimizer.load_state_dict(state["optimizer"])
+        if engine.scaler.is_enabled() and state.get("scaler"):
+            engine.scaler.load_state_dict(state["scaler"])
+        schedule.load_state_dict(state["schedule"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CheckpointError(
+            f"last.pt does not match this run's network or optimizer: {first}"
+        ) from None
+    return Progress(
+        epoch=state["epoch"],
+        step=state["step"],
+        global_step=state["global_step"],
+        best_top1=state["best_top1"],
+        seconds=state["seconds"],
+        history=list(state["history"]),
+        partial=dict(state["partial"]),
+    )
+
+
+def _finish(engine: Engine, progress: Progress, ctx, seconds: float, console: Console):
+    """Write summary.json (rank 0) and return the summary."""
+    history, config = progress.history, ctx["config"]
+    last = history[-1] if history else {}
+    train_seconds = sum(r["seconds"] for r in history)
+    images = sum(r["images_per_second"] * r["seconds"] for r in history)
+    summary = {
+        "name": config.name,
+        "run_dir": str(ctx["run_dir"]),
+        "epochs": len(history),
+        "val_top1": last.get("val_top1"),
+        "val_top5": last.get("val_top5"),
+        "val_loss": last.get("val_loss"),
+        "best_val_top1": max((r["val_top1"] for r in history), default=None),
+        "train_images": ctx["data"].train.num_samples,
+        "val_images": ctx["data"].val.num_samples,
+        "wall_seconds": round(progress.seconds + seconds, 3),
+        "images_per_second": round(images / train_seconds, 1) if train_seconds else None,
+        "device": str(engine.device),
+        "precision": engine.precision,
+        "channels_last": engine.channels_last,
+        "world_size": ctx["dist"].world_size,
+    }
+    if ctx["dist"].is_main:
+        write_summary(ctx["run_dir"] / "summary.json", summary)
+        console.print(
+            f"done: held-out top-1 {summary['val_top1']:.2%} top-5 {summary['val_top5']:.2%} "
+            f"({summary['val_images']} images), {summary['wall_seconds']:.1f}s -> {ctx['run_dir']}"
+        )
+    return summary
