@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cnnkit.bench.model_setup import load_network, synthetic_batch
-from cnnkit.bench.throughput import make_infer_step, make_train_step
+from cnnkit.bench.throughput import make_infer_step, make_train_step, train_config
 from cnnkit.bench.timing import check_precision, device_name, measure
 from cnnkit.errors import ConfigError
 from cnnkit.nn import read_spec
@@ -93,12 +93,13 @@ def time_network(
     entry: Entry, device: torch.device, precision: str, repeats: int, budget: float
 ) -> dict[str, Any]:
     """Training and classification time per image of one network on one device."""
-    model = load_network(entry.spec, device, channels_last=False)
+    model = load_network(entry.spec, device)
     x, y = synthetic_batch(model, entry.batch, device)
     result: dict[str, Any] = {}
     for mode in MODES:
-        if mode == "train":
-            step = make_train_step(model.train(), x, y, device, precision)
+        if mode == "train":  # the engine's step; fp32 keeps NCHW, like `cnnkit train`
+            step, engine = make_train_step(model, x, y, train_config(device, precision))
+            x = engine.prepare(x)
         else:
             step = make_infer_step(model.eval(), x, device, precision)
         # small networks: many short repeats within a second; large ones: at least 3

@@ -14,54 +14,38 @@ import torch
 
 from cnnkit.bench.model_setup import forward_flops, load_network, synthetic_batch
 from cnnkit.bench.peak import measure_peak, peak_dict
-from cnnkit.bench.timing import (
-    Timing,
-    autocast,
-    check_precision,
-    device_name,
-    measure,
-)
+from cnnkit.bench.timing import Timing, autocast, check_precision, device_name, measure
+from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
+from cnnkit.train.engine import Engine, build_engine, resolve_precision, train_step
 
 TRAIN_FLOPS_FACTOR = 3.0  # forward + backward (grad of inputs and of weights) ~ 3x forward
 
 
-def default_precision(device: torch.device) -> str:
-    """`cnnkit train`'s automatic precision: bf16 where the hardware has it, else fp16 / fp32."""
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
-
-
-def resolve_settings(
-    device: torch.device, precision: str | None, channels_last: bool | None
-) -> tuple[str, bool]:
-    """Fill 'auto'/None with the training defaults for this device; validate the precision."""
-    if precision in (None, "auto"):
-        precision = default_precision(device)
-    check_precision(precision, device)
-    return precision, True if channels_last is None else channels_last
+def train_config(
+    device: torch.device,
+    precision: str | None = "auto",
+    channels_last: bool | None = None,
+    compile: bool = False,
+) -> TrainConfig:
+    """`cnnkit train`'s default `train:` section with this device and these overrides."""
+    if precision not in (None, "auto"):
+        check_precision(precision, device)
+    return TrainConfig(
+        device=str(device),
+        precision=precision or "auto",
+        channels_last=channels_last,
+        compile=compile,
+    )
 
 
 def make_train_step(
-    model: Network, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str
-) -> Callable[[Any], None]:
-    """One real training step: SGD with the network's lr/decay groups, autocast, loss scaling."""
-    from cnnkit.config import TrainConfig
-    from cnnkit.train.optim import build_optimizer
-
-    optimizer = build_optimizer(model, TrainConfig(device=device.type, precision=precision))
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-
-    def step(_: Any = None) -> None:
-        with autocast(device, precision):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-
-    return step
+    network: Network, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig
+) -> tuple[Callable[[Any], Any], Engine]:
+    """The training engine's real step (optimizer, precision, memory format as `cnnkit train`)."""
+    engine = build_engine(network, cfg, torch.device(cfg.device))
+    x = engine.prepare(x)
+    return (lambda _: train_step(engine, x, y)), engine
 
 
 def make_infer_step(model: Network, x: torch.Tensor, device: torch.device, precision: str):
@@ -88,15 +72,14 @@ def bench_throughput(
     quick_peak: bool = False,
 ) -> dict[str, Any]:
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak."""
-    precision, channels_last = resolve_settings(device, precision, channels_last)
-    model = load_network(net, device, num_classes, channels_last)
+    cfg = train_config(device, precision, channels_last, compile)
+    precision, channels_last = resolve_precision(cfg, device)
+    model = load_network(net, device, num_classes, channels_last=mode == "infer" and channels_last)
     x, y = synthetic_batch(model, batch, device, channels_last)
-    runnable = torch.compile(model) if compile else model
     if mode == "train":
-        step = make_train_step(runnable, x, y, device, precision)  # type: ignore[arg-type]
-        model.train()
+        step, _ = make_train_step(model, x, y, cfg)
     else:
-        step = make_infer_step(runnable, x, device, precision)  # type: ignore[arg-type]
+        step = make_infer_step(torch.compile(model) if compile else model, x, device, precision)
         model.eval()
     warmup, repeats = _counts(device, compile, warmup, repeats)
     timing = measure(step, device, warmup=warmup, repeats=repeats, max_seconds=60.0)

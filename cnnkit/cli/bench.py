@@ -18,6 +18,7 @@ JSON = typer.Option(False, "--json", help="End with one line of JSON holding eve
 REPEATS = typer.Option(None, "--repeats", help="Timed repeats (default: 5 on CPU, 30 on GPU).")
 WARMUP = typer.Option(None, "--warmup", help="Untimed warm-up steps first.")
 CLASSES = typer.Option(None, "--num-classes", help="Override the network's class count.")
+QUICK = typer.Option(False, "--quick", help="Small peak kernels (a smoke run, not a figure).")
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -62,6 +63,7 @@ def train(
     repeats: int = REPEATS,
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
+    quick: bool = QUICK,
     as_json: bool = JSON,
 ) -> None:
     """Training throughput with the engine's real step: images/s, step ms, FLOP/s vs peak."""
@@ -78,6 +80,7 @@ def infer(
     repeats: int = REPEATS,
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
+    quick: bool = QUICK,
     as_json: bool = JSON,
 ) -> None:
     """Classification throughput (eval mode, no autograd): images/s, step ms, FLOP/s vs peak."""
@@ -106,12 +109,12 @@ def scaling(
     _emit(report, as_json)
 
 
-def _throughput(mode: str, net: str, device: str, as_json: bool, **options) -> None:
+def _throughput(mode: str, net: str, device: str, quick: bool, as_json: bool, **options) -> None:
     from cnnkit.bench.throughput import bench_throughput, print_throughput
     from cnnkit.bench.timing import resolve_device
 
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
-    report = bench_throughput(net, mode, device=resolve_device(device), **options)
+    report = bench_throughput(net, mode, device=resolve_device(device), quick_peak=quick, **options)
     print_throughput(report)
     _emit(report, as_json)
 

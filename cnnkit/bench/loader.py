@@ -1,0 +1,77 @@
+"""`cnnkit bench loader`: images/s of the input pipeline alone (no model), from the files or shards
+to augmented float batches on the device, so it can be compared with what the model consumes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnnkit.bench.timing import device_name, synchronize
+from cnnkit.data import data_config
+from cnnkit.data.base import Batches
+from cnnkit.errors import ConfigError, DataError
+
+
+def loader_config(data: str | Path, workers: int, batch: int, **options: Any) -> dict[str, Any]:
+    """A `data:` section for DATA: packed if it holds meta.json, else an image folder."""
+    path = Path(data)
+    if not path.is_dir():
+        raise DataError(f"{path}: not a folder (give an image folder or a packed set)")
+    source = "packed" if (path / "meta.json").exists() else "folder"
+    section = {"source": source, "path": str(path), "batch_size": batch, "workers": workers,
+               "val_fraction": 0.0, **options}  # fmt: skip
+    return section
+
+
+def _endless(stream: Batches) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    epoch = 0
+    while True:
+        stream.set_epoch(epoch)
+        count = 0
+        for item in stream:
+            count += 1
+            yield item
+        if count == 0:
+            raise DataError("bench loader: the data set yields no batches (too few images?)")
+        epoch += 1
+
+
+def bench_loader(data: str | Path, workers: int = 2, batch: int = 256, batches: int = 20,
+                 warmup: int = 3, device: torch.device | None = None,
+                 **options: Any) -> dict[str, Any]:  # fmt: skip
+    """Time `batches` training batches after `warmup` untimed ones; returns the figures."""
+    if batches < 1 or batch < 1 or warmup < 0:
+        raise ConfigError("bench loader: --batches and --batch must be >= 1")
+    device = device or torch.device("cpu")
+    cfg = data_config(loader_config(data, workers, batch, **options))
+    stream = cfg.build(device).train
+    it = _endless(stream)
+    for _ in range(warmup + 1):  # the first batch also starts the worker processes
+        next(it)
+    synchronize(device)
+    images, start = 0, time.perf_counter()
+    for _ in range(batches):
+        x, _ = next(it)
+        images += x.shape[0]
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    del it  # stops the workers
+    return {
+        "data": str(data), "source": cfg.source, "device": device_name(device),
+        "workers": workers, "batch": batch, "batches": batches, "images": images,
+        "input_shape": list(x.shape[1:]), "train_crop": cfg.train_crop, "seconds": seconds,
+        "images_per_second": images / seconds,
+    }  # fmt: skip
+
+
+def print_loader(report: dict[str, Any]) -> None:
+    """One human line per figure."""
+    print(f"loader  {report['source']} {report['data']}  on {report['device']}")
+    print(f"  workers {report['workers']}, batch {report['batch']}, input {report['input_shape']}"
+          f" ({report['train_crop']} crop), {report['images']} images in {report['seconds']:.2f} s")  # fmt: skip
+    print(f"  {report['images_per_second']:,.0f} images/s")

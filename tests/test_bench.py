@@ -1,0 +1,154 @@
+"""cnnkit.bench: timing method, per-layer timing, throughput with the engine's step, the scaling
+study and the CLI's JSON. Tiny networks and tiny repeat counts: correctness, not speed."""
+
+import json
+import time
+
+import pytest
+import torch
+import yaml
+
+from cnnkit.bench.layers import bench_layers
+from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
+from cnnkit.bench.throughput import bench_throughput, make_train_step, train_config
+from cnnkit.bench.timing import measure, resolve_device
+from cnnkit.cli import main
+from cnnkit.errors import ConfigError
+from cnnkit.nn import build_model
+
+CPU = torch.device("cpu")
+TINY = {
+    "name": "tiny",
+    "input": [1, 8, 8],
+    "num_classes": 3,
+    "layers": [
+        {"name": "pool0", "type": "maxpool", "kernel_size": 1},  # no params, reads the input
+        {"name": "c1", "type": "conv", "out_channels": 4, "kernel_size": 3},  # (4, 6, 6)
+        {"name": "r1", "type": "relu"},
+        {"name": "fc", "type": "linear"},  # 144 -> 3
+    ],
+}
+TINY_MACS = 6 * 6 * 4 * 1 * 3 * 3 + 4 * 6 * 6 * 3  # conv + linear, by hand
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return e.value.code or 0, out.out, out.err
+
+
+def test_measure_counts_repeats_and_never_times_setup():
+    calls = []
+    timing = measure(
+        lambda arg: calls.append(arg), CPU, setup=lambda: time.sleep(0.02) or 7, warmup=2, repeats=3
+    )
+    assert calls == [7] * 5 and len(timing.seconds) == 3
+    assert timing.max < 0.01  # the 20 ms sleep of setup is outside the timed region
+    assert timing.min <= timing.median <= timing.max
+
+
+def test_measure_stops_at_the_time_budget_after_min_repeats():
+    timing = measure(lambda _: time.sleep(0.01), CPU, warmup=0, repeats=50, max_seconds=0.001)
+    assert len(timing.seconds) == 2
+
+
+def test_layers_report_every_layer_and_both_totals():
+    report = bench_layers(TINY, batch=2, device=CPU, repeats=2)
+    json.dumps(report)  # JSON-ready
+    names = [layer["name"] for layer in report["layers"]]
+    assert names == ["pool0", "c1", "r1", "fc", "loss"]
+    by_name = {layer["name"]: layer for layer in report["layers"]}
+    assert by_name["pool0"]["backward_ms"] is None  # nothing to differentiate before c1
+    assert all(by_name[n]["backward_ms"] > 0 for n in ("c1", "r1", "fc", "loss"))
+    assert by_name["c1"]["macs"] == 6 * 6 * 4 * 9
+    forward_sum = sum(layer["forward_ms"] for layer in report["layers"])
+    assert report["forward_sum_ms"] == pytest.approx(forward_sum)
+    # the whole passes are separate measurements, not the sums
+    assert report["forward_whole_ms"] > 0 and report["backward_whole_ms"] > 0
+    assert report["step_ms"] == report["step"]["median_ms"] > 0
+    assert report["measurements_in_sums"] == 5 + 4
+
+
+def test_train_throughput_fields_are_consistent():
+    r = bench_throughput(TINY, "train", 4, CPU, warmup=1, repeats=2, quick_peak=True)
+    assert r["flops_per_image"] == 3 * 2 * TINY_MACS
+    assert r["images_per_second"] == pytest.approx(4 / (r["step_ms"] / 1e3))
+    assert r["flops_per_second"] == pytest.approx(r["flops_per_image"] * r["images_per_second"])
+    peak = r["peak"][r["precision"]]["flops_per_second"]
+    assert r["peak_fraction"] == pytest.approx(r["flops_per_second"] / peak)
+    assert 0 < r["peak_fraction"] and {"fp32", "bf16"} <= set(r["peak"])
+    assert r["step"]["min_ms"] <= r["step_ms"] <= r["step"]["max_ms"]
+
+
+def test_infer_counts_forward_flops_only():
+    r = bench_throughput(TINY, "infer", 4, CPU, precision="fp32", repeats=2, quick_peak=True)
+    assert r["flops_per_image"] == 2 * TINY_MACS and r["precision"] == "fp32"
+
+
+def test_train_step_is_a_real_sgd_step_of_the_engine():
+    model = build_model(TINY)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,))
+    before = [p.detach().clone() for p in model.parameters()]
+    step, engine = make_train_step(model, x, y, train_config(CPU, "fp32"))
+    step(None)
+    assert isinstance(engine.optimizer, torch.optim.SGD)
+    assert engine.optimizer.param_groups[0]["momentum"] == 0.9
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_bad_device_and_precision_are_config_errors():
+    with pytest.raises(ConfigError, match="--device"):
+        resolve_device("tpu")
+    with pytest.raises(ConfigError, match="fp16"):
+        train_config(CPU, "fp16")
+    with pytest.raises(ConfigError, match="--devices"):
+        parse_devices("cpu,tpu")
+
+
+def test_study_families_and_lenet_sizes():
+    entries = study()
+    lenets = [e for e in entries if e.family == "lenet5"]
+    assert [e.spec["input"] for e in lenets] == [[1, s, s] for s in range(32, 105, 8)]
+    assert [e.size for e in entries if e.family == "smallcnn"] == [
+        f"width x{w}" for w in (1, 2, 4, 8)
+    ]
+    assert entries[-1].family == "alexnet"
+    assert build_model(lenet(104), device="meta").table[6].output_shape == (120, 19, 19)
+
+
+def test_scaling_writes_json_and_png(tmp_path):
+    devices = ([CPU], "CPU only")
+    entries = [Entry("tiny", "x1", TINY, 2), Entry("lenet5", "input 40", lenet(40), 2)]
+    report = run_scaling(devices, "fp32", quick=True, entries=entries)
+    paths = write_outputs(report, tmp_path / "out")
+    data = json.loads(paths[0].read_text())
+    assert [n["name"] for n in data["networks"]] == ["tiny", "lenet5-40"]
+    assert data["networks"][0]["macs"] == TINY_MACS and data["note"] == "CPU only"
+    cpu = data["networks"][1]["results"]["cpu"]
+    assert cpu["train_ms_per_image"] > 0 and cpu["infer_ms_per_image"] > 0
+    assert all(n["speedup"] is None for n in data["networks"])
+    assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_train_json_is_the_last_line(tmp_path, capsys):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({"model": TINY}))
+    args = ["bench", "train", str(spec), "--batch", "2", "--repeats", "2", "--quick", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and "images/s" in out
+    for key in ("images_per_second", "step_ms", "flops_per_second", "peak_fraction"):
+        assert report[key] > 0
+
+
+def test_cli_bad_batch_exits_2_in_one_line(capsys):
+    code, _, err = run_cli(["bench", "infer", "lenet5", "--batch", "0"], capsys)
+    assert code == 2 and err.strip() == "cnnkit: error: --batch: must be >= 1, got 0"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cli_cuda_without_gpu_exits_2(capsys):
+    code, _, err = run_cli(["bench", "layers", "lenet5", "--device", "cuda"], capsys)
+    assert code == 2 and "no CUDA device" in err and "Traceback" not in err
