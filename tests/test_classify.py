@@ -1,0 +1,141 @@
+"""cnnkit classify and the Classifier API on a real (short) digits run: evaluation's
+preprocessing, every accepted image form, 10 crops, bad files and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image
+
+from cnnkit import CnnkitError
+from cnnkit.data.base import Preprocess
+from cnnkit.data.bundled import DigitsConfig, split_indices
+from cnnkit.infer import Classifier
+from cnnkit.infer.load import load_network
+
+CLI = [sys.executable, "-m", "cnnkit"]
+
+
+def trained_digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory from `cnnkit train digits` (2 epochs), made once per test session."""
+    run = tmp_path_factory.getbasetemp() / "digits-run"
+    if not (run / "best.pt").is_file():
+        cmd = [*CLI, "train", "digits", "--out", str(run), "train.epochs=2", "--quiet"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return trained_digits_run(tmp_path_factory)
+
+
+def held_out_digits(n: int) -> tuple[np.ndarray, list[str]]:
+    """The first n held-out digit images (uint8 (n, 8, 8)) and their class names."""
+    images, labels, classes = DigitsConfig().load()
+    _, val = split_indices(labels, 0.2, 0)
+    return images[val[:n]], [classes[i] for i in labels[val[:n]]]
+
+
+@pytest.fixture(scope="module")
+def digit_pngs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[str]]:
+    folder = tmp_path_factory.mktemp("digit-pngs")
+    images, names = held_out_digits(40)
+    paths = []
+    for i, image in enumerate(images):
+        paths.append(folder / f"{i:02d}.png")
+        Image.fromarray(image).save(paths[-1])
+    return paths, names
+
+
+def test_classifies_digit_pngs_like_evaluation(digits_run, digit_pngs):
+    paths, truth = digit_pngs
+    classifier = Classifier.load(digits_run)
+    preds = classifier.predict(paths, top=3)
+    accuracy = np.mean([p.label == t for p, t in zip(preds, truth, strict=True)])
+    assert accuracy >= 0.8, accuracy
+    # the same numbers as the model on the data set's own tensors, normalised as evaluation does
+    images, _ = held_out_digits(40)
+    x = classifier.preprocess.normalize(torch.from_numpy(images)[:, None])
+    with torch.no_grad():
+        expected = classifier.model(x).softmax(1)
+    got = torch.tensor([p.probs[0] for p in preds])
+    torch.testing.assert_close(got, expected.max(1).values, rtol=1e-5, atol=1e-6)
+    assert all(len(p.labels) == 3 and p.probs == sorted(p.probs, reverse=True) for p in preds)
+
+
+def test_predict_accepts_paths_pil_arrays_and_tensors(digits_run, digit_pngs):
+    path = digit_pngs[0][0]
+    classifier = Classifier.load(digits_run)
+    grey = np.array(Image.open(path))
+    forms = [path, str(path), Image.open(path), Image.open(path).convert("RGB"), grey,
+             np.stack([grey] * 3, -1), torch.from_numpy(grey)[None]]  # fmt: skip
+    results = [classifier.predict(form, top=10) for form in forms]
+    for r in results[1:]:
+        assert r.labels == results[0].labels
+        assert np.allclose(r.probs, results[0].probs, atol=1e-6)
+    with pytest.raises(CnnkitError, match="uint8"):
+        classifier.predict(grey.astype(np.float32))
+
+
+def test_tencrop_averages_the_papers_ten_crops():
+    loaded = load_network("inception-small")
+    loaded.preprocess = Preprocess(channels=3, crop=32, resize=40, mean=[120.0] * 3, std=[60.0] * 3)
+    classifier = Classifier(loaded)
+    image = np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    crops = TF.ten_crop(torch.from_numpy(image).permute(2, 0, 1), 32)
+    x = loaded.preprocess.normalize(torch.stack(crops))
+    with torch.no_grad():
+        expected = loaded.model(x).softmax(1).mean(0)
+    got = classifier.predict(image, top=10, tencrop=True)
+    torch.testing.assert_close(
+        torch.tensor(got.probs), expected.topk(10).values, rtol=1e-5, atol=1e-6
+    )
+    centre = classifier.predict(image, top=10)
+    assert not np.allclose(centre.probs, got.probs)
+
+
+def test_cli_folder_with_a_corrupt_file(digits_run, digit_pngs, tmp_path):
+    for path in digit_pngs[0][:5]:
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    done = subprocess.run(
+        [*CLI, "classify", str(digits_run), str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert len(done.stdout.splitlines()) == 5 and "Traceback" not in done.stderr
+    (error,) = done.stderr.splitlines()
+    assert "broken.png" in error and error.startswith("cnnkit: error:")
+    as_json = [*CLI, "classify", str(digits_run), str(tmp_path / "0*.png"), "--json", "--top", "2"]
+    done = subprocess.run(as_json, capture_output=True, text=True)
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and len(rows) == 5
+    assert all(len(r["top"]) == 2 and r["label"] == r["top"][0]["class"] for r in rows)
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """Run `cnnkit ARGS` in this process: (exit status, stdout, stderr)."""
+    from cnnkit.cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_missing_inputs_are_one_line_errors(digits_run, tmp_path, capsys):
+    code, _, err = run_cli(["classify", str(tmp_path / "nope"), "x.png"], capsys)
+    assert code == 1 and "no such run directory" in err
+    code, _, err = run_cli(["classify", str(digits_run), str(tmp_path / "*.jpg")], capsys)
+    assert code == 1 and "no file matches" in err and len(err.splitlines()) == 1
