@@ -1,0 +1,102 @@
+"""cnnkit export: ONNX checked in ONNX Runtime (dynamic batch, preprocessing metadata),
+TorchScript, safetensors round trip; a check that can fail; alexnet with LRN and groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from test_classify import run_cli, trained_digits_run
+
+from cnnkit import CheckpointError
+from cnnkit.infer import Classifier
+from cnnkit.infer.export import check_export, export
+from cnnkit.infer.load import load_for_inference, load_network, load_safetensors
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return trained_digits_run(tmp_path_factory)
+
+
+def test_onnx_export_of_the_digits_run(digits_run, tmp_path, capsys):
+    out = tmp_path / "digits.onnx"
+    code, stdout, err = run_cli(["export", str(digits_run), "-o", str(out), "--check"], capsys)
+    assert code == 0, err
+    assert "ONNX Runtime vs PyTorch" in stdout and "passed" in stdout
+    proto = onnx.load(str(out))
+    props = {p.key: p.value for p in proto.metadata_props}
+    loaded = load_for_inference(digits_run)
+    assert json.loads(props["mean"]) == loaded.preprocess.mean
+    assert json.loads(props["std"]) == loaded.preprocess.std
+    assert json.loads(props["classes"]) == [str(d) for d in range(10)]
+    assert int(props["crop"]) == 8 and int(props["channels"]) == 1
+    batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch.dim_param and not batch.dim_value  # symbolic: any batch size
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    x = torch.randn(7, 1, 8, 8)
+    with torch.no_grad():
+        expected = loaded.model(x).numpy()
+    np.testing.assert_allclose(session.run(None, {"image": x.numpy()})[0], expected, atol=1e-4)
+
+
+def test_alexnet_with_lrn_and_groups_passes_the_onnx_check(tmp_path):
+    loaded = load_network("alexnet")
+    out = tmp_path / "alexnet.onnx"
+    export(loaded, "onnx", out)
+    result = check_export(loaded, "onnx", out)
+    assert result.ok, result
+
+
+def test_the_check_fails_when_the_export_differs(tmp_path):
+    loaded = load_network("lenet5")
+    out = tmp_path / "lenet.onnx"
+    export(loaded, "onnx", out)
+    with torch.no_grad():
+        next(loaded.model.parameters()).add_(1e-2)  # the file no longer matches
+    result = check_export(loaded, "onnx", out)
+    assert not result.ok and result.max_diff > 1e-4
+
+
+def test_safetensors_round_trip_and_classify(digits_run, tmp_path, capsys):
+    out = tmp_path / "digits.safetensors"
+    code, stdout, err = run_cli(
+        ["export", str(digits_run), "-f", "safetensors", "-o", str(out), "--check"], capsys
+    )
+    assert code == 0, err
+    original, copy = load_for_inference(digits_run), load_safetensors(out)
+    assert copy.classes == original.classes and copy.preprocess == original.preprocess
+    assert copy.model.spec == original.model.spec
+    mine, theirs = original.model.state_dict(), copy.model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    image = np.arange(64, dtype=np.uint8).reshape(8, 8) * 3
+    a = Classifier.load(digits_run).predict(image, top=10)
+    b = Classifier.load(out).predict(image, top=10)
+    assert a.labels == b.labels and a.probs == b.probs
+    (tmp_path / "x.png").write_bytes(b"")
+    code, stdout, _ = run_cli(["classify", str(out), str(tmp_path / "x.png"), "--json"], capsys)
+    assert code == 1 and json.loads(stdout)["error"].endswith("empty file")
+
+
+def test_safetensors_without_cnnkit_metadata_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "foreign.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    with pytest.raises(CheckpointError, match="no cnnkit metadata"):
+        load_safetensors(path)
+
+
+def test_torchscript_export_matches(tmp_path, capsys):
+    out = tmp_path / "net.pt"
+    code, stdout, err = run_cli(
+        ["export", "inception-small", "-f", "torchscript", "-o", str(out), "--check"], capsys
+    )
+    assert code == 0 and "passed" in stdout, err
+    code, _, err = run_cli(["export", "lenet5", "-f", "keras", "-o", str(out)], capsys)
+    assert code == 2 and "keras" in err
