@@ -18,6 +18,7 @@ from torch import nn
 from cnnkit import ConfigError, build_model
 from cnnkit.caffe import import_caffe, network_yaml, parse_prototxt, translate
 
+ROOT = Path(__file__).parents[1]  # run the checkout's cnnkit, not an installed copy
 DATA = Path(__file__).parent / "data" / "caffe"
 
 
@@ -258,11 +259,16 @@ def test_cli_writes_a_network_file_and_reports_errors(tmp_path):
     out = tmp_path / "alexnet.yaml"
     cli = [sys.executable, "-m", "cnnkit", "import-caffe"]
     done = subprocess.run(
-        [*cli, str(DATA / "alexnet.prototxt"), "-o", str(out)], capture_output=True, text=True
+        [*cli, str(DATA / "alexnet.prototxt"), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
     assert "60,965,224" in done.stdout
     assert n_params(build_model(str(out), device="meta")) == 60_965_224
     assert network_yaml(import_caffe(DATA / "alexnet.prototxt")) in out.read_text()
-    bad = subprocess.run([*cli, str(DATA / "unsupported.prototxt")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [*cli, str(DATA / "unsupported.prototxt")], capture_output=True, text=True, cwd=ROOT
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "'Crop'" in bad.stderr

@@ -20,6 +20,7 @@ from cnnkit.data.bundled import DigitsConfig, split_indices
 from cnnkit.infer import Classifier
 from cnnkit.infer.load import load_network
 
+ROOT = Path(__file__).parents[1]  # run the checkout's cnnkit, not an installed copy
 CLI = [sys.executable, "-m", "cnnkit"]
 
 
@@ -28,7 +29,7 @@ def trained_digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.getbasetemp() / "digits-run"
     if not (run / "best.pt").is_file():
         cmd = [*CLI, "train", "digits", "--out", str(run), "train.epochs=2", "--quiet"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
         assert done.returncode == 0, done.stderr[-2000:]
     return run
 
@@ -108,14 +109,14 @@ def test_cli_folder_with_a_corrupt_file(digits_run, digit_pngs, tmp_path):
         (tmp_path / path.name).write_bytes(path.read_bytes())
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
     done = subprocess.run(
-        [*CLI, "classify", str(digits_run), str(tmp_path)], capture_output=True, text=True
+        [*CLI, "classify", str(digits_run), str(tmp_path)], capture_output=True, text=True, cwd=ROOT
     )
     assert done.returncode == 1
     assert len(done.stdout.splitlines()) == 5 and "Traceback" not in done.stderr
     (error,) = done.stderr.splitlines()
     assert "broken.png" in error and error.startswith("cnnkit: error:")
     as_json = [*CLI, "classify", str(digits_run), str(tmp_path / "0*.png"), "--json", "--top", "2"]
-    done = subprocess.run(as_json, capture_output=True, text=True)
+    done = subprocess.run(as_json, capture_output=True, text=True, cwd=ROOT)
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert done.returncode == 0 and len(rows) == 5
     assert all(len(r["top"]) == 2 and r["label"] == r["top"][0]["class"] for r in rows)

@@ -1,0 +1,91 @@
+"""CPU inference: a cnnkit network in PyTorch (fp32, eager, as `cnnkit classify` runs it) vs the
+same network exported by `cnnkit export --format onnx` and run in ONNX Runtime. Same batch, same
+process, runs interleaved, medians and the ratio printed.
+
+    python benchmarks/classify_vs_onnxruntime.py --net alexnet --batch 16 --repeats 10
+    python benchmarks/classify_vs_onnxruntime.py --net runs/digits --batch 256 --threads 2
+
+--net takes a zoo name, network file, run directory or checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+
+from cnnkit.bench.timing import device_name
+from cnnkit.infer.export import export
+from cnnkit.infer.load import load_for_inference
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--net", default="alexnet")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="0: the libraries' defaults")
+    return parser.parse_args()
+
+
+def time_interleaved(runners: dict, x: torch.Tensor, warmup: int, repeats: int) -> dict:
+    """Seconds per call of each runner, alternating runners every repeat."""
+    for run in runners.values():
+        for _ in range(warmup):
+            run(x)
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run(x)
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_for_inference(args.net)
+    model = loaded.model.eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.onnx"
+        export(loaded, "onnx", path)
+        options = ort.SessionOptions()
+        if args.threads:
+            options.intra_op_num_threads = args.threads
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    x = torch.randn(args.batch, *model.input_shape)
+
+    def pytorch(batch: torch.Tensor):
+        with torch.inference_mode():
+            return model(batch)
+
+    def onnxruntime(batch: torch.Tensor):
+        return session.run(None, {"image": batch.numpy()})[0]
+
+    diff = float((pytorch(x) - torch.from_numpy(onnxruntime(x))).abs().max())
+    seconds = time_interleaved(
+        {"pytorch": pytorch, "onnxruntime": onnxruntime}, x, args.warmup, args.repeats
+    )
+    medians = {name: statistics.median(s) for name, s in seconds.items()}
+    print(f"{args.net}  batch {args.batch}  {device_name(torch.device('cpu'))}  "
+          f"torch threads {torch.get_num_threads()}  max abs diff {diff:.2e}")  # fmt: skip
+    for name, median in medians.items():
+        print(f"  {name:12s} {median * 1e3:9.2f} ms/batch  {args.batch / median:9.1f} images/s")
+    ratio = medians["pytorch"] / medians["onnxruntime"]
+    print(f"  onnxruntime / pytorch speed: {ratio:.2f}x")
+    record = {"net": args.net, "batch": args.batch, "max_abs_diff": diff, "speedup": ratio}
+    record.update({f"{k}_ms": v * 1e3 for k, v in medians.items()})
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
