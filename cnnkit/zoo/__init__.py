@@ -29,6 +29,7 @@ NETS: dict[str, tuple[str, str]] = {
 }
 RUNS: dict[str, tuple[str, str]] = {
     "digits": ("runs/digits.yaml", "digitnet on scikit-learn's 8x8 digits (offline, seconds)"),
+    "faces": ("runs/faces.yaml", "facenet on scikit-image's 25x25 face / non-face patches"),
 }
 
 

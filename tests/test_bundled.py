@@ -1,0 +1,88 @@
+"""The bundled data sets and the in-memory batch streams they share: split, sharding across
+ranks, exactly-once validation, seeded order and mid-epoch skip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cnnkit.data import data_config
+from cnnkit.data.base import Preprocess
+from cnnkit.data.bundled import DigitsConfig, split_indices
+from cnnkit.data.memory import Augment, TensorBatches
+
+CPU = torch.device("cpu")
+
+
+def test_digits_are_uint8_with_a_fixed_stratified_split():
+    images, labels, classes = DigitsConfig().load()
+    assert images.shape == (1797, 8, 8) and images.dtype == np.uint8 and images.max() == 255
+    train, val = split_indices(labels, 0.2, 0)
+    assert len(train) == 1438 and len(val) == 359 and not set(train) & set(val)
+    assert np.array_equal(split_indices(labels, 0.2, 0)[1], val)  # fixed, independent of run
+    counts = np.bincount(labels[val])
+    assert counts.min() >= 35 and counts.max() <= 37 and classes == list("0123456789")
+
+
+def test_faces_split_sizes_and_labels():
+    bundle = data_config({"source": "faces", "batch_size": 16}).build(CPU)
+    assert len(bundle.train.images) == 150 and bundle.val.num_samples == 50
+    assert bundle.train.num_samples == 144  # whole batches of 16 per epoch, reshuffled
+    assert bundle.classes == ["non-face", "face"] and bundle.input_shape == (1, 25, 25)
+    ys = torch.cat([y for _, y in bundle.val])
+    assert ys.sum().item() == 25
+
+
+def _stream(n=10, batch=4, rank=0, world=1, train=True, seed=0):
+    images = torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1)
+    pre = Preprocess(channels=1, crop=1, mean=[0.0], std=[1.0])
+    return TensorBatches(images, torch.arange(n), batch, pre, train=train, rank=rank,
+                         world_size=world, seed=seed)  # fmt: skip
+
+
+def test_two_ranks_split_each_global_batch_disjointly():
+    one = [y.tolist() for y in (y for _, y in _stream(batch=4))]
+    r0 = [y.tolist() for _, y in _stream(batch=4, rank=0, world=2)]
+    r1 = [y.tolist() for _, y in _stream(batch=4, rank=1, world=2)]
+    assert [a + b for a, b in zip(r0, r1, strict=True)] == one
+
+
+def test_order_is_seeded_per_epoch_and_skip_resumes_mid_epoch():
+    s = _stream(n=20, batch=4)
+    s.set_epoch(1)
+    full = [y.tolist() for _, y in s]
+    s.set_epoch(2)
+    assert [y.tolist() for _, y in s] != full
+    s.set_epoch(1, skip_batches=3)
+    assert [y.tolist() for _, y in s] == full[3:]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_validation_counts_every_image_exactly_once(world):
+    seen = []
+    for rank in range(world):
+        s = _stream(n=11, batch=3, rank=rank, world=world, train=False)
+        seen += [v for _, y in s for v in y.tolist()]
+        assert s.num_samples == 11
+    assert sorted(seen) == list(range(11))
+
+
+def test_batch_not_divisible_by_world_size_is_a_clear_error():
+    from cnnkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not divide into 3 processes"):
+        _stream(batch=4, world=3)
+
+
+def test_augmentation_jitters_images_but_not_labels():
+    x = torch.rand(8, 1, 8, 8) * 255
+    aug = Augment(shift=0.125, rotate=10, scale=0.1, mirror=True)
+    out = aug(x, torch.Generator().manual_seed(0))
+    assert out.shape == x.shape and not torch.allclose(out, x)
+    again = aug(x, torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
+    flip = Augment(mirror=True)(x, torch.Generator().manual_seed(1))
+    flipped = torch.isclose(flip, x.flip(-1), atol=1e-4).flatten(1).all(1)
+    same = torch.isclose(flip, x, atol=1e-4).flatten(1).all(1)
+    assert (flipped | same).all() and flipped.any() and same.any()

@@ -1,0 +1,65 @@
+"""The run config: YAML + dotted overrides, validation naming the field, dump round trip."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from cnnkit.config import RunConfig, apply_override, dump_run, load_run, validate_run
+from cnnkit.errors import ConfigError
+
+
+def test_zoo_run_with_overrides_is_typed():
+    config = load_run("digits", ["train.lr=0.02", "data.batch_size=128", "train.milestones=[3, 6]"])
+    assert isinstance(config, RunConfig)
+    assert config.train.lr == 0.02 and config.data["batch_size"] == 128
+    assert config.train.milestones == [3, 6] and config.name == "digits"
+
+
+def test_overrides_create_nested_keys_and_parse_yaml_values():
+    raw: dict = {"train": {"lr": 0.1}}
+    apply_override(raw, "train.compile=true")
+    apply_override(raw, "data.source=faces")
+    assert raw == {"train": {"lr": 0.1, "compile": True}, "data": {"source": "faces"}}
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_override(raw, "=3")
+
+
+def test_dump_then_load_gives_the_same_config(tmp_path):
+    config = load_run("faces", ["seed=7"])
+    dump_run(config, tmp_path / "run.yaml")
+    again = load_run(tmp_path / "run.yaml")
+    assert again == config
+    assert yaml.safe_load((tmp_path / "run.yaml").read_text())["data"]["source"] == "faces"
+
+
+def test_run_file_naming_a_network_file_beside_it(tmp_path):
+    (tmp_path / "net.yaml").write_text(
+        "model: {input: [1, 8, 8], layers: [{type: flatten}, {type: linear}]}\n"
+    )
+    (tmp_path / "run.yaml").write_text("model: net.yaml\ndata: {source: digits}\n")
+    config = load_run(tmp_path / "run.yaml")
+    assert config.model == str(tmp_path / "net.yaml") and config.name == "run"
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"train": {"momentum": 1.5}}, "train.momentum"),
+        ({"train": {"schedule": "multistep"}}, "milestones"),
+        ({"train": {"precision": "fp16", "device": "cpu"}}, "fp16"),
+        ({"train": {"epochs": 0}}, "train.epochs"),
+        ({"data": {"source": "digits", "val_fraction": 1.5}}, "data.val_fraction"),
+        ({"data": {"source": "digits", "colour": 1}}, "data.colour"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_each_bad_field_is_named(change, words):
+    raw = {"model": "digitnet", "data": {"source": "digits"}, **change}
+    with pytest.raises(ConfigError, match=words):
+        validate_run(raw)
+
+
+def test_missing_run_file_or_zoo_name():
+    with pytest.raises(ConfigError, match="neither a zoo run"):
+        load_run("no-such-run")

@@ -1,0 +1,160 @@
+"""The training step against a plain PyTorch loop, optimisers and their per-layer groups,
+precision, and a whole tiny run with every file of its run directory."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from cnnkit import build_model
+from cnnkit.cli import main
+from cnnkit.config import TrainConfig, load_run, validate_run
+from cnnkit.errors import ConfigError
+from cnnkit.train.engine import build_engine, resolve_device, train_step
+from cnnkit.train.optim import build_optimizer
+from cnnkit.train.run import fit
+
+CPU = torch.device("cpu")
+FP32 = {"precision": "fp32", "channels_last": False}
+
+
+def _batch(n=32, shape=(1, 25, 25), classes=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=gen), torch.randint(0, classes, (n,), generator=gen)
+
+
+def test_one_step_lowers_the_loss():
+    torch.manual_seed(0)
+    engine = build_engine(build_model("facenet"), TrainConfig(lr=0.05, **FP32), CPU)
+    x, y = _batch()
+    before, _ = train_step(engine, x, y)
+    for _ in range(3):
+        after, _ = train_step(engine, x, y)
+    assert after.item() < before.item()
+
+
+def test_train_step_equals_a_plain_pytorch_loop():
+    torch.manual_seed(0)
+    network = build_model("facenet")
+    reference = copy.deepcopy(network)
+    cfg = TrainConfig(lr=0.1, momentum=0.9, weight_decay=1e-3, optimizer="nesterov", **FP32)
+    engine = build_engine(network, cfg, CPU)
+    opt = torch.optim.SGD(
+        reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True
+    )
+    for seed in range(3):
+        x, y = _batch(seed=seed)
+        train_step(engine, x, y)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        opt.step()
+    for a, b in zip(network.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_accumulation_equals_the_whole_batch():
+    torch.manual_seed(0)
+    whole = build_model("facenet")
+    parts = copy.deepcopy(whole)
+    x, y = _batch()
+    train_step(build_engine(whole, TrainConfig(**FP32), CPU), x, y)
+    train_step(build_engine(parts, TrainConfig(accumulate=4, **FP32), CPU), x, y)
+    for a, b in zip(whole.parameters(), parts.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_clipping_bounds_the_update():
+    torch.manual_seed(0)
+    network = build_model("facenet")
+    before = torch.cat([p.detach().flatten().clone() for p in network.parameters()])
+    cfg = TrainConfig(lr=1.0, momentum=0.0, weight_decay=0.0, grad_clip=0.01, **FP32)
+    train_step(build_engine(network, cfg, CPU), *_batch())
+    after = torch.cat([p.detach().flatten() for p in network.parameters()])
+    assert (after - before).norm().item() == pytest.approx(0.01, rel=1e-3)
+
+
+def test_alexnet_biases_learn_twice_as_fast_without_decay():
+    network = build_model("alexnet", device="meta")
+    opt = build_optimizer(network, TrainConfig(lr=0.01, weight_decay=5e-4))
+    groups = {(g["lr"], g["weight_decay"]): len(g["params"]) for g in opt.param_groups}
+    assert groups == {(0.01, 5e-4): 8, (0.02, 0.0): 8}  # 8 weights, 8 biases
+
+
+@pytest.mark.parametrize(
+    "name, cls",
+    [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)],
+)
+def test_optimizer_choice(name, cls):
+    opt = build_optimizer(build_model("facenet"), TrainConfig(optimizer=name))
+    assert type(opt) is cls
+
+
+def test_bf16_autocast_on_cpu_trains():
+    torch.manual_seed(0)
+    cfg = TrainConfig(precision="bf16", channels_last=True, lr=0.05)
+    engine = build_engine(build_model("facenet"), cfg, CPU)
+    losses = [train_step(engine, *_batch())[0].item() for _ in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_fp16_and_absent_cuda_are_clear_errors():
+    with pytest.raises(ConfigError, match="fp16"):
+        build_engine(build_model("facenet"), TrainConfig(precision="fp16"), CPU)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            resolve_device("cuda:1")
+
+
+TINY = {
+    "name": "tiny",
+    "model": "facenet",
+    "data": {"source": "faces", "batch_size": 30, "mirror": True, "shift": 0.1},
+    "train": {"epochs": 2, "lr": 0.02, "schedule": "cosine"},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    summary = fit(validate_run(TINY), run_dir, quiet=True)
+    return run_dir, summary
+
+
+def test_run_directory_holds_every_file(tiny_run):
+    run_dir, summary = tiny_run
+    for name in ("config.yaml", "metrics.csv", "last.pt", "best.pt", "curves.png", "summary.json"):
+        assert (run_dir / name).is_file(), name
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert rows[0].split(",")[:6] == [
+        "epoch",
+        "train_loss",
+        "train_top1",
+        "val_loss",
+        "val_top1",
+        "val_top5",
+    ]
+    assert len(rows) == 3
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written["epochs"] == 2 and 0.0 <= written["val_top1"] <= 1.0
+    assert written["val_images"] == 50 and written["val_top1"] == summary["val_top1"]
+
+
+def test_eval_command_repeats_the_held_out_figure(tiny_run, capsys):
+    run_dir, summary = tiny_run
+    with pytest.raises(SystemExit) as done:
+        main(["eval", str(run_dir / "last.pt"), "--json"])
+    assert done.value.code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["images"] == 50
+    assert result["top1"] == pytest.approx(summary["val_top1"])
+    assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-4)
+
+
+def test_digits_run_learns_in_a_few_epochs(tmp_path):
+    config = load_run("digits", ["train.epochs=3", "train.warmup_epochs=0"])
+    summary = fit(config, tmp_path / "digits", quiet=True)
+    assert summary["val_top1"] > 0.9 and summary["val_images"] == 359

@@ -1,0 +1,119 @@
+"""Exact resume: a deterministic run killed with SIGKILL mid-epoch and resumed ends bitwise equal
+to an uninterrupted run; checkpoints are data, never code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnnkit.config import validate_run
+from cnnkit.errors import CheckpointError
+from cnnkit.train.checkpoint import FORMAT, load_checkpoint, load_trained, save_checkpoint
+from cnnkit.train.run import fit, resume_state
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = {
+    "name": "tiny",
+    "model": "digitnet",
+    "data": {"source": "synthetic", "shape": [1, 8, 8], "num_classes": 4, "train_size": 128,
+             "val_size": 21, "batch_size": 16},
+    "train": {"epochs": 2, "lr": 0.05, "schedule": "cosine", "warmup_epochs": 0.5,
+              "checkpoint_every": 3, "label_smoothing": 0.1},
+    "seed": 3,
+    "deterministic": True,
+}  # fmt: skip
+KILL_AT = 13  # global step: epoch 2 (index 1), step 5; the last save was at step 12 (4 in it)
+
+CHILD = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from cnnkit.config import validate_run
+from cnnkit.train.run import fit
+
+def kill(epoch, step, global_step):
+    if global_step == {kill_at}:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+fit(validate_run({run!r}), {out!r}, quiet=True, on_step=kill)
+"""
+
+
+def _tensors(state: dict) -> dict[str, torch.Tensor]:
+    out = dict(state["model"])
+    for pid, s in state["optimizer"]["state"].items():
+        out[f"momentum.{pid}"] = s["momentum_buffer"]
+    return out
+
+
+def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(tmp_path):
+    killed = tmp_path / "killed"
+    script = CHILD.format(root=str(ROOT), kill_at=KILL_AT, run=RUN, out=str(killed))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    state = resume_state(killed)
+    assert (state["epoch"], state["step"], state["global_step"]) == (1, 4, 12)
+    assert len(state["history"]) == 1
+
+    fit(validate_run(RUN), killed, resume=state, quiet=True)
+    fit(validate_run(RUN), tmp_path / "straight", quiet=True)
+
+    resumed = load_checkpoint(killed / "last.pt")
+    straight = load_checkpoint(tmp_path / "straight" / "last.pt")
+    a, b = _tensors(resumed), _tensors(straight)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["global_step"] == straight["global_step"] == 16
+    rows = (killed / "metrics.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 2  # header + exactly one row per epoch
+    assert resumed["history"][-1]["val_top1"] == straight["history"][-1]["val_top1"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "run"
+    fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 1}}), run, quiet=True)
+    return run
+
+
+def test_checkpoint_holding_a_pickled_object_is_refused(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (print, ("this must never run",))
+
+    torch.save({"format": FORMAT, "model": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match="refused"):
+        load_checkpoint(tmp_path / "evil.pt")
+
+
+def test_truncated_and_foreign_checkpoints_are_clear_errors(tmp_path, finished_run):
+    run = finished_run
+    data = (run / "last.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match="truncated or foreign"):
+        load_checkpoint(tmp_path / "cut.pt")
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "foreign.pt")
+    with pytest.raises(CheckpointError, match="not a cnnkit checkpoint"):
+        load_checkpoint(tmp_path / "foreign.pt")
+    with pytest.raises(CheckpointError, match="no such run directory"):
+        resume_state(tmp_path / "nowhere")
+
+
+def test_load_trained_gives_the_trained_network(finished_run):
+    run = finished_run
+    network, meta = load_trained(run)
+    state = load_checkpoint(run / "best.pt")
+    assert not network.training and meta["classes"] == state["classes"]
+    for k, v in network.state_dict().items():
+        assert torch.equal(v, state["model"][k])
+    assert meta["preprocess"]["crop"] == 8 and meta["config"]["name"] == "tiny"
+
+
+def test_save_is_atomic_and_leaves_no_temporary(tmp_path):
+    save_checkpoint({"x": torch.ones(2)}, tmp_path / "a.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]
