@@ -7,9 +7,12 @@ CPU from a per-batch generator (tiny tensors), so a resumed epoch repeats them e
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -102,9 +105,26 @@ def ten_crop(x: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack(five(x) + five(x.flip(-1)), 1)
 
 
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """torch ops on one thread inside: per-image CPU kernels lose more to thread-pool wake-ups
+    than they gain (20x on a busy 2-core machine). Restores the previous count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @dataclass
 class Augment:
-    """How a stream turns uint8 batches into network input on the device."""
+    """How a stream turns uint8 batches into network input on the device.
+
+    On CUDA every step is one batched kernel. On a CPU device one loop over the batch does
+    crop, mirror (a negative stride), conversion and normalisation in one cache-resident pass
+    per image (numpy, off torch's thread pool), into a reusable `out` buffer.
+    """
 
     crop: int  # network input side
     train_crop: Literal["random", "resized", "none"] = "random"
@@ -118,21 +138,24 @@ class Augment:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
     def to(self, device: torch.device) -> Augment:
-        """A copy with the tensors on `device` (float32)."""
-        moved = {k: getattr(self, k) for k in ("mean", "std", "eigval", "eigvec")}
-        moved = {k: None if v is None else v.float().to(device) for k, v in moved.items()}
-        return Augment(self.crop, self.train_crop, self.mirror, self.lighting, scale=self.scale,
-                       ratio=self.ratio, **moved)  # fmt: skip
+        """A copy on `device`, float32, mean as (C, 1, 1) or (C, H, W), std as (C, 1, 1)."""
+        mean = torch.zeros(3) if self.mean is None else torch.as_tensor(self.mean).float()
+        std = torch.ones(mean.shape[0]) if self.std is None else torch.as_tensor(self.std).float()
+        lighting = {k: getattr(self, k) for k in ("eigval", "eigvec")}
+        lighting = {k: None if v is None else v.float().to(device) for k, v in lighting.items()}
+        return Augment(self.crop, self.train_crop, self.mirror, self.lighting,
+                       (mean.view(-1, 1, 1) if mean.dim() == 1 else mean).to(device),
+                       std.view(-1, 1, 1).to(device), scale=self.scale, ratio=self.ratio,
+                       **lighting)  # fmt: skip
 
     def sample(self, batch: int, height: int, width: int, generator: torch.Generator) -> dict:
         """Random parameters of one training batch (CPU tensors)."""
         g = generator
-        flip = (
-            torch.rand(batch, generator=g) < 0.5
-            if self.mirror
-            else torch.zeros(batch, dtype=torch.bool)
-        )
-        p = {"flip": flip, "alpha": torch.randn(batch, 3, generator=g) * self.lighting}
+        flip = torch.rand(batch, generator=g) < 0.5
+        p = {
+            "flip": flip & self.mirror,
+            "alpha": torch.randn(batch, 3, generator=g) * self.lighting,
+        }
         if self.train_crop == "resized":
             p["boxes"] = sample_boxes(batch, height, width, self.scale, self.ratio, g)
         else:
@@ -140,37 +163,78 @@ class Augment:
             p["left"] = torch.randint(0, width - self.crop + 1, (batch,), generator=g)
         return p
 
-    def train(self, x: torch.Tensor, params: dict) -> torch.Tensor:
-        """uint8 (B, C, H, W) on the device -> augmented, normalised float (B, C, crop, crop)."""
+    def light(self, alpha: torch.Tensor) -> torch.Tensor | None:
+        """PCA lighting shift (B, 3, 1, 1) over the std (the 2012 paper's), or None when off."""
+        if not self.lighting or self.eigvec is None:
+            return None
+        shift = (self.eigvec @ (alpha.to(self.eigvec.device) * self.eigval).T).T  # (B, 3), 0-255
+        return shift[:, :, None, None] / self.std
+
+    def train(self, x: torch.Tensor, params: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 (B, C, H, W) -> augmented, normalised float (B, C, crop, crop) on x's device.
+
+        Call on an Augment moved with `.to(device)`; `out`: a reusable output buffer (CPU).
+        """
+        if x.device.type == "cpu":
+            return self._train_cpu(x, params, out)
         p = {k: v.to(x.device, non_blocking=True) for k, v in params.items()}
-        image_mean = self.mean is not None and self.mean.dim() == 3
         if self.train_crop == "resized":
-            x = x.float()
-            x = x - self.mean if image_mean else x
-            x = resized_crop_mirror(x, p["boxes"], p["flip"], self.crop)
-        elif self.train_crop == "random":
-            x = x.float() - self.mean if image_mean else x  # mean image: subtract before cropping
-            x = crop_mirror(x, p["top"], p["left"], p["flip"], self.crop)
-        return self._finish(x, image_mean, p["alpha"] if self.lighting else None)
+            y = resized_crop_mirror(x.float() - self.mean, p["boxes"], p["flip"], self.crop)
+        elif self.mean.shape[-1] > 1:  # mean image: subtract, then crop both at once
+            y = crop_mirror(x.float() - self.mean, p["top"], p["left"], p["flip"], self.crop)
+        else:
+            y = crop_mirror(x, p["top"], p["left"], p["flip"], self.crop).float().sub_(self.mean)
+        y.div_(self.std)
+        shift = self.light(p["alpha"])
+        return y if shift is None else y.add_(shift)
 
-    def eval(self, x: torch.Tensor) -> torch.Tensor:
-        """uint8 (B, C, H, W) -> the normalised centre crop."""
-        image_mean = self.mean is not None and self.mean.dim() == 3
-        x = x.float() - self.mean if image_mean else x
-        return self._finish(center_crop(x, self.crop), image_mean, None)
+    def _train_cpu(self, x: torch.Tensor, p: dict, out: torch.Tensor | None) -> torch.Tensor:
+        B, C, s = x.shape[0], x.shape[1], self.crop
+        out = torch.empty(B, C, s, s) if out is None else out
+        ys, inv = out.numpy(), (1 / self.std).numpy()
+        shift = self.light(p["alpha"])
+        if self.train_crop == "resized":
+            places = p["boxes"].tolist()
+        else:
+            places = list(zip(p["top"].tolist(), p["left"].tolist(), strict=True))
+        with single_threaded():
+            for i, (place, flip) in enumerate(zip(places, p["flip"].tolist(), strict=True)):
+                src, mean = self._crop_one(x, i, place)
+                if flip:
+                    src, mean = src[..., ::-1], mean[..., ::-1]
+                np.subtract(src, mean, out=ys[i])  # crop + mirror + float + mean: one pass
+                np.multiply(ys[i], inv, out=ys[i])
+                if shift is not None:
+                    np.add(ys[i], shift[i].numpy(), out=ys[i])
+        return out
 
-    def _finish(
-        self, x: torch.Tensor, image_mean: bool, alpha: torch.Tensor | None
-    ) -> torch.Tensor:
-        x = x.float() if x.dtype == torch.uint8 else x
-        if self.mean is not None and not image_mean:
-            x = x - self.mean.view(1, -1, 1, 1)
-        if alpha is not None and self.eigvec is not None:  # the 2012 paper's PCA lighting
-            shift = (self.eigvec @ (alpha * self.eigval).T).T  # (B, 3) in 0-255 units
-            x = x + shift[:, :, None, None]
-        if self.std is not None:
-            x = x / self.std.view(1, -1, 1, 1)
-        return x.contiguous()
+    def _crop_one(self, x: torch.Tensor, i: int, place: list) -> tuple[np.ndarray, np.ndarray]:
+        """Image i's crop at place ((top, left) or a box) and the mean to subtract, as numpy."""
+        s, mean = self.crop, self.mean
+        if self.train_crop != "resized":
+            top, left = place
+            src = x[i, :, top : top + s, left : left + s].numpy()
+            return src, (
+                mean[:, top : top + s, left : left + s] if mean.shape[-1] > 1 else mean
+            ).numpy()
+        top, left, h, w = place
+        box = x[i : i + 1, :, top : top + h, left : left + w]  # antialiased uint8 resize
+        src = F.interpolate(box, size=(s, s), mode="bilinear", antialias=True)[0].numpy()
+        if mean.shape[-1] > 1:
+            mean = F.interpolate(mean[None, :, top : top + h, left : left + w], size=(s, s),
+                                 mode="bilinear", antialias=True)[0]  # fmt: skip
+        return src, mean.numpy()
+
+    def eval(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 (B, C, H, W) -> the normalised centre crop (float) on x's device."""
+        crop = center_crop(x, self.crop)
+        mean = center_crop(self.mean, self.crop) if self.mean.shape[-1] > 1 else self.mean
+        if out is None:
+            return (crop.float() - mean).div_(self.std)
+        ys = out.numpy()
+        np.subtract(crop.numpy(), mean.numpy(), out=ys)  # one pass, off the thread pool
+        np.multiply(ys, (1 / self.std).numpy(), out=ys)
+        return out
 
 
 def imagenet_lighting() -> tuple[torch.Tensor, torch.Tensor]:

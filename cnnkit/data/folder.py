@@ -17,7 +17,13 @@ from torch.utils.data import Dataset
 from cnnkit.data.augment import imagenet_lighting
 from cnnkit.data.base import DataBundle, Preprocess
 from cnnkit.data.decode import BadImage, is_image_name, load_resized
-from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams, split_holdout
+from cnnkit.data.loader import (
+    ImageSetConfig,
+    build_augment,
+    build_streams,
+    new_batch,
+    split_holdout,
+)
 from cnnkit.errors import ConfigError, DataError
 
 IMAGENET_MEAN = (123.675, 116.28, 103.53)  # 0-255 units
@@ -104,7 +110,7 @@ class FolderImages(Dataset):
 
     def __getitem__(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list]:
         ids = self.ids[positions]
-        x = torch.empty((len(ids), 3, self.size, self.size), dtype=torch.uint8)
+        x = new_batch(len(ids), self.size)
         kept, bad = [], []
         for i in ids:
             path = self.root / self.files[i]

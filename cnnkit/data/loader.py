@@ -5,6 +5,7 @@ DataLoader; a side CUDA stream copies the next batch and augments it while the m
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator
 from typing import Literal
@@ -12,7 +13,7 @@ from typing import Literal
 import numpy as np
 import torch
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from cnnkit.data.augment import Augment
 from cnnkit.data.base import DataConfigBase
@@ -97,6 +98,45 @@ class EpochBatchSampler(Sampler[list[int]]):
         return max(0, self.total() - self.skip)
 
 
+def new_batch(n: int, size: int, channels: int = 3) -> torch.Tensor:
+    """An empty uint8 (n, C, size, size) batch. In a loader worker it lives in shared memory
+    already, so handing it to the main process sends a file descriptor and copies nothing."""
+    shape = (n, channels, size, size)
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape))
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+class BufferPool:
+    """Float output buffers on the CPU, reused once nothing else references them: a fresh
+    100+ MB tensor costs more in page faults than the whole augmentation. A buffer the caller
+    still holds (a variable, a view, autograd) is never reused; a new one is made instead."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._buffers: list[torch.Tensor] = []
+        self._idle: list[tuple[int, int]] = []  # reference counts of each buffer when unused
+
+    def _refs(self, i: int) -> tuple[int, int]:
+        buf = self._buffers[i]
+        users = torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+        return sys.getrefcount(buf) + 100 * buf._use_count(), users
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A float32 buffer of `shape` that nobody else uses."""
+        for i in range(len(self._buffers)):  # indices, not items: no loop variable holds one
+            if self._buffers[i].shape == shape and self._refs(i) == self._idle[i]:
+                return self._buffers[i]
+        self._buffers, self._idle = (
+            self._buffers[-(self.keep - 1) :],
+            self._idle[-(self.keep - 1) :],
+        )
+        self._buffers.append(torch.empty(shape))
+        self._idle.append(self._refs(len(self._buffers) - 1))
+        return self._buffers[-1]
+
+
 def _load_batch_in_worker(worker_id: int) -> None:
     torch.set_num_threads(1)  # each worker is one core's worth of decoding
 
@@ -114,6 +154,8 @@ class ImageBatches:
         self.num_samples = num_samples
         self._loader: DataLoader | None = None
         self._reported: set[str] = set()
+        reuse = self.device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count")
+        self._pool = BufferPool() if reuse else None
 
     def __len__(self) -> int:
         return self.sampler.total()
@@ -153,12 +195,14 @@ class ImageBatches:
     def _prepare(self, x: torch.Tensor, y: torch.Tensor, position: int) -> tuple:
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
+        crop = self.augment.crop
+        out = self._pool.take((*x.shape[:2], crop, crop)) if self._pool is not None else None
         if not self.train:
-            return self.augment.eval(x), y
+            return self.augment.eval(x, out), y
         s = self.sampler
         g = torch.Generator().manual_seed(derive_seed(s.seed, s.epoch, s.rank, position, 1))
         params = self.augment.sample(x.shape[0], x.shape[2], x.shape[3], g)
-        return self.augment.train(x, params), y
+        return self.augment.train(x, params, out), y
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         start = self.sampler.skip

@@ -17,7 +17,13 @@ from torch.utils.data import Dataset
 from cnnkit.data.augment import lighting_from_cov
 from cnnkit.data.base import DataBundle, Preprocess
 from cnnkit.data.decode import decode_jpeg_bytes
-from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams, split_holdout
+from cnnkit.data.loader import (
+    ImageSetConfig,
+    build_augment,
+    build_streams,
+    new_batch,
+    split_holdout,
+)
 from cnnkit.errors import ConfigError, DataError
 
 PACK_FORMAT = "cnnkit-packed/1"
@@ -70,7 +76,7 @@ class PackedImages(Dataset):
     def __getitem__(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list]:
         ids = self.ids[positions]
         s = self.size
-        x = torch.empty((len(ids), 3, s, s), dtype=torch.uint8)
+        x = new_batch(len(ids), s)
         out, shards = x.numpy().reshape(len(ids), -1), self.shards()
         shard_of, offset, length = (
             self.index["shard"][ids],

@@ -50,7 +50,9 @@ def _polygon(cx: float, cy: float, r: float, sides: int, turn: float, inner: flo
     n = sides * 2 if inner < 1 else sides
     radii = [r * inner if inner < 1 and i % 2 else r for i in range(n)]
     angles = [turn + 2 * math.pi * i / n for i in range(n)]
-    return [(cx + q * math.cos(a), cy + q * math.sin(a)) for q, a in zip(radii, angles, strict=True)]
+    return [
+        (cx + q * math.cos(a), cy + q * math.sin(a)) for q, a in zip(radii, angles, strict=True)
+    ]
 
 
 def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float,

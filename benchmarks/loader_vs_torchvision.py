@@ -1,0 +1,135 @@
+"""cnnkit's loader against torchvision's usual ImageNet pipeline, both measured in this one run.
+
+    python benchmarks/loader_vs_torchvision.py --images 3000 --workers 2 --batch 128 --batches 20
+
+1. Builds (once, offline) a folder of ~500x375 real-photo JPEGs: random crops, resizes, mirrors
+   and colour changes of scikit-image's bundled colour photos (astronaut, coffee, chelsea,
+   rocket, ...), one class per source photo, so every file is distinct.
+2. torchvision: ImageFolder + PIL RandomResizedCrop(224) + RandomHorizontalFlip + ToTensor +
+   Normalize, DataLoader(batch, workers, shuffle), batches moved to the device.
+3. cnnkit: `cnnkit pack` of the same folder at 256x256, then `bench loader` over the packed set
+   and over the JPEG folder itself, with the same workers and batch, device-side augmentation
+   (random-resized-crop 224 + mirror + normalise, like torchvision's; and the seeds' 227 crop).
+Ratios are images/s against torchvision's. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageEnhance
+from skimage import data as skdata
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "hubble_deep_field.jpg",
+          "ihc.png", "retina.jpg", "motorcycle_left.png", "motorcycle_right.png")  # fmt: skip
+PHOTO_DIR = Path(skdata.__file__).parent  # bundled with scikit-image: no download
+
+
+def build_photo_folder(root: Path, images: int, seed: int = 0) -> Path:
+    """Write `images` distinct ~500x375 JPEGs under root/<photo>/ (skipped if already there)."""
+    if root.is_dir() and sum(1 for _ in root.glob("*/*.jpg")) >= images:
+        return root
+    rng = np.random.default_rng(seed)
+    sources = [Image.open(PHOTO_DIR / name).convert("RGB") for name in PHOTOS]
+    for i in range(images):
+        k = i % len(PHOTOS)
+        src = sources[k]
+        area = rng.uniform(0.3, 1.0) * src.width * src.height
+        aspect = rng.uniform(0.75, 1.33)
+        w = int(min(src.width, np.sqrt(area * aspect)))
+        h = int(min(src.height, np.sqrt(area / aspect)))
+        x0, y0 = rng.integers(0, src.width - w + 1), rng.integers(0, src.height - h + 1)
+        size = (500, 375) if rng.random() < 0.8 else (375, 500)
+        im = src.crop((x0, y0, x0 + w, y0 + h)).resize(size, Image.BICUBIC)
+        if rng.random() < 0.5:
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        im = ImageEnhance.Color(im).enhance(rng.uniform(0.6, 1.4))
+        im = ImageEnhance.Brightness(im).enhance(rng.uniform(0.7, 1.3))
+        folder = root / PHOTOS[k].split(".")[0]
+        folder.mkdir(parents=True, exist_ok=True)
+        im.save(folder / f"{i:06d}.jpg", quality=int(rng.integers(85, 96)))
+    return root
+
+
+def torchvision_images_per_second(root: Path, workers: int, batch: int, batches: int,
+                                  warmup: int, device: torch.device) -> float:  # fmt: skip
+    """torchvision's usual training pipeline over the folder: images/s after warm-up."""
+    import torchvision.transforms as T
+    from torchvision.datasets import ImageFolder
+
+    transform = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                           T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        ImageFolder(str(root), transform=transform), batch_size=batch, shuffle=True,
+        num_workers=workers, pin_memory=device.type == "cuda", drop_last=True,
+        persistent_workers=workers > 0,
+    )  # fmt: skip
+
+    def endless():
+        while True:
+            yield from loader
+
+    it = endless()
+    for _ in range(warmup + 1):
+        next(it)
+    start, images = time.perf_counter(), 0
+    for _ in range(batches):
+        x, y = next(it)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        images += x.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return images / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=3000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/cnnkit-loader-bench"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    from cnnkit.bench.loader import bench_loader
+    from cnnkit.data.pack import pack_folder
+
+    device = torch.device(args.device)
+    photos = build_photo_folder(args.work / "photos", args.images)
+    start = time.perf_counter()
+    pack_folder(photos, args.work / "packed", size=256, progress=False, workers=args.workers)
+    pack_seconds = time.perf_counter() - start
+    common = {"workers": args.workers, "batch": args.batch, "batches": args.batches,
+              "warmup": args.warmup, "device": device}  # fmt: skip
+    rrc = {"crop": 224, "train_crop": "resized"}
+    results = {"torchvision": torchvision_images_per_second(photos, args.workers, args.batch,
+                                                            args.batches, args.warmup, device)}  # fmt: skip
+    runs = {
+        "cnnkit_packed_rrc224": (args.work / "packed", rrc),
+        "cnnkit_packed_crop227": (args.work / "packed", {}),
+        "cnnkit_folder_rrc224": (photos, rrc),
+    }
+    for name, (path, options) in runs.items():
+        results[name] = bench_loader(path, **common, **options)["images_per_second"]
+    base = results["torchvision"]
+    print(f"{args.images} JPEGs ~500x375, workers {args.workers}, batch {args.batch}, {device}")
+    for name, ips in results.items():
+        print(f"  {name:24s} {ips:9.0f} images/s   x{ips / base:5.1f}")
+    print(f"  pack of {args.images} images at 256 px: {pack_seconds:.1f} s")
+    ratios = {f"{k}_ratio": v / base for k, v in results.items() if k != "torchvision"}
+    print(json.dumps({**args.__dict__, "work": str(args.work), "images_per_second": results,
+                      **ratios, "pack_seconds": pack_seconds}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
