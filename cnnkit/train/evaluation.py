@@ -16,9 +16,10 @@ from cnnkit.train.engine import build_engine, resolve_device
 from cnnkit.train.loop import evaluate
 
 
-def data_section(spec: str | None, trained: dict[str, Any]) -> dict[str, Any]:
-    """The data section to evaluate on: the run's own (held-out split) when `spec` is None; a
-    source name; a YAML file with a `data:` mapping; or a directory (packed set or image folder)."""
+def data_section(spec: str | None, trained: dict[str, Any], pre: dict[str, Any]) -> dict[str, Any]:
+    """The data section to evaluate on: the run's own (its held-out split) when `spec` is None; a
+    source name; a YAML file with a `data:` mapping; or a directory (a packed set if it holds
+    meta.json, else an image folder), all of whose images are evaluated as the run saw them."""
     if spec is None:
         return dict(trained)
     if spec in SOURCES:
@@ -30,16 +31,15 @@ def data_section(spec: str | None, trained: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(section, dict):
             raise ConfigError(f"--data {spec}: the file has no data: mapping")
         return section
-    if path.is_dir():
-        packed = (path / "meta.json").is_file() or any(path.glob("*.json"))
-        return (
-            {"source": "packed", "path": str(path)}
-            if packed
-            else {"source": "folder", "path": str(path)}
-        )
-    raise DataError(
-        f"--data {spec}: neither a data source ({', '.join(SOURCES)}), a file nor a directory"
-    )
+    if not path.is_dir():
+        raise DataError(f"--data {spec}: not a data source ({', '.join(SOURCES)}), file or folder")
+    section = {"path": str(path), "val_path": str(path), "crop": pre["crop"]}
+    if (path / "meta.json").is_file():
+        return {"source": "packed", **section}
+    size = pre.get("resize") or pre["crop"]
+    mean, std = pre["mean"], pre["std"]
+    return {"source": "folder", **section, "size": size, "resize_mode": pre["resize_mode"],
+            "mean": mean * 3 if len(mean) == 1 else mean, "std": std * 3 if len(std) == 1 else std}  # fmt: skip
 
 
 def evaluate_checkpoint(
@@ -51,7 +51,7 @@ def evaluate_checkpoint(
     """Evaluate a run directory or checkpoint; returns loss, top1, top5, images and where."""
     network, meta = load_trained(target)
     config = meta["config"]
-    section = data_section(data, config["data"])
+    section = data_section(data, config["data"], meta["preprocess"])
     if batch_size is not None:
         section["eval_batch_size"] = batch_size
     train_cfg = TrainConfig.model_validate(

@@ -114,7 +114,7 @@ class Console:
 
     def print(self, text: str) -> None:
         if not self.quiet:
-            self.console.print(text, markup=False)
+            self.console.print(text, markup=False, soft_wrap=True)
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int) -> None:
         if self.quiet:

@@ -30,6 +30,10 @@ NETS: dict[str, tuple[str, str]] = {
 RUNS: dict[str, tuple[str, str]] = {
     "digits": ("runs/digits.yaml", "digitnet on scikit-learn's 8x8 digits (offline, seconds)"),
     "faces": ("runs/faces.yaml", "facenet on scikit-image's 25x25 face / non-face patches"),
+    "alexnet-imagenet": (
+        "runs/alexnet-imagenet.yaml",
+        "AlexNet on packed ImageNet with the 2012 / first-seed recipe (needs the data)",
+    ),
 }
 
 
