@@ -95,7 +95,7 @@ def test_safetensors_without_cnnkit_metadata_is_refused(tmp_path):
 def test_torchscript_export_matches(tmp_path, capsys):
     out = tmp_path / "net.pt"
     code, stdout, err = run_cli(
-        ["export", "inception-small", "-f", "torchscript", "-o", str(out), "--check"], capsys
+        ["export", "lenet5", "-f", "torchscript", "-o", str(out), "--check"], capsys
     )
     assert code == 0 and "passed" in stdout, err
     code, _, err = run_cli(["export", "lenet5", "-f", "keras", "-o", str(out)], capsys)
