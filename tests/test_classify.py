@@ -139,4 +139,4 @@ def test_cli_missing_inputs_are_one_line_errors(digits_run, tmp_path, capsys):
     code, _, err = run_cli(["classify", str(tmp_path / "nope"), "x.png"], capsys)
     assert code == 1 and "no such run directory" in err
     code, _, err = run_cli(["classify", str(digits_run), str(tmp_path / "*.jpg")], capsys)
-    assert code == 1 and "no file matches" in err and len(err.splitlines()) == 1
+    assert code == 1 and "No such file" in err and len(err.splitlines()) == 1

@@ -20,21 +20,20 @@ ImageInput = str | Path | Image.Image | np.ndarray | torch.Tensor
 
 
 def expand_paths(patterns: list[str]) -> list[Path]:
-    """Files, folders (their image files, sorted, recursively) and globs -> a list of files."""
+    """Files, folders (their image files, sorted, recursively) and globs -> a list of files.
+
+    A name that matches nothing stays in the list, so that it is reported with the others.
+    """
     found: list[Path] = []
     for pattern in patterns:
         path = Path(pattern)
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else []
         if path.is_dir():
             found += sorted(p for p in path.rglob("*") if p.is_file() and is_image_name(p.name))
-        elif path.exists():
-            found.append(path)
-        elif glob.has_magic(pattern):
-            matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
-            if not matches:
-                raise DataError(f"{pattern}: no file matches")
-            found += [p for p in matches if p.is_file()]
+        elif matches:
+            found += [Path(p) for p in matches if Path(p).is_file()]
         else:
-            raise DataError(f"{pattern}: no such file or folder")
+            found.append(path)
     return found
 
 
