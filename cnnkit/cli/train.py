@@ -20,26 +20,32 @@ def train(
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<name>-<time>)."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars or epoch lines."),
-    nproc: int = typer.Option(
-        None, "--nproc", help="Start N processes on this machine (torchrun)."
-    ),
+    nproc: int = typer.Option(None, "--nproc", min=1, help="Start N processes here (torchrun)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="With --nproc: restarts."),
 ) -> None:
     """Train a network: `cnnkit train digits`, `cnnkit train run.yaml train.lr=0.02`."""
-    from cnnkit.config import load_run
-    from cnnkit.errors import ConfigError
-    from cnnkit.train.run import fit, new_run_dir, resume_config, resume_state
+    from cnnkit.train.run import launch
 
     overrides = list(overrides or [])
     if run is not None and "=" in run and resume is not None:
         run, overrides = None, [run, *overrides]
+    if nproc is not None:
+        raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
+    launch(run, overrides, out=out, resume=resume, quiet=quiet)
+
+
+def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int) -> int:
+    """Re-run this command under torchrun with N processes and one agreed run directory."""
+    from cnnkit.config import load_run
+    from cnnkit.distributed import start_local
+    from cnnkit.train.run import new_run_dir
+
+    argv = ["train", *([run] if run else []), *overrides]
     if resume is not None:
-        state = resume_state(resume)
-        fit(resume_config(state, overrides), resume, resume=state, quiet=quiet)
-        return
-    if run is None:
-        raise ConfigError("train: give a run (a zoo name or a run file) or --resume RUN_DIR")
-    config = load_run(run, overrides)
-    fit(config, new_run_dir(config.name, out), quiet=quiet)
+        argv += ["--resume", str(resume)]
+    else:
+        argv += ["--out", str(new_run_dir(load_run(run, overrides).name, out))]
+    return start_local(nproc, argv + (["--quiet"] if quiet else []), max_restarts)
 
 
 def evaluate(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cnnkit.config import RunConfig, apply_override, dump_run, validate_run
+from cnnkit.config import RunConfig, apply_override, dump_run, load_run, validate_run
 from cnnkit.data import data_config
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -32,8 +32,14 @@ from cnnkit.train.optim import Schedule
 RUN_FILES = ("config.yaml", "last.pt", "best.pt", "metrics.csv", "summary.json")
 
 
-def new_run_dir(name: str, out: str | Path | None) -> Path:
-    """The directory a new run will write (not created yet); refuses one that holds a run."""
+def new_run_dir(
+    name: str, out: str | Path | None, reuse: bool = False, tag: str | None = None
+) -> Path:
+    """The directory a new run will write (not created yet); refuses one that holds a run unless
+    `reuse` (an elastic restart before the first checkpoint). `tag`: torchrun's job id, so every
+    rank and every restart agrees on the default runs/<name>-<tag>."""
+    if out is None and tag is not None:
+        out = Path("runs") / f"{name}-{tag[:12]}"
     if out is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{name}-{stamp}"
@@ -45,9 +51,38 @@ def new_run_dir(name: str, out: str | Path | None) -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {path}: exists and is not a directory")
-    if any((path / f).exists() for f in RUN_FILES):
+    if not reuse and any((path / f).exists() for f in RUN_FILES):
         raise ConfigError(f"--out {path}: already holds a run (continue it with --resume {path})")
     return path
+
+
+def launch(
+    run: str | Path | None,
+    overrides: list[str] | None = None,
+    out: str | Path | None = None,
+    resume: str | Path | None = None,
+    quiet: bool = False,
+    on_step: StepHook | None = None,
+) -> dict[str, Any]:
+    """What `cnnkit train` does, alone or as one torchrun worker: validate, join the process
+    group, pick or resume the run directory (elastic restarts continue from last.pt), fit."""
+    from cnnkit import distributed
+
+    restarted = distributed.restart_count() > 0
+    state = resume_state(resume) if resume is not None else None
+    if state is None and run is None:
+        raise ConfigError("train: give a run (a zoo name or a run file) or --resume RUN_DIR")
+    config = resume_config(state, overrides) if state else load_run(run, overrides)
+    with distributed.group_for(config.train) as group:
+        if state is None:
+            tag = distributed.run_id() if group is not None else None
+            run_dir = new_run_dir(config.name, out, reuse=restarted, tag=tag)
+            if restarted and (run_dir / "last.pt").is_file():
+                state = resume_state(run_dir)  # the group died: continue from its checkpoint
+                config = resume_config(state, overrides)
+        else:
+            run_dir = Path(resume)
+        return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group)
 
 
 def resume_state(run_dir: str | Path) -> dict[str, Any]:
@@ -80,6 +115,11 @@ def fit(
     dist = dist or Local()
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
     device = dist.device(config.train.device)
+    if config.data["batch_size"] % dist.world_size:
+        raise ConfigError(
+            f"data.batch_size: the global batch {config.data['batch_size']} does not divide into "
+            f"{dist.world_size} processes (each takes batch_size / world_size)"
+        )
     with deterministic_mode(config.deterministic, device):
         seed_everything(config.seed)
         data = data_config(config.data).build(device, dist.rank, dist.world_size, config.seed)

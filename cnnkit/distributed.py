@@ -1,0 +1,160 @@
+"""The only module that touches torch.distributed or torchrun's variables (RANK, WORLD_SIZE,
+LOCAL_RANK, TORCHELASTIC_*): process group, DDP or periodic weight averaging, collectives.
+
+    torchrun --standalone --nproc_per_node=2 -m cnnkit train digits --out runs/digits-ddp
+    cnnkit train digits --nproc 2          # the same, started for you
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cnnkit.errors import CnnkitError, ConfigError
+
+
+def launched() -> bool:
+    """True inside a torchrun worker."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this group (elastic restarts; 0 on the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def run_id() -> str | None:
+    """torchrun's id of this job (the same on every rank and across restarts)."""
+    value = os.environ.get("TORCHELASTIC_RUN_ID")
+    return value if value and value != "none" else None
+
+
+class Group:
+    """This process's place in the torchrun group and the collectives the training loop needs.
+
+    sync "ddp": gradients all-reduced by DistributedDataParallel at every step (the default).
+    sync "average": each replica steps on its own batches and every `average_every` steps the
+    weights and SGD momenta are averaged (the first seed's scheme; K = 1 equals synchronous SGD).
+    """
+
+    def __init__(self, train_cfg: Any):
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.is_main = self.rank == 0
+        self.sync, self.every, self.sync_bn = (
+            train_cfg.sync,
+            train_cfg.average_every,
+            train_cfg.sync_bn,
+        )
+        self.use_cuda = train_cfg.device != "cpu" and torch.cuda.is_available()
+        if self.use_cuda:
+            torch.cuda.set_device(self.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if self.use_cuda else "gloo", timeout=timedelta(seconds=train_cfg.timeout_s)
+            )
+        self.timeout_s = train_cfg.timeout_s
+
+    def device(self, name: str) -> torch.device:
+        """One device per process: cuda:LOCAL_RANK under NCCL, else the CPU."""
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"train.device: {name!r} asked for, but no CUDA device is available")
+        return torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (returns the same tensor, reduced in place)."""
+        dist.all_reduce(tensor)
+        return tensor
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP for sync "ddp"; the plain model (replicas kept in step by averaging) otherwise."""
+        if self.sync_bn:
+            convert_sync_batchnorm(model)
+        if self.sync == "average":
+            self._broadcast(model)  # identical starting weights on every replica
+            return model
+        device_ids = [self.local_rank] if self.use_cuda else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    def after_step(self, engine: Any, global_step: int) -> None:
+        """sync "average": every K steps, average weights and momenta with PyTorch's utility."""
+        if self.sync != "average" or global_step % self.every:
+            return
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+        params = [p for p in engine.network.parameters() if p.requires_grad]
+        momenta = [
+            s["momentum_buffer"]
+            for s in engine.optimizer.state.values()
+            if s.get("momentum_buffer") is not None
+        ]
+        average_parameters(iter(params + momenta), dist.group.WORLD)
+
+    def _broadcast(self, model: nn.Module) -> None:
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, 0)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def convert_sync_batchnorm(network: nn.Module) -> None:
+    """Swap BatchNorm layers for SyncBatchNorm in place, keeping the network's run order."""
+    mapping: dict[int, nn.Module] = {}
+    for name, module in list(network.named_modules()):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            synced = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+            mapping[id(module)] = synced
+            parent_name, _, leaf = name.rpartition(".")
+            network.get_submodule(parent_name).add_module(leaf, synced)
+    steps = getattr(network, "_steps", None)
+    if mapping and steps is not None:  # cnnkit.nn.Network runs the modules it captured at build
+        network._steps = tuple((mapping.get(id(m), m), i, f) for m, i, f in steps)
+
+
+@contextmanager
+def group_for(train_cfg: Any) -> Iterator[Group | None]:
+    """The process group when running under torchrun (None alone); collective timeouts and
+    peer failures become one clear CnnkitError."""
+    if not launched():
+        yield None
+        return
+    group = Group(train_cfg)
+    try:
+        yield group
+    except (dist.DistError, RuntimeError) as e:
+        if isinstance(e, CnnkitError):
+            raise
+        text = str(e).lower()
+        if "timeout" in text or "timed out" in text:
+            raise CnnkitError(
+                f"rank {group.rank}: a collective timed out after {group.timeout_s}s "
+                "(a peer died or hung; raise train.timeout_s for slow steps)"
+            ) from None
+        if "connection" in text or "peer" in text or "closed" in text:
+            raise CnnkitError(
+                f"rank {group.rank}: lost a peer process ({text.splitlines()[0]})"
+            ) from None
+        raise
+    finally:
+        group.close()
+
+
+def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """`cnnkit train --nproc N ...`: run torchrun for one machine; returns its exit status."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "cnnkit", *argv,
+    ]  # fmt: skip
+    return subprocess.call(cmd)

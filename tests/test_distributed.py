@@ -1,0 +1,160 @@
+"""Two gloo processes under torchrun against one process: DDP and weight averaging give the same
+parameters, evaluation counts each image once, a killed worker is restarted and the run ends."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from cnnkit.config import validate_run
+from cnnkit.data import data_config
+from cnnkit.nn import build_model
+from cnnkit.train.checkpoint import load_checkpoint
+from cnnkit.train.engine import build_engine
+from cnnkit.train.loop import evaluate
+from cnnkit.train.run import fit
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {
+    "name": "ddp",
+    "model": "facenet",
+    "data": {"source": "synthetic", "shape": [1, 25, 25], "num_classes": 4, "train_size": 64,
+             "val_size": 21, "batch_size": 16},
+    "train": {"epochs": 2, "lr": 0.05, "precision": "fp32", "channels_last": False,
+              "checkpoint_every": 2},
+    "seed": 5,
+    "deterministic": True,
+}  # fmt: skip
+SCENARIOS = {
+    "ddp": {},
+    "avg1": {"sync": "average"},
+    "avg3": {"sync": "average", "average_every": 3},
+}
+
+WORKER = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+import torch
+from cnnkit import distributed
+from cnnkit.config import validate_run
+from cnnkit.data import data_config
+from cnnkit.errors import ConfigError
+from cnnkit.nn import build_model
+from cnnkit.train.engine import build_engine
+from cnnkit.train.loop import evaluate
+from cnnkit.train.run import fit
+
+base, scenarios, out = {base!r}, {scenarios!r}, {out!r}
+group = None
+for name, change in scenarios.items():
+    cfg = validate_run({{**base, "train": {{**base["train"], **change}}}})
+    group = distributed.Group(cfg.train)
+    fit(cfg, os.path.join(out, name), quiet=True, dist=group)
+torch.manual_seed(0)
+data = data_config(base["data"]).build(torch.device("cpu"), group.rank, 2, 0)
+engine = build_engine(build_model("facenet", num_classes=4), cfg.train, torch.device("cpu"))
+result = {{"eval": evaluate(engine, data.val, group), "val_len": len(data.val)}}
+try:
+    fit(validate_run({{**base, "data": {{**base["data"], "batch_size": 15}}}}), out + "/bad", dist=group)
+except ConfigError as e:
+    result["bad"] = str(e)
+json.dump(result, open(os.path.join(out, f"rank{{group.rank}}.json"), "w"))
+group.close()
+"""
+
+
+def _torchrun(tmp_path: Path, script: str, *extra: str) -> subprocess.CompletedProcess:
+    (tmp_path / "worker.py").write_text(textwrap.dedent(script))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--monitor-interval=0.2", *extra, str(tmp_path / "worker.py")]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    script = WORKER.format(root=str(ROOT), base=BASE, scenarios=SCENARIOS, out=str(out))
+    proc = _torchrun(out, script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _params(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path)["model"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "avg1"])
+def test_two_processes_match_one(name, two_processes, tmp_path):
+    one = fit(
+        validate_run({**BASE, "train": {**BASE["train"], **SCENARIOS[name]}}),
+        tmp_path / "one",
+        quiet=True,
+    )
+    two, single = _params(two_processes / name / "last.pt"), _params(tmp_path / "one" / "last.pt")
+    for key in single:
+        torch.testing.assert_close(two[key], single[key], rtol=1e-4, atol=1e-5)
+    summary = json.loads((two_processes / name / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["val_images"] == 21
+    assert summary["val_top1"] == pytest.approx(one["val_top1"])
+    rows = (two_processes / name / "metrics.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + BASE["train"]["epochs"]
+
+
+def test_averaging_every_three_steps_trains(two_processes):
+    state = load_checkpoint(two_processes / "avg3" / "last.pt")
+    first, last = state["history"][0], state["history"][-1]
+    assert state["global_step"] == 8 and last["train_loss"] < first["train_loss"] * 1.5
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_distributed_evaluation_counts_each_image_once(two_processes):
+    torch.manual_seed(0)
+    data = data_config(BASE["data"]).build(torch.device("cpu"), 0, 1, 0)
+    cfg = validate_run(BASE).train
+    engine = build_engine(build_model("facenet", num_classes=4), cfg, torch.device("cpu"))
+    alone = evaluate(engine, data.val)
+    ranks = [json.loads((two_processes / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["eval"] == ranks[1]["eval"]
+    assert ranks[0]["eval"]["top1"] == pytest.approx(alone["top1"])
+    assert ranks[0]["eval"]["loss"] == pytest.approx(alone["loss"], rel=1e-5)
+    assert sum(r["val_len"] for r in ranks) == 2  # 11 + 10 images: one batch each, no padding
+
+
+def test_bad_world_size_and_batch_is_a_clear_error(two_processes):
+    message = json.loads((two_processes / "rank0.json").read_text())["bad"]
+    assert "15 does not divide into 2 processes" in message
+
+
+ELASTIC = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from cnnkit import distributed
+from cnnkit.train.run import launch
+
+def kill_once(epoch, step, global_step):
+    if distributed.restart_count() == 0 and int(os.environ["RANK"]) == 1 and global_step == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+launch({run!r}, out={out!r}, quiet=True, on_step=kill_once)
+"""
+
+
+def test_killed_worker_restarts_and_the_run_finishes(tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({**BASE, "train": {**BASE["train"], "epochs": 3}}))
+    out = tmp_path / "out"
+    proc = _torchrun(tmp_path, ELASTIC.format(root=str(ROOT), run=str(run), out=str(out)),
+                     "--max-restarts=1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restart" in proc.stderr.lower() or "failed" in proc.stderr.lower()
+    rows = (out / "metrics.csv").read_text().strip().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs"] == 3 and load_checkpoint(out / "last.pt")["global_step"] == 12
