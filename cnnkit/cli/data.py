@@ -44,7 +44,7 @@ def pack(
     if resize not in RESIZE:
         raise ConfigError(f"--resize: {resize!r} is not squash or shorter-side-crop")
     s = pack_folder(src, dst, size, RESIZE[resize], format, quality, workers, labels)
-    resumed = f", {s.resumed_shards} shards resumed" if s.resumed_shards else ""
+    resumed = f", {s.resumed_shards} shards already done" if s.resumed_shards else ""
     print(
         f"packed {s.images} images of {s.classes} classes into {s.shards} shards{resumed} -> {dst}"
     )

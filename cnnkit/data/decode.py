@@ -42,8 +42,8 @@ def _scaled_minimum(h: int, w: int, size: int, mode: ResizeMode) -> tuple[int, i
     return int(np.ceil(h * scale)), int(np.ceil(w * scale))
 
 
-def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode) -> np.ndarray | None:
-    """Decode an RGB/grey JPEG with simplejpeg (None: let Pillow handle it)."""
+def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode) -> tuple | None:
+    """Decode an RGB/grey JPEG with simplejpeg: (array, note), or None to let Pillow do it."""
     if simplejpeg is None:
         return None
     try:
@@ -53,8 +53,11 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode) -> np.ndarray
     if colorspace not in ("RGB", "YCbCr", "Gray"):  # CMYK/YCCK: Pillow knows Adobe's inversion
         return None
     min_h, min_w = _scaled_minimum(h, w, size, mode) if size else (0, 0)
+    note = "L -> RGB" if colorspace == "Gray" else None  # the same words as Pillow's path
     try:
-        return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w)
+        return simplejpeg.decode_jpeg(
+            data, colorspace="RGB", min_height=min_h, min_width=min_w
+        ), note
     except ValueError as e:
         raise BadImage(_jpeg_reason(str(e))) from None
 
@@ -85,12 +88,12 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str)
     except UnidentifiedImageError:
         raise BadImage("not an image (unrecognised format)") from None
     except (OSError, SyntaxError, ValueError) as e:
-        reason = "truncated image" if "truncated" in str(e) else f"unreadable image ({e})"
+        reason = "truncated image" if "truncated" in str(e).lower() else f"unreadable image ({e})"
         raise BadImage(reason) from None
     if im.mode != "RGB":
         notes.append(f"{im.mode} -> RGB")
         im = im.convert("RGB")
-    return np.asarray(im), "; ".join(notes) or None
+    return np.array(im), "; ".join(notes) or None  # writable: torch.from_numpy takes it
 
 
 def read_image(
@@ -109,9 +112,9 @@ def read_image(
     if not data:
         raise BadImage("empty file")
     if data.startswith(_JPEG_MAGIC):
-        array = _decode_turbo(data, size, mode)
-        if array is not None:
-            return array, None
+        decoded = _decode_turbo(data, size, mode)
+        if decoded is not None:
+            return decoded
     return _decode_pillow(data, size, mode, path.suffix.lower())
 
 
@@ -124,7 +127,7 @@ def decode_jpeg_bytes(data: bytes | memoryview, size: int | None = None) -> np.n
     im = Image.open(io.BytesIO(data))
     if size:
         im.draft("RGB", (size, size))
-    return np.asarray(im.convert("RGB"))
+    return np.array(im.convert("RGB"))
 
 
 def encode_jpeg(image_chw: np.ndarray, quality: int) -> bytes:

@@ -66,14 +66,15 @@ class PackSummary:
 def _image_stats(image: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel sums (3,) and RGB cross-products (3, 3) of one uint8 image, in float64.
 
-    Sums are exact; cross-products use every 4th pixel, scaled up (10x cheaper, same estimate).
+    Sums and squares (hence mean and std) are exact; the off-diagonal products use every 7th
+    pixel, scaled up (a 7x cheaper estimate; they only steer the PCA lighting).
     """
     pixels = image.numpy().reshape(3, -1)
-    sample = pixels[:, ::4].astype(np.float32)
-    scale = pixels.shape[1] / sample.shape[1]
-    return pixels.sum(1, dtype=np.int64).astype(np.float64), (sample @ sample.T).astype(
-        np.float64
-    ) * scale
+    sample = pixels[:, ::7].astype(np.float32)
+    xxt = (sample @ sample.T).astype(np.float64) * (pixels.shape[1] / sample.shape[1])
+    squares = np.square(pixels, dtype=np.uint32).sum(1, dtype=np.uint64)
+    np.fill_diagonal(xxt, squares.astype(np.float64))
+    return pixels.sum(1, dtype=np.int64).astype(np.float64), xxt
 
 
 def pack_shard(job: PackJob) -> tuple[int, int]:
@@ -119,7 +120,8 @@ def pack_shard(job: PackJob) -> tuple[int, int]:
     return job.shard, len(job.files)
 
 
-def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None) -> dict:
+def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
+          shard_size: int | None) -> dict:  # fmt: skip
     """The pack's fixed plan (file list, labels, params); reused when resuming into DST."""
     plan_path = dst / "plan.json"
     if plan_path.exists():
@@ -135,7 +137,10 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None) -> dict:
     files, labels, classes = scan_folder(src, labels_file)
     if not files:
         raise DataError(f"{src}: no image files found")
-    plan = {"params": params, "files": files, "labels": labels, "classes": classes}
+    # ~32+ shards so every process stays busy, at most 512 images (100 MB raw) per shard
+    shard_size = shard_size or min(512, max(16, -(-len(files) // 32)))
+    plan = {"params": params, "files": files, "labels": labels, "classes": classes,
+            "shard_size": shard_size}  # fmt: skip
     (dst / "shards").mkdir(parents=True, exist_ok=True)
     tmp = dst / "plan.json.tmp"
     tmp.write_text(json.dumps(plan))
@@ -143,7 +148,8 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None) -> dict:
     return plan
 
 
-def _jobs(plan: dict, src: Path, dst: Path, shard_size: int) -> list[PackJob]:
+def _jobs(plan: dict, src: Path, dst: Path) -> list[PackJob]:
+    shard_size = plan["shard_size"]
     p = plan["params"]
     n = len(plan["files"])
     return [
@@ -237,14 +243,14 @@ def pack_folder(
     quality: int = 90,
     workers: int | None = None,
     labels_file: str | Path | None = None,
-    shard_size: int = 512,
+    shard_size: int | None = None,
     progress: bool = True,
 ) -> PackSummary:
     """Pack an image folder (class subfolders, or flat + labels file) into DST; resumable."""
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise DataError(f"{src}: not a folder")
-    if size < 8 or not 1 <= quality <= 100 or shard_size < 1:
+    if size < 8 or not 1 <= quality <= 100 or (shard_size or 1) < 1:
         raise ConfigError("--size must be >= 8, --quality 1..100")
     if resize not in ("squash", "shorter") or format not in SHARD_SUFFIX:
         raise ConfigError(
@@ -252,9 +258,9 @@ def pack_folder(
         )
     dst.mkdir(parents=True, exist_ok=True)
     params = {"source": str(src.resolve()), "size": size, "resize": resize, "storage": format,
-              "quality": quality, "shard_size": shard_size}  # fmt: skip
-    plan = _plan(src, dst, params, Path(labels_file) if labels_file else None)
-    jobs = _jobs(plan, src, dst, shard_size)
+              "quality": quality}  # fmt: skip
+    plan = _plan(src, dst, params, Path(labels_file) if labels_file else None, shard_size)
+    jobs = _jobs(plan, src, dst)
     todo = [j for j in jobs if not (dst / "shards" / f"{j.shard:05d}.npz").exists()]
     done_images = sum(len(j.files) for j in jobs if j not in todo)
     if todo or not (dst / "meta.json").exists():

@@ -1,0 +1,131 @@
+"""Batched augmentation: crops, mirrors, normalisation, lighting and 10 crops against references
+(per-image slicing, torchvision), and the CPU fast path against the batched kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision.transforms as T
+import torchvision.transforms.functional as TF
+
+from cnnkit.data.augment import (
+    Augment,
+    center_crop,
+    crop_mirror,
+    lighting_from_cov,
+    resized_crop_mirror,
+    sample_boxes,
+    ten_crop,
+)
+
+CPU = torch.device("cpu")
+
+
+def batch(b: int = 6, size: int = 32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8, generator=g)
+
+
+def test_crop_mirror_equals_per_image_slicing():
+    x = batch()
+    g = torch.Generator().manual_seed(1)
+    top, left = torch.randint(0, 9, (6,), generator=g), torch.randint(0, 9, (6,), generator=g)
+    flip = torch.tensor([True, False, True, False, False, True])
+    out = crop_mirror(x, top, left, flip, 24)
+    for i in range(6):
+        ref = x[i, :, top[i] : top[i] + 24, left[i] : left[i] + 24]
+        torch.testing.assert_close(out[i], ref.flip(-1) if flip[i] else ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mean_image", [False, True])
+@pytest.mark.parametrize("lighting", [0.0, 0.1])
+def test_cpu_fast_path_equals_batched_gather(mean_image, lighting):
+    x = batch()
+    mean = torch.rand(3, 32, 32) * 255 if mean_image else torch.tensor([120.0, 110.0, 100.0])
+    eigval, eigvec = lighting_from_cov([[900, 100, 50], [100, 800, 60], [50, 60, 700]])
+    aug = Augment(24, "random", True, lighting, mean, torch.tensor([50.0, 60, 70]), eigval, eigvec)
+    aug = aug.to(CPU)
+    p = aug.sample(6, 32, 32, torch.Generator().manual_seed(3))
+    out = aug.train(x, p, out=torch.empty(6, 3, 24, 24))
+    ref = crop_mirror(x.float() - aug.mean, p["top"], p["left"], p["flip"], 24) / aug.std
+    if lighting:
+        ref = ref + aug.light(p["alpha"])
+        assert ref.std() > 0
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_is_torchvision_center_crop_and_normalize():
+    x = batch(size=30)
+    mean, std = [120.0, 110.0, 100.0], [50.0, 60.0, 70.0]
+    aug = Augment(24, mean=torch.tensor(mean), std=torch.tensor(std)).to(CPU)
+    ref = TF.normalize(TF.center_crop(x.float(), [24, 24]), mean, std)
+    torch.testing.assert_close(aug.eval(x), ref)
+    torch.testing.assert_close(aug.eval(x, out=torch.empty(6, 3, 24, 24)), ref)
+
+
+def test_ten_crop_matches_torchvision():
+    x = batch(b=2, size=20)
+    ours = ten_crop(x, 16)
+    assert ours.shape == (2, 10, 3, 16, 16)
+    for i in range(2):
+        ref = torch.stack(TF.ten_crop(x[i], [16, 16]))
+        torch.testing.assert_close(ours[i], ref, rtol=0, atol=0)
+    torch.testing.assert_close(center_crop(x, 16), ours[:, 4], rtol=0, atol=0)
+
+
+def test_resized_crop_identity_box_and_mirror():
+    x = batch(b=2, size=16).float()
+    full = torch.tensor([[0, 0, 16, 16], [0, 0, 16, 16]])
+    same = resized_crop_mirror(x, full, torch.tensor([False, True]), 16)
+    torch.testing.assert_close(same[0], x[0], rtol=0, atol=1e-3)
+    torch.testing.assert_close(same[1], x[1].flip(-1), rtol=0, atol=1e-3)
+    half = resized_crop_mirror(x, torch.tensor([[4, 8, 8, 8]] * 2), torch.tensor([False] * 2), 16)
+    ref = torch.nn.functional.interpolate(x[:, :, 4:12, 8:16], size=(16, 16), mode="bilinear")
+    inner = (..., slice(1, -1), slice(1, -1))  # edges: grid_sample sees the real neighbours
+    torch.testing.assert_close(half[inner], ref[inner], rtol=1e-4, atol=1e-3)
+
+
+def test_sample_boxes_follow_torchvisions_rule():
+    boxes = sample_boxes(
+        4000, 64, 48, (0.08, 1.0), (3 / 4, 4 / 3), torch.Generator().manual_seed(0)
+    )
+    top, left, h, w = boxes.unbind(1)
+    assert (
+        (top >= 0).all() and (left >= 0).all() and (top + h <= 64).all() and (left + w <= 48).all()
+    )
+    area = (h * w).float() / (64 * 48)
+    assert area.min() >= 0.07 and area.max() <= 1.0
+    img = torch.zeros(1, 64, 48)  # torchvision's own sampler on the same image
+    torch.manual_seed(0)
+    tv = [T.RandomResizedCrop.get_params(img, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(3000)]
+    tv_area = torch.tensor([b[2] * b[3] / (64 * 48) for b in tv])
+    assert abs(area.mean() - tv_area.mean()) < 0.03
+    assert abs(area.std() - tv_area.std()) < 0.03
+
+
+def test_cpu_resized_crop_close_to_grid_sample_on_smooth_images():
+    x = torch.nn.functional.interpolate(batch(b=4, size=8).float(), size=(48, 48), mode="bilinear")
+    x = x.round().to(torch.uint8)
+    aug = Augment(32, "resized", True, scale=(0.3, 0.5)).to(CPU)
+    p = aug.sample(4, 48, 48, torch.Generator().manual_seed(5))
+    ref = resized_crop_mirror(x.float(), p["boxes"], p["flip"], 32)  # no antialias on upscaling
+    out = aug.train(x, p, out=torch.empty(4, 3, 32, 32))
+    assert (out - ref).abs().mean() < 1.5  # uint8 rounding, 0-255 units (std 1 here)
+
+
+def test_lighting_shift_is_constant_per_image_and_off_at_zero():
+    x = batch()
+    eigval, eigvec = lighting_from_cov([[900, 100, 50], [100, 800, 60], [50, 60, 700]])
+    on = Augment(32, "random", False, 0.5, None, None, eigval, eigvec).to(CPU)
+    p = on.sample(6, 32, 32, torch.Generator().manual_seed(0))
+    diff = on.train(x, p) - x.float()
+    assert diff.flatten(2).std(2).max() < 1e-3 and diff.abs().max() > 1  # one shift per image
+    off = Augment(32, "random", False, 0.0).to(CPU)
+    torch.testing.assert_close(off.train(x, off.sample(6, 32, 32, torch.Generator())), x.float())
+
+
+def test_lighting_eigen_decomposition():
+    cov = torch.tensor([[900.0, 100, 50], [100, 800, 60], [50, 60, 700]])
+    eigval, eigvec = lighting_from_cov(cov.tolist())
+    torch.testing.assert_close(eigvec @ torch.diag(eigval**2) @ eigvec.T, cov, rtol=1e-4, atol=1e-2)
+    assert eigval[0] >= eigval[1] >= eigval[2]

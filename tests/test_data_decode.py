@@ -1,0 +1,99 @@
+"""Decoding: the bad-image policy, DCT-domain downscaling, uint8 resizing against references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from data_images import jpeg_bytes, photo, write_bad_folder
+from PIL import Image
+
+from cnnkit.data import decode
+from cnnkit.data.decode import BadImage, load_resized, read_image, resize_uint8
+
+
+@pytest.fixture(params=["turbo", "pillow"])
+def backend(request, monkeypatch):
+    """Run each test with simplejpeg and with the Pillow fallback."""
+    if request.param == "pillow":
+        monkeypatch.setattr(decode, "simplejpeg", None)
+    elif decode.simplejpeg is None:
+        pytest.skip("simplejpeg not installed")
+    return request.param
+
+
+def test_bad_images_reported_odd_ones_converted(tmp_path, backend):
+    expected = write_bad_folder(tmp_path)
+    for rel, status in expected.items():
+        if status == "skipped":
+            with pytest.raises(BadImage) as err:
+                read_image(tmp_path / rel)
+            assert str(err.value)  # a reason, for the report
+        else:
+            array, _ = read_image(tmp_path / rel)
+            assert array.dtype == np.uint8 and array.shape == (30, 40, 3)
+    reasons = {}
+    for rel in ("odd/empty.JPEG", "odd/truncated.JPEG", "odd/text.JPEG"):
+        with pytest.raises(BadImage) as err:
+            read_image(tmp_path / rel)
+        reasons[rel] = str(err.value)
+    assert reasons["odd/empty.JPEG"] == "empty file"
+    assert "truncated" in reasons["odd/truncated.JPEG"]
+    assert "not an image" in reasons["odd/text.JPEG"]
+
+
+def test_conversion_notes_and_values(tmp_path):
+    write_bad_folder(tmp_path)
+    grey, note = read_image(tmp_path / "odd/grey.JPEG")
+    assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
+    png, note = read_image(tmp_path / "good/png_inside.JPEG")
+    assert note == "PNG data in a .JPEG file"
+    np.testing.assert_array_equal(png, photo(seed=23))  # lossless PNG: exact pixels
+    cmyk, note = read_image(tmp_path / "odd/cmyk.JPEG")
+    reference = np.asarray(Image.open(tmp_path / "odd/cmyk.JPEG").convert("RGB"))
+    np.testing.assert_array_equal(cmyk, reference)
+    assert note == "CMYK -> RGB"
+
+
+def test_huge_non_jpeg_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode, "MAX_PIXELS", 100)
+    Image.fromarray(photo()).save(tmp_path / "big.png")
+    with pytest.raises(BadImage, match="huge"):
+        read_image(tmp_path / "big.png")
+
+
+def test_dct_downscaling_never_goes_below_the_size_needed(tmp_path, backend):
+    path = tmp_path / "big.jpg"
+    path.write_bytes(jpeg_bytes(photo(480, 640)))
+    full, _ = read_image(path)
+    assert full.shape == (480, 640, 3)
+    squash, _ = read_image(path, 100, "squash")  # 1/4 scale: 120x160 >= 100x100
+    assert squash.shape == (120, 160, 3)
+    shorter, _ = read_image(path, 200, "shorter")  # 1/2 scale: 240x320, shorter side >= 200
+    assert shorter.shape == (240, 320, 3)
+    small, _ = read_image(path, 300, "squash")  # 1/2 would be 240 < 300 (turbo: 5/8)
+    assert 300 <= small.shape[0] < 480 if backend == "turbo" else small.shape == (480, 640, 3)
+
+
+def test_resize_matches_torch_interpolate_and_pil():
+    image = photo(60, 80)
+    x = torch.from_numpy(image.copy()).permute(2, 0, 1)[None].float()
+    squash = resize_uint8(image, 32, "squash")
+    ref = F.interpolate(x, size=(32, 32), mode="bilinear", antialias=True, align_corners=False)
+    assert squash.shape == (3, 32, 32) and squash.dtype == torch.uint8
+    assert (squash.float() - ref[0]).abs().max() <= 1  # uint8 rounding
+    pil = np.asarray(Image.fromarray(image).resize((32, 32), Image.BILINEAR)).transpose(2, 0, 1)
+    assert np.abs(squash.numpy().astype(int) - pil).mean() < 2
+    shorter = resize_uint8(image, 30, "shorter")  # centre 60x60 square -> 30x30
+    ref = F.interpolate(x[..., 10:70], size=(30, 30), mode="bilinear", antialias=True)
+    assert (shorter.float() - ref[0]).abs().max() <= 1
+
+
+def test_load_resized_same_result_for_jpeg_backends(tmp_path, monkeypatch):
+    path = tmp_path / "a.jpg"
+    path.write_bytes(jpeg_bytes(photo(64, 96)))
+    turbo, _ = load_resized(path, 48, "shorter")
+    monkeypatch.setattr(decode, "simplejpeg", None)
+    pillow, _ = load_resized(path, 48, "shorter")
+    assert (turbo.int() - pillow.int()).abs().float().mean() < 2  # same libjpeg-turbo inside
