@@ -17,6 +17,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     app.command("classify")(classify)
     app.command("export")(export)
     app.command("import-caffe")(import_caffe)
+    app.command("detect")(detect)
     show = typer.Typer(
         help="Draw a network: its graph or its first-layer filters.", no_args_is_help=True
     )
@@ -134,6 +135,37 @@ def show_filters(
 
     shape = draw_filters(load_for_inference(target).model, out)
     typer.echo(f"wrote {out}: {shape[0]} filters of {shape[1]}x{shape[2]}x{shape[3]}")
+
+
+def detect(
+    target: str = typer.Argument(..., help=TARGET_HELP + " A patch classifier (the faces run)."),
+    image: Path = typer.Argument(..., help="The photograph to search."),
+    out: Path = typer.Option(None, "-o", "--out", help="Write the image with the boxes drawn."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per box."),
+    label: str = typer.Option("face", "--class", help="The class to find."),
+    threshold: float = typer.Option(0.9, "--threshold", min=0.0, max=1.0),
+    iou: float = typer.Option(0.3, "--iou", min=0.0, max=1.0, help="NMS overlap limit."),
+    min_size: int = typer.Option(
+        None, "--min-size", min=1, help="Smallest face (px); default: the window."
+    ),
+    step: float = typer.Option(1.2, "--scale-step", min=1.01, help="Pyramid scale factor."),
+    top: int = typer.Option(10, "--top", min=1, help="At most this many boxes."),
+) -> None:
+    """Find faces: the classifier slid over an image pyramid, then non-maximum suppression."""
+    from cnnkit.infer.detect import detect as find
+    from cnnkit.infer.detect import draw_boxes
+    from cnnkit.infer.images import to_hwc
+    from cnnkit.infer.load import load_for_inference
+
+    picture = to_hwc(image)
+    boxes = find(load_for_inference(target), picture, label, threshold, iou, min_size, step, top)
+    for rank, box in enumerate(boxes, 1):
+        d = box.to_dict()
+        text = f"{rank:2d}  x {d['x0']:.0f}-{d['x1']:.0f}  y {d['y0']:.0f}-{d['y1']:.0f}  score {d['score']:.4f}"
+        typer.echo(json.dumps(d) if as_json else text)
+    if out is not None:
+        draw_boxes(picture, boxes, out)
+        typer.echo(f"wrote {out}: {len(boxes)} boxes", err=as_json)
 
 
 def _device(name: str) -> str:

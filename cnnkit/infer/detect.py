@@ -1,0 +1,196 @@
+"""Face detection with a patch classifier: the network applied convolutionally over an image
+pyramid (a sliding window at every scale in one pass per scale), scores above a threshold,
+torchvision's non-maximum suppression; plus hard-negative mining for training."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
+from torch import nn
+
+from cnnkit.errors import ConfigError
+from cnnkit.infer.images import ImageInput, to_channels, to_hwc
+from cnnkit.infer.load import Loaded
+from cnnkit.nn import Network
+from cnnkit.nn.layers import FlatLinear, ScaledTanh
+
+# layers that work on any image size unchanged
+_SPATIAL = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid,
+            nn.GELU, nn.SiLU, nn.PReLU, nn.LocalResponseNorm, nn.BatchNorm2d, nn.Dropout,
+            nn.Identity, ScaledTanh)  # fmt: skip
+
+
+@dataclass
+class Box:
+    """One detection in the original image's pixels, best first."""
+
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+    score: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: round(v, 4 if k == "score" else 1) for k, v in asdict(self).items()}
+
+
+@dataclass
+class SlidingNet:
+    """A patch classifier as a fully convolutional net: output (i, j) is the window whose
+    top-left corner is (i * stride - offset, j * stride - offset) in its input."""
+
+    net: nn.Sequential
+    window: int
+    stride: int
+    offset: int
+
+
+def sliding_net(model: Network) -> SlidingNet:
+    """Turn a chain of conv / pool / activation / linear layers into a fully convolutional net:
+    the first linear becomes a convolution over its whole input, later ones 1x1 convolutions."""
+    modules, stride, offset = [], 1, 0
+    current = model.input_shape  # the (C, H, W) the next layer reads
+    for i, row in enumerate(model.table):
+        if row.inputs != (("input",) if i == 0 else (model.table[i - 1].name,)):
+            raise ConfigError(f"detect: layer {row.name!r} branches; detection needs a chain")
+        module = model.get_submodule(row.name)
+        if isinstance(module, nn.Flatten):
+            continue
+        if isinstance(module, FlatLinear):
+            module = _linear_as_conv(module, current)
+            current = (module.out_channels, 1, 1)
+        elif isinstance(module, nn.BatchNorm1d):
+            module = _bn_as_2d(module)
+        elif not isinstance(module, _SPATIAL):
+            raise ConfigError(f"detect: layer {row.name!r} ({row.type}) cannot slide over an image")
+        elif isinstance(module, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
+            offset += _first(module.padding) * stride
+            stride *= _first(module.stride)
+            current = row.output_shape
+        modules.append(module)
+    return SlidingNet(nn.Sequential(*modules).eval(), model.input_shape[-1], stride, offset)
+
+
+def _first(value: int | tuple | str) -> int:
+    return 0 if isinstance(value, str) else value if isinstance(value, int) else value[0]
+
+
+def _linear_as_conv(linear: nn.Linear, shape: tuple[int, ...]) -> nn.Conv2d:
+    c, h, w = shape
+    conv = nn.Conv2d(c, linear.out_features, (h, w), bias=linear.bias is not None)
+    conv.weight.data.copy_(linear.weight.data.view(linear.out_features, c, h, w))
+    if linear.bias is not None:
+        conv.bias.data.copy_(linear.bias.data)
+    return conv
+
+
+def _bn_as_2d(bn: nn.BatchNorm1d) -> nn.BatchNorm2d:
+    out = nn.BatchNorm2d(bn.num_features, bn.eps, bn.momentum, bn.affine)
+    out.load_state_dict(bn.state_dict())
+    return out.eval()
+
+
+def pyramid_scales(size: tuple[int, int], window: int, min_face: int, step: float) -> list[float]:
+    """Image scales so that faces from `min_face` pixels up to the image fit the window."""
+    scales, scale = [], window / min_face
+    while min(size) * scale >= window:
+        scales.append(scale)
+        scale /= step
+    return scales
+
+
+@torch.no_grad()
+def score_maps(loaded: Loaded, image: ImageInput, scales: list[float], label: int):
+    """(scale, map of P(label)) for each scale; the map's (i, j) is a window (see SlidingNet)."""
+    slider = sliding_net(loaded.model)
+    grey = to_channels(to_hwc(image), loaded.preprocess.channels)
+    x = torch.from_numpy(grey).permute(2, 0, 1)[None].float()  # (1, C, H, W) 0-255
+    mean = torch.tensor(loaded.preprocess.mean).view(1, -1, 1, 1)
+    std = torch.tensor(loaded.preprocess.std).view(1, -1, 1, 1)
+    for scale in scales:
+        size = (round(x.shape[2] * scale), round(x.shape[3] * scale))
+        scaled = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+        logits = slider.net((scaled.round().clamp(0, 255) - mean) / std)  # (1, K, h, w)
+        yield scale, slider, logits.softmax(1)[0, label]
+
+
+def detect(
+    loaded: Loaded,
+    image: ImageInput,
+    label: str = "face",
+    threshold: float = 0.9,
+    iou: float = 0.3,
+    min_face: int | None = None,
+    step: float = 1.2,
+    top: int = 50,
+) -> list[Box]:
+    """Boxes where the classifier says `label` with probability >= threshold, after NMS."""
+    from torchvision.ops import nms
+
+    if label not in loaded.classes:
+        raise ConfigError(f"detect: class {label!r} is not one of {loaded.classes}")
+    h, w = to_hwc(image).shape[:2]
+    window = loaded.model.input_shape[-1]
+    boxes, scores = [], []
+    for scale, slider, probs in score_maps(
+        loaded,
+        image,
+        pyramid_scales((h, w), window, min_face or window, step),
+        loaded.classes.index(label),
+    ):
+        i, j = torch.nonzero(probs >= threshold, as_tuple=True)
+        y0 = (i * slider.stride - slider.offset) / scale
+        x0 = (j * slider.stride - slider.offset) / scale
+        side = window / scale
+        boxes.append(torch.stack([x0, y0, x0 + side, y0 + side], 1).float())
+        scores.append(probs[i, j].float())
+    if not boxes:
+        return []
+    all_boxes, all_scores = torch.cat(boxes), torch.cat(scores)
+    keep = nms(all_boxes, all_scores, iou)[:top]  # sorted by score, best first
+    return [Box(*all_boxes[k].tolist(), float(all_scores[k])) for k in keep]
+
+
+def draw_boxes(image: ImageInput, boxes: list[Box], path: Path) -> None:
+    """Save the image with each box drawn and its score written, best first."""
+    picture = Image.fromarray(to_channels(to_hwc(image), 3))
+    pen = ImageDraw.Draw(picture)
+    for rank, box in enumerate(boxes):
+        colour = (255, 40, 40) if rank == 0 else (255, 200, 0)
+        pen.rectangle([box.x0, box.y0, box.x1, box.y1], outline=colour, width=2)
+        pen.text((box.x0 + 3, box.y0 + 2), f"{box.score:.2f}", fill=colour)
+    picture.save(path)
+
+
+def mine_hard_negatives(
+    loaded: Loaded, images: list[ImageInput], label: str = "face", threshold: float = 0.5,
+    per_image: int = 50, step: float = 1.3,
+) -> np.ndarray:  # fmt: skip
+    """Windows of face-free images that the classifier calls `label` (bootstrapping): uint8
+    (N, C, window, window) patches, the highest scores first per image, to train on as negatives."""
+    window = loaded.model.input_shape[-1]
+    patches = []
+    for image in images:
+        hwc = to_channels(to_hwc(image), loaded.preprocess.channels)
+        for box in detect(loaded, hwc, label, threshold, iou=0.5, step=step, top=per_image):
+            crop = Image.fromarray(hwc.squeeze(-1) if hwc.shape[2] == 1 else hwc).crop(
+                (round(box.x0), round(box.y0), round(box.x1), round(box.y1))
+            )
+            patch = np.asarray(crop.resize((window, window), Image.BILINEAR))
+            patches.append(patch.reshape(window, window, -1).transpose(2, 0, 1))
+    shape = (0, loaded.preprocess.channels, window, window)
+    return np.stack(patches) if patches else np.zeros(shape, np.uint8)
+
+
+def iou_of(a: Box, b: tuple[float, float, float, float]) -> float:
+    """Intersection over union of a box and (x0, y0, x1, y1)."""
+    ix = max(0.0, min(a.x1, b[2]) - max(a.x0, b[0]))
+    iy = max(0.0, min(a.y1, b[3]) - max(a.y0, b[1]))
+    inter = ix * iy
+    union = (a.x1 - a.x0) * (a.y1 - a.y0) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0

@@ -1,0 +1,106 @@
+"""cnnkit detect: the convolutional sliding window equals classifying each window, boxes land
+where the evidence is (in the original image's pixels), NMS, drawing, hard-negative mining."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from cnnkit import ConfigError, build_model
+from cnnkit.data.base import Preprocess
+from cnnkit.infer.detect import detect, draw_boxes, iou_of, mine_hard_negatives, sliding_net
+from cnnkit.infer.load import Loaded, save_safetensors
+
+PATCH_NET = {
+    "input": [1, 16, 16],
+    "layers": [
+        {"name": "c1", "type": "conv", "out_channels": 4, "kernel_size": 3},  # (4, 14, 14)
+        {"type": "tanh", "scaled": True},
+        {"name": "p1", "type": "maxpool", "kernel_size": 2},  # (4, 7, 7)
+        {"name": "c2", "type": "conv", "out_channels": 6, "kernel_size": 3, "stride": 2},
+        {"type": "relu"},  # (6, 3, 3)
+        {"type": "flatten"},
+        {"name": "fc1", "type": "linear", "out_features": 8},
+        {"type": "dropout"},
+        {"name": "fc2", "type": "linear", "out_features": 2},
+    ],
+}
+
+
+def test_sliding_net_equals_classifying_every_window():
+    torch.manual_seed(0)
+    model = build_model(PATCH_NET).eval()
+    slider = sliding_net(model)
+    assert (slider.window, slider.stride, slider.offset) == (16, 4, 0)
+    x = torch.randn(1, 1, 40, 52)
+    with torch.no_grad():
+        maps = slider.net(x)
+        for i, j in [(0, 0), (2, 5), (6, 9)]:
+            window = x[:, :, i * 4 : i * 4 + 16, j * 4 : j * 4 + 16]
+            torch.testing.assert_close(maps[0, :, i, j], model(window)[0], atol=1e-5, rtol=1e-5)
+
+
+def brightness_detector() -> Loaded:
+    """A 'face' classifier that fires on bright 8x8 windows: logit = 40 * (mean - 0.8)."""
+    model = build_model(
+        {"input": [1, 8, 8], "layers": [{"name": "fc", "type": "linear", "out_features": 2}]}
+    )
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.weight[1].fill_(40 / 64)
+        model.fc.bias.copy_(torch.tensor([0.0, -32.0]))
+    return Loaded(
+        model.eval(), ["background", "face"], Preprocess(1, 8, mean=[0.0], std=[255.0]), "test"
+    )
+
+
+def test_boxes_land_on_the_bright_square_in_original_pixels(tmp_path):
+    image = np.zeros((32, 32), np.uint8)
+    image[8:24, 12:28] = 255  # a 16x16 'face': at scale 0.5 exactly one 8x8 window is all white
+    boxes = detect(brightness_detector(), image, threshold=0.5, iou=0.3, min_face=16, step=1.5)
+    assert boxes and [b.score for b in boxes] == sorted((b.score for b in boxes), reverse=True)
+    best = boxes[0]
+    assert (best.x0, best.y0, best.x1, best.y1) == (12, 8, 28, 24)  # original pixels
+    for a in boxes:  # NMS: no two kept boxes overlap more than the limit
+        assert all(iou_of(a, (b.x0, b.y0, b.x1, b.y1)) <= 0.3 + 1e-6 for b in boxes if b is not a)
+    draw_boxes(image, boxes, tmp_path / "boxes.png")
+    drawn = np.asarray(Image.open(tmp_path / "boxes.png"))
+    assert drawn.shape == (32, 32, 3) and (drawn[..., 0] > drawn[..., 2]).any()  # red boxes
+
+
+def test_unknown_class_and_branching_nets_are_clear_errors():
+    with pytest.raises(ConfigError, match="'cat' is not one of"):
+        detect(brightness_detector(), np.zeros((16, 16), np.uint8), label="cat")
+    with pytest.raises(ConfigError, match="branches"):
+        sliding_net(build_model("inception-small", device="meta"))
+
+
+def test_hard_negative_mining_returns_the_false_positives():
+    loaded = brightness_detector()
+    grass = np.full((40, 40), 30, np.uint8)
+    grass[8:24, 8:24] = 250  # bright, not a face
+    patches = mine_hard_negatives(loaded, [grass, np.zeros((20, 20), np.uint8)], threshold=0.5)
+    assert patches.dtype == np.uint8 and patches.shape[1:] == (1, 8, 8) and len(patches) >= 1
+    assert patches.mean() > 200  # the bright square, cut out and resized to the window
+
+
+def test_cli_detect_json_and_drawing(tmp_path, capsys):
+    from test_classify import run_cli
+
+    loaded = brightness_detector()
+    save_safetensors(loaded, tmp_path / "det.safetensors")
+    image = np.zeros((48, 48, 3), np.uint8)
+    image[10:26, 20:36] = 255
+    Image.fromarray(image).save(tmp_path / "photo.png")
+    args = ["detect", str(tmp_path / "det.safetensors"), str(tmp_path / "photo.png")]
+    code, out, err = run_cli(
+        [*args, "--json", "--min-size", "8", "-o", str(tmp_path / "b.png")], capsys
+    )
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rows and set(rows[0]) == {"x0", "y0", "x1", "y1", "score"} and rows[0]["score"] >= 0.9
+    assert (tmp_path / "b.png").is_file()
