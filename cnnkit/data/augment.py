@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -197,7 +197,8 @@ class Augment:
             places = p["boxes"].tolist()
         else:
             places = list(zip(p["top"].tolist(), p["left"].tolist(), strict=True))
-        with single_threaded():
+        resizing = single_threaded() if self.train_crop == "resized" else nullcontext()
+        with resizing:  # only the resize is a torch op; the rest is numpy
             for i, (place, flip) in enumerate(zip(places, p["flip"].tolist(), strict=True)):
                 src, mean = self._crop_one(x, i, place)
                 if flip:

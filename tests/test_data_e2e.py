@@ -1,0 +1,99 @@
+"""End to end on the command line: synth shapes -> pack -> a short `cnnkit train` of a small
+AlexNet-like net well above chance; a folder of bad images packs and trains; bench loader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from data_images import write_bad_folder
+
+from cnnkit.cli import main as cli_main
+
+NET = Path(__file__).parent / "data" / "tiny_alexnet.yaml"
+
+
+def main(argv: list[str]) -> None:
+    """Run the CLI in this process; success may end in SystemExit(0)."""
+    try:
+        cli_main(argv)
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
+def write_run(path: Path, data: dict, epochs: int) -> Path:
+    run = {"name": "e2e", "model": str(NET), "data": {"batch_size": 12, "crop": 20, "workers": 0, **data},
+           "train": {"epochs": epochs, "optimizer": "adam", "lr": 0.005, "weight_decay": 0.0,
+                     "device": "cpu", "precision": "fp32"}}  # fmt: skip
+    path.write_text(json.dumps(run))  # JSON is YAML
+    return path
+
+
+def test_synth_pack_train_beats_chance(tmp_path, capsys):
+    main(["synth", "shapes", str(tmp_path / "shapes"), "--classes", "4", "--per-class", "16",
+          "--size", "24"])  # fmt: skip
+    main(["pack", str(tmp_path / "shapes"), str(tmp_path / "packed"), "--size", "24",
+          "--workers", "2"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "wrote 64 images of 4 classes" in out and "packed 64 images of 4 classes" in out
+    data = {"source": "packed", "path": str(tmp_path / "packed"), "val_fraction": 0.25}
+    main(["train", str(write_run(tmp_path / "run.yaml", data, epochs=12)), "--out",
+          str(tmp_path / "run"), "--quiet"])  # fmt: skip
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_images"] == 16
+    assert summary["best_val_top1"] >= 0.6  # chance is 0.25
+
+
+@pytest.mark.parametrize("source", ["packed", "folder"])
+def test_bad_images_folder_packs_and_trains(tmp_path, capsys, source):
+    expected = write_bad_folder(tmp_path / "bad")
+    data = {"source": "folder", "path": str(tmp_path / "bad"), "size": 24}
+    if source == "packed":
+        main(["pack", str(tmp_path / "bad"), str(tmp_path / "p"), "--size", "24"])
+        out = capsys.readouterr().out
+        assert "packed 11 images of 2 classes" in out and "converted 3, skipped 3" in out
+        report = (tmp_path / "p" / "bad_images.tsv").read_text()
+        assert all(rel in report for rel in expected)
+        data = {"source": "packed", "path": str(tmp_path / "p")}
+    main(["train", str(write_run(tmp_path / "run.yaml", {**data, "val_fraction": 0.2}, 1)),
+          "--out", str(tmp_path / "run"), "--quiet"])  # fmt: skip
+    assert (tmp_path / "run" / "last.pt").exists()
+
+
+def test_bench_loader_json_last_line(tmp_path, capsys):
+    main(
+        [
+            "synth",
+            "shapes",
+            str(tmp_path / "s"),
+            "--classes",
+            "2",
+            "--per-class",
+            "8",
+            "--size",
+            "20",
+        ]
+    )
+    main(["pack", str(tmp_path / "s"), str(tmp_path / "p"), "--size", "20"])
+    capsys.readouterr()
+    main(["bench", "loader", str(tmp_path / "p"), "--workers", "1", "--batch", "4", "--batches", "3",
+          "--crop", "16", "--device", "cpu", "--json"])  # fmt: skip
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["images"] == 12 and report["images_per_second"] > 0
+    assert report["source"] == "packed" and report["input_shape"] == [3, 16, 16]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    for argv, code in [
+        (["pack", str(tmp_path / "missing"), str(tmp_path / "p")], 1),
+        (["pack", str(tmp_path), str(tmp_path / "p"), "--resize", "stretch"], 2),
+        (["synth", "shapes", str(tmp_path / "s"), "--classes", "0"], 2),
+        (["bench", "loader", str(tmp_path / "missing")], 1),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == code
+        err = capsys.readouterr().err
+        assert err.startswith("cnnkit: error: ") and err.count("\n") == 1

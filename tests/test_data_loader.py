@@ -1,0 +1,137 @@
+"""The loader: seeded per-epoch order, mid-epoch resume, rank sharding, exactly-once validation,
+worker processes equal to in-process loading, reused CPU buffers never overwrite held batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from data_images import write_bad_folder
+
+from cnnkit.data import data_config
+from cnnkit.data.loader import BufferPool, EpochBatchSampler
+from cnnkit.data.pack import pack_folder
+from cnnkit.data.synth import synth_shapes
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loader")
+    synth_shapes(root / "src", classes=3, per_class=8, size=20)
+    pack_folder(root / "src", root / "p", size=16, workers=1, progress=False)
+    return root
+
+
+def streams(root, rank=0, world=1, seed=0, **options):
+    section = {"source": "packed", "path": str(root / "p"), "batch_size": 4, "crop": 12,
+               "workers": 0, "val_fraction": 0.25, "lighting": 0.1, **options}  # fmt: skip
+    return data_config(section).build(CPU, rank, world, seed)
+
+
+def epoch(stream, e, skip=0):
+    stream.set_epoch(e, skip)
+    return [(x.clone(), y.clone()) for x, y in stream]
+
+
+def test_sampler_is_seeded_per_epoch():
+    a = EpochBatchSampler(50, 8, 0, 1, seed=1, shuffle=True)
+    b = EpochBatchSampler(50, 8, 0, 1, seed=1, shuffle=True)
+    a.set_epoch(3), b.set_epoch(3)
+    assert list(a) == list(b) and len(list(a)) == len(a) == 6  # full batches only
+    b.set_epoch(4)
+    assert list(a) != list(b)
+    assert sorted(sum(list(a), [])) != list(range(48))  # shuffled, not the first 48
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_train_shards_are_disjoint_and_equal(world):
+    samplers = [EpochBatchSampler(50, 4, r, world, seed=0, shuffle=True) for r in range(world)]
+    seen = [sum(list(s), []) for s in samplers]
+    assert len({len(s) for s in samplers}) == 1  # same batch count on every rank
+    flat = sum(seen, [])
+    assert len(flat) == len(set(flat))
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_validation_covers_every_image_exactly_once(packed, world):
+    labels = []
+    for rank in range(world):
+        bundle = streams(packed, rank, world, val_fraction=0.5, eval_batch_size=5)
+        got = epoch(bundle.val, 0)
+        assert len(got) == len(bundle.val)
+        labels += [y for _, y in got]
+    assert sum(len(y) for y in labels) == bundle.val.num_samples == 12
+
+
+def test_epoch_order_and_augmentation_are_seeded(packed):
+    one, two = streams(packed).train, streams(packed).train
+    first = epoch(one, 2)
+    for (x1, y1), (x2, y2) in zip(first, epoch(two, 2), strict=True):
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+        assert torch.equal(y1, y2)
+    other = epoch(one, 3)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(first, other, strict=True))
+    assert len(first) == len(one) == 4 and one.num_samples == 16  # 18 train images, batch 4
+
+
+def test_mid_epoch_resume_repeats_the_rest_of_the_epoch_exactly(packed):
+    full = epoch(streams(packed).train, 5)
+    resumed = epoch(streams(packed).train, 5, skip=2)  # a fresh process resuming at batch 2
+    assert len(resumed) == len(full) - 2
+    for (x1, y1), (x2, y2) in zip(full[2:], resumed, strict=True):
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+        assert torch.equal(y1, y2)
+
+
+def test_worker_processes_give_the_same_batches(packed):
+    inproc = epoch(streams(packed).train, 1)
+    workers = epoch(streams(packed, workers=2, prefetch=2).train, 1)
+    for (x1, y1), (x2, y2) in zip(inproc, workers, strict=True):
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+        assert torch.equal(y1, y2)
+
+
+def test_held_batches_are_never_overwritten(packed):
+    train = streams(packed).train
+    train.set_epoch(0)
+    held = list(train)  # every batch kept alive: the pool must not reuse any of them
+    copies = epoch(streams(packed).train, 0)
+    assert len({id(x) for x, _ in held}) == len(held)
+    for (x1, _), (x2, _) in zip(held, copies, strict=True):
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+
+
+def test_buffer_pool_reuses_only_released_buffers():
+    pool = BufferPool()
+    a = pool.take((2, 3))
+    a_id = id(a)
+    del a
+    b = pool.take((2, 3))
+    assert id(b) == a_id  # released: reused
+    c = pool.take((2, 3))
+    assert c is not b  # b still held
+    view, c_id = c[0], id(c)
+    del c
+    assert id(pool.take((2, 3))) != c_id  # a view still holds it
+    w = torch.ones(2, 3, requires_grad=True)
+    d = pool.take((2, 3))
+    loss, d_id = (w * d).sum(), id(d)
+    del d
+    assert id(pool.take((2, 3))) != d_id  # saved for backward: not reused
+    assert loss.requires_grad and view.shape == (3,)
+
+
+def test_folder_training_skips_and_reports_bad_images(tmp_path, capfd):
+    expected = write_bad_folder(tmp_path)
+    section = {"source": "folder", "path": str(tmp_path), "size": 16, "crop": 12,
+               "batch_size": 7, "workers": 0, "val_fraction": 0.0}  # fmt: skip
+    bundle = data_config(section).build(CPU)
+    bundle.train.set_epoch(0)
+    images = sum(len(y) for _, y in bundle.train)  # 2 batches of 7 = all 14 files
+    err = capfd.readouterr().err
+    assert images == 14 - 3  # the 3 broken files dropped, the 3 odd ones converted and kept
+    for rel, status in expected.items():
+        assert (rel in err) == (status == "skipped")
+    assert "empty file" in err and "truncated" in err and "not an image" in err
+    assert bundle.classes == ["good", "odd"]
