@@ -42,7 +42,22 @@ def _scaled_minimum(h: int, w: int, size: int, mode: ResizeMode) -> tuple[int, i
     return int(np.ceil(h * scale)), int(np.ceil(w * scale))
 
 
-def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode) -> tuple | None:
+def _dct_minimum(h: int, w: int, size: int | None, mode: ResizeMode) -> tuple[int, int]:
+    """Decoder minimum (h, w) for DCT-domain downscaling by 2, 4 or 8, or (0, 0) for full size.
+
+    Only power-of-two factors: libjpeg-turbo's other n/8 scales have no SIMD IDCT and decode
+    slower than the full image, so a source less than twice the size needed is decoded whole.
+    """
+    if not size:
+        return 0, 0
+    need_h, need_w = _scaled_minimum(h, w, size, mode)
+    factor = 8
+    while factor >= 2 and (h // factor < need_h or w // factor < need_w):
+        factor //= 2
+    return (-(-h // factor), -(-w // factor)) if factor >= 2 else (0, 0)
+
+
+def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -> tuple | None:
     """Decode an RGB/grey JPEG with simplejpeg: (array, note), or None to let Pillow do it."""
     if simplejpeg is None:
         return None
@@ -52,14 +67,14 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode) -> tuple | No
         return None
     if colorspace not in ("RGB", "YCbCr", "Gray"):  # CMYK/YCCK: Pillow knows Adobe's inversion
         return None
-    min_h, min_w = _scaled_minimum(h, w, size, mode) if size else (0, 0)
+    min_h, min_w = _dct_minimum(h, w, size, mode)
     note = "L -> RGB" if colorspace == "Gray" else None  # the same words as Pillow's path
     try:
-        return simplejpeg.decode_jpeg(
-            data, colorspace="RGB", min_height=min_h, min_width=min_w
-        ), note
+        array = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w,
+                                       fastupsample=fast)  # fmt: skip
     except ValueError as e:
         raise BadImage(_jpeg_reason(str(e))) from None
+    return array, note
 
 
 def _jpeg_reason(message: str) -> str:
@@ -97,10 +112,11 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str)
 
 
 def read_image(
-    path: str | Path, size: int | None = None, mode: ResizeMode = "squash"
+    path: str | Path, size: int | None = None, mode: ResizeMode = "squash", fast: bool = False
 ) -> tuple[np.ndarray, str | None]:
     """Decode a file to (H, W, 3) uint8 RGB, at least `size` after resizing (DCT-scaled JPEGs).
 
+    fast: libjpeg-turbo's fast chroma upsampling (7% faster; for training, not for packing).
     Returns (array, note): note says what was converted (greyscale, CMYK, PNG data...) or None.
     Raises BadImage with the reason when the file cannot be used.
     """
@@ -112,7 +128,7 @@ def read_image(
     if not data:
         raise BadImage("empty file")
     if data.startswith(_JPEG_MAGIC):
-        decoded = _decode_turbo(data, size, mode)
+        decoded = _decode_turbo(data, size, mode, fast)
         if decoded is not None:
             return decoded
     return _decode_pillow(data, size, mode, path.suffix.lower())
@@ -159,7 +175,9 @@ def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash") -> t
     return x[0].contiguous()
 
 
-def load_resized(path: str | Path, size: int, mode: ResizeMode = "squash") -> tuple:
+def load_resized(
+    path: str | Path, size: int, mode: ResizeMode = "squash", fast: bool = False
+) -> tuple:
     """read_image + resize_uint8: ((3, size, size) uint8 tensor, note)."""
-    array, note = read_image(path, size, mode)
+    array, note = read_image(path, size, mode, fast)
     return resize_uint8(array, size, mode), note

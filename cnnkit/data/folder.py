@@ -115,7 +115,9 @@ class FolderImages(Dataset):
         for i in ids:
             path = self.root / self.files[i]
             try:
-                x[len(kept)] = load_resized(path, self.size, self.mode)[0]  # odd ones converted
+                x[len(kept)] = load_resized(path, self.size, self.mode, fast=True)[
+                    0
+                ]  # odd: converted
                 kept.append(i)
             except BadImage as e:
                 bad.append((str(path), str(e)))
