@@ -11,6 +11,7 @@ Both sides take one SGD step (momentum 0.9, weight decay 5e-4) per batch on the 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -25,12 +26,14 @@ from cnnkit.bench.timing import device_name
 from cnnkit.config import TrainConfig
 from cnnkit.train.engine import build_engine, train_step
 
-# (name, train: overrides) of the variants --explore times against the plain fp32 loop
+# (name, train: overrides) of the variants --explore times against the plain fp32 loop;
+# "fused" is a what-if: the engine's optimizer replaced by torch's fused SGD (one kernel)
 VARIANTS = [
     ("fp32 channels_last", {"precision": "fp32", "channels_last": True}),
     ("bf16 NCHW", {"precision": "bf16", "channels_last": False}),
     ("bf16 channels_last", {"precision": "bf16", "channels_last": True}),
     ("bf16 channels_last compile", {"precision": "bf16", "channels_last": True, "compile": True}),
+    ("bf16 channels_last + fused SGD (what-if)", {"precision": "bf16", "fused": True}),
 ]
 
 
@@ -51,14 +54,30 @@ def plain_step(batch: int, device: torch.device):
 
 def cnnkit_step(batch: int, device: torch.device, overrides: dict | None = None):
     """zoo alexnet-owt through the training engine with `cnnkit train`'s defaults (+ overrides)."""
-    cfg = TrainConfig(device=str(device), **(overrides or {}))
+    overrides = dict(overrides or {})
+    fused = overrides.pop("fused", False)
+    cfg = TrainConfig(device=str(device), **overrides)
     engine = build_engine(build_model("alexnet-owt"), cfg, device)
+    if fused:
+        groups = engine.network.param_groups(cfg.lr, cfg.weight_decay)
+        engine.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
     x, y = batch_of(batch, device)
     x = engine.prepare(x)
     label = (
         f"cnnkit ({engine.precision}, channels_last={engine.channels_last}, compile={cfg.compile})"
     )
     return (lambda: train_step(engine, x, y)), label
+
+
+def tune_malloc() -> bool:
+    """glibc: serve big blocks from the heap and never trim it, so freed tensors are reused
+    instead of being unmapped and page-faulted in again every step (process-wide: both sides)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def batch_of(batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,10 +117,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--explore", action="store_true", help="also time the variants")
+    parser.add_argument(
+        "--tune-malloc", action="store_true", help="glibc mallopt for both sides (see tune_malloc)"
+    )
     parser.add_argument("--json", action="store_true", help="end with a JSON line")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tune_malloc and not tune_malloc():
+        parser.error("--tune-malloc: glibc's mallopt is not available here")
     device = torch.device(args.device)
     torch.manual_seed(0)
     steps = {"torchvision fp32 NCHW": plain_step(args.batch, device)}
@@ -120,7 +144,7 @@ def report(seconds: dict[str, list[float]], label: str, args, device: torch.devi
     baseline = statistics.median(seconds["torchvision fp32 NCHW"])
     print(
         f"{device_name(device)}, torch {torch.__version__}, batch {args.batch}, "
-        f"{args.repeats} interleaved repeats (median; min-max)"
+        f"{args.repeats} interleaved repeats (median; min-max), malloc tuned: {args.tune_malloc}"
     )
     rows = {}
     for name, times in seconds.items():
@@ -147,6 +171,7 @@ def report(seconds: dict[str, list[float]], label: str, args, device: torch.devi
                     "ratio": ratio,
                     "batch": args.batch,
                     "hardware": device_name(device),
+                    "tune_malloc": args.tune_malloc,
                     "peaks": {p: k.flops_per_second for p, k in peaks.items()},
                     "rows": rows,
                 }
