@@ -171,6 +171,16 @@ def detect(
 def _device(name: str) -> str:
     import torch
 
+    from cnnkit.errors import ConfigError
+
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            f"--device: {name!r} is not a device (cpu, cuda, cuda:1, mps, auto)"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device on this machine (use cpu)")
     return name
