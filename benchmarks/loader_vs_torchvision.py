@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,7 @@ def main() -> None:
 
     device = torch.device(args.device)
     photos = build_photo_folder(args.work / "photos", args.images)
+    shutil.rmtree(args.work / "packed", ignore_errors=True)  # pack afresh: its time is reported
     start = time.perf_counter()
     pack_folder(photos, args.work / "packed", size=256, progress=False, workers=args.workers)
     pack_seconds = time.perf_counter() - start

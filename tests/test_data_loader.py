@@ -84,14 +84,6 @@ def test_mid_epoch_resume_repeats_the_rest_of_the_epoch_exactly(packed):
         assert torch.equal(y1, y2)
 
 
-def test_worker_processes_give_the_same_batches(packed):
-    inproc = epoch(streams(packed).train, 1)
-    workers = epoch(streams(packed, workers=2, prefetch=2).train, 1)
-    for (x1, y1), (x2, y2) in zip(inproc, workers, strict=True):
-        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
-        assert torch.equal(y1, y2)
-
-
 def test_held_batches_are_never_overwritten(packed):
     train = streams(packed).train
     train.set_epoch(0)
@@ -135,3 +127,27 @@ def test_folder_training_skips_and_reports_bad_images(tmp_path, capfd):
         assert (rel in err) == (status == "skipped")
     assert "empty file" in err and "truncated" in err and "not an image" in err
     assert bundle.classes == ["good", "odd"]
+
+
+@pytest.mark.parametrize("train_crop", ["random", "resized"])
+def test_zero_copy_views_augment_like_a_batch_tensor(packed, train_crop):
+    stream = streams(packed, train_crop=train_crop).train
+    ds, aug = stream.dataset, stream.augment
+    positions = [0, 3, 5, 7]
+    x, y, _ = ds[positions]
+    views, y2 = ds.views(positions)
+    assert torch.equal(y, y2) and views.shape == x.shape
+    p = aug.sample(4, 16, 16, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(aug.train(views, p, torch.empty(4, 3, 12, 12)), aug.train(x, p))
+    torch.testing.assert_close(aug.eval(views, torch.empty(4, 3, 12, 12)), aug.eval(x))
+
+
+def test_jpeg_shards_through_worker_processes(packed, tmp_path):
+    pack_folder(packed / "src", tmp_path / "j", size=16, format="jpeg", quality=95, progress=False)
+    section = {"source": "packed", "path": str(tmp_path / "j"), "batch_size": 4, "crop": 12,
+               "val_fraction": 0.25}  # fmt: skip
+    one = epoch(data_config({**section, "workers": 0}).build(CPU).train, 0)
+    two = epoch(data_config({**section, "workers": 2}).build(CPU).train, 0)
+    for (x1, y1), (x2, y2) in zip(one, two, strict=True):
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+        assert torch.equal(y1, y2)

@@ -174,8 +174,9 @@ class Augment:
         """uint8 (B, C, H, W) -> augmented, normalised float (B, C, crop, crop) on x's device.
 
         Call on an Augment moved with `.to(device)`; `out`: a reusable output buffer (CPU).
+        On the CPU x may also be an ImageList (per-image views of memory-mapped shards).
         """
-        if x.device.type == "cpu":
+        if not isinstance(x, torch.Tensor) or x.device.type == "cpu":
             return self._train_cpu(x, params, out)
         p = {k: v.to(x.device, non_blocking=True) for k, v in params.items()}
         if self.train_crop == "resized":
@@ -211,15 +212,15 @@ class Augment:
 
     def _crop_one(self, x: torch.Tensor, i: int, place: list) -> tuple[np.ndarray, np.ndarray]:
         """Image i's crop at place ((top, left) or a box) and the mean to subtract, as numpy."""
-        s, mean = self.crop, self.mean
+        s, mean, img = self.crop, self.mean, x[i]  # img (C, H, W)
         if self.train_crop != "resized":
             top, left = place
-            src = x[i, :, top : top + s, left : left + s].numpy()
+            src = img[:, top : top + s, left : left + s].numpy()
             return src, (
                 mean[:, top : top + s, left : left + s] if mean.shape[-1] > 1 else mean
             ).numpy()
         top, left, h, w = place
-        box = x[i : i + 1, :, top : top + h, left : left + w]  # antialiased uint8 resize
+        box = img[None, :, top : top + h, left : left + w]  # antialiased uint8 resize
         src = F.interpolate(box, size=(s, s), mode="bilinear", antialias=True)[0].numpy()
         if mean.shape[-1] > 1:
             mean = F.interpolate(mean[None, :, top : top + h, left : left + w], size=(s, s),
@@ -227,13 +228,16 @@ class Augment:
         return src, mean.numpy()
 
     def eval(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """uint8 (B, C, H, W) -> the normalised centre crop (float) on x's device."""
-        crop = center_crop(x, self.crop)
+        """uint8 (B, C, H, W) -> the normalised centre crop (float) on x's device.
+
+        `out`: a reusable output buffer (CPU); x may then also be a list of (C, H, W) images.
+        """
         mean = center_crop(self.mean, self.crop) if self.mean.shape[-1] > 1 else self.mean
         if out is None:
-            return (crop.float() - mean).div_(self.std)
-        ys = out.numpy()
-        np.subtract(crop.numpy(), mean.numpy(), out=ys)  # one pass, off the thread pool
+            return (center_crop(x, self.crop).float() - mean).div_(self.std)
+        ys, mean = out.numpy(), mean.numpy()
+        for i in range(len(x)):  # one pass per image, off the thread pool
+            np.subtract(center_crop(x[i], self.crop).numpy(), mean, out=ys[i])
         np.multiply(ys, (1 / self.std).numpy(), out=ys)
         return out
 

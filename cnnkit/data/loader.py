@@ -154,6 +154,9 @@ class ImageBatches:
         self.num_samples = num_samples
         self._loader: DataLoader | None = None
         self._reported: set[str] = set()
+        # a CPU device reads raw shards in-process, cropping straight from the page cache: any
+        # worker would add a copy into shared memory and page faults on both sides (2x slower)
+        self._direct = self.device.type == "cpu" and getattr(dataset, "direct", False)
         reuse = self.device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count")
         self._pool = BufferPool() if reuse else None
 
@@ -181,6 +184,10 @@ class ImageBatches:
 
     def uint8_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The raw (x uint8, y int64) CPU batches of this epoch, bad images reported and dropped."""
+        if self._direct:
+            for batch in self.sampler:
+                yield self.dataset.views(batch)
+            return
         for x, y, bad in self.loader():
             self._report(bad)
             if len(y):
@@ -193,7 +200,8 @@ class ImageBatches:
                 print(f"cnnkit: skipped {path}: {reason}", file=sys.stderr)
 
     def _prepare(self, x: torch.Tensor, y: torch.Tensor, position: int) -> tuple:
-        x = x.to(self.device, non_blocking=True)
+        if isinstance(x, torch.Tensor):  # else an ImageList of mapped views (CPU device)
+            x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
         crop = self.augment.crop
         out = self._pool.take((*x.shape[:2], crop, crop)) if self._pool is not None else None

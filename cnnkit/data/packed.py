@@ -70,7 +70,8 @@ class PackedImages(Dataset):
         """The shard files, memory-mapped read-only (page cache shared by all processes)."""
         if self._shards is None:
             folder = self.path / "shards"
-            self._shards = [np.memmap(folder / name, np.uint8, "r") for name in self.meta["shards"]]
+            # copy-on-write mapping: read-only in effect (nothing writes), writable for torch
+            self._shards = [np.memmap(folder / name, np.uint8, "c") for name in self.meta["shards"]]
         return self._shards
 
     def __getitem__(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -91,6 +92,33 @@ class PackedImages(Dataset):
             else:
                 out[i] = decode_jpeg_bytes(record, s).transpose(2, 0, 1).reshape(-1)
         return x, torch.from_numpy(self.labels[ids]), []
+
+    @property
+    def direct(self) -> bool:
+        """Raw shards: a CPU device crops straight out of the page cache (see `views`)."""
+        return self.meta["storage"] == "raw"
+
+    def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor]:
+        """(images as views of the mapped shards, labels): the zero-copy batch of a CPU device."""
+        ids, s, shards = self.ids[positions], self.size, self.shards()
+        index = zip(self.index["shard"][ids], self.index["offset"][ids], strict=True)
+        views = [shards[k][o : o + 3 * s * s].reshape(3, s, s) for k, o in index]
+        return ImageList(views), torch.from_numpy(self.labels[ids])
+
+
+class ImageList:
+    """A batch as per-image uint8 (C, H, W) views into memory-mapped shards: indexable like a
+    batch tensor (x[i], x.shape, len(x)), nothing copied."""
+
+    def __init__(self, views: list[np.ndarray]) -> None:
+        self.views = views
+        self.shape = (len(views), *views[0].shape)
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(self.views[i])
 
 
 def _val_label_map(train_classes: list[str], val_classes: list[str], where: str) -> np.ndarray:
