@@ -31,7 +31,9 @@ def classify(
     paths: list[str] = typer.Argument(..., help="Image files, folders or globs."),
     top: int = typer.Option(5, "--top", min=1, help="How many classes to print per image."),
     tencrop: bool = typer.Option(
-        False, "--tencrop", help="Average 10 crops (corners, centre, mirrored)."
+        False,
+        "--tencrop",
+        help="Average 10 crops (corners + centre, mirrored): for nets trained with crops and mirrors.",
     ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),

@@ -79,6 +79,7 @@ def export_onnx(loaded: Loaded, path: Path) -> None:
     pre = loaded.preprocess
     props = {
         **metadata(loaded),
+        "format": "cnnkit-onnx/1",
         "mean": json.dumps(pre.mean),  # per channel, 0-255 units: x = (pixel - mean) / std
         "std": json.dumps(pre.std),
         "crop": str(pre.crop),
