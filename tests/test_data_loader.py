@@ -151,3 +151,19 @@ def test_jpeg_shards_through_worker_processes(packed, tmp_path):
     for (x1, y1), (x2, y2) in zip(one, two, strict=True):
         torch.testing.assert_close(x1, x2, rtol=0, atol=0)
         assert torch.equal(y1, y2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("options", [{}, {"normalize": "mean_image"}, {"workers": 2}])
+def test_cuda_stream_equals_cpu_stream(packed, options):
+    """Pinned copies on a side stream + batched gather on the GPU = the CPU fast path."""
+    section = {"source": "packed", "path": str(packed / "p"), "batch_size": 4, "crop": 12,
+               "workers": 0, "val_fraction": 0.25, "lighting": 0.1, **options}  # fmt: skip
+    cpu = data_config(section).build(CPU)
+    gpu = data_config(section).build(torch.device("cuda"))
+    for a, b in ((cpu.train, gpu.train), (cpu.val, gpu.val)):
+        for (x1, y1), (x2, y2) in zip(epoch(a, 1), epoch(b, 1), strict=True):
+            assert x2.is_cuda and y2.is_cuda
+            torch.testing.assert_close(x1, x2.cpu(), rtol=1e-5, atol=1e-4)
+            assert torch.equal(y1, y2.cpu())

@@ -224,6 +224,7 @@ class ImageBatches:
     def _overlapped(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Copy + augment batch i+1 on a side stream while the caller computes on batch i."""
         stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # mean/std made on the main one
         pending = None
         for position, (x, y) in batches:
             with torch.cuda.stream(stream):
