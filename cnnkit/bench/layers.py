@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cnnkit.bench.model_setup import load_network, synthetic_batch
-from cnnkit.bench.timing import Timing, autocast, measure, timer_overhead
+from cnnkit.bench.timing import Timing, autocast, device_name, measure, timer_overhead
 from cnnkit.nn import Network
 
 
@@ -139,6 +139,7 @@ def _report(model: Network, rows: list[LayerTime], whole, runner: Runner, batch:
     return {
         "net": model.name,
         "device": str(runner.device),
+        "hardware": device_name(runner.device),
         "precision": runner.precision,
         "batch": batch,
         "repeats": runner.repeats,

@@ -1,7 +1,8 @@
 """The device's measured peak: large matmuls and convolutions timed in fp32, bf16 (and fp16).
 
-Peak = the best rate any of these kernels reaches, so a network's fraction of it says how close
-to the hardware the network runs. Measured in the same run as the network, on the same load.
+Peak = the best rate any of these kernels reaches in its fastest repeat (a peak is what the
+hardware can do), so a network's fraction of it says how close to the hardware the network
+runs. Measured in the same run as the network, on the same load.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _matmul(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> K
     b = torch.randn(n, n, device=device).to(dtype)
     timing = measure(lambda _: a @ b, device, warmup=2, repeats=repeats)
     flops = 2.0 * n**3
-    return Kernel(f"matmul {n}x{n}", flops, flops / timing.median)
+    return Kernel(f"matmul {n}x{n}", flops, flops / timing.min)
 
 
 def _conv(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int], repeats: int):
@@ -49,7 +50,7 @@ def _conv(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int],
     w = w.contiguous(memory_format=torch.channels_last)
     timing = measure(lambda _: F.conv2d(x, w, padding=1), device, warmup=2, repeats=repeats)
     flops = 2.0 * batch * channels * channels * 9 * side * side
-    return Kernel(f"conv3x3 {channels}ch {side}px b{batch}", flops, flops / timing.median)
+    return Kernel(f"conv3x3 {channels}ch {side}px b{batch}", flops, flops / timing.min)
 
 
 def measure_peak(
@@ -57,7 +58,7 @@ def measure_peak(
 ) -> dict[str, Kernel]:
     """Precision -> the fastest of a large matmul and a large conv in that precision."""
     n, conv_shape = _sizes(device, quick)
-    repeats = 3 if device.type == "cpu" else 10
+    repeats = 5 if device.type == "cpu" else 10
     peaks = {}
     with torch.no_grad():
         for precision in precisions:

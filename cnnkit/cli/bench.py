@@ -18,6 +18,7 @@ JSON = typer.Option(False, "--json", help="End with one line of JSON holding eve
 REPEATS = typer.Option(None, "--repeats", help="Timed repeats (default: 5 on CPU, 30 on GPU).")
 WARMUP = typer.Option(None, "--warmup", help="Untimed warm-up steps first.")
 CLASSES = typer.Option(None, "--num-classes", help="Override the network's class count.")
+THREADS = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's).")
 QUICK = typer.Option(False, "--quick", help="Small peak kernels (a smoke run, not a figure).")
 
 
@@ -37,6 +38,7 @@ def layers(
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per measurement."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed calls before each measurement."),
     num_classes: int = CLASSES,
+    threads: int = THREADS,
     as_json: bool = JSON,
 ) -> None:
     """Per-layer forward and backward ms, and the whole passes timed as a whole (like caffe time)."""
@@ -46,6 +48,7 @@ def layers(
     dev = resolve_device(device)
     check_precision(precision, dev)
     _positive(batch=batch, repeats=repeats)
+    _set_threads(threads)
     report = bench_layers(
         net, batch, dev, precision, channels_last, warmup, repeats, num_classes=num_classes
     )
@@ -64,6 +67,7 @@ def train(
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
     quick: bool = QUICK,
+    threads: int = THREADS,
     as_json: bool = JSON,
 ) -> None:
     """Training throughput with the engine's real step: images/s, step ms, FLOP/s vs peak."""
@@ -81,6 +85,7 @@ def infer(
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
     quick: bool = QUICK,
+    threads: int = THREADS,
     as_json: bool = JSON,
 ) -> None:
     """Classification throughput (eval mode, no autograd): images/s, step ms, FLOP/s vs peak."""
@@ -109,11 +114,14 @@ def scaling(
     _emit(report, as_json)
 
 
-def _throughput(mode: str, net: str, device: str, quick: bool, as_json: bool, **options) -> None:
+def _throughput(
+    mode: str, net: str, device: str, quick: bool, threads: int | None, as_json: bool, **options
+) -> None:
     from cnnkit.bench.throughput import bench_throughput, print_throughput
     from cnnkit.bench.timing import resolve_device
 
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
+    _set_threads(threads)
     report = bench_throughput(net, mode, device=resolve_device(device), quick_peak=quick, **options)
     print_throughput(report)
     _emit(report, as_json)
@@ -125,6 +133,14 @@ def _positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ConfigError(f"--{name}: must be >= 1, got {value}")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        _positive(threads=threads)
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _emit(report: dict, as_json: bool) -> None:
