@@ -127,7 +127,7 @@ class Augment:
     """
 
     crop: int  # network input side
-    train_crop: Literal["random", "resized", "none"] = "random"
+    train_crop: Literal["random", "resized"] = "random"
     mirror: bool = True
     lighting: float = 0.0  # std of the PCA alphas (0.1 in the 2012 paper); 0 = off
     mean: torch.Tensor | None = None  # (C,) per channel or (C, H, W) mean image, 0-255 units
