@@ -75,6 +75,7 @@ def export(
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
 
+    _writable(out)
     loaded = load_for_inference(target)
     export_model(loaded, fmt, out)
     typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
@@ -102,6 +103,7 @@ def import_caffe(
     from cnnkit.caffe import network_yaml
     from cnnkit.nn import build_model
 
+    _writable(out)
     model = translate(prototxt)
     net = build_model(model, device="meta")  # checks every shape before anything is written
     text = network_yaml(model, f"imported by cnnkit import-caffe from {prototxt.name}")
@@ -122,6 +124,7 @@ def show_net(
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import draw_net
 
+    _writable(out)
     loaded = load_for_inference(net)
     draw_net(loaded.model, out)
     typer.echo(f"wrote {out}: {len(loaded.model.table)} layers")
@@ -135,6 +138,7 @@ def show_filters(
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import draw_filters
 
+    _writable(out)
     shape = draw_filters(load_for_inference(target).model, out)
     typer.echo(f"wrote {out}: {shape[0]} filters of {shape[1]}x{shape[2]}x{shape[3]}")
 
@@ -159,6 +163,7 @@ def detect(
     from cnnkit.infer.images import to_hwc
     from cnnkit.infer.load import load_for_inference
 
+    _writable(out)
     picture = to_hwc(image)
     boxes = find(load_for_inference(target), picture, label, threshold, iou, min_size, step, top)
     for rank, box in enumerate(boxes, 1):
@@ -168,6 +173,14 @@ def detect(
     if out is not None:
         draw_boxes(picture, boxes, out)
         typer.echo(f"wrote {out}: {len(boxes)} boxes", err=as_json)
+
+
+def _writable(out: Path | None) -> None:
+    """One clear line instead of a traceback when -o points into a missing folder."""
+    from cnnkit.errors import ConfigError
+
+    if out is not None and not out.parent.is_dir():
+        raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
 
 
 def _device(name: str) -> str:

@@ -57,9 +57,20 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
         export_onnx(loaded, path)
 
 
+def _need(module: str):
+    """Import an optional ONNX package, or say in one line how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"ONNX needs {module}: pip install 'cnnkit[onnx]'") from None
+
+
 def export_onnx(loaded: Loaded, path: Path) -> None:
     """ONNX with a dynamic batch dimension; classes and preprocessing go in metadata_props."""
-    import onnx
+    onnx = _need("onnx")
+    _need("onnxscript")  # torch's ONNX exporter
 
     model = loaded.model.to("cpu").eval()
     example = torch.zeros(2, *model.input_shape)
@@ -96,8 +107,7 @@ def export_onnx(loaded: Loaded, path: Path) -> None:
 def run_exported(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:
     """A function running the exported file (ONNX Runtime for ONNX) on a float batch."""
     if fmt == "onnx":
-        import onnxruntime as ort
-
+        ort = _need("onnxruntime")
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         name = session.get_inputs()[0].name
         return lambda x: session.run(None, {name: x.numpy()})[0]
