@@ -140,3 +140,26 @@ def test_cli_missing_inputs_are_one_line_errors(digits_run, tmp_path, capsys):
     assert code == 1 and "no such run directory" in err
     code, _, err = run_cli(["classify", str(digits_run), str(tmp_path / "*.jpg")], capsys)
     assert code == 1 and "No such file" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", ["squash", "shorter"])
+def test_jpeg_crops_equal_the_folder_pipelines(tmp_path, mode):
+    from cnnkit.data.augment import center_crop
+    from cnnkit.data.decode import load_resized
+    from cnnkit.infer.images import crops_of
+
+    path = tmp_path / "photo.jpg"
+    Image.fromarray(np.asarray(Image.open(_astronaut_png(tmp_path)))).save(path, quality=90)
+    pre = Preprocess(
+        channels=3, crop=56, resize=64, resize_mode=mode, mean=[0.0] * 3, std=[1.0] * 3
+    )
+    expected = center_crop(load_resized(path, 64, mode)[0][None], 56)
+    assert torch.equal(crops_of(path, pre, tencrop=False), expected)
+
+
+def _astronaut_png(folder: Path) -> Path:
+    from skimage import data
+
+    path = folder / "astronaut.png"
+    Image.fromarray(data.astronaut()[:300, 50:500]).save(path)
+    return path

@@ -37,14 +37,15 @@ def expand_paths(patterns: list[str]) -> list[Path]:
     return found
 
 
-def to_hwc(image: ImageInput) -> np.ndarray:
+def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> np.ndarray:
     """Any accepted image as (H, W, C) uint8 with C in 1, 3 (raises DataError when unreadable).
 
     Arrays may be (H, W), (H, W, C) or (C, H, W) with C in 1, 3, 4; torch tensors are (C, H, W).
+    Files decode as the data pipeline decodes them (`size`, `mode`: its DCT-scaled JPEG hint).
     """
     if isinstance(image, (str, Path)):
         try:
-            return read_image(image)[0]
+            return read_image(image, size, mode)[0]
         except BadImage as e:
             raise DataError(f"{image}: {e}") from None
     if isinstance(image, Image.Image):
@@ -76,9 +77,10 @@ def to_channels(array: np.ndarray, channels: int) -> np.ndarray:
 def resized(image: ImageInput, pre: Preprocess) -> torch.Tensor:
     """Evaluation's resize: to `pre.resize` (squash or shorter side), or to the crop size when
     the data was stored crop-sized. Returns uint8 (C, S, S)."""
-    array = to_channels(to_hwc(image), pre.channels)
     size = pre.resize or pre.crop
-    return resize_uint8(array, size, pre.resize_mode if pre.resize else "squash")
+    mode = pre.resize_mode if pre.resize else "squash"
+    array = to_channels(to_hwc(image, pre.resize, mode), pre.channels)
+    return resize_uint8(array, size, mode)
 
 
 def crops_of(image: ImageInput, pre: Preprocess, tencrop: bool) -> torch.Tensor:

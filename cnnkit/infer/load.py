@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import CheckpointError, CnnkitError
 from cnnkit.nn import Network, build_model
@@ -104,8 +102,3 @@ def save_safetensors(loaded: Loaded, path: Path) -> None:
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in loaded.model.state_dict().items()}
     save_file(state, str(path), metadata=metadata(loaded))
-
-
-def state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """True when two state dicts hold the same names and values."""
-    return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
