@@ -116,6 +116,11 @@ for path in sorted(glob.glob(os.path.join(out, "*.json"))):
               f"{r['flops_per_second'] / 1e12:7.2f} TFLOP/s  {100 * r['peak_fraction']:5.1f}% of peak")
     elif "ratio" in r:
         print(f"{name:24s} cnnkit / torchvision = {r['ratio']:.2f}x")
+    elif "networks" in r:
+        for n in r["networks"]:
+            s = n["speedup"] or {}
+            print(f"scaling {n['name']:16s} {n['macs'] / 1e6:9.1f} M mult-adds  GPU/CPU speed-up "
+                  f"train {s.get('train', float('nan')):6.1f}x  classify {s.get('infer', float('nan')):6.1f}x")
     else:
         print(f"{name:24s} {json.dumps(r)[:160]}")
 for run in sorted(glob.glob(os.path.join(out, "runs", "*", "summary.json"))):
