@@ -50,7 +50,7 @@ def classify(
         if as_json:
             typer.echo(json.dumps(pred.to_dict()))
         elif pred.error is not None:
-            typer.echo(f"cnnkit: error: {pred.error}", err=True)
+            typer.echo(f"cnnkit: error: {pred.image}: {pred.error}", err=True)
         else:
             ranked = ", ".join(
                 f"{c} ({p:.3f})" for c, p in zip(pred.labels, pred.probs, strict=True)

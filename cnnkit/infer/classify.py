@@ -22,7 +22,7 @@ class Prediction:
     image: str
     labels: list[str] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
-    error: str | None = None
+    error: str | None = None  # why the image could not be classified
 
     @property
     def label(self) -> str | None:
@@ -62,7 +62,7 @@ class Classifier:
         results = list(self.iter_predict(batch, top, tencrop))
         failed = next((r for r in results if r.error), None)
         if failed is not None:
-            raise CnnkitError(failed.error)
+            raise CnnkitError(f"{failed.image}: {failed.error}")
         return results[0] if single else results
 
     def iter_predict(
@@ -81,7 +81,7 @@ class Classifier:
             except CnnkitError as e:
                 yield from self._run(pending, top)
                 pending = []
-                yield Prediction(name, error=str(e))
+                yield Prediction(name, error=str(e).removeprefix(f"{name}: "))
                 continue
             if len(pending) >= batch_size:
                 yield from self._run(pending, top)
