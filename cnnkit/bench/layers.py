@@ -115,6 +115,7 @@ def bench_layers(
 ) -> dict[str, Any]:
     """Time every layer's forward and backward and the whole passes; a JSON-ready report."""
     runner = Runner(device, precision, warmup, repeats)
+    layout = "channels_last" if channels_last else "NCHW"
     model = load_network(net, device, num_classes, channels_last).train()  # as in training
     x, y = synthetic_batch(model, batch, device, channels_last)
     inputs = capture_inputs(model, x, runner)
@@ -129,7 +130,8 @@ def bench_layers(
     loss_fwd, loss_bwd = time_loss(logits, y, runner)
     rows.append(LayerTime("loss", "cross_entropy", (), 0, loss_fwd, loss_bwd))
     whole = time_whole(model, x, y, runner)
-    return _report(model, rows, whole, runner, batch, timer_overhead(device))
+    report = _report(model, rows, whole, runner, batch, timer_overhead(device))
+    return {**report, "memory_format": layout}
 
 
 def _report(model: Network, rows: list[LayerTime], whole, runner: Runner, batch: int, overhead):
@@ -179,6 +181,7 @@ def print_layers(report: dict[str, Any], console: Any = None) -> None:
     console = console or wide_console()
     title = (
         f"{report['net']}  batch {report['batch']}  {report['device']}  {report['precision']}  "
+        f"{report['memory_format']}  "
         f"median of {report['repeats']}"
     )
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)

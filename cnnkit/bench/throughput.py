@@ -39,6 +39,13 @@ def train_config(
     )
 
 
+def resolve_settings(
+    device: torch.device, precision: str | None, channels_last: bool | None
+) -> tuple[str, bool]:
+    """(precision, channels_last) with 'auto' / None filled in as `cnnkit train` fills them."""
+    return resolve_precision(train_config(device, precision, channels_last), device)
+
+
 def make_train_step(
     network: Network, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig
 ) -> tuple[Callable[[Any], Any], Engine]:
@@ -73,7 +80,7 @@ def bench_throughput(
 ) -> dict[str, Any]:
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak."""
     cfg = train_config(device, precision, channels_last, compile)
-    precision, channels_last = resolve_precision(cfg, device)
+    precision, channels_last = resolve_precision(cfg, device)  # 'auto' -> the engine's choice
     model = load_network(net, device, num_classes, channels_last=mode == "infer" and channels_last)
     x, y = synthetic_batch(model, batch, device, channels_last)
     if mode == "train":

@@ -33,20 +33,24 @@ def layers(
     net: str = NET,
     batch: int = BATCH,
     device: str = DEVICE,
-    precision: str = typer.Option("fp32", "--precision", "-p", help="fp32 | bf16 | fp16"),
-    channels_last: bool = typer.Option(False, "--channels-last/--no-channels-last"),
+    precision: str = PRECISION,
+    channels_last: bool = typer.Option(None, "--channels-last/--no-channels-last"),
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per measurement."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed calls before each measurement."),
     num_classes: int = CLASSES,
     threads: int = THREADS,
     as_json: bool = JSON,
 ) -> None:
-    """Per-layer forward and backward ms, and the whole passes timed as a whole (like caffe time)."""
+    """Per-layer forward and backward ms, and the whole passes timed as a whole (like caffe time).
+
+    Precision and memory format default to `cnnkit train`'s choice for the device.
+    """
     from cnnkit.bench.layers import bench_layers, print_layers
-    from cnnkit.bench.timing import check_precision, resolve_device
+    from cnnkit.bench.throughput import resolve_settings
+    from cnnkit.bench.timing import resolve_device
 
     dev = resolve_device(device)
-    check_precision(precision, dev)
+    precision, channels_last = resolve_settings(dev, precision, channels_last)
     _positive(batch=batch, repeats=repeats)
     _set_threads(threads)
     report = bench_layers(
