@@ -44,10 +44,12 @@ def pack(
     if resize not in RESIZE:
         raise ConfigError(f"--resize: {resize!r} is not squash or shorter-side-crop")
     s = pack_folder(src, dst, size, RESIZE[resize], format, quality, workers, labels)
-    resumed = f", {s.resumed_shards} shards already done" if s.resumed_shards else ""
-    print(
-        f"packed {s.images} images of {s.classes} classes into {s.shards} shards{resumed} -> {dst}"
-    )
+    done = f"{s.images} images of {s.classes} classes"
+    if s.resumed_shards == s.shards:
+        print(f"already packed: {done} in {dst}")
+    else:
+        resumed = f" ({s.resumed_shards} resumed)" if s.resumed_shards else ""
+        print(f"packed {done} into {s.shards} shards{resumed} -> {dst}")
     if s.converted or s.skipped:
         print(f"converted {s.converted}, skipped {s.skipped} (reasons: {dst / 'bad_images.tsv'})")
 

@@ -23,6 +23,7 @@ ResizeMode = Literal["squash", "shorter"]
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 MAX_PIXELS = 120_000_000  # larger non-JPEG images are skipped as "huge" (JPEGs are DCT-scaled)
 _JPEG_MAGIC = b"\xff\xd8\xff"
+_MODE_NAMES = {"L": "greyscale", "LA": "greyscale+alpha", "P": "palette", "1": "1-bit"}
 
 
 class BadImage(Exception):
@@ -68,7 +69,7 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -
     if colorspace not in ("RGB", "YCbCr", "Gray"):  # CMYK/YCCK: Pillow knows Adobe's inversion
         return None
     min_h, min_w = _dct_minimum(h, w, size, mode)
-    note = "L -> RGB" if colorspace == "Gray" else None  # the same words as Pillow's path
+    note = "greyscale -> RGB" if colorspace == "Gray" else None  # as Pillow's path says
     try:
         array = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w,
                                        fastupsample=fast)  # fmt: skip
@@ -106,7 +107,7 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str)
         reason = "truncated image" if "truncated" in str(e).lower() else f"unreadable image ({e})"
         raise BadImage(reason) from None
     if im.mode != "RGB":
-        notes.append(f"{im.mode} -> RGB")
+        notes.append(f"{_MODE_NAMES.get(im.mode, im.mode)} -> RGB")
         im = im.convert("RGB")
     return np.array(im), "; ".join(notes) or None  # writable: torch.from_numpy takes it
 
