@@ -64,6 +64,7 @@ class EpochBatchSampler(Sampler[list[int]]):
         self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Order of `epoch`; iteration starts after `skip_batches` batches."""
         self.epoch, self.skip = epoch, skip_batches
 
     def _mine(self) -> torch.Tensor:
