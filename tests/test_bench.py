@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from cnnkit.bench.baseline import plain_model
 from cnnkit.bench.layers import bench_layers
 from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
 from cnnkit.bench.throughput import bench_throughput, make_train_step, train_config
@@ -152,3 +153,17 @@ def test_cli_bad_batch_exits_2_in_one_line(capsys):
 def test_cli_cuda_without_gpu_exits_2(capsys):
     code, _, err = run_cli(["bench", "layers", "lenet5", "--device", "cuda"], capsys)
     assert code == 2 and "no CUDA device" in err and "Traceback" not in err
+
+
+def test_baseline_is_timed_in_the_same_run_and_compared():
+    r = bench_throughput(TINY, "train", 4, CPU, repeats=2, quick_peak=True, baseline=True)
+    b = r["baseline"]
+    assert b["name"] == "plain tiny fp32 NCHW" and b["step"]["repeats"] == r["step"]["repeats"]
+    assert r["speedup_vs_baseline"] == pytest.approx(b["step_ms"] / r["step_ms"])
+
+
+def test_alexnet_owt_baseline_is_torchvision_alexnet():
+    model = build_model("alexnet-owt", device="meta")
+    peer, name = plain_model(model, CPU)
+    assert name == "torchvision alexnet fp32 NCHW"
+    assert sum(p.numel() for p in peer.parameters()) == sum(r.params for r in model.table)

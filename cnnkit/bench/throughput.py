@@ -12,9 +12,16 @@ from typing import Any
 
 import torch
 
+from cnnkit.bench.baseline import plain_infer_step, plain_model, plain_train_step
 from cnnkit.bench.model_setup import forward_flops, load_network, synthetic_batch
 from cnnkit.bench.peak import measure_peak, peak_dict
-from cnnkit.bench.timing import Timing, autocast, check_precision, device_name, measure
+from cnnkit.bench.timing import (
+    Timing,
+    autocast,
+    check_precision,
+    device_name,
+    measure_interleaved,
+)
 from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
 from cnnkit.train.engine import Engine, build_engine, resolve_precision, train_step
@@ -77,23 +84,49 @@ def bench_throughput(
     repeats: int | None = None,
     num_classes: int | None = None,
     quick_peak: bool = False,
+    baseline: bool = False,
 ) -> dict[str, Any]:
-    """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak."""
+    """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak.
+
+    With `baseline`, a plain fp32 NCHW PyTorch loop of the same architecture is timed in the
+    same run, steps interleaved with cnnkit's, and the speed-up over it is reported.
+    """
     cfg = train_config(device, precision, channels_last, compile)
     precision, channels_last = resolve_precision(cfg, device)  # 'auto' -> the engine's choice
     model = load_network(net, device, num_classes, channels_last=mode == "infer" and channels_last)
     x, y = synthetic_batch(model, batch, device, channels_last)
-    if mode == "train":
-        step, _ = make_train_step(model, x, y, cfg)
-    else:
-        step = make_infer_step(torch.compile(model) if compile else model, x, device, precision)
-        model.eval()
+    steps = {"cnnkit": _cnnkit_step(model, mode, x, y, cfg)}
+    if baseline:
+        peer, peer_name = plain_model(model, device)
+        steps[peer_name] = (
+            plain_train_step(peer, x, y) if mode == "train" else plain_infer_step(peer, x)
+        )
     warmup, repeats = _counts(device, compile, warmup, repeats)
-    timing = measure(step, device, warmup=warmup, repeats=repeats, max_seconds=60.0)
+    timings = measure_interleaved(steps, device, warmup=warmup, repeats=repeats, max_seconds=120.0)
     peaks = measure_peak(device, tuple(dict.fromkeys(("fp32", "bf16", precision))), quick_peak)
     factor = TRAIN_FLOPS_FACTOR if mode == "train" else 1.0
     settings = {"precision": precision, "channels_last": channels_last, "compile": compile}
-    return _report(model, mode, batch, device, settings, timing, factor, peaks)
+    report = _report(model, mode, batch, device, settings, timings.pop("cnnkit"), factor, peaks)
+    for peer_name, timing in timings.items():
+        report["baseline"] = {
+            "name": peer_name,
+            "images_per_second": batch / timing.median,
+            "step_ms": timing.median * 1e3,
+            "step": timing.to_dict(),
+        }
+        report["speedup_vs_baseline"] = timing.median * 1e3 / report["step_ms"]
+    return report
+
+
+def _cnnkit_step(model: Network, mode: str, x, y, cfg: TrainConfig) -> Callable[[Any], Any]:
+    """The engine's training step, or an inference pass in the engine's precision and format."""
+    device = torch.device(cfg.device)
+    if mode == "train":
+        return make_train_step(model, x, y, cfg)[0]
+    precision, _ = resolve_precision(cfg, device)
+    runnable = torch.compile(model) if cfg.compile else model
+    model.eval()
+    return make_infer_step(runnable, x, device, precision)  # type: ignore[arg-type]
 
 
 def _counts(device: torch.device, compile: bool, warmup: int | None, repeats: int | None):
@@ -152,3 +185,10 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
         f"{100 * r['peak_fraction']:.1f}% of the measured {r['precision']} peak"
     )
     console.print(f"  measured peaks: {peaks}", markup=False)
+    if "baseline" in r:
+        b = r["baseline"]
+        console.print(
+            f"  baseline {b['name']}: {b['images_per_second']:.1f} images/s "
+            f"(step median {b['step_ms']:.2f} ms, interleaved with cnnkit's) -> cnnkit is "
+            f"{r['speedup_vs_baseline']:.2f}x"
+        )

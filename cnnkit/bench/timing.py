@@ -86,6 +86,30 @@ def measure(
     return Timing(tuple(seconds))
 
 
+def measure_interleaved(
+    fns: dict[str, Callable[[Any], Any]],
+    device: torch.device,
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    max_seconds: float | None = None,
+) -> dict[str, Timing]:
+    """Time several steps in turns, reversing the order every round, so that a change in the
+    machine's load hits every side alike (how a step is compared with a peer in one run)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn(None)
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    start = time.perf_counter()
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            seconds[name].append(measure(fns[name], device, warmup=0, repeats=1).seconds[0])
+        if max_seconds is not None and time.perf_counter() - start > max_seconds and r >= 1:
+            break
+    return {name: Timing(tuple(s)) for name, s in seconds.items()}
+
+
 def timer_overhead(device: torch.device, repeats: int = 50) -> float:
     """Median seconds that `measure` reports for doing nothing: the floor under every figure."""
     return measure(lambda _: None, device, warmup=3, repeats=repeats).median

@@ -19,6 +19,12 @@ REPEATS = typer.Option(None, "--repeats", help="Timed repeats (default: 5 on CPU
 WARMUP = typer.Option(None, "--warmup", help="Untimed warm-up steps first.")
 CLASSES = typer.Option(None, "--num-classes", help="Override the network's class count.")
 THREADS = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's).")
+BASELINE = typer.Option(
+    False,
+    "--baseline",
+    help="Also time a plain fp32 NCHW PyTorch loop of the same network (alexnet-owt: "
+    "torchvision's alexnet) in the same run, interleaved; report the speed-up.",
+)
 QUICK = typer.Option(False, "--quick", help="Small peak kernels (a smoke run, not a figure).")
 
 
@@ -70,6 +76,7 @@ def train(
     repeats: int = REPEATS,
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
+    baseline: bool = BASELINE,
     quick: bool = QUICK,
     threads: int = THREADS,
     as_json: bool = JSON,
@@ -88,6 +95,7 @@ def infer(
     repeats: int = REPEATS,
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
+    baseline: bool = BASELINE,
     quick: bool = QUICK,
     threads: int = THREADS,
     as_json: bool = JSON,
