@@ -184,11 +184,11 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
         f"  {r['flops_per_second'] / 1e12:.3f} TFLOP/s achieved = "
         f"{100 * r['peak_fraction']:.1f}% of the measured {r['precision']} peak"
     )
-    console.print(f"  measured peaks: {peaks}", markup=False)
+    console.print(f"  measured peaks: {peaks}", markup=False, soft_wrap=True)
     if "baseline" in r:
         b = r["baseline"]
         console.print(
-            f"  baseline {b['name']}: {b['images_per_second']:.1f} images/s "
-            f"(step median {b['step_ms']:.2f} ms, interleaved with cnnkit's) -> cnnkit is "
-            f"{r['speedup_vs_baseline']:.2f}x"
+            f"  baseline {b['name']}: {b['images_per_second']:.1f} images/s, step median "
+            f"{b['step_ms']:.2f} ms (interleaved) -> cnnkit {r['speedup_vs_baseline']:.2f}x",
+            soft_wrap=True,
         )
