@@ -56,6 +56,7 @@ class TrainConfig(BaseModel):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto")
     channels_last: bool | None = Field(None, description="None: the hardware's faster choice")
     compile: bool = Field(False, description="torch.compile the model")
+    threads: PositiveInt | None = Field(None, description="CPU threads (None: 1 for small nets)")
     checkpoint_every: NonNegativeInt = Field(200, description="also save last.pt every N steps")
     sync: Literal["ddp", "average"] = Field("ddp", description="multi-process: grads or weights")
     average_every: PositiveInt = Field(1, description="sync: average: steps between averaging")

@@ -7,6 +7,7 @@ LOCAL_RANK, TORCHELASTIC_*): process group, DDP or periodic weight averaging, co
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -59,11 +60,29 @@ class Group:
         self.use_cuda = train_cfg.device != "cpu" and torch.cuda.is_available()
         if self.use_cuda:
             torch.cuda.set_device(self.local_rank)
-        if not dist.is_initialized():
-            dist.init_process_group(
-                "nccl" if self.use_cuda else "gloo", timeout=timedelta(seconds=train_cfg.timeout_s)
-            )
         self.timeout_s = train_cfg.timeout_s
+        if not dist.is_initialized():
+            timeout = timedelta(seconds=train_cfg.timeout_s)
+            dist.init_process_group(
+                "nccl" if self.use_cuda else "gloo",
+                store=self._store(timeout),
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+
+    def _store(self, timeout: timedelta) -> dist.Store:
+        """torchrun's store under a per-attempt prefix: after an elastic restart the agent's
+        store still holds the dead attempt's addresses, and reading those hangs or fails."""
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            self.world_size,
+            is_master=self.rank == 0 and not agent,
+            timeout=timeout,
+        )
+        return dist.PrefixStore(f"cnnkit/attempt_{restart_count()}", store)
 
     def device(self, name: str) -> torch.device:
         """One device per process: cuda:LOCAL_RANK under NCCL, else the CPU."""
@@ -104,9 +123,14 @@ class Group:
         for tensor in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(tensor.data, 0)
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, ok: bool = True) -> None:
+        """Leave the group together (a barrier first, so no rank tears down under another)."""
+        if not dist.is_initialized():
+            return
+        gc.collect()  # drop dead DDP reducers now: one freed at interpreter exit can abort
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def convert_sync_batchnorm(network: nn.Module) -> None:
@@ -131,8 +155,10 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
         yield None
         return
     group = Group(train_cfg)
+    ok = False
     try:
         yield group
+        ok = True
     except (dist.DistError, RuntimeError) as e:
         if isinstance(e, CnnkitError):
             raise
@@ -148,7 +174,7 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
             ) from None
         raise
     finally:
-        group.close()
+        group.close(ok)
 
 
 def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:

@@ -142,6 +142,17 @@ def deterministic_mode(on: bool, device: torch.device) -> Iterator[None]:
         torch.backends.cudnn.benchmark = benchmark
 
 
+@contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """Run with `n` intra-op CPU threads (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def seed_everything(seed: int) -> None:
     """Seed torch (all devices), numpy and python."""
     torch.manual_seed(seed)

@@ -117,7 +117,7 @@ class Console:
             self.console.print(text, markup=False, soft_wrap=True)
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int) -> None:
-        if self.quiet:
+        if self.quiet or not self.console.is_terminal:  # log files get the epoch lines only
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -5,6 +5,7 @@ then trains epoch by epoch, saving last.pt every epoch and every N steps, best.p
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,13 @@ from cnnkit.config import RunConfig, apply_override, dump_run, load_run, validat
 from cnnkit.data import data_config
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from cnnkit.train.engine import Engine, build_engine
+from cnnkit.train.engine import Engine, build_engine, default_threads
 from cnnkit.train.loop import (
     Local,
     Progress,
     StepHook,
     build_network,
+    cpu_threads,
     deterministic_mode,
     evaluate,
     seed_everything,
@@ -120,11 +122,15 @@ def fit(
             f"data.batch_size: the global batch {config.data['batch_size']} does not divide into "
             f"{dist.world_size} processes (each takes batch_size / world_size)"
         )
-    with deterministic_mode(config.deterministic, device):
+    with ExitStack() as stack:
+        stack.enter_context(deterministic_mode(config.deterministic, device))
         seed_everything(config.seed)
         data = data_config(config.data).build(device, dist.rank, dist.world_size, config.seed)
         network = build_network(config, data)
         engine = build_engine(network, config.train, device, wrap=dist.wrap)
+        per_rank = config.data["batch_size"] // dist.world_size
+        threads = default_threads(network, per_rank, config.train, device)
+        stack.enter_context(cpu_threads(threads))
         schedule = Schedule(config.train)
         progress = restore(resume, engine, schedule) if resume else Progress()
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
