@@ -189,13 +189,19 @@ def print_scaling(report: dict[str, Any], console: Any = None) -> None:
     console.print(table)
 
 
-def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
-    """Write scaling.json and scaling.png into `out` (created if needed)."""
+def ensure_dir(out: str | Path) -> Path:
+    """The output folder, created if needed (a ConfigError naming it if it cannot be)."""
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out: cannot create {out}: {e.strerror}") from None
+    return out
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write scaling.json and scaling.png into `out` (created if needed)."""
+    out = ensure_dir(out)
     json_path, png_path = out / "scaling.json", out / "scaling.png"
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     plot_scaling(report, png_path)

@@ -114,9 +114,19 @@ def scaling(
     as_json: bool = JSON,
 ) -> None:
     """The second seed's study: growing networks timed on every device; GPU/CPU speed-up."""
-    from cnnkit.bench.scaling import parse_devices, print_scaling, run_scaling, write_outputs
+    from cnnkit.bench.scaling import (
+        ensure_dir,
+        parse_devices,
+        print_scaling,
+        run_scaling,
+        write_outputs,
+    )
+    from cnnkit.bench.timing import check_precision
 
     chosen = parse_devices(devices)
+    for dev in chosen[0]:
+        check_precision(precision, dev)
+    out = ensure_dir(out)  # fail before minutes of timing, not after
     if chosen[1]:
         print(chosen[1])  # CPU only: say so before the run, not after
     report = run_scaling(chosen, precision, quick=quick)
