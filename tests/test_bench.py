@@ -167,3 +167,14 @@ def test_alexnet_owt_baseline_is_torchvision_alexnet():
     peer, name = plain_model(model, CPU)
     assert name == "torchvision alexnet fp32 NCHW"
     assert sum(p.numel() for p in peer.parameters()) == sum(r.params for r in model.table)
+
+
+def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({"model": TINY}))
+    args = ["bench", "layers", str(spec), "-b", "2", "--repeats", "1", "-p", "fp32", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and "per-layer sum" in out and "whole pass" in out
+    assert [layer["name"] for layer in report["layers"]][-1] == "loss"
+    assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
