@@ -169,9 +169,8 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
                 "(a peer died or hung; raise train.timeout_s for slow steps)"
             ) from None
         if "connection" in text or "peer" in text or "closed" in text:
-            raise CnnkitError(
-                f"rank {group.rank}: lost a peer process ({text.splitlines()[0]})"
-            ) from None
+            first = str(e).splitlines()[0].split(". this is typically")[0]
+            raise CnnkitError(f"rank {group.rank}: lost a peer process ({first})") from None
         raise
     finally:
         group.close(ok)
