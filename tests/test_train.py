@@ -158,3 +158,15 @@ def test_digits_run_learns_in_a_few_epochs(tmp_path):
     config = load_run("digits", ["train.epochs=3", "train.warmup_epochs=0"])
     summary = fit(config, tmp_path / "digits", quiet=True)
     assert summary["val_top1"] > 0.9 and summary["val_images"] == 359
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_mixed_precision_trains(precision, tmp_path):
+    run = {**TINY, "train": {**TINY["train"], "device": "cuda", "precision": precision}}
+    summary = fit(validate_run(run), tmp_path / precision, quiet=True)
+    state = torch.load(tmp_path / precision / "last.pt", weights_only=True)
+    assert summary["device"].startswith("cuda") and summary["precision"] == precision
+    assert all(v.dtype != torch.float16 for v in state["model"].values())  # saved as fp32
+    assert (precision == "fp16") == bool(state["scaler"])  # GradScaler state only for fp16
