@@ -185,8 +185,8 @@ def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx) -
         console.start_epoch(progress.epoch + 1, epochs, steps, progress.step)
         stats = train_one_epoch(engine, data.train, schedule, progress, console, after_step, dist)
         val = evaluate(engine, data.val, dist)
-        schedule.end_epoch(1.0 - val["top1"])
         row = _epoch_row(progress, stats, val, schedule, dist, engine.device)
+        schedule.end_epoch(1.0 - val["top1"])
         progress.history.append(row)
         progress.epoch, progress.step, progress.partial = progress.epoch + 1, 0, {}
         _save_epoch(engine, schedule, progress, ctx, row)
@@ -204,7 +204,7 @@ def _epoch_row(progress, stats, val, schedule, dist, device) -> dict[str, float]
         "val_loss": val["loss"],
         "val_top1": val["top1"],
         "val_top5": val["top5"],
-        "lr": schedule.lr(progress.epoch + 1),
+        "lr": schedule.lr(progress.epoch + 1 - 1 / max(progress.step, 1)),  # the last step's
         "images_per_second": seen / max(stats["seconds"], 1e-9),
         "seconds": stats["seconds"],
     }
