@@ -116,6 +116,12 @@ for path in sorted(glob.glob(os.path.join(out, "*.json"))):
               f"{r['flops_per_second'] / 1e12:7.2f} TFLOP/s  {100 * r['peak_fraction']:5.1f}% of peak")
     elif "ratio" in r:
         print(f"{name:24s} cnnkit / torchvision = {r['ratio']:.2f}x")
+    elif "forward_sum_ms" in r:
+        print(f"{name:24s} step {r['step_ms']:.2f} ms as a whole; forward sum {r['forward_sum_ms']:.2f}"
+              f" vs whole {r['forward_whole_ms']:.2f} ms; backward sum {r['backward_sum_ms']:.2f}"
+              f" vs whole {r['backward_whole_ms']:.2f} ms")
+    elif "images_per_second" in r:
+        print(f"{name:24s} {r['images_per_second']:10.1f} images/s")
     elif "networks" in r:
         for n in r["networks"]:
             s = n["speedup"] or {}
