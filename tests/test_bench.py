@@ -178,3 +178,17 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
     assert code == 0 and "per-layer sum" in out and "whole pass" in out
     assert [layer["name"] for layer in report["layers"]][-1] == "loss"
     assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path of gpu.sh")
+def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu.sh"
+    proc = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["skipped.txt"]
+    assert "no CUDA device" in (tmp_path / "out" / "skipped.txt").read_text()
