@@ -95,6 +95,12 @@ class Group:
         dist.all_reduce(tensor)
         return tensor
 
+    def gather_rng(self, state: dict) -> list[dict]:
+        """Every rank's generator states, in rank order (saved so each rank resumes its own)."""
+        states: list[Any] = [None] * self.world_size
+        dist.all_gather_object(states, state)
+        return states
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP for sync "ddp"; the plain model (replicas kept in step by averaging) otherwise."""
         if self.sync_bn:

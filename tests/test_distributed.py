@@ -157,4 +157,9 @@ def test_killed_worker_restarts_and_the_run_finishes(tmp_path):
     rows = (out / "metrics.csv").read_text().strip().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["epochs"] == 3 and load_checkpoint(out / "last.pt")["global_step"] == 12
+    state = load_checkpoint(out / "last.pt")
+    assert summary["epochs"] == 3 and state["global_step"] == 12 and len(state["rng_ranks"]) == 2
+    fit(validate_run(yaml.safe_load(run.read_text())), tmp_path / "alone", quiet=True)
+    alone = _params(tmp_path / "alone" / "last.pt")
+    for key in alone:  # the restarted group continued exactly where it left off
+        torch.testing.assert_close(state["model"][key], alone[key], rtol=1e-4, atol=1e-5)

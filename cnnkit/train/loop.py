@@ -42,6 +42,10 @@ class Local:
     def device(self, name: str) -> torch.device:
         return resolve_device(name)
 
+    def gather_rng(self, state: dict) -> list[dict]:
+        """Every rank's generator states (here: just ours)."""
+        return [state]
+
 
 @dataclass
 class Progress:

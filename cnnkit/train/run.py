@@ -14,6 +14,7 @@ import torch
 
 from cnnkit.config import RunConfig, apply_override, dump_run, load_run, validate_run
 from cnnkit.data import data_config
+from cnnkit.data.memory import hash_seed
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from cnnkit.train.engine import Engine, build_engine, default_threads
@@ -128,6 +129,8 @@ def fit(
         data = data_config(config.data).build(device, dist.rank, dist.world_size, config.seed)
         network = build_network(config, data)
         engine = build_engine(network, config.train, device, wrap=dist.wrap)
+        if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
+            torch.manual_seed(hash_seed(config.seed, dist.rank))
         per_rank = config.data["batch_size"] // dist.world_size
         threads = default_threads(network, per_rank, config.train, device)
         stack.enter_context(cpu_threads(threads))
@@ -139,7 +142,7 @@ def fit(
         context["started"] = started
         _describe(console, config, engine, data, run_dir, progress)
         if resume:
-            set_rng_state(resume["rng"])  # last: nothing above may draw from the restored streams
+            set_rng_state(_rank_rng(resume, dist))  # last: nothing above may draw from them
         try:
             _train_epochs(engine, schedule, progress, console, on_step, context)
         finally:
@@ -173,10 +176,11 @@ def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx) -
     every, steps = config.train.checkpoint_every, len(data.train)
 
     def after_step(epoch: int, step: int, global_step: int) -> None:
-        if dist.is_main and every and global_step % every == 0 and step < steps:
-            save_checkpoint(
-                training_state(engine, schedule, progress, ctx), ctx["run_dir"] / "last.pt"
-            )
+        if every and global_step % every == 0 and step < steps:
+            rngs = dist.gather_rng(rng_state())  # every rank's generators, for exact resume
+            if dist.is_main:
+                state = training_state(engine, schedule, progress, ctx, rngs)
+                save_checkpoint(state, ctx["run_dir"] / "last.pt")
         if on_step is not None:
             on_step(epoch, step, global_step)
 
@@ -212,20 +216,26 @@ def _epoch_row(progress, stats, val, schedule, dist, device) -> dict[str, float]
 
 def _save_epoch(engine, schedule, progress: Progress, ctx, row: dict[str, float]) -> None:
     """last.pt first (it holds the history), then best.pt and the metrics files."""
+    rngs = ctx["dist"].gather_rng(rng_state())
     if not ctx["dist"].is_main:
         return
     run_dir = ctx["run_dir"]
-    state = training_state(engine, schedule, progress, ctx)
+    state = training_state(engine, schedule, progress, ctx, rngs)
     if row["val_top1"] > progress.best_top1:
         progress.best_top1 = state["best_top1"] = row["val_top1"]
-        best = {k: v for k, v in state.items() if k not in ("optimizer", "scaler", "rng")}
+        skip = ("optimizer", "scaler", "rng", "rng_ranks")
+        best = {k: v for k, v in state.items() if k not in skip}
         save_checkpoint(best, run_dir / "best.pt")
     save_checkpoint(state, run_dir / "last.pt")
     ctx["log"].write_epoch(row, final=progress.epoch == ctx["config"].train.epochs)
 
 
-def training_state(engine: Engine, schedule: Schedule, progress: Progress, ctx) -> dict[str, Any]:
-    """Everything a checkpoint holds: the inference contract plus the exact training state."""
+def training_state(
+    engine: Engine, schedule: Schedule, progress: Progress, ctx, rngs: list | None = None
+) -> dict[str, Any]:
+    """Everything a checkpoint holds: the inference contract plus the exact training state
+    (`rngs`: each rank's generator states, rank 0 first)."""
+    rngs = rngs or [rng_state()]
     partial = progress.running() if progress.running and progress.step else {}
     data = ctx["data"]
     return {
@@ -245,8 +255,15 @@ def training_state(engine: Engine, schedule: Schedule, progress: Progress, ctx) 
         "seconds": progress.seconds + time.perf_counter() - ctx["started"],
         "history": list(progress.history),
         "partial": partial,
-        "rng": rng_state(),
+        "rng": rngs[0],
+        "rng_ranks": rngs,
     }
+
+
+def _rank_rng(state: dict[str, Any], dist: Any) -> dict[str, Any]:
+    """This rank's saved generator states (rank 0's if the world size changed)."""
+    ranks = state.get("rng_ranks") or [state["rng"]]
+    return ranks[dist.rank] if len(ranks) == dist.world_size else state["rng"]
 
 
 def plain_state_dict(network: torch.nn.Module) -> dict[str, torch.Tensor]:
