@@ -54,10 +54,11 @@ def evaluate_checkpoint(
     section = data_section(data, config["data"], meta["preprocess"])
     if batch_size is not None:
         section["eval_batch_size"] = batch_size
-    train_cfg = TrainConfig.model_validate(
-        {**config.get("train", {}), "device": device, "compile": False}
-    )
     dev = resolve_device(device)
+    trained = dict(config.get("train", {}), device=device, compile=False)
+    if trained.get("precision") == "fp16" and dev.type != "cuda":
+        trained["precision"] = "auto"  # trained with CUDA fp16, evaluated elsewhere
+    train_cfg = TrainConfig.model_validate(trained)
     bundle = data_config(section).build(dev, 0, 1, config.get("seed", 0))
     if len(bundle.classes) != network.num_classes:
         raise DataError(
