@@ -10,14 +10,20 @@
 3. cnnkit: `cnnkit pack` of the same folder at 256x256, then `bench loader` over the packed set
    and over the JPEG folder itself, with the same workers and batch, device-side augmentation
    (random-resized-crop 224 + mirror + normalise, like torchvision's; and the seeds' 227 crop).
-   On a CPU device the packed set is read in-process (zero-copy from the page cache).
-Ratios are images/s against torchvision's. The last line is JSON.
+   On a CPU device the packed set is read in-process (zero-copy from the page cache), and the
+   folder's workers crop too (one resize per image).
+Each round times torchvision, then every cnnkit variant; a ratio is images/s against that
+round's torchvision, and the median over rounds is reported (other programs' load varies).
+CPU ms per image (all processes, workers included) hardly depends on that load. The last line
+is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import shutil
 import sys
 import time
@@ -29,6 +35,8 @@ from PIL import Image, ImageEnhance
 from skimage import data as skdata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from cnnkit.bench.loader import bench_loader, tree_cpu_seconds  # noqa: E402
 
 PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "hubble_deep_field.jpg",
           "ihc.png", "retina.jpg", "motorcycle_left.png", "motorcycle_right.png")  # fmt: skip
@@ -62,8 +70,8 @@ def build_photo_folder(root: Path, images: int, seed: int = 0) -> Path:
 
 
 def torchvision_images_per_second(root: Path, workers: int, batch: int, batches: int,
-                                  warmup: int, device: torch.device) -> float:  # fmt: skip
-    """torchvision's usual training pipeline over the folder: images/s after warm-up."""
+                                  warmup: int, device: torch.device) -> tuple[float, float]:  # fmt: skip
+    """torchvision's usual training pipeline over the folder: (images/s, CPU ms per image)."""
     import torchvision.transforms as T
     from torchvision.datasets import ImageFolder
 
@@ -75,21 +83,19 @@ def torchvision_images_per_second(root: Path, workers: int, batch: int, batches:
         persistent_workers=workers > 0,
     )  # fmt: skip
 
-    def endless():
-        while True:
-            yield from loader
-
-    it = endless()
+    it = itertools.chain.from_iterable(itertools.repeat(loader))  # epoch after epoch
     for _ in range(warmup + 1):
         next(it)
-    start, images = time.perf_counter(), 0
+    start, images, cpu = time.perf_counter(), 0, tree_cpu_seconds()
     for _ in range(batches):
         x, y = next(it)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         images += x.shape[0]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return images / (time.perf_counter() - start)
+    seconds, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu
+    del it, loader  # stops the workers
+    return images / seconds, 1000 * cpu / images
 
 
 def main() -> None:
@@ -99,11 +105,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="median over rounds")
     parser.add_argument("--work", type=Path, default=Path("/tmp/cnnkit-loader-bench"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
-    from cnnkit.bench.loader import bench_loader
     from cnnkit.data.pack import pack_folder
 
     device = torch.device(args.device)
@@ -112,6 +118,12 @@ def main() -> None:
     start = time.perf_counter()
     pack_folder(photos, args.work / "packed", size=256, progress=False, workers=args.workers)
     pack_seconds = time.perf_counter() - start
+    rounds = [one_round(args, photos, device) for _ in range(args.rounds)]
+    report(args, rounds, pack_seconds)
+
+
+def one_round(args: argparse.Namespace, photos: Path, device: torch.device) -> dict:
+    """{name: (images/s, CPU ms per image)} of torchvision and each cnnkit variant."""
     common = {"workers": args.workers, "batch": args.batch, "batches": args.batches,
               "warmup": args.warmup, "device": device}  # fmt: skip
     rrc = {"crop": 224, "train_crop": "resized"}
@@ -124,15 +136,26 @@ def main() -> None:
         "cnnkit_folder_crop227": (photos, {}),
     }
     for name, (path, options) in runs.items():
-        results[name] = bench_loader(path, **common, **options)["images_per_second"]
-    base = results["torchvision"]
-    print(f"{args.images} JPEGs ~500x375, workers {args.workers}, batch {args.batch}, {device}")
-    for name, ips in results.items():
-        print(f"  {name:24s} {ips:9.0f} images/s   x{ips / base:5.1f}")
+        r = bench_loader(path, **common, **options)
+        results[name] = (r["images_per_second"], r["cpu_ms_per_image"])
+    return results
+
+
+def report(args: argparse.Namespace, rounds: list[dict], pack_seconds: float) -> None:
+    """Medians over rounds: images/s, ratio to the same round's torchvision, CPU ms per image."""
+    names = list(rounds[0])
+    ips = {k: float(np.median([r[k][0] for r in rounds])) for k in names}
+    cpu = {k: float(np.median([r[k][1] for r in rounds])) for k in names}
+    ratio = {k: float(np.median([r[k][0] / r["torchvision"][0] for r in rounds])) for k in names}
+    print(f"{args.images} JPEGs ~500x375, workers {args.workers}, batch {args.batch}, "
+          f"{args.device}, median of {len(rounds)} rounds, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    for k in names:
+        print(f"  {k:24s} {ips[k]:7.0f} images/s   x{ratio[k]:5.1f}   {cpu[k]:5.2f} CPU ms/image")
     print(f"  pack of {args.images} images at 256 px: {pack_seconds:.1f} s")
-    ratios = {f"{k}_ratio": v / base for k, v in results.items() if k != "torchvision"}
-    print(json.dumps({**args.__dict__, "work": str(args.work), "images_per_second": results,
-                      **ratios, "pack_seconds": pack_seconds}))  # fmt: skip
+    ratios = {f"{k}_ratio": v for k, v in ratio.items() if k != "torchvision"}
+    print(json.dumps({**args.__dict__, "work": str(args.work), "images_per_second": ips,
+                      "cpu_ms_per_image": cpu, **ratios, "pack_seconds": pack_seconds,
+                      "rounds": rounds}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ to augmented float batches on the device, so it can be compared with what the mo
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,30 @@ def loader_config(data: str | Path, workers: int, batch: int, **options: Any) ->
     section = {"source": source, "path": str(path), "batch_size": batch, "workers": workers,
                "val_fraction": 0.0, **options}  # fmt: skip
     return section
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its live descendants (loader workers), read
+    from /proc; only this process's own time where /proc is missing. Unlike images/s, CPU time
+    per image hardly changes when other programs load the machine."""
+    if not os.path.isdir("/proc/self/task"):
+        return time.process_time()
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+    todo, total = [os.getpid()], 0
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _endless(stream: Batches) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,18 +79,18 @@ def bench_loader(data: str | Path, workers: int = 2, batch: int = 256, batches: 
     for _ in range(warmup + 1):  # the first batch also starts the worker processes
         next(it)
     synchronize(device)
-    images, start = 0, time.perf_counter()
+    images, start, cpu = 0, time.perf_counter(), tree_cpu_seconds()
     for _ in range(batches):
         x, _ = next(it)
         images += x.shape[0]
     synchronize(device)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu
     del it  # stops the workers
     return {
         "data": str(data), "source": cfg.source, "device": device_name(device),
         "workers": workers, "batch": batch, "batches": batches, "images": images,
         "input_shape": list(x.shape[1:]), "train_crop": cfg.train_crop, "seconds": seconds,
-        "images_per_second": images / seconds,
+        "images_per_second": images / seconds, "cpu_ms_per_image": 1000 * cpu / images,
     }  # fmt: skip
 
 
@@ -74,4 +99,5 @@ def print_loader(report: dict[str, Any]) -> None:
     print(f"loader  {report['source']} {report['data']}  on {report['device']}")
     print(f"  workers {report['workers']}, batch {report['batch']}, input {report['input_shape']}"
           f" ({report['train_crop']} crop), {report['images']} images in {report['seconds']:.2f} s")  # fmt: skip
-    print(f"  {report['images_per_second']:,.0f} images/s")
+    print(f"  {report['images_per_second']:,.0f} images/s, "
+          f"{report['cpu_ms_per_image']:.2f} CPU ms per image (all processes)")  # fmt: skip

@@ -163,6 +163,13 @@ class Augment:
             p["left"] = torch.randint(0, width - self.crop + 1, (batch,), generator=g)
         return p
 
+    def boxes(self, params: dict) -> torch.Tensor:
+        """The crop of each image as a (B, 4) box (top, left, height, width), random or resized."""
+        if self.train_crop == "resized":
+            return params["boxes"]
+        side = torch.full_like(params["top"], self.crop)
+        return torch.stack([params["top"], params["left"], side, side], 1)
+
     def light(self, alpha: torch.Tensor) -> torch.Tensor | None:
         """PCA lighting shift (B, 3, 1, 1) over the std (the 2012 paper's), or None when off."""
         if not self.lighting or self.eigvec is None:
@@ -208,6 +215,20 @@ class Augment:
                 np.multiply(ys[i], inv, out=ys[i])
                 if shift is not None:
                     np.add(ys[i], shift[i].numpy(), out=ys[i])
+        return out
+
+    def finish(self, x: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:  # fmt: skip
+        """Already cropped + mirrored uint8 (B, C, crop, crop) on the CPU -> normalised float with
+        lighting (alpha: the batch's lighting draws), in one numpy pass per image."""
+        out = torch.empty(x.shape) if out is None else out
+        ys, xs, mean, inv = out.numpy(), x.numpy(), self.mean.numpy(), (1 / self.std).numpy()
+        shift = self.light(alpha)
+        for i in range(len(xs)):  # per image: stays in cache, off torch's thread pool
+            np.subtract(xs[i], mean, out=ys[i])
+            np.multiply(ys[i], inv, out=ys[i])
+            if shift is not None:
+                np.add(ys[i], shift[i].numpy(), out=ys[i])
         return out
 
     def _crop_one(self, x: torch.Tensor, i: int, place: list) -> tuple[np.ndarray, np.ndarray]:

@@ -182,3 +182,35 @@ def load_resized(
     """read_image + resize_uint8: ((3, size, size) uint8 tensor, note)."""
     array, note = read_image(path, size, mode, fast)
     return resize_uint8(array, size, mode), note
+
+
+def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int,
+               mode: ResizeMode) -> tuple[int, int, int, int]:  # fmt: skip
+    """Where box (top, left, h, w) of the size x size resized image lies in an (H, W) image."""
+    h, w = shape
+    oy = ox = 0
+    if mode == "shorter":
+        side = min(h, w)
+        oy, ox, h, w = (h - side) // 2, (w - side) // 2, side, side
+    top, left, bh, bw = box
+    y0, x0 = oy + round(top * h / size), ox + round(left * w / size)
+    y1, x1 = oy + round((top + bh) * h / size), ox + round((left + bw) * w / size)
+    return y0, x0, max(y1, y0 + 1), max(x1, x0 + 1)
+
+
+def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int, int, int],
+             crop: int, flip: bool) -> np.ndarray:  # fmt: skip
+    """Box (top, left, h, w) of the image resized to size x size, itself resized to crop x crop
+    (mirrored if flip), straight from the file: one resize, DCT-scaled as far as the box allows.
+
+    Close to resize_uint8 then cropping and resizing the box, for half the work. Returns a
+    (3, crop, crop) uint8 numpy view (strided: copy it out). Raises BadImage like read_image.
+    """
+    need = -(-size * crop // min(box[2], box[3]))  # the box stays >= crop at this size
+    array = read_image(path, need, mode, fast=True)[0]
+    y0, x0, y1, x1 = box_region(array.shape[:2], box, size, mode)
+    x = torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1).unsqueeze(0)  # channels-last
+    if (y1 - y0, x1 - x0) != (crop, crop):
+        x = F.interpolate(x, size=(crop, crop), mode="bilinear", antialias=True)
+    out = x[0].numpy()
+    return out[..., ::-1] if flip else out

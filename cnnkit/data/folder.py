@@ -1,6 +1,7 @@
 """The `folder` source: train straight from image files, in torchvision's ImageFolder layout (one
 folder per class, like ImageNet's train/) or a flat folder plus a label file (ImageNet's val/).
-Workers decode (DCT-scaled JPEG) and resize in uint8; bad images are reported and skipped.
+Workers decode (DCT-scaled JPEG) and resize in uint8, and crop too when training on the CPU;
+bad images are reported and skipped.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import torch
 from pydantic import Field, PositiveInt
 from torch.utils.data import Dataset
 
-from cnnkit.data.augment import imagenet_lighting
+from cnnkit.data.augment import imagenet_lighting, single_threaded
 from cnnkit.data.base import DataBundle, Preprocess
-from cnnkit.data.decode import BadImage, is_image_name, load_resized
+from cnnkit.data.decode import BadImage, is_image_name, load_box, load_resized
 from cnnkit.data.loader import (
+    CropJob,
     ImageSetConfig,
     build_augment,
     build_streams,
@@ -98,7 +100,11 @@ def scan_folder(src: str | Path, labels_file: str | Path | None = None,
 
 
 class FolderImages(Dataset):
-    """Batch dataset over image files: dataset[list of positions] -> (x uint8, y, bad images)."""
+    """Batch dataset over image files: dataset[list of positions] -> (x uint8 resized to size,
+    y, bad images); dataset[CropJob] -> (x uint8 cropped, y, bad images, the kept lighting draws).
+    """
+
+    crops = True  # takes CropJobs: each image decoded, cropped and resized once
 
     def __init__(self, root: Path, files: list[str], labels: list[int], ids: np.ndarray,
                  size: int, mode: str) -> None:  # fmt: skip
@@ -108,20 +114,37 @@ class FolderImages(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list]:
+    def __getitem__(self, key: list[int] | CropJob) -> tuple:
+        with single_threaded():  # per-image resizes (already so in a worker process)
+            return self._cropped(key) if isinstance(key, CropJob) else self._resized(key)
+
+    def _resized(self, positions: list[int]) -> tuple:
         ids = self.ids[positions]
         x = new_batch(len(ids), self.size)
         kept, bad = [], []
         for i in ids:
             path = self.root / self.files[i]
-            try:
-                x[len(kept)] = load_resized(path, self.size, self.mode, fast=True)[
-                    0
-                ]  # odd: converted
+            try:  # odd images are converted
+                x[len(kept)] = load_resized(path, self.size, self.mode, fast=True)[0]
                 kept.append(i)
             except BadImage as e:
                 bad.append((str(path), str(e)))
         return x[: len(kept)], torch.from_numpy(self.labels[kept]), bad
+
+    def _cropped(self, job: CropJob) -> tuple:
+        ids = self.ids[job.positions]
+        x = new_batch(len(ids), job.crop)
+        out, kept, bad = x.numpy(), [], []
+        crops = zip(ids, job.boxes.tolist(), job.flip.tolist(), strict=True)
+        for k, (i, box, flip) in enumerate(crops):
+            path = self.root / self.files[i]
+            try:
+                out[len(kept)] = load_box(path, self.size, self.mode, box, job.crop, flip)
+                kept.append(k)
+            except BadImage as e:
+                bad.append((str(path), str(e)))
+        y = torch.from_numpy(self.labels[ids[kept]])
+        return x[: len(kept)], y, bad, job.alpha[kept]
 
 
 class FolderConfig(ImageSetConfig):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -138,6 +139,41 @@ class BufferPool:
         return self._buffers[-1]
 
 
+@dataclass
+class CropJob:
+    """A training batch for a dataset that also crops (`crops`): positions, the random crops as
+    boxes of the size x size image, mirrors, and the lighting draws handed back with the batch."""
+
+    positions: list[int]
+    boxes: torch.Tensor  # (B, 4) int64 top, left, height, width
+    flip: torch.Tensor  # (B,) bool
+    alpha: torch.Tensor  # (B, 3) lighting draws
+    crop: int
+
+
+def batch_generator(sampler: EpochBatchSampler, position: int) -> torch.Generator:
+    """The generator of the random augmentation of batch `position` in the sampler's epoch."""
+    s = sampler
+    return torch.Generator().manual_seed(derive_seed(s.seed, s.epoch, s.rank, position, 1))
+
+
+class CropJobs(Sampler[CropJob]):
+    """A sampler's batches as CropJobs: the random crops of images resized to size x size drawn
+    as the main process would draw them (the same generator per batch)."""
+
+    def __init__(self, sampler: EpochBatchSampler, augment: Augment, size: int) -> None:
+        self.sampler, self.augment, self.size = sampler, augment, size
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[CropJob]:
+        for position, batch in enumerate(self.sampler, self.sampler.skip):
+            g = batch_generator(self.sampler, position)
+            p = self.augment.sample(len(batch), self.size, self.size, g)
+            yield CropJob(batch, self.augment.boxes(p), p["flip"], p["alpha"], self.augment.crop)
+
+
 def _load_batch_in_worker(worker_id: int) -> None:
     torch.set_num_threads(1)  # each worker is one core's worth of decoding
 
@@ -158,6 +194,8 @@ class ImageBatches:
         # a CPU device reads raw shards in-process, cropping straight from the page cache: any
         # worker would add a copy into shared memory and page faults on both sides (2x slower)
         self._direct = self.device.type == "cpu" and getattr(dataset, "direct", False)
+        # a CPU device lets folder workers crop too: one resize per image, less to pass back
+        self._crops = self.device.type == "cpu" and train and getattr(dataset, "crops", False)
         reuse = self.device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count")
         self._pool = BufferPool() if reuse else None
 
@@ -176,23 +214,29 @@ class ImageBatches:
                 if self.workers
                 else {}
             )
+            sampler = (
+                CropJobs(self.sampler, self.augment, self.dataset.size)
+                if self._crops
+                else self.sampler
+            )
             self._loader = DataLoader(
-                self.dataset, batch_size=None, sampler=self.sampler, num_workers=self.workers,
+                self.dataset, batch_size=None, sampler=sampler, num_workers=self.workers,
                 pin_memory=self.device.type == "cuda", worker_init_fn=_load_batch_in_worker,
                 **extra,
             )  # fmt: skip
         return self._loader
 
-    def uint8_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The raw (x uint8, y int64) CPU batches of this epoch, bad images reported and dropped."""
+    def uint8_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """The raw (x uint8, y int64, lighting draws if x is cropped already) CPU batches of this
+        epoch, bad images reported and dropped."""
         if self._direct:
             for batch in self.sampler:
-                yield self.dataset.views(batch)
+                yield *self.dataset.views(batch), None
             return
-        for x, y, bad in self.loader():
+        for x, y, bad, *alpha in self.loader():
             self._report(bad)
             if len(y):
-                yield x, y
+                yield x, y, alpha[0] if alpha else None
 
     def _report(self, bad: list[tuple[str, str]]) -> None:
         for path, reason in bad:
@@ -200,7 +244,8 @@ class ImageBatches:
                 self._reported.add(path)
                 print(f"cnnkit: skipped {path}: {reason}", file=sys.stderr)
 
-    def _prepare(self, x: torch.Tensor, y: torch.Tensor, position: int) -> tuple:
+    def _prepare(self, x: torch.Tensor, y: torch.Tensor, position: int,
+                 alpha: torch.Tensor | None) -> tuple:  # fmt: skip
         if isinstance(x, torch.Tensor):  # else an ImageList of mapped views (CPU device)
             x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
@@ -208,8 +253,9 @@ class ImageBatches:
         out = self._pool.take((*x.shape[:2], crop, crop)) if self._pool is not None else None
         if not self.train:
             return self.augment.eval(x, out), y
-        s = self.sampler
-        g = torch.Generator().manual_seed(derive_seed(s.seed, s.epoch, s.rank, position, 1))
+        if alpha is not None:  # cropped by the workers: normalise only
+            return self.augment.finish(x, alpha, out), y
+        g = batch_generator(self.sampler, position)
         params = self.augment.sample(x.shape[0], x.shape[2], x.shape[3], g)
         return self.augment.train(x, params, out), y
 
@@ -217,8 +263,8 @@ class ImageBatches:
         start = self.sampler.skip
         batches = enumerate(self.uint8_batches(), start)
         if self.device.type != "cuda":
-            for position, (x, y) in batches:
-                yield self._prepare(x, y, position)
+            for position, (x, y, alpha) in batches:
+                yield self._prepare(x, y, position, alpha)
             return
         yield from self._overlapped(batches)
 
@@ -227,9 +273,9 @@ class ImageBatches:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))  # mean/std made on the main one
         pending = None
-        for position, (x, y) in batches:
+        for position, (x, y, alpha) in batches:
             with torch.cuda.stream(stream):
-                staged = self._prepare(x, y, position), stream.record_event()
+                staged = self._prepare(x, y, position, alpha), stream.record_event()
             if pending is not None:
                 yield self._handover(*pending)
             pending = staged

@@ -1,0 +1,121 @@
+"""Folder workers that crop (CPU training): one resize from the file equals, closely, resizing to
+`size` then cropping; workers equal in-process loading; the main-process path is matched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from data_images import photo
+from PIL import Image
+
+from cnnkit.data import data_config
+from cnnkit.data import decode as decode_module
+from cnnkit.data.decode import box_region, load_box, resize_uint8
+from cnnkit.data.loader import batch_generator
+
+CPU = torch.device("cpu")
+
+
+def two_step(path, size, mode, box, crop, flip) -> torch.Tensor:
+    """The reference: resize to size x size, cut the box, resize it to crop (float)."""
+    array = np.array(Image.open(path).convert("RGB"))
+    top, left, h, w = box
+    region = resize_uint8(array, size, mode)[None, :, top : top + h, left : left + w].float()
+    out = F.interpolate(region, size=(crop, crop), mode="bilinear", antialias=True)[0]
+    return out.flip(-1) if flip else out
+
+
+@pytest.mark.parametrize("mode", ["squash", "shorter"])
+@pytest.mark.parametrize(("box", "flip"), [((0, 0, 64, 64), False), ((10, 20, 30, 40), True)])
+def test_load_box_is_close_to_resize_then_crop(tmp_path, mode, box, flip):
+    path = tmp_path / "p.png"
+    Image.fromarray(photo(90, 120, seed=3)).save(path)
+    got = torch.from_numpy(load_box(path, 64, mode, box, 48, flip).copy()).float()
+    ref = two_step(path, 64, mode, box, 48, flip)
+    assert got.shape == (3, 48, 48)
+    assert (got - ref).abs().mean() < 2.0  # 0-255 units: rounding and the box's edges only
+    wrong = ref.flip(-1)  # a mirror mistake would be far off
+    assert (got - wrong).abs().mean() > 3 * (got - ref).abs().mean()
+
+
+def test_same_size_box_is_an_exact_crop(tmp_path):
+    path = tmp_path / "p.png"  # lossless, already size x size: no resize at all
+    Image.fromarray(photo(32, 32, seed=4)).save(path)
+    got = load_box(path, 32, "squash", (5, 7, 24, 24), 24, True)
+    ref = np.asarray(Image.open(path)).transpose(2, 0, 1)[:, 5:29, 7:31][..., ::-1]
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_box_region_maps_to_the_source():
+    assert box_region((200, 100), (0, 0, 64, 64), 64, "squash") == (0, 0, 200, 100)
+    assert box_region((200, 100), (32, 16, 32, 16), 64, "squash") == (100, 25, 200, 50)
+    assert box_region((200, 100), (0, 0, 64, 64), 64, "shorter") == (50, 0, 150, 100)
+
+
+def test_large_jpeg_is_dct_scaled_for_the_box(tmp_path, monkeypatch):
+    path = tmp_path / "big.jpg"
+    Image.fromarray(photo(256, 256, seed=5)).save(path, quality=95)
+    asked = []
+    real = decode_module.read_image
+    monkeypatch.setattr(
+        decode_module, "read_image", lambda *a, **k: asked.append(a) or real(*a, **k)
+    )
+    small = load_box(path, 64, "squash", (0, 0, 64, 64), 32, False)
+    large = load_box(path, 64, "squash", (0, 0, 8, 8), 32, False)
+    assert asked[0][1] == 32 and asked[1][1] == 256  # the decoder may shrink 8x, then not at all
+    assert small.shape == large.shape == (3, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("crops")
+    for k in range(3):
+        (root / f"c{k}").mkdir()
+        for i in range(6):
+            h, w = (30, 40) if i % 2 else (44, 33)
+            Image.fromarray(photo(h, w, seed=10 * k + i)).save(
+                root / f"c{k}" / f"{i}.jpg", quality=95
+            )
+    return root
+
+
+def folder(root, **options):
+    section = {"source": "folder", "path": str(root), "size": 24, "crop": 20, "batch_size": 4,
+               "workers": 0, "val_fraction": 0.0, "lighting": 0.1, **options}  # fmt: skip
+    return data_config(section).build(CPU, seed=7)
+
+
+def epoch(stream, e, skip=0):
+    stream.set_epoch(e, skip)
+    return [(x.clone(), y.clone()) for x, y in stream]
+
+
+@pytest.mark.parametrize("train_crop", ["random", "resized"])
+def test_worker_crops_equal_in_process_crops(photos, train_crop):
+    one = epoch(folder(photos, train_crop=train_crop).train, 1)
+    two = epoch(folder(photos, train_crop=train_crop, workers=2).train, 1)
+    assert len(one) == len(two) == 4
+    for (x1, y1), (x2, y2) in zip(one, two, strict=True):
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+        assert torch.equal(y1, y2)
+    resumed = epoch(folder(photos, train_crop=train_crop).train, 1, skip=2)
+    torch.testing.assert_close(resumed[0][0], one[2][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("train_crop", ["random", "resized"])
+def test_worker_crops_match_main_process_augmentation(photos, train_crop):
+    """The same seeded crops, mirrors and lighting as resizing to `size` and augmenting the
+    batch (the path of a CUDA device), up to the one-resize rounding."""
+    stream = folder(photos, train_crop=train_crop).train
+    stream.set_epoch(2)
+    for position, (batch, (x, y)) in enumerate(zip(stream.sampler, stream, strict=True)):
+        raw, y_ref, _ = stream.dataset[batch]
+        params = stream.augment.sample(
+            len(batch), 24, 24, batch_generator(stream.sampler, position)
+        )
+        ref = stream.augment.train(raw, params)
+        assert torch.equal(y, y_ref)
+        assert (x - ref).abs().mean() < 0.1  # normalised units: ~5 of 255, tiny boxes' edges
+        assert (x - ref.flip(-1)).abs().mean() > 0.3  # other draws differ by 0.45-1
