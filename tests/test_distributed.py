@@ -163,3 +163,21 @@ def test_killed_worker_restarts_and_the_run_finishes(tmp_path):
     alone = _params(tmp_path / "alone" / "last.pt")
     for key in alone:  # the restarted group continued exactly where it left off
         torch.testing.assert_close(state["model"][key], alone[key], rtol=1e-4, atol=1e-5)
+
+
+def test_sync_batchnorm_conversion_keeps_the_network_running_its_layers():
+    from cnnkit.distributed import convert_sync_batchnorm
+
+    torch.manual_seed(0)
+    network = build_model("digitnet")
+    x = torch.randn(8, 1, 8, 8)
+    torch.manual_seed(1)  # the same dropout mask for both forwards
+    expected = network(x)
+    convert_sync_batchnorm(network)
+    kinds = {type(m).__name__ for m in network.modules()}
+    assert "SyncBatchNorm" in kinds and "BatchNorm2d" not in kinds
+    ran = []
+    network.bn1.register_forward_hook(lambda *_: ran.append(True))
+    torch.manual_seed(1)
+    torch.testing.assert_close(network(x), expected)  # no process group: plain batch norm maths
+    assert ran  # the converted layer is the one that runs
