@@ -98,7 +98,7 @@ def resume_state(run_dir: str | Path) -> dict[str, Any]:
 
 def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """The run config stored in a checkpoint, with overrides (e.g. train.epochs=30) applied."""
-    raw = dict(state["config"])
+    raw = dict(state["config"], model=state["model_spec"])  # the file may have moved since
     for item in overrides or []:
         apply_override(raw, item)
     return validate_run(raw)
@@ -161,6 +161,9 @@ def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLo
 
 
 def _describe(console: Console, config, engine: Engine, data, run_dir: Path, progress) -> None:
+    if progress.epoch >= config.train.epochs:
+        console.print(f"{run_dir}: all {config.train.epochs} epochs done (train.epochs=N for more)")
+        return
     what = "resuming" if progress.global_step else "training"
     at = f" from epoch {progress.epoch + 1} step {progress.step}" if progress.global_step else ""
     console.print(
