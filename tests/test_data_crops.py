@@ -12,8 +12,9 @@ from PIL import Image
 
 from cnnkit.data import data_config
 from cnnkit.data import decode as decode_module
+from cnnkit.data.augment import Augment
 from cnnkit.data.decode import box_region, load_box, resize_uint8
-from cnnkit.data.loader import batch_generator
+from cnnkit.data.loader import CropJobs, EpochBatchSampler, batch_generator
 
 CPU = torch.device("cpu")
 
@@ -94,14 +95,29 @@ def epoch(stream, e, skip=0):
 
 @pytest.mark.parametrize("train_crop", ["random", "resized"])
 def test_worker_crops_equal_in_process_crops(photos, train_crop):
-    one = epoch(folder(photos, train_crop=train_crop).train, 1)
-    two = epoch(folder(photos, train_crop=train_crop, workers=2).train, 1)
-    assert len(one) == len(two) == 4
-    for (x1, y1), (x2, y2) in zip(one, two, strict=True):
-        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
-        assert torch.equal(y1, y2)
-    resumed = epoch(folder(photos, train_crop=train_crop).train, 1, skip=2)
+    """9 batches an epoch through 6 reused slots, two epochs: nothing overwritten early."""
+    workers = folder(photos, train_crop=train_crop, workers=2, batch_size=2).train
+    for e in (1, 2):
+        one = epoch(folder(photos, train_crop=train_crop, batch_size=2).train, e)
+        two = epoch(workers, e)
+        assert len(one) == len(two) == 9
+        for (x1, y1), (x2, y2) in zip(one, two, strict=True):
+            torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+            assert torch.equal(y1, y2)
+    resumed = epoch(folder(photos, train_crop=train_crop, batch_size=2).train, 2, skip=2)
     torch.testing.assert_close(resumed[0][0], one[2][0], rtol=0, atol=0)
+
+
+def test_crop_jobs_hand_out_free_slots_only():
+    sampler = EpochBatchSampler(20, 4, 0, 1, seed=0, shuffle=True)
+    jobs = CropJobs(sampler, Augment(8).to(CPU), 10, slots=2)
+    it = iter(jobs)
+    slots = [next(it).slot for _ in range(3)]
+    assert sorted(slots[:2]) == [0, 1] and slots[2] is None  # none free: fresh memory
+    jobs.release(slots[0])
+    assert next(it).slot == slots[0]
+    fresh = [job.slot for job in jobs]  # a new epoch: all drained, so all free again
+    assert sorted(fresh[:2]) == [0, 1] and fresh[2:] == [None] * 3
 
 
 @pytest.mark.parametrize("train_crop", ["random", "resized"])

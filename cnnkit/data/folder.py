@@ -105,6 +105,7 @@ class FolderImages(Dataset):
     """
 
     crops = True  # takes CropJobs: each image decoded, cropped and resized once
+    slots: torch.Tensor | None = None  # (n, B, 3, crop, crop) shared output batches of CropJobs
 
     def __init__(self, root: Path, files: list[str], labels: list[int], ids: np.ndarray,
                  size: int, mode: str) -> None:  # fmt: skip
@@ -132,8 +133,9 @@ class FolderImages(Dataset):
         return x[: len(kept)], torch.from_numpy(self.labels[kept]), bad
 
     def _cropped(self, job: CropJob) -> tuple:
+        """(x, y, bad, alpha); x is the slot number when written into `slots[job.slot]`."""
         ids = self.ids[job.positions]
-        x = new_batch(len(ids), job.crop)
+        x = new_batch(len(ids), job.crop) if job.slot is None else self.slots[job.slot]
         out, kept, bad = x.numpy(), [], []
         crops = zip(ids, job.boxes.tolist(), job.flip.tolist(), strict=True)
         for k, (i, box, flip) in enumerate(crops):
@@ -144,7 +146,7 @@ class FolderImages(Dataset):
             except BadImage as e:
                 bad.append((str(path), str(e)))
         y = torch.from_numpy(self.labels[ids[kept]])
-        return x[: len(kept)], y, bad, job.alpha[kept]
+        return job.slot if job.slot is not None else x[: len(kept)], y, bad, job.alpha[kept]
 
 
 class FolderConfig(ImageSetConfig):

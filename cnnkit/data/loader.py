@@ -149,6 +149,7 @@ class CropJob:
     flip: torch.Tensor  # (B,) bool
     alpha: torch.Tensor  # (B, 3) lighting draws
     crop: int
+    slot: int | None = None  # where to write the batch in the dataset's `slots`; None: anew
 
 
 def batch_generator(sampler: EpochBatchSampler, position: int) -> torch.Generator:
@@ -159,19 +160,30 @@ def batch_generator(sampler: EpochBatchSampler, position: int) -> torch.Generato
 
 class CropJobs(Sampler[CropJob]):
     """A sampler's batches as CropJobs: the random crops of images resized to size x size drawn
-    as the main process would draw them (the same generator per batch)."""
+    as the main process would draw them (the same generator per batch), each given a free slot
+    of `slots` output batches (shared memory made once: no page faults per batch) while any is
+    free. The caller releases a slot once it has read the batch."""
 
-    def __init__(self, sampler: EpochBatchSampler, augment: Augment, size: int) -> None:
-        self.sampler, self.augment, self.size = sampler, augment, size
+    def __init__(self, sampler: EpochBatchSampler, augment: Augment, size: int, slots: int) -> None:
+        self.sampler, self.augment, self.size, self.slots = sampler, augment, size, slots
+        self.free: list[int] = []
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[CropJob]:
+        # runs at the epoch's first dispatch: the DataLoader has drained every earlier batch
+        self.free = list(range(self.slots))
         for position, batch in enumerate(self.sampler, self.sampler.skip):
             g = batch_generator(self.sampler, position)
             p = self.augment.sample(len(batch), self.size, self.size, g)
-            yield CropJob(batch, self.augment.boxes(p), p["flip"], p["alpha"], self.augment.crop)
+            slot = self.free.pop() if self.free else None
+            yield CropJob(batch, self.augment.boxes(p), p["flip"], p["alpha"], self.augment.crop,
+                          slot)  # fmt: skip
+
+    def release(self, slot: int) -> None:
+        """The batch in `slot` has been read: the slot may take another."""
+        self.free.append(slot)
 
 
 def _load_batch_in_worker(worker_id: int) -> None:
@@ -195,9 +207,19 @@ class ImageBatches:
         # worker would add a copy into shared memory and page faults on both sides (2x slower)
         self._direct = self.device.type == "cpu" and getattr(dataset, "direct", False)
         # a CPU device lets folder workers crop too: one resize per image, less to pass back
-        self._crops = self.device.type == "cpu" and train and getattr(dataset, "crops", False)
+        self._jobs = None
+        if self.device.type == "cpu" and train and getattr(dataset, "crops", False):
+            self._jobs = self._crop_jobs()
         reuse = self.device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count")
         self._pool = BufferPool() if reuse else None
+
+    def _crop_jobs(self) -> CropJobs:
+        """CropJobs with slots enough for every batch in flight (set on the dataset before the
+        workers start; those ahead of the slots, e.g. after a slow batch, get fresh memory)."""
+        slots = self.workers * self.prefetch + 2
+        shape = (slots, self.sampler.batch, 3, self.augment.crop, self.augment.crop)
+        self.dataset.slots = torch.zeros(shape, dtype=torch.uint8).share_memory_()
+        return CropJobs(self.sampler, self.augment, self.dataset.size, slots)
 
     def __len__(self) -> int:
         return self.sampler.total()
@@ -214,13 +236,9 @@ class ImageBatches:
                 if self.workers
                 else {}
             )
-            sampler = (
-                CropJobs(self.sampler, self.augment, self.dataset.size)
-                if self._crops
-                else self.sampler
-            )
             self._loader = DataLoader(
-                self.dataset, batch_size=None, sampler=sampler, num_workers=self.workers,
+                self.dataset, batch_size=None, sampler=self._jobs or self.sampler,
+                num_workers=self.workers,
                 pin_memory=self.device.type == "cuda", worker_init_fn=_load_batch_in_worker,
                 **extra,
             )  # fmt: skip
@@ -228,15 +246,20 @@ class ImageBatches:
 
     def uint8_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """The raw (x uint8, y int64, lighting draws if x is cropped already) CPU batches of this
-        epoch, bad images reported and dropped."""
+        epoch, bad images reported and dropped. A cropped x is valid until the next is drawn."""
         if self._direct:
             for batch in self.sampler:
                 yield *self.dataset.views(batch), None
             return
         for x, y, bad, *alpha in self.loader():
             self._report(bad)
+            slot = x if isinstance(x, int) else None  # written into a shared slot
+            if slot is not None:
+                x = self.dataset.slots[slot][: len(y)]
             if len(y):
                 yield x, y, alpha[0] if alpha else None
+            if slot is not None:  # the caller has normalised it: free
+                self._jobs.release(slot)
 
     def _report(self, bad: list[tuple[str, str]]) -> None:
         for path, reason in bad:
