@@ -15,6 +15,7 @@ from cnnkit.data import decode as decode_module
 from cnnkit.data.augment import Augment
 from cnnkit.data.decode import box_region, load_box, resize_uint8
 from cnnkit.data.loader import CropJobs, EpochBatchSampler, batch_generator
+from cnnkit.data.pack import pack_folder
 
 CPU = torch.device("cpu")
 
@@ -135,3 +136,19 @@ def test_worker_crops_match_main_process_augmentation(photos, train_crop):
         assert torch.equal(y, y_ref)
         assert (x - ref).abs().mean() < 0.1  # normalised units: ~5 of 255, tiny boxes' edges
         assert (x - ref.flip(-1)).abs().mean() > 0.3  # other draws differ by 0.45-1
+
+
+@pytest.mark.parametrize("storage", ["raw", "jpeg"])
+def test_packed_worker_crops_equal_main_process_crops(photos, tmp_path, storage):
+    """Resized crops of a packed set: cut in the workers (slots) = cut in the main process."""
+    pack_folder(photos, tmp_path / "p", size=24, format=storage, quality=95, progress=False)
+    section = {"source": "packed", "path": str(tmp_path / "p"), "batch_size": 2, "crop": 20,
+               "train_crop": "resized", "lighting": 0.1, "val_fraction": 0.0}  # fmt: skip
+    workers = data_config({**section, "workers": 2}).build(CPU, seed=3).train
+    main = data_config({**section, "workers": 0}).build(CPU, seed=3).train
+    assert workers._crops and not workers._direct
+    assert main._direct == (storage == "raw")  # raw in-process: zero-copy views, main crops
+    main._crops = False  # JPEG shards in-process: decode, then augment in the main process
+    for (x1, y1), (x2, y2) in zip(epoch(main, 1), epoch(workers, 1), strict=True):
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+        assert torch.equal(y1, y2)

@@ -209,8 +209,14 @@ def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int,
     need = -(-size * crop // min(box[2], box[3]))  # the box stays >= crop at this size
     array = read_image(path, need, mode, fast=True)[0]
     y0, x0, y1, x1 = box_region(array.shape[:2], box, size, mode)
-    x = torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1).unsqueeze(0)  # channels-last
-    if (y1 - y0, x1 - x0) != (crop, crop):
+    return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
+
+
+def resize_crop(region: torch.Tensor, crop: int, flip: bool) -> np.ndarray:
+    """(3, h, w) uint8, any memory layout -> (3, crop, crop) by antialiased bilinear resizing,
+    mirrored if flip: a numpy view (strided: copy it out)."""
+    x = region[None]
+    if x.shape[-2:] != (crop, crop):
         x = F.interpolate(x, size=(crop, crop), mode="bilinear", antialias=True)
     out = x[0].numpy()
     return out[..., ::-1] if flip else out

@@ -104,8 +104,11 @@ def new_batch(n: int, size: int, channels: int = 3) -> torch.Tensor:
     """An empty uint8 (n, C, size, size) batch. In a loader worker it lives in shared memory
     already, so handing it to the main process sends a file descriptor and copies nothing."""
     shape = (n, channels, size, size)
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=torch.uint8)
+    return torch.empty(shape, dtype=torch.uint8) if get_worker_info() is None else shared(shape)
+
+
+def shared(shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty uint8 tensor in shared memory (other processes map it; nothing is copied)."""
     storage = torch.UntypedStorage._new_shared(math.prod(shape))
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
 
@@ -206,19 +209,27 @@ class ImageBatches:
         # a CPU device reads raw shards in-process, cropping straight from the page cache: any
         # worker would add a copy into shared memory and page faults on both sides (2x slower)
         self._direct = self.device.type == "cpu" and getattr(dataset, "direct", False)
-        # a CPU device lets folder workers crop too: one resize per image, less to pass back
-        self._jobs = None
-        if self.device.type == "cpu" and train and getattr(dataset, "crops", False):
-            self._jobs = self._crop_jobs()
+        # on a CPU device workers crop too (from files: one resize per image), main normalises
+        self._crops = self._worker_crops(train)
+        self._direct = self._direct and not self._crops
+        self._jobs: CropJobs | None = None
         reuse = self.device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count")
         self._pool = BufferPool() if reuse else None
+
+    def _worker_crops(self, train: bool) -> bool:
+        """Whether workers crop (CPU training, per-channel mean): always for decoded images, for
+        raw shards only resized crops with workers (a plain crop is cheaper in-process)."""
+        cpu, crops = self.device.type == "cpu", getattr(self.dataset, "crops", False)
+        if not (cpu and train and crops) or self.augment.mean.shape[-1] > 1:
+            return False
+        return not self._direct or (self.augment.train_crop == "resized" and self.workers > 0)
 
     def _crop_jobs(self) -> CropJobs:
         """CropJobs with slots enough for every batch in flight (set on the dataset before the
         workers start; those ahead of the slots, e.g. after a slow batch, get fresh memory)."""
         slots = self.workers * self.prefetch + 2
-        shape = (slots, self.sampler.batch, 3, self.augment.crop, self.augment.crop)
-        self.dataset.slots = torch.zeros(shape, dtype=torch.uint8).share_memory_()
+        self.dataset.slots = shared((slots, self.sampler.batch, 3, self.augment.crop,
+                                     self.augment.crop))  # fmt: skip
         return CropJobs(self.sampler, self.augment, self.dataset.size, slots)
 
     def __len__(self) -> int:
@@ -236,6 +247,7 @@ class ImageBatches:
                 if self.workers
                 else {}
             )
+            self._jobs = self._crop_jobs() if self._crops else None
             self._loader = DataLoader(
                 self.dataset, batch_size=None, sampler=self._jobs or self.sampler,
                 num_workers=self.workers,

@@ -14,10 +14,11 @@ import torch
 from pydantic import Field
 from torch.utils.data import Dataset
 
-from cnnkit.data.augment import lighting_from_cov
+from cnnkit.data.augment import lighting_from_cov, single_threaded
 from cnnkit.data.base import DataBundle, Preprocess
-from cnnkit.data.decode import decode_jpeg_bytes
+from cnnkit.data.decode import decode_jpeg_bytes, resize_crop
 from cnnkit.data.loader import (
+    CropJob,
     ImageSetConfig,
     build_augment,
     build_streams,
@@ -46,7 +47,11 @@ def read_meta(path: str | Path) -> dict:
 
 
 class PackedImages(Dataset):
-    """Batch dataset over a packed set: dataset[list of positions] -> (x uint8, y, [])."""
+    """Batch dataset over a packed set: dataset[list of positions] -> (x uint8, y, []);
+    dataset[CropJob] -> (x uint8 cropped or its slot number, y, [], lighting draws)."""
+
+    crops = True  # takes CropJobs (see loader.CropJobs)
+    slots: torch.Tensor | None = None  # (n, B, 3, crop, crop) shared output batches of CropJobs
 
     def __init__(self, path: str | Path, ids: np.ndarray | None = None,
                  label_map: np.ndarray | None = None) -> None:  # fmt: skip
@@ -74,7 +79,32 @@ class PackedImages(Dataset):
             self._shards = [np.memmap(folder / name, np.uint8, "c") for name in self.meta["shards"]]
         return self._shards
 
-    def __getitem__(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list]:
+    def __getitem__(self, key: list[int] | CropJob) -> tuple:
+        if isinstance(key, CropJob):
+            with single_threaded():  # per-image resizes (already so in a worker process)
+                return self._cropped(key)
+        return self._batch(key)
+
+    def _image(self, i: int) -> torch.Tensor:
+        """Image i as (3, size, size) uint8: a view of a raw shard, or decoded."""
+        s = self.size
+        record = self.shards()[self.index["shard"][i]][self.index["offset"][i] :]
+        if self.meta["storage"] == "raw":
+            return torch.from_numpy(record[: 3 * s * s].reshape(3, s, s))
+        decoded = decode_jpeg_bytes(record[: self.index["length"][i]], s)
+        return torch.from_numpy(decoded).permute(2, 0, 1)
+
+    def _cropped(self, job: CropJob) -> tuple:
+        ids = self.ids[job.positions]
+        x = new_batch(len(ids), job.crop) if job.slot is None else self.slots[job.slot]
+        out = x.numpy()
+        crops = zip(ids, job.boxes.tolist(), job.flip.tolist(), strict=True)
+        for k, (i, (top, left, h, w), flip) in enumerate(crops):
+            out[k] = resize_crop(self._image(i)[:, top : top + h, left : left + w], job.crop, flip)
+        y = torch.from_numpy(self.labels[ids])
+        return job.slot if job.slot is not None else x[: len(ids)], y, [], job.alpha
+
+    def _batch(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list]:
         ids = self.ids[positions]
         s = self.size
         x = new_batch(len(ids), s)
