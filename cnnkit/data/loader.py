@@ -1,6 +1,7 @@
 """The fast loader shared by the folder and packed sources: worker processes build whole uint8
 batches (one dataset call per batch, no per-image collate), pinned and prefetched by torch's
 DataLoader; a side CUDA stream copies the next batch and augments it while the model computes.
+Training on a CPU device, the workers also crop (CropJobs into shared slots); main normalises.
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ class ImageBatches:
             )
             self._jobs = self._crop_jobs() if self._crops else None
             self._loader = DataLoader(
-                self.dataset, batch_size=None, sampler=self._jobs or self.sampler,
+                self.dataset, batch_size=None, sampler=self._jobs if self._crops else self.sampler,
                 num_workers=self.workers,
                 pin_memory=self.device.type == "cuda", worker_init_fn=_load_batch_in_worker,
                 **extra,
