@@ -140,17 +140,12 @@ class Group:
 
 
 def convert_sync_batchnorm(network: nn.Module) -> None:
-    """Swap BatchNorm layers for SyncBatchNorm in place, keeping the network's run order."""
-    mapping: dict[int, nn.Module] = {}
+    """Swap BatchNorm layers for SyncBatchNorm in place."""
     for name, module in list(network.named_modules()):
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             synced = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-            mapping[id(module)] = synced
             parent_name, _, leaf = name.rpartition(".")
             network.get_submodule(parent_name).add_module(leaf, synced)
-    steps = getattr(network, "_steps", None)
-    if mapping and steps is not None:  # cnnkit.nn.Network runs the modules it captured at build
-        network._steps = tuple((mapping.get(id(m), m), i, f) for m, i, f in steps)
 
 
 @contextmanager

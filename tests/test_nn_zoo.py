@@ -97,3 +97,25 @@ def test_copies_trace_and_channels_last_behave_like_the_original():
         assert not torch.equal(twin(x), model(x))
         fast = copy.deepcopy(model).to(memory_format=torch.channels_last)
         torch.testing.assert_close(fast(x.to(memory_format=torch.channels_last)), model(x))
+
+
+def test_a_replaced_layer_is_the_one_that_runs():
+    model = build_model("resnet18", num_classes=5).eval()
+    model.layer1.get_submodule("0").add_module("relu1", torch.nn.Tanh())  # e.g. SyncBatchNorm swaps
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        stem = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+        block = model.layer1.get_submodule("0")
+        inner = block.bn2(block.conv2(torch.tanh(block.bn1(block.conv1(stem)))))
+        torch.testing.assert_close(
+            block.relu2(inner + stem), _value_after(model, x, "layer1.0.relu2")
+        )
+
+
+def _value_after(model, x, name):
+    """The output of layer `name` in a forward pass, caught by a hook."""
+    seen = {}
+    handle = model.get_submodule(name).register_forward_hook(lambda m, i, o: seen.update(out=o))
+    model(x)
+    handle.remove()
+    return seen["out"]

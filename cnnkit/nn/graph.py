@@ -39,26 +39,33 @@ class Network(nn.Module):
         self.input_shape: Shape = tuple(net.input)
         shapes: list[Shape] = [self.input_shape]
         self.table: list[LayerInfo] = []
-        steps = []
+        steps: list[tuple[str, tuple[int, ...]]] = []
         with torch.device(device) if device is not None else nullcontext():
             for node in nodes:
                 in_shapes = [shapes[i] for i in node.inputs]
                 shape, module = _build_node(node, in_shapes)
                 _set_submodule(self, node.name, module)
                 shapes.append(shape)
-                steps.append((module, node.inputs))
+                steps.append((node.name, node.inputs))
                 self.table.append(_describe(node, in_shapes, shape, module, shapes, nodes))
         self.num_classes = shapes[-1][0] if len(shapes[-1]) == 1 else None
         self.output_shape: Shape = shapes[-1]
         frees = _last_reads(nodes)
-        self._steps = tuple((m, idx, frees[i]) for i, (m, idx) in enumerate(steps))
+        # (module name, input value indices, values to drop after it); modules are looked up by
+        # name at run time, so replacing one (SyncBatchNorm, quantised, ...) takes effect.
+        self._steps = tuple(
+            (tuple(name.split(".")), idx, frees[i]) for i, (name, idx) in enumerate(steps)
+        )
         self._nodes = nodes
         if device is None or torch.device(device).type != "meta":
             self.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values: list[torch.Tensor | None] = [x]
-        for module, inputs, frees in self._steps:
+        for path, inputs, frees in self._steps:
+            module = self
+            for part in path:  # plain dict lookups: get_submodule costs ~4 us a layer
+                module = module._modules[part]
             values.append(module(*[values[i] for i in inputs]))
             for i in frees:  # drop what no later layer reads: less memory at inference
                 values[i] = None
