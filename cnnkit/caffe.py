@@ -12,7 +12,8 @@ import yaml
 from pydantic import ValidationError
 
 from cnnkit.errors import ConfigError
-from cnnkit.nn.layers import KINDS, Shape, ShapeError
+from cnnkit.nn.kinds import KINDS
+from cnnkit.nn.layers import Shape, ShapeError
 
 _TOKEN_RE = re.compile(
     r"""(?P<space>[ \t\r\n,;]+)|(?P<comment>\#[^\n]*)

@@ -17,7 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from cnnkit.errors import ConfigError
-from cnnkit.nn.layers import KINDS, Layer, Linear
+from cnnkit.nn.kinds import KINDS
+from cnnkit.nn.layers import Layer, Linear
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 RESERVED = {"input", "previous"}
