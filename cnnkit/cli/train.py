@@ -54,15 +54,23 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     batch_size: int = typer.Option(None, "--batch-size", min=1, help="Evaluation batch size."),
+    tencrop: bool = typer.Option(
+        False, "--tencrop", help="Also average 10 crops (corners + centre, mirrored) per image."
+    ),
 ) -> None:
     """Loss, top-1 and top-5 accuracy on the held-out split (or --data)."""
     from cnnkit.train.evaluation import evaluate_checkpoint
 
-    result = evaluate_checkpoint(target, data=data, device=device, batch_size=batch_size)
+    result = evaluate_checkpoint(target, data, device, batch_size, tencrop)
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    print(
-        f"{result['checkpoint']}: {result['images']} images  loss {result['loss']:.4f}  "
-        f"top-1 {result['top1']:.2%}  top-5 {result['top5']:.2%}"
-    )
+    crop = "centre crop  " if tencrop else ""
+    print(f"{result['checkpoint']}: {result['images']} images  {crop}{_figures(result)}")
+    if tencrop:
+        print(f"{' ' * len(result['checkpoint'])}  {result['images']} images  10 crops     "
+              f"{_figures(result['tencrop'])}")  # fmt: skip
+
+
+def _figures(r: dict) -> str:
+    return f"loss {r['loss']:.4f}  top-1 {r['top1']:.2%}  top-5 {r['top5']:.2%}"

@@ -1,0 +1,108 @@
+"""`cnnkit eval --tencrop`: 10-crop figures equal a hand-made reference (torchvision's TenCrop
+over the stored images, softmax averaged), for a folder and its packed copy; clear refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.v2.functional as TF
+
+from cnnkit.cli import main as cli_main
+from cnnkit.data.decode import load_resized
+from cnnkit.errors import ConfigError
+from cnnkit.train.checkpoint import load_trained
+from cnnkit.train.evaluation import evaluate_checkpoint
+
+NET = Path(__file__).parent / "data" / "tiny_alexnet.yaml"  # input 20x20; images stored 24x24
+
+
+def main(argv: list[str]) -> None:
+    try:
+        cli_main(argv)
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A 1-epoch tiny net on synth shapes (folder), a separate val folder and its packed copy."""
+    tmp = tmp_path_factory.mktemp("tencrop")
+    main(["synth", "shapes", str(tmp / "train"), "--classes", "6", "--per-class", "6",
+          "--size", "24"])  # fmt: skip
+    main(["synth", "shapes", str(tmp / "val"), "--classes", "6", "--per-class", "4",
+          "--size", "24", "--seed", "7"])  # fmt: skip
+    main(["pack", str(tmp / "val"), str(tmp / "val_packed"), "--size", "24"])
+    run = {"name": "t", "model": str(NET), "seed": 3,
+           "data": {"source": "folder", "path": str(tmp / "train"), "val_path": str(tmp / "val"),
+                    "size": 24, "crop": 20, "batch_size": 12, "workers": 0},
+           "train": {"epochs": 2, "optimizer": "adam", "lr": 0.003, "device": "cpu",
+                     "precision": "fp32"}}  # fmt: skip
+    (tmp / "run.yaml").write_text(json.dumps(run))
+    main(["train", str(tmp / "run.yaml"), "--out", str(tmp / "run"), "--quiet"])
+    return tmp
+
+
+def reference(tmp: Path, fast: bool) -> dict[str, dict[str, float]]:
+    """By hand: every val image decoded as its source does (the folder pipeline's fast JPEG
+    upsampling or pack's), normalised, torchvision's ten_crop, softmax averaged."""
+    network, meta = load_trained(tmp / "run")
+    pre, classes = meta["preprocess"], meta["classes"]
+    mean, std = torch.tensor(pre["mean"]).view(3, 1, 1), torch.tensor(pre["std"]).view(3, 1, 1)
+    rows = {"centre": [], "tencrop": []}
+    paths = sorted((tmp / "val").rglob("*.JPEG"))
+    assert len(paths) == 24
+    for path in paths:
+        image = load_resized(path, 24, "squash", fast=fast)[0]  # (3, 24, 24) uint8: as stored
+        x = (image.float() - mean) / std
+        with torch.no_grad():
+            logits = network(torch.stack(TF.ten_crop(x, [20, 20])))  # (10, K)
+        y = classes.index(path.parent.name)
+        rows["centre"].append((logits[4].log_softmax(0), y))
+        rows["tencrop"].append((logits.softmax(1).mean(0).log(), y))
+    return {name: _figures(r) for name, r in rows.items()}
+
+
+def _figures(rows: list) -> dict[str, float]:
+    loss = np.mean([-lp[y].item() for lp, y in rows])
+    top1 = np.mean([lp.argmax().item() == y for lp, y in rows])
+    top5 = np.mean([y in lp.topk(5).indices.tolist() for lp, y in rows])
+    return {"loss": loss, "top1": top1, "top5": top5}
+
+
+def test_tencrop_equals_torchvision_reference_folder_and_packed(trained, capsys):
+    for data, fast in ((None, True), (str(trained / "val_packed"), False)):
+        expected = reference(trained, fast)  # pack decodes without the fast JPEG upsampling
+        assert expected["centre"] != expected["tencrop"]  # the 10 crops change the figures
+        result = evaluate_checkpoint(trained / "run", data, device="cpu", tencrop=True)
+        assert result["images"] == 24
+        for name, got in (("centre", result), ("tencrop", result["tencrop"])):
+            for key in ("loss", "top1", "top5"):
+                assert got[key] == pytest.approx(expected[name][key], abs=1e-5), (data, name, key)
+    plain = evaluate_checkpoint(trained / "run", device="cpu")  # the usual centre-crop stream
+    expected = reference(trained, fast=True)
+    assert plain["top1"] == expected["centre"]["top1"]
+    assert plain["loss"] == pytest.approx(expected["centre"]["loss"], abs=1e-5)
+    main(["eval", str(trained / "run"), "--tencrop", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    keys = {"loss", "top1", "top5"}
+    assert keys <= out.keys() and keys <= out["tencrop"].keys()
+    main(["eval", str(trained / "run"), "--tencrop"])
+    text = capsys.readouterr().out
+    assert "centre crop" in text and "10 crops" in text
+
+
+def test_tencrop_refuses_data_without_margin(trained, tmp_path):
+    run = {"name": "d", "model": "digitnet", "data": {"source": "digits"},
+           "train": {"epochs": 1, "device": "cpu"}}  # fmt: skip
+    (tmp_path / "d.yaml").write_text(json.dumps(run))
+    main(["train", str(tmp_path / "d.yaml"), "--out", str(tmp_path / "d"), "--quiet"])
+    with pytest.raises(ConfigError, match="10-crop needs a data set stored larger than"):
+        evaluate_checkpoint(tmp_path / "d", device="cpu", tencrop=True)
+    with pytest.raises(SystemExit) as e:  # on the command line: one line, exit status 2
+        cli_main(["eval", str(tmp_path / "d"), "--tencrop"])
+    assert e.value.code == 2
