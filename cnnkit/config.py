@@ -50,6 +50,9 @@ class TrainConfig(BaseModel):
     warmup_epochs: NonNegativeFloat = Field(0.0, description="linear warm-up length (epochs)")
     warmup_start: float = Field(0.1, gt=0.0, le=1.0, description="warm-up starts at lr * this")
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    class_weights: Literal["none", "balanced"] = Field(
+        "none", description="balanced: each class weighs the same in the loss (mined negatives)"
+    )
     grad_clip: PositiveFloat | None = Field(None, description="max global gradient norm")
     accumulate: PositiveInt = Field(1, description="micro-batches per optimizer step")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")

@@ -156,6 +156,9 @@ def detect(
     ),
     step: float = typer.Option(1.2, "--scale-step", min=1.01, help="Pyramid scale factor."),
     top: int = typer.Option(10, "--top", min=1, help="At most this many boxes."),
+    mirror: bool = typer.Option(
+        True, "--mirror/--no-mirror", help="Average each window's score with its mirror image's."
+    ),
 ) -> None:
     """Find faces: the classifier slid over an image pyramid, then non-maximum suppression."""
     from cnnkit.infer.detect import detect as find
@@ -165,7 +168,8 @@ def detect(
 
     _writable(out)
     picture = to_hwc(image)
-    boxes = find(load_for_inference(target), picture, label, threshold, iou, min_size, step, top)
+    loaded = load_for_inference(target)
+    boxes = find(loaded, picture, label, threshold, iou, min_size, step, top, mirror)
     for rank, box in enumerate(boxes, 1):
         d = box.to_dict()
         text = f"{rank:2d}  x {d['x0']:.0f}-{d['x1']:.0f}  y {d['y0']:.0f}-{d['y1']:.0f}  score {d['score']:.4f}"

@@ -6,11 +6,12 @@ face / non-face patches. Each has a fixed, seeded, stratified held-out split nev
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import BaseModel, Field, PositiveInt, field_validator
 
 from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
 from cnnkit.data.memory import Augment, TensorBatches
@@ -27,6 +28,8 @@ class BundledConfig(DataConfigBase):
     scale: float = Field(0.0, ge=0.0, lt=1.0, description="max random zoom (0.1: 0.9x-1.1x)")
     mirror: bool = Field(False, description="random horizontal flip")
     padding: Literal["zeros", "border"] = Field("zeros", description="fill outside the image")
+    contrast: float = Field(0.0, ge=0.0, lt=1.0, description="max random contrast change")
+    brightness: float = Field(0.0, ge=0.0, description="max random brightness shift (stds)")
 
     def load(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """All images uint8 (N, H, W), labels (N,), class names."""
@@ -41,22 +44,28 @@ class BundledConfig(DataConfigBase):
         x = torch.from_numpy(images).unsqueeze(1).to(device)  # (N, 1, H, W) uint8
         y = torch.from_numpy(labels.astype(np.int64)).to(device)
         train_x = x[torch.from_numpy(train_idx).to(device)]
+        train_y = y[torch.from_numpy(train_idx).to(device)]
         mean, std = train_x.float().mean().item(), train_x.float().std().item()
+        train_x, train_y = self.extra_training(train_x, train_y)
         h, w = images.shape[1:]
         pre = Preprocess(channels=1, crop=h, resize=None, mean=[mean], std=[std])
-        augment = Augment(self.shift, self.rotate, self.scale, self.mirror, self.padding)
+        augment = Augment(self.shift, self.rotate, self.scale, self.mirror, self.padding,
+                          self.contrast, self.brightness)  # fmt: skip
         common = dict(preprocess=pre, rank=rank, world_size=world_size, seed=seed)
         val_x, val_y = (
             x[torch.from_numpy(val_idx).to(device)],
             y[torch.from_numpy(val_idx).to(device)],
         )
-        train_y = y[torch.from_numpy(train_idx).to(device)]
         train = TensorBatches(
             train_x, train_y, self.batch_size, train=True, augment=augment, **common
         )
         eval_batch = self.eval_batch_size or max(self.batch_size, 256)
         val = TensorBatches(val_x, val_y, eval_batch, train=False, **common)
         return DataBundle(train, val, classes, (1, h, w), pre)
+
+    def extra_training(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images added to the training split only (none here; faces adds mined negatives)."""
+        return x, y
 
 
 class DigitsConfig(BundledConfig):
@@ -80,6 +89,22 @@ class FacesConfig(BundledConfig):
     batch_size: int = Field(32, gt=0, description="global batch")
     val_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="held-out share (stratified)")
     padding: Literal["zeros", "border"] = "border"
+    hard_negatives: HardNegatives | None = Field(None, description="mining rounds (the trainer)")
+    negatives: str | None = Field(None, description=".npy uint8 (N, 25, 25) extra non-faces")
+
+    def extra_training(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mined non-face patches (`negatives`), appended to the training split."""
+        if self.negatives is None:
+            return x, y
+        try:
+            extra = np.load(Path(self.negatives), allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise DataError(f"data.negatives: cannot read {self.negatives}: {e}") from None
+        extra = torch.from_numpy(extra.reshape(-1, 1, *x.shape[-2:])).to(x.device)
+        if extra.dtype != torch.uint8:
+            raise DataError(f"data.negatives: {self.negatives} holds {extra.dtype}, not uint8")
+        labels = torch.zeros(len(extra), dtype=y.dtype, device=y.device)  # 0: non-face
+        return torch.cat([x, extra]), torch.cat([y, labels])
 
     def load(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
         try:
@@ -91,6 +116,51 @@ class FacesConfig(BundledConfig):
         images = np.rint(patches * 255.0).astype(np.uint8)
         labels = np.array([1] * 100 + [0] * 100)
         return images, labels, ["non-face", "face"]
+
+
+# scikit-image pictures that hold no human face (checked by eye); astronaut is the test image
+# and camera (a man), coins (heads on them), cat and chelsea (a cat's face) are left out.
+FACE_FREE = ("coffee", "rocket", "brick", "grass", "gravel", "moon", "page", "text", "clock",
+             "horse", "hubble_deep_field", "immunohistochemistry", "motorcycle", "retina",
+             "cell", "colorwheel", "checkerboard")  # fmt: skip
+
+
+class HardNegatives(BaseModel, extra="forbid"):
+    """Bootstrapping: train, scan face-free pictures with the detector, add its false positives
+    as non-faces, train again; the trainer keeps the round best on the held-out measure."""
+
+    images: list[str] = Field(description="face-free scikit-image pictures to mine")
+    held_out: list[str] = Field(default_factory=list, description="pictures only for choosing")
+    rounds: int = Field(2, ge=0, le=20, description="mining rounds after the first training")
+    per_image: PositiveInt = Field(20, description="most false positives kept per picture")
+    random_per_image: int = Field(0, ge=0, description="random windows per picture from round 0")
+    threshold: float = Field(0.5, gt=0.0, lt=1.0, description="P(face) that counts as a hit")
+    step: float = Field(1.25, gt=1.0, description="pyramid scale factor while mining")
+    max_side: PositiveInt = Field(320, description="pictures shrunk to at most this side")
+
+    @field_validator("images", "held_out")
+    @classmethod
+    def _face_free(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if name not in FACE_FREE:
+                raise ValueError(f"{name!r} is not a face-free picture; use {', '.join(FACE_FREE)}")
+        return names
+
+
+def face_free_picture(name: str, max_side: int) -> np.ndarray:
+    """A face-free scikit-image picture as grey uint8 (H, W), shrunk to at most `max_side`."""
+    from PIL import Image
+    from skimage import data
+
+    if name not in FACE_FREE:
+        raise DataError(f"hard_negatives: {name!r} is not a face-free picture")
+    try:
+        image = data.stereo_motorcycle()[0] if name == "motorcycle" else getattr(data, name)()
+    except Exception as e:  # a broken or partial scikit-image install: one line
+        raise DataError(f"hard_negatives: cannot load skimage.data.{name}(): {e}") from None
+    picture = Image.fromarray(image).convert("L")
+    picture.thumbnail((max_side, max_side), Image.BILINEAR)
+    return np.asarray(picture)
 
 
 def split_indices(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

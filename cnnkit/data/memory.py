@@ -26,10 +26,13 @@ class Augment:
     scale: float = 0.0  # max relative zoom (0.1: 0.9x-1.1x)
     mirror: bool = False  # random horizontal flip
     padding: str = "zeros"  # what enters from outside: zeros | border
+    contrast: float = 0.0  # max relative contrast change (0.3: 0.7x-1.3x about the image mean)
+    brightness: float = 0.0  # max brightness shift, in units of the data set's std
 
     @property
     def active(self) -> bool:
-        return bool(self.shift or self.rotate or self.scale or self.mirror)
+        geometric = self.shift or self.rotate or self.scale or self.mirror
+        return bool(geometric or self.contrast or self.brightness)
 
     def __call__(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """x float (B, C, H, W) -> the same shape, each image jittered differently."""
@@ -49,7 +52,16 @@ class Augment:
             1,
         )  # (B, 2, 3): affine_grid works in [-1, 1] units, so a full side is 2
         grid = F.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
-        return F.grid_sample(x, grid, padding_mode=self.padding, align_corners=False)
+        x = F.grid_sample(x, grid, padding_mode=self.padding, align_corners=False)
+        return self._photometric(x, gen) if self.contrast or self.brightness else x
+
+    def _photometric(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """Per image: contrast about its own mean, then a brightness shift (drawn after the
+        geometric ones, so runs without it keep their random streams)."""
+        r = torch.rand(x.shape[0], 2, generator=gen, device=gen.device).to(x.device) * 2 - 1
+        gain = (1.0 + r[:, 0] * self.contrast).view(-1, 1, 1, 1)
+        mean = x.mean((1, 2, 3), keepdim=True)
+        return (x - mean) * gain + mean + (r[:, 1] * self.brightness).view(-1, 1, 1, 1)
 
 
 class TensorBatches:

@@ -4,6 +4,7 @@ torchvision's non-maximum suppression; plus hard-negative mining for training.""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -105,8 +106,13 @@ def pyramid_scales(size: tuple[int, int], window: int, min_face: int, step: floa
 
 
 @torch.no_grad()
-def score_maps(loaded: Loaded, image: ImageInput, scales: list[float], label: int):
-    """(scale, map of P(label)) for each scale; the map's (i, j) is a window (see SlidingNet)."""
+def score_maps(
+    loaded: Loaded, image: ImageInput, scales: list[float], label: int, mirror: bool = True
+):
+    """(scale, map of the log-odds of `label`) for each scale; the map's (i, j) is a window (see
+    SlidingNet). Log-odds rank windows that float32 probabilities would tie at 1.0. `mirror`:
+    average with the mirrored image's map (each window and its mirror image, like 10-crop's
+    flips): a face scores high both ways, chance texture rarely does."""
     slider = sliding_net(loaded.model)
     grey = to_channels(to_hwc(image), loaded.preprocess.channels)
     x = torch.from_numpy(grey).permute(2, 0, 1)[None].float()  # (1, C, H, W) 0-255
@@ -115,8 +121,18 @@ def score_maps(loaded: Loaded, image: ImageInput, scales: list[float], label: in
     for scale in scales:
         size = (round(x.shape[2] * scale), round(x.shape[3] * scale))
         scaled = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
-        logits = slider.net((scaled.round().clamp(0, 255) - mean) / std)  # (1, K, h, w)
-        yield scale, slider, logits.softmax(1)[0, label]
+        width = size[1] - (size[1] + 2 * slider.offset - slider.window) % slider.stride
+        scaled = (scaled[..., :width].round().clamp(0, 255) - mean) / std  # whole windows only
+        odds = _log_odds(slider.net(scaled), label)
+        if mirror:  # the mirrored image's windows line up with these (the width fits the stride)
+            odds = (odds + _log_odds(slider.net(scaled.flip(-1)), label).flip(-1)) / 2
+        yield scale, slider, odds
+
+
+def _log_odds(logits: torch.Tensor, label: int) -> torch.Tensor:
+    """(1, K, h, w) logits -> (h, w) log-odds of `label` against all the others."""
+    others = torch.cat([logits[:, :label], logits[:, label + 1 :]], 1)
+    return (logits[:, label] - others.logsumexp(1))[0]
 
 
 def detect(
@@ -128,32 +144,41 @@ def detect(
     min_face: int | None = None,
     step: float = 1.2,
     top: int = 50,
+    mirror: bool = True,
 ) -> list[Box]:
-    """Boxes where the classifier says `label` with probability >= threshold, after NMS."""
+    """Boxes where the classifier says `label` with probability >= threshold, after NMS
+    (`mirror`: the probability averaged in log-odds with the mirrored window's)."""
     from torchvision.ops import nms
 
     if label not in loaded.classes:
         raise ConfigError(f"detect: class {label!r} is not one of {loaded.classes}")
     h, w = to_hwc(image).shape[:2]
     window = loaded.model.input_shape[-1]
-    boxes, scores = [], []
-    for scale, slider, probs in score_maps(
+    boxes, scores, cut = [], [], log_odds(threshold)
+    for scale, slider, odds in score_maps(
         loaded,
         image,
         pyramid_scales((h, w), window, min_face or window, step),
         loaded.classes.index(label),
+        mirror,
     ):
-        i, j = torch.nonzero(probs >= threshold, as_tuple=True)
+        i, j = torch.nonzero(odds >= cut, as_tuple=True)
         y0 = (i * slider.stride - slider.offset) / scale
         x0 = (j * slider.stride - slider.offset) / scale
         side = window / scale
         boxes.append(torch.stack([x0, y0, x0 + side, y0 + side], 1).float())
-        scores.append(probs[i, j].float())
+        scores.append(odds[i, j].float())
     if not boxes:
         return []
     all_boxes, all_scores = torch.cat(boxes), torch.cat(scores)
-    keep = nms(all_boxes, all_scores, iou)[:top]  # sorted by score, best first
-    return [Box(*all_boxes[k].tolist(), float(all_scores[k])) for k in keep]
+    keep = nms(all_boxes, all_scores, iou)[:top]  # sorted by log-odds, best first
+    probs = all_scores[keep].double().sigmoid().tolist()
+    return [Box(*all_boxes[k].tolist(), p) for k, p in zip(keep.tolist(), probs, strict=True)]
+
+
+def log_odds(p: float) -> float:
+    """log(p / (1 - p)), infinite at 0 and 1."""
+    return -math.inf if p <= 0 else math.inf if p >= 1 else math.log(p / (1 - p))
 
 
 def draw_boxes(image: ImageInput, boxes: list[Box], path: Path) -> None:

@@ -133,6 +133,13 @@ def build_engine(
     )
 
 
+def balance_loss(engine: Engine, labels: torch.Tensor, num_classes: int, smoothing: float) -> None:
+    """Weigh each class by N / (K * count) in the training loss, so rare classes count as much."""
+    counts = torch.bincount(labels.flatten().cpu(), minlength=num_classes).float()
+    weight = counts.sum() / (num_classes * counts.clamp(min=1))
+    engine.loss_fn = nn.CrossEntropyLoss(weight=weight.to(engine.device), label_smoothing=smoothing)
+
+
 def train_step(
     engine: Engine, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

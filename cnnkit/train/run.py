@@ -17,7 +17,7 @@ from cnnkit.data import data_config
 from cnnkit.data.memory import hash_seed
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from cnnkit.train.engine import Engine, build_engine, default_threads
+from cnnkit.train.engine import Engine, balance_loss, build_engine, default_threads
 from cnnkit.train.loop import (
     Local,
     Progress,
@@ -70,6 +70,7 @@ def launch(
     """What `cnnkit train` does, alone or as one torchrun worker: validate, join the process
     group, pick or resume the run directory (elastic restarts continue from last.pt), fit."""
     from cnnkit import distributed
+    from cnnkit.train.mining import fit_rounds, mining_of
 
     restarted = distributed.restart_count() > 0
     state = resume_state(resume) if resume is not None else None
@@ -85,6 +86,10 @@ def launch(
                 config = resume_config(state, overrides)
         else:
             run_dir = Path(resume)
+        if state is None and mining_of(config) is not None:
+            if group is not None:
+                raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
+            return fit_rounds(config, run_dir, quiet=quiet, on_step=on_step)
         return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group)
 
 
@@ -129,6 +134,8 @@ def fit(
         data = data_config(config.data).build(device, dist.rank, dist.world_size, config.seed)
         network = build_network(config, data)
         engine = build_engine(network, config.train, device, wrap=dist.wrap)
+        if config.train.class_weights == "balanced":
+            _balance(engine, data, config)
         if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
             torch.manual_seed(hash_seed(config.seed, dist.rank))
         per_rank = config.data["batch_size"] // dist.world_size
@@ -149,6 +156,16 @@ def fit(
             if log is not None:
                 log.close()
         return _finish(engine, progress, context, time.perf_counter() - started, console)
+
+
+def _balance(engine: Engine, data, config: RunConfig) -> None:
+    labels = getattr(data.train, "labels", None)  # in-memory sources hold every label
+    if not isinstance(labels, torch.Tensor):
+        raise ConfigError(
+            f"train.class_weights: balanced needs an in-memory data source, not "
+            f"{config.data['source']}"
+        )
+    balance_loss(engine, labels, len(data.classes), config.train.label_smoothing)
 
 
 def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLog:
