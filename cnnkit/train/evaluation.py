@@ -46,9 +46,10 @@ def data_section(spec: str | None, trained: dict[str, Any], pre: dict[str, Any])
             "mean": mean * 3 if len(mean) == 1 else mean, "std": std * 3 if len(std) == 1 else std}  # fmt: skip
 
 
-def full_image_section(section: dict[str, Any], crop: int) -> dict[str, Any]:
+def full_image_section(section: dict[str, Any], crop: int, trained: int | None) -> dict[str, Any]:
     """The same data with the evaluation crop as large as the stored images, so the stream
-    yields whole normalised images to cut 10 crops from; bundled sets have no margin."""
+    yields whole normalised images to cut 10 crops from; bundled sets have no margin.
+    `trained`: the image side the network was trained at (the corners must be at that scale)."""
     source = section.get("source")
     if source == "folder":
         stored = int(section.get("size") or data_config(section).size)
@@ -62,6 +63,11 @@ def full_image_section(section: dict[str, Any], crop: int) -> dict[str, Any]:
         raise ConfigError(
             f"--tencrop: 10-crop needs a data set stored larger than the network's input "
             f"({crop}x{crop}); {source} images are {stored}x{stored} (use a folder or packed set)"
+        )
+    if trained is not None and stored != trained:
+        raise ConfigError(
+            f"--tencrop: {section.get('path')} holds {stored} px images but the network was "
+            f"trained on {trained} px ones (pack it again with --size {trained})"
         )
     return {**section, "crop": stored}
 
@@ -150,7 +156,7 @@ def evaluate_checkpoint(
     section = data_section(data, config["data"], meta["preprocess"])
     crop = int(network.input_shape[-1])
     if tencrop:
-        section = full_image_section(section, crop)
+        section = full_image_section(section, crop, meta["preprocess"].get("resize"))
     if batch_size is not None:
         section["eval_batch_size"] = batch_size
     dev = resolve_device(device)
