@@ -86,3 +86,19 @@ def test_augmentation_jitters_images_but_not_labels():
     flipped = torch.isclose(flip, x.flip(-1), atol=1e-4).flatten(1).all(1)
     same = torch.isclose(flip, x, atol=1e-4).flatten(1).all(1)
     assert (flipped | same).all() and flipped.any() and same.any()
+
+
+def test_contrast_and_brightness_jitter_per_image():
+    x = torch.randn(64, 1, 8, 8)
+    gen = torch.Generator().manual_seed(0)
+    y = Augment(contrast=0.5, padding="border")(x, gen)  # identity geometry: contrast only
+    mean_x, mean_y = x.mean((1, 2, 3)), y.mean((1, 2, 3))
+    torch.testing.assert_close(mean_y, mean_x, atol=1e-4, rtol=1e-4)  # about each image's mean
+    gain = (y - mean_y.view(-1, 1, 1, 1)).std((1, 2, 3)) / (x - mean_x.view(-1, 1, 1, 1)).std(
+        (1, 2, 3)
+    )
+    assert gain.min() >= 0.5 - 1e-4 and gain.max() <= 1.5 + 1e-4 and gain.std() > 0.1
+    z = Augment(brightness=0.3, padding="border")(x, torch.Generator().manual_seed(0))
+    shift = (z - x).flatten(1)
+    assert (shift.std(1) < 1e-4).all() and shift[:, 0].abs().max() <= 0.3 + 1e-5
+    assert not Augment().active and Augment(brightness=0.1).active
