@@ -1,8 +1,13 @@
 """Training step of zoo `alexnet-owt` under `cnnkit train`'s defaults vs torchvision's `alexnet`
-in a plain fp32 NCHW PyTorch loop: same batch, same process, steps interleaved, ratio printed.
+in a plain fp32 NCHW PyTorch loop: same batch, same run, steps interleaved, ratio printed.
 
-    python benchmarks/train_vs_torchvision.py --batch 64 --repeats 10
-    python benchmarks/train_vs_torchvision.py --batch 64 --explore   # which setting buys what
+    python benchmarks/train_vs_torchvision.py --batch 64 --repeats 10              # as users run them
+    python benchmarks/train_vs_torchvision.py --batch 64 --same-process --tune-malloc --explore
+
+By default each side runs in its own process, set up as its users run it: the torchvision loop
+in a plain Python process, cnnkit's engine in a process started the way the `cnnkit` command
+starts (cnnkit.runtime). The parent asks each for one timed step in turn, so load drifts hit
+both. --same-process runs both in this process (process-wide settings then apply to both).
 
 Both sides take one SGD step (momentum 0.9, weight decay 5e-4) per batch on the same synthetic
 (x, y); only the model is timed (the data pipeline is `cnnkit bench loader`'s business).
@@ -11,8 +16,8 @@ Both sides take one SGD step (momentum 0.9, weight decay 5e-4) per batch on the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
+import multiprocessing as mp
 import statistics
 import time
 
@@ -24,6 +29,7 @@ from cnnkit.bench.model_setup import forward_flops
 from cnnkit.bench.peak import measure_peak
 from cnnkit.bench.timing import device_name
 from cnnkit.config import TrainConfig
+from cnnkit.runtime import keep_freed_memory
 from cnnkit.train.engine import build_engine, train_step
 
 # (name, train: overrides) of the variants --explore times against the plain fp32 loop;
@@ -69,17 +75,6 @@ def cnnkit_step(batch: int, device: torch.device, overrides: dict | None = None)
     return (lambda: train_step(engine, x, y)), label
 
 
-def tune_malloc() -> bool:
-    """glibc: serve big blocks from the heap and never trim it, so freed tensors are reused
-    instead of being unmapped and page-faulted in again every step (process-wide: both sides)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
-
-
 def batch_of(batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 224, 224, generator=generator)
@@ -109,6 +104,47 @@ def interleaved(steps: dict[str, object], device, warmup: int, repeats: int) -> 
     return seconds
 
 
+def side_process(side: str, batch: int, device: str, threads: int | None, conn) -> None:
+    """One side in its own process: build its step, then time one step per request."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    if side == "cnnkit":
+        keep_freed_memory()  # what the `cnnkit` command does first
+        step, label = cnnkit_step(batch, dev)
+    else:
+        step, label = plain_step(batch, dev), "torchvision fp32 NCHW"
+    conn.send(label)
+    while conn.recv():
+        conn.send(timed(step, dev))
+
+
+def interleaved_processes(args) -> tuple[dict[str, list[float]], str]:
+    """Both sides in their own processes, one timed step each in turn (order alternating)."""
+    ctx = mp.get_context("spawn")
+    sides = {}
+    for side in ("torchvision", "cnnkit"):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=side_process, args=(side, args.batch, args.device, args.threads, child)
+        )
+        proc.start()
+        sides[parent.recv()] = (parent, proc)
+    names = list(sides)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.warmup + args.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            sides[name][0].send(True)
+            elapsed = sides[name][0].recv()
+            if r >= args.warmup:
+                seconds[name].append(elapsed)
+    for conn, proc in sides.values():
+        conn.send(False)
+        proc.join()
+    return seconds, names[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -116,17 +152,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--explore", action="store_true", help="also time the variants")
+    parser.add_argument("--same-process", action="store_true", help="both sides in this process")
+    parser.add_argument("--explore", action="store_true", help="also time variants (same process)")
     parser.add_argument(
-        "--tune-malloc", action="store_true", help="glibc mallopt for both sides (see tune_malloc)"
+        "--tune-malloc", action="store_true", help="same process: keep freed memory, both sides"
     )
     parser.add_argument("--json", action="store_true", help="end with a JSON line")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if not (args.same_process or args.explore):
+        seconds, label = interleaved_processes(args)
+        return report(seconds, label, args, device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.tune_malloc and not tune_malloc():
+    if args.tune_malloc and not keep_freed_memory():
         parser.error("--tune-malloc: glibc's mallopt is not available here")
-    device = torch.device(args.device)
     torch.manual_seed(0)
     steps = {"torchvision fp32 NCHW": plain_step(args.batch, device)}
     step, label = cnnkit_step(args.batch, device)
@@ -142,9 +182,13 @@ def report(seconds: dict[str, list[float]], label: str, args, device: torch.devi
     flops = 3 * forward_flops(build_model("alexnet-owt", device="meta"))
     peaks = measure_peak(device)
     baseline = statistics.median(seconds["torchvision fp32 NCHW"])
+    where = "one process" if args.same_process or args.explore else "a process per side"
+    tuned = "both sides" if args.tune_malloc else "cnnkit's side (as the cnnkit command)"
+    if args.same_process or args.explore:
+        tuned = "both sides" if args.tune_malloc else "neither side"
     print(
-        f"{device_name(device)}, torch {torch.__version__}, batch {args.batch}, "
-        f"{args.repeats} interleaved repeats (median; min-max), malloc tuned: {args.tune_malloc}"
+        f"{device_name(device)}, torch {torch.__version__}, batch {args.batch}, {where}, "
+        f"{args.repeats} interleaved repeats (median; min-max), freed memory kept: {tuned}"
     )
     rows = {}
     for name, times in seconds.items():
@@ -172,6 +216,7 @@ def report(seconds: dict[str, list[float]], label: str, args, device: torch.devi
                     "batch": args.batch,
                     "hardware": device_name(device),
                     "tune_malloc": args.tune_malloc,
+                    "same_process": bool(args.same_process or args.explore),
                     "peaks": {p: k.flops_per_second for p, k in peaks.items()},
                     "rows": rows,
                 }

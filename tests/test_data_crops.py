@@ -150,5 +150,6 @@ def test_packed_worker_crops_equal_main_process_crops(photos, tmp_path, storage)
     assert main._direct == (storage == "raw")  # raw in-process: zero-copy views, main crops
     main._crops = False  # JPEG shards in-process: decode, then augment in the main process
     for (x1, y1), (x2, y2) in zip(epoch(main, 1), epoch(workers, 1), strict=True):
-        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+        # the same crops; only float rounding of the normalisation (fused there, two steps here)
+        torch.testing.assert_close(x1, x2, rtol=0, atol=1e-5)
         assert torch.equal(y1, y2)

@@ -13,6 +13,7 @@ import typer
 
 from cnnkit.cli import bench, data, infer, net, train
 from cnnkit.errors import CnnkitError
+from cnnkit.runtime import keep_freed_memory
 
 app = typer.Typer(
     name="cnnkit",
@@ -41,7 +42,7 @@ def _root(
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    _keep_freed_memory()
+    keep_freed_memory()
     try:
         app(args=argv, prog_name="cnnkit")  # usage errors: typer prints them and exits 2
     except CnnkitError as e:
@@ -49,23 +50,3 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"cnnkit: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-
-
-def _keep_freed_memory() -> None:
-    """Let glibc keep freed blocks instead of unmapping every one over 32 MB.
-
-    A training step frees and reallocates the same large buffers (activations, gradients,
-    bf16 weight copies) every iteration; by default glibc returns each to the kernel and the
-    next step page-faults it back in, which cost ~100 ms per AlexNet step on CPU.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl, ...): nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, 1 << 30)

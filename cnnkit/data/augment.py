@@ -205,14 +205,20 @@ class Augment:
             places = p["boxes"].tolist()
         else:
             places = list(zip(p["top"].tolist(), p["left"].tolist(), strict=True))
+        per_channel = self.mean.shape[-1] == 1
+        scale, offset = 1 / self.std, -self.mean / self.std
         resizing = single_threaded() if self.train_crop == "resized" else nullcontext()
-        with resizing:  # only the resize is a torch op; the rest is numpy
+        with resizing:
             for i, (place, flip) in enumerate(zip(places, p["flip"].tolist(), strict=True)):
                 src, mean = self._crop_one(x, i, place)
                 if flip:
                     src, mean = src[..., ::-1], mean[..., ::-1]
-                np.subtract(src, mean, out=ys[i])  # crop + mirror + float + mean: one pass
-                np.multiply(ys[i], inv, out=ys[i])
+                if per_channel:  # (x - mean) / std as one multiply-add pass on torch's threads
+                    src = torch.from_numpy(np.ascontiguousarray(src) if flip else src)
+                    torch.addcmul(offset, src, scale, out=out[i])
+                else:  # mean image: crop + mirror + float + mean in one numpy pass, then scale
+                    np.subtract(src, mean, out=ys[i])
+                    np.multiply(ys[i], inv, out=ys[i])
                 if shift is not None:
                     np.add(ys[i], shift[i].numpy(), out=ys[i])
         return out
