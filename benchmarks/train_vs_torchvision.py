@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -122,6 +123,9 @@ def side_process(side: str, batch: int, device: str, threads: int | None, conn) 
 
 def interleaved_processes(args) -> tuple[dict[str, list[float]], str]:
     """Both sides in their own processes, one timed step each in turn (order alternating)."""
+    # Idle OpenMP threads of the waiting side must sleep, not spin on the cores the other side
+    # is timing (libgomp spins ~300 ms after each parallel region by default).
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     ctx = mp.get_context("spawn")
     sides = {}
     for side in ("torchvision", "cnnkit"):
