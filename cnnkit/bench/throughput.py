@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cnnkit.bench.baseline import plain_infer_step, plain_model, plain_train_step
+from cnnkit.bench.baseline import PlainProcess
 from cnnkit.bench.model_setup import forward_flops, load_network, synthetic_batch
 from cnnkit.bench.peak import measure_peak, peak_dict
 from cnnkit.bench.timing import (
@@ -89,20 +89,25 @@ def bench_throughput(
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak.
 
     With `baseline`, a plain fp32 NCHW PyTorch loop of the same architecture is timed in the
-    same run, steps interleaved with cnnkit's, and the speed-up over it is reported.
+    same run, in a plain process of its own (PlainProcess), steps interleaved with cnnkit's,
+    and the speed-up over it is reported.
     """
     cfg = train_config(device, precision, channels_last, compile)
     precision, channels_last = resolve_precision(cfg, device)  # 'auto' -> the engine's choice
     model = load_network(net, device, num_classes, channels_last=mode == "infer" and channels_last)
     x, y = synthetic_batch(model, batch, device, channels_last)
     steps = {"cnnkit": _cnnkit_step(model, mode, x, y, cfg)}
-    if baseline:
-        peer, peer_name = plain_model(model, device)
-        steps[peer_name] = (
-            plain_train_step(peer, x, y) if mode == "train" else plain_infer_step(peer, x)
-        )
+    plain = PlainProcess(model, mode, batch, device) if baseline else None
+    if plain is not None:
+        steps[plain.name] = plain
     warmup, repeats = _counts(device, compile, warmup, repeats)
-    timings = measure_interleaved(steps, device, warmup=warmup, repeats=repeats, max_seconds=120.0)
+    try:
+        timings = measure_interleaved(
+            steps, device, warmup=warmup, repeats=repeats, max_seconds=120.0
+        )
+    finally:
+        if plain is not None:
+            plain.close()
     peaks = measure_peak(device, tuple(dict.fromkeys(("fp32", "bf16", precision))), quick_peak)
     factor = TRAIN_FLOPS_FACTOR if mode == "train" else 1.0
     settings = {"precision": precision, "channels_last": channels_last, "compile": compile}
