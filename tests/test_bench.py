@@ -7,13 +7,13 @@ import time
 import pytest
 import torch
 import yaml
+from helpers import run_cli
 
 from cnnkit.bench.baseline import plain_model
 from cnnkit.bench.layers import bench_layers
 from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
 from cnnkit.bench.throughput import bench_throughput, make_train_step, train_config
 from cnnkit.bench.timing import measure, resolve_device
-from cnnkit.cli import main
 from cnnkit.errors import ConfigError
 from cnnkit.nn import build_model
 
@@ -30,14 +30,6 @@ TINY = {
     ],
 }
 TINY_MACS = 6 * 6 * 4 * 1 * 3 * 3 + 4 * 6 * 6 * 3  # conv + linear, by hand
-
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(args)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return e.value.code or 0, out.out, out.err
 
 
 def test_measure_counts_repeats_and_never_times_setup():

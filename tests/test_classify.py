@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
+from helpers import CLI, ROOT, run_cli
 from PIL import Image
 
 from cnnkit import CnnkitError
@@ -19,24 +19,6 @@ from cnnkit.data.base import Preprocess
 from cnnkit.data.bundled import DigitsConfig, split_indices
 from cnnkit.infer import Classifier
 from cnnkit.infer.load import load_network
-
-ROOT = Path(__file__).parents[1]  # run the checkout's cnnkit, not an installed copy
-CLI = [sys.executable, "-m", "cnnkit"]
-
-
-def trained_digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run directory from `cnnkit train digits` (2 epochs), made once per test session."""
-    run = tmp_path_factory.getbasetemp() / "digits-run"
-    if not (run / "best.pt").is_file():
-        cmd = [*CLI, "train", "digits", "--out", str(run), "train.epochs=2", "--quiet"]
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
-        assert done.returncode == 0, done.stderr[-2000:]
-    return run
-
-
-@pytest.fixture(scope="session")
-def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained_digits_run(tmp_path_factory)
 
 
 def held_out_digits(n: int) -> tuple[np.ndarray, list[str]]:
@@ -120,19 +102,6 @@ def test_cli_folder_with_a_corrupt_file(digits_run, digit_pngs, tmp_path):
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert done.returncode == 0 and len(rows) == 5
     assert all(len(r["top"]) == 2 and r["label"] == r["top"][0]["class"] for r in rows)
-
-
-def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    """Run `cnnkit ARGS` in this process: (exit status, stdout, stderr)."""
-    from cnnkit.cli import main
-
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_missing_inputs_are_one_line_errors(digits_run, tmp_path, capsys):

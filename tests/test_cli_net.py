@@ -4,16 +4,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_cli
 
 from cnnkit.cli import main
-
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(args)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return e.value.code or 0, out.out, out.err
 
 
 def test_zoo_lists_networks(capsys):

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
 from PIL import Image
 
 from cnnkit import ConfigError, build_model
@@ -89,8 +90,6 @@ def test_hard_negative_mining_returns_the_false_positives():
 
 
 def test_cli_detect_json_and_drawing(tmp_path, capsys):
-    from test_classify import run_cli
-
     loaded = brightness_detector()
     save_safetensors(loaded, tmp_path / "det.safetensors")
     image = np.zeros((48, 48, 3), np.uint8)

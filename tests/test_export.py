@@ -4,24 +4,18 @@ TorchScript, safetensors round trip; a check that can fail; alexnet with LRN and
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from test_classify import run_cli, trained_digits_run
+from helpers import run_cli
 
 from cnnkit import CheckpointError
 from cnnkit.infer import Classifier
 from cnnkit.infer.export import check_export, export
 from cnnkit.infer.load import load_for_inference, load_network, load_safetensors
-
-
-@pytest.fixture(scope="session")
-def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained_digits_run(tmp_path_factory)
 
 
 def test_onnx_export_of_the_digits_run(digits_run, tmp_path, capsys):

@@ -7,18 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
 from PIL import Image
-from test_classify import run_cli, trained_digits_run
 
 from cnnkit import ConfigError, build_model
 from cnnkit.infer.show import draw_net, filter_grid, graph_positions
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
-
-
-@pytest.fixture(scope="session")
-def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained_digits_run(tmp_path_factory)
 
 
 def test_layout_puts_branches_side_by_side_and_merges_below():

@@ -1,0 +1,24 @@
+"""Helpers the test modules share: the CLI run in this process, and the checkout's CLI."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]  # subprocesses run the checkout's cnnkit, not an installed copy
+CLI = [sys.executable, "-m", "cnnkit"]
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """Run `cnnkit ARGS` in this process: (exit status, stdout, stderr)."""
+    from cnnkit.cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
