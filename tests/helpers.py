@@ -22,3 +22,14 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, s
         code = int(e.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def cli_ok(argv: list[str]) -> None:
+    """Run `cnnkit ARGV` in this process; raise SystemExit only if it failed."""
+    from cnnkit.cli import main
+
+    try:
+        main(argv)
+    except SystemExit as e:
+        if e.code:
+            raise

@@ -8,19 +8,9 @@ from pathlib import Path
 
 import pytest
 from data_images import write_bad_folder
-
-from cnnkit.cli import main as cli_main
+from helpers import cli_ok as main
 
 NET = Path(__file__).parent / "data" / "tiny_alexnet.yaml"
-
-
-def main(argv: list[str]) -> None:
-    """Run the CLI in this process; success may end in SystemExit(0)."""
-    try:
-        cli_main(argv)
-    except SystemExit as e:
-        if e.code:
-            raise
 
 
 def write_run(path: Path, data: dict, epochs: int) -> Path:

@@ -10,22 +10,14 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
+from helpers import cli_ok as main
 
-from cnnkit.cli import main as cli_main
 from cnnkit.data.decode import load_resized
 from cnnkit.errors import ConfigError
 from cnnkit.train.checkpoint import load_trained
 from cnnkit.train.evaluation import evaluate_checkpoint
 
 NET = Path(__file__).parent / "data" / "tiny_alexnet.yaml"  # input 20x20; images stored 24x24
-
-
-def main(argv: list[str]) -> None:
-    try:
-        cli_main(argv)
-    except SystemExit as e:
-        if e.code:
-            raise
 
 
 @pytest.fixture(scope="module")
@@ -104,5 +96,5 @@ def test_tencrop_refuses_data_without_margin(trained, tmp_path):
     with pytest.raises(ConfigError, match="10-crop needs a data set stored larger than"):
         evaluate_checkpoint(tmp_path / "d", device="cpu", tencrop=True)
     with pytest.raises(SystemExit) as e:  # on the command line: one line, exit status 2
-        cli_main(["eval", str(tmp_path / "d"), "--tencrop"])
+        main(["eval", str(tmp_path / "d"), "--tencrop"])
     assert e.value.code == 2
