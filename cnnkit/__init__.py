@@ -1,7 +1,19 @@
-"""cnnkit: describe any CNN in a file; train it on CPU, one GPU or many; classify, export, benchmark."""
+"""cnnkit: describe any CNN in a file; train it on CPU, one GPU or many; classify, export, benchmark.
+
+    import cnnkit
+    model = cnnkit.build_model("resnet18")              # a torch.nn.Module
+    summary = cnnkit.fit("digits", ["train.epochs=5"])  # what `cnnkit train digits` does
+    clf = cnnkit.Classifier.load(summary["run_dir"])
+
+Attributes are imported on first use, so `import cnnkit` (and `cnnkit --help`) stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
-from cnnkit.nn import Network, build_model
 
 __version__ = "0.1.0"
 
@@ -13,13 +25,52 @@ __all__ = [
     "DataError",
     "Network",
     "build_model",
+    "fit",
 ]
 
+_LAZY = {
+    "Network": "cnnkit.nn",
+    "build_model": "cnnkit.nn",
+    "Classifier": "cnnkit.infer",
+}
 
-def __getattr__(name: str):
-    # Classifier pulls in the image decoding stack: import it only when asked for.
-    if name == "Classifier":
-        from cnnkit.infer import Classifier
 
-        return Classifier
+def fit(
+    run: str | Path | dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    *,
+    out: str | Path | None = None,
+    resume: str | Path | None = None,
+    quiet: bool = False,
+    on_step: Any = None,
+) -> dict[str, Any]:
+    """Train a run exactly as `cnnkit train` does and return its summary (also summary.json).
+
+    `run`: a zoo run, a run file or a mapping; `overrides`: dotted `key=value` strings; `out`:
+    the run directory; `resume`: a run directory to continue. A run whose data mines hard
+    negatives (the faces run) trains its rounds; any other run trains once, alone or as a
+    torchrun worker.
+    """
+    from cnnkit.config import load_run
+    from cnnkit.mining import fit_rounds, mining_of
+    from cnnkit.train.run import launch
+    from cnnkit.train.rundir import new_run_dir
+
+    if resume is None and run is not None:
+        config = load_run(run, overrides)
+        if mining_of(config) is not None:
+            from cnnkit.distributed import launched
+
+            if launched():
+                raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
+            run_dir = new_run_dir(config.name, out)
+            return fit_rounds(config, run_dir, quiet=quiet, on_step=on_step)
+    return launch(run, overrides, out=out, resume=resume, quiet=quiet, on_step=on_step)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'cnnkit' has no attribute {name!r}")

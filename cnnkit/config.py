@@ -1,7 +1,8 @@
 """The run configuration: a typed, validated `model:` + `data:` + `train:` document.
 
 `load_run(run, overrides)` reads a zoo run name or YAML file, applies dotted overrides
-(`train.lr=0.02 data.batch_size=128`) and validates every field; `dump_run` writes it back.
+(`train.lr=0.02 data.batch_size=128`) and validates every field once: `config.data` is the
+source's own config (DataConfig), `config.model` a ModelConfig. `dump_run` writes it back.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from pydantic import (
     model_validator,
 )
 
-from cnnkit.errors import ConfigError
+from cnnkit.data import SOURCES, DataConfig, check_source
+from cnnkit.errors import ConfigError, config_error
+from cnnkit.nn import read_spec
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
@@ -82,23 +85,54 @@ class TrainConfig(BaseModel):
         return self
 
 
+class ModelConfig(BaseModel):
+    """The `model:` section: which network, and optionally weights to start from.
+
+    A run file may write just the network: `model: resnet18`, `model: net.yaml`, or the
+    network mapping itself (`model: {input: ..., layers: ...}`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    network: str | dict[str, Any] = Field(
+        description="a zoo network, a network file, or the network mapping itself"
+    )
+    weights: str | None = Field(
+        None, description="a state_dict file (.safetensors or .pt) to start from (fine-tuning)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        if isinstance(value, str) or (isinstance(value, dict) and "network" not in value):
+            return {"network": value}
+        return value
+
+    @field_validator("network")
+    @classmethod
+    def _readable(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        read_spec(value)  # a missing file or a zoo typo is reported here, before any work
+        return value
+
+    def spec(self) -> dict[str, Any]:
+        """The network's `model:` mapping (what the graph builder reads)."""
+        return read_spec(self.network)
+
+
 class RunConfig(BaseModel):
     """A whole run: which network, which data, how to train; seed and determinism."""
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field("run", description="run name (default run directory runs/<name>-<time>)")
-    model: str | dict[str, Any] = Field(description="a zoo network, a network file or a mapping")
-    data: dict[str, Any] = Field(description="the data section; its source validates it")
+    model: ModelConfig = Field(description="the network (a zoo name, a file or a mapping)")
+    data: DataConfig = Field(description="the data: its `source` says which fields it has")
     train: TrainConfig = Field(default_factory=TrainConfig)
     seed: NonNegativeInt = Field(0, description="seeds weights, data order and augmentation")
     deterministic: bool = Field(False, description="bitwise repeatable CPU runs (slower)")
 
-    @field_validator("data")
+    @field_validator("data", mode="before")
     @classmethod
-    def _check_data(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from cnnkit.data import data_config
-
-        return data_config(v).model_dump(mode="json")
+    def _known_source(cls, value: Any) -> Any:
+        return check_source(value)
 
 
 def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
@@ -107,12 +141,23 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
     raw = copy.deepcopy(raw)
     for item in overrides or []:
         apply_override(raw, item)
-    if isinstance(raw.get("model"), str) and base is not None:
-        relative = base / raw["model"]
-        if relative.is_file():
-            raw["model"] = str(relative)
+    if base is not None:
+        _relative_to(raw, base)
     raw.setdefault("name", Path(str(run)).stem if not isinstance(run, dict) else "run")
     return validate_run(raw)
+
+
+def _relative_to(raw: dict[str, Any], base: Path) -> None:
+    """Files a run file names (its network, its weights) are relative to the run file."""
+    model = raw.get("model")
+    if isinstance(model, str) and (base / model).is_file():
+        raw["model"] = str(base / model)
+    elif isinstance(model, dict) and isinstance(model.get("network"), str):
+        if (base / model["network"]).is_file():
+            model["network"] = str(base / model["network"])
+    if isinstance(model, dict) and isinstance(model.get("weights"), str):
+        if (base / model["weights"]).is_file():
+            model["weights"] = str(base / model["weights"])
 
 
 def validate_run(raw: dict[str, Any]) -> RunConfig:
@@ -120,18 +165,7 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        raise ConfigError(f"{loc or 'run'}: {msg}" + _got(err)) from None
-
-
-def _got(err: dict[str, Any]) -> str:
-    if err["type"] in ("extra_forbidden", "missing", "value_error") or "input" not in err:
-        return ""
-    return f" (got {err['input']!r})"
+        raise config_error(e, hide=SOURCES) from None
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -153,9 +187,18 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[leaf] = value
 
 
+def run_dict(config: RunConfig) -> dict[str, Any]:
+    """The config as plain data (what config.yaml and checkpoints hold); a model section with
+    no weights is written as just its network, the way run files write it."""
+    raw = config.model_dump(mode="json")
+    if raw["model"]["weights"] is None:
+        raw["model"] = raw["model"]["network"]
+    return raw
+
+
 def dump_run(config: RunConfig, path: Path | None = None) -> str:
     """The resolved config as YAML (written to `path` when given)."""
-    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    text = yaml.safe_dump(run_dict(config), sort_keys=False)
     if path is not None:
         Path(path).write_text(text)
     return text

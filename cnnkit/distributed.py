@@ -1,5 +1,7 @@
 """The only module that touches torch.distributed or torchrun's variables (RANK, WORLD_SIZE,
 LOCAL_RANK, TORCHELASTIC_*): process group, DDP or periodic weight averaging, collectives.
+`Processes` is what training needs of them; `Local` (one process) and `Group` (torchrun)
+implement it. `resolve_device` is cnnkit's one rule for turning a device name into a device.
 
     torchrun --standalone --nproc_per_node=2 -m cnnkit train digits --out runs/digits-ddp
     cnnkit train digits --nproc 2          # the same, started for you
@@ -14,13 +16,78 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cnnkit.errors import CnnkitError, ConfigError
+
+DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
+
+
+def resolve_device(name: str | None = "auto", field: str = "--device") -> torch.device:
+    """'auto' (or None) -> cuda if available, else cpu; a named device must exist here.
+
+    `field` names the setting in error messages (`train.device`, `--device`).
+    """
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{field}: {name!r} is not a device ({DEVICE_HELP})") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{field}: {name!r}: cnnkit runs on {DEVICE_HELP}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"{field}: {name!r} asked for, but no CUDA device is available")
+        if (device.index or 0) >= count:
+            raise ConfigError(f"{field}: {name!r}: this machine has {count} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{field}: {name!r} asked for, but MPS is not available here")
+    return device
+
+
+class Processes(Protocol):
+    """The processes training runs in: this one's rank, the collectives, the model wrapper."""
+
+    rank: int
+    world_size: int
+    is_main: bool  # rank 0: prints and writes the run directory
+
+    def device(self, name: str) -> torch.device: ...  # this process's device for `train.device`
+
+    def wrap(self, model: nn.Module) -> nn.Module: ...  # DDP, or the model itself
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...  # sum over ranks, in place
+
+    def gather_rng(self, state: dict) -> list[dict]: ...  # every rank's RNG states, rank order
+
+    def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None: ...
+
+
+class Local:
+    """One process alone: rank 0 of 1, no collectives."""
+
+    rank, world_size, is_main = 0, 1, True
+
+    def device(self, name: str) -> torch.device:
+        return resolve_device(name, "train.device")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather_rng(self, state: dict) -> list[dict]:
+        return [state]
+
+    def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None:
+        """Nothing to average alone."""
 
 
 def launched() -> bool:
@@ -86,8 +153,8 @@ class Group:
 
     def device(self, name: str) -> torch.device:
         """One device per process: cuda:LOCAL_RANK under NCCL, else the CPU."""
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"train.device: {name!r} asked for, but no CUDA device is available")
+        if name.startswith("cuda"):
+            resolve_device(name.split(":")[0], "train.device")  # one clear line if no CUDA
         return torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -111,16 +178,16 @@ class Group:
         device_ids = [self.local_rank] if self.use_cuda else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
-    def after_step(self, engine: Any, global_step: int) -> None:
+    def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None:
         """sync "average": every K steps, average weights and momenta with PyTorch's utility."""
         if self.sync != "average" or global_step % self.every:
             return
         from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
-        params = [p for p in engine.network.parameters() if p.requires_grad]
+        params = [p for p in network.parameters() if p.requires_grad]
         momenta = [
             s["momentum_buffer"]
-            for s in engine.optimizer.state.values()
+            for s in optimizer.state.values()
             if s.get("momentum_buffer") is not None
         ]
         average_parameters(iter(params + momenta), dist.group.WORLD)

@@ -1,8 +1,64 @@
-"""Process-wide settings cnnkit's commands start with (the CLI applies them; so can scripts)."""
+"""Process-wide settings: torch's CPU threads, seeds, and glibc's memory setting.
+
+Every part of cnnkit sets thread counts and mixes seeds through these (devices are resolved
+by cnnkit.distributed.resolve_device: a process's device is part of its place in the group).
+"""
 
 from __future__ import annotations
 
+import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under taskset or SLURM)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the body with `n` intra-op CPU threads, restoring the previous count afterwards.
+
+    One thread suits per-image CPU kernels in a loop: they lose more to thread-pool wake-ups
+    than they gain (measurements in BENCHMARKS.md).
+    """
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed mixing integers (splitmix64), so nearby inputs give unrelated streams:
+    (seed, epoch, batch, rank, ...) -> the seed of one generator."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (all devices), numpy and python."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def keep_freed_memory() -> bool:
@@ -10,7 +66,7 @@ def keep_freed_memory() -> bool:
 
     A training step frees and reallocates the same large buffers (activations, gradients,
     bf16 weight copies) every iteration; by default glibc returns each to the kernel and the
-    next step page-faults it back in, which cost ~100 ms per AlexNet step on a 2-core CPU.
+    next step page-faults it back in (BENCHMARKS.md has the cost on an AlexNet step).
     """
     if not sys.platform.startswith("linux"):
         return False

@@ -13,7 +13,8 @@ from cnnkit.bench.baseline import plain_model
 from cnnkit.bench.layers import bench_layers
 from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
 from cnnkit.bench.throughput import bench_throughput, make_train_step, train_config
-from cnnkit.bench.timing import measure, resolve_device
+from cnnkit.bench.timing import measure
+from cnnkit.distributed import resolve_device
 from cnnkit.errors import ConfigError
 from cnnkit.nn import build_model
 

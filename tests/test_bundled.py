@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cnnkit.data import data_config
-from cnnkit.data.base import Preprocess
-from cnnkit.data.bundled import DigitsConfig, split_indices
-from cnnkit.data.memory import Augment, TensorBatches
+from cnnkit.data.base import Preprocess, holdout_split
+from cnnkit.data.bundled import DigitsConfig
+from cnnkit.data.memory import Jitter, TensorBatches
 
 CPU = torch.device("cpu")
 
@@ -18,9 +18,9 @@ CPU = torch.device("cpu")
 def test_digits_are_uint8_with_a_fixed_stratified_split():
     images, labels, classes = DigitsConfig().load()
     assert images.shape == (1797, 8, 8) and images.dtype == np.uint8 and images.max() == 255
-    train, val = split_indices(labels, 0.2, 0)
+    train, val = holdout_split(labels, 0.2, 0)
     assert len(train) == 1438 and len(val) == 359 and not set(train) & set(val)
-    assert np.array_equal(split_indices(labels, 0.2, 0)[1], val)  # fixed, independent of run
+    assert np.array_equal(holdout_split(labels, 0.2, 0)[1], val)  # fixed, independent of run
     counts = np.bincount(labels[val])
     assert counts.min() >= 35 and counts.max() <= 37 and classes == list("0123456789")
 
@@ -77,12 +77,12 @@ def test_batch_not_divisible_by_world_size_is_a_clear_error():
 
 def test_augmentation_jitters_images_but_not_labels():
     x = torch.rand(8, 1, 8, 8) * 255
-    aug = Augment(shift=0.125, rotate=10, scale=0.1, mirror=True)
+    aug = Jitter(shift=0.125, rotate=10, scale=0.1, mirror=True)
     out = aug(x, torch.Generator().manual_seed(0))
     assert out.shape == x.shape and not torch.allclose(out, x)
     again = aug(x, torch.Generator().manual_seed(0))
     assert torch.equal(out, again)
-    flip = Augment(mirror=True)(x, torch.Generator().manual_seed(1))
+    flip = Jitter(mirror=True)(x, torch.Generator().manual_seed(1))
     flipped = torch.isclose(flip, x.flip(-1), atol=1e-4).flatten(1).all(1)
     same = torch.isclose(flip, x, atol=1e-4).flatten(1).all(1)
     assert (flipped | same).all() and flipped.any() and same.any()
@@ -91,14 +91,14 @@ def test_augmentation_jitters_images_but_not_labels():
 def test_contrast_and_brightness_jitter_per_image():
     x = torch.randn(64, 1, 8, 8)
     gen = torch.Generator().manual_seed(0)
-    y = Augment(contrast=0.5, padding="border")(x, gen)  # identity geometry: contrast only
+    y = Jitter(contrast=0.5, padding="border")(x, gen)  # identity geometry: contrast only
     mean_x, mean_y = x.mean((1, 2, 3)), y.mean((1, 2, 3))
     torch.testing.assert_close(mean_y, mean_x, atol=1e-4, rtol=1e-4)  # about each image's mean
     gain = (y - mean_y.view(-1, 1, 1, 1)).std((1, 2, 3)) / (x - mean_x.view(-1, 1, 1, 1)).std(
         (1, 2, 3)
     )
     assert gain.min() >= 0.5 - 1e-4 and gain.max() <= 1.5 + 1e-4 and gain.std() > 0.1
-    z = Augment(brightness=0.3, padding="border")(x, torch.Generator().manual_seed(0))
+    z = Jitter(brightness=0.3, padding="border")(x, torch.Generator().manual_seed(0))
     shift = (z - x).flatten(1)
     assert (shift.std(1) < 1e-4).all() and shift[:, 0].abs().max() <= 0.3 + 1e-5
-    assert not Augment().active and Augment(brightness=0.1).active
+    assert not Jitter().active and Jitter(brightness=0.1).active

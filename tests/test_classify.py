@@ -15,8 +15,8 @@ from helpers import CLI, ROOT, run_cli
 from PIL import Image
 
 from cnnkit import CnnkitError
-from cnnkit.data.base import Preprocess
-from cnnkit.data.bundled import DigitsConfig, split_indices
+from cnnkit.data.base import Preprocess, holdout_split
+from cnnkit.data.bundled import DigitsConfig
 from cnnkit.infer import Classifier
 from cnnkit.infer.load import load_network
 
@@ -24,7 +24,7 @@ from cnnkit.infer.load import load_network
 def held_out_digits(n: int) -> tuple[np.ndarray, list[str]]:
     """The first n held-out digit images (uint8 (n, 8, 8)) and their class names."""
     images, labels, classes = DigitsConfig().load()
-    _, val = split_indices(labels, 0.2, 0)
+    _, val = holdout_split(labels, 0.2, 0)
     return images[val[:n]], [classes[i] for i in labels[val[:n]]]
 
 

@@ -12,7 +12,7 @@ from cnnkit.errors import ConfigError
 def test_zoo_run_with_overrides_is_typed():
     config = load_run("digits", ["train.lr=0.02", "data.batch_size=128", "train.milestones=[3, 6]"])
     assert isinstance(config, RunConfig)
-    assert config.train.lr == 0.02 and config.data["batch_size"] == 128
+    assert config.train.lr == 0.02 and config.data.batch_size == 128
     assert config.train.milestones == [3, 6] and config.name == "digits"
 
 
@@ -39,7 +39,7 @@ def test_run_file_naming_a_network_file_beside_it(tmp_path):
     )
     (tmp_path / "run.yaml").write_text("model: net.yaml\ndata: {source: digits}\n")
     config = load_run(tmp_path / "run.yaml")
-    assert config.model == str(tmp_path / "net.yaml") and config.name == "run"
+    assert config.model.network == str(tmp_path / "net.yaml") and config.name == "run"
 
 
 @pytest.mark.parametrize(

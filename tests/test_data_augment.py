@@ -9,7 +9,7 @@ import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 
 from cnnkit.data.augment import (
-    Augment,
+    CropAugment,
     center_crop,
     crop_mirror,
     lighting_from_cov,
@@ -43,7 +43,9 @@ def test_cpu_fast_path_equals_batched_gather(mean_image, lighting):
     x = batch()
     mean = torch.rand(3, 32, 32) * 255 if mean_image else torch.tensor([120.0, 110.0, 100.0])
     eigval, eigvec = lighting_from_cov([[900, 100, 50], [100, 800, 60], [50, 60, 700]])
-    aug = Augment(24, "random", True, lighting, mean, torch.tensor([50.0, 60, 70]), eigval, eigvec)
+    aug = CropAugment(
+        24, "random", True, lighting, mean, torch.tensor([50.0, 60, 70]), eigval, eigvec
+    )
     aug = aug.to(CPU)
     p = aug.sample(6, 32, 32, torch.Generator().manual_seed(3))
     out = aug.train(x, p, out=torch.empty(6, 3, 24, 24))
@@ -57,7 +59,7 @@ def test_cpu_fast_path_equals_batched_gather(mean_image, lighting):
 def test_eval_is_torchvision_center_crop_and_normalize():
     x = batch(size=30)
     mean, std = [120.0, 110.0, 100.0], [50.0, 60.0, 70.0]
-    aug = Augment(24, mean=torch.tensor(mean), std=torch.tensor(std)).to(CPU)
+    aug = CropAugment(24, mean=torch.tensor(mean), std=torch.tensor(std)).to(CPU)
     ref = TF.normalize(TF.center_crop(x.float(), [24, 24]), mean, std)
     torch.testing.assert_close(aug.eval(x), ref)
     torch.testing.assert_close(aug.eval(x, out=torch.empty(6, 3, 24, 24)), ref)
@@ -106,7 +108,7 @@ def test_sample_boxes_follow_torchvisions_rule():
 def test_cpu_resized_crop_close_to_grid_sample_on_smooth_images():
     x = torch.nn.functional.interpolate(batch(b=4, size=8).float(), size=(48, 48), mode="bilinear")
     x = x.round().to(torch.uint8)
-    aug = Augment(32, "resized", True, scale=(0.3, 0.5)).to(CPU)
+    aug = CropAugment(32, "resized", True, scale=(0.3, 0.5)).to(CPU)
     p = aug.sample(4, 48, 48, torch.Generator().manual_seed(5))
     ref = resized_crop_mirror(x.float(), p["boxes"], p["flip"], 32)  # no antialias on upscaling
     out = aug.train(x, p, out=torch.empty(4, 3, 32, 32))
@@ -116,11 +118,11 @@ def test_cpu_resized_crop_close_to_grid_sample_on_smooth_images():
 def test_lighting_shift_is_constant_per_image_and_off_at_zero():
     x = batch()
     eigval, eigvec = lighting_from_cov([[900, 100, 50], [100, 800, 60], [50, 60, 700]])
-    on = Augment(32, "random", False, 0.5, None, None, eigval, eigvec).to(CPU)
+    on = CropAugment(32, "random", False, 0.5, None, None, eigval, eigvec).to(CPU)
     p = on.sample(6, 32, 32, torch.Generator().manual_seed(0))
     diff = on.train(x, p) - x.float()
     assert diff.flatten(2).std(2).max() < 1e-3 and diff.abs().max() > 1  # one shift per image
-    off = Augment(32, "random", False, 0.0).to(CPU)
+    off = CropAugment(32, "random", False, 0.0).to(CPU)
     torch.testing.assert_close(off.train(x, off.sample(6, 32, 32, torch.Generator())), x.float())
 
 

@@ -12,7 +12,7 @@ from PIL import Image
 
 from cnnkit.data import data_config
 from cnnkit.data import decode as decode_module
-from cnnkit.data.augment import Augment
+from cnnkit.data.augment import CropAugment
 from cnnkit.data.decode import box_region, load_box, resize_uint8
 from cnnkit.data.loader import CropJobs, EpochBatchSampler, batch_generator
 from cnnkit.data.pack import pack_folder
@@ -111,7 +111,7 @@ def test_worker_crops_equal_in_process_crops(photos, train_crop):
 
 def test_crop_jobs_hand_out_free_slots_only():
     sampler = EpochBatchSampler(20, 4, 0, 1, seed=0, shuffle=True)
-    jobs = CropJobs(sampler, Augment(8).to(CPU), 10, slots=2)
+    jobs = CropJobs(sampler, CropAugment(8).to(CPU), 10, slots=2)
     it = iter(jobs)
     slots = [next(it).slot for _ in range(3)]
     assert sorted(slots[:2]) == [0, 1] and slots[2] is None  # none free: fresh memory

@@ -132,9 +132,9 @@ def test_faces_run_finds_the_astronauts_face(tmp_path):
     (the face: about x 165-275, y 65-180; the test image is never mined)."""
     from skimage.data import astronaut
 
-    from cnnkit.train.run import launch
+    import cnnkit
 
-    summary = launch("faces", out=tmp_path / "run", quiet=True)
+    summary = cnnkit.fit("faces", out=tmp_path / "run", quiet=True)
     assert summary["val_top1"] >= 0.95 and summary["chosen_round"] >= 1
     boxes = detect(load_for_inference(tmp_path / "run"), astronaut())[:3]
     assert any(iou_of(b, (165, 65, 275, 180)) >= 0.5 for b in boxes), boxes

@@ -13,10 +13,10 @@ import pytest
 import torch
 import yaml
 
+from cnnkit.checkpoint import load_checkpoint
 from cnnkit.config import validate_run
 from cnnkit.data import data_config
 from cnnkit.nn import build_model
-from cnnkit.train.checkpoint import load_checkpoint
 from cnnkit.train.engine import build_engine
 from cnnkit.train.loop import evaluate
 from cnnkit.train.run import fit

@@ -12,8 +12,9 @@ import torch
 from cnnkit import build_model
 from cnnkit.cli import main
 from cnnkit.config import TrainConfig, load_run, validate_run
+from cnnkit.distributed import resolve_device
 from cnnkit.errors import ConfigError
-from cnnkit.train.engine import build_engine, resolve_device, train_step
+from cnnkit.train.engine import build_engine, train_step
 from cnnkit.train.optim import build_optimizer
 from cnnkit.train.run import fit
 

@@ -14,8 +14,9 @@ from cnnkit.data.bundled import face_free_picture
 from cnnkit.errors import ConfigError
 from cnnkit.infer.detect import detect
 from cnnkit.infer.load import load_for_inference
-from cnnkit.train.engine import balance_loss
-from cnnkit.train.mining import fit_rounds
+from cnnkit.mining import fit_rounds
+from cnnkit.nn import build_model
+from cnnkit.train.engine import balanced_weights, build_engine
 
 MINING = {"images": ["brick", "grass"], "held_out": ["gravel"], "rounds": 1, "per_image": 20,
           "threshold": 0.5, "max_side": 160}  # fmt: skip
@@ -65,8 +66,9 @@ def test_pictures_with_faces_are_refused(name):
 
 def test_balanced_loss_equals_weighted_cross_entropy():
     labels = torch.tensor([0] * 30 + [1] * 10)
-    engine = type("E", (), {"device": torch.device("cpu")})()
-    balance_loss(engine, labels, 2, smoothing=0.0)
+    cfg = load_run(small_run()).train
+    engine = build_engine(build_model("facenet"), cfg, torch.device("cpu"),
+                          class_weights=balanced_weights(labels, 2))  # fmt: skip
     logits, y = torch.randn(8, 2), torch.tensor([0, 1, 1, 0, 0, 1, 0, 0])
     weight = torch.tensor([40 / (2 * 30), 40 / (2 * 10)])
     expected = torch.nn.functional.cross_entropy(logits, y, weight=weight)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cnnkit.checkpoint import FORMAT, load_checkpoint, load_trained, save_checkpoint
 from cnnkit.config import validate_run
 from cnnkit.errors import CheckpointError
-from cnnkit.train.checkpoint import FORMAT, load_checkpoint, load_trained, save_checkpoint
 from cnnkit.train.run import fit, resume_state
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from helpers import cli_ok as main
 
+from cnnkit.checkpoint import load_trained
 from cnnkit.data.decode import load_resized
 from cnnkit.errors import ConfigError
-from cnnkit.train.checkpoint import load_trained
 from cnnkit.train.evaluation import evaluate_checkpoint
 
 NET = Path(__file__).parent / "data" / "tiny_alexnet.yaml"  # input 20x20; images stored 24x24

@@ -51,6 +51,8 @@ def synchronize(device: torch.device) -> None:
     """Wait until every kernel queued on `device` has finished (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def measure(
@@ -113,27 +115,6 @@ def measure_interleaved(
 def timer_overhead(device: torch.device, repeats: int = 50) -> float:
     """Median seconds that `measure` reports for doing nothing: the floor under every figure."""
     return measure(lambda _: None, device, warmup=3, repeats=repeats).median
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """'auto' (or None) -> cuda if available else cpu; a CUDA name must exist here."""
-    if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(
-            f"--device: unknown device {name!r} (cpu, cuda, cuda:N or auto)"
-        ) from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device: {name!r}: cnnkit benchmarks cpu and cuda devices")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ConfigError(f"--device: {name!r}: no CUDA device on this machine")
-        if (device.index or 0) >= count:
-            raise ConfigError(f"--device: {name!r}: this machine has {count} CUDA device(s)")
-    return device
 
 
 def check_precision(precision: str, device: torch.device) -> str:

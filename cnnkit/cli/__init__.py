@@ -13,7 +13,6 @@ import typer
 
 from cnnkit.cli import bench, data, infer, net, train
 from cnnkit.errors import CnnkitError
-from cnnkit.runtime import keep_freed_memory
 
 app = typer.Typer(
     name="cnnkit",
@@ -40,13 +39,17 @@ def _root(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    keep_freed_memory()
+    """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code.
+
+    `--debug` (anywhere on the line, before or after the subcommand) shows the traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
         app(args=argv, prog_name="cnnkit")  # usage errors: typer prints them and exits 2
     except CnnkitError as e:
-        if "--debug" in argv:
+        if debug:
             raise
         print(f"cnnkit: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

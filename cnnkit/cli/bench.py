@@ -53,7 +53,7 @@ def layers(
     """
     from cnnkit.bench.layers import bench_layers, print_layers
     from cnnkit.bench.throughput import resolve_settings
-    from cnnkit.bench.timing import resolve_device
+    from cnnkit.distributed import resolve_device
 
     dev = resolve_device(device)
     precision, channels_last = resolve_settings(dev, precision, channels_last)
@@ -140,7 +140,7 @@ def _throughput(
     mode: str, net: str, device: str, quick: bool, threads: int | None, as_json: bool, **options
 ) -> None:
     from cnnkit.bench.throughput import bench_throughput, print_throughput
-    from cnnkit.bench.timing import resolve_device
+    from cnnkit.distributed import resolve_device
 
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
     _set_threads(threads)

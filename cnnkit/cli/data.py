@@ -80,7 +80,7 @@ def loader(
 ) -> None:
     """Images/s of the loader alone (no model), device-side augmentation included."""
     from cnnkit.bench.loader import bench_loader, print_loader
-    from cnnkit.bench.timing import resolve_device
+    from cnnkit.distributed import resolve_device
 
     options = {"crop": crop} if crop else {}
     if resized:

@@ -40,10 +40,11 @@ def classify(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, mps, or auto."),
 ) -> None:
     """Print the top classes and probabilities of each image; exit status 1 if any image failed."""
+    from cnnkit.distributed import resolve_device
     from cnnkit.infer.classify import Classifier
     from cnnkit.infer.images import expand_paths
 
-    classifier = Classifier.load(target, _device(device))
+    classifier = Classifier.load(target, resolve_device(device))
     failed = 0
     for pred in classifier.iter_predict(expand_paths(paths), top, tencrop, batch_size):
         failed += pred.error is not None
@@ -185,21 +186,3 @@ def _writable(out: Path | None) -> None:
 
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
-
-
-def _device(name: str) -> str:
-    import torch
-
-    from cnnkit.errors import ConfigError
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(
-            f"--device: {name!r} is not a device (cpu, cuda, cuda:1, mps, auto)"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: no CUDA device on this machine (use cpu)")
-    return name

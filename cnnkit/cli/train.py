@@ -24,21 +24,23 @@ def train(
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="With --nproc: restarts."),
 ) -> None:
     """Train a network: `cnnkit train digits`, `cnnkit train run.yaml train.lr=0.02`."""
-    from cnnkit.train.run import launch
+    import cnnkit
+    from cnnkit.runtime import keep_freed_memory
 
+    keep_freed_memory()
     overrides = list(overrides or [])
     if run is not None and "=" in run and resume is not None:
         run, overrides = None, [run, *overrides]
     if nproc is not None:
         raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
-    launch(run, overrides, out=out, resume=resume, quiet=quiet)
+    cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet)
 
 
 def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int) -> int:
     """Re-run this command under torchrun with N processes and one agreed run directory."""
     from cnnkit.config import load_run
     from cnnkit.distributed import start_local
-    from cnnkit.train.run import new_run_dir
+    from cnnkit.train.rundir import new_run_dir
 
     argv = ["train", *([run] if run else []), *overrides]
     if resume is not None:

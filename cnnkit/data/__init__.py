@@ -1,49 +1,70 @@
 """Data sources (bundled, synthetic, folder, packed), packing, loading and batched augmentation.
 
-A run file's `data:` section names a `source`; SOURCES maps it to the config class that
-validates the section and builds the streams (`cfg.build(device, rank, world_size, seed)`).
+A run file's `data:` section is one of the source configs below, told apart by `source`
+(`DataConfig`, a discriminated union); each builds its streams with
+`cfg.build(device, rank, world_size, seed)`.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from cnnkit.data.base import Batches, DataBundle, DataConfigBase, Preprocess
-from cnnkit.errors import ConfigError
+from cnnkit.data.bundled import DigitsConfig, FacesConfig
+from cnnkit.data.folder import FolderConfig
+from cnnkit.data.packed import PackedConfig
+from cnnkit.data.synthetic import SyntheticConfig
+from cnnkit.errors import ConfigError, config_error
 
-# source name -> "module:ConfigClass"
-SOURCES: dict[str, str] = {
-    "digits": "cnnkit.data.bundled:DigitsConfig",
-    "faces": "cnnkit.data.bundled:FacesConfig",
-    "synthetic": "cnnkit.data.synthetic:SyntheticConfig",
-    "folder": "cnnkit.data.folder:FolderConfig",
-    "packed": "cnnkit.data.packed:PackedConfig",
+SOURCES: dict[str, type[DataConfigBase]] = {
+    "digits": DigitsConfig,
+    "faces": FacesConfig,
+    "synthetic": SyntheticConfig,
+    "folder": FolderConfig,
+    "packed": PackedConfig,
 }
+DataConfig = Annotated[
+    DigitsConfig | FacesConfig | SyntheticConfig | FolderConfig | PackedConfig,
+    Field(discriminator="source"),
+]
+_ADAPTER: TypeAdapter[DataConfig] = TypeAdapter(DataConfig)
 
 
-def data_config(section: dict[str, Any] | DataConfigBase) -> DataConfigBase:
-    """Validate a `data:` section into its source's config (one clear ConfigError if bad)."""
-    if isinstance(section, DataConfigBase):
-        return section
+def check_source(section: Any) -> Any:
+    """Refuse a `data:` section without a known `source` in one line, with a suggestion."""
     if not isinstance(section, dict):
-        raise ConfigError(f"data: expected a mapping, got {section!r}")
+        return section  # pydantic says what it expected
     source = section.get("source")
     if source not in SOURCES:
         close = difflib.get_close_matches(str(source), SOURCES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else f" (one of: {', '.join(SOURCES)})"
-        raise ConfigError(f"data.source: unknown source {source!r}{hint}")
-    module, cls = SOURCES[source].split(":")
-    config_class = getattr(importlib.import_module(module), cls)
+        what = "missing" if source is None else f"unknown source {source!r}"
+        raise ConfigError(f"data.source: {what}{hint}")
+    return section
+
+
+def data_config(section: dict[str, Any] | DataConfigBase) -> DataConfig:
+    """Validate a `data:` mapping into its source's config (one clear ConfigError if bad)."""
+    if isinstance(section, DataConfigBase):
+        return section
+    if not isinstance(section, dict):
+        raise ConfigError(f"data: expected a mapping, got {type(section).__name__}")
     try:
-        return config_class.model_validate(section)
+        return _ADAPTER.validate_python(check_source(section))
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(f"data.{loc}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise config_error(e, "data", hide=SOURCES) from None
 
 
-__all__ = ["SOURCES", "Batches", "DataBundle", "DataConfigBase", "Preprocess", "data_config"]
+__all__ = [
+    "SOURCES",
+    "Batches",
+    "DataBundle",
+    "DataConfig",
+    "DataConfigBase",
+    "Preprocess",
+    "check_source",
+    "data_config",
+]

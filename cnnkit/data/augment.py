@@ -7,14 +7,15 @@ CPU from a per-batch generator (tiny tensors), so a resumed epoch repeats them e
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from cnnkit.runtime import torch_threads
 
 # ImageNet RGB principal components (0-1 pixel units) used by AlexNet re-implementations
 IMAGENET_EIGVAL = (0.2175, 0.0188, 0.0045)
@@ -105,20 +106,8 @@ def ten_crop(x: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack(five(x) + five(x.flip(-1)), 1)
 
 
-@contextmanager
-def single_threaded() -> Iterator[None]:
-    """torch ops on one thread inside: per-image CPU kernels lose more to thread-pool wake-ups
-    than they gain (20x on a busy 2-core machine). Restores the previous count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @dataclass
-class Augment:
+class CropAugment:
     """How a stream turns uint8 batches into network input on the device.
 
     On CUDA every step is one batched kernel. On a CPU device one loop over the batch does
@@ -137,13 +126,13 @@ class Augment:
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
-    def to(self, device: torch.device) -> Augment:
+    def to(self, device: torch.device) -> CropAugment:
         """A copy on `device`, float32, mean as (C, 1, 1) or (C, H, W), std as (C, 1, 1)."""
         mean = torch.zeros(3) if self.mean is None else torch.as_tensor(self.mean).float()
         std = torch.ones(mean.shape[0]) if self.std is None else torch.as_tensor(self.std).float()
         lighting = {k: getattr(self, k) for k in ("eigval", "eigvec")}
         lighting = {k: None if v is None else v.float().to(device) for k, v in lighting.items()}
-        return Augment(self.crop, self.train_crop, self.mirror, self.lighting,
+        return CropAugment(self.crop, self.train_crop, self.mirror, self.lighting,
                        (mean.view(-1, 1, 1) if mean.dim() == 1 else mean).to(device),
                        std.view(-1, 1, 1).to(device), scale=self.scale, ratio=self.ratio,
                        **lighting)  # fmt: skip
@@ -180,7 +169,7 @@ class Augment:
     def train(self, x: torch.Tensor, params: dict, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 (B, C, H, W) -> augmented, normalised float (B, C, crop, crop) on x's device.
 
-        Call on an Augment moved with `.to(device)`; `out`: a reusable output buffer (CPU).
+        Call on an CropAugment moved with `.to(device)`; `out`: a reusable output buffer (CPU).
         On the CPU x may also be an ImageList (per-image views of memory-mapped shards).
         """
         if not isinstance(x, torch.Tensor) or x.device.type == "cpu":
@@ -207,7 +196,7 @@ class Augment:
             places = list(zip(p["top"].tolist(), p["left"].tolist(), strict=True))
         per_channel = self.mean.shape[-1] == 1
         scale, offset = 1 / self.std, -self.mean / self.std
-        resizing = single_threaded() if self.train_crop == "resized" else nullcontext()
+        resizing = torch_threads(1) if self.train_crop == "resized" else nullcontext()
         with resizing:
             for i, (place, flip) in enumerate(zip(places, p["flip"].tolist(), strict=True)):
                 src, mean = self._crop_one(x, i, place)

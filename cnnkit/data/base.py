@@ -11,12 +11,16 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from cnnkit.errors import ConfigError
+
 
 class DataConfigBase(BaseModel):
-    """Fields every `data:` section has; each source subclasses it with its own fields."""
+    """Fields every `data:` section has; each source subclasses it with its own fields and the
+    behaviour that depends on the source (how to build streams, how to evaluate)."""
 
     model_config = ConfigDict(extra="forbid")
     source: str = Field(description="digits | faces | synthetic | folder | packed")
@@ -28,6 +32,16 @@ class DataConfigBase(BaseModel):
     ) -> DataBundle:
         """Make the train and validation streams for this rank."""
         raise NotImplementedError
+
+    def stored_size(self) -> int | None:
+        """The side of the stored images when larger than the network's crop (10-crop needs a
+        margin); None for sources stored at the network's input size."""
+        return None
+
+    def evaluated_as(self, preprocess: Preprocess) -> DataConfigBase:
+        """This data normalised as a checkpoint's `preprocess` says (evaluating a trained net);
+        in-memory sources compute their statistics from the same images, so nothing changes."""
+        return self
 
 
 class Batches(Protocol):
@@ -80,3 +94,31 @@ class DataBundle:
     classes: list[str]
     input_shape: tuple[int, int, int]  # (C, H, W) the network sees
     preprocess: Preprocess
+    train_labels: torch.Tensor  # (N,) int64 on the CPU: every training image's class
+
+
+def holdout_split(
+    labels: np.ndarray, fraction: float, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """A stratified (train, held-out) split of range(len(labels)) that depends only on `seed`:
+    round(N * fraction) images held out in all, each class contributing its share (largest
+    remainders get the odd ones), sorted index arrays."""
+    labels = np.asarray(labels)
+    if not fraction:
+        return np.arange(len(labels)), np.zeros(0, np.int64)
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = counts * fraction
+    take = np.floor(quota).astype(np.int64)
+    extra = int(round(len(labels) * fraction)) - int(take.sum())
+    take[np.argsort(-(quota - take), kind="stable")[: max(extra, 0)]] += 1
+    if take.sum() == 0 or take.sum() == len(labels):
+        raise ConfigError(
+            f"data.val_fraction: {fraction} of {len(labels)} images leaves an empty split"
+        )
+    train, val = [], []
+    for c, n_val in zip(classes, take, strict=True):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        val.append(idx[:n_val])
+        train.append(idx[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
-from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
-from cnnkit.data.memory import Augment, TensorBatches
+from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, holdout_split
+from cnnkit.data.memory import Jitter, TensorBatches
 from cnnkit.errors import DataError
 
 
@@ -35,35 +35,37 @@ class BundledConfig(DataConfigBase):
         """All images uint8 (N, H, W), labels (N,), class names."""
         raise NotImplementedError
 
+    def split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
+        """(train images, train labels, held-out images, held-out labels, class names): the
+        fixed stratified split, as uint8 (N, H, W) and int64 (N,) arrays."""
+        images, labels, classes = self.load()
+        labels = labels.astype(np.int64)
+        train, val = holdout_split(labels, self.val_fraction, self.split_seed)
+        return images[train], labels[train], images[val], labels[val], classes
+
     def build(
         self, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0
     ) -> DataBundle:
         """Split, move both parts to the device once, and wrap them as batch streams."""
-        images, labels, classes = self.load()
-        train_idx, val_idx = split_indices(labels, self.val_fraction, self.split_seed)
-        x = torch.from_numpy(images).unsqueeze(1).to(device)  # (N, 1, H, W) uint8
-        y = torch.from_numpy(labels.astype(np.int64)).to(device)
-        train_x = x[torch.from_numpy(train_idx).to(device)]
-        train_y = y[torch.from_numpy(train_idx).to(device)]
-        mean, std = train_x.float().mean().item(), train_x.float().std().item()
+        train_x, train_y, val_x, val_y, classes = self.split()
+        mean, std = float(train_x.mean()), float(train_x.std(ddof=1))
         train_x, train_y = self.extra_training(train_x, train_y)
-        h, w = images.shape[1:]
+        h, w = train_x.shape[1:]
         pre = Preprocess(channels=1, crop=h, resize=None, mean=[mean], std=[std])
-        augment = Augment(self.shift, self.rotate, self.scale, self.mirror, self.padding,
-                          self.contrast, self.brightness)  # fmt: skip
+        jitter = Jitter(self.shift, self.rotate, self.scale, self.mirror, self.padding,
+                        self.contrast, self.brightness)  # fmt: skip
         common = dict(preprocess=pre, rank=rank, world_size=world_size, seed=seed)
-        val_x, val_y = (
-            x[torch.from_numpy(val_idx).to(device)],
-            y[torch.from_numpy(val_idx).to(device)],
-        )
-        train = TensorBatches(
-            train_x, train_y, self.batch_size, train=True, augment=augment, **common
-        )
-        eval_batch = self.eval_batch_size or max(self.batch_size, 256)
-        val = TensorBatches(val_x, val_y, eval_batch, train=False, **common)
-        return DataBundle(train, val, classes, (1, h, w), pre)
 
-    def extra_training(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def on_device(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.from_numpy(x).unsqueeze(1).to(device), torch.from_numpy(y).to(device)
+
+        train = TensorBatches(*on_device(train_x, train_y), self.batch_size, train=True,
+                              augment=jitter, **common)  # fmt: skip
+        eval_batch = self.eval_batch_size or max(self.batch_size, 256)
+        val = TensorBatches(*on_device(val_x, val_y), eval_batch, train=False, **common)
+        return DataBundle(train, val, classes, (1, h, w), pre, torch.from_numpy(train_y))
+
+    def extra_training(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Images added to the training split only (none here; faces adds mined negatives)."""
         return x, y
 
@@ -92,7 +94,7 @@ class FacesConfig(BundledConfig):
     hard_negatives: HardNegatives | None = Field(None, description="mining rounds (the trainer)")
     negatives: str | None = Field(None, description=".npy uint8 (N, 25, 25) extra non-faces")
 
-    def extra_training(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extra_training(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The mined non-face patches (`negatives`), appended to the training split."""
         if self.negatives is None:
             return x, y
@@ -100,11 +102,14 @@ class FacesConfig(BundledConfig):
             extra = np.load(Path(self.negatives), allow_pickle=False)
         except (OSError, ValueError) as e:
             raise DataError(f"data.negatives: cannot read {self.negatives}: {e}") from None
-        extra = torch.from_numpy(extra.reshape(-1, 1, *x.shape[-2:])).to(x.device)
-        if extra.dtype != torch.uint8:
-            raise DataError(f"data.negatives: {self.negatives} holds {extra.dtype}, not uint8")
-        labels = torch.zeros(len(extra), dtype=y.dtype, device=y.device)  # 0: non-face
-        return torch.cat([x, extra]), torch.cat([y, labels])
+        if extra.dtype != np.uint8 or extra.size % (x.shape[1] * x.shape[2]):
+            raise DataError(
+                f"data.negatives: {self.negatives} holds {extra.dtype} {list(extra.shape)}, "
+                f"not uint8 patches of {x.shape[1]}x{x.shape[2]}"
+            )
+        extra = extra.reshape(-1, *x.shape[1:])
+        labels = np.zeros(len(extra), dtype=y.dtype)  # 0: non-face
+        return np.concatenate([x, extra]), np.concatenate([y, labels])
 
     def load(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
         try:
@@ -161,15 +166,3 @@ def face_free_picture(name: str, max_side: int) -> np.ndarray:
     picture = Image.fromarray(image).convert("L")
     picture.thumbnail((max_side, max_side), Image.BILINEAR)
     return np.asarray(picture)
-
-
-def split_indices(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A stratified (train, held-out) index split that depends only on `seed`."""
-    rng = np.random.default_rng(seed)
-    train, val = [], []
-    for c in np.unique(labels):
-        idx = rng.permutation(np.flatnonzero(labels == c))
-        n_val = int(round(len(idx) * fraction))
-        val.append(idx[:n_val])
-        train.append(idx[n_val:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))

@@ -15,8 +15,8 @@ import torch
 from pydantic import Field, PositiveInt
 from torch.utils.data import Dataset
 
-from cnnkit.data.augment import imagenet_lighting, single_threaded
-from cnnkit.data.base import DataBundle, Preprocess
+from cnnkit.data.augment import imagenet_lighting
+from cnnkit.data.base import DataBundle, Preprocess, holdout_split
 from cnnkit.data.decode import BadImage, is_image_name, load_box, load_resized
 from cnnkit.data.loader import (
     CropJob,
@@ -24,9 +24,9 @@ from cnnkit.data.loader import (
     build_augment,
     build_streams,
     new_batch,
-    split_holdout,
 )
 from cnnkit.errors import ConfigError, DataError
+from cnnkit.runtime import torch_threads
 
 IMAGENET_MEAN = (123.675, 116.28, 103.53)  # 0-255 units
 IMAGENET_STD = (58.395, 57.12, 57.375)
@@ -116,7 +116,7 @@ class FolderImages(Dataset):
         return len(self.ids)
 
     def __getitem__(self, key: list[int] | CropJob) -> tuple:
-        with single_threaded():  # per-image resizes (already so in a worker process)
+        with torch_threads(1):  # per-image resizes (already so in a worker process)
             return self._cropped(key) if isinstance(key, CropJob) else self._resized(key)
 
     def _resized(self, positions: list[int]) -> tuple:
@@ -160,8 +160,10 @@ class FolderConfig(ImageSetConfig):
     resize_mode: Literal["squash", "shorter"] = Field(
         "squash", description="or shorter side + crop"
     )
-    mean: tuple[float, float, float] = Field(IMAGENET_MEAN, description="per channel, 0-255")
-    std: tuple[float, float, float] = Field(IMAGENET_STD, description="per channel, 0-255")
+
+    def stored_size(self) -> int:
+        """Images are resized to `size` before cropping."""
+        return self.size
 
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
               seed: int = 0) -> DataBundle:  # fmt: skip
@@ -172,7 +174,7 @@ class FolderConfig(ImageSetConfig):
             raise ConfigError(f"data.crop: {self.crop} is larger than data.size {self.size}")
         root = Path(self.path)
         files, labels, classes = scan_folder(root)
-        train_ids, val_ids = split_holdout(len(files), 0.0 if self.val_path else self.val_fraction)
+        train_ids, val_ids = holdout_split(labels, 0.0 if self.val_path else self.val_fraction)
         train = FolderImages(root, files, labels, train_ids, self.size, self.resize_mode)
         if self.val_path:
             vfiles, vlabels, _ = scan_folder(self.val_path, self.val_labels, classes)
@@ -180,8 +182,10 @@ class FolderConfig(ImageSetConfig):
                                self.size, self.resize_mode)  # fmt: skip
         else:
             val = FolderImages(root, files, labels, val_ids, self.size, self.resize_mode)
-        stats = {"mean": self.mean, "std": self.std, "lighting": imagenet_lighting()}
+        mean, std = self.mean or IMAGENET_MEAN, self.std or IMAGENET_STD
+        stats = {"mean": mean, "std": std, "lighting": imagenet_lighting()}
         train_s, val_s = build_streams(self, train, val, build_augment(self, stats), device, rank,
                                        world_size, seed)  # fmt: skip
-        pre = Preprocess(3, self.crop, self.size, self.resize_mode, list(self.mean), list(self.std))
-        return DataBundle(train_s, val_s, classes, (3, self.crop, self.crop), pre)
+        pre = Preprocess(3, self.crop, self.size, self.resize_mode, list(mean), list(std))
+        labels = torch.from_numpy(train.labels[train.ids])
+        return DataBundle(train_s, val_s, classes, (3, self.crop, self.crop), pre, labels)

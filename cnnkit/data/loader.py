@@ -12,14 +12,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from cnnkit.data.augment import Augment
-from cnnkit.data.base import DataConfigBase
+from cnnkit.data.augment import CropAugment
+from cnnkit.data.base import DataConfigBase, Preprocess
 from cnnkit.errors import ConfigError
+from cnnkit.runtime import mix_seed
 
 
 class ImageSetConfig(DataConfigBase):
@@ -38,17 +38,23 @@ class ImageSetConfig(DataConfigBase):
     workers: NonNegativeInt = Field(2, description="loader processes (0: in the main process)")
     prefetch: PositiveInt = Field(2, description="batches prefetched per worker")
     val_fraction: float = Field(0.1, ge=0, lt=1, description="held out when no val_path")
+    mean: tuple[float, float, float] | None = Field(
+        None, description="per channel, 0-255 (None: ImageNet's for folders, the pack's own)"
+    )
+    std: tuple[float, float, float] | None = Field(None, description="per channel, 0-255")
+
+    def evaluated_as(self, preprocess: Preprocess) -> ImageSetConfig:
+        """Normalised with a trained network's per-channel mean/std (not this data's own)."""
+        if self.normalize != "channel" or len(preprocess.mean) != 3:
+            return self
+        return self.model_copy(update={"mean": tuple(preprocess.mean),
+                                       "std": tuple(preprocess.std)})  # fmt: skip
 
     @model_validator(mode="after")
     def _check_scale(self) -> ImageSetConfig:
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale: need 0 < min <= max <= 1, got {self.scale}")
         return self
-
-
-def derive_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers (seed, epoch, rank, batch...)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
 class EpochBatchSampler(Sampler[list[int]]):
@@ -73,7 +79,7 @@ class EpochBatchSampler(Sampler[list[int]]):
         if not self.shuffle:
             lo, hi = self.rank * self.n // self.world, (self.rank + 1) * self.n // self.world
             return torch.arange(lo, hi)
-        g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
         per = self.n // self.world
         return torch.randperm(self.n, generator=g)[self.rank * per : (self.rank + 1) * per]
 
@@ -159,7 +165,7 @@ class CropJob:
 def batch_generator(sampler: EpochBatchSampler, position: int) -> torch.Generator:
     """The generator of the random augmentation of batch `position` in the sampler's epoch."""
     s = sampler
-    return torch.Generator().manual_seed(derive_seed(s.seed, s.epoch, s.rank, position, 1))
+    return torch.Generator().manual_seed(mix_seed(s.seed, s.epoch, s.rank, position, 1))
 
 
 class CropJobs(Sampler[CropJob]):
@@ -168,7 +174,9 @@ class CropJobs(Sampler[CropJob]):
     of `slots` output batches (shared memory made once: no page faults per batch) while any is
     free. The caller releases a slot once it has read the batch."""
 
-    def __init__(self, sampler: EpochBatchSampler, augment: Augment, size: int, slots: int) -> None:
+    def __init__(
+        self, sampler: EpochBatchSampler, augment: CropAugment, size: int, slots: int
+    ) -> None:
         self.sampler, self.augment, self.size, self.slots = sampler, augment, size, slots
         self.free: list[int] = []
 
@@ -197,7 +205,7 @@ def _load_batch_in_worker(worker_id: int) -> None:
 class ImageBatches:
     """A `Batches` stream: uint8 batches from worker processes, augmented on the device."""
 
-    def __init__(self, dataset: Dataset, sampler: EpochBatchSampler, augment: Augment,
+    def __init__(self, dataset: Dataset, sampler: EpochBatchSampler, augment: CropAugment,
                  device: torch.device, train: bool, workers: int, prefetch: int,
                  num_samples: int) -> None:  # fmt: skip
         self.dataset, self.sampler, self.train = dataset, sampler, train
@@ -326,28 +334,19 @@ class ImageBatches:
         return batch
 
 
-def split_holdout(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """A fixed (seed 0) random split of range(n) into (train, val) index arrays."""
-    order = np.random.default_rng(0).permutation(n)
-    n_val = int(round(n * fraction)) if fraction else 0
-    if fraction and (n_val == 0 or n_val == n):
-        raise ConfigError(f"data.val_fraction: {fraction} of {n} images leaves an empty split")
-    return np.sort(order[n_val:]), np.sort(order[:n_val])
-
-
-def build_augment(cfg: ImageSetConfig, stats: dict) -> Augment:
-    """The Augment of a config, given the data's stats: mean (C,) or mean image, std, lighting."""
+def build_augment(cfg: ImageSetConfig, stats: dict) -> CropAugment:
+    """The CropAugment of a config, given the data's stats: mean (C,) or mean image, std, lighting."""
     image_mean = cfg.normalize == "mean_image"
     mean = torch.as_tensor(
         stats["mean_image"] if image_mean else stats["mean"], dtype=torch.float32
     )
     std = torch.ones(3) if image_mean else torch.as_tensor(stats["std"], dtype=torch.float32)
     eigval, eigvec = stats["lighting"]
-    return Augment(cfg.crop, cfg.train_crop, cfg.mirror, cfg.lighting, mean, std, eigval, eigvec,
+    return CropAugment(cfg.crop, cfg.train_crop, cfg.mirror, cfg.lighting, mean, std, eigval, eigvec,
                    scale=cfg.scale)  # fmt: skip
 
 
-def build_streams(cfg: ImageSetConfig, train: Dataset, val: Dataset, augment: Augment,
+def build_streams(cfg: ImageSetConfig, train: Dataset, val: Dataset, augment: CropAugment,
                   device: torch.device, rank: int, world_size: int,
                   seed: int) -> tuple[ImageBatches, ImageBatches]:  # fmt: skip
     """Train and validation streams for this rank over two batch datasets."""

@@ -15,11 +15,13 @@ import torch.nn.functional as F
 
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import ConfigError
+from cnnkit.runtime import mix_seed
 
 
 @dataclass(frozen=True)
-class Augment:
-    """Batched random affine jitter + mirror, done as two tensor ops on the device."""
+class Jitter:
+    """Batched random affine jitter + mirror of small in-memory images, done as two tensor ops
+    on the device (shift, rotation, zoom, mirror, contrast, brightness)."""
 
     shift: float = 0.0  # max translation, fraction of the image side
     rotate: float = 0.0  # max rotation, degrees
@@ -78,7 +80,7 @@ class TensorBatches:
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
-        augment: Augment | None = None,
+        augment: Jitter | None = None,
     ):
         if train and batch_size % world_size:
             raise ConfigError(
@@ -133,16 +135,5 @@ class TensorBatches:
 
     def _gen(self, batch: int, device) -> torch.Generator:
         gen = torch.Generator(device=device)
-        gen.manual_seed(hash_seed(self.seed, self.epoch, batch, self.rank if batch else 0))
+        gen.manual_seed(mix_seed(self.seed, self.epoch, batch, self.rank if batch else 0))
         return gen
-
-
-def hash_seed(*parts: int) -> int:
-    """A 63-bit seed mixing integers (splitmix64), so nearby inputs give unrelated streams."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = (h ^ (p + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & 0x7FFFFFFFFFFFFFFF

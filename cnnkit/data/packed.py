@@ -5,6 +5,7 @@ JPEG shards are decoded by the workers.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Literal
@@ -14,8 +15,8 @@ import torch
 from pydantic import Field
 from torch.utils.data import Dataset
 
-from cnnkit.data.augment import lighting_from_cov, single_threaded
-from cnnkit.data.base import DataBundle, Preprocess
+from cnnkit.data.augment import lighting_from_cov
+from cnnkit.data.base import DataBundle, Preprocess, holdout_split
 from cnnkit.data.decode import decode_jpeg_bytes, resize_crop
 from cnnkit.data.loader import (
     CropJob,
@@ -23,9 +24,9 @@ from cnnkit.data.loader import (
     build_augment,
     build_streams,
     new_batch,
-    split_holdout,
 )
 from cnnkit.errors import ConfigError, DataError
+from cnnkit.runtime import torch_threads
 
 PACK_FORMAT = "cnnkit-packed/1"
 
@@ -65,6 +66,12 @@ class PackedImages(Dataset):
         self.size = self.meta["size"]
         self._shards: list[np.memmap] | None = None  # opened lazily in each process
 
+    def subset(self, ids: np.ndarray) -> PackedImages:
+        """The same set restricted to images `ids` (the index is shared, not read again)."""
+        part = copy.copy(self)
+        part.ids, part._shards = ids, None
+        return part
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_shards": None}  # never pickle the mappings
 
@@ -81,7 +88,7 @@ class PackedImages(Dataset):
 
     def __getitem__(self, key: list[int] | CropJob) -> tuple:
         if isinstance(key, CropJob):
-            with single_threaded():  # per-image resizes (already so in a worker process)
+            with torch_threads(1):  # per-image resizes (already so in a worker process)
                 return self._cropped(key)
         return self._batch(key)
 
@@ -185,18 +192,25 @@ class PackedConfig(ImageSetConfig):
             label_map = _val_label_map(meta["classes"], val_meta["classes"], self.val_path)
             val = PackedImages(self.val_path, label_map=label_map)
         else:
-            train_ids, val_ids = split_holdout(meta["num_images"], self.val_fraction)
-            train, val = PackedImages(self.path, train_ids), PackedImages(self.path, val_ids)
-        stats = {"mean": meta["mean"], "std": meta["std"], "lighting": lighting_from_cov(meta["rgb_cov"]),
+            every = PackedImages(self.path)
+            train_ids, val_ids = holdout_split(every.labels, self.val_fraction)
+            train, val = every.subset(train_ids), every.subset(val_ids)
+        stats = {"mean": self.mean or meta["mean"], "std": self.std or meta["std"],
+                 "lighting": lighting_from_cov(meta["rgb_cov"]),
                  "mean_image": np.load(Path(self.path) / "mean.npy")}  # fmt: skip
         augment = build_augment(self, stats)
         train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed)
         mean, std = self._preprocess_stats(meta, stats)
         pre = Preprocess(3, self.crop, meta["size"], meta["resize"], mean, std)
-        return DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop), pre)
+        labels = torch.from_numpy(train.labels[train.ids])
+        return DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop), pre, labels)
+
+    def stored_size(self) -> int:
+        """The side the set was packed at."""
+        return int(read_meta(self.path)["size"])
 
     def _preprocess_stats(self, meta: dict, stats: dict) -> tuple[list[float], list[float]]:
         """Per-channel mean/std for classification (the mean image's channel averages if used)."""
         if self.normalize == "mean_image":
             return stats["mean_image"].mean(axis=(1, 2)).tolist(), [1.0, 1.0, 1.0]
-        return list(meta["mean"]), list(meta["std"])
+        return list(stats["mean"]), list(stats["std"])

@@ -8,7 +8,8 @@ import torch
 from pydantic import Field, PositiveInt
 
 from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
-from cnnkit.data.memory import TensorBatches, hash_seed
+from cnnkit.data.memory import TensorBatches
+from cnnkit.runtime import mix_seed
 
 
 class SyntheticConfig(DataConfigBase):
@@ -24,7 +25,7 @@ class SyntheticConfig(DataConfigBase):
         self, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0
     ) -> DataBundle:
         """Generate both sets once (the same on every rank), on the device."""
-        gen = torch.Generator().manual_seed(hash_seed(seed, 12345))
+        gen = torch.Generator().manual_seed(mix_seed(seed, 12345))
         n = self.train_size + self.val_size
         images = torch.randint(0, 256, (n, *self.shape), generator=gen, dtype=torch.uint8)
         labels = torch.randint(0, self.num_classes, (n,), generator=gen)
@@ -37,4 +38,4 @@ class SyntheticConfig(DataConfigBase):
         eval_batch = self.eval_batch_size or self.batch_size
         val = TensorBatches(images[t:], labels[t:], eval_batch, train=False, **common)
         classes = [f"class{i}" for i in range(self.num_classes)]
-        return DataBundle(train, val, classes, (c, h, self.shape[2]), pre)
+        return DataBundle(train, val, classes, (c, h, self.shape[2]), pre, labels[:t].cpu())

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cnnkit.checkpoint import load_trained
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import CheckpointError, CnnkitError
 from cnnkit.nn import Network, build_model
@@ -35,8 +36,6 @@ def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
     if path.suffix == ".safetensors":
         return load_safetensors(path, device)
     if path.is_dir() or path.suffix in (".pt", ".pth"):
-        from cnnkit.train.checkpoint import load_trained
-
         model, meta = load_trained(path, device)
         preprocess = Preprocess.from_dict(meta["preprocess"])
         return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)))

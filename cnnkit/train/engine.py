@@ -1,6 +1,6 @@
 """The training step itself, as `cnnkit train` runs it, as a small public API.
 
-    engine = build_engine(network, TrainConfig(), device=resolve_device("auto"))
+    engine = build_engine(network, TrainConfig(), device=torch.device("cpu"))
     loss, correct = train_step(engine, x, y)   # one optimizer step on batch (x, y)
 
 `build_engine` picks what `cnnkit train` picks: device, precision (fp32 | bf16 autocast | fp16
@@ -53,21 +53,6 @@ class Engine:
         return x
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """auto -> cuda if available, else cpu; cuda:N checked against the devices present."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"train.device: {name!r} asked for, but no CUDA device is available")
-        if (device.index or 0) >= torch.cuda.device_count():
-            raise ConfigError(
-                f"train.device: {name!r}: only {torch.cuda.device_count()} CUDA device(s)"
-            )
-    return device
-
-
 def default_precision(device: torch.device) -> str:
     """The fastest precision that keeps accuracy: bf16 where the hardware has it, else fp16 on
     CUDA (with loss scaling), else fp32."""
@@ -95,8 +80,7 @@ SMALL_STEP_MACS = 1e9  # below this, extra CPU threads mostly wait on each other
 
 def default_threads(network: Network, batch: int, cfg: TrainConfig, device: torch.device) -> int:
     """CPU threads for training: the config's, else 1 for small steps (a tiny net's ops are too
-    short to split: on this 2-core machine 1 thread trained digits 4-10x faster than 2 under
-    load), else all of torch's."""
+    short to split across threads; BENCHMARKS.md has the measurement), else all of torch's."""
     if cfg.threads is not None:
         return cfg.threads
     macs = sum(layer.macs for layer in network.table) * batch
@@ -110,8 +94,10 @@ def build_engine(
     cfg: TrainConfig,
     device: torch.device,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    class_weights: torch.Tensor | None = None,
 ) -> Engine:
-    """Move the network to the device in the chosen format and build optimizer, scaler and loss."""
+    """Move the network to the device in the chosen format and build optimizer, scaler and loss
+    (`class_weights`: one weight per class in the training loss, e.g. from `balanced_weights`)."""
     precision, channels_last = resolve_precision(cfg, device)
     network = network.to(device)
     if channels_last:
@@ -124,7 +110,10 @@ def build_engine(
         model=model,
         optimizer=build_optimizer(network, cfg),
         scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
-        loss_fn=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+        loss_fn=nn.CrossEntropyLoss(
+            weight=None if class_weights is None else class_weights.to(device),
+            label_smoothing=cfg.label_smoothing,
+        ),
         device=device,
         precision=precision,
         channels_last=channels_last,
@@ -133,11 +122,10 @@ def build_engine(
     )
 
 
-def balance_loss(engine: Engine, labels: torch.Tensor, num_classes: int, smoothing: float) -> None:
-    """Weigh each class by N / (K * count) in the training loss, so rare classes count as much."""
+def balanced_weights(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """One loss weight per class, N / (K * count), so that rare classes count as much."""
     counts = torch.bincount(labels.flatten().cpu(), minlength=num_classes).float()
-    weight = counts.sum() / (num_classes * counts.clamp(min=1))
-    engine.loss_fn = nn.CrossEntropyLoss(weight=weight.to(engine.device), label_smoothing=smoothing)
+    return counts.sum() / (num_classes * counts.clamp(min=1))
 
 
 def train_step(

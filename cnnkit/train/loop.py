@@ -1,50 +1,55 @@
-"""The training loop: `train_one_epoch`, `evaluate` and `fit`, which owns the run directory,
-checkpoints every epoch and every N steps, and resumes exactly from `last.pt`.
+"""One epoch of training and one pass of evaluation: `train_one_epoch`, `evaluate`, and the
+running statistics of an epoch (`EpochStats`). `train/run.py` wires them into a whole run.
 """
 
 from __future__ import annotations
 
-import random
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
 import torch
 
-from cnnkit.config import RunConfig
-from cnnkit.data import Batches, DataBundle
-from cnnkit.errors import ConfigError
-from cnnkit.nn import Network, build_model
-from cnnkit.train.engine import Engine, resolve_device, train_step
+from cnnkit.data import Batches
+from cnnkit.distributed import Local, Processes
+from cnnkit.train.engine import Engine, train_step
 from cnnkit.train.metrics import Console
 from cnnkit.train.optim import Schedule
 
 StepHook = Callable[[int, int, int], None]  # (epoch index, steps done in it, global step)
 
 
-class Local:
-    """The single-process stand-in for cnnkit.distributed.Group: rank 0 of 1, no collectives."""
+class EpochStats:
+    """The training statistics of the epoch in progress: device tensors added to at every step
+    (no host sync), read only when needed (a checkpoint, the end of the epoch). `earlier` holds
+    what sessions before a resume contributed to the same epoch."""
 
-    rank, world_size, is_main = 0, 1, True
+    def __init__(self, device: torch.device, earlier: dict[str, float] | None = None):
+        self.earlier = {"loss": 0.0, "correct": 0.0, "seen": 0.0, "seconds": 0.0, **(earlier or {})}
+        self.loss_sum = torch.zeros((), device=device)
+        self.correct = torch.zeros((), device=device, dtype=torch.long)
+        self.seen = 0
+        self.started = time.perf_counter()
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, images: int) -> None:
+        """One step's mean loss and number correct over `images` images."""
+        self.loss_sum += loss.detach() * images
+        self.correct += correct
+        self.seen += images
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
+    @property
+    def seconds(self) -> float:
+        """Wall time of this session's part of the epoch."""
+        return time.perf_counter() - self.started
 
-    def after_step(self, engine: Engine, global_step: int) -> None:
-        """Hook for weight averaging (sync: average); nothing to do alone."""
-
-    def device(self, name: str) -> torch.device:
-        return resolve_device(name)
-
-    def gather_rng(self, state: dict) -> list[dict]:
-        """Every rank's generator states (here: just ours)."""
-        return [state]
+    def read(self) -> dict[str, float]:
+        """Totals so far, earlier sessions included (syncs the device)."""
+        return {
+            "loss": self.earlier["loss"] + self.loss_sum.item(),
+            "correct": self.earlier["correct"] + self.correct.item(),
+            "seen": self.earlier["seen"] + self.seen,
+            "seconds": self.earlier["seconds"] + self.seconds,
+        }
 
 
 @dataclass
@@ -58,11 +63,15 @@ class Progress:
     seconds: float = 0.0  # training wall time of earlier sessions
     history: list[dict[str, float]] = field(default_factory=list)
     partial: dict[str, float] = field(default_factory=dict)  # epoch stats of earlier sessions
-    running: Callable[[], dict[str, float]] | None = None  # this session's, read on demand
+    running: EpochStats | None = None  # this session's statistics of the epoch in progress
+
+    def epoch_stats(self) -> dict[str, float]:
+        """The statistics of the epoch in progress so far (what a mid-epoch checkpoint keeps)."""
+        return self.running.read() if self.running is not None and self.step else {}
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, batches: Batches, dist: Any = None) -> dict[str, float]:
+def evaluate(engine: Engine, batches: Batches, dist: Processes | None = None) -> dict[str, float]:
     """Loss, top-1 and top-5 over the whole validation stream (each image once, all ranks)."""
     dist = dist or Local()
     model = engine.network.eval()
@@ -71,10 +80,8 @@ def evaluate(engine: Engine, batches: Batches, dist: Any = None) -> dict[str, fl
     for x, y in batches:
         with engine.autocast():
             logits = model(engine.prepare(x)).float()
-        k = min(5, logits.shape[1])
-        hits = logits.topk(k, 1).indices == y[:, None]  # (B, k)
-        loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
-        totals += torch.stack([loss, hits[:, 0].sum(), hits.any(1).sum(), torch.tensor(len(y))])
+        totals[:3] += score_logits(logits.log_softmax(1), y)
+        totals[3] += len(y)
     totals = dist.all_reduce(totals)
     n = max(totals[3].item(), 1.0)
     return {
@@ -84,6 +91,15 @@ def evaluate(engine: Engine, batches: Batches, dist: Any = None) -> dict[str, fl
     }
 
 
+def score_logits(log_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(summed loss, top-1 hits, top-5 hits) of a batch of log-probabilities, float64 on their
+    device (no host sync)."""
+    k = min(5, log_probs.shape[1])
+    hits = log_probs.topk(k, 1).indices == y[:, None]  # (B, k)
+    loss = torch.nn.functional.nll_loss(log_probs, y, reduction="sum")
+    return torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(1).sum().double()])
+
+
 def train_one_epoch(
     engine: Engine,
     batches: Batches,
@@ -91,85 +107,19 @@ def train_one_epoch(
     progress: Progress,
     console: Console,
     on_step: StepHook,
-    dist: Any,
+    dist: Processes,
 ) -> dict[str, float]:
     """Train from progress.step to the end of epoch progress.epoch; return its train stats."""
     steps = len(batches)
     batches.set_epoch(progress.epoch, skip_batches=progress.step)
-    stats = {"loss": 0.0, "correct": 0.0, "seen": 0.0, "seconds": 0.0, **progress.partial}
-    progress.running = None
-    loss_sum = torch.zeros((), device=engine.device)
-    correct = torch.zeros((), device=engine.device, dtype=torch.long)
-    start, seen = time.perf_counter(), 0
+    stats = progress.running = EpochStats(engine.device, progress.partial)
     for x, y in batches:
         schedule.apply(engine.optimizer, progress.epoch + progress.step / steps)
         loss, hits = train_step(engine, x, y)
-        loss_sum += loss * len(y)
-        correct += hits
-        seen += len(y)
+        stats.add(loss, hits, len(y))
         progress.step += 1
         progress.global_step += 1
-        dist.after_step(engine, progress.global_step)
-        elapsed = time.perf_counter() - start
-        console.step(progress.step, loss, seen * dist.world_size / max(elapsed, 1e-9))
-        progress.running = _running(stats, loss_sum, correct, seen, elapsed)
+        dist.after_step(engine.network, engine.optimizer, progress.global_step)
+        console.step(progress.step, loss, stats.seen * dist.world_size / max(stats.seconds, 1e-9))
         on_step(progress.epoch, progress.step, progress.global_step)
-    return progress.running() if progress.running else stats
-
-
-def _running(stats: dict, loss_sum, correct, seen: int, seconds: float):
-    """The epoch's running stats, read only when needed (reading syncs the device)."""
-    return lambda: _merge(stats, loss_sum, correct, seen, seconds)
-
-
-def _merge(stats: dict, loss_sum, correct, seen: int, seconds: float) -> dict[str, float]:
-    """Running stats of the epoch: earlier sessions' share (resume) plus this one's."""
-    return {
-        "loss": stats["loss"] + loss_sum.item(),
-        "correct": stats["correct"] + correct.item(),
-        "seen": stats["seen"] + seen,
-        "seconds": stats["seconds"] + seconds,
-    }
-
-
-@contextmanager
-def deterministic_mode(on: bool, device: torch.device) -> Iterator[None]:
-    """Bitwise-repeatable kernels while training (restored afterwards)."""
-    before = torch.are_deterministic_algorithms_enabled()
-    benchmark = torch.backends.cudnn.benchmark
-    torch.use_deterministic_algorithms(on, warn_only=device.type != "cpu")
-    torch.backends.cudnn.benchmark = not on
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-        torch.backends.cudnn.benchmark = benchmark
-
-
-@contextmanager
-def cpu_threads(n: int) -> Iterator[None]:
-    """Run with `n` intra-op CPU threads (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (all devices), numpy and python."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-def build_network(config: RunConfig, data: DataBundle) -> Network:
-    """The run's network with the data's class count, checked against the data's image shape."""
-    network = build_model(config.model, num_classes=len(data.classes))
-    if tuple(network.input_shape) != tuple(data.input_shape):
-        raise ConfigError(
-            f"model: input {list(network.input_shape)} does not match the data's images "
-            f"{list(data.input_shape)}"
-        )
-    return network
+    return stats.read()

@@ -1,5 +1,5 @@
-"""Checkpoints: atomic save, safe load (`weights_only=True`: data, never code), RNG state, and
-`load_trained` for inference. Format "cnnkit-checkpoint/1": model_spec, num_classes, model (fp32
+"""Checkpoints, read and written by training and inference alike: atomic save, safe load
+(`weights_only=True`: data, never code), RNG state, and `load_trained` for inference. Format "cnnkit-checkpoint/1": model_spec, num_classes, model (fp32
 state_dict of the plain model), classes, preprocess, config, plus the training state.
 """
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cnnkit.errors import CheckpointError, CnnkitError
+from cnnkit.nn import build_model
 
 FORMAT = "cnnkit-checkpoint/1"
 REQUIRED = ("model_spec", "num_classes", "model", "classes", "preprocess", "config")
@@ -77,8 +78,6 @@ def checkpoint_path(target: str | Path) -> Path:
 def load_trained(target: str | Path, device: Any = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """(Network in eval mode on `device`, meta with classes, preprocess, config) from a run
     directory or checkpoint file."""
-    from cnnkit.nn import build_model
-
     path = checkpoint_path(target)
     state = load_checkpoint(path)
     try:

@@ -1,6 +1,10 @@
 """Hard-negative mining (bootstrapping) for a patch classifier: train, scan face-free pictures
 with the detector, add its false positives as non-faces, train again; keep the round that does
-best on a held-out measure (held-out faces scored above the strongest held-out clutter)."""
+best on a held-out measure (held-out faces scored above the strongest held-out clutter).
+
+It needs both training and inference, so it sits above them; `cnnkit train` starts it for a
+run whose data has `hard_negatives` rounds.
+"""
 
 from __future__ import annotations
 
@@ -14,19 +18,21 @@ import numpy as np
 import torch
 
 from cnnkit.config import RunConfig
-from cnnkit.data import data_config
-from cnnkit.data.bundled import HardNegatives, face_free_picture, split_indices
+from cnnkit.data.bundled import FacesConfig, HardNegatives, face_free_picture
 from cnnkit.errors import ConfigError
 from cnnkit.infer.detect import detect, log_odds, mine_hard_negatives
 from cnnkit.infer.load import Loaded, load_for_inference
 from cnnkit.train.metrics import write_summary
+from cnnkit.train.run import fit
 
 CLUTTER_RANK = 3  # held-out faces must beat the 3rd-strongest clutter window (a top-3 detection)
 
 
 def mining_of(config: RunConfig) -> HardNegatives | None:
     """The run's hard-negative settings when it mines at least one round, else None."""
-    hn = getattr(data_config(config.data), "hard_negatives", None)
+    if not isinstance(config.data, FacesConfig):
+        return None
+    hn = config.data.hard_negatives
     return hn if hn is not None and hn.rounds > 0 else None
 
 
@@ -35,8 +41,6 @@ def fit_rounds(
 ) -> dict[str, Any]:
     """Train round 0 on the data, then `rounds` times: mine, add, retrain from the same seed.
     Each round is a run in run_dir/round-N; the best round's files are copied to run_dir."""
-    from cnnkit.train.run import fit
-
     started, hn = time.perf_counter(), mining_of(config)
     if hn is None:
         raise ConfigError("data.hard_negatives: no mining rounds in this run")
@@ -52,10 +56,11 @@ def fit_rounds(
     )
     rounds: list[dict[str, Any]] = []
     for r in range(hn.rounds + 1):
-        data = dict(config.data, hard_negatives=None, negatives=None)
+        mined = None
         if len(negatives):
-            data["negatives"] = str((run_dir / f"negatives-{r}.npy").resolve())
-            np.save(data["negatives"], negatives)
+            mined = str((run_dir / f"negatives-{r}.npy").resolve())
+            np.save(mined, negatives)
+        data = config.data.model_copy(update={"hard_negatives": None, "negatives": mined})
         round_dir = run_dir / f"round-{r}"
         summary = fit(config.model_copy(update={"data": data}), round_dir, quiet=quiet,
                       on_step=on_step)  # fmt: skip
@@ -93,10 +98,8 @@ def random_windows(picture: np.ndarray, n: int, side: int, rng: np.random.Genera
 
 def held_out_faces(config: RunConfig) -> np.ndarray:
     """The face patches of the run's held-out split, uint8 (N, H, W)."""
-    cfg = data_config(config.data)
-    images, labels, classes = cfg.load()
-    _, val = split_indices(labels, cfg.val_fraction, cfg.split_seed)
-    return images[val[labels[val] == classes.index("face")]]
+    _, _, images, labels, classes = config.data.split()
+    return images[labels == classes.index("face")]
 
 
 @torch.no_grad()
@@ -105,10 +108,7 @@ def held_out_measure(
 ) -> tuple[float, float]:
     """(share of held-out faces whose log-odds beat the CLUTTER_RANK-th strongest window on the
     held-out face-free pictures, that clutter level as a probability)."""
-    pre = loaded.preprocess
-    x = torch.from_numpy(faces).float()[:, None]
-    x = (x - torch.tensor(pre.mean).view(1, -1, 1, 1)) / torch.tensor(pre.std).view(1, -1, 1, 1)
-    logits = loaded.model(x).float()
+    logits = loaded.model(loaded.preprocess.normalize(torch.from_numpy(faces)[:, None])).float()
     k = loaded.classes.index("face")
     others = torch.cat([logits[:, :k], logits[:, k + 1 :]], 1)
     face_odds = logits[:, k] - others.logsumexp(1)

@@ -1,0 +1,95 @@
+"""What a run holds while it trains (`RunContext`) and what its checkpoints save and restore:
+the inference contract (network, classes, preprocessing) plus the exact training state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnnkit.checkpoint import rng_state
+from cnnkit.config import RunConfig, run_dict
+from cnnkit.data import DataBundle
+from cnnkit.distributed import Processes
+from cnnkit.errors import CheckpointError
+from cnnkit.train.engine import Engine
+from cnnkit.train.loop import Progress
+from cnnkit.train.metrics import RunLog
+from cnnkit.train.optim import Schedule
+
+
+@dataclass
+class RunContext:
+    """What every part of a run reads: the config, the data, the processes, where it writes."""
+
+    config: RunConfig
+    data: DataBundle
+    dist: Processes
+    run_dir: Path
+    log: RunLog | None  # rank 0's writer of the run directory (None on other ranks)
+    started: float  # time.perf_counter() at the start of this session
+
+
+def training_state(
+    engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
+    rngs: list | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Everything a checkpoint holds: the inference contract plus the exact training state
+    (`rngs`: each rank's generator states, rank 0 first)."""
+    rngs = rngs or [rng_state()]
+    return {
+        "model_spec": engine.network.spec,
+        "num_classes": engine.network.num_classes,
+        "model": plain_state_dict(engine.network),
+        "classes": list(ctx.data.classes),
+        "preprocess": ctx.data.preprocess.to_dict(),
+        "config": run_dict(ctx.config),
+        "optimizer": engine.optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "scaler": engine.scaler.state_dict(),
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "global_step": progress.global_step,
+        "best_top1": progress.best_top1,
+        "seconds": progress.seconds + time.perf_counter() - ctx.started,
+        "history": list(progress.history),
+        "partial": progress.epoch_stats(),
+        "rng": rngs[0],
+        "rng_ranks": rngs,
+    }
+
+
+def plain_state_dict(network: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors on the CPU, contiguous, floats as fp32 (portable across devices)."""
+    out = {}
+    for k, v in network.state_dict().items():
+        v = v.detach()
+        out[k] = (v.float() if v.is_floating_point() else v).contiguous().cpu()
+    return out
+
+
+def restore(state: dict[str, Any], engine: Engine, schedule: Schedule) -> Progress:
+    """Load model, optimizer, scaler and schedule from a checkpoint; return where it stood."""
+    try:
+        engine.network.load_state_dict(state["model"])
+        engine.optimizer.load_state_dict(state["optimizer"])
+        if engine.scaler.is_enabled() and state.get("scaler"):
+            engine.scaler.load_state_dict(state["scaler"])
+        schedule.load_state_dict(state["schedule"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CheckpointError(
+            f"last.pt does not match this run's network or optimizer: {first}"
+        ) from None
+    return Progress(
+        epoch=state["epoch"],
+        step=state["step"],
+        global_step=state["global_step"],
+        best_top1=state["best_top1"],
+        seconds=state["seconds"],
+        history=list(state["history"]),
+        partial=dict(state["partial"]),
+    )

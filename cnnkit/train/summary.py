@@ -1,0 +1,68 @@
+"""The figures of a run: one row per epoch (metrics.csv, TensorBoard) and summary.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cnnkit.distributed import Processes
+from cnnkit.train.engine import Engine
+from cnnkit.train.loop import Progress
+from cnnkit.train.metrics import Console, write_summary
+from cnnkit.train.optim import Schedule
+from cnnkit.train.state import RunContext
+
+
+def epoch_row(
+    progress: Progress, stats: dict[str, float], val: dict[str, float], schedule: Schedule,
+    dist: Processes, device: torch.device,
+) -> dict[str, float]:  # fmt: skip
+    """The epoch's figures, training ones summed over ranks."""
+    total = torch.tensor([stats["loss"], stats["correct"], stats["seen"]], device=device)
+    loss, correct, seen = dist.all_reduce(total.double()).tolist()
+    seen = max(seen, 1.0)
+    return {
+        "epoch": progress.epoch + 1,
+        "train_loss": loss / seen,
+        "train_top1": correct / seen,
+        "val_loss": val["loss"],
+        "val_top1": val["top1"],
+        "val_top5": val["top5"],
+        "lr": schedule.lr(progress.epoch + 1 - 1 / max(progress.step, 1)),  # the last step's
+        "images_per_second": seen / max(stats["seconds"], 1e-9),
+        "seconds": stats["seconds"],
+    }
+
+
+def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float,
+           console: Console) -> dict[str, Any]:  # fmt: skip
+    """Write summary.json (rank 0) and return the summary."""
+    history, config = progress.history, ctx.config
+    last = history[-1] if history else {}
+    train_seconds = sum(r["seconds"] for r in history)
+    images = sum(r["images_per_second"] * r["seconds"] for r in history)
+    summary = {
+        "name": config.name,
+        "run_dir": str(ctx.run_dir),
+        "epochs": len(history),
+        "val_top1": last.get("val_top1"),
+        "val_top5": last.get("val_top5"),
+        "val_loss": last.get("val_loss"),
+        "best_val_top1": max((r["val_top1"] for r in history), default=None),
+        "train_images": ctx.data.train.num_samples,
+        "val_images": ctx.data.val.num_samples,
+        "wall_seconds": round(progress.seconds + seconds, 3),
+        "images_per_second": round(images / train_seconds, 1) if train_seconds else None,
+        "device": str(engine.device),
+        "precision": engine.precision,
+        "channels_last": engine.channels_last,
+        "world_size": ctx.dist.world_size,
+    }
+    if ctx.dist.is_main:
+        write_summary(ctx.run_dir / "summary.json", summary)
+        console.print(
+            f"done: held-out top-1 {summary['val_top1']:.2%} top-5 {summary['val_top5']:.2%} "
+            f"({summary['val_images']} images), {summary['wall_seconds']:.1f}s -> {ctx.run_dir}"
+        )
+    return summary
