@@ -7,11 +7,12 @@
    rocket, ...), one class per source photo, so every file is distinct.
 2. torchvision: ImageFolder + PIL RandomResizedCrop(224) + RandomHorizontalFlip + ToTensor +
    Normalize, DataLoader(batch, workers, shuffle), batches moved to the device.
-3. cnnkit: `cnnkit pack` of the same folder at 256x256, then `bench loader` over the packed set
-   and over the JPEG folder itself, with the same workers and batch, device-side augmentation
-   (random-resized-crop 224 + mirror + normalise, like torchvision's; and the seeds' 227 crop).
-   On a CPU device the packed set is read in-process (zero-copy from the page cache), and the
-   folder's workers crop too (one resize per image).
+3. cnnkit: `cnnkit pack` of the same folder at 256x256 (raw shards and JPEG shards), then
+   `bench loader` over the raw shards, the JPEG shards and the JPEG folder itself, with the same
+   workers and batch, device-side augmentation (random-resized-crop 224 + mirror + normalise,
+   like torchvision's; and the seeds' 227 crop). On a CPU device the raw shards are read
+   in-process (zero-copy from the page cache), and the workers of JPEG sets crop too (one
+   resize per image); on CUDA, JPEG shards are also decoded on the GPU (data.decode: gpu).
 Each round times torchvision, then every cnnkit variant; a ratio is images/s against that
 round's torchvision, and the median over rounds is reported (other programs' load varies).
 CPU ms per image (all processes, workers included) hardly depends on that load. The last line
@@ -118,6 +119,9 @@ def main() -> None:
     start = time.perf_counter()
     pack_folder(photos, args.work / "packed", size=256, progress=False, workers=args.workers)
     pack_seconds = time.perf_counter() - start
+    if not (args.work / "jpeg" / "meta.json").is_file():
+        pack_folder(photos, args.work / "jpeg", size=256, format="jpeg", progress=False,
+                    workers=args.workers)  # fmt: skip
     rounds = [one_round(args, photos, device) for _ in range(args.rounds)]
     report(args, rounds, pack_seconds)
 
@@ -132,9 +136,14 @@ def one_round(args: argparse.Namespace, photos: Path, device: torch.device) -> d
     runs = {
         "cnnkit_packed_rrc224": (args.work / "packed", rrc),
         "cnnkit_packed_crop227": (args.work / "packed", {}),
+        "cnnkit_jpegshards_rrc224": (args.work / "jpeg", rrc),
+        "cnnkit_jpegshards_crop227": (args.work / "jpeg", {}),
         "cnnkit_folder_rrc224": (photos, rrc),
         "cnnkit_folder_crop227": (photos, {}),
     }
+    if device.type == "cuda":  # nvJPEG: the workers only read bytes
+        runs["cnnkit_jpegshards_gpu_decode_rrc224"] = (args.work / "jpeg", {**rrc, "decode": "gpu"})
+        runs["cnnkit_folder_gpu_decode_rrc224"] = (photos, {**rrc, "decode": "gpu"})
     for name, (path, options) in runs.items():
         r = bench_loader(path, **common, **options)
         results[name] = (r["images_per_second"], r["cpu_ms_per_image"])

@@ -56,6 +56,7 @@ class Processes(Protocol):
 
     rank: int
     world_size: int
+    local_world_size: int  # processes on this machine (they share its cores)
     is_main: bool  # rank 0: prints and writes the run directory
 
     def device(self, name: str) -> torch.device: ...  # this process's device for `train.device`
@@ -72,7 +73,7 @@ class Processes(Protocol):
 class Local:
     """One process alone: rank 0 of 1, no collectives."""
 
-    rank, world_size, is_main = 0, 1, True
+    rank, world_size, local_world_size, is_main = 0, 1, 1, True
 
     def device(self, name: str) -> torch.device:
         return resolve_device(name, "train.device")
@@ -118,6 +119,7 @@ class Group:
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         self.is_main = self.rank == 0
         self.sync, self.every, self.sync_bn = (
             train_cfg.sync,

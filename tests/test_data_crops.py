@@ -13,9 +13,11 @@ from PIL import Image
 from cnnkit.data import data_config
 from cnnkit.data import decode as decode_module
 from cnnkit.data.augment import CropAugment
+from cnnkit.data.batch import BatchJob
 from cnnkit.data.decode import box_region, load_box, resize_uint8
-from cnnkit.data.loader import CropJobs, EpochBatchSampler, batch_generator
 from cnnkit.data.pack import pack_folder
+from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
+from cnnkit.data.slots import SlotRing
 
 CPU = torch.device("cpu")
 
@@ -109,13 +111,14 @@ def test_worker_crops_equal_in_process_crops(photos, train_crop):
     torch.testing.assert_close(resumed[0][0], one[2][0], rtol=0, atol=0)
 
 
-def test_crop_jobs_hand_out_free_slots_only():
+def test_jobs_hand_out_free_slots_only():
     sampler = EpochBatchSampler(20, 4, 0, 1, seed=0, shuffle=True)
-    jobs = CropJobs(sampler, CropAugment(8).to(CPU), 10, slots=2)
+    ring = SlotRing(2, (4, 3, 8, 8))
+    jobs = JobSampler(sampler, ring, CropAugment(8).to(CPU), 10)
     it = iter(jobs)
     slots = [next(it).slot for _ in range(3)]
     assert sorted(slots[:2]) == [0, 1] and slots[2] is None  # none free: fresh memory
-    jobs.release(slots[0])
+    ring.release(slots[0])
     assert next(it).slot == slots[0]
     fresh = [job.slot for job in jobs]  # a new epoch: all drained, so all free again
     assert sorted(fresh[:2]) == [0, 1] and fresh[2:] == [None] * 3
@@ -128,7 +131,8 @@ def test_worker_crops_match_main_process_augmentation(photos, train_crop):
     stream = folder(photos, train_crop=train_crop).train
     stream.set_epoch(2)
     for position, (batch, (x, y)) in enumerate(zip(stream.sampler, stream, strict=True)):
-        raw, y_ref, _ = stream.dataset[batch]
+        whole = stream.dataset[BatchJob(batch)]
+        raw, y_ref = whole.pixels, whole.labels
         params = stream.augment.sample(
             len(batch), 24, 24, batch_generator(stream.sampler, position)
         )
@@ -146,9 +150,10 @@ def test_packed_worker_crops_equal_main_process_crops(photos, tmp_path, storage)
                "train_crop": "resized", "lighting": 0.1, "val_fraction": 0.0}  # fmt: skip
     workers = data_config({**section, "workers": 2}).build(CPU, seed=3).train
     main = data_config({**section, "workers": 0}).build(CPU, seed=3).train
-    assert workers._crops and not workers._direct
-    assert main._direct == (storage == "raw")  # raw in-process: zero-copy views, main crops
-    main._crops = False  # JPEG shards in-process: decode, then augment in the main process
+    assert workers.mode == "crops"
+    assert (main.mode == "views") == (storage == "raw")  # raw in-process: zero-copy, main crops
+    if storage == "jpeg":
+        main.mode = "whole"  # JPEG shards in-process: decode, then augment in the main process
     for (x1, y1), (x2, y2) in zip(epoch(main, 1), epoch(workers, 1), strict=True):
         # the same crops; only float rounding of the normalisation (fused there, two steps here)
         torch.testing.assert_close(x1, x2, rtol=0, atol=1e-5)

@@ -8,8 +8,10 @@ import torch
 from data_images import write_bad_folder
 
 from cnnkit.data import data_config
-from cnnkit.data.loader import BufferPool, EpochBatchSampler
+from cnnkit.data.batch import BatchJob
 from cnnkit.data.pack import pack_folder
+from cnnkit.data.sampling import EpochBatchSampler
+from cnnkit.data.slots import BufferPool
 from cnnkit.data.synth import synth_shapes
 
 CPU = torch.device("cpu")
@@ -114,6 +116,21 @@ def test_buffer_pool_reuses_only_released_buffers():
     assert loss.requires_grad and view.shape == (3,)
 
 
+def test_buffer_pool_without_the_private_use_count_makes_fresh_buffers(packed, monkeypatch):
+    """Where torch lacks the storage use count, buffers are never reused, and the stream's
+    batches are the same as with reuse."""
+    reused = epoch(streams(packed).train, 1)
+    monkeypatch.setattr(BufferPool, "supported", staticmethod(lambda: False))
+    pool = BufferPool()
+    a = pool.take((2, 3))
+    a_id = id(a)
+    del a
+    assert id(pool.take((2, 3))) != a_id or not pool._buffers  # fresh every time
+    fresh = epoch(streams(packed).train, 1)
+    for (x1, y1), (x2, y2) in zip(reused, fresh, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
 def test_folder_training_skips_and_reports_bad_images(tmp_path, capfd):
     expected = write_bad_folder(tmp_path)
     section = {"source": "folder", "path": str(tmp_path), "size": 16, "crop": 12,
@@ -134,7 +151,8 @@ def test_zero_copy_views_augment_like_a_batch_tensor(packed, train_crop):
     stream = streams(packed, train_crop=train_crop).train
     ds, aug = stream.dataset, stream.augment
     positions = [0, 3, 5, 7]
-    x, y, _ = ds[positions]
+    batch = ds[BatchJob(positions)]
+    x, y = batch.pixels, batch.labels
     views, y2 = ds.views(positions)
     assert torch.equal(y, y2) and views.shape == x.shape
     p = aug.sample(4, 16, 16, torch.Generator().manual_seed(0))

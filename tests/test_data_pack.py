@@ -10,6 +10,7 @@ import torch
 from data_images import write_bad_folder
 
 from cnnkit.data import data_config
+from cnnkit.data.batch import BatchJob
 from cnnkit.data.decode import load_resized
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
@@ -26,9 +27,9 @@ def shapes(tmp_path_factory):
 
 def all_images(path) -> tuple[torch.Tensor, torch.Tensor]:
     ds = PackedImages(path)
-    x, y, bad = ds[list(range(len(ds)))]
-    assert bad == []
-    return x, y
+    batch = ds[BatchJob(list(range(len(ds))))]
+    assert batch.bad == []
+    return batch.pixels, batch.labels
 
 
 @pytest.mark.parametrize("workers", [1, 2])

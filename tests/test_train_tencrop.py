@@ -39,9 +39,9 @@ def trained(tmp_path_factory) -> Path:
     return tmp
 
 
-def reference(tmp: Path, fast: bool) -> dict[str, dict[str, float]]:
-    """By hand: every val image decoded as its source does (the folder pipeline's fast JPEG
-    upsampling or pack's), normalised, torchvision's ten_crop, softmax averaged."""
+def reference(tmp: Path) -> dict[str, dict[str, float]]:
+    """By hand: every val image decoded as its source does (the folder pipeline and pack decode
+    alike), normalised, torchvision's ten_crop, softmax averaged."""
     network, meta = load_trained(tmp / "run")
     pre, classes = meta["preprocess"], meta["classes"]
     mean, std = torch.tensor(pre["mean"]).view(3, 1, 1), torch.tensor(pre["std"]).view(3, 1, 1)
@@ -49,7 +49,7 @@ def reference(tmp: Path, fast: bool) -> dict[str, dict[str, float]]:
     paths = sorted((tmp / "val").rglob("*.JPEG"))
     assert len(paths) == 24
     for path in paths:
-        image = load_resized(path, 24, "squash", fast=fast)[0]  # (3, 24, 24) uint8: as stored
+        image = load_resized(path, 24, "squash")[0]  # (3, 24, 24) uint8: as stored
         x = (image.float() - mean) / std
         with torch.no_grad():
             logits = network(torch.stack(TF.ten_crop(x, [20, 20])))  # (10, K)
@@ -67,8 +67,8 @@ def _figures(rows: list) -> dict[str, float]:
 
 
 def test_tencrop_equals_torchvision_reference_folder_and_packed(trained, capsys):
-    for data, fast in ((None, True), (str(trained / "val_packed"), False)):
-        expected = reference(trained, fast)  # pack decodes without the fast JPEG upsampling
+    for data in (None, str(trained / "val_packed")):
+        expected = reference(trained)
         assert expected["centre"] != expected["tencrop"]  # the 10 crops change the figures
         result = evaluate_checkpoint(trained / "run", data, device="cpu", tencrop=True)
         assert result["images"] == 24
@@ -76,7 +76,7 @@ def test_tencrop_equals_torchvision_reference_folder_and_packed(trained, capsys)
             for key in ("loss", "top1", "top5"):
                 assert got[key] == pytest.approx(expected[name][key], abs=1e-5), (data, name, key)
     plain = evaluate_checkpoint(trained / "run", device="cpu")  # the usual centre-crop stream
-    expected = reference(trained, fast=True)
+    expected = reference(trained)
     assert plain["top1"] == expected["centre"]["top1"]
     assert plain["loss"] == pytest.approx(expected["centre"]["loss"], abs=1e-5)
     main(["eval", str(trained / "run"), "--tencrop", "--json"])

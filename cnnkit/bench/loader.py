@@ -4,6 +4,7 @@ to augmented float batches on the device, so it can be compared with what the mo
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -18,14 +19,17 @@ from cnnkit.data.base import Batches
 from cnnkit.errors import ConfigError, DataError
 
 
-def loader_config(data: str | Path, workers: int, batch: int, **options: Any) -> dict[str, Any]:
-    """A `data:` section for DATA: packed if it holds meta.json, else an image folder."""
+def loader_config(
+    data: str | Path, workers: int | None, batch: int, **options: Any
+) -> dict[str, Any]:
+    """A `data:` section for DATA: packed if it holds meta.json, else an image folder
+    (`workers` None: the loader's default for this machine)."""
     path = Path(data)
     if not path.is_dir():
         raise DataError(f"{path}: not a folder (give an image folder or a packed set)")
     source = "packed" if (path / "meta.json").exists() else "folder"
-    section = {"source": source, "path": str(path), "batch_size": batch, "workers": workers,
-               "val_fraction": 0.0, **options}  # fmt: skip
+    section = {"source": source, "path": str(path), "batch_size": batch, "val_fraction": 0.0,
+               **({} if workers is None else {"workers": workers}), **options}  # fmt: skip
     return section
 
 
@@ -66,7 +70,7 @@ def _endless(stream: Batches) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch += 1
 
 
-def bench_loader(data: str | Path, workers: int = 2, batch: int = 256, batches: int = 20,
+def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256, batches: int = 20,
                  warmup: int = 3, device: torch.device | None = None,
                  **options: Any) -> dict[str, Any]:  # fmt: skip
     """Time `batches` training batches after `warmup` untimed ones; returns the figures."""
@@ -75,6 +79,11 @@ def bench_loader(data: str | Path, workers: int = 2, batch: int = 256, batches: 
     device = device or torch.device("cpu")
     cfg = data_config(loader_config(data, workers, batch, **options))
     stream = cfg.build(device).train
+    storage = (
+        json.loads((Path(data) / "meta.json").read_text())["storage"]
+        if cfg.source == "packed"
+        else "files"
+    )
     it = _endless(stream)
     for _ in range(warmup + 1):  # the first batch also starts the worker processes
         next(it)
@@ -87,8 +96,9 @@ def bench_loader(data: str | Path, workers: int = 2, batch: int = 256, batches: 
     seconds, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu
     del it  # stops the workers
     return {
-        "data": str(data), "source": cfg.source, "device": device_name(device),
-        "workers": workers, "batch": batch, "batches": batches, "images": images,
+        "data": str(data), "source": cfg.source, "storage": storage, "decode": cfg.decode,
+        "mode": stream.mode, "device": device_name(device), "workers": stream.workers,
+        "batch": batch, "batches": batches, "images": images,
         "input_shape": list(x.shape[1:]), "train_crop": cfg.train_crop, "seconds": seconds,
         "images_per_second": images / seconds, "cpu_ms_per_image": 1000 * cpu / images,
     }  # fmt: skip
@@ -96,7 +106,8 @@ def bench_loader(data: str | Path, workers: int = 2, batch: int = 256, batches: 
 
 def print_loader(report: dict[str, Any]) -> None:
     """One human line per figure."""
-    print(f"loader  {report['source']} {report['data']}  on {report['device']}")
+    what = f"{report['source']} ({report['storage']}, {report['mode']}, decode {report['decode']})"
+    print(f"loader  {what} {report['data']}  on {report['device']}")
     print(f"  workers {report['workers']}, batch {report['batch']}, input {report['input_shape']}"
           f" ({report['train_crop']} crop), {report['images']} images in {report['seconds']:.2f} s")  # fmt: skip
     print(f"  {report['images_per_second']:,.0f} images/s, "

@@ -70,11 +70,14 @@ def shapes(
 
 def loader(
     data: Path = typer.Argument(..., help="A packed set (cnnkit pack) or an image folder."),
-    workers: int = typer.Option(2, "--workers", "-j", help="Loader processes."),
+    workers: int = typer.Option(
+        None, "--workers", "-j", min=0, help="Loader processes (default: from the cores)."
+    ),
     batch: int = typer.Option(256, "--batch", "-b", help="Images per batch."),
     batches: int = typer.Option(20, "--batches", help="Timed batches."),
     crop: int = typer.Option(None, "--crop", help="Network input side (default 227)."),
     resized: bool = typer.Option(False, "--resized-crop", help="Random-resized-crop, not crop."),
+    decode: str = typer.Option("cpu", "--decode", help="JPEGs: cpu (workers) or gpu (device)."),
     device: str = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N"),
     as_json: bool = typer.Option(False, "--json", help="End with one line of JSON."),
 ) -> None:
@@ -83,6 +86,7 @@ def loader(
     from cnnkit.distributed import resolve_device
 
     options = {"crop": crop} if crop else {}
+    options["decode"] = decode
     if resized:
         options["train_crop"] = "resized"
     report = bench_loader(data, workers, batch, batches, device=resolve_device(device), **options)

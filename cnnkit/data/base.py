@@ -28,9 +28,15 @@ class DataConfigBase(BaseModel):
     eval_batch_size: PositiveInt | None = Field(None, description="default: batch_size")
 
     def build(
-        self, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0
+        self,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        local_ranks: int = 1,
     ) -> DataBundle:
-        """Make the train and validation streams for this rank."""
+        """Make the train and validation streams for this rank (`local_ranks`: the ranks on this
+        machine, which share its cores among their loader workers)."""
         raise NotImplementedError
 
     def stored_size(self) -> int | None:

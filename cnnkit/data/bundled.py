@@ -44,7 +44,12 @@ class BundledConfig(DataConfigBase):
         return images[train], labels[train], images[val], labels[val], classes
 
     def build(
-        self, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0
+        self,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        local_ranks: int = 1,
     ) -> DataBundle:
         """Split, move both parts to the device once, and wrap them as batch streams."""
         train_x, train_y, val_x, val_y, classes = self.split()

@@ -135,6 +135,27 @@ def read_image(
     return _decode_pillow(data, size, mode, path.suffix.lower())
 
 
+def device_jpeg(path: str | Path) -> bytes | None:
+    """The bytes of a JPEG that batched device decoders take (RGB, YCbCr or grey), None for
+    any other image (decode it on the CPU instead); BadImage if the file cannot be read."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BadImage(f"unreadable file ({e.strerror})") from None
+    if not data:
+        raise BadImage("empty file")
+    if not data.startswith(_JPEG_MAGIC) or simplejpeg is None:
+        return None
+    if not data.rstrip(b"\0").endswith(b"\xff\xd9"):  # no end marker: truncated, say so on the CPU
+        return None
+    try:
+        colorspace = simplejpeg.decode_jpeg_header(data)[2]
+    except ValueError:
+        return None  # let the CPU path say what is wrong with it
+    return data if colorspace in ("RGB", "YCbCr", "Gray") else None
+
+
 def decode_jpeg_bytes(data: bytes | memoryview, size: int | None = None) -> np.ndarray:
     """Decode JPEG bytes (a packed shard's record) to (H, W, 3) uint8 RGB."""
     if simplejpeg is not None:
@@ -207,7 +228,7 @@ def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int,
     (3, crop, crop) uint8 numpy view (strided: copy it out). Raises BadImage like read_image.
     """
     need = -(-size * crop // min(box[2], box[3]))  # the box stays >= crop at this size
-    array = read_image(path, need, mode, fast=True)[0]
+    array = read_image(path, need, mode)[0]
     y0, x0, y1, x1 = box_region(array.shape[:2], box, size, mode)
     return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
 

@@ -17,14 +17,10 @@ from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
-from cnnkit.data.decode import BadImage, is_image_name, load_box, load_resized
-from cnnkit.data.loader import (
-    CropJob,
-    ImageSetConfig,
-    build_augment,
-    build_streams,
-    new_batch,
-)
+from cnnkit.data.batch import BatchJob, Encoded, ImageList, WorkerBatch
+from cnnkit.data.decode import BadImage, device_jpeg, is_image_name, load_box, load_resized
+from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
+from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import torch_threads
 
@@ -100,53 +96,74 @@ def scan_folder(src: str | Path, labels_file: str | Path | None = None,
 
 
 class FolderImages(Dataset):
-    """Batch dataset over image files: dataset[list of positions] -> (x uint8 resized to size,
-    y, bad images); dataset[CropJob] -> (x uint8 cropped, y, bad images, the kept lighting draws).
-    """
+    """An ImageFolder tree as a BatchDataset (data/batch.py): one call decodes a whole batch,
+    resized to size x size, cut into its crops, or read as JPEG bytes for the device."""
 
-    crops = True  # takes CropJobs: each image decoded, cropped and resized once
-    slots: torch.Tensor | None = None  # (n, B, 3, crop, crop) shared output batches of CropJobs
+    crops, direct, jpeg = True, False, True
+    slots: torch.Tensor | None = None  # the loader's shared ring (set before workers start)
 
     def __init__(self, root: Path, files: list[str], labels: list[int], ids: np.ndarray,
                  size: int, mode: str) -> None:  # fmt: skip
-        self.root, self.files, self.size, self.mode = root, files, size, mode
+        self.root, self.files, self.size, self.resize_mode = root, files, size, mode
         self.labels, self.ids = np.asarray(labels, np.int64), ids
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, key: list[int] | CropJob) -> tuple:
+    def __getitem__(self, job: BatchJob) -> WorkerBatch:
         with torch_threads(1):  # per-image resizes (already so in a worker process)
-            return self._cropped(key) if isinstance(key, CropJob) else self._resized(key)
+            if job.encoded:
+                return self._encoded(job)
+            return self._decoded(job)
 
-    def _resized(self, positions: list[int]) -> tuple:
-        ids = self.ids[positions]
-        x = new_batch(len(ids), self.size)
-        kept, bad = [], []
-        for i in ids:
+    def _decoded(self, job: BatchJob) -> WorkerBatch:
+        """Decode each image into the batch: whole (resized) or its crop."""
+        ids = self.ids[job.positions]
+        side = job.crops.side if job.crops else self.size
+        x = new_batch(len(ids), side) if job.slot is None else self.slots[job.slot]
+        out, kept, bad = x.numpy(), [], []
+        for k, i in enumerate(ids):
             path = self.root / self.files[i]
             try:  # odd images are converted
-                x[len(kept)] = load_resized(path, self.size, self.mode, fast=True)[0]
-                kept.append(i)
-            except BadImage as e:
-                bad.append((str(path), str(e)))
-        return x[: len(kept)], torch.from_numpy(self.labels[kept]), bad
-
-    def _cropped(self, job: CropJob) -> tuple:
-        """(x, y, bad, alpha); x is the slot number when written into `slots[job.slot]`."""
-        ids = self.ids[job.positions]
-        x = new_batch(len(ids), job.crop) if job.slot is None else self.slots[job.slot]
-        out, kept, bad = x.numpy(), [], []
-        crops = zip(ids, job.boxes.tolist(), job.flip.tolist(), strict=True)
-        for k, (i, box, flip) in enumerate(crops):
-            path = self.root / self.files[i]
-            try:
-                out[len(kept)] = load_box(path, self.size, self.mode, box, job.crop, flip)
+                out[len(kept)] = self._decode(path, job, k)
                 kept.append(k)
             except BadImage as e:
                 bad.append((str(path), str(e)))
-        y = torch.from_numpy(self.labels[ids[kept]])
-        return job.slot if job.slot is not None else x[: len(kept)], y, bad, job.alpha[kept]
+        labels = torch.from_numpy(self.labels[ids[kept]])
+        alpha = job.crops.alpha[kept] if job.crops else None
+        pixels = x[: len(kept)] if job.slot is None else None
+        return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad)
+
+    def _decode(self, path: Path, job: BatchJob, k: int) -> np.ndarray | torch.Tensor:
+        if job.crops is None:
+            return load_resized(path, self.size, self.resize_mode)[0]
+        c = job.crops
+        return load_box(path, self.size, self.resize_mode, c.boxes[k].tolist(), c.side,
+                        bool(c.flip[k]))  # fmt: skip
+
+    def _encoded(self, job: BatchJob) -> WorkerBatch:
+        """JPEG bytes for the device; other images decoded here; broken ones reported."""
+        ids = self.ids[job.positions]
+        coded, decoded, kept, names, bad = [], {}, [], [], []
+        for i in ids:
+            path = self.root / self.files[i]
+            try:
+                data = device_jpeg(path)
+                if data is None:  # not a JPEG the device decoders take: decode it here
+                    decoded[len(kept)] = load_resized(path, self.size, self.resize_mode)[0]
+                else:
+                    coded.append(data)
+            except BadImage as e:
+                bad.append((str(path), str(e)))
+                continue
+            kept.append(i)
+            names.append(str(path))
+        labels = torch.from_numpy(self.labels[np.asarray(kept, np.int64)])
+        return WorkerBatch(labels, encoded=Encoded.join(coded), decoded=decoded, names=names,
+                           bad=bad)  # fmt: skip
+
+    def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor]:
+        raise TypeError("folder images are decoded, never viewed in place (direct is False)")
 
 
 class FolderConfig(ImageSetConfig):
@@ -166,7 +183,7 @@ class FolderConfig(ImageSetConfig):
         return self.size
 
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
-              seed: int = 0) -> DataBundle:  # fmt: skip
+              seed: int = 0, local_ranks: int = 1) -> DataBundle:  # fmt: skip
         """Scan the folders and make this rank's streams."""
         if self.normalize == "mean_image":
             raise ConfigError("data.normalize: mean_image needs a packed set (cnnkit pack)")
@@ -185,7 +202,7 @@ class FolderConfig(ImageSetConfig):
         mean, std = self.mean or IMAGENET_MEAN, self.std or IMAGENET_STD
         stats = {"mean": mean, "std": std, "lighting": imagenet_lighting()}
         train_s, val_s = build_streams(self, train, val, build_augment(self, stats), device, rank,
-                                       world_size, seed)  # fmt: skip
+                                       world_size, seed, local_ranks)  # fmt: skip
         pre = Preprocess(3, self.crop, self.size, self.resize_mode, list(mean), list(std))
         labels = torch.from_numpy(train.labels[train.ids])
         return DataBundle(train_s, val_s, classes, (3, self.crop, self.crop), pre, labels)

@@ -17,14 +17,10 @@ from torch.utils.data import Dataset
 
 from cnnkit.data.augment import lighting_from_cov
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
+from cnnkit.data.batch import BatchJob, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import decode_jpeg_bytes, resize_crop
-from cnnkit.data.loader import (
-    CropJob,
-    ImageSetConfig,
-    build_augment,
-    build_streams,
-    new_batch,
-)
+from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
+from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import torch_threads
 
@@ -48,11 +44,11 @@ def read_meta(path: str | Path) -> dict:
 
 
 class PackedImages(Dataset):
-    """Batch dataset over a packed set: dataset[list of positions] -> (x uint8, y, []);
-    dataset[CropJob] -> (x uint8 cropped or its slot number, y, [], lighting draws)."""
+    """A packed set as a BatchDataset (data/batch.py): one call copies (raw) or decodes (JPEG)
+    a whole batch, or cuts its crops, or hands back the JPEG records for the device."""
 
-    crops = True  # takes CropJobs (see loader.CropJobs)
-    slots: torch.Tensor | None = None  # (n, B, 3, crop, crop) shared output batches of CropJobs
+    crops = True
+    slots: torch.Tensor | None = None  # the loader's shared ring (set before workers start)
 
     def __init__(self, path: str | Path, ids: np.ndarray | None = None,
                  label_map: np.ndarray | None = None) -> None:  # fmt: skip
@@ -63,7 +59,9 @@ class PackedImages(Dataset):
         labels = self.index["labels"]
         self.labels = label_map[labels] if label_map is not None else labels
         self.ids = np.arange(len(labels)) if ids is None else ids
-        self.size = self.meta["size"]
+        self.size, self.resize_mode = self.meta["size"], self.meta["resize"]
+        self.direct = self.meta["storage"] == "raw"  # a CPU device crops from the page cache
+        self.jpeg = self.meta["storage"] == "jpeg"
         self._shards: list[np.memmap] | None = None  # opened lazily in each process
 
     def subset(self, ids: np.ndarray) -> PackedImages:
@@ -86,76 +84,53 @@ class PackedImages(Dataset):
             self._shards = [np.memmap(folder / name, np.uint8, "c") for name in self.meta["shards"]]
         return self._shards
 
-    def __getitem__(self, key: list[int] | CropJob) -> tuple:
-        if isinstance(key, CropJob):
-            with torch_threads(1):  # per-image resizes (already so in a worker process)
-                return self._cropped(key)
-        return self._batch(key)
+    def _record(self, i: int) -> np.ndarray:
+        """Image i's bytes in its shard (a view of the mapping)."""
+        offset = self.index["offset"][i]
+        return self.shards()[self.index["shard"][i]][offset : offset + self.index["length"][i]]
 
     def _image(self, i: int) -> torch.Tensor:
         """Image i as (3, size, size) uint8: a view of a raw shard, or decoded."""
-        s = self.size
-        record = self.shards()[self.index["shard"][i]][self.index["offset"][i] :]
-        if self.meta["storage"] == "raw":
-            return torch.from_numpy(record[: 3 * s * s].reshape(3, s, s))
-        decoded = decode_jpeg_bytes(record[: self.index["length"][i]], s)
-        return torch.from_numpy(decoded).permute(2, 0, 1)
+        s, record = self.size, self._record(i)
+        if self.direct:
+            return torch.from_numpy(record.reshape(3, s, s))
+        return torch.from_numpy(decode_jpeg_bytes(record, s)).permute(2, 0, 1)
 
-    def _cropped(self, job: CropJob) -> tuple:
+    def __getitem__(self, job: BatchJob) -> WorkerBatch:
         ids = self.ids[job.positions]
-        x = new_batch(len(ids), job.crop) if job.slot is None else self.slots[job.slot]
-        out = x.numpy()
-        crops = zip(ids, job.boxes.tolist(), job.flip.tolist(), strict=True)
-        for k, (i, (top, left, h, w), flip) in enumerate(crops):
-            out[k] = resize_crop(self._image(i)[:, top : top + h, left : left + w], job.crop, flip)
-        y = torch.from_numpy(self.labels[ids])
-        return job.slot if job.slot is not None else x[: len(ids)], y, [], job.alpha
+        labels = torch.from_numpy(self.labels[ids])
+        if job.encoded:
+            names = [f"{self.path} image {i}" for i in ids]
+            return WorkerBatch(labels, encoded=Encoded.join([self._record(i) for i in ids]),
+                               names=names)  # fmt: skip
+        side = job.crops.side if job.crops else self.size
+        x = new_batch(len(ids), side) if job.slot is None else self.slots[job.slot]
+        with torch_threads(1):  # per-image resizes (already so in a worker process)
+            self._fill(x.numpy(), ids, job)
+        pixels = x[: len(ids)] if job.slot is None else None
+        return WorkerBatch(labels, pixels, job.slot, alpha=job.crops.alpha if job.crops else None)
 
-    def _batch(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list]:
-        ids = self.ids[positions]
-        s = self.size
-        x = new_batch(len(ids), s)
-        out, shards = x.numpy().reshape(len(ids), -1), self.shards()
-        shard_of, offset, length = (
-            self.index["shard"][ids],
-            self.index["offset"][ids],
-            self.index["length"][ids],
-        )
-        raw = self.meta["storage"] == "raw"
-        for i in range(len(ids)):
-            record = shards[shard_of[i]][offset[i] : offset[i] + length[i]]
-            if raw:
-                out[i] = record  # one memcpy from the page cache
-            else:
-                out[i] = decode_jpeg_bytes(record, s).transpose(2, 0, 1).reshape(-1)
-        return x, torch.from_numpy(self.labels[ids]), []
-
-    @property
-    def direct(self) -> bool:
-        """Raw shards: a CPU device crops straight out of the page cache (see `views`)."""
-        return self.meta["storage"] == "raw"
+    def _fill(self, out: np.ndarray, ids: np.ndarray, job: BatchJob) -> None:
+        """Every image of the batch into `out`: whole (one memcpy from the page cache, or a
+        decode) or its crop, resized and mirrored."""
+        if job.crops is None:
+            for k, i in enumerate(ids):
+                if self.direct:
+                    out[k].reshape(-1)[:] = self._record(i)
+                else:
+                    out[k] = decode_jpeg_bytes(self._record(i), self.size).transpose(2, 0, 1)
+            return
+        c = job.crops
+        for k, (i, (top, left, h, w), flip) in enumerate(
+            zip(ids, c.boxes.tolist(), c.flip.tolist(), strict=True)
+        ):
+            out[k] = resize_crop(self._image(i)[:, top : top + h, left : left + w], c.side, flip)
 
     def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor]:
         """(images as views of the mapped shards, labels): the zero-copy batch of a CPU device."""
-        ids, s, shards = self.ids[positions], self.size, self.shards()
-        index = zip(self.index["shard"][ids], self.index["offset"][ids], strict=True)
-        views = [shards[k][o : o + 3 * s * s].reshape(3, s, s) for k, o in index]
+        ids, s = self.ids[positions], self.size
+        views = [self._record(i).reshape(3, s, s) for i in ids]
         return ImageList(views), torch.from_numpy(self.labels[ids])
-
-
-class ImageList:
-    """A batch as per-image uint8 (C, H, W) views into memory-mapped shards: indexable like a
-    batch tensor (x[i], x.shape, len(x)), nothing copied."""
-
-    def __init__(self, views: list[np.ndarray]) -> None:
-        self.views = views
-        self.shape = (len(views), *views[0].shape)
-
-    def __len__(self) -> int:
-        return len(self.views)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(self.views[i])
 
 
 def _val_label_map(train_classes: list[str], val_classes: list[str], where: str) -> np.ndarray:
@@ -175,7 +150,7 @@ class PackedConfig(ImageSetConfig):
     val_path: str | None = Field(None, description="packed validation set (default: hold out)")
 
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
-              seed: int = 0) -> DataBundle:  # fmt: skip
+              seed: int = 0, local_ranks: int = 1) -> DataBundle:  # fmt: skip
         """Open the packed sets and make this rank's streams."""
         meta = read_meta(self.path)
         if self.crop > meta["size"]:
@@ -199,7 +174,8 @@ class PackedConfig(ImageSetConfig):
                  "lighting": lighting_from_cov(meta["rgb_cov"]),
                  "mean_image": np.load(Path(self.path) / "mean.npy")}  # fmt: skip
         augment = build_augment(self, stats)
-        train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed)
+        train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed,
+                                       local_ranks)  # fmt: skip
         mean, std = self._preprocess_stats(meta, stats)
         pre = Preprocess(3, self.crop, meta["size"], meta["resize"], mean, std)
         labels = torch.from_numpy(train.labels[train.ids])

@@ -22,7 +22,12 @@ class SyntheticConfig(DataConfigBase):
     val_size: PositiveInt = Field(256)
 
     def build(
-        self, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0
+        self,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        local_ranks: int = 1,
     ) -> DataBundle:
         """Generate both sets once (the same on every rank), on the device."""
         gen = torch.Generator().manual_seed(mix_seed(seed, 12345))

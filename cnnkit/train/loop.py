@@ -113,10 +113,12 @@ def train_one_epoch(
     steps = len(batches)
     batches.set_epoch(progress.epoch, skip_batches=progress.step)
     stats = progress.running = EpochStats(engine.device, progress.partial)
+    loss = torch.zeros((), device=engine.device)
     for x, y in batches:
-        schedule.apply(engine.optimizer, progress.epoch + progress.step / steps)
-        loss, hits = train_step(engine, x, y)
-        stats.add(loss, hits, len(y))
+        if len(y):  # else every image of the batch was unreadable (the loader said which)
+            schedule.apply(engine.optimizer, progress.epoch + progress.step / steps)
+            loss, hits = train_step(engine, x, y)
+            stats.add(loss, hits, len(y))
         progress.step += 1
         progress.global_step += 1
         dist.after_step(engine.network, engine.optimizer, progress.global_step)

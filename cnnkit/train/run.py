@@ -118,7 +118,9 @@ def fit(
     with ExitStack() as stack:
         stack.enter_context(deterministic_mode(config.deterministic, device))
         seed_everything(config.seed)
-        data = config.data.build(device, dist.rank, dist.world_size, config.seed)
+        data = config.data.build(
+            device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
+        )
         engine = _engine(config, data, device, dist)
         if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
             torch.manual_seed(mix_seed(config.seed, dist.rank))

@@ -1,0 +1,68 @@
+"""JPEG batches decoded where the network runs: torchvision's batched `decode_jpeg` (nvJPEG on
+CUDA, libjpeg-turbo on the CPU), then resized there to the set's stored size. Images the
+workers could not hand over as JPEG (PNG, CMYK...) arrive decoded already; a JPEG the decoder
+refuses is reported and dropped with its label."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from cnnkit.data.batch import BatchDataset, WorkerBatch
+
+
+def decode_images(items: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """(3, H, W) uint8 RGB per JPEG on `device`, None where one cannot be decoded."""
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates it for TorchCodec; it works
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        return _decode_all(items, device, decode_jpeg, ImageReadMode.RGB)
+
+
+def _decode_all(items, device, decode_jpeg, rgb) -> list[torch.Tensor | None]:
+    try:
+        return list(decode_jpeg(items, mode=rgb, device=device))
+    except RuntimeError:  # one bad file fails the batch: find it
+        out: list[torch.Tensor | None] = []
+        for item in items:
+            try:
+                out.append(decode_jpeg(item, mode=rgb, device=device))
+            except RuntimeError:
+                out.append(None)
+        return out
+
+
+def resize_on_device(image: torch.Tensor, size: int, mode: str) -> torch.Tensor:
+    """(3, H, W) uint8 -> (3, size, size) uint8: squash, or shorter side + centre crop, with
+    antialiased bilinear resampling (what the workers' CPU path does)."""
+    h, w = image.shape[-2:]
+    if mode == "shorter":
+        side = min(h, w)
+        top, left = (h - side) // 2, (w - side) // 2
+        image = image[:, top : top + side, left : left + side]
+    if image.shape[-2:] == (size, size):
+        return image
+    x = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", antialias=True)
+    return x[0].round_().clamp_(0, 255).to(torch.uint8)
+
+
+def decode_batch(pixels: torch.Tensor | None, batch: WorkerBatch, dataset: BatchDataset,
+                 device: torch.device) -> tuple[torch.Tensor, WorkerBatch]:  # fmt: skip
+    """The batch's images as uint8 (B, 3, size, size) on `device`, and the record of the images
+    kept (undecodable ones are added to `bad` and dropped)."""
+    size, mode = dataset.size, dataset.resize_mode
+    n = len(batch)
+    coded = [i for i in range(n) if i not in batch.decoded]
+    decoded = decode_images(batch.encoded.items(), device) if coded else []
+    image = dict(zip(coded, decoded, strict=True))
+    keep = [i for i in range(n) if i in batch.decoded or image[i] is not None]
+    parts = [batch.decoded[i].to(device, non_blocking=True) if i in batch.decoded
+             else resize_on_device(image[i], size, mode) for i in keep]  # fmt: skip
+    out = torch.stack(parts) if parts else torch.empty((0, 3, size, size), dtype=torch.uint8)
+    if len(keep) < n:
+        bad = [(batch.names[i], "corrupt JPEG (device decoder)") for i in range(n) if i not in keep]
+        batch = WorkerBatch(batch.labels[keep], bad=bad)
+    return out, batch

@@ -1,0 +1,101 @@
+"""Which images go into which batch: the per-epoch order of one rank (`EpochBatchSampler`) and
+the jobs the loader hands its workers (`JobSampler`: positions, a free slot, the random crops).
+
+Every random choice is a function of (seed, epoch, rank, batch position), so a resumed epoch
+repeats its batches and augmentations exactly, with workers or without.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from cnnkit.data.augment import CropAugment
+from cnnkit.data.batch import BatchJob, Crops
+from cnnkit.data.slots import SlotRing
+from cnnkit.errors import ConfigError
+from cnnkit.runtime import mix_seed
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """This rank's batches of one epoch: seeded shuffle (train) or an exactly-once split (val).
+
+    Training: every rank gets n // world_size images of a per-epoch permutation; full batches
+    only when at least one fits. Validation: contiguous slices covering each image once.
+    """
+
+    def __init__(self, n: int, batch: int, rank: int, world_size: int, seed: int, shuffle: bool):
+        if shuffle and n < world_size:
+            raise ConfigError(f"data: {n} training images cannot be split over {world_size} ranks")
+        self.n, self.batch, self.rank, self.world = n, batch, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Order of `epoch`; iteration starts after `skip_batches` batches."""
+        self.epoch, self.skip = epoch, skip_batches
+
+    def _mine(self) -> torch.Tensor:
+        if not self.shuffle:
+            lo, hi = self.rank * self.n // self.world, (self.rank + 1) * self.n // self.world
+            return torch.arange(lo, hi)
+        g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+        per = self.n // self.world
+        return torch.randperm(self.n, generator=g)[self.rank * per : (self.rank + 1) * per]
+
+    def batches(self) -> list[list[int]]:
+        """All batches of this epoch for this rank (before skipping)."""
+        mine = self._mine().tolist()
+        full = self.shuffle and len(mine) >= self.batch
+        cut = len(mine) - len(mine) % self.batch if full else len(mine)
+        return [mine[i : i + self.batch] for i in range(0, cut, self.batch)]
+
+    def total(self) -> int:
+        """Batches per epoch for this rank."""
+        per = self.n // self.world if self.shuffle else len(self._mine())
+        if self.shuffle and per >= self.batch:
+            return per // self.batch
+        return -(-per // self.batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches()[self.skip :])
+
+    def __len__(self) -> int:
+        return max(0, self.total() - self.skip)
+
+
+def batch_generator(sampler: EpochBatchSampler, position: int) -> torch.Generator:
+    """The generator of the random augmentation of batch `position` in the sampler's epoch."""
+    s = sampler
+    return torch.Generator().manual_seed(mix_seed(s.seed, s.epoch, s.rank, position, 1))
+
+
+class JobSampler(Sampler[BatchJob]):
+    """The sampler's batches as BatchJobs for the workers. Each job gets a free slot of the
+    loader's `ring` while one is free, and, when the workers crop (`augment` given), the random
+    crops drawn exactly as the main process would draw them for that batch."""
+
+    def __init__(self, sampler: EpochBatchSampler, ring: SlotRing | None,
+                 augment: CropAugment | None = None, size: int = 0,
+                 encoded: bool = False) -> None:  # fmt: skip
+        self.sampler, self.ring = sampler, ring
+        self.augment, self.size, self.encoded = augment, size, encoded
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[BatchJob]:
+        # The body starts at the epoch's first dispatch, after the DataLoader has drained every
+        # batch of an earlier (maybe abandoned) epoch: no worker writes a slot any more.
+        if self.ring is not None:
+            self.ring.reset()
+        for position, batch in enumerate(self.sampler, self.sampler.skip):
+            crops = None
+            if self.augment is not None:
+                g = batch_generator(self.sampler, position)
+                p = self.augment.sample(len(batch), self.size, self.size, g)
+                crops = Crops(self.augment.boxes(p), p["flip"], p["alpha"], self.augment.crop)
+            slot = self.ring.take() if self.ring is not None else None
+            yield BatchJob(batch, slot, crops, self.encoded)

@@ -1,0 +1,154 @@
+"""Memory the loader makes once and reuses: the ring of shared-memory batch slots that workers
+write into (page-locked when batches go to a GPU), and the CPU float buffers of augmentation.
+
+A fresh 50-100 MB tensor per batch costs more in page faults than decoding it; a slot is
+mapped once by every process, so a batch crosses from a worker to the main process as a
+number, and on CUDA goes to the device in one asynchronous copy straight from the slot.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections import deque
+
+import torch
+from torch.utils.data import get_worker_info
+
+from cnnkit.errors import DataError
+
+SHM = "/dev/shm"
+
+
+def shared(shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty uint8 tensor in shared memory (other processes map it; nothing is copied)."""
+    storage = torch.UntypedStorage._new_shared(math.prod(shape))
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+def new_batch(n: int, size: int, channels: int = 3) -> torch.Tensor:
+    """An empty uint8 (n, C, size, size) batch. In a loader worker it lives in shared memory
+    already, so handing it to the main process sends a file descriptor and copies nothing."""
+    shape = (n, channels, size, size)
+    return torch.empty(shape, dtype=torch.uint8) if get_worker_info() is None else shared(shape)
+
+
+def check_shared_memory(needed: int, what: str, path: str = SHM) -> None:
+    """One clear line, not a bus error later, when `path` has less room than `needed` bytes."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:  # no /dev/shm (not Linux): torch uses its own mechanism
+        return
+    free = stat.f_bavail * stat.f_frsize
+    if needed > free:
+        raise DataError(
+            f"{what} needs {needed / 2**20:,.0f} MiB of shared memory but {path} has "
+            f"{free / 2**20:,.0f} MiB free: give the container more (docker run --shm-size=8g), "
+            "or lower data.workers, data.prefetch or data.batch_size"
+        )
+
+
+class SlotRing:
+    """`count` uint8 batch buffers of `shape` (B, C, H, W) in shared memory, made once.
+
+    The main process takes a free slot for each job it sends (or None when all are in
+    flight: the worker then makes fresh memory) and releases it once the batch is read; on
+    CUDA the release waits for the copy's event. With `pin`, the ring is page-locked
+    (cudaHostRegister), so the host-to-device copy is asynchronous and needs no staging.
+    """
+
+    def __init__(self, count: int, shape: tuple[int, ...], pin: bool = False, what: str = "loader"):
+        check_shared_memory(count * math.prod(shape), what)
+        self.buffers = shared((count, *shape))
+        self.free: deque[int] = deque(range(count))
+        self.copying: deque[tuple[int, torch.cuda.Event]] = deque()  # slot, copy-done event
+        self.pinned = pin and _register(self.buffers)
+
+    def take(self) -> int | None:
+        """A free slot, or None when every one is in flight."""
+        while self.copying and self.copying[0][1].query():  # copies finished since
+            self.free.append(self.copying.popleft()[0])
+        return self.free.popleft() if self.free else None
+
+    def release(self, slot: int, copied: torch.cuda.Event | None = None) -> None:
+        """The batch in `slot` has been read (or will be once `copied` completes)."""
+        if copied is None:
+            self.free.append(slot)
+        else:
+            self.copying.append((slot, copied))
+
+    def reset(self) -> None:
+        """Every slot free (a new epoch: the workers have drained)."""
+        for _, event in self.copying:
+            event.synchronize()
+        self.free, self.copying = deque(range(len(self.buffers))), deque()
+
+    def close(self) -> None:
+        """Undo the page-locking (before the memory is unmapped)."""
+        if self.pinned:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.buffers.data_ptr())
+            self.pinned = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: CUDA may be gone already
+            pass
+
+
+def _register(buffers: torch.Tensor) -> bool:
+    """Page-lock shared memory for asynchronous copies; False where CUDA cannot."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(buffers.data_ptr(), buffers.numel(), 0)
+    except (AttributeError, RuntimeError):
+        return False
+    return int(err) == 0
+
+
+class BufferPool:
+    """Float output buffers on the CPU, reused once nothing else references them: a fresh
+    100+ MB tensor costs more in page faults than the whole augmentation. A buffer the caller
+    still holds (a variable, a view, autograd) is never reused; a new one is made instead.
+
+    Telling "nobody holds it" needs torch's private storage use count; where a torch build
+    lacks it (`supported()` is False) every take makes a fresh buffer (correct, slower).
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self.reuse = self.supported()
+        self._buffers: list[torch.Tensor] = []
+        self._idle: list[tuple[int, int]] = []  # reference counts of each buffer when unused
+
+    @staticmethod
+    def supported() -> bool:
+        """Whether this torch exposes what reuse needs (checked, never assumed)."""
+        probe = torch.empty(1)
+        try:
+            torch._C._storage_Use_Count(probe.untyped_storage()._cdata)
+            probe._use_count()
+        except (AttributeError, RuntimeError, TypeError):
+            return False
+        return True
+
+    def _refs(self, i: int) -> tuple[int, int]:
+        buf = self._buffers[i]
+        users = torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+        return sys.getrefcount(buf) + 100 * buf._use_count(), users
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A float32 buffer of `shape` that nobody else uses."""
+        if not self.reuse:
+            return torch.empty(shape)
+        for i in range(len(self._buffers)):  # indices, not items: no loop variable holds one
+            if self._buffers[i].shape == shape and self._refs(i) == self._idle[i]:
+                return self._buffers[i]
+        self._buffers = self._buffers[-(self.keep - 1) :]
+        self._idle = self._idle[-(self.keep - 1) :]
+        self._buffers.append(torch.empty(shape))
+        self._idle.append(self._refs(len(self._buffers) - 1))
+        return self._buffers[-1]

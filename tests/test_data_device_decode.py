@@ -1,0 +1,110 @@
+"""JPEGs decoded in batches on the training device (`data.decode: gpu`; on a CPU device the
+same code runs with torchvision's CPU decoder): the same batches as the workers' decoding up to
+rounding, bad files reported the same way; and the loader's shared-memory budget and defaults."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from data_images import write_bad_folder
+
+from cnnkit.data import data_config
+from cnnkit.data import loader as loader_module
+from cnnkit.data.pack import pack_folder
+from cnnkit.data.synth import synth_shapes
+from cnnkit.errors import ConfigError, DataError
+
+CPU = torch.device("cpu")
+LEVEL = 1 / 57.12  # one 0-255 step in normalised units (ImageNet's smallest std)
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("device-decode")
+    synth_shapes(root / "src", classes=3, per_class=8, size=40)
+    pack_folder(root / "src", root / "jpeg", size=32, format="jpeg", quality=95, progress=False)
+    pack_folder(root / "src", root / "raw", size=32, progress=False)
+    return root
+
+
+def sections(root):
+    common = {"batch_size": 4, "crop": 28, "val_fraction": 0.25, "lighting": 0.1}
+    return [{"source": "folder", "path": str(root / "src"), "size": 32, **common},
+            {"source": "packed", "path": str(root / "jpeg"), **common}]  # fmt: skip
+
+
+def epoch(stream, e):
+    stream.set_epoch(e)
+    return [(x.clone(), y.clone()) for x, y in stream]
+
+
+@pytest.mark.parametrize("train_crop", ["random", "resized"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_device_decoding_equals_worker_decoding(sets, train_crop, workers):
+    """Whole images decoded by the workers and augmented by the device (a CUDA device's path)
+    = the same JPEGs decoded in batches by the main process, up to one level of rounding."""
+    for section in sections(sets):
+        section = {**section, "train_crop": train_crop, "workers": workers}
+        cpu = data_config(section).build(CPU, seed=1)
+        device = data_config({**section, "decode": "gpu"}).build(CPU, seed=1)
+        assert device.train.mode == device.val.mode == "encoded"
+        cpu.train.mode = "whole"  # a CPU device would cut the crops in the workers
+        for a, b in ((cpu.train, device.train), (cpu.val, device.val)):
+            one, two = epoch(a, 1), epoch(b, 1)
+            assert len(one) == len(two) > 0
+            for (x1, y1), (x2, y2) in zip(one, two, strict=True):
+                assert torch.equal(y1, y2)
+                assert (x1 - x2).abs().max() <= 1.01 * LEVEL
+
+
+def test_device_decoding_reports_bad_files_like_the_workers(tmp_path, capfd):
+    """Empty, truncated and non-image files skipped and named; grey, CMYK and PNG-in-.JPEG
+    files decoded on the CPU and kept: the same images as the workers' path."""
+    expected = write_bad_folder(tmp_path)
+    section = {"source": "folder", "path": str(tmp_path), "size": 16, "crop": 12,
+               "batch_size": 7, "workers": 0, "val_fraction": 0.0}  # fmt: skip
+    counts = {}
+    for decode in ("cpu", "gpu"):
+        stream = data_config({**section, "decode": decode}).build(CPU).train
+        stream.set_epoch(0)
+        counts[decode] = sorted(sum((y.tolist() for _, y in stream), []))
+        err = capfd.readouterr().err
+        for rel, status in expected.items():
+            assert (rel in err) == (status == "skipped"), (decode, rel)
+    assert counts["cpu"] == counts["gpu"] and len(counts["gpu"]) == 14 - 3
+
+
+def test_raw_shards_need_no_decoding(sets):
+    with pytest.raises(ConfigError, match="raw shards need no decoding"):
+        data_config({"source": "packed", "path": str(sets / "raw"), "crop": 28,
+                     "decode": "gpu"}).build(CPU)  # fmt: skip
+
+
+def test_too_little_shared_memory_is_one_clear_line(sets, monkeypatch):
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free, as in a small container
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny() if p == "/dev/shm" else real(p))
+    stream = data_config({**sections(sets)[1], "workers": 2}).build(CPU).val
+    with pytest.raises(DataError, match=r"needs .* MiB of shared memory .*--shm-size"):
+        next(iter(stream))
+
+
+def test_workers_default_from_the_cores_shared_by_local_ranks(sets, monkeypatch):
+    monkeypatch.setattr(loader_module, "available_cores", lambda: 16)
+    cfg = data_config(sections(sets)[0])
+    assert cfg.workers is None
+    assert cfg.worker_count(1) == 15 and cfg.worker_count(8) == 1 and cfg.worker_count(4) == 3
+    assert data_config({**sections(sets)[0], "workers": 3}).worker_count(8) == 3
+    bundle = cfg.build(CPU, local_ranks=4)
+    assert bundle.train.workers == bundle.val.workers == 3
+
+
+def test_validation_workers_live_only_while_validating(sets):
+    bundle = data_config({**sections(sets)[0], "workers": 2}).build(CPU)
+    assert bundle.train.loader().persistent_workers
+    assert not bundle.val.loader().persistent_workers
