@@ -63,7 +63,12 @@ class TrainConfig(BaseModel):
     channels_last: bool | None = Field(None, description="None: the hardware's faster choice")
     compile: bool = Field(False, description="torch.compile the model")
     threads: PositiveInt | None = Field(None, description="CPU threads (None: 1 for small nets)")
-    checkpoint_every: NonNegativeInt = Field(200, description="also save last.pt every N steps")
+    checkpoint_every: NonNegativeInt = Field(
+        0, description="also save last.pt every N steps (0: off)"
+    )
+    checkpoint_minutes: NonNegativeFloat = Field(
+        5.0, description="also save last.pt about every M minutes mid-epoch (0: off)"
+    )
     sync: Literal["ddp", "average"] = Field("ddp", description="multi-process: grads or weights")
     average_every: PositiveInt = Field(1, description="sync: average: steps between averaging")
     sync_bn: bool = Field(False, description="SyncBatchNorm under DDP")

@@ -67,6 +67,8 @@ class Processes(Protocol):
 
     def gather_rng(self, state: dict) -> list[dict]: ...  # every rank's RNG states, rank order
 
+    def broadcast_object(self, obj: Any) -> Any: ...  # rank 0's obj on every rank
+
     def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None: ...
 
 
@@ -86,6 +88,9 @@ class Local:
 
     def gather_rng(self, state: dict) -> list[dict]:
         return [state]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
 
     def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None:
         """Nothing to average alone."""
@@ -112,7 +117,8 @@ class Group:
 
     sync "ddp": gradients all-reduced by DistributedDataParallel at every step (the default).
     sync "average": each replica steps on its own batches and every `average_every` steps the
-    weights and SGD momenta are averaged (the first seed's scheme; K = 1 equals synchronous SGD).
+    weights, BatchNorm statistics and optimizer moments are averaged (the first seed's scheme;
+    K = 1 equals synchronous SGD).
     """
 
     def __init__(self, train_cfg: Any):
@@ -132,12 +138,15 @@ class Group:
         self.timeout_s = train_cfg.timeout_s
         if not dist.is_initialized():
             timeout = timedelta(seconds=train_cfg.timeout_s)
+            cuda = {"device_id": torch.device("cuda", self.local_rank)} if self.use_cuda else {}
+            _quiet_nccl_errors()
             dist.init_process_group(
                 "nccl" if self.use_cuda else "gloo",
                 store=self._store(timeout),
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=timeout,
+                **cuda,  # NCCL: one communicator for this rank's GPU, made at once
             )
 
     def _store(self, timeout: timedelta) -> dist.Store:
@@ -170,6 +179,12 @@ class Group:
         dist.all_gather_object(states, state)
         return states
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (what rank 0 decided, or read from its disk)."""
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP for sync "ddp"; the plain model (replicas kept in step by averaging) otherwise."""
         if self.sync_bn:
@@ -178,21 +193,21 @@ class Group:
             self._broadcast(model)  # identical starting weights on every replica
             return model
         device_ids = [self.local_rank] if self.use_cuda else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # gradients live in DDP's buckets (no copy per step); the graph is the same every step
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, gradient_as_bucket_view=True, static_graph=True
+        )
 
     def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None:
-        """sync "average": every K steps, average weights and momenta with PyTorch's utility."""
+        """sync "average": every K steps, average the replicas' weights, floating buffers (the
+        BatchNorm statistics) and optimizer moments (SGD momenta, Adam's two averages)."""
         if self.sync != "average" or global_step % self.every:
             return
-        from torch.distributed.algorithms.model_averaging.utils import average_parameters
-
-        params = [p for p in network.parameters() if p.requires_grad]
-        momenta = [
-            s["momentum_buffer"]
-            for s in optimizer.state.values()
-            if s.get("momentum_buffer") is not None
-        ]
-        average_parameters(iter(params + momenta), dist.group.WORLD)
+        tensors = [p.data for p in network.parameters() if p.requires_grad]
+        tensors += [b for b in network.buffers() if b.is_floating_point()]
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        average_in_place(tensors, self.world_size)
 
     def _broadcast(self, model: nn.Module) -> None:
         for tensor in list(model.parameters()) + list(model.buffers()):
@@ -206,6 +221,30 @@ class Group:
         if ok:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def average_in_place(tensors: list[torch.Tensor], world_size: int) -> None:
+    """Average tensors over ranks in place: one all-reduce per dtype and device, each tensor
+    keeping its storage and memory format (channels_last stays channels_last)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        flat = _flatten_dense_tensors(group)  # a contiguous copy, logical order
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        for t, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+            t.copy_(mean)  # element by element: t's own strides are kept
+
+
+def _quiet_nccl_errors() -> None:
+    """On a NCCL error or timeout, abort the communicator and raise in Python (one line from
+    group_for) rather than let the watchdog tear the process down with a wall of C++ logs;
+    a user's own setting wins."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
 def convert_sync_batchnorm(network: nn.Module) -> None:

@@ -117,3 +117,61 @@ def test_load_trained_gives_the_trained_network(finished_run):
 def test_save_is_atomic_and_leaves_no_temporary(tmp_path):
     save_checkpoint({"x": torch.ones(2)}, tmp_path / "a.pt")
     assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]
+
+
+KILL_IN_WRITE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import cnnkit.train.saver as saver
+from cnnkit.config import validate_run
+from cnnkit.train.run import fit
+
+saver.BACKGROUND_BYTES = 0  # every save on the writer thread, as a large network's
+real, calls = saver.save_checkpoint, []
+
+def dying_save(state, path):  # the 3rd save dies half-way through writing its temporary file
+    calls.append(path)
+    if len(calls) == 3:
+        tmp = path.with_name(f".{{path.name}}.{{os.getpid()}}.tmp")
+        tmp.write_bytes(b"half a checkpoint")
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(state, path)
+
+saver.save_checkpoint = dying_save
+fit(validate_run({run!r}), {out!r}, quiet=True)
+"""
+
+
+def test_kill_during_a_background_save_leaves_the_last_one_and_resumes_exactly(tmp_path):
+    """Saves on the writer thread: a kill mid-write leaves the previous last.pt loadable, and
+    the run resumed from it ends bitwise equal to an uninterrupted one."""
+    killed = tmp_path / "killed"
+    script = KILL_IN_WRITE.format(root=str(ROOT), run=RUN, out=str(killed))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    state = resume_state(killed)  # saves at steps 3 and 6; the one at step 9 died
+    assert state["global_step"] == 6
+    fit(validate_run(RUN), killed, resume=state, quiet=True)
+    fit(validate_run(RUN), tmp_path / "straight", quiet=True)
+    a = _tensors(load_checkpoint(killed / "last.pt"))
+    b = _tensors(load_checkpoint(tmp_path / "straight" / "last.pt"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_timed_saves_come_at_steps_every_rank_agrees_on(monkeypatch):
+    """checkpoint_minutes becomes a step interval from the measured step time: here 0.5 s a
+    step and a 1-minute interval -> a save every 120 steps after the measurement."""
+    from cnnkit.distributed import Local
+    from cnnkit.train import saver
+
+    now = [0.0]
+    monkeypatch.setattr(saver.time, "perf_counter", lambda: now[0])
+    saves, due = saver.MidEpochSaves(every=0, minutes=1.0, dist=Local()), []
+    for g in range(1, 400):
+        now[0] = g * 0.5  # the clock after step g
+        if saves.due(g, step=1, steps=1000):
+            due.append(g)
+    assert saves.interval == 120 and due == [150, 270, 390]
+    counted = saver.MidEpochSaves(every=50, minutes=0.0, dist=Local())
+    assert [g for g in range(1, 160) if counted.due(g, 1, 1000)] == [50, 100, 150]
+    assert not counted.due(200, step=1000, steps=1000)  # the epoch's own save comes next

@@ -1,12 +1,14 @@
-"""The plain PyTorch loop a cnnkit step is compared with: fp32, NCHW, `torch.optim.SGD`, the
-textbook three lines, in a process of its own. For `alexnet-owt` it runs torchvision's
-`alexnet` itself (the same architecture); for other networks, the cnnkit network built afresh
-and run the plain way."""
+"""The PyTorch loops a cnnkit step is compared with, each in a process of its own: "plain" (fp32,
+NCHW, `torch.optim.SGD`, the textbook three lines) and "careful" (what a careful user writes:
+the same under torch.autocast in bf16 (fp16 on GPUs without bf16) with channels_last). For
+`alexnet-owt` they run torchvision's `alexnet` itself (the same architecture); for other
+networks, the cnnkit network built afresh and run the same way."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -19,39 +21,86 @@ from cnnkit.nn import Network
 TORCHVISION = {"alexnet-owt": "alexnet"}
 
 
-def plain_model(model: Network, device: torch.device) -> tuple[nn.Module, str]:
+PEERS = ("plain", "careful")
+
+
+def amp_dtype(device: torch.device) -> torch.dtype:
+    """The careful user's autocast type: bf16, or fp16 on a GPU without bf16."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def peer_label(peer: str, device: torch.device) -> str:
+    """How a peer runs, for the report."""
+    if peer == "plain":
+        return "fp32 NCHW"
+    return f"autocast {str(amp_dtype(device)).removeprefix('torch.')} channels_last"
+
+
+def plain_model(model: Network, device: torch.device, peer: str = "plain") -> tuple[nn.Module, str]:
     """(the peer model on `device`, its name): torchvision's where one matches, else ours."""
+    how = peer_label(peer, device)
     if model.name in TORCHVISION:
         import torchvision
 
         name = TORCHVISION[model.name]
-        peer = torchvision.models.get_model(name, num_classes=model.num_classes)
-        return peer.to(device), f"torchvision {name} fp32 NCHW"
-    return load_network(model.spec, device, model.num_classes), f"plain {model.name} fp32 NCHW"
+        module, label = (
+            torchvision.models.get_model(name, num_classes=model.num_classes),
+            f"torchvision {name} {how}",
+        )
+    else:
+        module, label = (
+            load_network(model.spec, device, model.num_classes),
+            f"plain {model.name} {how}",
+        )
+    module = module.to(device)
+    if peer == "careful":
+        module = module.to(memory_format=torch.channels_last)
+    return module, label
 
 
-def plain_train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[Any], None]:
-    """zero_grad, loss.backward(), SGD step (momentum 0.9, weight decay 5e-4), all in fp32."""
+def _context(peer: str, device: torch.device):
+    if peer == "plain":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=amp_dtype(device))
+
+
+def plain_train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     peer: str = "plain") -> Callable[[Any], None]:  # fmt: skip
+    """zero_grad, loss.backward(), SGD step (momentum 0.9, weight decay 5e-4); fp32 NCHW, or
+    under autocast with channels_last (with loss scaling for fp16) for the careful peer."""
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     loss_fn = nn.CrossEntropyLoss()
-    x = x.contiguous()  # NCHW
+    fp16 = peer == "careful" and amp_dtype(x.device) == torch.float16
+    scaler = torch.amp.GradScaler(x.device.type, enabled=fp16)
+    x = x.contiguous(
+        memory_format=torch.channels_last if peer == "careful" else torch.contiguous_format
+    )
     module.train()
 
     def step(_: Any = None) -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(module(x), y).backward()
-        optimizer.step()
+        with _context(peer, x.device):
+            loss = loss_fn(module(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
 
     return step
 
 
-def plain_infer_step(module: nn.Module, x: torch.Tensor) -> Callable[[Any], None]:
-    """An fp32 NCHW forward pass in eval mode under no_grad."""
-    x = x.contiguous()
+def plain_infer_step(
+    module: nn.Module, x: torch.Tensor, peer: str = "plain"
+) -> Callable[[Any], None]:
+    """A forward pass in eval mode under inference_mode (autocast + channels_last if careful)."""
+    x = x.contiguous(
+        memory_format=torch.channels_last if peer == "careful" else torch.contiguous_format
+    )
     module.eval()
 
     def step(_: Any = None) -> None:
-        with torch.no_grad():
+        with torch.inference_mode(), _context(peer, x.device):
             module(x)
 
     return step
@@ -63,16 +112,28 @@ class PlainProcess:
     the object runs one step there and returns when it is done, so it times like a step here.
     """
 
-    def __init__(self, model: Network, mode: str, batch: int, device: torch.device):
+    def __init__(self, model: Network, mode: str, batch: int, device: torch.device,
+                 peer: str = "plain", block: int = 1):  # fmt: skip
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
         threads = torch.get_num_threads()  # the same CPU threads as the side it is compared with
-        args = (child, model.spec, model.num_classes, mode, batch, str(device), threads)
+        args = (
+            child,
+            model.spec,
+            model.num_classes,
+            mode,
+            batch,
+            str(device),
+            threads,
+            peer,
+            block,
+        )
         self._process = context.Process(target=_serve_plain, args=args, daemon=True)
         self._process.start()
         self.name: str = self._conn.recv()
 
     def __call__(self, _: Any = None) -> None:
+        """`block` steps there, back to back, synchronised at the end."""
         self._conn.send(True)
         self._conn.recv()
 
@@ -82,22 +143,26 @@ class PlainProcess:
         self._process.join(timeout=30)
 
 
-def _serve_plain(
-    conn, spec: dict, num_classes: int, mode: str, batch: int, device: str, threads: int
-) -> None:
-    """The child's side of PlainProcess: build the peer, then one synchronised step per request."""
+def _serve_plain(conn, spec: dict, num_classes: int, mode: str, batch: int, device: str,
+                 threads: int, peer: str, block: int) -> None:  # fmt: skip
+    """The child's side of PlainProcess: build the peer, then `block` steps per request."""
     from cnnkit.bench.model_setup import synthetic_batch
     from cnnkit.nn import Network
 
     torch.set_num_threads(threads)
     dev = torch.device(device)
+    torch.backends.cudnn.benchmark = True  # what a careful user and cnnkit's benchmarks set
     model = Network(spec, num_classes=num_classes, device="meta")
-    peer, name = plain_model(model, dev)
+    module, name = plain_model(model, dev, peer)
     x, y = synthetic_batch(model, batch, dev)
-    step = plain_train_step(peer, x, y) if mode == "train" else plain_infer_step(peer, x)
+    if mode == "train":
+        step = plain_train_step(module, x, y, peer)
+    else:
+        step = plain_infer_step(module, x, peer)
     conn.send(name)
     while conn.recv():
-        step()
+        for _ in range(block):
+            step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         conn.send(True)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import cnnkit.distributed as distributed
-from cnnkit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from cnnkit.checkpoint import load_checkpoint, rng_state, set_rng_state
 from cnnkit.config import RunConfig, dump_run, load_run
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
@@ -26,6 +26,7 @@ from cnnkit.train.loop import Progress, StepHook, evaluate, train_one_epoch
 from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import new_run_dir, resume_config
+from cnnkit.train.saver import CheckpointWriter, MidEpochSaves
 from cnnkit.train.state import RunContext, restore, training_state
 from cnnkit.train.summary import epoch_row, finish
 
@@ -49,12 +50,19 @@ def launch(
         if state is None:
             tag = distributed.run_id() if group is not None else None
             run_dir = new_run_dir(config.name, out, reuse=restarted, tag=tag)
-            if restarted and (run_dir / "last.pt").is_file():
-                state = resume_state(run_dir)  # the group died: continue from its checkpoint
-                config = resume_config(state, overrides)
+            if restarted:  # the group died: continue from its checkpoint, if it made one
+                state = _restart_state(run_dir, group)
+                config = resume_config(state, overrides) if state else config
         else:
             run_dir = Path(resume)
         return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group)
+
+
+def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | None:
+    """Rank 0 decides whether a restarted group resumes, and sends every rank its checkpoint:
+    ranks on machines without the run directory (no shared filesystem) never split off."""
+    found = resume_state(run_dir) if group.is_main and (run_dir / "last.pt").is_file() else None
+    return group.broadcast_object(found)
 
 
 def resume_state(run_dir: str | Path) -> dict[str, Any]:
@@ -136,9 +144,11 @@ def fit(
         _describe(console, ctx, engine, progress)
         if resume:
             set_rng_state(_rank_rng(resume, dist))  # last: nothing above may draw from them
+        writer = CheckpointWriter()
         try:
-            _train_epochs(engine, schedule, progress, console, on_step, ctx)
+            _train_epochs(engine, schedule, progress, console, on_step, ctx, writer)
         finally:
+            writer.wait()  # every checkpoint on disk before the run reports anything
             if log is not None:
                 log.close()
         return finish(engine, progress, ctx, time.perf_counter() - started, console)
@@ -178,16 +188,18 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     )
 
 
-def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx: RunContext) -> None:
+def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx: RunContext,
+                  writer: CheckpointWriter) -> None:  # fmt: skip
     config, data, dist = ctx.config, ctx.data, ctx.dist
-    every, steps = config.train.checkpoint_every, len(data.train)
+    steps = len(data.train)
+    saves = MidEpochSaves(config.train.checkpoint_every, config.train.checkpoint_minutes, dist)
 
     def after_step(epoch: int, step: int, global_step: int) -> None:
-        if every and global_step % every == 0 and step < steps:
+        if saves.due(global_step, step, steps):
             rngs = dist.gather_rng(rng_state())  # every rank's generators, for exact resume
             if dist.is_main:
                 state = training_state(engine, schedule, progress, ctx, rngs)
-                save_checkpoint(state, ctx.run_dir / "last.pt")
+                writer.save((state, ctx.run_dir / "last.pt"))
         if on_step is not None:
             on_step(epoch, step, global_step)
 
@@ -201,24 +213,24 @@ def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx: R
         progress.history.append(row)
         progress.epoch, progress.step, progress.partial = progress.epoch + 1, 0, {}
         progress.running = None
-        _save_epoch(engine, schedule, progress, ctx, row)
+        _save_epoch(engine, schedule, progress, ctx, row, writer)
         console.end_epoch(row, epochs)
 
 
-def _save_epoch(
-    engine, schedule, progress: Progress, ctx: RunContext, row: dict[str, float]
-) -> None:
-    """last.pt first (it holds the history), then best.pt and the metrics files."""
+def _save_epoch(engine, schedule, progress: Progress, ctx: RunContext, row: dict[str, float],
+                writer: CheckpointWriter) -> None:  # fmt: skip
+    """best.pt (if the epoch is the best) and last.pt, written in the background; then the
+    metrics files (a kill in between is harmless: a resumed run rewrites them from last.pt)."""
     rngs = ctx.dist.gather_rng(rng_state())
     if not ctx.dist.is_main:
         return
     state = training_state(engine, schedule, progress, ctx, rngs)
+    saves = []
     if row["val_top1"] > progress.best_top1:
         progress.best_top1 = state["best_top1"] = row["val_top1"]
         skip = ("optimizer", "scaler", "rng", "rng_ranks")
-        best = {k: v for k, v in state.items() if k not in skip}
-        save_checkpoint(best, ctx.run_dir / "best.pt")
-    save_checkpoint(state, ctx.run_dir / "last.pt")
+        saves.append(({k: v for k, v in state.items() if k not in skip}, ctx.run_dir / "best.pt"))
+    writer.save(*saves, (state, ctx.run_dir / "last.pt"))
     ctx.log.write_epoch(row, final=progress.epoch == ctx.config.train.epochs)
 
 
