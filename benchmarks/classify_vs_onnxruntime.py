@@ -20,9 +20,9 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from cnnkit.bench.timing import device_name
 from cnnkit.infer.export import export
 from cnnkit.infer.load import load_for_inference
+from cnnkit.runtime import machine_name
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,7 +76,7 @@ def main() -> None:
         {"pytorch": pytorch, "onnxruntime": onnxruntime}, x, args.warmup, args.repeats
     )
     medians = {name: statistics.median(s) for name, s in seconds.items()}
-    print(f"{args.net}  batch {args.batch}  {device_name(torch.device('cpu'))}  "
+    print(f"{args.net}  batch {args.batch}  {machine_name(torch.device('cpu'))}  "
           f"torch threads {torch.get_num_threads()}  max abs diff {diff:.2e}")  # fmt: skip
     for name, median in medians.items():
         print(f"  {name:12s} {median * 1e3:9.2f} ms/batch  {args.batch / median:9.1f} images/s")

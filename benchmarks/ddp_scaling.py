@@ -32,16 +32,19 @@ def worker(args: argparse.Namespace) -> None:
     from cnnkit import build_model
     from cnnkit.config import TrainConfig
     from cnnkit.distributed import Group
-    from cnnkit.train.engine import build_engine, default_threads, train_step
+    from cnnkit.train.engine import build_engine, train_step
+    from cnnkit.train.settings import choose_settings
 
     cfg = TrainConfig(device=args.device, sync=args.sync)
     group = Group(cfg)
     device = group.device(args.device)
     torch.manual_seed(0)
     network = build_model(args.model)
-    engine = build_engine(network, cfg, device, wrap=group.wrap)
-    threads = default_threads(network, args.batch, cfg, device)  # as `cnnkit train` picks
-    torch.set_num_threads(min(threads, torch.get_num_threads()))
+    settings = group.broadcast_object(  # as `cnnkit train` picks them: rank 0's, everywhere
+        choose_settings(network, cfg, device, args.batch) if group.is_main else None
+    )
+    engine = build_engine(network, cfg, device, wrap=group.wrap, settings=settings)
+    torch.set_num_threads(min(settings.threads, torch.get_num_threads()))
     x = torch.randn(args.batch, *network.input_shape, device=device)
     y = torch.randint(0, network.num_classes or 10, (args.batch,), device=device)
     windows = []
@@ -50,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         for step in range(args.steps):
             train_step(engine, x, y)
-            group.after_step(engine, step + 1)
+            group.after_step(engine.network, engine.optimizer, step + 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()

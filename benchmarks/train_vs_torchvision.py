@@ -28,9 +28,8 @@ import torchvision
 from cnnkit import build_model
 from cnnkit.bench.model_setup import forward_flops
 from cnnkit.bench.peak import measure_peak
-from cnnkit.bench.timing import device_name
 from cnnkit.config import TrainConfig
-from cnnkit.runtime import keep_freed_memory
+from cnnkit.runtime import keep_freed_memory, machine_name
 from cnnkit.train.engine import build_engine, train_step
 
 # (name, train: overrides) of the variants --explore times against the plain fp32 loop;
@@ -191,7 +190,7 @@ def report(seconds: dict[str, list[float]], label: str, args, device: torch.devi
     if args.same_process or args.explore:
         tuned = "both sides" if args.tune_malloc else "neither side"
     print(
-        f"{device_name(device)}, torch {torch.__version__}, batch {args.batch}, {where}, "
+        f"{machine_name(device)}, torch {torch.__version__}, batch {args.batch}, {where}, "
         f"{args.repeats} interleaved repeats (median; min-max), freed memory kept: {tuned}"
     )
     rows = {}
@@ -218,7 +217,7 @@ def report(seconds: dict[str, list[float]], label: str, args, device: torch.devi
                 {
                     "ratio": ratio,
                     "batch": args.batch,
-                    "hardware": device_name(device),
+                    "hardware": machine_name(device),
                     "tune_malloc": args.tune_malloc,
                     "same_process": bool(args.same_process or args.explore),
                     "peaks": {p: k.flops_per_second for p, k in peaks.items()},

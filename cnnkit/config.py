@@ -59,10 +59,15 @@ class TrainConfig(BaseModel):
     grad_clip: PositiveFloat | None = Field(None, description="max global gradient norm")
     accumulate: PositiveInt = Field(1, description="micro-batches per optimizer step")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto")
-    channels_last: bool | None = Field(None, description="None: the hardware's faster choice")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: the fastest measured here (fp16 only on CUDA)"
+    )
+    channels_last: bool | None = Field(None, description="None (auto): the faster one measured")
+    threads: PositiveInt | None = Field(None, description="CPU threads (None: the faster measured)")
+    calibrate: bool = Field(
+        True, description="auto settings by a short timing on this machine, cached (false: rules)"
+    )
     compile: bool = Field(False, description="torch.compile the model")
-    threads: PositiveInt | None = Field(None, description="CPU threads (None: 1 for small nets)")
     checkpoint_every: NonNegativeInt = Field(
         0, description="also save last.pt every N steps (0: off)"
     )

@@ -25,6 +25,32 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def machine_name(device: torch.device) -> str:
+    """A human name for the hardware: the GPU's name, or the CPU's model and its cores."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
+    except OSError:
+        pass
+    return f"{model} ({available_cores()} cores)"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run the body with `n` intra-op CPU threads, restoring the previous count afterwards.

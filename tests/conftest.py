@@ -17,3 +17,11 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     return run
+
+
+@pytest.fixture(autouse=True)
+def own_settings_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
+    """Measured training settings are cached per test session, not in the user's ~/.cache."""
+    from cnnkit.train import settings
+
+    monkeypatch.setattr(settings, "CACHE", tmp_path_factory.getbasetemp() / "settings.json")

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cnnkit.bench.model_setup import load_network, synthetic_batch
-from cnnkit.bench.timing import Timing, autocast, device_name, measure, timer_overhead
+from cnnkit.bench.timing import Timing, autocast, measure, timer_overhead
 from cnnkit.nn import Network
+from cnnkit.runtime import machine_name
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def _report(model: Network, rows: list[LayerTime], whole, runner: Runner, batch:
     return {
         "net": model.name,
         "device": str(runner.device),
-        "hardware": device_name(runner.device),
+        "hardware": machine_name(runner.device),
         "precision": runner.precision,
         "batch": batch,
         "repeats": runner.repeats,

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from cnnkit.bench.timing import device_name, synchronize
+from cnnkit.bench.timing import synchronize
 from cnnkit.data import data_config
 from cnnkit.data.base import Batches
 from cnnkit.errors import ConfigError, DataError
+from cnnkit.runtime import machine_name
 
 
 def loader_config(
@@ -97,7 +98,7 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
     del it  # stops the workers
     return {
         "data": str(data), "source": cfg.source, "storage": storage, "decode": cfg.decode,
-        "mode": stream.mode, "device": device_name(device), "workers": stream.workers,
+        "mode": stream.mode, "device": machine_name(device), "workers": stream.workers,
         "batch": batch, "batches": batches, "images": images,
         "input_shape": list(x.shape[1:]), "train_crop": cfg.train_crop, "seconds": seconds,
         "images_per_second": images / seconds, "cpu_ms_per_image": 1000 * cpu / images,

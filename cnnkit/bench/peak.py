@@ -1,76 +1,161 @@
-"""The device's measured peak: large matmuls and convolutions timed in fp32, bf16 (and fp16).
+"""The device's peak, measured and on paper, for the fraction a network's step achieves.
 
-Peak = the best rate any of these kernels reaches in its fastest repeat (a peak is what the
-hardware can do), so a network's fraction of it says how close to the hardware the network
-runs. Measured in the same run as the network, on the same load.
+Measured: a large matmul and the network's own three largest convolutions, in each precision,
+timed interleaved with the step itself (the same load hits all); the peak of a precision is the
+fastest of its kernels. Theoretical: the data sheet for known GPUs; for a CPU, an estimate from
+its vector units (flags) x cores x clock. A report never shows a fraction above 1: a step
+faster than every kernel raises the peak to the step's own rate, and says so.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from cnnkit.bench.timing import measure
+from cnnkit.nn import Network
+from cnnkit.runtime import available_cores, cpu_flags
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# dense tensor-core / vector FLOP/s from NVIDIA's data sheets (no sparsity), by name fragment
+DATA_SHEETS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
+}
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """One peak-probing kernel: its name, FLOPs per call and the achieved FLOP/s."""
+    """One peak-probing kernel: a call, its FLOPs and precision."""
 
     name: str
+    precision: str
     flops: float
-    flops_per_second: float
+    run: Callable[[object], object]
 
 
-def _sizes(device: torch.device, quick: bool) -> tuple[int, tuple[int, int, int]]:
-    """Matmul side and conv (batch, channels, side): big enough to saturate, small enough to be quick."""
-    if device.type == "cuda":
-        return 8192, (128, 256, 56)
-    return (512, (4, 64, 28)) if quick else (2048, (16, 256, 28))
+def _matmul(device: torch.device, precision: str, n: int) -> Kernel:
+    a = torch.randn(n, n, device=device).to(DTYPES[precision])
+    b = torch.randn(n, n, device=device).to(DTYPES[precision])
+    return Kernel(f"matmul {n}", precision, 2.0 * n**3, lambda _: a @ b)
 
 
-def _matmul(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> Kernel:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    timing = measure(lambda _: a @ b, device, warmup=2, repeats=repeats)
-    flops = 2.0 * n**3
-    return Kernel(f"matmul {n}x{n}", flops, flops / timing.min)
+def _conv_kernel(device: torch.device, precision: str, name: str, conv: torch.nn.Conv2d,
+                 shape: tuple[int, ...], macs: int, batch: int) -> Kernel:  # fmt: skip
+    """The network's own convolution (its input shape, stride, groups) at `batch` images."""
+    dtype, fmt = DTYPES[precision], torch.channels_last
+    x = torch.randn(batch, *shape, device=device).to(dtype).contiguous(memory_format=fmt)
+    weight = torch.randn(conv.weight.shape, device=device).to(dtype).contiguous(memory_format=fmt)
+    kw = dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups)
+
+    def run(_: object) -> torch.Tensor:
+        return F.conv2d(x, weight, **kw)
+
+    return Kernel(f"{name} conv b{batch}", precision, 2.0 * macs * batch, run)
 
 
-def _conv(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int], repeats: int):
-    batch, channels, side = shape
-    x = torch.randn(batch, channels, side, side, device=device).to(dtype)
-    w = torch.randn(channels, channels, 3, 3, device=device).to(dtype)
-    # channels_last is the fast layout for oneDNN (CPU) and cuDNN tensor cores alike
-    x = x.contiguous(memory_format=torch.channels_last)
-    w = w.contiguous(memory_format=torch.channels_last)
-    timing = measure(lambda _: F.conv2d(x, w, padding=1), device, warmup=2, repeats=repeats)
-    flops = 2.0 * batch * channels * channels * 9 * side * side
-    return Kernel(f"conv3x3 {channels}ch {side}px b{batch}", flops, flops / timing.min)
+def conv_inputs(model: Network) -> dict[str, tuple[int, ...]]:
+    """Each convolution's input shape (C, H, W), from one pass on the meta device."""
+    shapes: dict[str, tuple[int, ...]] = {}
 
+    def record(name: str):
+        def hook(module, args, output) -> None:  # returns None: the output stays as it is
+            shapes.setdefault(name, tuple(args[0].shape[1:]))
 
-def measure_peak(
-    device: torch.device, precisions: tuple[str, ...] = ("fp32", "bf16"), quick: bool = False
-) -> dict[str, Kernel]:
-    """Precision -> the fastest of a large matmul and a large conv in that precision."""
-    n, conv_shape = _sizes(device, quick)
-    repeats = 5 if device.type == "cpu" else 10
-    peaks = {}
+        return hook
+
+    meta = Network(model.spec, num_classes=model.num_classes, device="meta")
+    hooks = [m.register_forward_hook(record(name)) for name, m in meta.named_modules()
+             if isinstance(m, torch.nn.Conv2d)]  # fmt: skip
     with torch.no_grad():
-        for precision in precisions:
-            dtype = DTYPES[precision]
-            kernels = [
-                _matmul(device, dtype, n, repeats),
-                _conv(device, dtype, conv_shape, repeats),
-            ]
-            peaks[precision] = max(kernels, key=lambda k: k.flops_per_second)
-    return peaks
+        meta(torch.empty((1, *model.input_shape), device="meta"))
+    for hook in hooks:
+        hook.remove()
+    return shapes
 
 
-def peak_dict(peaks: dict[str, Kernel]) -> dict[str, dict[str, float | str]]:
-    """JSON-ready: precision -> {flops_per_second, kernel}."""
-    return {p: {"flops_per_second": k.flops_per_second, "kernel": k.name} for p, k in peaks.items()}
+def peak_kernels(model: Network, batch: int, device: torch.device, precisions: tuple[str, ...],
+                 quick: bool = False) -> list[Kernel]:  # fmt: skip
+    """A matmul plus the model's three largest convolutions, in each precision."""
+    n = 8192 if device.type == "cuda" else (512 if quick else 2048)
+    rows = sorted((r for r in model.table if r.type == "conv"), key=lambda r: -r.macs)[:3]
+    shapes = conv_inputs(model) if rows else {}
+    target = 4e11 if device.type == "cuda" else (5e7 if quick else 1e9)  # multiply-adds a call
+    kernels = []
+    for precision in precisions:
+        kernels.append(_matmul(device, precision, n))
+        for row in rows:
+            b = max(1, min(batch, int(target / max(row.macs, 1))))
+            conv = model.get_submodule(row.name)
+            kernels.append(_conv_kernel(device, precision, row.name, conv, shapes[row.name],
+                                        row.macs, b))  # fmt: skip
+    return kernels
+
+
+def best_rates(kernels: list[Kernel], seconds: dict[str, float]) -> dict[str, dict]:
+    """Precision -> {flops_per_second, kernel}: the fastest of that precision's kernels."""
+    best: dict[str, dict] = {}
+    for k in kernels:
+        rate = k.flops / seconds[k.name + " " + k.precision]
+        if rate > best.get(k.precision, {}).get("flops_per_second", 0.0):
+            best[k.precision] = {"flops_per_second": rate, "kernel": k.name}
+    return best
+
+
+def math_mode(device: torch.device, precision: str) -> str:
+    """What fp32 really computes in: on CUDA, convolutions (and maybe matmuls) use TF32."""
+    if device.type != "cuda" or precision != "fp32":
+        return precision
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    if conv and matmul:
+        return "fp32 (TF32 convolutions and matmuls)"
+    return "fp32 (TF32 convolutions)" if conv else "fp32 (true fp32)"
+
+
+def theoretical_peak(device: torch.device, precision: str) -> tuple[float, str] | None:
+    """(FLOP/s, where the figure comes from) on paper, or None where it cannot be known."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, sheet in DATA_SHEETS.items():
+            if key in name:
+                kind = (
+                    "tf32" if math_mode(device, precision).startswith("fp32 (TF32") else precision
+                )
+                return sheet[kind], f"{key} data sheet, dense {kind}"
+        return None
+    if device.type != "cpu":
+        return None
+    per_cycle, units = _cpu_flops_per_cycle(cpu_flags(), precision)
+    mhz = _cpu_mhz()
+    if not per_cycle or not mhz:
+        return None
+    cores = available_cores()
+    note = f"estimate: {units}, {cores} cores x {mhz / 1000:.2f} GHz"
+    return per_cycle * cores * mhz * 1e6, note
+
+
+def _cpu_flops_per_cycle(flags: set[str], precision: str) -> tuple[int, str]:
+    """FLOPs per cycle per core of the widest units the flags show (two FMA pipes assumed)."""
+    if precision == "bf16" and "amx_bf16" in flags:
+        return 1024, "AMX bf16 tiles"
+    if precision == "bf16" and "avx512_bf16" in flags:
+        return 128, "AVX-512 BF16 dot products, 2 units"
+    if "avx512f" in flags:
+        return 64, "AVX-512 FMA, 2 units (fp32 rate)"
+    if "avx2" in flags and "fma" in flags:
+        return 32, "AVX2 FMA, 2 units (fp32 rate)"
+    return 0, ""
+
+
+def _cpu_mhz() -> float:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return 0.0
+    found = re.findall(r"^cpu MHz\s*:\s*([\d.]+)", text, re.M)
+    return max((float(v) for v in found), default=0.0)

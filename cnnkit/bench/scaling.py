@@ -15,9 +15,10 @@ import torch
 
 from cnnkit.bench.model_setup import load_network, synthetic_batch
 from cnnkit.bench.throughput import make_infer_step, make_train_step, train_config
-from cnnkit.bench.timing import check_precision, device_name, measure
+from cnnkit.bench.timing import check_precision, measure
 from cnnkit.errors import ConfigError
 from cnnkit.nn import read_spec
+from cnnkit.runtime import machine_name
 
 MODES = ("train", "infer")
 
@@ -142,7 +143,7 @@ def run_scaling(
         rows.append({**row, "speedup": _speedup(results)})
     return {
         "precision": precision,
-        "devices": {str(d): device_name(d) for d in device_list},
+        "devices": {str(d): machine_name(d) for d in device_list},
         "note": note,
         "torch": torch.__version__,
         "networks": rows,

@@ -1,5 +1,11 @@
 """`cnnkit bench train|infer`: images/s, step time, achieved FLOP/s and its fraction of the
-device's measured peak (large matmul and conv timed in the same run).
+device's peak, with exactly the settings `cnnkit train` would use (train/settings.py).
+
+Everything is timed in one interleaved run: cnnkit's step, the peers (--baseline: the plain
+fp32 NCHW loop and the careful user's autocast + channels_last loop, each in its own process),
+every combination (--explore) and the peak kernels (bench/peak.py). On a GPU each timed
+measurement is a block of steps between two synchronisations (the steady state); the figure
+of single steps synchronised one by one is reported beside it.
 
 FLOPs come from the layer table's multiply-adds (conv and linear): 2 per multiply-add forward,
 and training counted as 3x the forward (backward ~ 2x forward), the usual convention.
@@ -7,57 +13,49 @@ and training counted as 3x the forward (backward ~ 2x forward), the usual conven
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from cnnkit.bench.baseline import PlainProcess
+from cnnkit.bench.baseline import PEERS, PlainProcess
 from cnnkit.bench.model_setup import forward_flops, load_network, synthetic_batch
-from cnnkit.bench.peak import measure_peak, peak_dict
-from cnnkit.bench.timing import (
-    Timing,
-    autocast,
-    check_precision,
-    device_name,
-    measure_interleaved,
-)
+from cnnkit.bench.peak import Kernel, best_rates, math_mode, peak_kernels, theoretical_peak
+from cnnkit.bench.timing import Timing, autocast, check_precision, measure, measure_interleaved
 from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
-from cnnkit.train.engine import Engine, build_engine, resolve_precision, train_step
+from cnnkit.runtime import machine_name, torch_threads
+from cnnkit.train.engine import Engine, build_engine, train_step
+from cnnkit.train.settings import Settings, candidates, choose_settings
+from cnnkit.train.settings import precisions as hardware_precisions
 
 TRAIN_FLOPS_FACTOR = 3.0  # forward + backward (grad of inputs and of weights) ~ 3x forward
 
 
-def train_config(
-    device: torch.device,
-    precision: str | None = "auto",
-    channels_last: bool | None = None,
-    compile: bool = False,
-) -> TrainConfig:
+def train_config(device: torch.device, precision: str | None = "auto",
+                 channels_last: bool | None = None, compile: bool = False,
+                 threads: int | None = None) -> TrainConfig:  # fmt: skip
     """`cnnkit train`'s default `train:` section with this device and these overrides."""
     if precision not in (None, "auto"):
         check_precision(precision, device)
-    return TrainConfig(
-        device=str(device),
-        precision=precision or "auto",
-        channels_last=channels_last,
-        compile=compile,
-    )
+    return TrainConfig(device=str(device), precision=precision or "auto",
+                       channels_last=channels_last, compile=compile, threads=threads)  # fmt: skip
 
 
-def resolve_settings(
-    device: torch.device, precision: str | None, channels_last: bool | None
-) -> tuple[str, bool]:
-    """(precision, channels_last) with 'auto' / None filled in as `cnnkit train` fills them."""
-    return resolve_precision(train_config(device, precision, channels_last), device)
+def settings_for(net: Any, device: torch.device, batch: int, precision: str | None = "auto",
+                 channels_last: bool | None = None, threads: int | None = None,
+                 num_classes: int | None = None) -> Settings:  # fmt: skip
+    """What `cnnkit train` would run `net` with (options given here count as set explicitly)."""
+    model = load_network(net, device, num_classes)
+    return choose_settings(model, train_config(device, precision, channels_last, threads=threads),
+                           device, batch)  # fmt: skip
 
 
-def make_train_step(
-    network: Network, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig
-) -> tuple[Callable[[Any], Any], Engine]:
+def make_train_step(network: Network, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+                    settings: Settings | None = None) -> tuple[Callable[[Any], Any], Engine]:  # fmt: skip
     """The training engine's real step (optimizer, precision, memory format as `cnnkit train`)."""
-    engine = build_engine(network, cfg, torch.device(cfg.device))
+    engine = build_engine(network, cfg, torch.device(cfg.device), settings=settings)
     x = engine.prepare(x)
     return (lambda _: train_step(engine, x, y)), engine
 
@@ -72,128 +70,182 @@ def make_infer_step(model: Network, x: torch.Tensor, device: torch.device, preci
     return step
 
 
-def bench_throughput(
-    net: str | dict[str, Any],
-    mode: str,
-    batch: int,
-    device: torch.device,
-    precision: str | None = "auto",
-    channels_last: bool | None = None,
-    compile: bool = False,
-    warmup: int | None = None,
-    repeats: int | None = None,
-    num_classes: int | None = None,
-    quick_peak: bool = False,
-    baseline: bool = False,
-) -> dict[str, Any]:
-    """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak.
+def _cnnkit_step(net: Any, mode: str, batch: int, device: torch.device, cfg: TrainConfig,
+                 settings: Settings, num_classes: int | None, block: int) -> Callable:  # fmt: skip
+    """`block` steps of a fresh copy of the network with `settings` (threads included)."""
+    model = load_network(net, device, num_classes)
+    x, y = synthetic_batch(model, batch, device)
+    if mode == "train":
+        step, _ = make_train_step(model, x, y, cfg, settings)
+    else:
+        if settings.channels_last and x.dim() == 4:
+            model = model.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
+        runnable = torch.compile(model) if cfg.compile else model
+        step = make_infer_step(runnable.eval(), x, device, settings.precision)
 
-    With `baseline`, a plain fp32 NCHW PyTorch loop of the same architecture is timed in the
-    same run, in a plain process of its own (PlainProcess), steps interleaved with cnnkit's,
-    and the speed-up over it is reported.
-    """
-    cfg = train_config(device, precision, channels_last, compile)
-    precision, channels_last = resolve_precision(cfg, device)  # 'auto' -> the engine's choice
-    model = load_network(net, device, num_classes, channels_last=mode == "infer" and channels_last)
-    x, y = synthetic_batch(model, batch, device, channels_last)
-    steps = {"cnnkit": _cnnkit_step(model, mode, x, y, cfg)}
-    plain = PlainProcess(model, mode, batch, device) if baseline else None
-    if plain is not None:
-        steps[plain.name] = plain
+    def run(_: Any = None) -> None:
+        with torch_threads(settings.threads):
+            for _ in range(block):
+                step(None)
+
+    return run
+
+
+def _explored(model: Network, cfg: TrainConfig, device: torch.device, chosen: Settings) -> list:
+    """Every combination of the settings `auto` would choose among (the chosen one first)."""
+    options = candidates(model, cfg, device)
+    combos = [Settings(p, cl, t, "set") for p, cl, t in itertools.product(*options.values())]
+    key = (chosen.precision, chosen.channels_last, chosen.threads)
+    return [chosen] + [c for c in combos if (c.precision, c.channels_last, c.threads) != key]
+
+
+def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: torch.device,
+                     precision: str | None = "auto", channels_last: bool | None = None,
+                     compile: bool = False, warmup: int | None = None, repeats: int | None = None,
+                     num_classes: int | None = None, quick_peak: bool = False,
+                     baseline: bool = False, threads: int | None = None, explore: bool = False,
+                     cache: Any = True) -> dict[str, Any]:  # fmt: skip
+    """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak."""
+    torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
+    cfg = train_config(device, precision, channels_last, compile, threads)
+    model = load_network(net, device, num_classes)
+    settings = choose_settings(model, cfg, device, batch, cache=cache)
+    block = 10 if device.type == "cuda" else 1
+    combos = _explored(model, cfg, device, settings) if explore else [settings]
+    steps = {
+        _key(c): _cnnkit_step(net, mode, batch, device, cfg, c, num_classes, block) for c in combos
+    }
+    peers = (
+        [PlainProcess(model, mode, batch, device, peer, block) for peer in PEERS]
+        if baseline
+        else []
+    )
+    steps.update({p.name: p for p in peers})
+    precisions = tuple(dict.fromkeys((*hardware_precisions(device), settings.precision)))
+    kernels = peak_kernels(model, batch, device, precisions, quick_peak)
+    steps.update({k.name + " " + k.precision: k.run for k in kernels})
     warmup, repeats = _counts(device, compile, warmup, repeats)
     try:
         timings = measure_interleaved(
             steps, device, warmup=warmup, repeats=repeats, max_seconds=120.0
         )
     finally:
-        if plain is not None:
-            plain.close()
-    peaks = measure_peak(device, tuple(dict.fromkeys(("fp32", "bf16", precision))), quick_peak)
-    factor = TRAIN_FLOPS_FACTOR if mode == "train" else 1.0
-    settings = {"precision": precision, "channels_last": channels_last, "compile": compile}
-    report = _report(model, mode, batch, device, settings, timings.pop("cnnkit"), factor, peaks)
-    for peer_name, timing in timings.items():
-        report["baseline"] = {
-            "name": peer_name,
-            "images_per_second": batch / timing.median,
-            "step_ms": timing.median * 1e3,
-            "step": timing.to_dict(),
-        }
-        report["speedup_vs_baseline"] = timing.median * 1e3 / report["step_ms"]
-    return report
+        for p in peers:
+            p.close()
+    synced = None
+    if block > 1:  # single steps, each synchronised: what a per-step timer sees
+        synced = measure(_cnnkit_step(net, mode, batch, device, cfg, settings, num_classes, 1),
+                         device, warmup=2, repeats=repeats)  # fmt: skip
+    return _report(model, mode, batch, device, settings, cfg, timings, block, synced, kernels,
+                   peers, combos)  # fmt: skip
 
 
-def _cnnkit_step(model: Network, mode: str, x, y, cfg: TrainConfig) -> Callable[[Any], Any]:
-    """The engine's training step, or an inference pass in the engine's precision and format."""
-    device = torch.device(cfg.device)
-    if mode == "train":
-        return make_train_step(model, x, y, cfg)[0]
-    precision, _ = resolve_precision(cfg, device)
-    runnable = torch.compile(model) if cfg.compile else model
-    model.eval()
-    return make_infer_step(runnable, x, device, precision)  # type: ignore[arg-type]
+def _key(s: Settings) -> str:
+    return f"cnnkit {s.precision} {'NHWC' if s.channels_last else 'NCHW'} {s.threads}t"
 
 
 def _counts(device: torch.device, compile: bool, warmup: int | None, repeats: int | None):
     """Warm-up and repeat counts: more on a GPU (steps are short), 2 warm-ups when compiling."""
-    default_warmup, default_repeats = (5, 30) if device.type == "cuda" else (1, 5)
+    default_warmup, default_repeats = (3, 10) if device.type == "cuda" else (1, 5)
     warmup = default_warmup if warmup is None else warmup
     return (max(warmup, 2) if compile else warmup), (
         default_repeats if repeats is None else repeats
     )
 
 
-def _report(model, mode, batch, device, settings, timing: Timing, factor, peaks) -> dict[str, Any]:
+def _rate(timing: Timing, batch: int, block: int) -> tuple[float, float]:
+    """(images/s, ms per step) of timings of `block` steps each."""
+    per_step = timing.median / block
+    return batch / per_step, per_step * 1e3
+
+
+def _per_step(timing: Timing, block: int) -> dict[str, Any]:
+    return {k: (v / block if k.endswith("_ms") else v) for k, v in timing.to_dict().items()}
+
+
+def _report(model, mode, batch, device, settings: Settings, cfg, timings, block, synced,
+            kernels: list[Kernel], peers, combos) -> dict[str, Any]:  # fmt: skip
+    factor = TRAIN_FLOPS_FACTOR if mode == "train" else 1.0
     flops_per_image = factor * forward_flops(model)
-    images_per_second = batch / timing.median
+    chosen = timings[_key(settings)]
+    images_per_second, step_ms = _rate(chosen, batch, block)
     flops_per_second = flops_per_image * images_per_second
-    peak = peaks[settings["precision"]].flops_per_second
-    return {
-        "net": model.name,
-        "mode": mode,
-        "device": str(device),
-        "hardware": device_name(device),
-        "torch": torch.__version__,
-        "batch": batch,
-        **settings,
-        "images_per_second": images_per_second,
-        "step_ms": timing.median * 1e3,
-        "step": timing.to_dict(),
-        "flops_per_image": flops_per_image,
-        "flops_per_second": flops_per_second,
-        "peak": peak_dict(peaks),
-        "peak_flops_per_second": peak,
+    peaks = best_rates(kernels, {name: t.median for name, t in timings.items()})
+    measured = peaks[settings.precision]["flops_per_second"]
+    peak = max(measured, flops_per_second)
+    paper = theoretical_peak(device, settings.precision)
+    report = {
+        "net": model.name, "mode": mode, "device": str(device), "hardware": machine_name(device),
+        "torch": torch.__version__, "batch": batch,
+        "precision": settings.precision, "channels_last": settings.channels_last,
+        "threads": settings.threads, "compile": cfg.compile, "math": math_mode(device, settings.precision),
+        "settings": {"how": settings.how, "describe": settings.describe(), "as": "cnnkit train"},
+        "images_per_second": images_per_second, "step_ms": step_ms, "step": _per_step(chosen, block),
+        "steps_per_measurement": block,
+        "flops_per_image": flops_per_image, "flops_per_second": flops_per_second,
+        "peak": peaks, "peak_flops_per_second": peak, "peak_raised": peak > measured,
         "peak_fraction": flops_per_second / peak,
-    }
+        "theoretical_peak": None if paper is None else {"flops_per_second": paper[0], "source": paper[1]},
+    }  # fmt: skip
+    if synced is not None:
+        report["synced"] = {"images_per_second": batch / synced.median, "step": synced.to_dict()}
+    for peer, name in zip(peers, PEERS, strict=False):
+        rate, ms = _rate(timings[peer.name], batch, block)
+        report["baseline" if name == "plain" else "careful"] = {
+            "name": peer.name, "images_per_second": rate, "step_ms": ms,
+            "step": _per_step(timings[peer.name], block)}  # fmt: skip
+        report[f"speedup_vs_{'baseline' if name == 'plain' else 'careful'}"] = ms / step_ms
+    if len(combos) > 1:
+        report["explore"] = [{**_combo(c), "images_per_second": _rate(timings[_key(c)], batch, block)[0],
+                              "chosen": c is settings} for c in combos]  # fmt: skip
+    return report
+
+
+def _combo(s: Settings) -> dict[str, Any]:
+    return {"precision": s.precision, "channels_last": s.channels_last, "threads": s.threads}
 
 
 def print_throughput(report: dict[str, Any], console: Any = None) -> None:
-    """A few human lines: settings, images/s, step times, FLOP/s against the peak."""
+    """A few human lines: settings, images/s, step times, FLOP/s against the peak, peers."""
     from cnnkit.nn.summary import wide_console
 
     console = console or wide_console()
     r, s = report, report["step"]
-    console.print(
-        f"{r['net']} {r['mode']}  batch {r['batch']}  {r['device']} ({r['hardware']})  "
-        f"{r['precision']}  channels_last={r['channels_last']}  compile={r['compile']}"
+    say = lambda text: console.print(text, markup=False, soft_wrap=True)  # noqa: E731
+    say(f"{r['net']} {r['mode']}  batch {r['batch']}  {r['device']} ({r['hardware']})  "
+        f"torch {r['torch']}")  # fmt: skip
+    say(f"  settings as `cnnkit train` chooses them: {r['settings']['describe']}"
+        f"{'  compile' if r['compile'] else ''}  [{r['math']}]")  # fmt: skip
+    steady = (
+        f"{r['steps_per_measurement']} steps between two syncs"
+        if r["steps_per_measurement"] > 1
+        else "each step synced"
     )
-    console.print(
-        f"  {r['images_per_second']:.1f} images/s   step median {s['median_ms']:.2f} ms  "
-        f"min {s['min_ms']:.2f}  max {s['max_ms']:.2f}  ({s['repeats']} repeats)"
-    )
-    peaks = ", ".join(
-        f"{p} {v['flops_per_second'] / 1e12:.3f} TFLOP/s ({v['kernel']})"
-        for p, v in r["peak"].items()
-    )
-    console.print(
-        f"  {r['flops_per_second'] / 1e12:.3f} TFLOP/s achieved = "
-        f"{100 * r['peak_fraction']:.1f}% of the measured {r['precision']} peak"
-    )
-    console.print(f"  measured peaks: {peaks}", markup=False, soft_wrap=True)
-    if "baseline" in r:
-        b = r["baseline"]
-        console.print(
-            f"  baseline {b['name']}: {b['images_per_second']:.1f} images/s, step median "
-            f"{b['step_ms']:.2f} ms (interleaved) -> cnnkit {r['speedup_vs_baseline']:.2f}x",
-            soft_wrap=True,
+    say(f"  {r['images_per_second']:.1f} images/s steady state ({steady}); step median "
+        f"{s['median_ms']:.2f} ms  min {s['min_ms']:.2f}  max {s['max_ms']:.2f}  ({s['repeats']} repeats)")  # fmt: skip
+    if "synced" in r:
+        say(
+            f"  {r['synced']['images_per_second']:.1f} images/s one step at a time (synced each step)"
         )
+    raised = " (raised to the step's own rate: no kernel ran faster)" if r["peak_raised"] else ""
+    say(f"  {r['flops_per_second'] / 1e12:.3f} TFLOP/s achieved = {100 * r['peak_fraction']:.1f}% "
+        f"of the measured {r['precision']} peak {r['peak_flops_per_second'] / 1e12:.3f} TFLOP/s{raised}")  # fmt: skip
+    kernels = ", ".join(
+        f"{p} {v['flops_per_second'] / 1e12:.3f} ({v['kernel']})" for p, v in r["peak"].items()
+    )
+    say(f"  measured peaks, TFLOP/s: {kernels}")
+    if r["theoretical_peak"]:
+        t = r["theoretical_peak"]
+        say(
+            f"  on paper: {t['flops_per_second'] / 1e12:.3f} TFLOP/s {r['precision']} ({t['source']})"
+        )
+    for key, label in (("baseline", "speedup_vs_baseline"), ("careful", "speedup_vs_careful")):
+        if key in r:
+            b = r[key]
+            say(f"  {key} {b['name']}: {b['images_per_second']:.1f} images/s, step median "
+                f"{b['step_ms']:.2f} ms (interleaved) -> cnnkit {r[label]:.2f}x")  # fmt: skip
+    for row in r.get("explore", []):
+        mark = "  <- chosen" if row["chosen"] else ""
+        say(f"  explore {row['precision']} {'NHWC' if row['channels_last'] else 'NCHW'} "
+            f"{row['threads']} threads: {row['images_per_second']:.1f} images/s{mark}")  # fmt: skip

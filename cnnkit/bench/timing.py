@@ -132,19 +132,3 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager:
         return nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device.type, dtype=dtype)
-
-
-def device_name(device: torch.device) -> str:
-    """A human name for the hardware: the GPU's name or the CPU's model and core count."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                model,
-            )
-    except OSError:
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"

@@ -18,14 +18,18 @@ JSON = typer.Option(False, "--json", help="End with one line of JSON holding eve
 REPEATS = typer.Option(None, "--repeats", help="Timed repeats (default: 5 on CPU, 30 on GPU).")
 WARMUP = typer.Option(None, "--warmup", help="Untimed warm-up steps first.")
 CLASSES = typer.Option(None, "--num-classes", help="Override the network's class count.")
-THREADS = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's).")
+THREADS = typer.Option(None, "--threads", help="CPU threads (default: as cnnkit train picks).")
 BASELINE = typer.Option(
     False,
     "--baseline",
-    help="Also time a plain fp32 NCHW PyTorch loop of the same network (alexnet-owt: "
-    "torchvision's alexnet) in the same run, interleaved; report the speed-up.",
+    help="Also time the same network (alexnet-owt: torchvision's alexnet) in a plain fp32 NCHW "
+    "PyTorch loop and in a careful one (autocast + channels_last), each in its own process, "
+    "interleaved in the same run; report both speed-ups.",
 )
 QUICK = typer.Option(False, "--quick", help="Small peak kernels (a smoke run, not a figure).")
+EXPLORE = typer.Option(
+    False, "--explore", help="Also time every precision / format / threads combination."
+)
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -49,19 +53,20 @@ def layers(
 ) -> None:
     """Per-layer forward and backward ms, and the whole passes timed as a whole (like caffe time).
 
-    Precision and memory format default to `cnnkit train`'s choice for the device.
+    Precision, memory format and threads are `cnnkit train`'s choice for this network here.
     """
     from cnnkit.bench.layers import bench_layers, print_layers
-    from cnnkit.bench.throughput import resolve_settings
+    from cnnkit.bench.throughput import settings_for
     from cnnkit.distributed import resolve_device
+    from cnnkit.runtime import torch_threads
 
     dev = resolve_device(device)
-    precision, channels_last = resolve_settings(dev, precision, channels_last)
-    _positive(batch=batch, repeats=repeats)
-    _set_threads(threads)
-    report = bench_layers(
-        net, batch, dev, precision, channels_last, warmup, repeats, num_classes=num_classes
-    )
+    _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
+    s = settings_for(net, dev, batch, precision, channels_last, threads, num_classes)
+    with torch_threads(s.threads):
+        report = bench_layers(net, batch, dev, s.precision, s.channels_last, warmup, repeats,
+                              num_classes=num_classes)  # fmt: skip
+    report["settings"] = s.describe()
     print_layers(report)
     _emit(report, as_json)
 
@@ -79,9 +84,11 @@ def train(
     baseline: bool = BASELINE,
     quick: bool = QUICK,
     threads: int = THREADS,
+    explore: bool = EXPLORE,
     as_json: bool = JSON,
 ) -> None:
-    """Training throughput with the engine's real step: images/s, step ms, FLOP/s vs peak."""
+    """Training throughput with the engine's real step, as `cnnkit train` would run it:
+    images/s, step ms, FLOP/s against the peak."""
     _throughput("train", **locals())
 
 
@@ -98,9 +105,11 @@ def infer(
     baseline: bool = BASELINE,
     quick: bool = QUICK,
     threads: int = THREADS,
+    explore: bool = EXPLORE,
     as_json: bool = JSON,
 ) -> None:
-    """Classification throughput (eval mode, no autograd): images/s, step ms, FLOP/s vs peak."""
+    """Classification throughput (eval mode, no autograd) with `cnnkit train`'s settings:
+    images/s, step ms, FLOP/s against the peak."""
     _throughput("infer", **locals())
 
 
@@ -143,8 +152,10 @@ def _throughput(
     from cnnkit.distributed import resolve_device
 
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
-    _set_threads(threads)
-    report = bench_throughput(net, mode, device=resolve_device(device), quick_peak=quick, **options)
+    if threads is not None:
+        _positive(threads=threads)
+    report = bench_throughput(net, mode, device=resolve_device(device), quick_peak=quick,
+                              threads=threads, **options)  # fmt: skip
     print_throughput(report)
     _emit(report, as_json)
 
@@ -155,14 +166,6 @@ def _positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ConfigError(f"--{name}: must be >= 1, got {value}")
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        _positive(threads=threads)
-        import torch
-
-        torch.set_num_threads(threads)
 
 
 def _emit(report: dict, as_json: bool) -> None:

@@ -3,9 +3,10 @@
     engine = build_engine(network, TrainConfig(), device=torch.device("cpu"))
     loss, correct = train_step(engine, x, y)   # one optimizer step on batch (x, y)
 
-`build_engine` picks what `cnnkit train` picks: device, precision (fp32 | bf16 autocast | fp16
-+ GradScaler), channels_last, optional torch.compile, the optimizer over the network's per-layer
-groups, label smoothing, clipping and accumulation. `cnnkit bench train` times `train_step`.
+`build_engine` puts the network on the device in the chosen precision (fp32 | bf16 autocast |
+fp16 + GradScaler) and memory format (train/settings.py chooses them), with optional
+torch.compile, the optimizer over the network's per-layer groups, label smoothing, clipping and
+accumulation. `cnnkit bench train` times `train_step`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 from torch import nn
 
 from cnnkit.config import TrainConfig
-from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
 from cnnkit.train.optim import build_optimizer
+from cnnkit.train.settings import Settings, static_settings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,6 +40,7 @@ class Engine:
     channels_last: bool
     accumulate: int = 1
     grad_clip: float | None = None
+    settings: Settings | None = None  # how precision, format and threads were chosen
 
     def autocast(self):
         """The autocast context of this engine's precision (a no-op for fp32)."""
@@ -53,52 +55,22 @@ class Engine:
         return x
 
 
-def default_precision(device: torch.device) -> str:
-    """The fastest precision that keeps accuracy: bf16 where the hardware has it, else fp16 on
-    CUDA (with loss scaling), else fp32."""
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return "bf16"
-    return "fp32"
-
-
-def resolve_precision(cfg: TrainConfig, device: torch.device) -> tuple[str, bool]:
-    """(precision, channels_last) for this device: the config's, or the measured defaults."""
-    precision = default_precision(device) if cfg.precision == "auto" else cfg.precision
-    if precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision: fp16 needs a CUDA device (use bf16 on CPU)")
-    channels_last = cfg.channels_last
-    if channels_last is None:  # NHWC pays off with reduced precision (oneDNN, tensor cores)
-        channels_last = precision != "fp32"
-    return precision, channels_last
-
-
-SMALL_STEP_MACS = 1e9  # below this, extra CPU threads mostly wait on each other
-
-
-def default_threads(network: Network, batch: int, cfg: TrainConfig, device: torch.device) -> int:
-    """CPU threads for training: the config's, else 1 for small steps (a tiny net's ops are too
-    short to split across threads; BENCHMARKS.md has the measurement), else all of torch's."""
-    if cfg.threads is not None:
-        return cfg.threads
-    macs = sum(layer.macs for layer in network.table) * batch
-    if device.type == "cpu" and macs < SMALL_STEP_MACS:
-        return 1
-    return torch.get_num_threads()
-
-
 def build_engine(
     network: Network,
     cfg: TrainConfig,
     device: torch.device,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     class_weights: torch.Tensor | None = None,
+    settings: Settings | None = None,
 ) -> Engine:
-    """Move the network to the device in the chosen format and build optimizer, scaler and loss
-    (`class_weights`: one weight per class in the training loss, e.g. from `balanced_weights`)."""
-    precision, channels_last = resolve_precision(cfg, device)
+    """Move the network to the device in the chosen format and build optimizer, scaler and loss.
+
+    `settings`: what `choose_settings` picked (`cnnkit train` measures them); None: the config's
+    values, the static rules for what it leaves on auto. `class_weights`: one weight per class
+    in the training loss (e.g. from `balanced_weights`).
+    """
+    settings = settings or static_settings(network, cfg, device, batch=1)
+    precision, channels_last = settings.precision, settings.channels_last
     network = network.to(device)
     if channels_last:
         network = network.to(memory_format=torch.channels_last)
@@ -119,6 +91,7 @@ def build_engine(
         channels_last=channels_last,
         accumulate=cfg.accumulate,
         grad_clip=cfg.grad_clip,
+        settings=settings,
     )
 
 

@@ -21,12 +21,13 @@ from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.nn import Network, build_model
 from cnnkit.runtime import mix_seed, seed_everything, torch_threads
-from cnnkit.train.engine import Engine, balanced_weights, build_engine, default_threads
+from cnnkit.train.engine import Engine, balanced_weights, build_engine
 from cnnkit.train.loop import Progress, StepHook, evaluate, train_one_epoch
 from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import new_run_dir, resume_config
 from cnnkit.train.saver import CheckpointWriter, MidEpochSaves
+from cnnkit.train.settings import choose_settings
 from cnnkit.train.state import RunContext, restore, training_state
 from cnnkit.train.summary import epoch_row, finish
 
@@ -132,10 +133,7 @@ def fit(
         engine = _engine(config, data, device, dist)
         if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
             torch.manual_seed(mix_seed(config.seed, dist.rank))
-        per_rank = config.data.batch_size // dist.world_size
-        stack.enter_context(
-            torch_threads(default_threads(engine.network, per_rank, config.train, device))
-        )
+        stack.enter_context(torch_threads(engine.settings.threads))
         schedule = Schedule(config.train)
         progress = restore(resume, engine, schedule) if resume else Progress()
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
@@ -155,11 +153,19 @@ def fit(
 
 
 def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Processes) -> Engine:
+    """The network built and put on the device with the settings chosen for it (rank 0's
+    choice on every rank: one precision and format for the whole group)."""
     network = build_network(config, data)
+    per_rank = config.data.batch_size // dist.world_size
+    chosen = None
+    if dist.is_main:
+        chosen = choose_settings(network, config.train, device, per_rank, config.deterministic)
+    settings = dist.broadcast_object(chosen)
     weights = None
     if config.train.class_weights == "balanced":
         weights = balanced_weights(data.train_labels, len(data.classes))
-    return build_engine(network, config.train, device, wrap=dist.wrap, class_weights=weights)
+    return build_engine(network, config.train, device, wrap=dist.wrap, class_weights=weights,
+                        settings=settings)  # fmt: skip
 
 
 def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLog:
@@ -180,11 +186,11 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
         return
     what = "resuming" if progress.global_step else "training"
     at = f" from epoch {progress.epoch + 1} step {progress.step}" if progress.global_step else ""
+    processes = f", {ctx.dist.world_size} processes" if ctx.dist.world_size > 1 else ""
     console.print(
-        f"{what} {config.name}{at}: {engine.network.name} on {engine.device} "
-        f"({engine.precision}{', channels_last' if engine.channels_last else ''}), "
-        f"{data.train.num_samples} train / {data.val.num_samples} held-out images, "
-        f"batch {config.data.batch_size} -> {ctx.run_dir}"
+        f"{what} {config.name}{at}: {engine.network.name} on {engine.device}{processes} "
+        f"({engine.settings.describe()}), {data.train.num_samples} train / "
+        f"{data.val.num_samples} held-out images, batch {config.data.batch_size} -> {ctx.run_dir}"
     )
 
 

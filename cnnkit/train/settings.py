@@ -1,0 +1,245 @@
+"""The settings a training step runs with: precision, memory format and CPU threads.
+
+`precision: auto`, `channels_last: auto` and `threads: auto` are decided by measurement, the way
+cudnn.benchmark picks kernels: the network's own forward + backward is timed on this machine
+for each candidate (interleaved, a second or two in all), the fastest wins (reduced precision
+only when it is clearly faster, since fp32 keeps the most accuracy), and the choice is cached
+per machine, torch version, network and batch in ~/.cache/cnnkit, so the next run reuses it.
+Explicit settings always win; `train.calibrate: false` or `deterministic: true` falls back to
+the static rules (a timing-dependent choice would make a run unrepeatable).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cnnkit import __version__
+from cnnkit.config import TrainConfig
+from cnnkit.errors import ConfigError
+from cnnkit.nn import Network
+from cnnkit.runtime import machine_name, torch_threads
+
+CACHE = Path("~/.cache/cnnkit/settings.json")
+SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
+TARGET_MACS = {"cpu": 3e9, "cuda": 2e12}  # work per timed call: long enough to time, short
+MARGIN = 1.03  # reduced precision must be this much faster than fp32 to be chosen
+BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
+MIN_ROUNDS, MAX_ROUNDS = 2, 5
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a training step runs with, and how that was decided."""
+
+    precision: str  # fp32 | bf16 | fp16
+    channels_last: bool
+    threads: int  # torch's intra-op CPU threads
+    how: str  # set (explicitly) | measured | cached | rules
+    speedup: float | None = None  # measured: images/s against fp32 NCHW at the same threads
+
+    def describe(self) -> str:
+        """For the start line: "bf16 autocast, channels_last, 2 threads: fastest measured (1.4x
+        fp32 NCHW)"."""
+        what = "fp32" if self.precision == "fp32" else f"{self.precision} autocast"
+        parts = [what] + (["channels_last"] if self.channels_last else [])
+        parts.append(f"{self.threads} thread{'s' * (self.threads != 1)}")
+        why = {"set": "as set", "rules": "static rules", "cached": "fastest measured (cached)",
+               "measured": "fastest measured"}[self.how]  # fmt: skip
+        plain = self.precision == "fp32" and not self.channels_last
+        if self.speedup is not None and self.how in ("measured", "cached") and not plain:
+            why += f", {self.speedup:.2f}x fp32 NCHW"
+        return f"{', '.join(parts)}: {why}"
+
+
+def precisions(device: torch.device) -> list[str]:
+    """The precisions worth trying here: bf16 where the hardware computes in it, fp16 on CUDA."""
+    if device.type == "cuda":
+        return ["fp32", "bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["fp32", "fp16"]
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return ["fp32", "bf16"]
+    return ["fp32"]
+
+
+def static_settings(network: Network, cfg: TrainConfig, device: torch.device, batch: int,
+                    how: str = "rules") -> Settings:  # fmt: skip
+    """The rules without measuring: reduced precision where the hardware has it, NHWC with it,
+    one CPU thread for small steps; the config's own values where it sets them."""
+    precision = cfg.precision
+    if precision == "auto":  # bf16 where the hardware has it, else fp16 on CUDA, else fp32
+        tried = precisions(device)
+        precision = "bf16" if "bf16" in tried else ("fp16" if "fp16" in tried else "fp32")
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision: fp16 needs a CUDA device (use bf16 on CPU)")
+    image = len(network.input_shape) == 3
+    channels_last = cfg.channels_last if cfg.channels_last is not None else precision != "fp32"
+    threads = cfg.threads or torch.get_num_threads()
+    if cfg.threads is None and device.type == "cpu" and _macs(network) * batch < SMALL_STEP_MACS:
+        threads = 1
+    return Settings(precision, bool(channels_last and image), threads, how)
+
+
+def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, batch: int,
+                    deterministic: bool = False, cache: Path | bool = True) -> Settings:  # fmt: skip
+    """The settings `cnnkit train` runs `network` with at `batch` images per step on `device`
+    (`cache`: True for the user's cache file CACHE, False for none, or a file)."""
+    cache = CACHE if cache is True else (cache or None)
+    explicit = cfg.precision != "auto" and cfg.channels_last is not None
+    explicit = explicit and (cfg.threads is not None or device.type != "cpu")
+    if explicit:
+        return static_settings(network, cfg, device, batch, how="set")
+    if not cfg.calibrate or deterministic:
+        return static_settings(network, cfg, device, batch)
+    key = _cache_key(network, cfg, device, batch)
+    found = _read_cache(cache).get(key) if cache else None
+    if found is not None:
+        return Settings(**{**found, "how": "cached"})
+    chosen = measure_settings(network, cfg, device, batch)
+    if cache is not None:
+        _write_cache(cache, key, chosen)
+    return chosen
+
+
+def candidates(network: Network, cfg: TrainConfig, device: torch.device) -> dict[str, list]:
+    """Values to try per setting (a setting the config fixes has one)."""
+    image = len(network.input_shape) == 3
+    formats = [cfg.channels_last] if cfg.channels_last is not None else [False, True]
+    most = torch.get_num_threads()
+    threads = sorted({1, max(1, most // 2), most}) if device.type == "cpu" else [most]
+    return {
+        "precision": [cfg.precision] if cfg.precision != "auto" else precisions(device),
+        "channels_last": formats if image else [False],
+        "threads": [cfg.threads] if cfg.threads is not None else threads,
+    }
+
+
+def measure_settings(network: Network, cfg: TrainConfig, device: torch.device,
+                     batch: int) -> Settings:  # fmt: skip
+    """Time every candidate (precision x format x threads; the best format can depend on the
+    thread count) and return the fastest, with its speed-up over fp32 NCHW at its threads."""
+    options = candidates(network, cfg, device)
+    grid = list(itertools.product(*options.values()))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        times = _StepTimer(network, device, batch).run(grid)
+    chosen = _fastest(times)
+    base = times.get(("fp32", False, chosen[2]), times[chosen])
+    return Settings(*chosen, how="measured", speedup=base / times[chosen])
+
+
+def _fastest(times: dict[tuple, float]) -> tuple:
+    """The fastest candidate; a reduced precision only if MARGIN faster than fp32's best."""
+    best = min(times, key=times.get)
+    fp32 = [c for c in times if c[0] == "fp32"]
+    if best[0] != "fp32" and fp32:
+        best_fp32 = min(fp32, key=times.get)
+        if times[best_fp32] <= times[best] * MARGIN:
+            return best_fp32
+    return best
+
+
+class _StepTimer:
+    """Times forward + backward of copies of the network (one per memory format) on a fixed
+    random batch, candidates interleaved round by round; seconds per image, median."""
+
+    def __init__(self, network: Network, device: torch.device, batch: int) -> None:
+        self.device = device
+        per_image = max(_macs(network), 1)
+        self.batch = min(
+            batch, max(min(batch, 8), int(TARGET_MACS.get(device.type, 3e9) / per_image))
+        )
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn((self.batch, *network.input_shape), generator=g).to(device)
+        self.y = torch.randint(0, max(network.num_classes or 1, 1), (self.batch,), generator=g).to(
+            device
+        )
+        self.models: dict[bool, Any] = {}
+        self.network = network
+        self.done: dict[tuple, float] = {}
+
+    def _model(self, channels_last: bool):
+        if channels_last not in self.models:
+            model = copy.deepcopy(self.network).to(self.device).train()
+            if channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            self.models[channels_last] = model
+        return self.models[channels_last]
+
+    def _call(self, candidate: tuple) -> float:
+        precision, channels_last, threads = candidate
+        model = self._model(channels_last)
+        x = self.x.contiguous(memory_format=torch.channels_last) if channels_last else self.x
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        with torch_threads(threads):
+            _sync(self.device)
+            start = time.perf_counter()
+            with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), self.y)
+            loss.backward()
+            _sync(self.device)
+            seconds = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return seconds / self.batch
+
+    def run(self, cands: list[tuple]) -> dict[tuple, float]:
+        """Median seconds per image of each candidate not timed yet (and those already)."""
+        todo = [c for c in dict.fromkeys(cands) if c not in self.done]
+        for c in todo:  # warm-up: kernels chosen, memory allocated
+            self._call(c)
+        seconds: dict[tuple, list[float]] = {c: [] for c in todo}
+        start = time.perf_counter()
+        for r in range(MAX_ROUNDS if todo else 0):
+            for c in todo if r % 2 == 0 else todo[::-1]:
+                seconds[c].append(self._call(c))
+            if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > BUDGET_S:
+                break
+        self.done.update({c: statistics.median(s) for c, s in seconds.items()})
+        return {c: self.done[c] for c in dict.fromkeys(cands)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _macs(network: Network) -> int:
+    return sum(row.macs for row in network.table)
+
+
+def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int) -> str:
+    fixed = {k: getattr(cfg, k) for k in ("precision", "channels_last", "threads")}
+    parts = [machine_name(device), torch.__version__, __version__, batch, fixed,
+             json.dumps(network.spec, sort_keys=True, default=str), network.num_classes]  # fmt: skip
+    return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.expanduser().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, key: str, settings: Settings) -> None:
+    """Add one entry (atomically; a cache that cannot be written is only a missed speed-up)."""
+    path = path.expanduser()
+    entries = _read_cache(path)
+    entries[key] = {k: v for k, v in asdict(settings).items() if k != "how"}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass

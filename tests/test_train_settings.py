@@ -1,0 +1,89 @@
+"""Precision, memory format and threads: measured on this machine (each candidate timed,
+interleaved), cached per machine / torch / network / batch, explicit settings winning, static
+rules when measuring is off; the benchmark uses exactly what training uses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cnnkit.bench.throughput import bench_throughput
+from cnnkit.config import TrainConfig
+from cnnkit.nn import build_model
+from cnnkit.train import settings as settings_module
+from cnnkit.train.settings import MARGIN, Settings, _fastest, choose_settings, static_settings
+
+CPU = torch.device("cpu")
+
+
+def test_explicit_settings_win_and_no_measuring_uses_the_rules(tmp_path):
+    net = build_model("digitnet")
+    cfg = TrainConfig(precision="fp32", channels_last=True, threads=1)
+    s = choose_settings(net, cfg, CPU, 64, cache=tmp_path / "c.json")
+    assert (s.precision, s.channels_last, s.threads, s.how) == ("fp32", True, 1, "set")
+    assert not (tmp_path / "c.json").exists()  # nothing measured
+    rules = choose_settings(net, TrainConfig(calibrate=False), CPU, 64, cache=tmp_path / "c.json")
+    assert rules.how == "rules" and rules == static_settings(net, TrainConfig(), CPU, 64)
+    assert choose_settings(net, TrainConfig(), CPU, 64, deterministic=True).how == "rules"
+
+
+def test_measured_once_then_cached_per_batch(tmp_path, monkeypatch):
+    net, cache = build_model("digitnet"), tmp_path / "c.json"
+    timed = []
+    real = settings_module._StepTimer.run
+    monkeypatch.setattr(settings_module._StepTimer, "run",
+                        lambda self, c: timed.append(len(c)) or real(self, c))  # fmt: skip
+    rng = torch.get_rng_state()
+    first = choose_settings(net, TrainConfig(), CPU, 64, cache=cache)
+    assert torch.equal(rng, torch.get_rng_state())  # calibration draws from its own generators
+    again = choose_settings(net, TrainConfig(), CPU, 64, cache=cache)
+    assert first.how == "measured" and again.how == "cached" and len(timed) == 1
+    assert (again.precision, again.channels_last, again.threads) == (
+        first.precision, first.channels_last, first.threads)  # fmt: skip
+    choose_settings(net, TrainConfig(), CPU, 32, cache=cache)  # another batch: measured anew
+    assert len(timed) == 2 and len(json.loads(cache.read_text())) == 2
+    grid = timed[0]  # every combination: precisions x 2 formats x thread counts
+    assert grid == len(settings_module.precisions(CPU)) * 2 * len({1, max(1, torch.get_num_threads() // 2), torch.get_num_threads()})
+
+
+def test_the_fastest_wins_reduced_precision_only_when_clearly_faster():
+    times = {("fp32", False, 1): 1.0, ("fp32", True, 1): 0.9, ("bf16", True, 1): 0.89}
+    assert _fastest(times) == ("fp32", True, 1)  # bf16 under MARGIN faster: fp32 keeps accuracy
+    times[("bf16", True, 1)] = 0.9 / MARGIN / 1.01
+    assert _fastest(times) == ("bf16", True, 1)
+    times[("fp32", False, 2)] = 0.5
+    assert _fastest(times) == ("fp32", False, 2)
+
+
+def test_describe_says_what_and_why():
+    s = Settings("bf16", True, 2, "measured", speedup=1.4)
+    assert s.describe() == "bf16 autocast, channels_last, 2 threads: fastest measured, 1.40x fp32 NCHW"
+    assert Settings("fp32", False, 1, "rules").describe() == "fp32, 1 thread: static rules"
+
+
+def test_bench_runs_what_train_would_choose(tmp_path, monkeypatch):
+    monkeypatch.setattr(settings_module, "CACHE", tmp_path / "c.json")
+    net = build_model("digitnet")
+    chosen = choose_settings(net, TrainConfig(device="cpu"), CPU, 16)
+    r = bench_throughput("digitnet", "train", 16, CPU, repeats=2, quick_peak=True, explore=True)
+    assert (r["precision"], r["channels_last"], r["threads"]) == (
+        chosen.precision, chosen.channels_last, chosen.threads)  # fmt: skip
+    assert r["settings"]["how"] == "cached" and r["settings"]["as"] == "cnnkit train"
+    marked = [row for row in r["explore"] if row["chosen"]]
+    assert len(marked) == 1 and len(r["explore"]) > 1
+    assert marked[0] == {**{k: r[k] for k in ("precision", "channels_last", "threads")},
+                         "images_per_second": r["images_per_second"], "chosen": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [None, 1])
+def test_train_prints_the_choice_on_its_start_line(tmp_path, capsys, threads):
+    from helpers import cli_ok
+
+    extra = [f"train.threads={threads}"] if threads else []
+    cli_ok(["train", "digits", "--out", str(tmp_path / "r"), "train.epochs=1", *extra])
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("training digits"))
+    assert "fastest measured" in line or "as set" in line or "static rules" in line
+    assert ("1 thread" in line) if threads == 1 else True
