@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU measurement of cnnkit in one run, sized for < 8 minutes on one H200:
-#   AlexNet training (bench train) in bf16 / fp16, channels_last on / off, torch.compile on / off,
-#   fp32 and inference for reference; per-layer times; cnnkit vs torchvision's plain loop;
-#   `cnnkit train` from synthetic and from packed data; the loader; the CPU/GPU scaling study.
+#   the CUDA tests (pytest -m gpu); AlexNet training (bench train --explore: bf16 / fp16 / fp32 x
+#   NHWC / NCHW in one interleaved run, with the plain and the careful torchvision peers) at
+#   batch 256 and 1024, the 2012 AlexNet, inference, per-layer times; `cnnkit train` from
+#   synthetic data and from packed data (raw and JPEG shards decoded on the GPU); the loader
+#   (raw shards, JPEG shards on the CPU and on the GPU); a one-process NCCL DDP run and a
+#   `sync: average` run; the CPU/GPU scaling study in fp32 and bf16; torch.compile last.
 #
-#   bash benchmarks/gpu.sh OUT_DIR        # results: OUT_DIR/*.log, *.json, summary.txt
+#   bash benchmarks/gpu_wheels.sh            # here, once: the wheels the GPU image lacks -> .whl/
+#   bash benchmarks/gpu.sh OUT_DIR           # there; results: OUT_DIR/*.log, *.json, summary.json
 #
 # Without a CUDA device it writes OUT_DIR/skipped.txt, skips every GPU part and exits 0.
 # Each step has its own time limit and the whole run a budget (BUDGET_S, default 470 s):
@@ -16,17 +20,22 @@ BUDGET_S=${BUDGET_S:-470}
 SMOKE=${SMOKE:-0}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 START=$(date +%s)
 cd "$REPO"
+if [[ -d .whl ]] && ls .whl/*.whl > /dev/null 2>&1; then  # pydantic, simplejpeg, ... (gpu_wheels.sh)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/cnnkit-site .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheels: failed" >> "$OUT/steps.txt"
+    export PYTHONPATH="/tmp/cnnkit-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ $SMOKE == 1 ]]; then
-    DEV=cpu B=4 REPEATS=2 TRAIN_SIZE=16 PER_CLASS=4 QUICK=--quick COMPILE=--no-compile FP16=bf16
-    WORKERS=2 LAYER_REPEATS=2
+    DEV=cpu B=4 BIG=8 REPEATS=2 PER_CLASS=4 QUICK=--quick COMPILE=--no-compile WORKERS=2
+    LAYER_REPEATS=2 EPOCHS=2 NPROC_DEV=cpu
 else
-    DEV=cuda B=256 REPEATS=20 TRAIN_SIZE=10240 PER_CLASS=200 QUICK= COMPILE=--compile FP16=fp16
-    WORKERS=8 LAYER_REPEATS=10
+    DEV=cuda B=256 BIG=1024 REPEATS=10 PER_CLASS=1200 QUICK= COMPILE=--compile WORKERS=15
+    LAYER_REPEATS=10 EPOCHS=4 NPROC_DEV=cuda
 fi
 if [[ $DEV == cuda ]] &&
     ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -34,12 +43,14 @@ if [[ $DEV == cuda ]] &&
     exit 0
 fi
 "$PY" - > "$OUT/hardware.txt" <<'PY'
-import platform, torch
+import os, platform, torch
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print("gpu:", gpu, "| torch", torch.__version__, "| cuda", torch.version.cuda)
-print("cpu:", platform.processor() or platform.machine(), "| threads", torch.get_num_threads())
+print("cpu:", platform.processor() or platform.machine(), "| cores", len(os.sched_getaffinity(0)))
 PY
 date -u +"%Y-%m-%dT%H:%M:%SZ" >> "$OUT/hardware.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,memory.total,power.limit \
+    --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
 
 # step NAME LIMIT_S COMMAND...: run with a time limit, stdout to NAME.log, last line to NAME.json
 step() {
@@ -59,80 +70,62 @@ step() {
 }
 
 CK=("$PY" -m cnnkit)
-T=("${CK[@]}" bench train alexnet-owt -b "$B" -d "$DEV" --repeats "$REPEATS" $QUICK --json)
-# Order: every kind of figure early; torch.compile (minutes of compiling) last, where the budget
-# check drops it first if earlier steps ran long.
-# 1. training throughput of the flagship (the headline figures first), inference
-step train_bf16_cl         60 "${T[@]}" -p bf16 --channels-last
-step train_fp16_cl         60 "${T[@]}" -p "$FP16" --channels-last
-step train_bf16_nchw       60 "${T[@]}" -p bf16 --no-channels-last
-step train_fp16_nchw       60 "${T[@]}" -p "$FP16" --no-channels-last
-step train_fp32_nchw       60 "${T[@]}" -p fp32 --no-channels-last
-step infer_bf16_cl         60 "${CK[@]}" bench infer alexnet-owt -b "$B" -d "$DEV" -p bf16 $QUICK --json
-# 2. the peer comparison
-step vs_torchvision        90 "$PY" benchmarks/train_vs_torchvision.py --device "$DEV" --batch "$B" \
-    --repeats "$REPEATS" --warmup 3 --json
-# 3. real training runs: synthetic data, then packed data (synthesised, packed, trained, loaded)
+T=("${CK[@]}" bench train -d "$DEV" --repeats "$REPEATS" $QUICK --json)
+# 0. the CUDA tests first: if the path is broken, the figures below say little
+if [[ $DEV == cuda ]]; then
+    step gpu_tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
+fi
+# 1. training throughput of the flagship: every precision x format in one interleaved run
+step train_owt_256_explore  90 "${T[@]}" alexnet-owt -b "$B" --explore --baseline
+step train_owt_1024_bf16    60 "${T[@]}" alexnet-owt -b "$BIG" -p bf16 --channels-last
+step train_alexnet2012      60 "${T[@]}" alexnet -b "$B"
+step infer_owt              45 "${CK[@]}" bench infer alexnet-owt -b "$B" -d "$DEV" $QUICK --json
+# 2. the data: synthesised JPEGs packed raw and as JPEG shards; the loader alone on each
 RUN="$OUT/runs"
 mkdir -p "$RUN"
+step synth_shapes           60 "${CK[@]}" synth shapes "$RUN/shapes" --classes 10 \
+    --per-class "$PER_CLASS" --size 256
+step pack_raw               45 "${CK[@]}" pack "$RUN/shapes" "$RUN/raw" --size 256
+step pack_jpeg              45 "${CK[@]}" pack "$RUN/shapes" "$RUN/jpeg" --size 256 --format jpeg
+L=("${CK[@]}" bench loader -b "$B" --batches 30 -d "$DEV" --crop 224 --json)
+step loader_raw             40 "${L[@]}" "$RUN/raw"
+step loader_jpeg_cpu        40 "${L[@]}" "$RUN/jpeg"
+step loader_jpeg_gpu        40 "${L[@]}" "$RUN/jpeg" --decode gpu
+# 3. real training runs: synthetic data, packed raw shards, JPEG shards decoded on the GPU
 cat > "$RUN/synthetic.yaml" <<YAML
 name: alexnet-synthetic
 model: alexnet-owt
-data: {source: synthetic, shape: [3, 224, 224], num_classes: 1000, train_size: $TRAIN_SIZE,
+data: {source: synthetic, shape: [3, 224, 224], num_classes: 1000, train_size: $(( B * 40 )),
        val_size: $B, batch_size: $B}
 train: {epochs: 2, device: $DEV}
 YAML
-step train_synthetic       90 "${CK[@]}" train "$RUN/synthetic.yaml" --out "$RUN/synthetic" --quiet
-step synth_shapes          60 "${CK[@]}" synth shapes "$RUN/shapes" --classes 10 \
-    --per-class "$PER_CLASS" --size 256
-step pack                  60 "${CK[@]}" pack "$RUN/shapes" "$RUN/packed" --size 256
-cat > "$RUN/packed.yaml" <<YAML
-name: alexnet-packed
+for kind in raw jpeg; do
+    decode=cpu; [[ $kind == jpeg ]] && decode=gpu
+    cat > "$RUN/$kind.yaml" <<YAML
+name: alexnet-$kind
 model: alexnet-owt
-data: {source: packed, path: $RUN/packed, crop: 224, batch_size: $B, workers: $WORKERS}
-train: {epochs: 3, device: $DEV}
+data: {source: packed, path: $RUN/$kind, crop: 224, batch_size: $B, decode: $decode}
+train: {epochs: $EPOCHS, device: $DEV, optimizer: sgd, lr: 0.01}
 YAML
-step train_packed          90 "${CK[@]}" train "$RUN/packed.yaml" --out "$RUN/packed-run" --quiet
-step loader                60 "${CK[@]}" bench loader "$RUN/packed" -j "$WORKERS" -b "$B" --batches 20 \
-    -d "$DEV" --crop 224 --json
-# 4. the scaling study (CPU half and GPU half in one run), per-layer times, the 2012 AlexNet
-step scaling              150 "${CK[@]}" bench scaling --devices "cpu,$DEV" -o "$OUT/scaling" $QUICK --json
-step layers_bf16           60 "${CK[@]}" bench layers alexnet-owt -b "$B" -d "$DEV" -p bf16 \
-    --channels-last --repeats "$LAYER_REPEATS" --json
-step train_alexnet2012_bf16 60 "${CK[@]}" bench train alexnet -b "$B" -d "$DEV" -p bf16 $QUICK --json
-# 5. torch.compile
-step train_bf16_cl_compile 120 "${T[@]}" -p bf16 --channels-last "$COMPILE"
-step train_fp16_cl_compile 120 "${T[@]}" -p "$FP16" --channels-last "$COMPILE"
+done
+step train_synthetic        60 "${CK[@]}" train "$RUN/synthetic.yaml" --out "$RUN/synthetic" --quiet
+step train_packed_raw       75 "${CK[@]}" train "$RUN/raw.yaml" --out "$RUN/packed-raw" --quiet
+step train_packed_jpeg_gpu  75 "${CK[@]}" train "$RUN/jpeg.yaml" --out "$RUN/packed-jpeg" --quiet
+# 4. one-process NCCL groups: DDP and the first seed's weight averaging
+step ddp_nccl               60 "${CK[@]}" train "$RUN/raw.yaml" --nproc 1 --out "$RUN/ddp" --quiet \
+    train.epochs=1 "train.device=$NPROC_DEV"
+step average_nccl           60 "${CK[@]}" train "$RUN/raw.yaml" --nproc 1 --out "$RUN/avg" --quiet \
+    train.epochs=1 train.sync=average "train.device=$NPROC_DEV"
+# 5. per-layer times, the scaling study (CPU and GPU halves) in fp32 and bf16
+step layers_owt             45 "${CK[@]}" bench layers alexnet-owt -b "$B" -d "$DEV" \
+    --repeats "$LAYER_REPEATS" --json
+step scaling_fp32          100 "${CK[@]}" bench scaling --devices "cpu,$DEV" -o "$OUT/scaling-fp32" $QUICK --json
+step scaling_bf16           80 "${CK[@]}" bench scaling --devices "cpu,$DEV" -p bf16 -o "$OUT/scaling-bf16" \
+    --quick --json
+# 6. torch.compile (minutes of compiling): last, where the budget check drops it first
+step train_owt_compile     100 "${T[@]}" alexnet-owt -b "$B" -p bf16 --channels-last "$COMPILE"
 rm -rf "$RUN/shapes"  # the JPEGs are only input; the results stay
 
-"$PY" - "$OUT" > "$OUT/summary.txt" <<'PY'
-import glob, json, os, sys
-out = sys.argv[1]
-for path in sorted(glob.glob(os.path.join(out, "*.json"))):
-    r = json.load(open(path))
-    name = os.path.basename(path)[:-5]
-    if "images_per_second" in r and "peak_fraction" in r:
-        print(f"{name:24s} {r['images_per_second']:10.1f} images/s  step {r['step_ms']:8.2f} ms  "
-              f"{r['flops_per_second'] / 1e12:7.2f} TFLOP/s  {100 * r['peak_fraction']:5.1f}% of peak")
-    elif "ratio" in r:
-        print(f"{name:24s} cnnkit / torchvision = {r['ratio']:.2f}x")
-    elif "forward_sum_ms" in r:
-        print(f"{name:24s} step {r['step_ms']:.2f} ms as a whole; forward sum {r['forward_sum_ms']:.2f}"
-              f" vs whole {r['forward_whole_ms']:.2f} ms; backward sum {r['backward_sum_ms']:.2f}"
-              f" vs whole {r['backward_whole_ms']:.2f} ms")
-    elif "images_per_second" in r:
-        print(f"{name:24s} {r['images_per_second']:10.1f} images/s")
-    elif "networks" in r:
-        for n in r["networks"]:
-            s = n["speedup"] or {}
-            print(f"scaling {n['name']:16s} {n['macs'] / 1e6:9.1f} M mult-adds  GPU/CPU speed-up "
-                  f"train {s.get('train', float('nan')):6.1f}x  classify {s.get('infer', float('nan')):6.1f}x")
-    else:
-        print(f"{name:24s} {json.dumps(r)[:160]}")
-for run in sorted(glob.glob(os.path.join(out, "runs", "*", "summary.json"))):
-    s = json.load(open(run))
-    print(f"cnnkit train {run.split(os.sep)[-2]:12s} {s.get('images_per_second')} images/s, "
-          f"{s.get('wall_seconds')} s wall")
-PY
+"$PY" benchmarks/gpu_summary.py "$OUT" > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 echo "total $(( $(date +%s) - START ))s; results in $OUT"

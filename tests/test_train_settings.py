@@ -45,7 +45,9 @@ def test_measured_once_then_cached_per_batch(tmp_path, monkeypatch):
     choose_settings(net, TrainConfig(), CPU, 32, cache=cache)  # another batch: measured anew
     assert len(timed) == 2 and len(json.loads(cache.read_text())) == 2
     grid = timed[0]  # every combination: precisions x 2 formats x thread counts
-    assert grid == len(settings_module.precisions(CPU)) * 2 * len({1, max(1, torch.get_num_threads() // 2), torch.get_num_threads()})
+    assert grid == len(settings_module.precisions(CPU)) * 2 * len(
+        {1, max(1, torch.get_num_threads() // 2), torch.get_num_threads()}
+    )
 
 
 def test_the_fastest_wins_reduced_precision_only_when_clearly_faster():
@@ -59,7 +61,9 @@ def test_the_fastest_wins_reduced_precision_only_when_clearly_faster():
 
 def test_describe_says_what_and_why():
     s = Settings("bf16", True, 2, "measured", speedup=1.4)
-    assert s.describe() == "bf16 autocast, channels_last, 2 threads: fastest measured, 1.40x fp32 NCHW"
+    assert (
+        s.describe() == "bf16 autocast, channels_last, 2 threads: fastest measured, 1.40x fp32 NCHW"
+    )
     assert Settings("fp32", False, 1, "rules").describe() == "fp32, 1 thread: static rules"
 
 

@@ -1,0 +1,105 @@
+"""The CUDA path end to end (run by `pytest -m gpu` on a GPU machine; skipped elsewhere):
+training through validation, evaluation and 10-crop on the device, the page-locked slot ring,
+JPEGs decoded on the GPU, a one-process NCCL group, and the benchmark's steady-state figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnnkit.config import validate_run
+from cnnkit.data import data_config
+from cnnkit.data.pack import pack_folder
+from cnnkit.data.synth import synth_shapes
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
+NET = Path(__file__).parent / "data" / "tiny_alexnet.yaml"  # input 20x20
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu")
+    synth_shapes(root / "src", classes=4, per_class=12, size=32)
+    pack_folder(root / "src", root / "raw", size=24, progress=False)
+    pack_folder(root / "src", root / "jpeg", size=24, format="jpeg", quality=95, progress=False)
+    return root
+
+
+def test_training_on_cuda_validates_evaluates_and_tencrops(shapes, tmp_path):
+    from cnnkit.train.evaluation import evaluate_checkpoint
+    from cnnkit.train.run import fit
+
+    run = {"name": "g", "model": str(NET),
+           "data": {"source": "packed", "path": str(shapes / "raw"), "crop": 20, "batch_size": 8,
+                    "val_fraction": 0.25, "workers": 2},
+           "train": {"epochs": 2, "device": "cuda", "optimizer": "adam", "lr": 0.003}}  # fmt: skip
+    summary = fit(validate_run(run), tmp_path / "run", quiet=True)
+    assert summary["device"].startswith("cuda") and summary["epochs"] == 2
+    plain = evaluate_checkpoint(tmp_path / "run", device="cuda")
+    ten = evaluate_checkpoint(tmp_path / "run", device="cuda", tencrop=True)
+    assert plain["images"] == ten["images"] == 12 and 0 <= ten["tencrop"]["top1"] <= 1
+    on_cpu = evaluate_checkpoint(tmp_path / "run", device="cpu")
+    assert plain["top1"] == pytest.approx(on_cpu["top1"], abs=1 / 12)
+
+
+def test_slot_ring_is_page_locked_and_cuda_batches_equal_cpu_ones(shapes):
+    section = {"source": "packed", "path": str(shapes / "raw"), "batch_size": 4, "crop": 20,
+               "val_fraction": 0.25, "workers": 2}  # fmt: skip
+    cpu, gpu = data_config(section).build(CPU), data_config(section).build(CUDA)
+    gpu.train.set_epoch(1)
+    cpu.train.mode = "whole"  # the CUDA path's crops: whole images, cut by the device
+    cpu.train.set_epoch(1)
+    for (x1, y1), (x2, y2) in zip(cpu.train, gpu.train, strict=True):
+        assert x2.is_cuda and torch.equal(y1, y2.cpu())
+        torch.testing.assert_close(x1, x2.cpu(), rtol=1e-5, atol=1e-4)
+    assert gpu.train._ring is not None and gpu.train._ring.pinned
+
+
+@pytest.mark.parametrize("source", ["folder", "jpeg"])
+def test_jpegs_decoded_on_the_gpu_equal_the_workers_decoding(shapes, source):
+    if source == "folder":
+        section = {"source": "folder", "path": str(shapes / "src"), "size": 24}
+    else:
+        section = {"source": "packed", "path": str(shapes / "jpeg")}
+    section.update(batch_size=4, crop=20, val_fraction=0.25, workers=2)
+    cpu = data_config(section).build(CUDA)
+    gpu = data_config({**section, "decode": "gpu"}).build(CUDA)
+    assert gpu.train.mode == "encoded"
+    for a, b in ((cpu.val, gpu.val), (cpu.train, gpu.train)):
+        a.set_epoch(1), b.set_epoch(1)
+        for (x1, y1), (x2, y2) in zip(a, b, strict=True):
+            assert torch.equal(y1, y2)
+            # nvJPEG's IDCT and colour conversion differ from libjpeg-turbo by a few levels
+            assert (x1 - x2).abs().mean() < 0.05 and (x1 - x2).abs().max() < 0.5
+
+
+def test_one_process_nccl_group_trains_with_ddp_and_averaging(tmp_path):
+    for sync in ("ddp", "average"):
+        out = tmp_path / sync
+        cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "1", "--out", str(out),
+               "--quiet", "train.epochs=1", "train.device=cuda", f"train.sync={sync}"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["world_size"] == 1 and summary["device"].startswith("cuda")
+
+
+def test_bench_reports_steady_state_synced_and_tf32():
+    from cnnkit.bench.throughput import bench_throughput
+
+    r = bench_throughput("alexnet-owt", "train", 32, CUDA, precision="fp32", repeats=3,
+                         quick_peak=True, baseline=True)  # fmt: skip
+    assert r["steps_per_measurement"] > 1 and r["synced"]["images_per_second"] > 0
+    assert "TF32" in r["math"] or "true fp32" in r["math"]
+    assert r["peak_fraction"] <= 1 and r["theoretical_peak"] is not None
+    assert r["speedup_vs_baseline"] > 0 and r["speedup_vs_careful"] > 0
