@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import colorsys
 import math
+import multiprocessing as mp
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from cnnkit.errors import ConfigError
+from cnnkit.runtime import available_cores
 
 SHAPES = (
     "circle",
@@ -96,19 +98,32 @@ def draw_example(rng: np.random.Generator, class_index: int, size: int) -> Image
     return im.filter(ImageFilter.GaussianBlur(rng.uniform(0, 1.0)))
 
 
+def _write_class(job: tuple[str, int, str, int, int, int, int]) -> None:
+    """All images of one class (its own seeded generator: the same files in any process)."""
+    dst, k, name, per_class, size, seed, quality = job
+    folder = Path(dst) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng([seed, k])
+    for i in range(per_class):
+        draw_example(rng, k, size).save(folder / f"{name}_{i:05d}.JPEG", quality=quality)
+
+
 def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size: int = 256,
-                 seed: int = 0, quality: int = 90) -> list[str]:  # fmt: skip
-    """Write DST/<class>/<class>_<i>.JPEG for each class; returns the class names."""
+                 seed: int = 0, quality: int = 90, workers: int | None = None) -> list[str]:  # fmt: skip
+    """Write DST/<class>/<class>_<i>.JPEG for each class, classes in parallel processes
+    (`workers`: default the cores available); returns the class names."""
     limit = len(SHAPES) * len(COLOURS)
     if not 1 <= classes <= limit:
         raise ConfigError(f"--classes: must be 1..{limit}, got {classes}")
     if per_class < 1 or size < 8:
         raise ConfigError("--per-class must be >= 1 and --size >= 8")
     names = class_names(classes)
-    for k, name in enumerate(names):
-        folder = Path(dst) / name
-        folder.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng([seed, k])
-        for i in range(per_class):
-            draw_example(rng, k, size).save(folder / f"{name}_{i:05d}.JPEG", quality=quality)
+    jobs = [(str(dst), k, name, per_class, size, seed, quality) for k, name in enumerate(names)]
+    workers = min(workers or available_cores(), len(jobs))
+    if workers <= 1 or per_class * classes < 64:  # a pool costs more than it saves
+        for job in jobs:
+            _write_class(job)
+        return names
+    with mp.Pool(workers) as pool:  # the platform default: fork on Linux (no re-import)
+        pool.map(_write_class, jobs)
     return names
