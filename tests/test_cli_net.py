@@ -22,6 +22,11 @@ def test_info_ends_with_parameter_total(name, total, capsys):
     assert "(256, 6, 6)" not in out and "256x6x6" in out
 
 
+def test_info_resnet50_counts_torchvisions_parameters(capsys):
+    code, out, _ = run_cli(["info", "resnet50"], capsys)
+    assert code == 0 and "parameters: 25,557,032" in out and "layer4.2.relu3" in out
+
+
 def test_kernel_larger_than_input_exits_2_naming_the_layer(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(
