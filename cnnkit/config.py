@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from cnnkit.errors import ConfigError
+from cnnkit.yamlio import load_yaml, read_yaml
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
@@ -140,7 +141,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key or not re.match(r"^[A-Za-z_][\w.]*$", key):
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.02")
     try:
-        value = yaml.safe_load(text) if text else ""
+        value = load_yaml(text) if text else ""
     except yaml.YAMLError:
         value = text
     node = raw
@@ -174,7 +175,7 @@ def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | 
             )
         path = net_path(str(run))
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path)
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read the run file: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or "model" not in data:
