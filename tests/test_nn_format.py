@@ -1,11 +1,15 @@
 """The network file's composition: stages, nested and sequential blocks, arithmetic on
 parameters, `$in_channels`, conditional layers, and the one-line errors each one gives."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from cnnkit import ConfigError, build_model
+from cnnkit.yamlio import load_yaml
 
 
 def net(*layers, blocks=None, **extra):
@@ -220,3 +224,14 @@ def test_absurd_sizes_are_refused_naming_the_memory():
     )
     with pytest.raises(ConfigError, match="activation values per image"):
         build_model(wide, device="meta")
+
+
+def test_the_readme_example_builds_as_it_says():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    example = re.search(r"```yaml\n(.*?)```", readme.split("## The network file")[1], re.S)
+    model = build_model(load_yaml(example.group(1))["model"])
+    names = [row.name for row in model.table]
+    assert "layer2.0.downsample.0" in names and "layer2.0.downsample.1" in names
+    assert not any(n.startswith(("layer1.0.downsample", "layer2.1.downsample")) for n in names)
+    assert model.get_submodule("layer2.0.dw").groups == 128  # $in_channels: conv1's 2 x 64
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
