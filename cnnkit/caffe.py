@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, brief
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
 from cnnkit.prototxt import Message, parse_prototxt
@@ -94,7 +94,7 @@ class _Translator:
             handler = getattr(self, f"_{kind.lower()}", None) if kind in SUPPORTED else None
             if handler is None:
                 raise ConfigError(
-                    f"{self.here}: layer {layer.get('name', '?')!r} has type {kind!r}, which "
+                    f"{self.here}: layer {brief(layer.get('name', '?'))} has type {brief(kind)}, which "
                     f"cnnkit cannot import (supported: {', '.join(SUPPORTED)})"
                 )
             handler(layer, last=index == len(caffe_layers) - 1)
@@ -147,7 +147,7 @@ class _Translator:
         """Add one cnnkit layer reading the Caffe layer's bottoms and holding its tops."""
         inputs = [self._bottom(b) for b in layer.all("bottom")]
         if not inputs:
-            raise ConfigError(f"{self.here}: layer {layer.get('name')!r} has no bottom")
+            raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))} has no bottom")
         name = self._unique_name(layer.get("name") or spec["type"])
         previous = self.layers[-1]["name"] if self.layers else "input"
         spec = {"name": name, **spec}
@@ -169,7 +169,9 @@ class _Translator:
 
     def _bottom(self, blob: Any) -> str:
         if blob not in self.blobs:
-            raise ConfigError(f"{self.here}: bottom {blob!r} is not produced by an earlier layer")
+            raise ConfigError(
+                f"{self.here}: bottom {brief(blob)} is not produced by an earlier layer"
+            )
         return self.blobs[blob]
 
     def _unique_name(self, raw: str) -> str:
@@ -377,7 +379,7 @@ def _filler(here: str, filler: Message | None) -> Any:
         return {"kaiming_uniform": {"nonlinearity": "linear"}}
     if kind == "msra":  # N(0, sqrt(2 / fan_in))
         return {"kaiming_normal": {"nonlinearity": "relu"}}
-    raise ConfigError(f"{here}: filler type {kind!r} is not supported")
+    raise ConfigError(f"{here}: filler type {brief(kind)} is not supported")
 
 
 def _clean(name: Any) -> str:

@@ -54,6 +54,17 @@ def test_fine_tuning_keeps_a_fresh_classifier_for_other_classes(tmp_path):
     torch.testing.assert_close(model.bn1.running_var, ref.bn1.running_var)
 
 
+def test_a_classifier_sized_by_num_classes_in_a_block_is_a_head_too(tmp_path, squeezenet):
+    path = tmp_path / "squeeze.safetensors"
+    save_file(squeezenet.state_dict(), str(path))
+    model = build_model("squeezenet1_1", num_classes=5)  # its final 1x1 conv: $num_classes
+    assert load_weights(model, path) == ["classifier.1.weight", "classifier.1.bias"]
+    torch.testing.assert_close(
+        model.get_submodule("features.12.expand3x3").weight,
+        squeezenet.features[12].expand3x3.weight,
+    )
+
+
 def test_a_network_file_names_its_weights_beside_it(tmp_path, squeezenet):
     save_file(squeezenet.state_dict(), str(tmp_path / "squeeze.safetensors"))
     zoo_file = net_path("squeezenet1_1").read_text()

@@ -140,7 +140,7 @@ class Expander:
         if scope.depth >= MAX_BLOCK_DEPTH:
             raise ConfigError(
                 f"{label}: block: blocks nest more than {MAX_BLOCK_DEPTH} deep "
-                f"(does {block_name!r} hold itself?)"
+                f"(does {brief(block_name)} hold itself?)"
             )
         value = self._copies(label, short, block_name, block, raw, stage, scope, value)
         if stage.inline or stage.numbered_on:
@@ -280,7 +280,7 @@ class Expander:
             else:  # a default may use the parameters before it and the block's input shape
                 params[key] = self._sub(label, key, default, {**shape_env, **params})
             if params[key] is None:
-                raise ConfigError(f"{label}: block {name!r} needs parameter {key!r}")
+                raise ConfigError(f"{label}: block {brief(name)} needs parameter {brief(key)}")
         return params
 
     def _present(self, label: str, condition: Any, env: dict[str, Any]) -> bool:
@@ -316,7 +316,7 @@ class Expander:
                 raise ConfigError(f"{label}: inputs: names itself (a cycle)")
             elif scope.local is None and ref in self.later:
                 raise ConfigError(
-                    f"{label}: inputs: {ref!r} comes later; inputs may only name earlier layers"
+                    f"{label}: inputs: {brief(ref)} comes later; inputs may only name earlier layers"
                 )
             else:
                 raise ConfigError(

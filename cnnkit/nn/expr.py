@@ -63,7 +63,7 @@ def evaluate(text: str, params: dict[str, Any]) -> Any:
 def _lookup(name: str, params: dict[str, Any]) -> Any:
     if name not in params or params[name] is None:
         known = ", ".join(sorted(k for k, v in params.items() if v is not None))
-        raise ExprError(f"${name} is not a parameter here (known: {known})")
+        raise ExprError(f"${name[:40]} is not a parameter here (known: {known[:120]})")
     return params[name]
 
 

@@ -23,6 +23,7 @@ from pydantic import (
 )
 from torch import nn
 
+from cnnkit.errors import brief
 from cnnkit.nn.modules import (
     ChannelLayerNorm,
     ChannelLinear,
@@ -139,7 +140,9 @@ class ParamLayer(Layer):
         if isinstance(v, dict):
             unknown = set(v) - set(cls.param_names)
             if unknown:
-                raise ValueError(f"names {sorted(unknown)}; this layer has {list(cls.param_names)}")
+                raise ValueError(
+                    f"names {brief(sorted(unknown))}; this layer has {list(cls.param_names)}"
+                )
             if any(m < 0 for m in v.values()):
                 raise ValueError("multipliers must be >= 0")
         elif v is not None and v < 0:
