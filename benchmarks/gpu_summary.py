@@ -21,7 +21,9 @@ def load(out: Path, name: str) -> dict | None:
 def steps(out: Path) -> tuple[dict[str, int], list[str]]:
     """{step: exit status} and the steps skipped for the budget."""
     done = {}
-    for line in (out / "steps.txt").read_text().splitlines() if (out / "steps.txt").is_file() else []:
+    for line in (
+        (out / "steps.txt").read_text().splitlines() if (out / "steps.txt").is_file() else []
+    ):
         found = re.match(r"(\S+): rc=(\d+)", line)
         if found:
             done[found.group(1)] = int(found.group(2))
@@ -37,7 +39,10 @@ def gpu_tests(out: Path) -> dict[str, int] | None:
         return None
     text = log.read_text()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
-    return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0)}
+    return {
+        "passed": counts.get("passed", 0),
+        "failed": counts.get("failed", 0) + counts.get("error", 0),
+    }
 
 
 def model_only(out: Path) -> tuple[float | None, dict]:
@@ -78,7 +83,9 @@ def main() -> None:
     e2e_jpeg, e2e_jpeg_settings = run_figures(out, "packed-jpeg")
     explore = load(out, "train_owt_256_explore") or {}
     loaders = {k: load(out, f"loader_{k}") for k in ("raw", "jpeg_cpu", "jpeg_gpu")}
-    hardware = (out / "hardware.txt").read_text().strip() if (out / "hardware.txt").is_file() else ""
+    hardware = (
+        (out / "hardware.txt").read_text().strip() if (out / "hardware.txt").is_file() else ""
+    )
     summary = {
         "hardware": hardware,
         "train_images_per_second": train, "train_settings": train_settings,

@@ -29,6 +29,7 @@ from pydantic import (
 from cnnkit.data import SOURCES, DataConfig, check_source
 from cnnkit.errors import ConfigError, config_error
 from cnnkit.nn import read_spec
+from cnnkit.nn.yamlio import load_yaml, read_yaml
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
@@ -184,7 +185,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key or not re.match(r"^[A-Za-z_][\w.]*$", key):
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.02")
     try:
-        value = yaml.safe_load(text) if text else ""
+        value = load_yaml(text) if text else ""
     except yaml.YAMLError:
         value = text
     node = raw
@@ -226,10 +227,7 @@ def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | 
                 f"{str(run)!r} is neither a zoo run ('cnnkit zoo' lists them) nor a run file"
             )
         path = net_path(str(run))
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the run file: {str(e).splitlines()[0]}") from None
+    data = read_yaml(path)
     if not isinstance(data, dict) or "model" not in data:
         raise ConfigError(f"{path}: a run file is a mapping with model:, data: and train:")
     return data, path.parent

@@ -1,13 +1,11 @@
 """The one exception family of cnnkit: every user mistake is a CnnkitError with one clear line;
-`config_error` turns pydantic's validation errors into one."""
+`config_error` turns pydantic's validation errors into one, `brief` cuts echoed values."""
 
 from __future__ import annotations
 
 import reprlib
 from collections.abc import Collection
 from typing import Any
-
-ECHO_CHARS = 40  # longest echo of a user's value in a message
 
 
 class CnnkitError(Exception):
@@ -30,29 +28,41 @@ class CheckpointError(CnnkitError):
     """A missing, truncated or foreign checkpoint or run directory."""
 
 
-_echo = reprlib.Repr()
-_echo.maxstring = _echo.maxother = ECHO_CHARS
-_echo.maxlist = _echo.maxtuple = _echo.maxdict = _echo.maxset = 6
-_echo.maxlevel = 2
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+_REPR.maxlevel = 3
 
 
-def echo(value: Any) -> str:
-    """A user's value as it goes into a message: its repr, cut to a few dozen characters."""
-    return _echo.repr(value)
+def brief(value: object, limit: int = 40) -> str:
+    """`repr(value)` cut to about `limit` characters, for echoing user input in a message
+    (reprlib never walks all of a huge or alias-shared structure)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit + 3 else text[:limit] + "..."
+
+
+def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
+    """(location parts, `message (got value)`) of a pydantic ValidationError's first problem."""
+    err = error.errors()[0]
+    parts = [str(p)[:40] for p in err["loc"]]
+    parts = [p for p in parts if not p.startswith(("function-", "literal[")) and p not in hide]
+    msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")[:200]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    if "input" in err and err["type"] not in ("extra_forbidden", "missing", "value_error"):
+        msg += f" (got {brief(err['input'])})"
+    return parts, msg
+
+
+def validation_message(error: Any, hide: Collection[str] = ()) -> str:
+    """The first problem of a pydantic ValidationError as `field.path: message (got value)`,
+    location parts in `hide` left out (the tags of a discriminated union)."""
+    parts, msg = _first(error, hide)
+    return f"{'.'.join(parts)}: {msg}" if parts else msg
 
 
 def config_error(error: Any, prefix: str = "", hide: Collection[str] = ()) -> ConfigError:
-    """The first problem of a pydantic ValidationError as one ConfigError line naming the field:
-    `prefix.field.path: message (got value)`. `hide`: location parts to leave out (the tags of
-    a discriminated union)."""
-    err = error.errors()[0]
-    parts = [str(p) for p in err["loc"]]
-    parts = [p for p in parts if not p.startswith(("function-", "literal[")) and p not in hide]
+    """A pydantic ValidationError as one ConfigError line: `prefix.field.path: message`."""
+    parts, msg = _first(error, hide)
     loc = ".".join(([prefix] if prefix else []) + parts)
-    msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    got = ""
-    if "input" in err and err["type"] not in ("extra_forbidden", "missing", "value_error"):
-        got = f" (got {echo(err['input'])})"
-    return ConfigError(f"{loc or 'config'}: {msg}{got}")
+    return ConfigError(f"{loc or 'config'}: {msg}")

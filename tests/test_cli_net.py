@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import run_cli
@@ -20,6 +21,30 @@ def test_info_ends_with_parameter_total(name, total, capsys):
     lines = out.strip().splitlines()
     assert code == 0 and f"parameters: {total}" in lines[-2]
     assert "(256, 6, 6)" not in out and "256x6x6" in out
+
+
+def test_info_resnet50_counts_torchvisions_parameters(capsys):
+    code, out, _ = run_cli(["info", "resnet50"], capsys)
+    assert code == 0 and "parameters: 25,557,032" in out and "layer4.2.relu3" in out
+
+
+def test_info_reads_prototxts_runs_checkpoints_and_exports(digits_run, tmp_path, capsys):
+    from helpers import cli_ok
+
+    caffe = Path(__file__).parent / "data" / "caffe" / "alexnet.prototxt"
+    code, out, _ = run_cli(["info", str(caffe)], capsys)
+    assert code == 0 and "parameters: 60,965,224" in out
+    export = tmp_path / "digits.safetensors"
+    cli_ok(["export", str(digits_run), "--format", "safetensors", "-o", str(export)])
+    capsys.readouterr()
+    tables = []
+    for target in (digits_run, digits_run / "last.pt", export):
+        code, out, err = run_cli(["info", str(target)], capsys)
+        assert code == 0, err
+        tables.append(out)
+    assert len(set(tables)) == 1 and "digitnet" in tables[0] and "output: 10" in tables[0]
+    code, _, err = run_cli(["info", str(tmp_path)], capsys)
+    assert code == 1 and "holds no best.pt or last.pt" in err and err.count("\n") == 1
 
 
 def test_kernel_larger_than_input_exits_2_naming_the_layer(tmp_path):

@@ -76,7 +76,7 @@ BAD = [
         "layer 0 (convv0): type: unknown type 'convv' (did you mean 'conv'?)",
     ),
     (net({"type": "conv", "kernel_size": 3}), "layer 0 (conv0): out_channels: Field required"),
-    (net(conv(kernal_size=3)), "layer 0 (conv0): kernal_size: Extra inputs are not permitted"),
+    (net(conv(kernal_size=3)), "layer 0 (conv0): kernal_size: unknown field"),
     (
         net(conv(out_channels="four")),
         "layer 0 (conv0): out_channels: Input should be a valid integer",

@@ -1,8 +1,11 @@
 """Zoo networks: the published parameter counts, and parity with torchvision by weights."""
 
+import math
+
 import pytest
 import torch
 import torchvision
+from torch import nn
 
 from cnnkit import build_model
 from cnnkit.zoo import NETS
@@ -51,6 +54,82 @@ def test_torchvision_weights_give_the_same_logits(name, reference):
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         assert (ours(x) - ref(x)).abs().max().item() < 1e-5
+
+
+FAMILIES = [  # torchvision's name (also ours), input size, torchvision's keyword arguments
+    *[(f"resnet{d}", 64, {}) for d in (34, 50, 101, 152)],
+    ("resnext50_32x4d", 64, {}),
+    ("wide_resnet50_2", 64, {}),
+    *[(f"vgg{d}{bn}", 32, {}) for d in (11, 13, 16, 19) for bn in ("", "_bn")],
+    ("googlenet", 64, {"aux_logits": False, "init_weights": False}),
+    ("densenet121", 64, {}),
+    ("squeezenet1_0", 64, {}),
+    ("squeezenet1_1", 64, {}),
+    ("mobilenet_v2", 64, {}),
+    ("mobilenet_v3_small", 64, {}),
+    ("mobilenet_v3_large", 64, {}),
+    ("efficientnet_b0", 64, {}),
+    ("shufflenet_v2_x1_0", 64, {}),
+    ("regnet_y_400mf", 64, {}),
+    ("convnext_tiny", 64, {}),
+]
+
+
+NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)
+
+
+@torch.no_grad()
+def randomized(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """`model` given random weights and batch-norm statistics taken from `x`, so every
+    parameter and buffer shapes the logits; in eval mode."""
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    done = set()
+    for module in model.modules():
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if isinstance(module, (nn.Conv2d, nn.Linear)):  # variance-preserving, like He init
+            weight.normal_(0, math.sqrt(2 / math.prod(weight.shape[1:])), generator=gen)
+        elif isinstance(module, NORMS) and weight is not None:
+            weight.uniform_(0.5, 1.5, generator=gen)
+        else:
+            continue
+        if bias is not None:
+            bias.normal_(0, 0.1, generator=gen)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.reset_running_stats()
+            module.momentum = None  # the first batch's statistics, exactly
+        done.update(id(p) for p in (weight, bias) if p is not None)
+    for p in model.parameters():  # ConvNeXt's layer scales
+        if id(p) not in done:
+            p.uniform_(0.5, 1.5, generator=gen)
+    model.train()(x)
+    return model.eval()
+
+
+@pytest.fixture
+def one_thread():
+    """Small forward passes gain nothing from more threads; on a busy machine they only spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name, size, kwargs", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_family_loads_torchvisions_state_dict_strictly_with_the_same_logits(
+    name, size, kwargs, one_thread
+):
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    on = "cpu" if name.startswith("regnet") else "meta"  # RegNet's builder computes on tensors
+    with torch.device(on):
+        ref = torchvision.models.get_model(name, weights=None, **kwargs)
+    ref = randomized(ref, x)
+    ours = build_model(name, device="meta").eval()
+    ours.load_state_dict(ref.state_dict(), assign=True)  # strict: every name and shape agrees
+    with torch.no_grad():
+        expected, got = ref(x), ours(x)
+    assert expected.shape == (2, 1000) and expected.std() > 1e-3  # the logits say something
+    assert (got - expected).abs().max().item() <= 1e-4
 
 
 def test_every_zoo_net_builds_and_runs():

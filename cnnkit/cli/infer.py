@@ -95,26 +95,47 @@ def export(
 
 def import_caffe(
     prototxt: Path = typer.Argument(..., help="A Caffe deploy.prototxt."),
+    caffemodel: Path = typer.Argument(
+        None, help="Its trained .caffemodel: the weights go beside the network file."
+    ),
     out: Path = typer.Option(
         None, "-o", "--out", help="Write the network file here (default: print it)."
     ),
 ) -> None:
-    """Translate a Caffe prototxt into a cnnkit network file (YAML)."""
+    """Translate a Caffe prototxt (and its .caffemodel weights) into a cnnkit network file."""
     from cnnkit.caffe import import_caffe as translate
-    from cnnkit.caffe import network_yaml
+    from cnnkit.caffe import import_caffe_weights, network_yaml
+    from cnnkit.errors import ConfigError
     from cnnkit.nn import build_model
 
     _writable(out)
-    model = translate(prototxt)
+    if caffemodel is not None and (out is None or out.suffix == ".safetensors"):
+        raise ConfigError(
+            "import-caffe with a .caffemodel needs -o NET.yaml: its weights go beside it"
+        )
+    state = None
+    if caffemodel is None:
+        model = translate(prototxt)
+    else:
+        model, state = import_caffe_weights(prototxt, caffemodel)
     net = build_model(model, device="meta")  # checks every shape before anything is written
-    text = network_yaml(model, f"imported by cnnkit import-caffe from {prototxt.name}")
+    header = f"imported by cnnkit import-caffe from {prototxt.name}"
+    if state is not None:
+        from safetensors.torch import save_file
+
+        weights = out.with_suffix(".safetensors")
+        save_file(state, str(weights))
+        model = {**model, "weights": weights.name}
+        header += f" and {caffemodel.name}"
+    text = network_yaml(model, header)
     if out is None:
         typer.echo(text, nl=False)
         return
     out.write_text(text)
     params = sum(p.numel() for p in net.parameters())
     shape = "x".join(map(str, net.output_shape))
-    typer.echo(f"wrote {out}: {len(net.table)} layers, {params:,} parameters, output {shape}")
+    also = f" and {out.with_suffix('.safetensors')}" if state is not None else ""
+    typer.echo(f"wrote {out}{also}: {len(net.table)} layers, {params:,} parameters, output {shape}")
 
 
 def show_net(

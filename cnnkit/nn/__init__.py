@@ -3,5 +3,14 @@
 from cnnkit.nn.graph import LayerInfo, Network, build_model
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.spec import read_spec
+from cnnkit.nn.weights import load_weights, read_state_dict
 
-__all__ = ["KINDS", "LayerInfo", "Network", "build_model", "read_spec"]
+__all__ = [
+    "KINDS",
+    "LayerInfo",
+    "Network",
+    "build_model",
+    "load_weights",
+    "read_spec",
+    "read_state_dict",
+]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +13,12 @@ import torch
 from torch import nn
 
 from cnnkit.errors import ConfigError
+from cnnkit.nn.expand import Node, parse_spec
 from cnnkit.nn.init import apply_rule
-from cnnkit.nn.layers import ParamLayer, Shape, ShapeError
-from cnnkit.nn.spec import Node, parse_spec, read_spec
+from cnnkit.nn.layers import ParamLayer, Shape
+from cnnkit.nn.memory import check_fits
+from cnnkit.nn.modules import bare_scale_keys, scale_weight_keys
+from cnnkit.nn.spec import read_spec
 
 
 @dataclass(frozen=True)
@@ -34,29 +39,35 @@ class Network(nn.Module):
     def __init__(self, spec: dict[str, Any], num_classes: int | None = None, device: Any = None):
         super().__init__()
         net, nodes = parse_spec(spec, num_classes)
-        self.spec = spec  # the file's `model:` mapping, enough to rebuild this network
+        # the file's `model:` mapping, enough to rebuild this network (weights come separately)
+        self.spec = {k: v for k, v in spec.items() if k != "weights"}
         self.name = net.name or "net"
         self.input_shape: Shape = tuple(net.input)
-        shapes: list[Shape] = [self.input_shape]
+        shapes: list[Shape] = [self.input_shape, *(node.shape for node in nodes)]
+        self.param_count = sum(n.layer.param_count([shapes[i] for i in n.inputs]) for n in nodes)
+        self.activation_count = sum(math.prod(shape) for shape in shapes)  # per image
+        check_fits(self.name, self.param_count, self.activation_count, device)
         self.table: list[LayerInfo] = []
-        steps: list[tuple[str, tuple[int, ...]]] = []
         with torch.device(device) if device is not None else nullcontext():
             for node in nodes:
                 in_shapes = [shapes[i] for i in node.inputs]
-                shape, module = _build_node(node, in_shapes)
+                module = node.layer.build(in_shapes)
                 _set_submodule(self, node.name, module)
-                shapes.append(shape)
-                steps.append((node.name, node.inputs))
-                self.table.append(_describe(node, in_shapes, shape, module, shapes, nodes))
+                self.table.append(_describe(node, in_shapes, module, nodes))
         self.num_classes = shapes[-1][0] if len(shapes[-1]) == 1 else None
         self.output_shape: Shape = shapes[-1]
+        self.heads = tuple(node.name for node in nodes if node.head)  # sized by num_classes
         frees = _last_reads(nodes)
         # (module name, input value indices, values to drop after it); modules are looked up by
         # name at run time, so replacing one (SyncBatchNorm, quantised, ...) takes effect.
         self._steps = tuple(
-            (tuple(name.split(".")), idx, frees[i]) for i, (name, idx) in enumerate(steps)
+            (tuple(node.name.split(".")), node.inputs, frees[i]) for i, node in enumerate(nodes)
         )
         self._nodes = nodes
+        scales = tuple(node.name for node in nodes if node.layer.type == "scale")
+        if scales:  # torchvision's key for a bare scale parameter is the layer's own name
+            self.register_state_dict_post_hook(partial(bare_scale_keys, scales))
+            self.register_load_state_dict_pre_hook(partial(scale_weight_keys, scales))
         if device is None or torch.device(device).type != "meta":
             self.reset_parameters()
 
@@ -117,33 +128,32 @@ class Network(nn.Module):
 
 
 def build_model(
-    spec: str | Path | dict[str, Any], num_classes: int | None = None, device: Any = None
+    spec: str | Path | dict[str, Any],
+    num_classes: int | None = None,
+    device: Any = None,
+    weights: str | Path | None = None,
 ) -> Network:
-    """Build a network from a zoo name, a YAML path or a dict; `num_classes` overrides the file's."""
-    return Network(read_spec(spec), num_classes=num_classes, device=device)
+    """Build a network from a zoo name, a YAML path or a dict; `num_classes` overrides the file's.
+
+    `weights` (else the file's `weights:`) names a state_dict file, safetensors or a
+    weights-only .pt (torchvision's, timm's), loaded into it; not on the meta device."""
+    model = read_spec(spec)
+    network = Network(model, num_classes=num_classes, device=device)
+    weights = weights if weights is not None else model.get("weights")
+    if weights is not None and (device is None or torch.device(device).type != "meta"):
+        from cnnkit.nn.weights import load_weights
+
+        load_weights(network, weights)
+    return network
 
 
-def _build_node(node: Node, in_shapes: list[Shape]) -> tuple[Shape, nn.Module]:
-    layer = node.layer
-    if len(in_shapes) > 1 and not layer.many_inputs:
-        raise ConfigError(
-            f"layer {node.index} ({node.name}): inputs: a {layer.type} layer takes one input"
-        )
-    try:
-        shape = layer.output_shape(in_shapes)
-        return shape, layer.build(in_shapes)
-    except ShapeError as e:
-        raise ConfigError(
-            f"layer {node.index} ({node.name}): {e.field}: {e} (input {_fmt_shapes(in_shapes)})"
-        ) from None
-
-
-def _describe(node: Node, in_shapes, shape, module, shapes, nodes) -> LayerInfo:
+def _describe(
+    node: Node, in_shapes: list[Shape], module: nn.Module, nodes: list[Node]
+) -> LayerInfo:
     names = tuple("input" if i == 0 else nodes[i - 1].name for i in node.inputs)
     params = sum(p.numel() for p in module.parameters())
-    return LayerInfo(
-        node.name, node.layer.type, names, shape, params, node.layer.macs(in_shapes, shape)
-    )
+    macs = node.layer.macs(in_shapes, node.shape)
+    return LayerInfo(node.name, node.layer.type, names, node.shape, params, macs)
 
 
 def _last_reads(nodes: list[Node]) -> list[tuple[int, ...]]:
@@ -169,7 +179,3 @@ def _set_submodule(root: nn.Module, dotted: str, module: nn.Module) -> None:
             parent.add_module(part, child)
         parent = child
     parent.add_module(leaf, module)
-
-
-def _fmt_shapes(shapes: list[Shape]) -> str:
-    return ", ".join("(" + ", ".join(map(str, s)) + ")" for s in shapes)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cnnkit.errors import brief
+
 # name -> the keyword arguments its mapping form accepts
 _KEYWORDS = {
     "normal": {"mean", "std"},
@@ -33,23 +35,23 @@ _KEYWORDS = {
 def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
     """Turn one init rule into (name, keyword arguments); raise ValueError when malformed."""
     if isinstance(rule, bool):
-        raise ValueError(f"init rule {rule!r} is not a number, a name or a one-key mapping")
+        raise ValueError(f"init rule {brief(rule)} is not a number, a name or a one-key mapping")
     if isinstance(rule, (int, float)):
         return "constant", {"value": float(rule)}
     if isinstance(rule, str):
         if rule not in _KEYWORDS:
-            raise ValueError(f"unknown init {rule!r} (known: {', '.join(sorted(_KEYWORDS))})")
+            raise ValueError(f"unknown init {brief(rule)} (known: {', '.join(sorted(_KEYWORDS))})")
         return rule, {}
     if not isinstance(rule, dict) or len(rule) != 1:
-        raise ValueError(f"init rule {rule!r} is not a number, a name or a one-key mapping")
+        raise ValueError(f"init rule {brief(rule)} is not a number, a name or a one-key mapping")
     ((name, arg),) = rule.items()
     if name not in _KEYWORDS:
-        raise ValueError(f"unknown init {name!r} (known: {', '.join(sorted(_KEYWORDS))})")
+        raise ValueError(f"unknown init {brief(name)} (known: {', '.join(sorted(_KEYWORDS))})")
     if isinstance(arg, dict):
         unknown = set(arg) - _KEYWORDS[name]
         if unknown:
             raise ValueError(
-                f"init {name!r} takes {sorted(_KEYWORDS[name])}, not {sorted(unknown)}"
+                f"init {brief(name)} takes {sorted(_KEYWORDS[name])}, not {brief(sorted(unknown))}"
             )
         return name, dict(arg)
     if name in ("normal", "truncated_normal") and _is_number(arg):
@@ -62,7 +64,7 @@ def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
         return name, {"value": float(arg)}
     if name in ("xavier_normal", "xavier_uniform", "orthogonal") and _is_number(arg):
         return name, {"gain": float(arg)}
-    raise ValueError(f"init {name!r} cannot take {arg!r}")
+    raise ValueError(f"init {brief(name)} cannot take {brief(arg)}")
 
 
 def check_init(spec: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
@@ -71,7 +73,7 @@ def check_init(spec: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
         raise ValueError("init must map parameter names (weight, bias) to rules")
     for key, rule in spec.items():
         if key not in allowed:
-            raise ValueError(f"init names {key!r}; this layer has {sorted(allowed)}")
+            raise ValueError(f"init names {brief(key)}; this layer has {sorted(allowed)}")
         parse_rule(rule)
     return spec
 

@@ -1,22 +1,54 @@
-"""Layer kinds: the fields each accepts, its output shape, its torch module and its multiply-adds.
+"""Layer kinds with parameters (conv, linear, norms, PReLU, scale) and what every kind shares:
+the fields it accepts, its output shape, its torch module, its parameter count and its
+multiply-adds. Pooling and LRN are in windows.py, the rest in pointwise.py.
 
 Shapes here are per sample, without the batch: (C, H, W) for images, (F,) for vectors.
-Field names follow torch.nn, so a spec reads like PyTorch code.
+Field names follow torch.nn, so a spec reads like PyTorch code. Numbers are strict: `true` or
+`1e30` where a count belongs is an error, never a silent conversion.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
 from torch import nn
 
+from cnnkit.errors import brief
+from cnnkit.nn.modules import (
+    ChannelLayerNorm,
+    ChannelLinear,
+    ChannelScale,
+    FlatLinear,
+    ScaledTanh,  # noqa: F401  (re-exported: infer/detect.py)
+)
+
+MAX_DIM = 2**31 - 1
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("Input should be a number, not true or false")
+    return value
+
+
+Count = Annotated[StrictInt, Field(gt=0, le=MAX_DIM)]
+NonNeg = Annotated[StrictInt, Field(ge=0, le=MAX_DIM)]
+Real = Annotated[float, BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
+Flag = StrictBool
 Shape = tuple[int, ...]
-IntPair = PositiveInt | tuple[PositiveInt, PositiveInt]
-NonNegPair = int | tuple[int, int]
-Mult = float | dict[str, float]
+IntPair = Count | tuple[Count, Count]
+NonNegPair = NonNeg | tuple[NonNeg, NonNeg]
+Mult = Real | dict[str, Real]
 
 
 class ShapeError(Exception):
@@ -60,7 +92,7 @@ def fmt_shape(shape: Shape) -> str:
 
 
 class Layer(BaseModel):
-    """Fields every layer has; subclasses add their own and the three methods below."""
+    """Fields every layer has; subclasses add their own and the methods below."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     type: str
@@ -81,6 +113,10 @@ class Layer(BaseModel):
         raise NotImplementedError
 
     def macs(self, shapes: list[Shape], out: Shape) -> int:
+        return 0
+
+    def param_count(self, shapes: list[Shape]) -> int:
+        """Learnable values of the module `build` makes, counted without making it."""
         return 0
 
 
@@ -104,7 +140,9 @@ class ParamLayer(Layer):
         if isinstance(v, dict):
             unknown = set(v) - set(cls.param_names)
             if unknown:
-                raise ValueError(f"names {sorted(unknown)}; this layer has {list(cls.param_names)}")
+                raise ValueError(
+                    f"names {brief(sorted(unknown))}; this layer has {list(cls.param_names)}"
+                )
             if any(m < 0 for m in v.values()):
                 raise ValueError("multipliers must be >= 0")
         elif v is not None and v < 0:
@@ -118,18 +156,15 @@ class ParamLayer(Layer):
         return float(value.get(param, 1.0)) if isinstance(value, dict) else float(value)
 
 
-# --- parametric layers -------------------------------------------------------------------------
-
-
 class Conv(ParamLayer):
     type: Literal["conv"]
-    out_channels: PositiveInt
+    out_channels: Count
     kernel_size: IntPair
     stride: IntPair = 1
     padding: NonNegPair | Literal["same", "valid"] = 0
     dilation: IntPair = 1
-    groups: PositiveInt = 1
-    bias: bool = True
+    groups: Count = 1
+    bias: Flag = True
     param_names: ClassVar = ("weight", "bias")
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
@@ -171,157 +206,114 @@ class Conv(ParamLayer):
         kh, kw = pair(self.kernel_size)
         return math.prod(out) * (shapes[0][0] // self.groups) * kh * kw
 
-
-class FlatLinear(nn.Linear):
-    """nn.Linear that flattens a (B, C, H, W) input first, as Caffe's InnerProduct does."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.flatten(1) if x.dim() > 2 else x)
+    def param_count(self, shapes: list[Shape]) -> int:
+        kh, kw = pair(self.kernel_size)
+        weights = self.out_channels * (shapes[0][0] // self.groups) * kh * kw
+        return weights + self.out_channels * self.bias
 
 
 class Linear(ParamLayer):
+    """Fully connected. It flattens a (C, H, W) input first, as Caffe's InnerProduct does; with
+    `flatten: false` it maps each position's channels instead (ConvNeXt's MLP)."""
+
     type: Literal["linear"]
-    out_features: PositiveInt | None = Field(
-        None, description="omitted: the data set's class count"
-    )
-    bias: bool = True
+    out_features: Count | None = Field(None, description="omitted: the data set's class count")
+    bias: Flag = True
+    flatten: Flag = True
     param_names: ClassVar = ("weight", "bias")
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         if self.out_features is None:
             raise ShapeError("out_features", "is not set and the network has no num_classes")
-        return (self.out_features,)
+        return (self.out_features,) if self.flatten else (self.out_features, *shapes[0][1:])
+
+    def _in_features(self, shape: Shape) -> int:
+        return math.prod(shape) if self.flatten else shape[0]
 
     def build(self, shapes: list[Shape]) -> nn.Module:
-        return FlatLinear(math.prod(shapes[0]), self.out_features, self.bias)
+        linear = FlatLinear if self.flatten else ChannelLinear
+        return linear(self._in_features(shapes[0]), self.out_features, self.bias)
 
     def macs(self, shapes: list[Shape], out: Shape) -> int:
-        return math.prod(shapes[0]) * out[0]
+        return self._in_features(shapes[0]) * math.prod(out)
+
+    def param_count(self, shapes: list[Shape]) -> int:
+        return (self._in_features(shapes[0]) + self.bias) * (self.out_features or 0)
+
+
+def _channels_or_features(shape: Shape) -> int:
+    if len(shape) not in (1, 3):
+        raise ShapeError("inputs", f"needs (C, H, W) or (F,), got {fmt_shape(shape)}")
+    return shape[0]
 
 
 class BatchNorm(ParamLayer):
     type: Literal["batchnorm"]
-    eps: float = Field(1e-5, gt=0)
-    momentum: float | None = Field(0.1, ge=0, le=1)
-    affine: bool = True
+    eps: Real = Field(1e-5, gt=0)
+    momentum: Real | None = Field(0.1, ge=0, le=1)
+    affine: Flag = True
     param_names: ClassVar = ("weight", "bias")
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
-        if len(shapes[0]) not in (1, 3):
-            raise ShapeError("inputs", f"needs (C, H, W) or (F,), got {fmt_shape(shapes[0])}")
+        _channels_or_features(shapes[0])
         return shapes[0]
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         norm = nn.BatchNorm2d if len(shapes[0]) == 3 else nn.BatchNorm1d
         return norm(shapes[0][0], self.eps, self.momentum, self.affine)
 
+    def param_count(self, shapes: list[Shape]) -> int:
+        return 2 * shapes[0][0] * self.affine
+
+
+class LayerNorm(ParamLayer):
+    """Layer norm over the channels at each position of (C, H, W) (ConvNeXt's LayerNorm2d), or
+    over the features of (F,)."""
+
+    type: Literal["layernorm"]
+    eps: Real = Field(1e-5, gt=0)
+    affine: Flag = True
+    param_names: ClassVar = ("weight", "bias")
+
+    def output_shape(self, shapes: list[Shape]) -> Shape:
+        _channels_or_features(shapes[0])
+        return shapes[0]
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return ChannelLayerNorm(shapes[0][0], self.eps, self.affine)
+
+    def param_count(self, shapes: list[Shape]) -> int:
+        return 2 * shapes[0][0] * self.affine
+
 
 class PReLU(ParamLayer):
     type: Literal["prelu"]
-    channelwise: bool = True
-    init_slope: float = 0.25
+    channelwise: Flag = True
+    init_slope: Real = 0.25
     param_names: ClassVar = ("weight",)
 
     def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.PReLU(shapes[0][0] if self.channelwise else 1, self.init_slope)
+        return nn.PReLU(self.param_count(shapes), self.init_slope)
+
+    def param_count(self, shapes: list[Shape]) -> int:
+        return shapes[0][0] if self.channelwise else 1
 
 
-# --- windows -----------------------------------------------------------------------------------
+class Scale(ParamLayer):
+    """A learned scale per channel (ConvNeXt's layer_scale): x * weight, weight (C, 1, 1) or
+    (F,), initially 1. Its state_dict key is the layer's own name (`features.1.0.layer_scale`,
+    as torchvision names it), not `<name>.weight`."""
 
-
-class _Pool(Layer):
-    kernel_size: IntPair
-    stride: IntPair | None = Field(None, description="default: kernel_size")
-    padding: NonNegPair = 0
-    ceil_mode: bool = Field(False, description="Caffe's rounding of the output size")
-
-    def output_shape(self, shapes: list[Shape]) -> Shape:
-        c, h, w = need_image(shapes[0])
-        (kh, kw), (ph, pw) = pair(self.kernel_size), pair(self.padding)
-        sh, sw = pair(self.stride or self.kernel_size)
-        if ph > kh // 2 or pw > kw // 2:
-            raise ShapeError("padding", "must be at most half of kernel_size")
-        ceil = self.ceil_mode
-        return (c, window_out(h, kh, sh, ph, 1, ceil), window_out(w, kw, sw, pw, 1, ceil))
-
-
-class MaxPool(_Pool):
-    type: Literal["maxpool"]
-
-    def build(self, shapes: list[Shape]) -> nn.Module:
-        stride = pair(self.stride or self.kernel_size)
-        return nn.MaxPool2d(
-            pair(self.kernel_size), stride, pair(self.padding), ceil_mode=self.ceil_mode
-        )
-
-
-class AvgPool(_Pool):
-    type: Literal["avgpool"]
-    count_include_pad: bool = True
-
-    def build(self, shapes: list[Shape]) -> nn.Module:
-        stride = pair(self.stride or self.kernel_size)
-        return nn.AvgPool2d(
-            pair(self.kernel_size),
-            stride,
-            pair(self.padding),
-            self.ceil_mode,
-            self.count_include_pad,
-        )
-
-
-class AdaptiveAvgPool(Layer):
-    type: Literal["adaptive_avgpool"]
-    output_size: IntPair
+    type: Literal["scale"]
+    param_names: ClassVar = ("weight",)
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
-        c, _, _ = need_image(shapes[0])
-        return (c, *pair(self.output_size))
+        _channels_or_features(shapes[0])
+        return shapes[0]
 
     def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.AdaptiveAvgPool2d(pair(self.output_size))
+        c = shapes[0][0]
+        return ChannelScale((c, 1, 1) if len(shapes[0]) == 3 else (c,))
 
-
-class GlobalAvgPool(Layer):
-    """Mean over H and W: (C, H, W) -> (C,)."""
-
-    type: Literal["global_avgpool"]
-
-    def output_shape(self, shapes: list[Shape]) -> Shape:
-        return (need_image(shapes[0])[0],)
-
-    def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1))
-
-
-class LRN(Layer):
-    """Local response normalisation across channels, in either of the two published conventions.
-
-    paper (Krizhevsky 2012): b = a / (k + alpha * sum(a^2))^beta
-    caffe (and torch.nn):   b = a / (k + alpha / size * sum(a^2))^beta
-    """
-
-    type: Literal["lrn"]
-    convention: Literal["paper", "caffe"]
-    size: PositiveInt = 5
-    alpha: float = Field(1e-4, ge=0)
-    beta: float = 0.75
-    k: float | None = Field(None, description="default: 2 for paper, 1 for caffe")
-
-    def output_shape(self, shapes: list[Shape]) -> Shape:
-        return need_image(shapes[0])
-
-    def build(self, shapes: list[Shape]) -> nn.Module:
-        k = self.k if self.k is not None else (2.0 if self.convention == "paper" else 1.0)
-        alpha = self.alpha * self.size if self.convention == "paper" else self.alpha
-        return nn.LocalResponseNorm(self.size, alpha, self.beta, k)
-
-
-# --- torch modules of our own ----------------------------------------------------------------
-
-
-class ScaledTanh(nn.Module):
-    """LeCun's tanh: 1.7159 * tanh(2/3 x), unit gain around zero."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return 1.7159 * torch.tanh(x * (2.0 / 3.0))
+    def param_count(self, shapes: list[Shape]) -> int:
+        return shapes[0][0]

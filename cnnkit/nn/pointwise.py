@@ -1,30 +1,85 @@
-"""Layer kinds that act element by element (activations, dropout, flatten) or merge several
-inputs (add, mul, max, concat). Fields follow torch.nn; shapes are per sample, no batch."""
+"""Layer kinds that act element by element (activations, dropout, stochastic depth), move
+channels (flatten, channel shuffle, channel split) or merge several inputs (add, mul, max,
+concat). Fields follow torch.nn; shapes are per sample, no batch."""
 
 from __future__ import annotations
 
 import math
 from typing import ClassVar, Literal
 
-import torch
 from pydantic import Field
 from torch import nn
 
-from cnnkit.nn.layers import Layer, ScaledTanh, Shape, ShapeError, fmt_shape
+from cnnkit.nn.layers import Count, Flag, Layer, NonNeg, Real, Shape, ShapeError, fmt_shape
+from cnnkit.nn.modules import (
+    ChannelShuffle as ChannelShuffleModule,
+)
+from cnnkit.nn.modules import (
+    ChannelSplit as ChannelSplitModule,
+)
+from cnnkit.nn.modules import (
+    Merge,
+    ScaledTanh,
+)
+from cnnkit.nn.modules import (
+    StochasticDepth as StochasticDepthModule,
+)
 
 # --- element-wise ------------------------------------------------------------------------------
 
 
-class ReLU(Layer):
-    type: Literal["relu"]
+class _Plain(Layer):
+    """An activation with no fields: `module` is its torch.nn class."""
+
+    module: ClassVar[type[nn.Module]]
 
     def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.ReLU()
+        return self.module()
+
+
+class ReLU(_Plain):
+    type: Literal["relu"]
+    module: ClassVar = nn.ReLU
+
+
+class ReLU6(_Plain):
+    type: Literal["relu6"]
+    module: ClassVar = nn.ReLU6
+
+
+class Sigmoid(_Plain):
+    type: Literal["sigmoid"]
+    module: ClassVar = nn.Sigmoid
+
+
+class Hardsigmoid(_Plain):
+    type: Literal["hardsigmoid"]
+    module: ClassVar = nn.Hardsigmoid
+
+
+class Hardswish(_Plain):
+    type: Literal["hardswish"]
+    module: ClassVar = nn.Hardswish
+
+
+class GELU(_Plain):
+    type: Literal["gelu"]
+    module: ClassVar = nn.GELU
+
+
+class SiLU(_Plain):
+    type: Literal["silu"]
+    module: ClassVar = nn.SiLU
+
+
+class Identity(_Plain):
+    type: Literal["identity"]
+    module: ClassVar = nn.Identity
 
 
 class LeakyReLU(Layer):
     type: Literal["leaky_relu"]
-    negative_slope: float = 0.01
+    negative_slope: Real = 0.01
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         return nn.LeakyReLU(self.negative_slope)
@@ -32,46 +87,33 @@ class LeakyReLU(Layer):
 
 class Tanh(Layer):
     type: Literal["tanh"]
-    scaled: bool = Field(False, description="LeCun's 1.7159 * tanh(2/3 x)")
+    scaled: Flag = Field(False, description="LeCun's 1.7159 * tanh(2/3 x)")
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         return ScaledTanh() if self.scaled else nn.Tanh()
 
 
-class Sigmoid(Layer):
-    type: Literal["sigmoid"]
-
-    def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.Sigmoid()
-
-
-class GELU(Layer):
-    type: Literal["gelu"]
-
-    def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.GELU()
-
-
-class SiLU(Layer):
-    type: Literal["silu"]
-
-    def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.SiLU()
-
-
 class Dropout(Layer):
     type: Literal["dropout"]
-    p: float = Field(0.5, ge=0, lt=1)
+    p: Real = Field(0.5, ge=0, lt=1)
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         return nn.Dropout(self.p)
 
 
-class Identity(Layer):
-    type: Literal["identity"]
+class StochasticDepth(Layer):
+    """Drops the whole input of a sample (`row`) or batch with probability p while training,
+    scaling what survives by 1 / (1 - p); identity in eval. Put it on a residual branch."""
+
+    type: Literal["stochastic_depth"]
+    p: Real = Field(ge=0, le=1)
+    mode: Literal["row", "batch"] = "row"
 
     def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.Identity()
+        return StochasticDepthModule(self.p, self.mode)
+
+
+# --- reshaping -----------------------------------------------------------------------------------
 
 
 class Flatten(Layer):
@@ -84,43 +126,70 @@ class Flatten(Layer):
         return nn.Flatten(1)
 
 
+class ChannelShuffle(Layer):
+    """ShuffleNet's shuffle: the channels as `groups` x n, transposed to n x `groups`."""
+
+    type: Literal["channel_shuffle"]
+    groups: Count
+
+    def output_shape(self, shapes: list[Shape]) -> Shape:
+        if len(shapes[0]) != 3 or shapes[0][0] % self.groups:
+            raise ShapeError(
+                "groups",
+                f"must divide the channels of a (C, H, W) input, got {fmt_shape(shapes[0])}",
+            )
+        return shapes[0]
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return ChannelShuffleModule(self.groups)
+
+
+class ChannelSplit(Layer):
+    """Slice `part` (from 0) of `parts` equal slices of the channels (ShuffleNet v2)."""
+
+    type: Literal["channel_split"]
+    parts: Count = 2
+    part: NonNeg
+
+    def output_shape(self, shapes: list[Shape]) -> Shape:
+        if shapes[0][0] % self.parts:
+            raise ShapeError("parts", f"must divide the {shapes[0][0]} channels")
+        if self.part >= self.parts:
+            raise ShapeError("part", f"is counted from 0 and must be below parts={self.parts}")
+        return (shapes[0][0] // self.parts, *shapes[0][1:])
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return ChannelSplitModule(self.parts, self.part)
+
+
 # --- merges: several inputs -> one -------------------------------------------------------------
 
 
-class Merge(nn.Module):
-    """Combine several tensors: sum, product, maximum or channel concatenation."""
-
-    def __init__(self, op: str):
-        super().__init__()
-        self.op = op
-
-    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        if self.op == "concat":
-            return torch.cat(xs, dim=1)
-        out = xs[0]
-        for x in xs[1:]:
-            out = (
-                out + x
-                if self.op == "add"
-                else out * x
-                if self.op == "mul"
-                else torch.maximum(out, x)
-            )
-        return out
-
-    def extra_repr(self) -> str:
-        return self.op
+def _broadcast(shapes: list[Shape]) -> Shape | None:
+    """torch's broadcast shape of same-rank shapes (each size equal or 1), or None."""
+    if any(len(s) != len(shapes[0]) for s in shapes):
+        return None
+    out = []
+    for sizes in zip(*shapes, strict=True):
+        big = {n for n in sizes if n != 1}
+        if len(big) > 1:
+            return None
+        out.append(big.pop() if big else 1)
+    return tuple(out)
 
 
 class _Merge(Layer):
+    """Element-wise merges broadcast a size-1 dimension ((C, 1, 1) * (C, H, W): excitation)."""
+
     many_inputs: ClassVar = True
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         if len(shapes) < 2:
             raise ShapeError("inputs", f"needs at least 2 inputs, got {len(shapes)}")
-        if any(s != shapes[0] for s in shapes):
+        shape = _broadcast(shapes)
+        if shape is None:
             raise ShapeError("inputs", "shapes differ: " + " vs ".join(map(fmt_shape, shapes)))
-        return shapes[0]
+        return shape
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         return Merge(self.type)

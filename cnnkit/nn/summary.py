@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from cnnkit.nn.graph import Network
+from cnnkit.nn.memory import format_bytes
 
 
 def print_layer_table(model: Network, console: Console | None = None) -> None:
@@ -34,7 +36,12 @@ def print_layer_table(model: Network, console: Console | None = None) -> None:
     console.print(table)
     params = sum(row.params for row in model.table)
     macs = sum(row.macs for row in model.table)
-    console.print(f"layers: {len(model.table)}   output: {_shape(model.output_shape)}")
+    size = torch.empty(0).element_size()  # the default dtype's bytes per value
+    memory = (
+        f"memory: {format_bytes(model.param_count * size)} of parameters, "
+        f"{format_bytes(model.activation_count * size)} of activations per image"
+    )
+    console.print(f"layers: {len(model.table)}   output: {_shape(model.output_shape)}   {memory}")
     console.print(f"parameters: {params:,}")
     console.print(f"multiply-adds: {macs:,} ({macs / 1e9:.3f} G) per image")
 

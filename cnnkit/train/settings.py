@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from cnnkit import __version__
 from cnnkit.config import TrainConfig
 from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
@@ -218,9 +217,19 @@ def _macs(network: Network) -> int:
 
 def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int) -> str:
     fixed = {k: getattr(cfg, k) for k in ("precision", "channels_last", "threads")}
-    parts = [machine_name(device), torch.__version__, __version__, batch, fixed,
+    parts = [machine_name(device), torch.__version__, _version(), batch, fixed,
              json.dumps(network.spec, sort_keys=True, default=str), network.num_classes]  # fmt: skip
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+def _version() -> str:
+    """cnnkit's version (the timing method may change with it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cnnkit")
+    except PackageNotFoundError:
+        return "source"
 
 
 def _read_cache(path: Path) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Caffe import: translate a deploy.prototxt (read by cnnkit.prototxt) into a cnnkit network
 (`model:` mapping), keeping Caffe's semantics: ceil pooling, LRN's alpha / n, BatchNorm + Scale.
+With a .caffemodel (read by cnnkit.caffe.weights), its weights come along as a state_dict.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, brief
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
 from cnnkit.prototxt import Message, parse_prototxt
@@ -26,12 +27,25 @@ _V1_TYPES = {  # the old `layers { type: CONVOLUTION }` enum names
 
 def import_caffe(path: str | Path) -> dict[str, Any]:
     """Read a Caffe deploy prototxt file and return the equivalent cnnkit `model:` mapping."""
+    return _translator(path).run()
+
+
+def import_caffe_weights(path: str | Path, caffemodel: str | Path) -> tuple[dict[str, Any], dict]:
+    """A deploy prototxt and its trained .caffemodel: (cnnkit `model:` mapping, state_dict)."""
+    from cnnkit.caffe.weights import caffe_state_dict, read_caffemodel
+
+    translator = _translator(path)
+    model = translator.run()
+    return model, caffe_state_dict(model, translator.sources, read_caffemodel(caffemodel))
+
+
+def _translator(path: str | Path) -> _Translator:
     path = Path(path)
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {e}") from None
-    return translate(parse_prototxt(text, str(path)), str(path))
+        raise ConfigError(f"{path}: cannot read: {str(e)[:160]}") from None
+    return _Translator(parse_prototxt(text, str(path)), str(path))
 
 
 def translate(net: Message, source: str = "prototxt") -> dict[str, Any]:
@@ -42,7 +56,7 @@ def translate(net: Message, source: str = "prototxt") -> dict[str, Any]:
 def network_yaml(model: dict[str, Any], header: str = "") -> str:
     """A network file for `model`, one layer per line like the zoo's files."""
     lines = [f"# {line}" for line in header.splitlines()] + ["model:"]
-    for key in ("name", "input"):
+    for key in ("name", "input", "weights"):
         if key in model:
             lines.append(f"  {key}: {_flow(model[key])}")
     lines.append("  layers:")
@@ -65,6 +79,8 @@ class _Translator:
         self.shapes: dict[str, Shape] = {}  # cnnkit value name -> output shape
         self.read: set[str] = set()  # cnnkit values some layer reads
         self.input: list[int] | None = None
+        # cnnkit layer -> the Caffe layers whose blobs are its weights: [(caffe name, role)]
+        self.sources: dict[str, list[tuple[str, str]]] = {}
 
     def run(self) -> dict[str, Any]:
         self._net_level_input()
@@ -78,7 +94,7 @@ class _Translator:
             handler = getattr(self, f"_{kind.lower()}", None) if kind in SUPPORTED else None
             if handler is None:
                 raise ConfigError(
-                    f"{self.here}: layer {layer.get('name', '?')!r} has type {kind!r}, which "
+                    f"{self.here}: layer {brief(layer.get('name', '?'))} has type {brief(kind)}, which "
                     f"cnnkit cannot import (supported: {', '.join(SUPPORTED)})"
                 )
             handler(layer, last=index == len(caffe_layers) - 1)
@@ -131,7 +147,7 @@ class _Translator:
         """Add one cnnkit layer reading the Caffe layer's bottoms and holding its tops."""
         inputs = [self._bottom(b) for b in layer.all("bottom")]
         if not inputs:
-            raise ConfigError(f"{self.here}: layer {layer.get('name')!r} has no bottom")
+            raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))} has no bottom")
         name = self._unique_name(layer.get("name") or spec["type"])
         previous = self.layers[-1]["name"] if self.layers else "input"
         spec = {"name": name, **spec}
@@ -142,6 +158,8 @@ class _Translator:
         self.read.update(inputs)
         for top in layer.all("top"):
             self.blobs[top] = name
+        if spec["type"] in ("conv", "linear", "batchnorm", "prelu"):
+            self.sources[name] = [(str(layer.get("name", "")), spec["type"])]
 
     def _alias(self, layer: Message) -> None:
         """A layer that changes nothing (Split, a final Softmax): its tops name its bottom."""
@@ -151,7 +169,9 @@ class _Translator:
 
     def _bottom(self, blob: Any) -> str:
         if blob not in self.blobs:
-            raise ConfigError(f"{self.here}: bottom {blob!r} is not produced by an earlier layer")
+            raise ConfigError(
+                f"{self.here}: bottom {brief(blob)} is not produced by an earlier layer"
+            )
         return self.blobs[blob]
 
     def _unique_name(self, raw: str) -> str:
@@ -214,10 +234,23 @@ class _Translator:
     def _lrn(self, layer: Message, last: bool) -> None:
         p = layer.sub("lrn_param")
         region = str(p.get("norm_region", "ACROSS_CHANNELS"))
-        _require(self.here, region == "ACROSS_CHANNELS", f"LRN {region} is not supported")
+        _require(self.here, region in _LRN_REGIONS, f"LRN {region} is not supported")
         spec = {"type": "lrn", "convention": "caffe", "size": int(p.get("local_size", 5))}
         spec.update(alpha=float(p.get("alpha", 1.0)), beta=float(p.get("beta", 0.75)))
+        if region == "WITHIN_CHANNEL":  # Caffe ignores k there: 1 + alpha * mean(a^2)
+            return self._emit(layer, {**spec, "region": "within_channel", "k": 1.0})
         self._emit(layer, {**spec, "k": float(p.get("k", 1.0))})
+
+    def _prelu(self, layer: Message, last: bool) -> None:
+        p = layer.sub("prelu_param")
+        spec: dict[str, Any] = {"type": "prelu"}
+        _put(spec, "channelwise", not bool(p.get("channel_shared", False)), True)
+        filler = p.get("filler")
+        if filler is not None:
+            constant = str(filler.get("type", "constant")) == "constant"
+            _require(self.here, constant, "PReLU filler must be constant")
+            _put(spec, "init_slope", float(filler.get("value", 0.0)), 0.25)
+        self._emit(layer, spec)
 
     def _relu(self, layer: Message, last: bool) -> None:
         slope = float(layer.sub("relu_param").get("negative_slope", 0.0))
@@ -268,6 +301,7 @@ class _Translator:
         bias = bool(layer.sub("scale_param").get("bias_term", False))
         _require(self.here, bias, "Scale after BatchNorm needs bias_term: true")
         norm["affine"] = True
+        self.sources[held].append((str(layer.get("name", "")), "scale"))
         for top in layer.all("top"):
             self.blobs[top] = held
 
@@ -281,8 +315,9 @@ class _Translator:
 
 SUPPORTED = (
     "Input", "Convolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid", "InnerProduct",
-    "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split",
+    "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
 )  # fmt: skip
+_LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
 
 
 def _in_test_phase(layer: Message) -> bool:
@@ -344,7 +379,7 @@ def _filler(here: str, filler: Message | None) -> Any:
         return {"kaiming_uniform": {"nonlinearity": "linear"}}
     if kind == "msra":  # N(0, sqrt(2 / fan_in))
         return {"kaiming_normal": {"nonlinearity": "relu"}}
-    raise ConfigError(f"{here}: filler type {kind!r} is not supported")
+    raise ConfigError(f"{here}: filler type {brief(kind)} is not supported")
 
 
 def _clean(name: Any) -> str:

@@ -1,0 +1,419 @@
+"""The expander: network-file layers -> a flat list of Nodes with their output shapes.
+
+It expands blocks (nested, repeated as stages, sequential numbering), evaluates `$params`
+and their arithmetic with `$in_channels` (the shape of what a layer or block reads), drops
+layers whose `if:` is false (an absent layer stands for its first input), applies defaults,
+resolves `inputs` and infers every shape, so each mistake is reported naming its layer.
+Everything here is linear in the number of layers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from cnnkit.errors import ConfigError, brief, validation_message
+from cnnkit.nn.expr import ExprError, evaluate, is_expression
+from cnnkit.nn.kinds import KINDS
+from cnnkit.nn.layers import Layer, Linear, Shape, ShapeError, fmt_shape
+from cnnkit.nn.spec import BlockDef, NetSpec, suggest
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+RESERVED = {"input", "previous"}
+MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
+MAX_LAYERS = 20_000  # ResNet-1001 has about 3,000
+MAX_BLOCK_DEPTH = 16
+MAX_NAME = 200
+
+
+@dataclass(frozen=True)
+class Node:
+    """One layer of the expanded graph; `inputs` index earlier values (0 is the network input)."""
+
+    index: int  # position in the file's top-level `layers:` list, for error messages
+    name: str
+    layer: Layer
+    inputs: tuple[int, ...]
+    shape: Shape  # output shape, per sample
+    head: bool = False  # sized by num_classes (a fine-tuned net's fresh classifier)
+
+
+@dataclass
+class _Scope:
+    """Where an entry is expanded: the top-level list or one copy of a block."""
+
+    index: int  # top-level entry, for messages
+    prefix: str  # "layer2.0."
+    params: dict[str, Any]
+    local: dict[str, int] | None  # a block's names -> value index; None at the top level
+    last: int  # the value of the entry before (what `previous` means)
+    sequential: bool = False
+    counter: int = 0  # the next number of a sequential block
+    depth: int = 0
+
+
+class Expander:
+    """Walks the top-level layers, expanding blocks, applying defaults and resolving inputs."""
+
+    def __init__(self, net: NetSpec):
+        self.net = net
+        self.nodes: list[Node] = []
+        self.shapes: list[Shape] = [tuple(net.input)]  # value index -> shape
+        self.value_of: dict[str, int] = {"input": 0}  # full name -> value index
+        self.taken: set[str] = set()  # module names
+        self.holders: dict[str, str] = {}  # each dotted prefix of a module name -> that name
+        self.later = {str(raw["name"]) for raw in net.layers if "name" in raw}
+
+    def run(self) -> list[Node]:
+        scope = _Scope(0, "", {"num_classes": self.net.num_classes}, None, 0)
+        for index, raw in enumerate(self.net.layers):
+            scope.index = index
+            self._entry(raw, index, scope)
+        return self.nodes
+
+    # -- entries ----------------------------------------------------------------------------------
+
+    def _entry(self, raw: Any, position: int, scope: _Scope) -> None:
+        if not isinstance(raw, dict):
+            where = (
+                _label(scope.index, scope.prefix[:-1]) if scope.prefix else f"layer {scope.index}"
+            )
+            raise ConfigError(f"{where}: expected a mapping, got {brief(raw)}")
+        raw = dict(raw)
+        if "block" in raw:
+            self._block(raw, position, scope)
+        else:
+            self._layer(raw, position, scope)
+
+    def _layer(self, raw: dict[str, Any], position: int, scope: _Scope) -> None:
+        condition = raw.pop("if", None)
+        kind = raw.get("type")
+        if is_expression(kind):
+            kind = self._sub(f"layer {scope.index}", "type", kind, scope.params)
+        short = self._short(raw, f"{kind}{position}", scope)
+        label = _label(scope.index, scope.prefix + short)
+        if not isinstance(kind, str) or kind not in KINDS:
+            what = f"unknown type {brief(kind)}{suggest(kind, KINDS)}" if kind else "missing"
+            raise ConfigError(f"{label}: type: {what}")
+        fields = _with_defaults(raw, self.net.defaults.get(kind, {}))
+        names = self._sub(label, "inputs", fields.pop("inputs", None), scope.params)
+        names = [names] if isinstance(names, str) else names
+        if names is not None and not (isinstance(names, list) and names):
+            raise ConfigError(
+                f"{label}: inputs: a layer name or a list of them, got {brief(names)}"
+            )
+        inputs = self._resolve(label, short, names or ["previous"], scope)
+        in_shapes = [self.shapes[i] for i in inputs]
+        env = {**scope.params, **shape_params(in_shapes[0])}
+        if not self._present(label, condition, env):
+            return self._alias(scope, short, inputs[0])
+        fields = self._sub(label, None, {**fields, "type": kind}, env)
+        layer = _validate(label, kind, {**fields, "name": scope.prefix + short, "inputs": names})
+        head = any(isinstance(v, str) and "$num_classes" in v for v in raw.values())
+        if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
+            layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
+        self._check_name(label, scope.prefix + short, short)
+        shape = _output_shape(label, layer, in_shapes)
+        self._add(Node(scope.index, scope.prefix + short, layer, tuple(inputs), shape, head))
+        self._register(scope, short, len(self.nodes), raw)
+
+    def _block(self, raw: dict[str, Any], position: int, scope: _Scope) -> None:
+        condition = raw.pop("if", None)
+        block_name = self._sub(f"layer {scope.index}", "block", raw.pop("block"), scope.params)
+        short = self._short(raw, f"{block_name}{position}", scope)
+        named = raw.pop("name", None) is not None
+        label = _label(scope.index, scope.prefix + short)
+        block = self._block_def(label, block_name)
+        ref = self._sub(label, "inputs", raw.pop("inputs", None), scope.params)
+        value = self._block_input(label, short, ref, scope)
+        env = {**scope.params, **shape_params(self.shapes[value])}
+        for key in ("repeat", "start", "first", "inline"):  # these may be $parameters too
+            if key in raw:
+                raw[key] = self._sub(label, key, raw[key], env)
+        stage = _stage(label, short, raw, named, scope.sequential)
+        if not self._present(label, condition, env):
+            return self._alias(scope, short, value)
+        if scope.depth >= MAX_BLOCK_DEPTH:
+            raise ConfigError(
+                f"{label}: block: blocks nest more than {MAX_BLOCK_DEPTH} deep "
+                f"(does {brief(block_name)} hold itself?)"
+            )
+        value = self._copies(label, short, block_name, block, raw, stage, scope, value)
+        if stage.inline or stage.numbered_on:
+            scope.last = value
+        else:
+            self._register(scope, short, value, {"name": short} if named else {})
+
+    def _copies(
+        self, label: str, short: str, block_name: str, block: BlockDef, raw: dict[str, Any],
+        stage: _Stage, scope: _Scope, value: int,
+    ) -> int:  # fmt: skip
+        """Expand the copies of a block line in turn; the value the last one outputs."""
+        for r in range(stage.repeat):
+            number = stage.start + r
+            given, this = dict(raw), block
+            if r == 0 and stage.first is not None:
+                given.update({k: v for k, v in stage.first.items() if k != "block"})
+                if "block" in stage.first:
+                    this = self._block_def(
+                        label, self._sub(label, "first", stage.first["block"], scope.params)
+                    )
+            env = {**scope.params, **shape_params(self.shapes[value]), "index": number}
+            params = self._block_params(label, block_name, this, given, env)
+            if stage.inline:  # its layers join the enclosing list (and its numbering)
+                inner = _Scope(
+                    scope.index, scope.prefix, params, {"input": value}, value,
+                    scope.sequential, scope.counter, scope.depth + 1,
+                )  # fmt: skip
+                value = self._expand(this, inner)
+                scope.counter = inner.counter
+                continue
+            if stage.numbered_on:  # unnamed in a sequential block: the next number
+                name, scope.counter = str(scope.counter), scope.counter + 1
+            else:
+                name = stage.copy_name(short, number)
+            inner = _Scope(
+                scope.index, f"{scope.prefix}{name}.", params, {"input": value}, value,
+                this.sequential, 0, scope.depth + 1,
+            )  # fmt: skip
+            value = self._expand(this, inner)
+            self.value_of[scope.prefix + name] = value
+            if scope.local is not None:
+                scope.local[name] = value
+        return value
+
+    def _expand(self, block: BlockDef, inner: _Scope) -> int:
+        """Expand one copy of a block in its own scope; the value it outputs."""
+        for i, entry in enumerate(block.layers):
+            self._entry(entry, i, inner)
+        return inner.last
+
+    # -- names, values, parameters ----------------------------------------------------------------
+
+    def _short(self, raw: dict[str, Any], default: str, scope: _Scope) -> str:
+        if "name" in raw:
+            name = raw["name"]
+            if isinstance(name, bool) or not isinstance(name, (str, int)):
+                raise ConfigError(f"layer {scope.index}: name: not a name: {brief(name)}")
+            return str(name)
+        return str(scope.counter) if scope.sequential else default
+
+    def _register(self, scope: _Scope, short: str, value: int, raw: dict[str, Any]) -> None:
+        """`short` now names `value`; it is what the next entry reads as `previous`."""
+        if scope.local is not None:
+            scope.local[short] = value
+        self.value_of[scope.prefix + short] = value
+        scope.last = value
+        if scope.sequential and "name" not in raw:
+            scope.counter += 1
+
+    def _alias(self, scope: _Scope, short: str, value: int) -> None:
+        """An absent layer (its `if:` is false) stands for its first input."""
+        if scope.local is not None:
+            scope.local[short] = value
+        self.value_of.setdefault(scope.prefix + short, value)
+        scope.last = value
+
+    def _add(self, node: Node) -> None:
+        if len(self.nodes) >= MAX_LAYERS:
+            raise ConfigError(
+                f"layer {node.index} ({node.name}): the network expands to more than "
+                f"{MAX_LAYERS:,} layers (check repeat)"
+            )
+        self.nodes.append(node)
+        self.shapes.append(node.shape)
+        self.taken.add(node.name)
+        parts = node.name.split(".")
+        for i in range(1, len(parts)):
+            self.holders.setdefault(".".join(parts[:i]), node.name)
+
+    def _check_name(self, label: str, name: str, short: str) -> None:
+        """Names are unique and none holds another (`a` and `a.b`): a set lookup per dot."""
+        if len(name) > MAX_NAME or not NAME_RE.match(name) or short in RESERVED:
+            raise ConfigError(
+                f"{label}: name: {brief(short)} is not a usable name (letters, digits, _ and -; "
+                "not 'input' or 'previous')"
+            )
+        if name in self.taken:
+            raise ConfigError(f"{label}: name: {name!r} is used twice")
+        parts = name.split(".")
+        holder = next(
+            (p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in self.taken), None
+        )
+        other = self.holders.get(name) or holder
+        if other:
+            raise ConfigError(
+                f"{label}: name: {name!r} clashes with {other!r} (one would hold the other)"
+            )
+
+    def _block_def(self, label: str, name: Any) -> BlockDef:
+        if not isinstance(name, str) or name not in self.net.blocks:
+            hint = suggest(name, self.net.blocks)
+            raise ConfigError(f"{label}: block: unknown block {brief(name)}{hint}")
+        return self.net.blocks[name]
+
+    def _block_input(self, label: str, short: str, ref: Any, scope: _Scope) -> int:
+        if ref is None:
+            return scope.last
+        if isinstance(ref, list) and len(ref) == 1:
+            ref = ref[0]
+        if not isinstance(ref, str):
+            raise ConfigError(f"{label}: inputs: a block takes one input, got {brief(ref)}")
+        return self._resolve(label, short, [ref], scope)[0]
+
+    def _block_params(self, label: str, name: str, block: BlockDef, given: dict, env: dict) -> dict:
+        unknown = [k for k in given if k not in block.params]
+        if unknown:
+            takes = ", ".join(block.params) or "no parameters"
+            raise ConfigError(
+                f"{label}: block {name!r} has no parameter {brief(unknown[0])} (it takes {takes})"
+            )
+        shape_env = {k: v for k, v in env.items() if k.startswith("in_")}
+        params: dict[str, Any] = {"num_classes": self.net.num_classes}
+        for key, default in block.params.items():
+            if key in given:
+                params[key] = self._sub(label, key, given[key], env)
+            else:  # a default may use the parameters before it and the block's input shape
+                params[key] = self._sub(label, key, default, {**shape_env, **params})
+            if params[key] is None:
+                raise ConfigError(f"{label}: block {brief(name)} needs parameter {brief(key)}")
+        return params
+
+    def _present(self, label: str, condition: Any, env: dict[str, Any]) -> bool:
+        if condition is None:
+            return True
+        value = self._sub(label, "if", condition, env)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{label}: if: must be true or false, got {brief(value)}")
+        return value
+
+    def _sub(self, label: str, key: str | None, value: Any, env: dict[str, Any]) -> Any:
+        """`value` with every `$...` string evaluated; errors name the field."""
+        if isinstance(value, dict):
+            return {k: self._sub(label, key or k, v, env) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._sub(label, key, v, env) for v in value]
+        if is_expression(value):
+            try:
+                return evaluate(value, env)
+            except ExprError as e:
+                raise ConfigError(f"{label}: {key or 'value'}: {e}") from None
+        return value
+
+    def _resolve(self, label: str, short: str, names: list[Any], scope: _Scope) -> list[int]:
+        out = []
+        for ref in names:
+            pool = scope.local if scope.local is not None else self.value_of
+            if ref == "previous":
+                out.append(scope.last)
+            elif isinstance(ref, str) and ref in pool:
+                out.append(pool[ref])
+            elif ref == short:
+                raise ConfigError(f"{label}: inputs: names itself (a cycle)")
+            elif scope.local is None and ref in self.later:
+                raise ConfigError(
+                    f"{label}: inputs: {brief(ref)} comes later; inputs may only name earlier layers"
+                )
+            else:
+                raise ConfigError(
+                    f"{label}: inputs: unknown layer {brief(ref)}{suggest(ref, pool)}"
+                )
+        return out
+
+
+def _label(index: int, name: str) -> str:
+    """`layer 3 (stage.0.conv1)`: how a message names a layer (a long name cut)."""
+    return f"layer {index} ({name if len(name) <= 80 else name[:80] + '...'})"
+
+
+def shape_params(shape: Shape) -> dict[str, int]:
+    """`$in_channels` (and `$in_height`, `$in_width` for images) of a value of this shape."""
+    if len(shape) == 3:
+        return {"in_channels": shape[0], "in_height": shape[1], "in_width": shape[2]}
+    return {"in_channels": shape[0]}
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """How a block line repeats: copies, the first copy's number and overrides, splicing."""
+
+    repeat: int
+    start: int
+    first: dict[str, Any] | None
+    numbered: bool  # copies are named NAME.0, NAME.1 ... (or by $index in the name)
+    inline: bool  # its layers join the enclosing list
+    numbered_on: bool  # unnamed in a sequential block: each copy takes the next number
+
+    def copy_name(self, short: str, number: int) -> str:
+        if "$index" in short:
+            return short.replace("$index", str(number))
+        return f"{short}.{number}" if self.numbered else short
+
+
+def _stage(label: str, short: str, raw: dict[str, Any], named: bool, sequential: bool) -> _Stage:
+    """repeat, start, first and inline of a block line (taken out of `raw`), checked."""
+    repeat, start, first = raw.pop("repeat", 1), raw.pop("start", None), raw.pop("first", None)
+    inline = raw.pop("inline", False)
+    if not _is_int(repeat) or not 1 <= repeat <= MAX_LAYERS:
+        raise ConfigError(
+            f"{label}: repeat: must be a whole number from 1 to {MAX_LAYERS:,}, got {brief(repeat)}"
+        )
+    if start is not None and (not _is_int(start) or start < 0):
+        raise ConfigError(f"{label}: start: must be a whole number >= 0, got {brief(start)}")
+    if first is not None and not isinstance(first, dict):
+        raise ConfigError(
+            f"{label}: first: a mapping of the first copy's parameters, got {brief(first)}"
+        )
+    if not isinstance(inline, bool) or (inline and named):
+        raise ConfigError(f"{label}: inline: true or false, and an inline block has no name")
+    numbered = repeat > 1 or start is not None or first is not None or "$index" in short
+    return _Stage(repeat, start or 0, first, numbered, inline, sequential and not named)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _output_shape(label: str, layer: Layer, in_shapes: list[Shape]) -> Shape:
+    if len(in_shapes) > 1 and not layer.many_inputs:
+        raise ConfigError(f"{label}: inputs: a {layer.type} layer takes one input")
+    try:
+        shape = layer.output_shape(in_shapes)
+    except ShapeError as e:
+        shapes = ", ".join(map(fmt_shape, in_shapes))
+        raise ConfigError(f"{label}: {e.field}: {e} (input {shapes})") from None
+    if math.prod(shape) == 0:
+        raise ConfigError(f"{label}: its output {fmt_shape(shape)} is empty")
+    return shape
+
+
+def _validate(label: str, kind: str, fields: dict[str, Any]) -> Layer:
+    try:
+        return KINDS[kind].model_validate(fields)
+    except ValidationError as e:
+        raise ConfigError(f"{label}: {validation_message(e)}") from None
+
+
+def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    merged = {**defaults, **fields}
+    for key in MERGED_FIELDS:
+        if isinstance(defaults.get(key), dict) and isinstance(fields.get(key), dict):
+            merged[key] = {**defaults[key], **fields[key]}
+    return merged
+
+
+def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[NetSpec, list]:
+    """Validate a `model:` mapping and expand it into nodes; `num_classes` overrides the file's."""
+    try:
+        net = NetSpec.model_validate(model)
+    except ValidationError as e:
+        raise ConfigError("model: " + validation_message(e)) from None
+    if num_classes is not None:
+        net = net.model_copy(update={"num_classes": num_classes})
+    if len(net.input) == 2:
+        raise ConfigError("model: input: give [C, H, W] for images or [F] for vectors")
+    return net, Expander(net).run()

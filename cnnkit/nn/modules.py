@@ -1,0 +1,169 @@
+"""The torch modules of our own that layer kinds build, where torch.nn has no exact match."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ScaledTanh(nn.Module):
+    """LeCun's tanh: 1.7159 * tanh(2/3 x), unit gain around zero."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 1.7159 * torch.tanh(x * (2.0 / 3.0))
+
+
+class FlatLinear(nn.Linear):
+    """nn.Linear that flattens a (B, C, H, W) input first, as Caffe's InnerProduct does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(1) if x.dim() > 2 else x)
+
+
+class ChannelLinear(nn.Linear):
+    """nn.Linear over the channels of each position: (B, C, H, W) -> (B, out, H, W)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return super().forward(x)
+        return super().forward(x.movedim(1, -1)).movedim(-1, 1)
+
+
+class ChannelLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm over the channels of each position of (B, C, H, W), as torchvision's
+    ConvNeXt LayerNorm2d computes it (channels last, normalise, back)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return super().forward(x)
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ChannelScale(nn.Module):
+    """x * weight with a learned weight per channel, (C, 1, 1) or (F,), initially ones.
+
+    A network's state_dict holds the weight under the layer's own name, `a.layer_scale` rather
+    than `a.layer_scale.weight`, as torchvision stores ConvNeXt's bare `layer_scale` parameter
+    (see `bare_scale_keys`)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def bare_scale_keys(
+    names: tuple[str, ...], module: nn.Module, state: dict, prefix: str, *_
+) -> None:
+    """state_dict post-hook of a network: `a.layer_scale.weight` -> `a.layer_scale`."""
+    for name in names:
+        if prefix + name + ".weight" in state:
+            state[prefix + name] = state.pop(prefix + name + ".weight")
+
+
+def scale_weight_keys(
+    names: tuple[str, ...], module: nn.Module, state: dict, prefix: str, *_
+) -> None:
+    """load_state_dict pre-hook of a network: `a.layer_scale` -> `a.layer_scale.weight`."""
+    for name in names:
+        if prefix + name in state:
+            state[prefix + name + ".weight"] = state.pop(prefix + name)
+
+
+class WithinChannelLRN(nn.Module):
+    """Caffe's LRN WITHIN_CHANNEL: x / (k + alpha * mean of x^2 over a size x size square)^beta,
+    the square zero-padded and its mean divided as Caffe's average pooling divides."""
+
+    def __init__(self, size: int, alpha: float, beta: float, k: float):
+        super().__init__()
+        self.size, self.alpha, self.beta, self.k = size, alpha, beta, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = F.avg_pool2d(x * x, self.size, 1, self.size // 2, count_include_pad=True)
+        return x / (self.k + self.alpha * mean).pow(self.beta)
+
+    def extra_repr(self) -> str:
+        return f"{self.size}, alpha={self.alpha}, beta={self.beta}, k={self.k}"
+
+
+class StochasticDepth(nn.Module):
+    """Drop a residual branch per sample ("row") or per batch with probability p while
+    training, scaling survivors by 1 / (1 - p); identity in eval (torchvision.ops' rule)."""
+
+    def __init__(self, p: float, mode: str = "row"):
+        super().__init__()
+        self.p, self.mode = p, mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        survival = 1.0 - self.p
+        size = [x.shape[0]] + [1] * (x.dim() - 1) if self.mode == "row" else [1] * x.dim()
+        noise = torch.empty(size, dtype=x.dtype, device=x.device).bernoulli_(survival)
+        if survival > 0.0:
+            noise.div_(survival)
+        return x * noise
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, mode={self.mode}"
+
+
+class ChannelShuffle(nn.Module):
+    """ShuffleNet's channel shuffle: (B, g * n, H, W) -> groups interleaved, as torchvision
+    writes it (view, transpose, view)."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        x = x.view(b, self.groups, c // self.groups, h, w).transpose(1, 2).contiguous()
+        return x.view(b, c, h, w)
+
+    def extra_repr(self) -> str:
+        return f"groups={self.groups}"
+
+
+class ChannelSplit(nn.Module):
+    """One of `parts` equal slices of the channels (ShuffleNet v2's channel split)."""
+
+    def __init__(self, parts: int, part: int):
+        super().__init__()
+        self.parts, self.part = parts, part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(self.parts, dim=1)[self.part]
+
+    def extra_repr(self) -> str:
+        return f"part {self.part} of {self.parts}"
+
+
+class Merge(nn.Module):
+    """Combine several tensors: sum, product, maximum (broadcasting) or channel concatenation."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        if self.op == "concat":
+            return torch.cat(xs, dim=1)
+        out = xs[0]
+        for x in xs[1:]:
+            if self.op == "add":
+                out = out + x
+            elif self.op == "mul":
+                out = out * x
+            else:
+                out = torch.maximum(out, x)
+        return out
+
+    def extra_repr(self) -> str:
+        return self.op

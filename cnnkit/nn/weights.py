@@ -1,0 +1,104 @@
+"""Pretrained weights for fine-tuning: a state_dict file (safetensors, or a weights-only .pt as
+torchvision, timm and their training scripts save) loaded into a network by name. Nothing is
+downloaded; every mismatch is named in one line."""
+
+from __future__ import annotations
+
+import pickle
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cnnkit.errors import CheckpointError
+
+WRAPPERS = ("state_dict", "model", "model_state_dict")  # keys training scripts nest it under
+SHOWN = 3  # keys named per kind of mismatch
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file or a weights-only .pt / .pth (a bare state_dict or a
+    checkpoint holding one under `state_dict` / `model`), with DDP's `module.` prefix removed."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such weights file")
+    state = _read_safetensors(path) if path.suffix == ".safetensors" else _read_pt(path)
+    for key in WRAPPERS:
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError(f"{path}: holds no state_dict (a mapping of names to tensors)")
+    odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
+    if odd is not None:
+        raise CheckpointError(f"{path}: not a state_dict: {str(odd)[:60]!r} is not a tensor")
+    if all(k.startswith("module.") for k in state):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    return state
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({str(e)[:100]})") from None
+
+
+def _read_pt(path: Path) -> object:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))  # what weights_only refused to build
+        if found:
+            raise CheckpointError(
+                f"{path}: refused: it holds a pickled object ({found.group(1)[:60]}), not only "
+                "tensors (save a state_dict)"
+            ) from None
+        raise CheckpointError(f"{path}: not a readable weights file ({str(e)[:100]})") from None
+    except Exception as e:  # torch.load raises many kinds on a truncated or foreign file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{path}: not a readable weights file ({first[:100]})") from None
+
+
+def load_weights(network: nn.Module, path: str | Path) -> list[str]:
+    """Load a state_dict file into `network` (names and shapes must agree) and return the keys
+    left as initialised: the classifier of a network built for another class count (its
+    `heads`), so fine-tuning starts from everything else."""
+    state = read_state_dict(path)
+    own = network.state_dict()
+    heads = tuple(f"{h}." for h in getattr(network, "heads", ()))
+    missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in state if k not in own]
+    misshaped = [k for k in own if k in state and state[k].shape != own[k].shape]
+    fresh = [k for k in misshaped if k.startswith(heads)]
+    misshaped = [k for k in misshaped if k not in fresh]
+    if missing or unexpected or misshaped:
+        problems = [
+            _named(missing, "missing", lambda k: k),
+            _named(unexpected, "unexpected", lambda k: k),
+            _named(misshaped, "mis-shaped", lambda k: f"{k}: file {_dims(state[k])}, network {_dims(own[k])}"),
+        ]  # fmt: skip
+        name = getattr(network, "name", type(network).__name__)
+        raise CheckpointError(
+            f"{path}: does not fit {name}: " + "; ".join(p for p in problems if p)
+        )
+    state = {**state, **{k: own[k] for k in fresh}}  # heads keep their fresh initialisation
+    with torch.no_grad():
+        network.load_state_dict(state)
+    return fresh
+
+
+def _named(keys: list[str], what: str, show: Callable[[str], str]) -> str:
+    if not keys:
+        return ""
+    listed = ", ".join(show(k)[:80] for k in keys[:SHOWN])
+    return f"{len(keys)} {what} ({listed}{', ...' if len(keys) > SHOWN else ''})"
+
+
+def _dims(t: torch.Tensor) -> str:
+    return "(" + ", ".join(map(str, t.shape)) + ")"

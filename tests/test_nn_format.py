@@ -1,0 +1,237 @@
+"""The network file's composition: stages, nested and sequential blocks, arithmetic on
+parameters, `$in_channels`, conditional layers, and the one-line errors each one gives."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cnnkit import ConfigError, build_model
+from cnnkit.nn.yamlio import load_yaml
+
+
+def net(*layers, blocks=None, **extra):
+    return {"input": [4, 8, 8], "layers": list(layers), "blocks": blocks or {}, **extra}
+
+
+def conv(name=None, **kw):
+    layer = {"type": "conv", "out_channels": 4, "kernel_size": 3, "padding": 1, **kw}
+    return {"name": name, **layer} if name else layer
+
+
+UNIT = {  # conv, optional 1x1 projection where the width or stride changes, add
+    "params": {"out": None, "stride": 1},
+    "layers": [
+        conv("c", out_channels="$out", stride="$stride"),
+        {"name": "proj", "block": "proj", "out": "$out", "stride": "$stride", "inputs": "input",
+         "if": "$stride != 1 or $in_channels != $out"},
+        {"name": "sum", "type": "add", "inputs": ["c", "proj"]},
+    ],
+}  # fmt: skip
+PROJ = {
+    "sequential": True,
+    "params": {"out": None, "stride": 1},
+    "layers": [
+        {"type": "conv", "out_channels": "$out", "kernel_size": 1, "stride": "$stride"},
+        {"type": "batchnorm"},
+    ],
+}
+
+
+def test_a_stage_is_one_line_with_a_different_first_copy():
+    spec = net(
+        {"name": "stage", "block": "unit", "out": 6, "repeat": 3, "first": {"stride": 2}},
+        blocks={"unit": UNIT, "proj": PROJ},
+    )
+    model = build_model(spec).eval()
+    names = [row.name for row in model.table]
+    assert names == [
+        "stage.0.c", "stage.0.proj.0", "stage.0.proj.1", "stage.0.sum",
+        "stage.1.c", "stage.1.sum", "stage.2.c", "stage.2.sum",
+    ]  # fmt: skip
+    assert model.table[0].output_shape == (6, 4, 4) and model.output_shape == (6, 4, 4)
+    assert model.table[5].inputs == ("stage.1.c", "stage.0.sum")  # absent proj: its input
+    x = torch.randn(2, 4, 8, 8)
+    stage = model.stage
+    with torch.no_grad():
+        proj = stage.get_submodule("0.proj")
+        y = stage.get_submodule("0.c")(x) + proj.get_submodule("1")(proj.get_submodule("0")(x))
+        for i in (1, 2):
+            y = stage.get_submodule(f"{i}.c")(y) + y
+        torch.testing.assert_close(model(x), y)
+
+
+def test_start_and_index_name_copies_and_parameters():
+    block = {"params": {"k": None}, "layers": [conv("c", out_channels="$k")]}
+    spec = net(
+        {"name": "dense.layer$index", "block": "b", "repeat": 2, "start": 1, "k": "$index * 2"},
+        {"name": "after", "block": "b", "repeat": 2, "start": 3, "k": "$in_channels"},
+        blocks={"b": block},
+    )
+    model = build_model(spec, device="meta")
+    rows = [(row.name, row.output_shape[0]) for row in model.table]
+    assert rows == [
+        ("dense.layer1.c", 2),
+        ("dense.layer2.c", 4),
+        ("after.3.c", 4),
+        ("after.4.c", 4),
+    ]
+
+
+def test_nested_sequential_and_inline_blocks_number_like_nn_sequential():
+    blocks = {
+        "cbr": {
+            "sequential": True,
+            "params": {"out": None, "act": "relu"},
+            "layers": [conv(out_channels="$out"), {"type": "batchnorm"}, {"type": "$act"}],
+        },
+        "body": {
+            "sequential": True,
+            "params": {"expand": False},
+            "layers": [
+                {"block": "cbr", "out": 8, "if": "$expand"},
+                {"block": "cbr", "out": 4, "act": "relu6", "inline": True},
+                {"type": "maxpool", "kernel_size": 2},
+            ],
+        },
+    }
+    spec = net(
+        {"name": "a", "block": "body", "expand": True},
+        {"name": "b", "block": "body"},
+        blocks=blocks,
+    )
+    model = build_model(spec, device="meta")
+    names = [row.name for row in model.table]
+    assert names == [
+        "a.0.0", "a.0.1", "a.0.2", "a.1", "a.2", "a.3", "a.4",
+        "b.0", "b.1", "b.2", "b.3",
+    ]  # fmt: skip
+    assert isinstance(model.get_submodule("a.3"), nn.ReLU6)
+    assert model.table[3].inputs == ("a.0.2",) and model.table[7].inputs == ("a.4",)
+
+
+def test_arithmetic_and_in_channels_make_a_depthwise_conv():
+    dw = {"type": "conv", "out_channels": "$in_channels", "kernel_size": 3,
+          "padding": "($in_height - $in_height + 3) // 2", "groups": "$in_channels"}  # fmt: skip
+    block = {
+        "params": {"width": None, "wide": "$width * 4 // 2 - (1 + 1)"},
+        "layers": [conv("pw", out_channels="$wide"), {"name": "dw", **dw}],
+    }
+    model = build_model(net({"name": "m", "block": "blk", "width": 3}, blocks={"blk": block}))
+    pw, dw_module = model.m.pw, model.m.dw
+    assert pw.out_channels == 4 and dw_module.groups == 4 and dw_module.in_channels == 4
+    assert dw_module.padding == (1, 1)
+    reference = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+    reference.load_state_dict(dw_module.state_dict())
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(pw(x)))
+
+
+def test_a_repeat_count_and_first_may_be_parameters():
+    outer = {"params": {"n": None, "s": 1}, "layers": [
+        {"block": "unit", "out": 6, "repeat": "$n", "first": {"stride": "$s"}}]}  # fmt: skip
+    spec = net(
+        {"name": "o", "block": "outer", "n": 2, "s": 2},
+        blocks={"outer": outer, "unit": UNIT, "proj": PROJ},
+    )
+    names = [row.name for row in build_model(spec, device="meta").table]
+    assert names[0] == "o.unit0.0.c" and names[-1] == "o.unit0.1.sum"
+
+
+def test_defaults_may_use_arithmetic_and_the_input_shape():
+    spec = net(
+        conv("c", out_channels="$in_channels * 2"),
+        defaults={"conv": {"kernel_size": 1, "padding": 0}},
+    )
+    assert build_model(spec, device="meta").output_shape == (8, 8, 8)
+
+
+def test_a_block_may_hold_itself_only_to_a_bounded_depth():
+    spec = net(
+        {"name": "r", "block": "loop"},
+        blocks={"loop": {"layers": [{"name": "again", "block": "loop"}]}},
+    )
+    with pytest.raises(ConfigError, match="blocks nest more than 16 deep .does 'loop' hold itself"):
+        build_model(spec)
+    shrink = {"params": {"n": None}, "layers": [
+        conv("c"), {"name": "more", "block": "shrink", "n": "$n - 1", "if": "$n > 1"}]}  # fmt: skip
+    names = [
+        row.name
+        for row in build_model(
+            net({"name": "s", "block": "shrink", "n": 3}, blocks={"shrink": shrink})
+        ).table
+    ]
+    assert names == ["s.c", "s.more.c", "s.more.more.c"]
+
+
+BAD = [
+    (net(conv("a", out_channels="$in_channels * ")), "layer 0 (a): out_channels: the expression ends where a value should be"),
+    (net(conv("a", out_channels="$w")), "layer 0 (a): out_channels: $w is not a parameter here"),
+    (net(conv("a", out_channels="$in_channels // 0")), "layer 0 (a): out_channels: division by zero"),
+    (net(conv("a", out_channels="$in_channels / 2")), "layer 0 (a): out_channels: Input should be a valid integer"),
+    (net(conv("a", out_channels="__import__('os')")), "layer 0 (a): out_channels: Input should be a valid integer"),
+    (net(conv("a", out_channels="$in_channels + __class__")), "layer 0 (a): out_channels: cannot read '__class__'"),
+    (net(conv("a", out_channels=True)), "layer 0 (a): out_channels: Input should be a valid integer"),
+    (net(conv("a", out_channels=1e30)), "layer 0 (a): out_channels: Input should be a valid integer"),
+    (net(conv("a", out_channels=0)), "layer 0 (a): out_channels: Input should be greater than 0"),
+    (net(conv("a", out_channels=-4)), "layer 0 (a): out_channels: Input should be greater than 0"),
+    (net(conv("a", bias="yes")), "layer 0 (a): bias: Input should be a valid boolean"),
+    (net({"name": "d", "type": "dropout", "p": True}), "layer 0 (d): p: Input should be a number, not true or false"),
+    (net(conv("a", **{"if": "$in_channels"})), "layer 0 (a): if: must be true or false, got 4"),
+    (net(conv("a", **{"if": "$in_channels and true"})), "layer 0 (a): if: and / or / not need true or false"),
+    (net(conv("a"), defaults={"convv": {"bias": False}}), "model: defaults: unknown type 'convv' (did you mean 'conv'?)"),
+    (net({"name": "s", "block": "b", "repeat": 10_000_000}, blocks={"b": {"layers": [conv()]}}),
+     "layer 0 (s): repeat: must be a whole number from 1 to 20,000"),
+    (net({"name": "s", "block": "b", "repeat": 200}, blocks={"b": {"layers": [{"block": "c", "repeat": 200}]},
+                                                          "c": {"layers": [{"type": "relu"}]}}),
+     "the network expands to more than 20,000 layers"),
+    (net({"name": "s", "block": "b", "first": 3}, blocks={"b": {"layers": [conv()]}}),
+     "layer 0 (s): first: a mapping of the first copy's parameters, got 3"),
+    (net({"name": "s", "block": "b", "inline": True}, blocks={"b": {"layers": [conv()]}}),
+     "layer 0 (s): inline: true or false, and an inline block has no name"),
+    (net({"name": "s", "block": "b"}, blocks={"b": {"params": {"in_channels": 3}, "layers": [conv()]}}),
+     "model: blocks.b.params: 'in_channels' is set by cnnkit"),
+    (net({"name": "x" * 5000, "type": "relu"}), "is not a usable name"),
+    (net({"type": "x" * 5000}), "type: unknown type 'xxxxxxxx"),
+    (net(conv("a"), conv("b", inputs=["a", "a"])), "layer 1 (b): inputs: a conv layer takes one input"),
+    (net(conv("a"), {"name": "a.b", "type": "relu"}), "layer 1 (a.b): name: 'a.b' clashes with 'a'"),
+    (net({"name": "a.b", "type": "relu"}, {"name": "a", "type": "relu"}), "layer 1 (a): name: 'a' clashes with 'a.b'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec, message", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_each_mistake_is_one_short_line_naming_layer_and_field(spec, message):
+    with pytest.raises(ConfigError) as e:
+        build_model(spec, device="meta")
+    text = str(e.value)
+    assert message in text and "\n" not in text and len(text) < 300, text
+
+
+def test_absurd_sizes_are_refused_naming_the_memory():
+    huge = net({"name": "fc", "type": "linear", "out_features": 10**7}, input=[10**7])
+    with pytest.raises(
+        ConfigError, match=r"model: net needs 400.0 TB \(100,000,010,000,000 parameters"
+    ):
+        build_model(huge, device="meta")
+    with pytest.raises(ConfigError, match=r"available \(MemAvailable in /proc/meminfo\)"):
+        build_model(net({"name": "fc", "type": "linear", "out_features": 10**6}, input=[10**6]))
+    wide = net(
+        {"name": "c", "type": "conv", "out_channels": 10**6, "kernel_size": 1},
+        input=[3, 2**15, 2**15],
+    )
+    with pytest.raises(ConfigError, match="activation values per image"):
+        build_model(wide, device="meta")
+
+
+def test_the_readme_example_builds_as_it_says():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    example = re.search(r"```yaml\n(.*?)```", readme.split("## The network file")[1], re.S)
+    model = build_model(load_yaml(example.group(1))["model"])
+    names = [row.name for row in model.table]
+    assert "layer2.0.downsample.0" in names and "layer2.0.downsample.1" in names
+    assert not any(n.startswith(("layer1.0.downsample", "layer2.1.downsample")) for n in names)
+    assert model.get_submodule("layer2.0.dw").groups == 128  # $in_channels: conv1's 2 x 64
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)

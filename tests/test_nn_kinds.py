@@ -1,0 +1,188 @@
+"""The layer kinds the model families need, each against its torch / torchvision counterpart,
+and every kind's parameter count (counted from the file) against the module it builds."""
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from cnnkit import build_model
+from cnnkit.nn.kinds import KINDS
+
+
+def one_layer(layer: dict, input_shape: list[int]) -> torch.nn.Module:
+    """A network holding just `layer`, named `x`."""
+    return build_model({"input": input_shape, "layers": [{"name": "x", **layer}]}).eval()
+
+
+class Chunk(nn.Module):
+    def __init__(self, part: int):
+        super().__init__()
+        self.part = part
+
+    def forward(self, x):
+        return x.chunk(2, dim=1)[self.part]
+
+
+class ChannelsLast(nn.Module):
+    """torch's Linear / LayerNorm over the channels, as ConvNeXt applies them (permute, op, back)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+LayerNorm2d = torchvision.models.convnext.LayerNorm2d
+CASES = [
+    ({"type": "relu6"}, nn.ReLU6()),
+    ({"type": "hardswish"}, nn.Hardswish()),
+    ({"type": "hardsigmoid"}, nn.Hardsigmoid()),
+    ({"type": "channel_shuffle", "groups": 2}, nn.ChannelShuffle(2)),
+    ({"type": "channel_split", "part": 1}, Chunk(1)),
+    ({"type": "layernorm", "eps": 1e-6}, LayerNorm2d(6, eps=1e-6)),
+    ({"type": "linear", "out_features": 5, "flatten": False}, ChannelsLast(nn.Linear(6, 5))),
+    ({"type": "stochastic_depth", "p": 0.3}, torchvision.ops.StochasticDepth(0.3, "row")),
+]
+
+
+@pytest.mark.parametrize("layer, ref", CASES, ids=[c[0]["type"] for c in CASES])
+def test_layer_matches_torch(layer, ref):
+    torch.manual_seed(0)
+    model = one_layer(layer, [6, 5, 7])
+    target = ref.inner if isinstance(ref, ChannelsLast) else ref
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    if list(target.state_dict()):
+        target.load_state_dict(model.x.state_dict())
+    ref.eval()
+    x = torch.randn(3, 6, 5, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-6, atol=1e-6)
+    assert tuple(model(x).shape[1:]) == model.output_shape
+
+
+def test_layernorm_and_linear_on_vectors_are_torchs():
+    norm = one_layer({"type": "layernorm"}, [6])
+    fc = one_layer({"type": "linear", "out_features": 3, "flatten": False}, [6])
+    ref_norm, ref_fc = nn.LayerNorm(6), nn.Linear(6, 3)
+    ref_norm.load_state_dict(norm.x.state_dict())
+    ref_fc.load_state_dict(fc.x.state_dict())
+    x = torch.randn(4, 6) * 3 + 1
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), ref_norm(x))
+        torch.testing.assert_close(fc(x), ref_fc(x))
+
+
+def test_scale_is_convnexts_layer_scale_under_its_own_name():
+    spec = {
+        "input": [4, 3, 3],
+        "layers": [
+            {"name": "block.layer_scale", "type": "scale", "init": {"weight": 1e-6}},
+            {"name": "block.relu", "type": "relu"},
+        ],
+    }
+    model = build_model(spec)
+    assert list(model.state_dict()) == ["block.layer_scale"]
+    assert model.state_dict()["block.layer_scale"].shape == (4, 1, 1)
+    assert torch.all(model.state_dict()["block.layer_scale"] == 1e-6)
+    gamma = torch.rand(4, 1, 1)
+    model.load_state_dict({"block.layer_scale": gamma})  # strict, as torchvision names it
+    x = torch.randn(2, 4, 3, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), torch.relu(gamma * x))
+
+
+def test_stochastic_depth_drops_rows_like_torchvision_and_keeps_the_mean():
+    ours = one_layer({"type": "stochastic_depth", "p": 0.25}, [3, 2, 2]).train()
+    ref = torchvision.ops.StochasticDepth(0.25, "row").train()
+    x = torch.ones(4000, 3, 2, 2)
+    torch.manual_seed(1)
+    a = ours(x)
+    torch.manual_seed(1)
+    b = ref(x)
+    torch.testing.assert_close(a, b)  # same draws, same rule
+    kept = a[:, 0, 0, 0]
+    assert torch.equal(kept.unique(), torch.tensor([0.0, 1 / 0.75]))  # rows dropped or scaled up
+    assert torch.equal(a, kept.view(-1, 1, 1, 1).expand_as(a))
+    assert abs(kept.mean().item() - 1.0) < 0.05 and abs((kept == 0).float().mean() - 0.25) < 0.03
+    assert torch.equal(ours.eval()(x), x)
+
+
+def test_merges_broadcast_an_excitation_over_the_feature_map():
+    spec = {
+        "input": [4, 5, 5],
+        "layers": [
+            {"name": "pool", "type": "adaptive_avgpool", "output_size": 1},
+            {"name": "gate", "type": "sigmoid"},
+            {"name": "scale", "type": "mul", "inputs": ["gate", "input"]},
+        ],
+    }
+    model = build_model(spec)
+    x = torch.randn(2, 4, 5, 5)
+    assert model.output_shape == (4, 5, 5)
+    torch.testing.assert_close(model(x), torch.sigmoid(x.mean((2, 3), keepdim=True)) * x)
+
+
+def caffe_within_channel_lrn(x: torch.Tensor, size: int, alpha: float, beta: float) -> torch.Tensor:
+    """Caffe's WITHIN_CHANNEL LRN, loop for loop: each square's sum of squares over the padded
+    window, divided by the window's size clipped at H + pad (Caffe's AVE pooling rule)."""
+    _, _, h, w = x.shape
+    pad = (size - 1) // 2
+    out = torch.empty_like(x)
+    for i in range(h):
+        for j in range(w):
+            h0, w0 = i - pad, j - pad
+            h1, w1 = min(h0 + size, h + pad), min(w0 + size, w + pad)
+            count = (h1 - h0) * (w1 - w0)
+            window = x[:, :, max(h0, 0) : min(h1, h), max(w0, 0) : min(w1, w)]
+            scale = 1 + alpha * window.pow(2).sum((2, 3)) / count
+            out[:, :, i, j] = x[:, :, i, j] / scale.pow(beta)
+    return out
+
+
+def test_lrn_within_channel_is_caffes():
+    layer = {"type": "lrn", "convention": "caffe", "region": "within_channel", "size": 3,
+             "alpha": 5e-2, "beta": 0.75}  # fmt: skip
+    model = one_layer(layer, [2, 5, 6])
+    x = torch.randn(2, 2, 5, 6) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), caffe_within_channel_lrn(x, 3, 5e-2, 0.75))
+
+
+EXAMPLES = {  # one layer of every kind that has parameters, with a (C, H, W) or (F,) input
+    "conv": ({"out_channels": 6, "kernel_size": [3, 2], "groups": 2}, [4, 7, 7]),
+    "linear": ({"out_features": 5}, [4, 3, 3]),
+    "batchnorm": ({}, [4, 3, 3]),
+    "layernorm": ({"affine": False}, [4]),
+    "prelu": ({}, [4, 3, 3]),
+    "scale": ({}, [4, 3, 3]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_parameter_counts_from_the_file_match_the_modules(kind):
+    fields, shape = EXAMPLES.get(kind, ({}, [4, 3, 3]))
+    fields = {**fields, "convention": "caffe"} if kind == "lrn" else fields
+    fields = {**fields, "groups": 2} if kind == "channel_shuffle" else fields
+    fields = {**fields, "part": 0} if kind == "channel_split" else fields
+    fields = {**fields, "kernel_size": 2} if kind in ("maxpool", "avgpool") else fields
+    fields = {**fields, "output_size": 2} if kind == "adaptive_avgpool" else fields
+    fields = {**fields, "p": 0.1} if kind == "stochastic_depth" else fields
+    layers = [{"name": "x", "type": kind, **fields}]
+    if KINDS[kind].many_inputs:
+        layers = [
+            {"name": "a", "type": "relu"},
+            {"name": "x", "type": kind, "inputs": ["a", "input"]},
+        ]
+    model = build_model({"input": shape, "layers": layers}, device="meta")
+    assert (
+        model.param_count
+        == sum(p.numel() for p in model.parameters())
+        == sum(r.params for r in model.table)
+    )
+    if kind in EXAMPLES and EXAMPLES[kind][0].get("affine") is not False:
+        assert model.param_count > 0

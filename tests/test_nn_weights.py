@@ -1,0 +1,117 @@
+"""Pretrained weights: torchvision's state_dict in every file form training scripts write,
+loaded by name for fine-tuning (a fresh classifier for other classes), mismatches in one line."""
+
+import pytest
+import torch
+import torchvision
+from safetensors.torch import save_file
+
+from cnnkit import CheckpointError, build_model
+from cnnkit.nn.weights import load_weights
+from cnnkit.zoo import net_path
+
+
+@pytest.fixture(scope="module")
+def squeezenet():
+    """torchvision's SqueezeNet 1.1 with random weights, in eval mode."""
+    torch.manual_seed(0)
+    return torchvision.models.squeezenet1_1(weights=None).eval()
+
+
+@pytest.mark.parametrize(
+    "form", ["safetensors", "pt", "checkpoint-model", "checkpoint-state_dict", "ddp"]
+)
+def test_torchvisions_weights_in_any_file_form_give_its_logits(tmp_path, squeezenet, form):
+    state = squeezenet.state_dict()
+    path = tmp_path / ("w.safetensors" if form == "safetensors" else "w.pt")
+    if form == "safetensors":
+        save_file(state, str(path))
+    else:
+        wrapped = {
+            "pt": state,
+            "checkpoint-model": {"model": state, "epoch": 90, "args": {"lr": 0.1}},
+            "checkpoint-state_dict": {"state_dict": state, "arch": "squeezenet1_1"},
+            "ddp": {f"module.{k}": v for k, v in state.items()},
+        }[form]
+        torch.save(wrapped, path)
+    model = build_model("squeezenet1_1", weights=path).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), squeezenet(x), rtol=0, atol=1e-5)
+
+
+def test_fine_tuning_keeps_a_fresh_classifier_for_other_classes(tmp_path):
+    torch.manual_seed(0)
+    ref = torchvision.models.resnet18(weights=None)
+    path = tmp_path / "resnet18.safetensors"
+    save_file(ref.state_dict(), str(path))
+    model = build_model("resnet18", num_classes=10)
+    fresh = load_weights(model, path)
+    assert fresh == ["fc.weight", "fc.bias"] and model.fc.weight.shape == (10, 512)
+    torch.testing.assert_close(
+        model.get_submodule("layer4.1.conv2").weight, ref.layer4[1].conv2.weight
+    )
+    torch.testing.assert_close(model.bn1.running_var, ref.bn1.running_var)
+
+
+def test_a_classifier_sized_by_num_classes_in_a_block_is_a_head_too(tmp_path, squeezenet):
+    path = tmp_path / "squeeze.safetensors"
+    save_file(squeezenet.state_dict(), str(path))
+    model = build_model("squeezenet1_1", num_classes=5)  # its final 1x1 conv: $num_classes
+    assert load_weights(model, path) == ["classifier.1.weight", "classifier.1.bias"]
+    torch.testing.assert_close(
+        model.get_submodule("features.12.expand3x3").weight,
+        squeezenet.features[12].expand3x3.weight,
+    )
+
+
+def test_a_network_file_names_its_weights_beside_it(tmp_path, squeezenet):
+    save_file(squeezenet.state_dict(), str(tmp_path / "squeeze.safetensors"))
+    zoo_file = net_path("squeezenet1_1").read_text()
+    spec = tmp_path / "squeeze.yaml"
+    spec.write_text(zoo_file.replace("  input:", "  weights: squeeze.safetensors\n  input:"))
+    model = build_model(str(spec)).eval()
+    torch.testing.assert_close(
+        model.get_submodule("features.0").weight, squeezenet.features[0].weight
+    )
+    assert "weights" not in model.spec  # a checkpoint's copy of the network does not reload it
+    assert build_model(str(spec), device="meta").output_shape == (1000,)  # info reads no weights
+
+
+def test_mismatches_are_one_line_naming_the_keys(tmp_path, squeezenet):
+    state = dict(squeezenet.state_dict())
+    del state["features.3.squeeze.weight"]
+    state["features.3.extra.weight"] = torch.zeros(2)
+    state["features.0.weight"] = torch.zeros(64, 3, 5, 5)
+    path = tmp_path / "bad.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError) as e:
+        build_model("squeezenet1_1", weights=path)
+    message = str(e.value)
+    assert message.startswith(
+        f"{path}: does not fit squeezenet1_1: 1 missing (features.3.squeeze.weight)"
+    )
+    assert "1 unexpected (features.3.extra.weight)" in message
+    assert "1 mis-shaped (features.0.weight: file (64, 3, 5, 5), network (64, 3, 3, 3))" in message
+    assert "\n" not in message and len(message) < 400
+
+
+def test_files_that_are_not_weights_are_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    torch.save({"model": Evil()}, tmp_path / "evil.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    torch.save({"lr": 0.1}, tmp_path / "config.pt")
+    torch.save({"fc.weight": [1, 2]}, tmp_path / "list.pt")
+    cases = {
+        "evil.pt": r"refused: it holds a pickled object \(.*print\)",
+        "junk.pt": "not a readable weights file",
+        "config.pt": "not a state_dict: 'lr' is not a tensor",
+        "list.pt": "not a state_dict: 'fc.weight' is not a tensor",
+        "missing.pt": "no such weights file",
+    }
+    for name, message in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            build_model("squeezenet1_1", weights=tmp_path / name)

@@ -1,0 +1,62 @@
+"""The one YAML reader: duplicate keys, alias bombs, deep nesting and huge files are refused in
+one line with the line and column, before anything big is built."""
+
+import pytest
+import yaml
+
+from cnnkit import ConfigError
+from cnnkit.nn.yamlio import MAX_DEPTH, MAX_NODES, load_yaml, read_yaml
+
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+)  # 9^9 = 387,420,489 values once expanded, in 410 bytes
+
+
+def test_plain_documents_and_merge_keys_read_as_safe_load_does():
+    text = "base: &b {x: 1, y: [1, 2]}\nd: {<<: *b, x: 2}\nlist: [*b, *b]\n"
+    assert load_yaml(text) == yaml.safe_load(text)
+    assert load_yaml("- 1\n- {a: null}\n") == [1, {"a": None}]
+
+
+@pytest.mark.parametrize(
+    "text, problem, line",
+    [
+        ("model:\n  input: [3, 8, 8]\n  input: [1, 8, 8]\n", "duplicate key 'input'", 3),
+        ("a: {b: 1, b: 2}\n", "duplicate key 'b'", 1),
+        (LAUGHS, f"more than {MAX_NODES:,} values once aliases are expanded", None),
+        ("x: " + "[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5), "nested more than", 1),
+        ("x: &x [1, *x]\n", "an alias refers to itself", 1),
+        ("a: [1, 2\n", "expected ',' or ']'", None),
+    ],
+    ids=["duplicate", "duplicate-flow", "alias-bomb", "deep", "recursive", "syntax"],
+)
+def test_bad_documents_are_one_line_naming_line_and_column(tmp_path, text, problem, line):
+    path = tmp_path / "net.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: not valid YAML (line ") and problem in message
+    assert "\n" not in message and len(message) < 300
+    if line is not None:
+        assert f"(line {line}, column" in message
+
+
+def test_load_yaml_raises_yaml_errors_so_callers_keep_their_fallbacks():
+    with pytest.raises(yaml.YAMLError):
+        load_yaml("{a: 1, a: 2}")
+    with pytest.raises(yaml.YAMLError):
+        load_yaml(LAUGHS)
+
+
+def test_files_too_large_or_unreadable(tmp_path):
+    big = tmp_path / "big.yaml"
+    with big.open("w") as f:
+        f.seek(17 * 2**20)
+        f.write("\n")
+    with pytest.raises(ConfigError, match="larger than 16 MiB"):
+        read_yaml(big)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_yaml(binary)
