@@ -63,3 +63,32 @@ def test_each_bad_field_is_named(change, words):
 def test_missing_run_file_or_zoo_name():
     with pytest.raises(ConfigError, match="neither a zoo run"):
         load_run("no-such-run")
+
+
+def test_run_file_weights_start_the_network_from_a_state_dict(tmp_path):
+    """model: {network, weights}: the run trains from the file's weights (relative to the run
+    file), a classifier of another class count fresh; config.yaml keeps the section."""
+    import torch
+    from safetensors.torch import save_file
+
+    from cnnkit.nn import build_model
+    from cnnkit.train.run import fit
+
+    source = build_model("digitnet", num_classes=4)
+    save_file(
+        {k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "w.safetensors"
+    )
+    (tmp_path / "run.yaml").write_text(
+        "model: {network: digitnet, weights: w.safetensors}\n"
+        "data: {source: digits}\ntrain: {epochs: 1, lr: 1.0e-9, momentum: 0, weight_decay: 0}\n"
+    )
+    config = load_run(tmp_path / "run.yaml")
+    assert config.model.weights == str(tmp_path / "w.safetensors")
+    fit(config, tmp_path / "run", quiet=True)
+    trained = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["model"]
+    torch.testing.assert_close(
+        trained["conv1.weight"], source.state_dict()["conv1.weight"], atol=1e-5, rtol=0
+    )
+    assert trained["output.weight"].shape[0] == 10  # digits has 10 classes: a fresh classifier
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["model"] == {"network": "digitnet", "weights": str(tmp_path / "w.safetensors")}

@@ -90,8 +90,11 @@ def deterministic_mode(on: bool, device: torch.device) -> Iterator[None]:
 
 
 def build_network(config: RunConfig, data: DataBundle) -> Network:
-    """The run's network with the data's class count, checked against the data's image shape."""
-    network = build_model(config.model.spec(), num_classes=len(data.classes))
+    """The run's network with the data's class count, checked against the data's image shape,
+    starting from `model.weights` when given (a classifier of another class count starts
+    fresh); a resumed run's own checkpoint replaces them."""
+    network = build_model(config.model.spec(), num_classes=len(data.classes),
+                          weights=config.model.weights)  # fmt: skip
     if tuple(network.input_shape) != tuple(data.input_shape):
         raise ConfigError(
             f"model: input {list(network.input_shape)} does not match the data's images "
