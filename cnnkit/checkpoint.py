@@ -1,6 +1,7 @@
 """Checkpoints, read and written by training and inference alike: atomic save, safe load
-(`weights_only=True`: data, never code), RNG state, and `load_trained` for inference. Format "cnnkit-checkpoint/1": model_spec, num_classes, model (fp32
-state_dict of the plain model), classes, preprocess, config, plus the training state.
+(`weights_only=True`: data, never code), the structure validated (`Saved`), RNG state, and
+`load_trained` for inference. Format "cnnkit-checkpoint/1": model_spec, num_classes, model
+(fp32 state_dict of the plain model), classes, preprocess, config, plus the training state.
 """
 
 from __future__ import annotations
@@ -14,12 +15,57 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
-from cnnkit.errors import CheckpointError, CnnkitError
+from cnnkit.data.base import Preprocess
+from cnnkit.errors import CheckpointError, CnnkitError, validation_message
 from cnnkit.nn import build_model
 
 FORMAT = "cnnkit-checkpoint/1"
-REQUIRED = ("model_spec", "num_classes", "model", "classes", "preprocess", "config")
+
+
+class Saved(BaseModel):
+    """What a cnnkit checkpoint holds, checked when it is read (best.pt has no optimizer, RNG
+    or scaler; the training fields have their fresh-run values when absent)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
+    format: str
+    model_spec: dict[str, Any]
+    num_classes: PositiveInt | None
+    model: dict[str, torch.Tensor] = Field(min_length=1)
+    classes: list[str]
+    preprocess: Preprocess
+    config: dict[str, Any]
+    epoch: NonNegativeInt = 0
+    step: NonNegativeInt = 0
+    global_step: NonNegativeInt = 0
+    best_top1: float = -1.0
+    seconds: NonNegativeFloat = 0.0
+    history: list[dict[str, float]] = Field(default_factory=list)
+    partial: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    optimizer: dict[str, Any] | None = None
+    schedule: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    rng_ranks: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Saved:
+        if self.num_classes is not None and len(self.classes) != self.num_classes:
+            raise ValueError(f"classes: {len(self.classes)} names for {self.num_classes} outputs")
+        if not isinstance(self.config.get("data"), dict):
+            raise ValueError("config: no data section")
+        return self
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
@@ -32,6 +78,10 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except RuntimeError as e:  # torch's zip writer hides a full disk behind its own error
+        if isinstance(e.__context__, OSError):
+            raise e.__context__ from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -46,9 +96,11 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL (\S+)", str(e))
-        what = f" ({found.group(1)})" if found else ""
+        if found is None:  # random bytes also fail to unpickle: not an object, just no file
+            raise CheckpointError(f"{path}: not a readable checkpoint ({_one(e)})") from None
         raise CheckpointError(
-            f"{path}: refused: it holds a pickled object{what}, not only tensors and plain data"
+            f"{path}: refused: it holds a pickled object ({found.group(1)}), not only tensors "
+            "and plain data"
         ) from None
     except Exception as e:
         raise CheckpointError(
@@ -56,9 +108,10 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a cnnkit checkpoint (expected format {FORMAT!r})")
-    missing = [k for k in REQUIRED if k not in state]
-    if missing:
-        raise CheckpointError(f"{path}: checkpoint lacks {missing[0]!r}")
+    try:
+        Saved.model_validate(state)
+    except ValidationError as e:
+        raise CheckpointError(f"{path}: a damaged checkpoint: {validation_message(e)}") from None
     return state
 
 

@@ -8,6 +8,7 @@ source's own config (DataConfig), `config.model` a ModelConfig. `dump_run` write
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -27,17 +28,18 @@ from pydantic import (
 )
 
 from cnnkit.data import SOURCES, DataConfig, check_source
-from cnnkit.errors import ConfigError, config_error
+from cnnkit.errors import ConfigError, brief, config_error
 from cnnkit.nn import read_spec
 from cnnkit.nn.yamlio import load_yaml, read_yaml
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
 
 
 class TrainConfig(BaseModel):
     """The `train:` section: optimisation, schedule, precision, checkpoints."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     epochs: PositiveInt = Field(10, description="passes over the training set")
     optimizer: Literal["sgd", "nesterov", "adam", "adamw"] = Field("sgd")
     lr: PositiveFloat = Field(0.01, description="base learning rate (layers scale it by lr_mult)")
@@ -87,8 +89,17 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{v!r} is not one of auto, cpu, cuda, cuda:N")
         return v
 
+    @field_validator("betas")
+    @classmethod
+    def _check_betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
         if self.schedule == "multistep" and not self.milestones:
             raise ValueError("schedule multistep needs train.milestones (epochs)")
         if self.precision == "fp16" and self.device == "cpu":
@@ -124,6 +135,13 @@ class ModelConfig(BaseModel):
         read_spec(value)  # a missing file or a zoo typo is reported here, before any work
         return value
 
+    @field_validator("weights")
+    @classmethod
+    def _weights_file(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"{brief(value)}: no such weights file")
+        return value
+
     def spec(self) -> dict[str, Any]:
         """The network's `model:` mapping (what the graph builder reads)."""
         return read_spec(self.network)
@@ -145,16 +163,29 @@ class RunConfig(BaseModel):
     def _known_source(cls, value: Any) -> Any:
         return check_source(value)
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not NAME_RE.match(value):
+            raise ValueError(
+                "use letters, digits and . _ + - (it names a folder under runs/), "
+                f"got {brief(value)}"
+            )
+        return value
+
 
 def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Read a zoo run, YAML file or dict, apply `key=value` overrides, validate everything."""
     raw, base = _read_run(run)
     raw = copy.deepcopy(raw)
+    if isinstance(raw.get("model"), str) and any(o.startswith("model.") for o in overrides or []):
+        raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
     for item in overrides or []:
         apply_override(raw, item)
     if base is not None:
         _relative_to(raw, base)
-    raw.setdefault("name", Path(str(run)).stem if not isinstance(run, dict) else "run")
+    stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
+    raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
     return validate_run(raw)
 
 
@@ -172,17 +203,37 @@ def _relative_to(raw: dict[str, Any], base: Path) -> None:
 
 
 def validate_run(raw: dict[str, Any]) -> RunConfig:
-    """Validate a run mapping; the first problem becomes one ConfigError naming the field."""
+    """Validate a run mapping; the first problem becomes one ConfigError naming the field (and,
+    for a mistyped one, the field meant)."""
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise config_error(e, hide=SOURCES) from None
+        error = config_error(e, hide=SOURCES)
+        unknown = next((x for x in e.errors() if x["type"] == "extra_forbidden"), None)
+        if unknown is not None and str(error).endswith("unknown field"):
+            error = ConfigError(f"{error}{_did_you_mean(unknown['loc'], raw)}")
+        raise error from None
+
+
+def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
+    """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section."""
+    section: type[BaseModel] = RunConfig
+    parts = [str(p) for p in loc if str(p) not in SOURCES]
+    for part in parts[:-1]:
+        if part == "data" and isinstance(raw.get("data"), dict):
+            section = SOURCES.get(raw["data"].get("source"), section)
+            continue
+        annotation = section.model_fields.get(part)
+        kind = getattr(annotation, "annotation", None)
+        section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
+    close = difflib.get_close_matches(parts[-1], list(section.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Set `a.b.c=value` in a nested mapping; the value is parsed as YAML (numbers, lists...)."""
     key, sep, text = item.partition("=")
-    if not sep or not key or not re.match(r"^[A-Za-z_][\w.]*$", key):
+    if not sep or not key or not re.match(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", key):
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.02")
     try:
         value = load_yaml(text) if text else ""

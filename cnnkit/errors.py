@@ -43,7 +43,8 @@ def brief(value: object, limit: int = 40) -> str:
 
 def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     """(location parts, `message (got value)`) of a pydantic ValidationError's first problem."""
-    err = error.errors()[0]
+    errors = error.errors()  # a missing field first: it is why the others look wrong
+    err = next((e for e in errors if e["type"] == "missing"), errors[0])
     parts = [str(p)[:40] for p in err["loc"]]
     parts = [p for p in parts if not p.startswith(("function-", "literal[")) and p not in hide]
     msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")[:200]

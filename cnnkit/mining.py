@@ -24,6 +24,7 @@ from cnnkit.infer.detect import detect, log_odds, mine_hard_negatives
 from cnnkit.infer.load import Loaded, load_for_inference
 from cnnkit.train.metrics import write_summary
 from cnnkit.train.run import fit
+from cnnkit.train.rundir import run_lock
 
 CLUTTER_RANK = 3  # held-out faces must beat the 3rd-strongest clutter window (a top-3 detection)
 
@@ -40,12 +41,17 @@ def fit_rounds(
     config: RunConfig, run_dir: str | Path, quiet: bool = False, on_step: Any = None
 ) -> dict[str, Any]:
     """Train round 0 on the data, then `rounds` times: mine, add, retrain from the same seed.
-    Each round is a run in run_dir/round-N; the best round's files are copied to run_dir."""
+    Each round is a run in run_dir/round-N; the best round's files are copied to run_dir
+    (which is locked meanwhile, like any run directory)."""
+    run_dir = Path(run_dir)
+    with run_lock(run_dir):
+        return _fit_rounds(config, run_dir, quiet, on_step)
+
+
+def _fit_rounds(config: RunConfig, run_dir: Path, quiet: bool, on_step: Any) -> dict[str, Any]:
     started, hn = time.perf_counter(), mining_of(config)
     if hn is None:
         raise ConfigError("data.hard_negatives: no mining rounds in this run")
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     pictures = [face_free_picture(name, hn.max_side) for name in hn.images]
     held_out = [face_free_picture(name, hn.max_side) for name in hn.held_out]
     faces = held_out_faces(config)

@@ -7,12 +7,15 @@ commands; each command is a few lines that call the library.
 
 from __future__ import annotations
 
+import errno
 import sys
 
 import typer
 
 from cnnkit.cli import bench, data, infer, net, train
 from cnnkit.errors import CnnkitError
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 app = typer.Typer(
     name="cnnkit",
@@ -53,3 +56,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"cnnkit: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except OSError as e:  # a full disk, a read-only folder: the machine's problem, in one line
+        if debug or e.errno not in DISK_ERRORS:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(
+            f"cnnkit: error: {where}{e.strerror} (nothing half-written was kept)", file=sys.stderr
+        )
+        sys.exit(1)

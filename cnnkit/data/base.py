@@ -8,12 +8,12 @@ x = (x - mean) / std with mean and std per channel in 0-255 units.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from cnnkit.errors import ConfigError
 
@@ -66,23 +66,46 @@ class Batches(Protocol):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
-@dataclass
-class Preprocess:
-    """How a raw image becomes network input at evaluation time (stored in checkpoints)."""
+MAX_SIDE = 8192  # the largest image side an evaluation may resize to (a bound, not a taste)
 
-    channels: int  # 1 (grey) or 3 (RGB)
-    crop: int  # network input height = width
-    resize: int | None = None  # resize to this first (None: the image is already crop-sized)
+
+class Preprocess(BaseModel):
+    """How a raw image becomes network input at evaluation time (stored in checkpoints and
+    exports, and validated when read back: a tampered file cannot ask for a 60000 px resize)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
+    channels: int = Field(ge=1, le=4, description="1 (grey) or 3 (RGB)")
+    crop: int = Field(ge=1, le=MAX_SIDE, description="network input height = width")
+    resize: int | None = Field(None, ge=1, le=MAX_SIDE, description="resize to this first")
     resize_mode: Literal["squash", "shorter"] = "squash"
-    mean: list[float] = field(default_factory=lambda: [0.0])  # per channel, 0-255 units
-    std: list[float] = field(default_factory=lambda: [255.0])  # per channel, 0-255 units
+    mean: list[float] = Field(default_factory=lambda: [0.0], min_length=1, max_length=4)
+    std: list[float] = Field(default_factory=lambda: [255.0], min_length=1, max_length=4)
+
+    def __init__(self, channels: int, crop: int, resize: int | None = None,
+                 resize_mode: str = "squash", mean: list[float] | None = None,
+                 std: list[float] | None = None, **extra: Any) -> None:  # fmt: skip
+        super().__init__(channels=channels, crop=crop, resize=resize, resize_mode=resize_mode,
+                         mean=[0.0] if mean is None else list(mean),
+                         std=[255.0] if std is None else list(std), **extra)  # fmt: skip
+
+    @model_validator(mode="after")
+    def _per_channel(self) -> Preprocess:
+        for name in ("mean", "std"):
+            if len(getattr(self, name)) not in (1, self.channels):
+                raise ValueError(f"{name}: one value or one per channel ({self.channels})")
+        if min(self.std) <= 0:
+            raise ValueError("std: must be > 0")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Preprocess:
-        return cls(**d)
+        """Validated (pydantic's ValidationError names the bad field)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"preprocess: expected a mapping, got {type(d).__name__}")
+        return cls.model_validate(d)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 (B, C, H, W) on any device -> normalised float32 (B, C, H, W) there."""

@@ -12,11 +12,26 @@ import torch
 
 from cnnkit.data import Batches
 from cnnkit.distributed import Local, Processes
+from cnnkit.errors import CnnkitError
 from cnnkit.train.engine import Engine, train_step
 from cnnkit.train.metrics import Console
 from cnnkit.train.optim import Schedule
 
 StepHook = Callable[[int, int, int], None]  # (epoch index, steps done in it, global step)
+FINITE_EVERY = 16  # steps between checks that the loss is still finite (each check syncs)
+
+
+def diverged(epoch: int, step: int) -> CnnkitError:
+    return CnnkitError(
+        f"training diverged at epoch {epoch + 1} step {step}: the loss is not finite (lower "
+        "train.lr or set train.grad_clip); checkpoints saved before it are kept as they were"
+    )
+
+
+def weights_finite(network: torch.nn.Module) -> bool:
+    """Whether every parameter is finite (one sync)."""
+    flags = [torch.isfinite(p).all() for p in network.parameters()]
+    return bool(torch.stack(flags).all().item()) if flags else True
 
 
 class EpochStats:
@@ -30,6 +45,10 @@ class EpochStats:
         self.correct = torch.zeros((), device=device, dtype=torch.long)
         self.seen = 0
         self.started = time.perf_counter()
+
+    def finite(self) -> bool:
+        """Whether every loss of the epoch so far was finite (a NaN or inf stays in the sum)."""
+        return bool(torch.isfinite(self.loss_sum).item())
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor, images: int) -> None:
         """One step's mean loss and number correct over `images` images."""
@@ -121,6 +140,8 @@ def train_one_epoch(
             stats.add(loss, hits, len(y))
         progress.step += 1
         progress.global_step += 1
+        if (progress.step % FINITE_EVERY == 0 or progress.step == steps) and not stats.finite():
+            raise diverged(progress.epoch, progress.step)
         dist.after_step(engine.network, engine.optimizer, progress.global_step)
         console.step(progress.step, loss, stats.seen * dist.world_size / max(stats.seconds, 1e-9))
         on_step(progress.epoch, progress.step, progress.global_step)

@@ -5,6 +5,7 @@ trains epoch by epoch, saving last.pt every epoch and every N steps, best.pt and
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -22,10 +23,17 @@ from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.nn import Network, build_model
 from cnnkit.runtime import mix_seed, seed_everything, torch_threads
 from cnnkit.train.engine import Engine, balanced_weights, build_engine
-from cnnkit.train.loop import Progress, StepHook, evaluate, train_one_epoch
+from cnnkit.train.loop import (
+    Progress,
+    StepHook,
+    diverged,
+    evaluate,
+    train_one_epoch,
+    weights_finite,
+)
 from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
-from cnnkit.train.rundir import new_run_dir, resume_config
+from cnnkit.train.rundir import clear_orphans, new_run_dir, resume_config, run_lock
 from cnnkit.train.saver import CheckpointWriter, MidEpochSaves
 from cnnkit.train.settings import choose_settings
 from cnnkit.train.state import RunContext, restore, training_state
@@ -44,11 +52,19 @@ def launch(
     group, pick or resume the run directory (elastic restarts continue from last.pt), fit."""
     restarted = distributed.restart_count() > 0
     state = resume_state(resume) if resume is not None else None
+    fresh_in = None  # a run directory to start again in
+    if resume is not None and state is None:  # it died before its first checkpoint: start over
+        run, fresh_in = Path(resume) / "config.yaml", Path(resume)
+        if not quiet:
+            print(f"{resume}: no checkpoint yet: the run starts again from the beginning",
+                  file=sys.stderr)  # fmt: skip
     if state is None and run is None:
         raise ConfigError("train: give a run (a zoo name or a run file) or --resume RUN_DIR")
     config = resume_config(state, overrides) if state else load_run(run, overrides)
     with distributed.group_for(config.train) as group:
-        if state is None:
+        if fresh_in is not None:
+            run_dir = fresh_in
+        elif state is None:
             tag = distributed.run_id() if group is not None else None
             run_dir = new_run_dir(config.name, out, reuse=restarted, tag=tag)
             if restarted:  # the group died: continue from its checkpoint, if it made one
@@ -66,11 +82,14 @@ def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | 
     return group.broadcast_object(found)
 
 
-def resume_state(run_dir: str | Path) -> dict[str, Any]:
-    """The last.pt of a run directory (CheckpointError if missing, truncated or foreign)."""
+def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
+    """The last.pt of a run directory (CheckpointError if missing, truncated or foreign), or
+    None for a run that stopped after writing config.yaml but before its first checkpoint."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"--resume {run_dir}: no such run directory")
+    if not (run_dir / "last.pt").exists() and (run_dir / "config.yaml").is_file():
+        return None
     return load_checkpoint(run_dir / "last.pt")
 
 
@@ -95,6 +114,13 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
     fresh); a resumed run's own checkpoint replaces them."""
     network = build_model(config.model.spec(), num_classes=len(data.classes),
                           weights=config.model.weights)  # fmt: skip
+    last = network.table[-1]
+    if network.num_classes != len(data.classes):
+        raise ConfigError(
+            f"model: the last layer {last.name} ({last.type}) gives {list(network.output_shape)}, "
+            f"not scores for the data's {len(data.classes)} classes (end with a linear layer, "
+            "out_features left out, after a flatten or global_avgpool)"
+        )
     if tuple(network.input_shape) != tuple(data.input_shape):
         raise ConfigError(
             f"model: input {list(network.input_shape)} does not match the data's images "
@@ -139,12 +165,14 @@ def fit(
         stack.enter_context(torch_threads(engine.settings.threads))
         schedule = Schedule(config.train)
         progress = restore(resume, engine, schedule) if resume else Progress()
+        if resume:  # after everything that draws from the generators, before any file is written
+            _restore_rng(resume, dist)
+        if dist.is_main:
+            stack.enter_context(run_lock(run_dir, job=distributed.run_id()))
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
         ctx = RunContext(config, data, dist, run_dir, log, started)
         console = Console(quiet or not dist.is_main)
         _describe(console, ctx, engine, progress)
-        if resume:
-            set_rng_state(_rank_rng(resume, dist))  # last: nothing above may draw from them
         writer = CheckpointWriter()
         try:
             _train_epochs(engine, schedule, progress, console, on_step, ctx, writer)
@@ -173,6 +201,7 @@ def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Pro
 
 def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLog:
     run_dir.mkdir(parents=True, exist_ok=True)
+    clear_orphans(run_dir)
     dump_run(config, run_dir / "config.yaml")
     log = RunLog(run_dir, progress.history)
     if progress.history:  # resumed: drop rows written after the checkpoint
@@ -205,6 +234,7 @@ def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx: R
 
     def after_step(epoch: int, step: int, global_step: int) -> None:
         if saves.due(global_step, step, steps):
+            _check_finite(engine, progress)
             rngs = dist.gather_rng(rng_state())  # every rank's generators, for exact resume
             if dist.is_main:
                 state = training_state(engine, schedule, progress, ctx, rngs)
@@ -230,6 +260,7 @@ def _save_epoch(engine, schedule, progress: Progress, ctx: RunContext, row: dict
                 writer: CheckpointWriter) -> None:  # fmt: skip
     """best.pt (if the epoch is the best) and last.pt, written in the background; then the
     metrics files (a kill in between is harmless: a resumed run rewrites them from last.pt)."""
+    _check_finite(engine, progress)
     rngs = ctx.dist.gather_rng(rng_state())
     if not ctx.dist.is_main:
         return
@@ -243,7 +274,18 @@ def _save_epoch(engine, schedule, progress: Progress, ctx: RunContext, row: dict
     ctx.log.write_epoch(row, final=progress.epoch == ctx.config.train.epochs)
 
 
-def _rank_rng(state: dict[str, Any], dist: Processes) -> dict[str, Any]:
-    """This rank's saved generator states (rank 0's if the world size changed)."""
-    ranks = state.get("rng_ranks") or [state["rng"]]
-    return ranks[dist.rank] if len(ranks) == dist.world_size else state["rng"]
+def _check_finite(engine: Engine, progress: Progress) -> None:
+    """Never save a diverged model: the loss and every weight must be finite."""
+    stats_ok = progress.running is None or progress.running.finite()
+    if not stats_ok or not weights_finite(engine.network):
+        raise diverged(progress.epoch, progress.step)
+
+
+def _restore_rng(state: dict[str, Any], dist: Processes) -> None:
+    """Set this rank's saved generator states (rank 0's if the world size changed)."""
+    ranks = state.get("rng_ranks") or [state.get("rng")]
+    mine = ranks[dist.rank] if len(ranks) == dist.world_size else state.get("rng")
+    try:
+        set_rng_state(mine)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+        raise CheckpointError(f"last.pt: its random generator states are damaged ({e})") from None

@@ -1,13 +1,22 @@
-"""The run directory of a new run, and the config of a run to resume."""
+"""The run directory: where a new run writes, the lock that keeps a second writer out, and the
+config of a run to resume."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from cnnkit.config import RunConfig, apply_override, validate_run
-from cnnkit.errors import ConfigError
+from cnnkit.errors import CheckpointError, ConfigError
+
+LOCK = ".lock"
 
 RUN_FILES = ("config.yaml", "last.pt", "best.pt", "metrics.csv", "summary.json")
 
@@ -42,4 +51,88 @@ def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> 
     raw = dict(state["config"], model=state["model_spec"])
     for item in overrides or []:
         apply_override(raw, item)
+    if not overrides:
+        try:
+            return validate_run(raw)
+        except ConfigError as e:  # nothing of the user's: the checkpoint itself is damaged
+            raise CheckpointError(f"last.pt: its run settings do not validate: {e}") from None
     return validate_run(raw)
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot), None if there is no such process;
+    a pid the kernel gave to another process since starts at another time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+
+
+def _holder(path: Path) -> dict[str, Any] | None:
+    try:
+        found = json.loads(path.read_text())
+        return found if isinstance(found, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _stale(holder: dict[str, Any] | None, job: str | None) -> bool:
+    """A lock whose writer is gone: died on this host, or an earlier attempt of this torchrun
+    job (an elastic restart)."""
+    if holder is None:  # unreadable: written by a process killed mid-write
+        return True
+    if job is not None and holder.get("job") == job:
+        return True
+    if holder.get("host") != socket.gethostname():
+        return False  # another machine's process: cannot tell, so it is not stale
+    start = _process_start(int(holder.get("pid", -1)))
+    return start is None or (start != "?" and start != holder.get("start"))
+
+
+@contextmanager
+def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
+    """Hold run_dir/.lock (owner pid, host, start time) while a run writes there: a second
+    writer is refused with one line; a lock left by a dead process is taken over."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid()),
+          "job": job, "since": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _holder(path)
+            if not _stale(holder, job):
+                raise ConfigError(
+                    f"{run_dir}: in use by another run (pid {holder.get('pid')} on "
+                    f"{holder.get('host')} since {holder.get('since')}); let it finish or use "
+                    "another --out"
+                ) from None
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        break
+    else:
+        raise ConfigError(f"{run_dir}: could not take its lock ({path})")
+    try:
+        yield
+    finally:
+        if (_holder(path) or {}).get("pid") == me["pid"]:
+            path.unlink(missing_ok=True)
+
+
+def clear_orphans(run_dir: Path) -> None:
+    """Remove temporary files left by a process killed mid-write (the lock is held: no writer
+    of this run is alive)."""
+    for tmp in run_dir.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+    for tmp in run_dir.glob("*.tmp"):
+        tmp.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ import torch
 from cnnkit.config import TrainConfig
 from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
-from cnnkit.runtime import machine_name, torch_threads
+from cnnkit.runtime import available_cores, machine_name, torch_threads
 
 CACHE = Path("~/.cache/cnnkit/settings.json")
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
@@ -83,7 +83,7 @@ def static_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
         raise ConfigError("train.precision: fp16 needs a CUDA device (use bf16 on CPU)")
     image = len(network.input_shape) == 3
     channels_last = cfg.channels_last if cfg.channels_last is not None else precision != "fp32"
-    threads = cfg.threads or torch.get_num_threads()
+    threads = min(cfg.threads, available_cores()) if cfg.threads else torch.get_num_threads()
     if cfg.threads is None and device.type == "cpu" and _macs(network) * batch < SMALL_STEP_MACS:
         threads = 1
     return Settings(precision, bool(channels_last and image), threads, how)
@@ -119,7 +119,7 @@ def candidates(network: Network, cfg: TrainConfig, device: torch.device) -> dict
     return {
         "precision": [cfg.precision] if cfg.precision != "auto" else precisions(device),
         "channels_last": formats if image else [False],
-        "threads": [cfg.threads] if cfg.threads is not None else threads,
+        "threads": [min(cfg.threads, available_cores())] if cfg.threads is not None else threads,
     }
 
 

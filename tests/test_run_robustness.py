@@ -1,0 +1,270 @@
+"""Runs that must not lose or corrupt anything: one writer per run directory (a second one is
+refused, a dead one's lock taken over), a run killed before its first checkpoint resumed from
+the start, divergence stopped before it is saved, a full disk in one line; and two corpora
+through the CLI in this process: bad overrides (exit 2, nothing written) and tampered
+checkpoints (exit 1 or 2, one line, no traceback)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CLI, ROOT, run_cli
+
+from cnnkit.checkpoint import load_checkpoint
+from cnnkit.config import load_run
+from cnnkit.errors import ConfigError
+from cnnkit.train.run import fit
+
+QUICK = ["train.epochs=1", "--quiet"]
+
+
+def one_error_line(code: int, err: str, codes=(1, 2)) -> str:
+    lines = err.strip().splitlines()
+    assert code in codes, (code, err[-800:])
+    assert "Traceback" not in err and len(lines) == 1, err[-800:]
+    assert lines[0].startswith("cnnkit: error: ") and len(lines[0]) < 400, lines[0]
+    return lines[0]
+
+
+def test_two_runs_into_one_directory_one_is_refused(tmp_path):
+    out = tmp_path / "same"
+    cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=2", "--quiet"]
+    procs = [subprocess.Popen([*cmd, f"seed={s}"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+             for s in (1, 2)]  # fmt: skip
+    results = [(p.wait(timeout=240), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for code, err in results if code == 2)
+    assert "in use by another run" in loser or "already holds a run" in loser
+    winner_seed = next(s for (code, _), s in zip(results, (1, 2), strict=True) if code == 0)
+    saved = load_checkpoint(out / "last.pt")["config"]
+    assert saved["seed"] == winner_seed  # every file is the winner's
+    assert f"seed: {winner_seed}" in (out / "config.yaml").read_text()
+    assert not (out / ".lock").exists()
+
+
+def test_a_second_resume_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path, capsys):
+    run = tmp_path / "r"
+    fit(load_run("digits", ["train.epochs=1"]), run, quiet=True)
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        (run / ".lock").write_text(json.dumps({"pid": live.pid, "host": os.uname().nodename,
+                                               "start": _start(live.pid), "since": "now"}))  # fmt: skip
+        code, _, err = run_cli(["train", "--resume", str(run), "train.epochs=2", "--quiet"], capsys)
+        assert "in use by another run" in one_error_line(code, err, (2,))
+    finally:
+        live.kill()
+        live.wait()
+    # the holder is gone now: its lock is stale and taken over
+    code, _, err = run_cli(["train", "--resume", str(run), "train.epochs=2", "--quiet"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(run / "last.pt")["epoch"] == 2 and not (run / ".lock").exists()
+
+
+def _start(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+
+
+def test_killed_before_the_first_checkpoint_resumes_from_the_start(tmp_path, capsys):
+    run = tmp_path / "dead"
+    fit(load_run("digits", ["train.epochs=1"]), run, quiet=True)
+    for name in ("last.pt", "best.pt", "metrics.csv", "summary.json"):
+        (run / name).unlink()
+    (run / f".last.pt.{os.getpid() + 99999}.tmp").write_bytes(b"")  # an orphan of the kill
+    code, _, err = run_cli(["train", "--out", str(run), "digits", "--quiet"], capsys)
+    assert code == 2 and "--resume" in err  # the directory holds a run: resume it
+    code, _, err = run_cli(["train", "--resume", str(run), "--quiet"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(run / "last.pt")["epoch"] == 1
+    assert not list(run.glob(".*.tmp"))
+
+
+def test_divergence_stops_before_anything_diverged_is_saved(tmp_path, capsys):
+    good = tmp_path / "good"
+    fit(load_run("digits", ["train.epochs=1"]), good, quiet=True)
+    before = (good / "last.pt").read_bytes()
+    code, _, err = run_cli(["train", "--resume", str(good), "train.epochs=3", "train.lr=1e30",
+                            "--quiet"], capsys)  # fmt: skip
+    assert "training diverged at epoch 2" in one_error_line(code, err, (1,))
+    assert (good / "last.pt").read_bytes() == before  # the last good checkpoint, untouched
+    state = load_checkpoint(good / "last.pt")
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    code, _, err = run_cli(["train", "digits", "train.lr=1e30", "--out", str(tmp_path / "b"),
+                            "--quiet"], capsys)  # fmt: skip
+    assert "diverged" in one_error_line(code, err, (1,))
+    assert not (tmp_path / "b" / "last.pt").exists() and not (tmp_path / "b" / "best.pt").exists()
+
+
+def test_a_network_that_does_not_end_in_class_scores_is_refused_at_build(tmp_path, capsys):
+    net = tmp_path / "net.yaml"
+    net.write_text("model: {input: [1, 8, 8], layers: [{name: c1, type: conv, out_channels: 4, "
+                   "kernel_size: 3}, {name: last, type: relu}]}\n")  # fmt: skip
+    code, _, err = run_cli(["train", "digits", f"model={net}", "--out", str(tmp_path / "o"),
+                            "--quiet"], capsys)  # fmt: skip
+    line = one_error_line(code, err, (2,))
+    assert "last layer last (relu) gives [4, 6, 6]" in line and "10 classes" in line
+
+
+def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    from cnnkit import checkpoint
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r" / "last.pt"))
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "r"), *QUICK], capsys)
+    assert "No space left on device" in one_error_line(code, err, (1,))
+    assert not list((tmp_path / "r").glob("*.pt")) and not list((tmp_path / "r").glob(".*.tmp"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="needs root to mount")
+def test_a_real_full_disk_is_one_line(tmp_path, capsys):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
+                      capture_output=True).returncode:  # fmt: skip
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        code, _, err = run_cli(["train", "digits", "--out", str(disk / "r"), *QUICK], capsys)
+        line = one_error_line(code, err, (1,))
+        assert "No space left on device" in line or "File too large" in line
+        assert not list((disk / "r").glob(".*.tmp"))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+OVERRIDES = [  # (override, a piece of the message)
+    ("train.lr=-1", "train.lr: Input should be greater than 0"),
+    ("train.lr=inf", "train.lr: Input should be a finite number"),
+    ("train.lr=nan", "train.lr: Input should be a finite number"),
+    ("train.lr=fast", "train.lr: Input should be a valid number"),
+    ("train.lr=[1, 2]", "train.lr: Input should be a valid number"),
+    ("train.epochs=0", "train.epochs: Input should be greater than 0"),
+    ("train.epochs=1.5", "train.epochs: Input should be a valid integer"),
+    ("train.optimizer=sgdd", "train.optimizer: Input should be 'sgd'"),
+    ("train.betas=[2, 3]", "train.betas: each beta must be in [0, 1)"),
+    ("train.betas=[0.9]", "train.betas"),
+    ("train.min_lr=10", "min_lr 10.0 is above lr"),
+    ("train.momentum=1", "train.momentum: Input should be less than 1"),
+    ("train.schedule=multistep", "needs train.milestones"),
+    ("train.device=tpu", "train.device: 'tpu' is not one of"),
+    ("train.precision=fp8", "train.precision: Input should be"),
+    ("train.threads=0", "train.threads: Input should be greater than 0"),
+    ("train.lrr=0.1", "train.lrr: unknown field (did you mean 'lr'?)"),
+    ("trian.lr=0.1", "trian: unknown field (did you mean 'train'?)"),
+    ("data.batch_size=0", "data.batch_size: Input should be greater than 0"),
+    ("data.batch_size=100000", "data.batch_size: 100000 is larger than the training set"),
+    ("data.source=imagenet", "data.source: unknown source 'imagenet'"),
+    ("data.source=folder", "data.path: Field required"),
+    ("data.shift=2", "data.shift: Input should be less than or equal to 0.5"),
+    ("data.shfit=0.1", "data.shfit: unknown field (did you mean 'shift'?)"),
+    ("name=../../x", "name: use letters, digits"),
+    ("name=", "name: use letters, digits"),
+    ("model=nosuchnet", "'nosuchnet' is neither a zoo network"),
+    ("model.weights=missing.pt", "'missing.pt': no such weights file"),
+    ("seed=-1", "seed: Input should be greater than or equal to 0"),
+    ("deterministic=maybe", "deterministic: Input should be a valid boolean"),
+    ("=5", "expected key=value"),
+    ("train", "expected key=value"),
+    ("train..lr=1", "expected key=value"),
+    ("data=5", "data: Input should be a valid dictionary"),
+    ("train.lr.x=1", "lr is not a section"),
+]
+
+
+@pytest.mark.parametrize("override,expected", OVERRIDES, ids=[o for o, _ in OVERRIDES])
+def test_bad_override_is_one_line_and_writes_nothing(override, expected, tmp_path, capsys,
+                                                     monkeypatch):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    started = time.perf_counter()
+    code, _, err = run_cli(["train", "digits", override, "--quiet"], capsys)
+    line = one_error_line(code, err, (2,))
+    assert expected in line, line
+    assert time.perf_counter() - started < 20 and not list(tmp_path.iterdir())  # no runs/
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("tamper") / "run"
+    fit(load_run("digits", ["train.epochs=1"]), run, quiet=True)
+    return run
+
+
+def _tampered(state: dict) -> dict[str, dict | bytes]:
+    import copy
+
+    def edit(**changes):
+        out = copy.copy(state)
+        for k, v in changes.items():
+            if v is KeyError:
+                out.pop(k)
+            else:
+                out[k] = v
+        return out
+
+    pre, cfg = state["preprocess"], state["config"]
+    variants = {f"no {k}": edit(**{k: KeyError}) for k in
+                ("model_spec", "num_classes", "model", "classes", "preprocess", "config")}  # fmt: skip
+    variants.update({
+        "epoch a string": edit(epoch="two"), "negative step": edit(step=-3),
+        "unknown preprocess key": edit(preprocess={**pre, "gamma": 2.2}),
+        "preprocess resize 60000": edit(preprocess={**pre, "resize": 60000}),
+        "preprocess std 0": edit(preprocess={**pre, "std": [0.0]}),
+        "classes too few": edit(classes=state["classes"][:4]),
+        "num_classes 0": edit(num_classes=0), "empty model": edit(model={}),
+        "model not tensors": edit(model={"conv1.weight": [1, 2, 3]}),
+        "config without data": edit(config={k: v for k, v in cfg.items() if k != "data"}),
+        "history of text": edit(history=[{"epoch": "one"}]),
+        "wrong format": edit(format="other/1"),
+        "weights of another net": edit(model={"x.weight": torch.zeros(2)}),
+        "damaged rng": edit(rng={"torch": "x"}, rng_ranks=[{"torch": "x"}]),
+        "damaged optimizer": edit(optimizer={"state": {}, "param_groups": "x"}),
+    })  # fmt: skip
+    buf = io.BytesIO()
+    torch.save({"format": "cnnkit-checkpoint/1", "payload": io.BytesIO}, buf)  # a pickled class
+    variants.update({"pickled object": buf.getvalue(), "random bytes": os.urandom(4096)})
+    return variants
+
+
+def test_tampered_checkpoints_are_one_line_never_a_traceback(good_run, tmp_path, capsys):
+    state = torch.load(good_run / "last.pt", weights_only=True)
+    image = tmp_path / "digit.png"
+    from PIL import Image
+
+    Image.new("L", (8, 8), 128).save(image)
+    variants = _tampered(state)
+    assert len(variants) >= 20
+    for name, content in variants.items():
+        folder = tmp_path / name.replace(" ", "-")
+        folder.mkdir()
+        shutil.copy(good_run / "config.yaml", folder / "config.yaml")
+        target = folder / "last.pt"
+        if isinstance(content, bytes):
+            target.write_bytes(content)
+        else:
+            torch.save(content, target)
+        before = sorted(p.name for p in folder.iterdir())
+        for args in (["eval", str(target)], ["classify", str(target), str(image)],
+                     ["train", "--resume", str(folder), "--quiet"]):  # fmt: skip
+            code, _, err = run_cli(args, capsys)
+            if name in ("damaged rng", "damaged optimizer") and args[0] != "train":
+                assert code == 0, (name, args[0], err)  # inference reads none of it
+                continue
+            line = one_error_line(code, err)
+            assert str(target) in line or "last.pt" in line, (name, line)
+        assert sorted(p.name for p in folder.iterdir()) == before, name  # nothing written
+
+
+def test_config_errors_suggest_the_field_meant():
+    with pytest.raises(ConfigError, match=r"train.lrr: unknown field \(did you mean 'lr'\?\)"):
+        load_run("digits", ["train.lrr=0.1"])
