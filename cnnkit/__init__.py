@@ -43,13 +43,15 @@ def fit(
     resume: str | Path | None = None,
     quiet: bool = False,
     on_step: Any = None,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
     """Train a run exactly as `cnnkit train` does and return its summary (also summary.json).
 
     `run`: a zoo run, a run file or a mapping; `overrides`: dotted `key=value` strings; `out`:
     the run directory; `resume`: a run directory to continue. A run whose data mines hard
     negatives (the faces run) trains its rounds; any other run trains once, alone or as a
-    torchrun worker.
+    torchrun worker. `dry_run`: build the data, the network and its settings, print the
+    start line and stop (nothing is written).
     """
     from cnnkit.config import load_run
     from cnnkit.mining import fit_rounds, mining_of
@@ -58,14 +60,15 @@ def fit(
 
     if resume is None and run is not None:
         config = load_run(run, overrides)
-        if mining_of(config) is not None:
+        if mining_of(config) is not None and not dry_run:
             from cnnkit.distributed import launched
 
             if launched():
                 raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
             run_dir = new_run_dir(config.name, out)
             return fit_rounds(config, run_dir, quiet=quiet, on_step=on_step)
-    return launch(run, overrides, out=out, resume=resume, quiet=quiet, on_step=on_step)
+    return launch(run, overrides, out=out, resume=resume, quiet=quiet, on_step=on_step,
+                  dry_run=dry_run)  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

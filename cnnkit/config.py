@@ -41,12 +41,17 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     epochs: PositiveInt = Field(10, description="passes over the training set")
-    optimizer: Literal["sgd", "nesterov", "adam", "adamw"] = Field("sgd")
+    optimizer: Literal["sgd", "nesterov", "adam", "adamw"] = Field(
+        "sgd", description="sgd | nesterov (SGD with Nesterov momentum) | adam | adamw"
+    )
     lr: PositiveFloat = Field(0.01, description="base learning rate (layers scale it by lr_mult)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
     weight_decay: NonNegativeFloat = Field(5e-4, description="L2 decay (layers scale: decay_mult)")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/AdamW betas")
-    schedule: Literal["constant", "step", "multistep", "plateau", "cosine"] = Field("constant")
+    schedule: Literal["constant", "step", "multistep", "plateau", "cosine"] = Field(
+        "constant",
+        description="learning-rate schedule: constant | step | multistep | plateau | cosine",
+    )
     step_size: PositiveInt = Field(30, description="step: epochs between lr drops")
     milestones: list[PositiveInt] = Field(default_factory=list, description="multistep: epochs")
     gamma: float = Field(0.1, gt=0.0, le=1.0, description="lr factor at each drop")
@@ -55,7 +60,7 @@ class TrainConfig(BaseModel):
     min_lr: NonNegativeFloat = Field(0.0, description="cosine / plateau floor")
     warmup_epochs: NonNegativeFloat = Field(0.0, description="linear warm-up length (epochs)")
     warmup_start: float = Field(0.1, gt=0.0, le=1.0, description="warm-up starts at lr * this")
-    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="target smoothing (0.1 usual)")
     class_weights: Literal["none", "balanced"] = Field(
         "none", description="balanced: each class weighs the same in the loss (mined negatives)"
     )
@@ -187,6 +192,24 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
     return validate_run(raw)
+
+
+def describe_run(config: RunConfig) -> list[tuple[str, Any, Any, str]]:
+    """Every setting of a run as (dotted key, value, default, description), the data section's
+    being its source's own fields."""
+    rows: list[tuple[str, Any, Any, str]] = []
+
+    def walk(prefix: str, model: BaseModel) -> None:
+        for name, field in type(model).model_fields.items():
+            value = getattr(model, name)
+            if isinstance(value, BaseModel):
+                walk(f"{prefix}{name}.", value)
+                continue
+            default = None if field.is_required() else field.get_default(call_default_factory=True)
+            rows.append((f"{prefix}{name}", value, default, field.description or ""))
+
+    walk("", config)
+    return rows
 
 
 def _relative_to(raw: dict[str, Any], base: Path) -> None:

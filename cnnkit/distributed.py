@@ -291,4 +291,7 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "cnnkit", *argv,
     ]  # fmt: skip
-    return subprocess.call(cmd)
+    env = dict(os.environ)
+    # the cores shared among the processes (torchrun would set 1 and print a banner about it)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    return subprocess.call(cmd, env=env)

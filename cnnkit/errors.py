@@ -28,6 +28,12 @@ class CheckpointError(CnnkitError):
     """A missing, truncated or foreign checkpoint or run directory."""
 
 
+class Interrupted(CnnkitError):
+    """The user stopped a run (Ctrl-C); the message says where it stands and how to go on."""
+
+    exit_code = 130
+
+
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 40
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4

@@ -138,7 +138,7 @@ def _round_row(r: int, summary: dict, negatives: int, loaded: Loaded, faces, hel
 
 def _describe(row: dict) -> str:
     return (
-        f"round {row['round']}: {row['negatives']} mined negatives, held-out top-1 "
+        f"round {row['round']}: {row['negatives']} mined negatives, best epoch's held-out top-1 "
         f"{row['val_top1']:.2%}, held-out faces over clutter {row['faces_over_clutter']:.0%} "
         f"(clutter {row['clutter_score']:.3f})"
     )

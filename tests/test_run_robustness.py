@@ -268,3 +268,23 @@ def test_tampered_checkpoints_are_one_line_never_a_traceback(good_run, tmp_path,
 def test_config_errors_suggest_the_field_meant():
     with pytest.raises(ConfigError, match=r"train.lrr: unknown field \(did you mean 'lr'\?\)"):
         load_run("digits", ["train.lrr=0.1"])
+
+
+def test_ctrl_c_stops_at_a_step_saved_and_says_how_to_resume(tmp_path):
+    import signal
+
+    out = tmp_path / "r"
+    cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=200"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.csv").exists() and time.time() < deadline:  # an epoch done
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, err[-1500:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("cnnkit: interrupted at epoch") and f"--resume {out}" in last
+    assert "Traceback" not in err
+    state = load_checkpoint(out / "last.pt")
+    assert state["step"] > 0 or state["epoch"] > 0
+    assert not (out / ".lock").exists()

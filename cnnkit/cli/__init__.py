@@ -13,7 +13,7 @@ import sys
 import typer
 
 from cnnkit.cli import bench, data, infer, net, train
-from cnnkit.errors import CnnkitError
+from cnnkit.errors import CnnkitError, Interrupted
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
@@ -54,8 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     except CnnkitError as e:
         if debug:
             raise
-        print(f"cnnkit: error: {e}", file=sys.stderr)
+        kind = "" if isinstance(e, Interrupted) else "error: "
+        print(f"cnnkit: {kind}{e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training step
+        if debug:
+            raise
+        print("cnnkit: interrupted", file=sys.stderr)
+        sys.exit(130)
     except OSError as e:  # a full disk, a read-only folder: the machine's problem, in one line
         if debug or e.errno not in DISK_ERRORS:
             raise

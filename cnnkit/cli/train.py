@@ -12,6 +12,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     """Add train and eval to the app."""
     app.command("train")(train)
     app.command("eval")(evaluate)
+    app.command("config")(show_config)
 
 
 def train(
@@ -22,6 +23,9 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars or epoch lines."),
     nproc: int = typer.Option(None, "--nproc", min=1, help="Start N processes here (torchrun)."),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="With --nproc: restarts."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Build data, network and settings, then stop: nothing written."
+    ),
 ) -> None:
     """Train a network: `cnnkit train digits`, `cnnkit train run.yaml train.lr=0.02`."""
     import cnnkit
@@ -31,23 +35,57 @@ def train(
     overrides = list(overrides or [])
     if run is not None and "=" in run and resume is not None:
         run, overrides = None, [run, *overrides]
-    if nproc is not None:
+    if nproc is not None and not dry_run:
         raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
-    cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet)
+    cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)
 
 
 def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int) -> int:
     """Re-run this command under torchrun with N processes and one agreed run directory."""
     from cnnkit.config import load_run
     from cnnkit.distributed import start_local
-    from cnnkit.train.rundir import new_run_dir
+    from cnnkit.train.run import check_batch, resume_state
+    from cnnkit.train.rundir import new_run_dir, resume_config
 
     argv = ["train", *([run] if run else []), *overrides]
-    if resume is not None:
+    if resume is not None:  # checked here, once, before N processes would each say it
+        state = resume_state(resume)
+        config = resume_config(state, overrides) if state else load_run(resume / "config.yaml")
         argv += ["--resume", str(resume)]
     else:
-        argv += ["--out", str(new_run_dir(load_run(run, overrides).name, out))]
+        config = load_run(run, overrides)
+        argv += ["--out", str(new_run_dir(config.name, out))]
+    check_batch(config, nproc)
     return start_local(nproc, argv + (["--quiet"] if quiet else []), max_restarts)
+
+
+def show_config(
+    run: str = typer.Argument(..., help="A zoo run (digits, faces, ...) or a run file."),
+    overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
+    changed: bool = typer.Option(False, "--changed", help="Only the settings off their default."),
+) -> None:
+    """Every setting of a run: its value, its default and what it does."""
+    from rich import box
+    from rich.table import Table
+
+    from cnnkit.config import describe_run, load_run
+    from cnnkit.nn.summary import wide_console
+
+    config = load_run(run, list(overrides or []))
+    table = Table(title=f"{config.name}: {run}", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("key", "value", "default", "description"):
+        table.add_column(column, overflow="fold")
+    for key, value, default, description in describe_run(config):
+        if changed and value == default:
+            continue
+        mark = "" if value == default else "bold"
+        table.add_row(key, _short(value), _short(default), description, style=mark)
+    wide_console().print(table)
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def evaluate(

@@ -23,7 +23,9 @@ class DataConfigBase(BaseModel):
     behaviour that depends on the source (how to build streams, how to evaluate)."""
 
     model_config = ConfigDict(extra="forbid")
-    source: str = Field(description="digits | faces | synthetic | folder | packed")
+    source: str = Field(
+        description="where the images come from: digits | faces | synthetic | folder | packed"
+    )
     batch_size: PositiveInt = Field(128, description="global batch: split across ranks")
     eval_batch_size: PositiveInt | None = Field(None, description="default: batch_size")
 

@@ -95,7 +95,7 @@ class FacesConfig(BundledConfig):
     source: Literal["faces"] = "faces"
     batch_size: int = Field(32, gt=0, description="global batch")
     val_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="held-out share (stratified)")
-    padding: Literal["zeros", "border"] = "border"
+    padding: Literal["zeros", "border"] = Field("border", description="fill outside the image")
     hard_negatives: HardNegatives | None = Field(None, description="mining rounds (the trainer)")
     negatives: str | None = Field(None, description=".npy uint8 (N, 25, 25) extra non-faces")
 

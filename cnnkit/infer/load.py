@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cnnkit.checkpoint import load_trained
+from cnnkit.checkpoint import checkpoint_path, load_checkpoint, load_trained
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import CheckpointError, CnnkitError
 from cnnkit.nn import Network, build_model
@@ -101,3 +101,34 @@ def save_safetensors(loaded: Loaded, path: Path) -> None:
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in loaded.model.state_dict().items()}
     save_file(state, str(path), metadata=metadata(loaded))
+
+
+def network_of(target: str, num_classes: int | None = None) -> Network:
+    """The network `target` names, built on the meta device (no memory, no weights)."""
+    spec: Any = target
+    path = Path(target)
+    if path.suffix == ".prototxt":
+        from cnnkit.caffe import import_caffe
+
+        spec = import_caffe(path)
+    elif path.is_dir() or (path.suffix in (".pt", ".pth") and path.exists()):
+        state = load_checkpoint(checkpoint_path(path))
+        spec, num_classes = state["model_spec"], num_classes or state["num_classes"]
+    elif path.suffix == ".safetensors" and path.is_file():
+        spec, saved = _export_spec(path)
+        num_classes = num_classes or saved
+    return build_model(spec, num_classes=num_classes, device="meta")
+
+
+def _export_spec(path: Path) -> tuple[dict[str, Any], int | None]:
+    """The network a `cnnkit export --format safetensors` file records in its metadata."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        return json.loads(meta["model_spec"]), json.loads(meta.get("num_classes", "null"))
+    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: no cnnkit network in its metadata ({str(e)[:80]})"
+        ) from None

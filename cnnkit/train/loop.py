@@ -14,7 +14,7 @@ from cnnkit.data import Batches
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CnnkitError
 from cnnkit.train.engine import Engine, train_step
-from cnnkit.train.metrics import Console
+from cnnkit.train.metrics import Console, StepInfo
 from cnnkit.train.optim import Schedule
 
 StepHook = Callable[[int, int, int], None]  # (epoch index, steps done in it, global step)
@@ -133,7 +133,13 @@ def train_one_epoch(
     batches.set_epoch(progress.epoch, skip_batches=progress.step)
     stats = progress.running = EpochStats(engine.device, progress.partial)
     loss = torch.zeros((), device=engine.device)
-    for x, y in batches:
+    it, waited = iter(batches), 0.0
+    while True:
+        t0 = time.perf_counter()
+        x, y = next(it, (None, None))
+        waited += time.perf_counter() - t0
+        if x is None:
+            break
         if len(y):  # else every image of the batch was unreadable (the loader said which)
             schedule.apply(engine.optimizer, progress.epoch + progress.step / steps)
             loss, hits = train_step(engine, x, y)
@@ -143,6 +149,10 @@ def train_one_epoch(
         if (progress.step % FINITE_EVERY == 0 or progress.step == steps) and not stats.finite():
             raise diverged(progress.epoch, progress.step)
         dist.after_step(engine.network, engine.optimizer, progress.global_step)
-        console.step(progress.step, loss, stats.seen * dist.world_size / max(stats.seconds, 1e-9))
+        seconds = max(stats.seconds, 1e-9)
+        console.step(StepInfo(progress.epoch + 1, schedule.cfg.epochs, progress.step, steps, loss,
+                              progress.global_step,
+                              schedule.lr(progress.epoch + progress.step / steps),
+                              stats.seen * dist.world_size / seconds, waited / seconds, seconds))  # fmt: skip
         on_step(progress.epoch, progress.step, progress.global_step)
     return stats.read()

@@ -7,9 +7,11 @@ from __future__ import annotations
 import csv
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+LOG_EVERY = 20  # steps between TensorBoard's per-step scalars
 COLUMNS = [
     "epoch",
     "train_loss",
@@ -48,6 +50,15 @@ class RunLog:
         if final or row["seconds"] > 1.0 or time.monotonic() - self._last_plot > 5.0:
             plot_curves(self.history, self.run_dir / "curves.png")
             self._last_plot = time.monotonic()
+
+    def write_step(
+        self, global_step: int, loss: float, lr: float, images_per_second: float
+    ) -> None:
+        """Per-step scalars for TensorBoard (every LOG_EVERY steps: each one syncs)."""
+        if self.tb is not None:
+            self.tb.add_scalar("step/loss", loss, global_step)
+            self.tb.add_scalar("step/lr", lr, global_step)
+            self.tb.add_scalar("step/images_per_second", images_per_second, global_step)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -99,11 +110,36 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-class Console:
-    """Per-epoch progress bar (loss, images/s, ETA) and one line per epoch; silent if quiet."""
+@dataclass
+class StepInfo:
+    """Where an epoch stands after a step, for the console (the loss is read only if shown)."""
 
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    epoch: int  # 1-based
+    epochs: int
+    step: int  # steps done in the epoch
+    steps: int
+    loss: Any  # a device tensor: reading it syncs
+    global_step: int
+    lr: float
+    images_per_second: float
+    data_wait: float  # share of the epoch's time spent waiting for batches
+    seconds: float  # this session's time in the epoch
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class Console:
+    """What a run prints: on a terminal, a progress bar per epoch (loss, images/s, ETA); in a
+    log file (SLURM, `| tee`), a plain line every `every` seconds (step, loss, lr, images/s,
+    data-wait share, ETA); then one line per epoch. Silent if quiet."""
+
+    def __init__(self, quiet: bool = False, every: float = 10.0, top5: bool = True,
+                 log: RunLog | None = None) -> None:  # fmt: skip
+        self.quiet, self.every, self.top5, self.log = quiet, every, top5, log
         self.progress = None
         self._task = None
         self._last = 0.0
@@ -111,13 +147,15 @@ class Console:
             from rich.console import Console as RichConsole
 
             self.console = RichConsole(stderr=True, highlight=False)
+            self.terminal = self.console.is_terminal
 
     def print(self, text: str) -> None:
         if not self.quiet:
             self.console.print(text, markup=False, soft_wrap=True)
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int) -> None:
-        if self.quiet or not self.console.is_terminal:  # log files get the epoch lines only
+        self._last = time.monotonic()
+        if self.quiet or not self.terminal:  # log files get periodic lines instead
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -133,23 +171,36 @@ class Console:
         self.progress.start()
         self._task = self.progress.add_task("", total=steps, completed=done, loss="-", speed="-")
 
-    def step(self, done: int, loss: Any, images_per_second: float) -> None:
-        """Refresh the bar at most 10 times a second (reading the loss syncs the device)."""
+    def step(self, info: StepInfo) -> None:
+        """Refresh the bar at most 10 times a second, or print a line every `every` seconds
+        (reading the loss syncs the device, so neither happens at every step)."""
+        if self.log is not None and info.global_step % LOG_EVERY == 0:
+            self.log.write_step(info.global_step, float(info.loss), info.lr, info.images_per_second)
+        if self.quiet:
+            return
         now = time.monotonic()
-        if self.progress is None or now - self._last < 0.1:
+        if now - self._last < (0.1 if self.progress is not None else self.every):
             return
         self._last = now
-        self.progress.update(
-            self._task, completed=done, loss=f"{float(loss):.4f}", speed=f"{images_per_second:.0f}"
+        if self.progress is not None:
+            self.progress.update(self._task, completed=info.step, loss=f"{float(info.loss):.4f}",
+                                 speed=f"{info.images_per_second:.0f}")  # fmt: skip
+            return
+        left = info.seconds / max(info.step, 1) * (info.steps - info.step)
+        self.print(
+            f"epoch {info.epoch}/{info.epochs}  step {info.step}/{info.steps}  loss "
+            f"{float(info.loss):.4f}  lr {info.lr:.3g}  {info.images_per_second:.0f} img/s  "
+            f"data wait {info.data_wait:.0%}  epoch eta {_clock(left)}"
         )
 
     def end_epoch(self, row: dict[str, float], epochs: int) -> None:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+        top5 = f" top-5 {row['val_top5']:.2%}" if self.top5 else ""
         self.print(
             f"epoch {int(row['epoch'])}/{epochs}  train loss {row['train_loss']:.4f} "
             f"top-1 {row['train_top1']:.2%}  val loss {row['val_loss']:.4f} "
-            f"top-1 {row['val_top1']:.2%} top-5 {row['val_top5']:.2%}  lr {row['lr']:.3g}  "
+            f"top-1 {row['val_top1']:.2%}{top5}  lr {row['lr']:.3g}  "
             f"{row['images_per_second']:.0f} img/s  {row['seconds']:.1f}s"
         )

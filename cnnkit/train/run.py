@@ -5,7 +5,9 @@ trains epoch by epoch, saving last.pt every epoch and every N steps, best.pt and
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -19,7 +21,7 @@ from cnnkit.checkpoint import load_checkpoint, rng_state, set_rng_state
 from cnnkit.config import RunConfig, dump_run, load_run
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
-from cnnkit.errors import CheckpointError, ConfigError
+from cnnkit.errors import CheckpointError, ConfigError, Interrupted
 from cnnkit.nn import Network, build_model
 from cnnkit.runtime import mix_seed, seed_everything, torch_threads
 from cnnkit.train.engine import Engine, balanced_weights, build_engine
@@ -47,6 +49,7 @@ def launch(
     resume: str | Path | None = None,
     quiet: bool = False,
     on_step: StepHook | None = None,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
     """What `cnnkit train` does, alone or as one torchrun worker: validate, join the process
     group, pick or resume the run directory (elastic restarts continue from last.pt), fit."""
@@ -72,7 +75,8 @@ def launch(
                 config = resume_config(state, overrides) if state else config
         else:
             run_dir = Path(resume)
-        return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group)
+        return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group,
+                   dry_run=dry_run)  # fmt: skip
 
 
 def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | None:
@@ -145,9 +149,11 @@ def fit(
     quiet: bool = False,
     on_step: StepHook | None = None,
     dist: Processes | None = None,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
     """Train as `config` says into `run_dir` (resume: a state from `resume_state`); return the
-    summary (also written to summary.json)."""
+    summary (also written to summary.json). `dry_run`: build everything, stop before the first
+    step, write nothing."""
     started = time.perf_counter()
     dist = dist or Local()
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
@@ -167,20 +173,39 @@ def fit(
         progress = restore(resume, engine, schedule) if resume else Progress()
         if resume:  # after everything that draws from the generators, before any file is written
             _restore_rng(resume, dist)
+        if dry_run:
+            return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
+                            progress)  # fmt: skip
         if dist.is_main:
             stack.enter_context(run_lock(run_dir, job=distributed.run_id()))
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
         ctx = RunContext(config, data, dist, run_dir, log, started)
-        console = Console(quiet or not dist.is_main)
+        console = Console(quiet or not dist.is_main, top5=len(data.classes) > 5, log=log)
         _describe(console, ctx, engine, progress)
         writer = CheckpointWriter()
         try:
-            _train_epochs(engine, schedule, progress, console, on_step, ctx, writer)
+            with stop_on_interrupt(dist.world_size == 1) as stop:
+                _train_epochs(engine, schedule, progress, console, on_step, ctx, writer, stop)
         finally:
             writer.wait()  # every checkpoint on disk before the run reports anything
             if log is not None:
                 log.close()
         return finish(engine, progress, ctx, time.perf_counter() - started, console)
+
+
+def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBundle,
+             run_dir: Path, progress: Progress) -> dict[str, Any]:  # fmt: skip
+    """Everything built: say what would run, write nothing."""
+    params = sum(p.numel() for p in engine.network.parameters())
+    console.print(
+        f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
+        f"{engine.device} ({engine.settings.describe()}), {data.train.num_samples} train / "
+        f"{data.val.num_samples} held-out images, {len(data.train)} steps an epoch from epoch "
+        f"{progress.epoch + 1}; would write {run_dir} (nothing written)"
+    )
+    return {"dry_run": True, "name": config.name, "run_dir": str(run_dir),
+            "settings": engine.settings.describe(), "train_images": data.train.num_samples,
+            "val_images": data.val.num_samples, "parameters": params}  # fmt: skip
 
 
 def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Processes) -> Engine:
@@ -227,18 +252,24 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
 
 
 def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx: RunContext,
-                  writer: CheckpointWriter) -> None:  # fmt: skip
+                  writer: CheckpointWriter, stop: StopRequest) -> None:  # fmt: skip
     config, data, dist = ctx.config, ctx.data, ctx.dist
     steps = len(data.train)
     saves = MidEpochSaves(config.train.checkpoint_every, config.train.checkpoint_minutes, dist)
 
     def after_step(epoch: int, step: int, global_step: int) -> None:
-        if saves.due(global_step, step, steps):
+        if saves.due(global_step, step, steps) or stop.requested:
             _check_finite(engine, progress)
             rngs = dist.gather_rng(rng_state())  # every rank's generators, for exact resume
             if dist.is_main:
                 state = training_state(engine, schedule, progress, ctx, rngs)
                 writer.save((state, ctx.run_dir / "last.pt"))
+        if stop.requested:
+            writer.wait()
+            raise Interrupted(
+                f"interrupted at epoch {epoch + 1} step {step} (saved); resume with "
+                f"`cnnkit train --resume {ctx.run_dir}`"
+            )
         if on_step is not None:
             on_step(epoch, step, global_step)
 
@@ -272,6 +303,36 @@ def _save_epoch(engine, schedule, progress: Progress, ctx: RunContext, row: dict
         saves.append(({k: v for k, v in state.items() if k not in skip}, ctx.run_dir / "best.pt"))
     writer.save(*saves, (state, ctx.run_dir / "last.pt"))
     ctx.log.write_epoch(row, final=progress.epoch == ctx.config.train.epochs)
+
+
+class StopRequest:
+    """Set by the first Ctrl-C: the run stops after the step in progress, saved."""
+
+    requested = False
+
+
+@contextmanager
+def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
+    """The first Ctrl-C asks the run to stop at the next step boundary (saving last.pt there,
+    so the resumed run is exact); a second one stops at once. Only alone and in the main
+    thread: processes of a group could not agree on a step without a collective per step."""
+    stop = StopRequest()
+    if not graceful or threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame) -> None:
+        if stop.requested:
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        stop.requested = True
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _check_finite(engine: Engine, progress: Progress) -> None:

@@ -61,8 +61,20 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float,
     }
     if ctx.dist.is_main:
         write_summary(ctx.run_dir / "summary.json", summary)
-        console.print(
-            f"done: held-out top-1 {summary['val_top1']:.2%} top-5 {summary['val_top5']:.2%} "
-            f"({summary['val_images']} images), {summary['wall_seconds']:.1f}s -> {ctx.run_dir}"
-        )
+        console.print(done_line(summary, history, console.top5, ctx.run_dir))
     return summary
+
+
+def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bool,
+              run_dir: Any) -> str:  # fmt: skip
+    """The run's last line: the last epoch's held-out figures (the honest ones: the held-out
+    split also chose best.pt), the best epoch beside them, time and place."""
+    if not history:
+        return f"done: no epoch trained -> {run_dir}"
+    best = max(history, key=lambda r: r["val_top1"])
+    five = f" top-5 {summary['val_top5']:.2%}" if top5 else ""
+    return (
+        f"done: held-out top-1 {summary['val_top1']:.2%}{five} at the last epoch "
+        f"({summary['val_images']} images; best {best['val_top1']:.2%} at epoch "
+        f"{int(best['epoch'])}, kept as best.pt), {summary['wall_seconds']:.1f}s -> {run_dir}"
+    )
