@@ -120,7 +120,7 @@ def show_net(
     net: str = typer.Argument(..., help="A zoo name, network file, Caffe prototxt, run or export."),
     out: Path = typer.Option(..., "-o", "--out", help="Image file: .png, .svg or .pdf."),
 ) -> None:
-    """Draw the network graph (like Caffe's draw_net), with matplotlib."""
+    """Draw the layer graph (layered like graphviz's dot; every edge in sight; SVG text is text)."""
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import draw_net
 
@@ -132,9 +132,9 @@ def show_net(
 
 def show_filters(
     target: str = typer.Argument(..., help=TARGET_HELP),
-    out: Path = typer.Option(..., "-o", "--out", help="Image file (.png)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Image file (.png, .jpg, .webp, ...)."),
 ) -> None:
-    """Draw the first convolution layer's filters as a grid (the 2012 paper's figure 3)."""
+    """Draw the first convolution's filters as an enlarged, titled grid (the 2012 paper's fig. 3)."""
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import draw_filters
 
