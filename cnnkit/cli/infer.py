@@ -64,13 +64,18 @@ def export(
     target: str = typer.Argument(
         ..., help=TARGET_HELP + " Or a network (zoo name, YAML, prototxt)."
     ),
-    fmt: str = typer.Option("onnx", "--format", "-f", help="onnx, torchscript or safetensors."),
+    fmt: str = typer.Option(
+        "onnx",
+        "--format",
+        "-f",
+        help="onnx, torch-export (.pt2), safetensors, or torchscript (deprecated by PyTorch).",
+    ),
     out: Path = typer.Option(..., "-o", "--out", help="The file to write."),
     check: bool = typer.Option(
         False, "--check", help="Compare the export with PyTorch (ONNX: in ONNX Runtime)."
     ),
 ) -> None:
-    """Export a trained model (or a network with fresh weights) to ONNX, TorchScript or safetensors."""
+    """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
     from cnnkit.infer.export import TOLERANCE, check_export
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
@@ -81,7 +86,7 @@ def export(
     typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
     if check:
         r = check_export(loaded, fmt, out)
-        runtime = "ONNX Runtime" if fmt == "onnx" else fmt
+        runtime = {"onnx": "ONNX Runtime", "torch-export": "torch.export.load"}.get(fmt, fmt)
         verdict = "passed" if r.ok else "FAILED"
         typer.echo(
             f"check ({runtime} vs PyTorch, fp32 logits): max abs diff {r.random_diff:.2e} on random "
