@@ -13,7 +13,14 @@ from PIL import Image
 
 from cnnkit import ConfigError, build_model
 from cnnkit.data.base import Preprocess
-from cnnkit.infer.detect import detect, draw_boxes, iou_of, mine_hard_negatives, sliding_net
+from cnnkit.infer.detect import (
+    Box,
+    detect,
+    draw_boxes,
+    iou_of,
+    mine_hard_negatives,
+    sliding_net,
+)
 from cnnkit.infer.load import Loaded, load_for_inference, save_safetensors
 
 PATCH_NET = {
@@ -138,3 +145,38 @@ def test_faces_run_finds_the_astronauts_face(tmp_path):
     assert summary["val_top1"] >= 0.95 and summary["chosen_round"] >= 1
     boxes = detect(load_for_inference(tmp_path / "run"), astronaut())[:3]
     assert any(iou_of(b, (165, 65, 275, 180)) >= 0.5 for b in boxes), boxes
+
+
+def label_rows(drawn: np.ndarray, colour: tuple[int, int, int]) -> int:
+    """How many pixel rows hold at least 10 pixels of the label's fill colour."""
+    match = np.abs(drawn.astype(int) - colour).sum(-1) < 10
+    return int((match.sum(1) >= 10).sum())
+
+
+@pytest.mark.parametrize("side", [256, 1024])
+def test_score_labels_are_filled_and_scale_with_the_picture(tmp_path, side):
+    image = np.full((side, side), 90, np.uint8)
+    at, text = side // 2, max(11, side / 28)  # the text is about side / 28 pixels tall
+    boxes = [Box(at, at, at + side // 4, at + side // 4, 0.987), Box(8, 8, 40, 40, 0.5)]
+    draw_boxes(image, boxes, tmp_path / "boxes.png")
+    drawn = np.asarray(Image.open(tmp_path / "boxes.png"))
+    above = drawn[at // 2 : at]  # the best box's label sits on its top edge, outside
+    red = label_rows(above, (230, 30, 30))
+    assert 0.9 * text <= red <= 2 * text  # a filled label, as tall as its text and margins
+    row = above[-red // 2]  # across the label's middle: white text on the red
+    assert ((row > 200).all(-1)).sum() >= 3
+    yellow = label_rows(drawn[: at // 2], (255, 200, 0))  # no room above: inside the top
+    assert yellow >= 0.9 * text
+    with pytest.raises(ConfigError, match="use one of"):
+        draw_boxes(image, boxes, tmp_path / "boxes.xyz")
+
+
+def test_cli_detect_bad_inputs_are_one_line(tmp_path, capsys):
+    save_safetensors(brightness_detector(), tmp_path / "det.safetensors")
+    (tmp_path / "photo.png").write_text("not a picture")
+    args = ["detect", str(tmp_path / "det.safetensors")]
+    code, _, err = run_cli([*args, str(tmp_path / "photo.png")], capsys)
+    assert code == 1 and err.count("\n") == 1 and "not an image" in err
+    Image.fromarray(np.zeros((20, 20), np.uint8)).save(tmp_path / "ok.png")
+    code, _, err = run_cli([*args, str(tmp_path / "ok.png"), "-o", str(tmp_path / "b.xyz")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "use one of" in err

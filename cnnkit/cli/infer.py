@@ -127,9 +127,10 @@ def show_net(
 ) -> None:
     """Draw the layer graph (layered like graphviz's dot; every edge in sight; SVG text is text)."""
     from cnnkit.infer.load import load_for_inference
-    from cnnkit.infer.show import draw_net
+    from cnnkit.infer.show import NET_SUFFIXES, check_suffix, draw_net
 
     _writable(out)
+    check_suffix(out, NET_SUFFIXES)
     loaded = load_for_inference(net)
     draw_net(loaded.model, out)
     typer.echo(f"wrote {out}: {len(loaded.model.table)} layers")
@@ -141,9 +142,10 @@ def show_filters(
 ) -> None:
     """Draw the first convolution's filters as an enlarged, titled grid (the 2012 paper's fig. 3)."""
     from cnnkit.infer.load import load_for_inference
-    from cnnkit.infer.show import draw_filters
+    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters
 
     _writable(out)
+    check_suffix(out, IMAGE_SUFFIXES)
     shape = draw_filters(load_for_inference(target).model, out)
     typer.echo(f"wrote {out}: {shape[0]} filters of {shape[1]}x{shape[2]}x{shape[3]}")
 
@@ -170,8 +172,11 @@ def detect(
     from cnnkit.infer.detect import draw_boxes
     from cnnkit.infer.images import to_hwc
     from cnnkit.infer.load import load_for_inference
+    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix
 
     _writable(out)
+    if out is not None:
+        check_suffix(out, IMAGE_SUFFIXES)  # before the search, not after it
     picture = to_hwc(image)
     loaded = load_for_inference(target)
     boxes = find(loaded, picture, label, threshold, iou, min_size, step, top, mirror)

@@ -182,13 +182,28 @@ def log_odds(p: float) -> float:
 
 
 def draw_boxes(image: ImageInput, boxes: list[Box], path: Path) -> None:
-    """Save the image with each box drawn and its score written, best first."""
+    """Save the image with each box drawn, the best in red, and its rank and score written on a
+    filled label; lines and text scale with the picture (18-pixel text on a 512-pixel one)."""
+    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, font
+
+    check_suffix(path, IMAGE_SUFFIXES)
     picture = Image.fromarray(to_channels(to_hwc(image), 3))
     pen = ImageDraw.Draw(picture)
-    for rank, box in enumerate(boxes):
-        colour = (255, 40, 40) if rank == 0 else (255, 200, 0)
-        pen.rectangle([box.x0, box.y0, box.x1, box.y1], outline=colour, width=2)
-        pen.text((box.x0 + 3, box.y0 + 2), f"{box.score:.2f}", fill=colour)
+    side = min(picture.size)
+    text_font, width = font(max(11, round(side / 28))), max(2, round(side / 170))
+    colours = [((230, 30, 30), "white")] + [((255, 200, 0), "black")] * (len(boxes) - 1)
+    for box, (colour, _) in reversed(list(zip(boxes, colours, strict=True))):  # best on top
+        pen.rectangle([box.x0, box.y0, box.x1, box.y1], outline=colour, width=width)
+    for rank in reversed(range(len(boxes))):  # labels over every line, the best's on top
+        box, (colour, ink) = boxes[rank], colours[rank]
+        text = f"{rank + 1}: {box.score:.3f}"
+        left, top, right, bottom = pen.textbbox((0, 0), text, font=text_font)
+        pad = max(2, (bottom - top) // 5)
+        x = min(max(box.x0, 0), picture.width - (right - left) - 2 * pad)
+        y = box.y0 - (bottom - top) - 2 * pad  # above the box, or inside it at the top
+        y = y if y >= 0 else max(box.y0, 0)
+        pen.rectangle([x, y, x + right - left + 2 * pad, y + bottom - top + 2 * pad], fill=colour)
+        pen.text((x + pad - left, y + pad - top), text, fill=ink, font=text_font)
     picture.save(path)
 
 

@@ -24,6 +24,8 @@ COLOURS = {
     "add": "#f6d186", "mul": "#f6d186", "max": "#f6d186", "input": "#dddddd",
 }  # fmt: skip
 OTHER = "#eeeeee"
+NET_SUFFIXES = (".png", ".svg", ".pdf")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")  # Pillow writes
 
 
 BOX_HEIGHT, GAP_X, GAP_Y = 0.56, 0.22, 0.34  # inches
@@ -93,7 +95,7 @@ def draw_net(model: Network, path: Path) -> Layout:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
 
-    _check_suffix(path, (".png", ".svg", ".pdf"))
+    check_suffix(path, NET_SUFFIXES)
     layout, labels = net_layout(model)
     types = net_graph(model)[2]
     params = sum(p.numel() for p in model.parameters())
@@ -180,7 +182,7 @@ def filter_cell(count: int, width: int = 560) -> int:
 
 def draw_filters(model: nn.Module, path: Path) -> tuple[int, ...]:
     """Save the first convolution's filters as a titled grid image; returns the weight's shape."""
-    _check_suffix(path, (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"))
+    check_suffix(path, IMAGE_SUFFIXES)
     name, conv = first_conv(model)
     weight = conv.weight
     o, i, kh, kw = weight.shape
@@ -215,6 +217,7 @@ def font(size: int) -> ImageFont.FreeTypeFont:
     return ImageFont.truetype(font_manager.findfont("DejaVu Sans"), size)
 
 
-def _check_suffix(path: Path, allowed: tuple[str, ...]) -> None:
+def check_suffix(path: Path, allowed: tuple[str, ...]) -> None:
+    """One clear line when -o names a file type this picture cannot be written as."""
     if path.suffix.lower() not in allowed:
         raise ConfigError(f"-o {path}: use one of {', '.join(allowed)}")
