@@ -80,6 +80,17 @@ def test_boxes_land_on_the_bright_square_in_original_pixels(tmp_path):
     assert drawn.shape == (32, 32, 3) and (drawn[..., 0] > drawn[..., 2]).any()  # red boxes
 
 
+def test_the_smallest_face_searched_is_one_and_a_half_windows_by_default():
+    image = np.zeros((48, 48), np.uint8)
+    image[4:12, 4:12] = 255  # one window (8 px): only searched when asked for
+    image[24:40, 24:40] = 255  # two windows
+    loaded = brightness_detector()
+    found = detect(loaded, image, threshold=0.5)
+    assert found and all(iou_of(b, (24, 24, 40, 40)) > 0 for b in found)
+    small = detect(loaded, image, threshold=0.5, min_face=8)
+    assert any((b.x0, b.y0, b.x1, b.y1) == (4, 4, 12, 12) for b in small)
+
+
 def test_unknown_class_and_branching_nets_are_clear_errors():
     with pytest.raises(ConfigError, match="'cat' is not one of"):
         detect(brightness_detector(), np.zeros((16, 16), np.uint8), label="cat")
@@ -125,25 +136,28 @@ def test_mirror_average_scores_a_window_with_its_mirror_image():
     loaded = Loaded(model.eval(), ["bg", "face"], Preprocess(1, 8, mean=[0.0], std=[255.0]), "t")
     lopsided = np.zeros((8, 8), np.uint8)
     lopsided[:, :4] = 255
-    plain = detect(loaded, lopsided, threshold=0.01, mirror=False)[0].score
-    both = detect(loaded, lopsided, threshold=0.01)[0].score
+    plain = detect(loaded, lopsided, threshold=0.01, min_face=8, mirror=False)[0].score
+    both = detect(loaded, lopsided, threshold=0.01, min_face=8)[0].score
     assert plain == pytest.approx(1 / (1 + np.exp(-5)), abs=1e-4)  # log-odds 10 - 5
     assert both == pytest.approx(0.5, abs=1e-4)  # (5 + -5) / 2
     full = np.full((8, 8), 255, np.uint8)
-    assert detect(loaded, full, threshold=0.01)[0].score == pytest.approx(plain, abs=1e-4)
+    assert detect(loaded, full, threshold=0.01, min_face=8)[0].score == pytest.approx(
+        plain, abs=1e-4
+    )
 
 
 @pytest.mark.slow
 def test_faces_run_finds_the_astronauts_face(tmp_path):
-    """End to end: the zoo faces run (mining included) finds the face in astronaut() in its top 3
-    (the face: about x 165-275, y 65-180; the test image is never mined)."""
+    """End to end: the zoo faces run (mining included, fp32 on every CPU) finds the face in
+    astronaut() among the boxes `cnnkit detect` shows by default (the face: about x 165-275,
+    y 65-180; the test image is never mined)."""
     from skimage.data import astronaut
 
     from cnnkit.train.run import launch
 
     summary = launch("faces", out=tmp_path / "run", quiet=True)
     assert summary["val_top1"] >= 0.95 and summary["chosen_round"] >= 1
-    boxes = detect(load_for_inference(tmp_path / "run"), astronaut())[:3]
+    boxes = detect(load_for_inference(tmp_path / "run"), astronaut(), top=3)
     assert any(iou_of(b, (165, 65, 275, 180)) >= 0.5 for b in boxes), boxes
 
 

@@ -156,13 +156,15 @@ def detect(
     out: Path = typer.Option(None, "-o", "--out", help="Write the image with the boxes drawn."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per box."),
     label: str = typer.Option("face", "--class", help="The class to find."),
-    threshold: float = typer.Option(0.9, "--threshold", min=0.0, max=1.0),
+    threshold: float = typer.Option(
+        0.95, "--threshold", min=0.0, max=1.0, help="Least probability of the class."
+    ),
     iou: float = typer.Option(0.3, "--iou", min=0.0, max=1.0, help="NMS overlap limit."),
     min_size: int = typer.Option(
-        None, "--min-size", min=1, help="Smallest face (px); default: the window."
+        None, "--min-size", min=1, help="Smallest face (px); default: 1.5 windows (38 for facenet)."
     ),
     step: float = typer.Option(1.2, "--scale-step", min=1.01, help="Pyramid scale factor."),
-    top: int = typer.Option(10, "--top", min=1, help="At most this many boxes."),
+    top: int = typer.Option(3, "--top", min=1, help="At most this many boxes, best first."),
     mirror: bool = typer.Option(
         True, "--mirror/--no-mirror", help="Average each window's score with its mirror image's."
     ),
