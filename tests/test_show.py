@@ -14,6 +14,7 @@ from PIL import Image
 
 from cnnkit import ConfigError, build_model
 from cnnkit.infer.layout import crossings, layered_layout
+from cnnkit.infer.load import load_network
 from cnnkit.infer.show import draw_net, filter_cell, filter_grid, net_layout
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
@@ -80,6 +81,9 @@ def test_show_net_writes_png_and_svg_with_text(tmp_path, capsys):
     )
     assert code == 0, err
     assert Image.open(png).size[1] > 400
+    labels = net_layout(load_network(str(CAFFE / "every_layer.prototxt")).model)[1]
+    assert labels["conv1"].splitlines()[1] == "conv 3x5/1, 8, groups 2"
+    assert "dilation 2" in labels["dil"]
     net = build_model("alexnet", device="meta")
     draw_net(net, svg)
     text = svg.read_text()

@@ -58,11 +58,12 @@ def label(model: Network, name: str) -> str:
 
 
 def describe(kind: str, layer: nn.Module) -> str:
-    """`conv 11x11/4, 96, groups 2`, `maxpool 3x3/2`, `linear 4096`, `lrn 5`, `dropout 0.5`."""
+    """`conv 11x11/4, 96, groups 2` (and dilation > 1), `maxpool 3x3/2`, `linear 4096`, `lrn 5`, `dropout 0.5`."""
     if isinstance(layer, nn.Conv2d):
         (kh, kw), (s, _) = layer.kernel_size, layer.stride
         text = f"{kind} {kh}x{kw}/{s}, {layer.out_channels}"
-        return text + (f", groups {layer.groups}" if layer.groups > 1 else "")
+        text += f", groups {layer.groups}" if layer.groups > 1 else ""
+        return text + (f", dilation {layer.dilation[0]}" if layer.dilation[0] > 1 else "")
     if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)):
         (kh, kw), (s, _) = pair(layer.kernel_size), pair(layer.stride)
         return f"{kind} {kh}x{kw}/{s}"
