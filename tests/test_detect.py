@@ -13,7 +13,14 @@ from PIL import Image
 
 from cnnkit import ConfigError, build_model
 from cnnkit.data.base import Preprocess
-from cnnkit.infer.detect import detect, draw_boxes, iou_of, mine_hard_negatives, sliding_net
+from cnnkit.infer.detect import (
+    Box,
+    detect,
+    draw_boxes,
+    iou_of,
+    mine_hard_negatives,
+    sliding_net,
+)
 from cnnkit.infer.load import Loaded, load_for_inference, save_safetensors
 
 PATCH_NET = {
@@ -73,6 +80,17 @@ def test_boxes_land_on_the_bright_square_in_original_pixels(tmp_path):
     assert drawn.shape == (32, 32, 3) and (drawn[..., 0] > drawn[..., 2]).any()  # red boxes
 
 
+def test_the_smallest_face_searched_is_one_and_a_half_windows_by_default():
+    image = np.zeros((48, 48), np.uint8)
+    image[4:12, 4:12] = 255  # one window (8 px): only searched when asked for
+    image[24:40, 24:40] = 255  # two windows
+    loaded = brightness_detector()
+    found = detect(loaded, image, threshold=0.5)
+    assert found and all(iou_of(b, (24, 24, 40, 40)) > 0 for b in found)
+    small = detect(loaded, image, threshold=0.5, min_face=8)
+    assert any((b.x0, b.y0, b.x1, b.y1) == (4, 4, 12, 12) for b in small)
+
+
 def test_unknown_class_and_branching_nets_are_clear_errors():
     with pytest.raises(ConfigError, match="'cat' is not one of"):
         detect(brightness_detector(), np.zeros((16, 16), np.uint8), label="cat")
@@ -118,23 +136,61 @@ def test_mirror_average_scores_a_window_with_its_mirror_image():
     loaded = Loaded(model.eval(), ["bg", "face"], Preprocess(1, 8, mean=[0.0], std=[255.0]), "t")
     lopsided = np.zeros((8, 8), np.uint8)
     lopsided[:, :4] = 255
-    plain = detect(loaded, lopsided, threshold=0.01, mirror=False)[0].score
-    both = detect(loaded, lopsided, threshold=0.01)[0].score
+    plain = detect(loaded, lopsided, threshold=0.01, min_face=8, mirror=False)[0].score
+    both = detect(loaded, lopsided, threshold=0.01, min_face=8)[0].score
     assert plain == pytest.approx(1 / (1 + np.exp(-5)), abs=1e-4)  # log-odds 10 - 5
     assert both == pytest.approx(0.5, abs=1e-4)  # (5 + -5) / 2
     full = np.full((8, 8), 255, np.uint8)
-    assert detect(loaded, full, threshold=0.01)[0].score == pytest.approx(plain, abs=1e-4)
+    assert detect(loaded, full, threshold=0.01, min_face=8)[0].score == pytest.approx(
+        plain, abs=1e-4
+    )
 
 
 @pytest.mark.slow
 def test_faces_run_finds_the_astronauts_face(tmp_path):
-    """End to end: the zoo faces run (mining included) finds the face in astronaut() in its top 3
-    (the face: about x 165-275, y 65-180; the test image is never mined)."""
+    """End to end: the zoo faces run (mining included, fp32 on every CPU) finds the face in
+    astronaut() among the boxes `cnnkit detect` shows by default (the face: about x 165-275,
+    y 65-180; the test image is never mined)."""
     from skimage.data import astronaut
 
     import cnnkit
 
     summary = cnnkit.fit("faces", out=tmp_path / "run", quiet=True)
     assert summary["val_top1"] >= 0.95 and summary["chosen_round"] >= 1
-    boxes = detect(load_for_inference(tmp_path / "run"), astronaut())[:3]
+    boxes = detect(load_for_inference(tmp_path / "run"), astronaut(), top=3)
     assert any(iou_of(b, (165, 65, 275, 180)) >= 0.5 for b in boxes), boxes
+
+
+def label_rows(drawn: np.ndarray, colour: tuple[int, int, int]) -> int:
+    """How many pixel rows hold at least 10 pixels of the label's fill colour."""
+    match = np.abs(drawn.astype(int) - colour).sum(-1) < 10
+    return int((match.sum(1) >= 10).sum())
+
+
+@pytest.mark.parametrize("side", [256, 1024])
+def test_score_labels_are_filled_and_scale_with_the_picture(tmp_path, side):
+    image = np.full((side, side), 90, np.uint8)
+    at, text = side // 2, max(11, side / 28)  # the text is about side / 28 pixels tall
+    boxes = [Box(at, at, at + side // 4, at + side // 4, 0.987), Box(8, 8, 40, 40, 0.5)]
+    draw_boxes(image, boxes, tmp_path / "boxes.png")
+    drawn = np.asarray(Image.open(tmp_path / "boxes.png"))
+    above = drawn[at // 2 : at]  # the best box's label sits on its top edge, outside
+    red = label_rows(above, (230, 30, 30))
+    assert 0.9 * text <= red <= 2 * text  # a filled label, as tall as its text and margins
+    row = above[-red // 2]  # across the label's middle: white text on the red
+    assert ((row > 200).all(-1)).sum() >= 3
+    yellow = label_rows(drawn[: at // 2], (255, 200, 0))  # no room above: inside the top
+    assert yellow >= 0.9 * text
+    with pytest.raises(ConfigError, match="use one of"):
+        draw_boxes(image, boxes, tmp_path / "boxes.xyz")
+
+
+def test_cli_detect_bad_inputs_are_one_line(tmp_path, capsys):
+    save_safetensors(brightness_detector(), tmp_path / "det.safetensors")
+    (tmp_path / "photo.png").write_text("not a picture")
+    args = ["detect", str(tmp_path / "det.safetensors")]
+    code, _, err = run_cli([*args, str(tmp_path / "photo.png")], capsys)
+    assert code == 1 and err.count("\n") == 1 and "not an image" in err
+    Image.fromarray(np.zeros((20, 20), np.uint8)).save(tmp_path / "ok.png")
+    code, _, err = run_cli([*args, str(tmp_path / "ok.png"), "-o", str(tmp_path / "b.xyz")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "use one of" in err

@@ -1,9 +1,11 @@
 """cnnkit export: ONNX checked in ONNX Runtime (dynamic batch, preprocessing metadata),
-TorchScript, safetensors round trip; a check that can fail; alexnet with LRN and groups."""
+torch.export (.pt2) round trip, TorchScript, safetensors round trip; a check that can fail;
+nets with LRN and groups."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +18,8 @@ from cnnkit import CheckpointError
 from cnnkit.infer import Classifier
 from cnnkit.infer.export import check_export, export
 from cnnkit.infer.load import load_for_inference, load_network, load_safetensors
+
+CAFFE = Path(__file__).parent / "data" / "caffe"
 
 
 def test_onnx_export_of_the_digits_run(digits_run, tmp_path, capsys):
@@ -94,3 +98,33 @@ def test_torchscript_export_matches(tmp_path, capsys):
     assert code == 0 and "passed" in stdout, err
     code, _, err = run_cli(["export", "lenet5", "-f", "keras", "-o", str(out)], capsys)
     assert code == 2 and "keras" in err
+
+
+def test_torch_export_of_the_digits_run(digits_run, tmp_path, capsys):
+    out = tmp_path / "digits.pt2"
+    code, stdout, err = run_cli(
+        ["export", str(digits_run), "-f", "torch-export", "-o", str(out), "--check"], capsys
+    )
+    assert code == 0, err
+    assert "torch.export.load vs PyTorch" in stdout and "passed" in stdout
+    extra = {"cnnkit.json": ""}
+    program = torch.export.load(str(out), extra_files=extra)
+    meta = json.loads(extra["cnnkit.json"])
+    loaded = load_for_inference(digits_run)
+    assert json.loads(meta["classes"]) == loaded.classes
+    assert json.loads(meta["preprocess"]) == loaded.preprocess.to_dict()
+    x = torch.randn(7, 1, 8, 8)  # a batch size the export never saw: the batch is dynamic
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), loaded.model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_export_of_a_net_with_groups_lrn_and_branches(tmp_path):
+    loaded = load_network(str(CAFFE / "every_layer.prototxt"))  # groups, LRN, BN, concat, ...
+    assert any(getattr(m, "groups", 1) > 1 for m in loaded.model.modules())
+    out = tmp_path / "every.pt2"
+    export(loaded, "torch-export", out)
+    result = check_export(loaded, "torch-export", out)
+    assert result.ok and result.batch_sizes[:2] == (1, 3), result
+    with torch.no_grad():
+        next(loaded.model.parameters()).add_(1e-2)  # the check can fail
+    assert not check_export(loaded, "torch-export", out).ok

@@ -1,7 +1,9 @@
-"""cnnkit show net / show filters: the graph layout and the filter grid."""
+"""cnnkit show net / show filters: the layered layout (every edge visible), SVG text, the titled
+filter grid."""
 
 from __future__ import annotations
 
+from itertools import combinations, pairwise
 from pathlib import Path
 
 import numpy as np
@@ -11,33 +13,86 @@ from helpers import run_cli
 from PIL import Image
 
 from cnnkit import ConfigError, build_model
-from cnnkit.infer.show import draw_net, filter_grid, graph_positions
+from cnnkit.infer.layout import crossings, layered_layout
+from cnnkit.infer.load import load_network
+from cnnkit.infer.show import draw_net, filter_cell, filter_grid, net_layout
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 
 
-def test_layout_puts_branches_side_by_side_and_merges_below():
-    net = build_model("inception-small", device="meta")
-    pos = graph_positions(net)
+def enters(segment, box, eps=1e-6) -> bool:
+    """Whether the rectangle a segment spans overlaps a box's inside. The drawn curve between
+    two points stays in that rectangle (its Bezier control points lie on the rectangle)."""
+    (x0, y0), (x1, y1) = segment
+    bx, by, w, h = box
+    return (max(x0, x1) > bx - w / 2 + eps and min(x0, x1) < bx + w / 2 - eps
+            and max(y0, y1) > by - h / 2 + eps and min(y0, y1) < by + h / 2 - eps)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["resnet18", "inception-small"])
+def test_no_edge_passes_through_a_box(name):
+    net = build_model(name, device="meta")
+    layout, _ = net_layout(net)
+    expected = {(i, row.name) for row in net.table for i in row.inputs}
+    assert {(s, t) for s, t, _ in layout.edges} == expected  # one line per input, no more
+    for source, target, points in layout.edges:
+        assert points[0][1] == pytest.approx(layout.boxes[source][1] - layout.boxes[source][3] / 2)
+        assert points[-1][1] == pytest.approx(layout.boxes[target][1] + layout.boxes[target][3] / 2)
+        for segment in pairwise(points):
+            hit = [n for n, box in layout.boxes.items() if enters(segment, box)]
+            assert not hit, (source, target, segment, hit)  # not even its own ends' boxes
+    for box_a, box_b in combinations(layout.boxes.values(), 2):  # boxes apart
+        assert abs(box_a[0] - box_b[0]) >= (box_a[2] + box_b[2]) / 2 or box_a[1] != box_b[1]
+    verticals = [(p[0][0], p[0][1], p[1][1]) for _, _, pts in layout.edges
+                 for p in pairwise(pts) if p[0][0] == p[1][0] and p[0][1] != p[1][1]]  # fmt: skip
+    for (xa, ta, ba), (xb, tb, bb) in combinations(verticals, 2):  # no two lines on one another
+        assert xa != xb or min(ta, tb) <= max(ba, bb) + 1e-9
+
+
+def test_skip_connection_runs_beside_the_chain_and_branches_side_by_side():
+    layout, _ = net_layout(build_model("resnet18", device="meta"))
+    box = layout.boxes
+    chain = ["layer1.0.conv1", "layer1.0.bn1", "layer1.0.relu1", "layer1.0.conv2", "layer1.0.bn2"]
+    assert len({round(box[n][0], 6) for n in ["maxpool", *chain, "layer1.0.add"]}) == 1  # straight
+    skip = next(pts for s, t, pts in layout.edges if (s, t) == ("maxpool", "layer1.0.add"))
+    side = max(x for x, _ in skip)
+    assert all(side - box[n][2] / 2 > box[n][0] for n in chain)  # right of every chain box
+    layout, _ = net_layout(build_model("inception-small", device="meta"))
     branches = ["inc3a.b1", "inc3a.b3r", "inc3a.b5r", "inc3a.pool"]
-    assert len({pos[b][1] for b in branches}) == 1  # one row
-    assert len({pos[b][0] for b in branches}) == 4  # four columns
-    assert pos["inc3a.out"][1] < min(pos[b][1] for b in branches)  # the concat comes after
-    for row in net.table:
-        assert all(pos[row.name][1] < pos[i][1] for i in row.inputs)  # every arrow points down
+    assert len({layout.boxes[b][1] for b in branches}) == 1  # one row, four columns
+    assert len({layout.boxes[b][0] for b in branches}) == 4
+    assert layout.boxes["inc3a.out"][1] < layout.boxes["inc3a.b1"][1]  # the concat comes after
+    middle = (layout.boxes["inc3a.b1"][0] + layout.boxes["inc3a.pool"][0]) / 2
+    assert layout.boxes["pool1"][0] == pytest.approx(middle, abs=0.3)  # the fork is centred
 
 
-def test_show_net_writes_png_and_svg(tmp_path, capsys):
+def test_crossing_reduction_untangles_a_crossed_pair():
+    nodes = ["a", "b", "c", "d"]
+    edges = [("a", "d"), ("b", "c")]  # in file order c, d: the two edges cross
+    layout = layered_layout(nodes, edges, dict.fromkeys(nodes, 1.0), 0.5, 0.2, 0.3)
+    assert layout.boxes["c"][0] > layout.boxes["d"][0]  # reordered: no crossing
+    assert crossings(["a", "b"], ["c", "d"], {"a": ["d"], "b": ["c"]}) == 1
+
+
+def test_show_net_writes_png_and_svg_with_text(tmp_path, capsys):
     png, svg = tmp_path / "net.png", tmp_path / "net.svg"
     code, out, err = run_cli(
         ["show", "net", str(CAFFE / "every_layer.prototxt"), "-o", str(png)], capsys
     )
     assert code == 0, err
     assert Image.open(png).size[1] > 400
-    draw_net(build_model("alexnet", device="meta"), svg)
-    assert "conv5" in svg.read_text() and "fc8" in svg.read_text()
+    labels = net_layout(load_network(str(CAFFE / "every_layer.prototxt")).model)[1]
+    assert labels["conv1"].splitlines()[1] == "conv 3x5/1, 8, groups 2"
+    assert "dilation 2" in labels["dil"]
+    net = build_model("alexnet", device="meta")
+    draw_net(net, svg)
+    text = svg.read_text()
+    assert all(f">{row.name}<" in text for row in net.table)  # searchable text, not paths
+    assert ">conv 5x5/1, 256, groups 2<" in text and ">96x55x55<" in text
     with pytest.raises(ConfigError, match="use one of"):
         draw_net(build_model("lenet5", device="meta"), tmp_path / "net.gif")
+    code, _, err = run_cli(["show", "net", "lenet5", "-o", str(tmp_path / "n.gif")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "use one of" in err
 
 
 def test_filter_grid_stretches_each_filter():
@@ -51,6 +106,9 @@ def test_filter_grid_stretches_each_filter():
         top, left = 1 + (i // 2) * 3, 1 + (i % 2) * 3
         np.testing.assert_array_equal(grid[top : top + 2, left : left + 2], expected)
     assert (grid[0] == 255).all() and (grid[:, 3] == 255).all()  # white gaps
+    framed = filter_grid(weight[:1, :1], cell=4, gap=3, frame=80)  # one 2x2 filter, 2x larger
+    assert framed.shape == (10, 10) and framed[2, 2] == 80 and framed[0, 0] == 255
+    assert (framed[3:5, 3:5] == framed[3, 3]).all()  # nearest neighbour: a pixel becomes 2x2
 
 
 def test_show_filters_of_a_trained_run(digits_run, tmp_path, capsys):
@@ -58,8 +116,11 @@ def test_show_filters_of_a_trained_run(digits_run, tmp_path, capsys):
     code, stdout, err = run_cli(["show", "filters", str(digits_run), "-o", str(out)], capsys)
     assert code == 0, err
     n, k = int(stdout.split(": ")[1].split()[0]), int(stdout.strip().split("x")[-1])
-    image = Image.open(out)
-    assert image.mode == "L" and n >= 4  # grey: the digits net reads one channel
-    cols, side = int(np.ceil(np.sqrt(n))), k * max(1, 32 // k)
-    rows = int(np.ceil(n / cols))
-    assert image.size == (cols * (side + 2) + 2, rows * (side + 2) + 2)
+    image = np.asarray(Image.open(out).convert("L"))
+    assert n >= 4 and image.shape[1] >= 300  # enlarged: readable on a screen
+    side = k * (filter_cell(n) // k)
+    assert side >= 40
+    title = image[: image.shape[0] - int(np.ceil(n / np.ceil(np.sqrt(n)))) * (side + 6)]
+    assert (title < 128).any()  # the title is written above the grid
+    code, _, err = run_cli(["show", "filters", str(digits_run), "-o", str(out) + ".txt"], capsys)
+    assert code == 2 and "use one of" in err

@@ -65,13 +65,18 @@ def export(
     target: str = typer.Argument(
         ..., help=TARGET_HELP + " Or a network (zoo name, YAML, prototxt)."
     ),
-    fmt: str = typer.Option("onnx", "--format", "-f", help="onnx, torchscript or safetensors."),
+    fmt: str = typer.Option(
+        "onnx",
+        "--format",
+        "-f",
+        help="onnx, torch-export (.pt2), safetensors, or torchscript (deprecated by PyTorch).",
+    ),
     out: Path = typer.Option(..., "-o", "--out", help="The file to write."),
     check: bool = typer.Option(
         False, "--check", help="Compare the export with PyTorch (ONNX: in ONNX Runtime)."
     ),
 ) -> None:
-    """Export a trained model (or a network with fresh weights) to ONNX, TorchScript or safetensors."""
+    """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
     from cnnkit.infer.export import TOLERANCE, check_export
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
@@ -82,7 +87,7 @@ def export(
     typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
     if check:
         r = check_export(loaded, fmt, out)
-        runtime = "ONNX Runtime" if fmt == "onnx" else fmt
+        runtime = {"onnx": "ONNX Runtime", "torch-export": "torch.export.load"}.get(fmt, fmt)
         verdict = "passed" if r.ok else "FAILED"
         typer.echo(
             f"check ({runtime} vs PyTorch, fp32 logits): max abs diff {r.random_diff:.2e} on random "
@@ -142,11 +147,12 @@ def show_net(
     net: str = typer.Argument(..., help="A zoo name, network file, Caffe prototxt, run or export."),
     out: Path = typer.Option(..., "-o", "--out", help="Image file: .png, .svg or .pdf."),
 ) -> None:
-    """Draw the network graph (like Caffe's draw_net), with matplotlib."""
+    """Draw the layer graph (layered like graphviz's dot; every edge in sight; SVG text is text)."""
     from cnnkit.infer.load import load_for_inference
-    from cnnkit.infer.show import draw_net
+    from cnnkit.infer.show import NET_SUFFIXES, check_suffix, draw_net
 
     _writable(out)
+    check_suffix(out, NET_SUFFIXES)
     loaded = load_for_inference(net)
     draw_net(loaded.model, out)
     typer.echo(f"wrote {out}: {len(loaded.model.table)} layers")
@@ -154,13 +160,14 @@ def show_net(
 
 def show_filters(
     target: str = typer.Argument(..., help=TARGET_HELP),
-    out: Path = typer.Option(..., "-o", "--out", help="Image file (.png)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Image file (.png, .jpg, .webp, ...)."),
 ) -> None:
-    """Draw the first convolution layer's filters as a grid (the 2012 paper's figure 3)."""
+    """Draw the first convolution's filters as an enlarged, titled grid (the 2012 paper's fig. 3)."""
     from cnnkit.infer.load import load_for_inference
-    from cnnkit.infer.show import draw_filters
+    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters
 
     _writable(out)
+    check_suffix(out, IMAGE_SUFFIXES)
     shape = draw_filters(load_for_inference(target).model, out)
     typer.echo(f"wrote {out}: {shape[0]} filters of {shape[1]}x{shape[2]}x{shape[3]}")
 
@@ -171,13 +178,15 @@ def detect(
     out: Path = typer.Option(None, "-o", "--out", help="Write the image with the boxes drawn."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per box."),
     label: str = typer.Option("face", "--class", help="The class to find."),
-    threshold: float = typer.Option(0.9, "--threshold", min=0.0, max=1.0),
+    threshold: float = typer.Option(
+        0.95, "--threshold", min=0.0, max=1.0, help="Least probability of the class."
+    ),
     iou: float = typer.Option(0.3, "--iou", min=0.0, max=1.0, help="NMS overlap limit."),
     min_size: int = typer.Option(
-        None, "--min-size", min=1, help="Smallest face (px); default: the window."
+        None, "--min-size", min=1, help="Smallest face (px); default: 1.5 windows (38 for facenet)."
     ),
     step: float = typer.Option(1.2, "--scale-step", min=1.01, help="Pyramid scale factor."),
-    top: int = typer.Option(10, "--top", min=1, help="At most this many boxes."),
+    top: int = typer.Option(3, "--top", min=1, help="At most this many boxes, best first."),
     mirror: bool = typer.Option(
         True, "--mirror/--no-mirror", help="Average each window's score with its mirror image's."
     ),
@@ -187,8 +196,11 @@ def detect(
     from cnnkit.infer.detect import draw_boxes
     from cnnkit.infer.images import to_hwc
     from cnnkit.infer.load import load_for_inference
+    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix
 
     _writable(out)
+    if out is not None:
+        check_suffix(out, IMAGE_SUFFIXES)  # before the search, not after it
     picture = to_hwc(image)
     loaded = load_for_inference(target)
     boxes = find(loaded, picture, label, threshold, iou, min_size, step, top, mirror)

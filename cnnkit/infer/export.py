@@ -1,5 +1,6 @@
-"""Export a model: ONNX (dynamic batch, preprocessing in its metadata), TorchScript, safetensors;
-and the check that the exported model computes what PyTorch computes."""
+"""Export a model: ONNX (dynamic batch, preprocessing in its metadata), torch.export's .pt2
+(dynamic batch), TorchScript (deprecated by PyTorch), safetensors; and the check that the
+exported model computes what PyTorch computes."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from cnnkit.errors import CnnkitError, ConfigError
-from cnnkit.infer.images import crops_of
+from cnnkit.infer.images import crops_of, to_channels, to_hwc
 from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors
 
-Format = Literal["onnx", "torchscript", "safetensors"]
-FORMATS: tuple[str, ...] = ("onnx", "torchscript", "safetensors")
+Format = Literal["onnx", "torch-export", "torchscript", "safetensors"]
+FORMATS: tuple[str, ...] = ("onnx", "torch-export", "torchscript", "safetensors")
+MAX_BATCH = 1 << 16  # the dynamic batch dimension's upper bound
 TOLERANCE = 1e-4  # max abs difference of fp32 logits
 
 
@@ -46,6 +49,8 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
     model = loaded.model.to("cpu").eval()
     if fmt == "safetensors":
         save_safetensors(loaded, path)
+    elif fmt == "torch-export":
+        export_program(loaded, path)
     elif fmt == "torchscript":
         example = torch.zeros(2, *model.input_shape)
         with warnings.catch_warnings():
@@ -55,6 +60,19 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
             torch.jit.save(traced, str(path), _extra_files=extra)
     else:
         export_onnx(loaded, path)
+
+
+def export_program(loaded: Loaded, path: Path) -> None:
+    """torch.export's ExportedProgram (.pt2) with a dynamic batch dimension; the network,
+    classes and preprocessing ride along as the extra file cnnkit.json."""
+    model = loaded.model.to("cpu").eval()
+    example = torch.zeros(2, *model.input_shape)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    extra = {"cnnkit.json": json.dumps(metadata(loaded))}
+    torch.export.save(program, str(path), extra_files=extra)
 
 
 def _need(module: str):
@@ -74,7 +92,7 @@ def export_onnx(loaded: Loaded, path: Path) -> None:
 
     model = loaded.model.to("cpu").eval()
     example = torch.zeros(2, *model.input_shape)
-    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -111,6 +129,9 @@ def run_exported(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         name = session.get_inputs()[0].name
         return lambda x: session.run(None, {name: x.numpy()})[0]
+    if fmt == "torch-export":
+        module = torch.export.load(str(path)).module()
+        return lambda x: module(x).detach().numpy()
     if fmt == "torchscript":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.jit's deprecation notice
@@ -121,12 +142,25 @@ def run_exported(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:
 
 
 def real_inputs(loaded: Loaded) -> torch.Tensor:
-    """Real photographs that ship with scikit-image, preprocessed as at evaluation (normalised)."""
+    """Real photographs that ship with scikit-image, preprocessed as at evaluation (normalised);
+    for inputs that are not square grey or RGB images, the grey photos squashed to the input's
+    height and width and repeated over its channels; none for vector inputs."""
     from skimage import data
 
     images = [data.astronaut(), data.coffee(), data.chelsea(), data.camera(), data.coins()]
-    crops = torch.cat([crops_of(im, loaded.preprocess, tencrop=False) for im in images])
-    return loaded.preprocess.normalize(crops)
+    shape, pre = loaded.model.input_shape, loaded.preprocess
+    if len(shape) != 3:
+        return torch.zeros(0, *shape)
+    c, h, w = shape
+    if c in (1, 3) and h == w:
+        crops = torch.cat([crops_of(im, pre, tencrop=False) for im in images])
+        return pre.normalize(crops)
+    grey = [torch.from_numpy(to_channels(to_hwc(im), 1)).permute(2, 0, 1)[None].float()
+            for im in images]  # fmt: skip
+    x = torch.cat([F.interpolate(g, size=(h, w), mode="bilinear", antialias=True) for g in grey])
+    mean = torch.tensor(pre.mean).view(1, -1, 1, 1)
+    std = torch.tensor(pre.std).view(1, -1, 1, 1)
+    return (x.expand(-1, c, -1, -1) - mean) / std
 
 
 @torch.no_grad()
@@ -141,7 +175,8 @@ def check_export(loaded: Loaded, fmt: str, path: Path, seed: int = 0) -> CheckRe
         x = torch.randn(n, *model.input_shape, generator=gen)
         diffs.append(_diff(model(x), run(x)))
     real = real_inputs(loaded)
-    return CheckResult(max(diffs), _diff(model(real), run(real)), (1, 3, len(real)))
+    real_diff = _diff(model(real), run(real)) if len(real) else 0.0
+    return CheckResult(max(diffs), real_diff, (1, 3, len(real)))
 
 
 def _diff(expected: torch.Tensor, got: np.ndarray) -> float:

@@ -4,14 +4,16 @@ filters as a grid (the 2012 paper's figure 3). Drawn with matplotlib and Pillow.
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
 from cnnkit.errors import ConfigError
+from cnnkit.infer.layout import Layout, layered_layout
 from cnnkit.nn import Network
 from cnnkit.nn.layers import pair
 
@@ -22,78 +24,138 @@ COLOURS = {
     "add": "#f6d186", "mul": "#f6d186", "max": "#f6d186", "input": "#dddddd",
 }  # fmt: skip
 OTHER = "#eeeeee"
+NET_SUFFIXES = (".png", ".svg", ".pdf")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")  # Pillow writes
 
 
-def graph_positions(model: Network) -> dict[str, tuple[float, float]]:
-    """(column, row) of every node: the row is the longest path from the input, branches of one
-    row side by side."""
-    depth = {"input": 0}
-    for row in model.table:
-        depth[row.name] = 1 + max(depth[i] for i in row.inputs)
-    rows: dict[int, list[str]] = {}
-    for name, d in depth.items():
-        rows.setdefault(d, []).append(name)
-    pos = {}
-    for d, names in rows.items():
-        for i, name in enumerate(names):
-            pos[name] = (i - (len(names) - 1) / 2, -float(d))
-    return pos
+BOX_HEIGHT, GAP_X, GAP_Y = 0.56, 0.22, 0.34  # inches
+FONT_SIZE = 8  # points: three lines fill BOX_HEIGHT
 
 
-def _label(model: Network, name: str) -> str:
+def net_graph(model: Network) -> tuple[list[str], list[tuple[str, str]], dict[str, str]]:
+    """(node names with "input" first, edges (source, target), node -> layer type)."""
+    nodes = ["input"] + [row.name for row in model.table]
+    edges = [(source, row.name) for row in model.table for source in row.inputs]
+    return nodes, edges, {r.name: r.type for r in model.table} | {"input": "input"}
+
+
+def net_layout(model: Network) -> tuple[Layout, dict[str, str]]:
+    """The layered layout of the network's graph, in inches, and each box's label."""
+    nodes, edges, _ = net_graph(model)
+    labels = {name: label(model, name) for name in nodes}
+    widths = {name: _text_width(text) + 0.24 for name, text in labels.items()}
+    return layered_layout(nodes, edges, widths, BOX_HEIGHT, GAP_X, GAP_Y), labels
+
+
+def label(model: Network, name: str) -> str:
+    """Three lines: the layer's name, its type and key hyper-parameters, its output shape."""
     if name == "input":
-        return "input\n" + "x".join(map(str, model.input_shape))
+        return "input\ndata\n" + "x".join(map(str, model.input_shape))
     row = next(r for r in model.table if r.name == name)
-    layer = model.get_submodule(name)
-    detail = ""
+    return f"{name}\n{describe(row.type, model.get_submodule(name))}\n" + "x".join(
+        map(str, row.output_shape)
+    )
+
+
+def describe(kind: str, layer: nn.Module) -> str:
+    """`conv 11x11/4, 96, groups 2` (and dilation > 1), `maxpool 3x3/2`, `linear 4096`, `lrn 5`, `dropout 0.5`."""
     if isinstance(layer, nn.Conv2d):
-        detail = f" {layer.kernel_size[0]}x{layer.kernel_size[1]}/{layer.stride[0]}"
-    elif isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)):
-        (kh, kw), (sh, _) = pair(layer.kernel_size), pair(layer.stride)
-        detail = f" {kh}x{kw}/{sh}"
-    return f"{name}\n{row.type}{detail}  " + "x".join(map(str, row.output_shape))
+        (kh, kw), (s, _) = layer.kernel_size, layer.stride
+        text = f"{kind} {kh}x{kw}/{s}, {layer.out_channels}"
+        text += f", groups {layer.groups}" if layer.groups > 1 else ""
+        return text + (f", dilation {layer.dilation[0]}" if layer.dilation[0] > 1 else "")
+    if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)):
+        (kh, kw), (s, _) = pair(layer.kernel_size), pair(layer.stride)
+        return f"{kind} {kh}x{kw}/{s}"
+    if isinstance(layer, nn.Linear):
+        return f"{kind} {layer.out_features}"
+    if isinstance(layer, nn.LocalResponseNorm):
+        return f"{kind} {layer.size}"
+    if isinstance(layer, nn.Dropout):
+        return f"{kind} {layer.p:g}"
+    return kind
 
 
-def draw_net(model: Network, path: Path) -> None:
-    """Draw the layer graph to .png, .svg or .pdf: one box per layer, arrows for the data."""
+def _text_width(text: str) -> float:
+    """Width in inches of the widest line at FONT_SIZE, as matplotlib measures it."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextToPath
+
+    font, measure = FontProperties(size=FONT_SIZE), TextToPath()
+    widths = [measure.get_text_width_height_descent(line, font, ismath=False)[0] for line in
+              text.splitlines()]  # fmt: skip
+    return max(widths) / 72
+
+
+def draw_net(model: Network, path: Path) -> Layout:
+    """Draw the layer graph to .png, .svg or .pdf (text kept as text in SVG): one box per layer
+    with its type, hyper-parameters and output shape, arrows for the data; returns the layout."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
 
-    _check_suffix(path, (".png", ".svg", ".pdf"))
-    pos = graph_positions(model)
-    width = max(x for x, _ in pos.values()) - min(x for x, _ in pos.values()) + 1
-    height = -min(y for _, y in pos.values()) + 1
-    fig, ax = plt.subplots(figsize=(max(4.0, 2.4 * width), max(3.0, 0.75 * height)))
-    types = {r.name: r.type for r in model.table} | {"input": "input"}
-    for row in model.table:
-        for source in row.inputs:
-            ax.annotate("", xy=pos[row.name], xytext=pos[source],
-                        arrowprops={"arrowstyle": "->", "color": "#555555", "lw": 0.8,
-                                    "shrinkA": 12, "shrinkB": 12})  # fmt: skip
-    for name, (x, y) in pos.items():
-        box = {"boxstyle": "round,pad=0.3", "fc": COLOURS.get(types[name], OTHER), "ec": "#333333"}
-        ax.text(x, y, _label(model, name), ha="center", va="center", fontsize=7, bbox=box)
-    ax.set_xlim(min(x for x, _ in pos.values()) - 0.8, max(x for x, _ in pos.values()) + 0.8)
-    ax.set_ylim(min(y for _, y in pos.values()) - 0.6, 0.6)
-    ax.axis("off")
-    ax.set_title(f"{model.name}: {len(model.table)} layers", fontsize=9)
-    fig.savefig(path, bbox_inches="tight", dpi=100)
-    plt.close(fig)
+    check_suffix(path, NET_SUFFIXES)
+    layout, labels = net_layout(model)
+    types = net_graph(model)[2]
+    params = sum(p.numel() for p in model.parameters())
+    heading = f"{model.name}: {len(model.table)} layers, {params:,} parameters"
+    margin, title = 0.15, 0.35
+    width = max(layout.width, _text_width(heading) * (FONT_SIZE + 2) / FONT_SIZE)
+    with plt.rc_context({"svg.fonttype": "none", "pdf.fonttype": 42}):
+        fig = plt.figure(figsize=(width + 2 * margin, layout.height + 2 * margin + title))
+        ax = fig.add_axes((0, 0, 1, 1))
+        ax.set_xlim(-margin, width + margin)
+        ax.set_ylim(-layout.height - margin, margin + title)
+        ax.axis("off")
+        for _, _, points in layout.edges:
+            ax.add_patch(_arrow(points))
+        for name, (x, y, w, h) in layout.boxes.items():
+            colour = COLOURS.get(types[name], OTHER)
+            ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, "round,pad=0,rounding_size=0.06",
+                                        fc=colour, ec="#333333", lw=0.8))  # fmt: skip
+            ax.text(x, y, labels[name], ha="center", va="center", fontsize=FONT_SIZE,
+                    linespacing=1.25)  # fmt: skip
+        ax.text(0, margin + title / 2, heading, fontsize=FONT_SIZE + 2, va="center")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+    return layout
 
 
-def first_conv(model: nn.Module) -> nn.Conv2d:
-    """The network's first convolution layer (in file order)."""
-    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    if conv is None:
+def _arrow(points: list[tuple[float, float]]):
+    """The edge as a FancyArrowPatch: straight down a dummy's layer, an S-curve across gaps."""
+    from matplotlib.patches import FancyArrowPatch
+    from matplotlib.path import Path as MplPath
+
+    vertices, codes = [points[0]], [MplPath.MOVETO]
+    for (x0, y0), (x1, y1) in pairwise(points):
+        if x0 == x1:
+            vertices.append((x1, y1))
+            codes.append(MplPath.LINETO)
+        else:
+            mid = (y0 + y1) / 2
+            vertices += [(x0, mid), (x1, mid), (x1, y1)]
+            codes += [MplPath.CURVE4] * 3
+    return FancyArrowPatch(path=MplPath(vertices, codes), arrowstyle="-|>", mutation_scale=9,
+                           color="#444444", lw=0.9, shrinkA=0, shrinkB=0)  # fmt: skip
+
+
+def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
+    """The network's first convolution layer (in file order) and its name."""
+    found = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
+    if found is None:
         raise ConfigError("the network has no convolution layer to draw")
-    return conv
+    return found
 
 
-def filter_grid(weight: torch.Tensor, cell: int = 32, gap: int = 2) -> np.ndarray:
-    """(O, I, kh, kw) filters -> one uint8 image: a grid of cells, each filter stretched to
-    0-255 on its own, in colour when I == 3 and grey otherwise (mean over input channels)."""
+def filter_grid(
+    weight: torch.Tensor, cell: int = 32, gap: int = 2, frame: int | None = None
+) -> np.ndarray:
+    """(O, I, kh, kw) filters -> one uint8 image: a grid of cells `gap` white pixels apart
+    (with a 1-pixel frame of grey `frame` around each), each filter stretched to 0-255 on its
+    own and enlarged by repeating pixels (nearest neighbour) to about `cell` pixels, in colour
+    when I == 3 and grey otherwise (mean over I)."""
     w = weight.detach().float().cpu()
     w = w if w.shape[1] == 3 else w.mean(dim=1, keepdim=True)
     lo = w.amin(dim=(1, 2, 3), keepdim=True)
@@ -107,18 +169,56 @@ def filter_grid(weight: torch.Tensor, cell: int = 32, gap: int = 2) -> np.ndarra
     grid = np.full((rows * (h + gap) + gap, cols * (wd + gap) + gap, c), 255, np.uint8)
     for i in range(n):
         top, left = gap + (i // cols) * (h + gap), gap + (i % cols) * (wd + gap)
+        if frame is not None:
+            grid[top - 1 : top + h + 1, left - 1 : left + wd + 1] = frame
         grid[top : top + h, left : left + wd] = w[i].permute(1, 2, 0).numpy()
     return grid if c == 3 else grid[:, :, 0]
 
 
+def filter_cell(count: int, width: int = 560) -> int:
+    """Cell side (pixels) that makes a grid of `count` filters about `width` pixels wide,
+    between 40 and 120: a 5x5 filter becomes 120x120 pixels, an 11x11 one 55x55 in a grid of 96."""
+    return min(120, max(40, width // math.ceil(math.sqrt(count))))
+
+
 def draw_filters(model: nn.Module, path: Path) -> tuple[int, ...]:
-    """Save the first convolution's filters as a grid image; returns the weight's shape."""
-    _check_suffix(path, (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"))
-    weight = first_conv(model).weight
-    Image.fromarray(filter_grid(weight)).save(path)
+    """Save the first convolution's filters as a titled grid image; returns the weight's shape."""
+    check_suffix(path, IMAGE_SUFFIXES)
+    name, conv = first_conv(model)
+    weight = conv.weight
+    o, i, kh, kw = weight.shape
+    grid = Image.fromarray(filter_grid(weight, filter_cell(o), gap=6, frame=80)).convert("RGB")
+    how = "colour (RGB)" if i == 3 else f"grey (mean of {i} input channels)" if i > 1 else "grey"
+    lines = [f"{getattr(model, 'name', 'net')} {name}: {o} filters of {i}x{kh}x{kw}",
+             f"each stretched to its own min-max, {how}"]  # fmt: skip
+    picture = titled(grid, lines)
+    picture.save(path)
     return tuple(weight.shape)
 
 
-def _check_suffix(path: Path, allowed: tuple[str, ...]) -> None:
+def titled(image: Image.Image, lines: list[str], margin: int = 12) -> Image.Image:
+    """`image` on a white page below `lines` of text (the first bold-sized), centred."""
+    fonts = [font(18), font(13)]
+    heights = [fonts[min(k, 1)].getbbox("Hg")[3] + 6 for k in range(len(lines))]
+    widths = [fonts[min(k, 1)].getlength(t) for k, t in enumerate(lines)]
+    width = max(image.width, math.ceil(max(widths))) + 2 * margin
+    page = Image.new("RGB", (width, image.height + sum(heights) + 3 * margin), "white")
+    pen, top = ImageDraw.Draw(page), margin
+    for k, text in enumerate(lines):
+        pen.text(((width - widths[k]) / 2, top), text, fill=(20, 20, 20), font=fonts[min(k, 1)])
+        top += heights[k]
+    page.paste(image, ((width - image.width) // 2, top + margin))
+    return page
+
+
+def font(size: int) -> ImageFont.FreeTypeFont:
+    """matplotlib's DejaVu Sans at `size` pixels (a font every install has)."""
+    from matplotlib import font_manager
+
+    return ImageFont.truetype(font_manager.findfont("DejaVu Sans"), size)
+
+
+def check_suffix(path: Path, allowed: tuple[str, ...]) -> None:
+    """One clear line when -o names a file type this picture cannot be written as."""
     if path.suffix.lower() not in allowed:
         raise ConfigError(f"-o {path}: use one of {', '.join(allowed)}")

@@ -81,28 +81,48 @@ def _fmt(v: float) -> str:
 
 
 def plot_curves(history: list[dict[str, float]], path: Path) -> None:
-    """Loss and top-1 error per epoch, train vs validation."""
-    import matplotlib
+    """curves.png: loss, top-1 error and learning rate per epoch (written to a temporary file
+    and renamed, so a viewer never reads half a picture)."""
+    tmp = path.with_suffix(".tmp.png")
+    curves_figure(history).savefig(tmp, dpi=110)
+    tmp.replace(path)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def curves_figure(history: list[dict[str, float]]):
+    """Three panels, 12 x 4 inches (1320 x 440 pixels at 110 dpi): loss, top-1 error (linear,
+    in %, so that an epoch at 0% stays in the picture) train vs validation, learning rate."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
 
     epochs = [r["epoch"] for r in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax1.plot(epochs, [r["train_loss"] for r in history], label="train")
-    ax1.plot(epochs, [r["val_loss"] for r in history], label="val")
-    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax2.plot(epochs, [1 - r["train_top1"] for r in history], label="train")
-    ax2.plot(epochs, [1 - r["val_top1"] for r in history], label="val")
-    ax2.set(xlabel="epoch", ylabel="top-1 error", title="error", yscale="log")
-    for ax in (ax1, ax2):
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    loss, error, lr = fig.subplots(1, 3)
+    style = {"marker": "o", "markersize": 3 if len(epochs) <= 60 else 0, "linewidth": 1.5}
+    for split in ("train", "val"):
+        loss.plot(epochs, [r[f"{split}_loss"] for r in history], label=split, **style)
+        error.plot(epochs, [100 * (1 - r[f"{split}_top1"]) for r in history], label=split, **style)
+    top = max([100 * (1 - r[f"{k}_top1"]) for r in history for k in ("train", "val")] + [1.0])
+    error.set_ylim(-0.04 * top, 1.06 * top)  # 0% sits just above the axis, never off it
+    error.yaxis.set_major_formatter(PercentFormatter(decimals=None))
+    lr.plot(epochs, [r.get("lr", float("nan")) for r in history], color="C2", **style)
+    lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    loss.set(ylabel="cross-entropy", title="loss")
+    error.set(ylabel="top-1 error", title="top-1 error" + _best(epochs, history))
+    lr.set(ylabel="learning rate", title="learning rate")
+    for ax in (loss, error, lr):
+        ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=80)
-    plt.close(fig)
-    tmp.replace(path)
+    loss.legend()
+    error.legend()
+    return fig
+
+
+def _best(epochs: list[float], history: list[dict[str, float]]) -> str:
+    val = [100 * (1 - r["val_top1"]) for r in history]
+    if not val:
+        return ""
+    best = min(range(len(val)), key=val.__getitem__)
+    return f" (val: best {val[best]:.1f}% at epoch {epochs[best]:g}, last {val[-1]:.1f}%)"
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:

@@ -1,0 +1,46 @@
+"""curves.png: loss, error on a linear axis (epochs at 0% error stay in the picture) and the
+learning rate, at a size readable on a laptop screen."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from PIL import Image
+
+from cnnkit.train.metrics import curves_figure, plot_curves
+
+
+def history(epochs: int = 6) -> list[dict[str, float]]:
+    """Rows as metrics.csv holds them; validation reaches 0% error from epoch 3 on."""
+    return [
+        {"epoch": e, "train_loss": 1.0 / e, "train_top1": min(1.0, 0.5 + 0.1 * e),
+         "val_loss": 0.8 / e, "val_top1": 1.0 if e >= 3 else 0.7, "val_top5": 1.0,
+         "lr": 0.1 * 0.5**e, "images_per_second": 100.0, "seconds": 1.0}
+        for e in range(1, epochs + 1)
+    ]  # fmt: skip
+
+
+def test_every_point_is_drawn_even_at_zero_error():
+    rows = history()
+    loss, error, lr = curves_figure(rows).axes
+    assert error.get_yscale() == "linear"
+    lo, hi = error.get_ylim()
+    for line in error.get_lines():
+        ys = list(line.get_ydata())
+        assert len(ys) == len(rows) and all(lo < y < hi for y in ys), (line.get_label(), ys)
+    val = next(line for line in error.get_lines() if line.get_label() == "val")
+    assert list(val.get_ydata())[2:] == [0.0] * 4  # the 0% epochs, in percent
+    assert "best 0.0% at epoch 3" in error.get_title()
+    assert list(lr.get_lines()[0].get_ydata()) == pytest.approx([r["lr"] for r in rows])
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train", "val"]
+
+
+def test_curves_png_is_laptop_sized(tmp_path):
+    path = tmp_path / "curves.png"
+    plot_curves(history(1), path)  # one epoch: no division by zero, no empty axes
+    assert Image.open(path).size == (1320, 440)
+    rows = history(3)
+    del rows[0]["lr"]  # a row without a learning rate (older runs): a gap, not an error
+    _, _, lr = curves_figure(rows).axes
+    assert math.isnan(lr.get_lines()[0].get_ydata()[0])
