@@ -52,10 +52,10 @@ def skip_reason(name: str) -> str:
 class Walker:
     """Takes image files under one root: each real file once, each real folder walked once."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, taken: dict[FileKey, str] | None = None):
         self.root = root
         self.folders: set[FileKey] = set()
-        self.taken: dict[FileKey, str] = {}  # real file -> the path it was taken as
+        self.taken = {} if taken is None else taken  # real file -> the path it was taken as
         self.skipped: list[tuple[str, str]] = []
 
     def claim_folder(self, path: Path) -> FileKey | None:
