@@ -33,8 +33,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".t
 MAX_PIXELS = 120_000_000  # the decompression-bomb limit: no image decodes to more pixels
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _TIFF_MAGIC = (b"II*\0", b"MM\0*")
-_MODE_NAMES = {"L": "greyscale", "LA": "greyscale+alpha", "P": "palette", "1": "1-bit",
-               "PA": "palette+alpha", "RGBA": "RGBA (alpha dropped)"}  # fmt: skip
+_MODE_NAMES = {"L": "greyscale", "LA": "greyscale+alpha (alpha dropped)", "P": "palette",
+               "1": "1-bit", "PA": "palette+alpha (alpha dropped)",
+               "RGBA": "RGBA (alpha dropped)"}  # fmt: skip
 _FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                (stat.S_ISSOCK, "a socket"))  # fmt: skip
@@ -73,7 +74,10 @@ def read_file(path: str | Path) -> bytes:
 def check_pixels(width: int, height: int) -> None:
     """BadImage unless an image of width x height pixels is within the decompression-bomb limit."""
     if width * height > MAX_PIXELS:
-        raise BadImage(f"huge image ({width}x{height} pixels, over the limit of {MAX_PIXELS:,})")
+        raise BadImage(
+            f"huge image ({width}x{height} = {width * height:,} pixels, over the limit of "
+            f"{MAX_PIXELS:,})"
+        )
 
 
 def is_image_name(name: str) -> bool:
@@ -148,7 +152,8 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str)
             im.load()
     except Image.DecompressionBombError as e:  # Pillow's own limit, at twice its warning
         found = re.search(r"\((\d+) pixels\)", str(e))
-        raise BadImage(f"huge image ({found[1] if found else 'too many'} pixels)") from None
+        count = f"{int(found[1]):,}" if found else "too many"
+        raise BadImage(f"huge image ({count} pixels, over the limit of {MAX_PIXELS:,})") from None
     except UnidentifiedImageError:
         if data.startswith(_TIFF_MAGIC):
             raise BadImage("a TIFF Pillow cannot read (float RGB or 64-bit samples?)") from None

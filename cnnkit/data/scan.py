@@ -21,6 +21,7 @@ from cnnkit.errors import DataError
 
 FileKey = tuple[int, int]  # (st_dev, st_ino): one real file or folder
 REPORTED_LINES = 10  # skipped entries named one per line on stderr; the rest are counted
+ALREADY_SCANNED = "a folder already scanned (a symlink loop, a second link or another class)"
 
 
 @dataclass
@@ -91,8 +92,8 @@ class Walker:
             return "file", key
         return None
 
-    def listing(self, rel: str) -> tuple[list[tuple[str, FileKey]], list[str]]:
-        """The image files (path, key) and the subfolders (paths) right inside folder `rel`."""
+    def listing(self, rel: str) -> tuple[list[tuple[str, FileKey, bool]], list[str]]:
+        """The image files (path, key, is a link) and the subfolders right inside folder `rel`."""
         where = self.root / rel
         try:
             device = os.stat(where).st_dev
@@ -107,14 +108,9 @@ class Walker:
             if found is None:
                 continue
             if found[0] == "file":
-                files.append((path, found[1]))
+                files.append((path, found[1], entry.is_symlink()))
             elif found[1] in self.folders:
-                self.skipped.append(
-                    (
-                        path,
-                        "a folder already scanned (a symlink loop, a second link or another class)",
-                    )
-                )
+                self.skipped.append((path, ALREADY_SCANNED))
             else:
                 self.folders.add(found[1])
                 folders.append(path)
@@ -133,10 +129,14 @@ class Walker:
                     (f, "a folder (a flat folder is not searched below)") for f in folders
                 ]
         found.sort(key=lambda item: (os.path.dirname(item[0]), os.path.basename(item[0])))
+        first = {}  # real file -> the path it is taken as: the file itself rather than a link
+        for path, key, _ in sorted(found, key=lambda item: item[2]):  # stable: links last
+            first.setdefault(key, path)
         kept = []
-        for path, key in found:
-            if key in self.taken:
-                self.skipped.append((path, f"the same file as {printable(self.taken[key])}"))
+        for path, key, _ in found:
+            if key in self.taken or first[key] != path:
+                taken = self.taken.get(key, first[key])
+                self.skipped.append((path, f"the same file as {printable(taken)}"))
             else:
                 self.taken[key] = path
                 kept.append(path)
