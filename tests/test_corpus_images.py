@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,3 +176,54 @@ def test_fifo_in_a_folder_is_never_opened(tmp_path, monkeypatch):
     assert scan.files == [os.path.join("a", "real.png")]
     assert ("a/fifo.jpg", "not a regular file (a FIFO)") in scan.skipped
     assert not any(p.endswith("fifo.jpg") for p in opened)
+
+
+def test_eval_counts_the_images_it_evaluated(tmp_path, capsys):
+    """Unreadable images are skipped (and named) by the loader: the count leaves them out."""
+    from helpers import cli_ok
+
+    from cnnkit.train.evaluation import evaluate_checkpoint
+
+    cli_ok(["synth", "shapes", str(tmp_path / "train"), "--classes", "3", "--per-class", "4",
+            "--size", "24"])  # fmt: skip
+    run = {"name": "t", "model": str(Path(__file__).parent / "data" / "tiny_alexnet.yaml"),
+           "data": {"source": "folder", "path": str(tmp_path / "train"), "size": 24,
+                    "crop": 20, "batch_size": 6, "workers": 0, "val_fraction": 0.25},
+           "train": {"epochs": 1, "device": "cpu", "precision": "fp32"}}  # fmt: skip
+    (tmp_path / "run.yaml").write_text(json.dumps(run))
+    cli_ok(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run"), "--quiet"])
+    clean = evaluate_checkpoint(tmp_path / "run", str(tmp_path / "train"), device="cpu")
+    for folder in (tmp_path / "train").iterdir():
+        (folder / "broken.JPEG").write_bytes(b"\xff\xd8\xff not a JPEG")
+    (folder / "notes.txt").write_text("not an image")
+    capsys.readouterr()
+    result = evaluate_checkpoint(tmp_path / "run", str(tmp_path / "train"), device="cpu")
+    err = capsys.readouterr().err
+    assert (clean["images"], clean["skipped"]) == (12, 0)
+    assert (result["images"], result["skipped"]) == (12, 3)
+    assert result["top1"] == clean["top1"] and result["loss"] == pytest.approx(clean["loss"])
+    assert err.count("broken.JPEG") == 3 and "notes.txt: not a supported image type" in err
+    ten = evaluate_checkpoint(tmp_path / "run", str(tmp_path / "train"), device="cpu",
+                              tencrop=True)  # fmt: skip
+    assert (ten["images"], ten["skipped"]) == (12, 3)
+
+
+def test_folder_training_scans_like_pack(corpus, tmp_path, capfd):
+    from cnnkit.data import data_config
+    from cnnkit.errors import DataError
+
+    root, cases = corpus
+    section = {"source": "folder", "path": str(root), "size": 16, "crop": 12, "workers": 0,
+               "batch_size": 64, "val_fraction": 0.0}  # fmt: skip
+    with within(30):
+        bundle = data_config(section).build(torch.device("cpu"))
+        bundle.train.set_epoch(0)
+        seen = sum(len(y) for _, y in bundle.train)
+    err = capfd.readouterr().err
+    assert seen == sum(c.status in ("good", "converted") for c in cases)
+    assert all(f"{root / c.rel}: " in err for c in cases if c.status == "scan")
+    (tmp_path / "src/a").mkdir(parents=True)
+    (tmp_path / "src/b").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "src/a/x.png")
+    with pytest.raises(DataError, match="src/b: class folder with no images"):
+        data_config({**section, "path": str(tmp_path / "src")}).build(torch.device("cpu"))
