@@ -72,7 +72,9 @@ class Walker:
         """('file' | 'folder', key) of one directory entry worth taking, else listed as skipped."""
         try:
             if not entry.is_symlink() and entry.is_file(follow_symlinks=False):
-                kind, key = stat.S_IFREG, (device, entry.inode())  # no stat call (d_type)
+                # no stat call (d_type and d_ino from the listing): a plain file lies on its
+                # folder's device (only a bind-mounted single file would not)
+                kind, key = stat.S_IFREG, (device, entry.inode())
             else:
                 st = entry.stat()  # follows the link
                 kind, key = stat.S_IFMT(st.st_mode), (st.st_dev, st.st_ino)
@@ -153,7 +155,7 @@ def class_folders(src: Path, classes: list[str] | None) -> Scan:
     except OSError as e:
         raise DataError(f"{printable(str(src))}: unreadable folder ({e.strerror})") from None
     for entry in entries:
-        found = walker.entry(entry, entry.name, 0)
+        found = walker.entry(entry, entry.name, os.stat(src).st_dev)
         if found is not None and found[0] == "file":
             walker.skipped.append((entry.name, "outside the class folders"))
         elif found is not None:
