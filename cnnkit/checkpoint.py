@@ -31,6 +31,7 @@ from cnnkit.errors import CheckpointError, CnnkitError, validation_message
 from cnnkit.nn import build_model
 
 FORMAT = "cnnkit-checkpoint/1"
+EXPORT_FORMAT = "cnnkit-safetensors/1"  # `cnnkit export --format safetensors`
 
 
 class Saved(BaseModel):
@@ -130,7 +131,11 @@ def checkpoint_path(target: str | Path) -> Path:
 
 def load_trained(target: str | Path, device: Any = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """(Network in eval mode on `device`, meta with classes, preprocess, config) from a run
-    directory or checkpoint file."""
+    directory, a checkpoint file or a .safetensors export (whose config is empty: it records
+    no data section)."""
+    if Path(target).suffix == ".safetensors":
+        model, meta = read_export(Path(target))
+        return model.to(device).eval(), meta
     path = checkpoint_path(target)
     state = load_checkpoint(path)
     try:
@@ -143,6 +148,44 @@ def load_trained(target: str | Path, device: Any = "cpu") -> tuple[torch.nn.Modu
     meta = {k: state[k] for k in ("classes", "preprocess", "config")}
     meta.update(path=str(path), epoch=state.get("epoch"), metrics=state.get("metrics", {}))
     return model.to(device).eval(), meta
+
+
+def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The network of a `cnnkit export --format safetensors` file: weights plus the network,
+    classes and preprocessing recorded as metadata (strings: nothing in it can run code)."""
+    import json
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        weights = load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({_one(e)})") from None
+    if meta.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(f"{path}: no cnnkit metadata (expected format {EXPORT_FORMAT!r})")
+    try:
+        model = build_model(json.loads(meta["model_spec"]), json.loads(meta["num_classes"]))
+        model.load_state_dict(weights)
+        classes = json.loads(meta["classes"])
+        preprocess = Preprocess.from_dict(json.loads(meta["preprocess"]))
+    except ValidationError as e:
+        raise CheckpointError(
+            f"{path}: a damaged export: preprocess.{validation_message(e)}"
+        ) from None
+    except (CnnkitError, KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: its metadata or weights do not fit ({_one(e)})") from None
+    if not isinstance(classes, list) or len(classes) != (model.num_classes or len(classes)):
+        count = len(classes) if isinstance(classes, list) else "no"
+        raise CheckpointError(
+            f"{path}: {count} class names for the network's {model.num_classes} outputs"
+        )
+    return model, {"classes": [str(c) for c in classes], "preprocess": preprocess.to_dict(),
+                   "config": {}, "path": str(path), "epoch": None, "metrics": {}}  # fmt: skip
 
 
 def rng_state() -> dict[str, Any]:

@@ -132,3 +132,52 @@ def _astronaut_png(folder: Path) -> Path:
     path = folder / "astronaut.png"
     Image.fromarray(data.astronaut()[:300, 50:500]).save(path)
     return path
+
+
+def test_cli_nothing_to_classify_is_one_error(digits_run, digit_pngs, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, out, err = run_cli(["classify", str(digits_run), str(tmp_path / "empty")], capsys)
+    assert code == 1 and not out and err.startswith("cnnkit: error: no images to classify")
+    assert len(err.splitlines()) == 1
+    gifs = tmp_path / "gifs"
+    gifs.mkdir()
+    Image.new("P", (8, 8)).save(gifs / "a.gif")
+    code, out, err = run_cli(["classify", str(digits_run), str(gifs)], capsys)
+    (line,) = err.splitlines()
+    assert code == 1 and "1 entries skipped" in line and "a.gif: not a supported image type" in line
+    # beside images, files that are not images are named and skipped: no failure
+    (gifs / "0.png").write_bytes(digit_pngs[0][0].read_bytes())
+    code, out, err = run_cli(["classify", str(digits_run), str(gifs)], capsys)
+    assert code == 0 and len(out.splitlines()) == 1
+    assert err.splitlines() == [
+        f"cnnkit: skipped {gifs / 'a.gif'}: not a supported image type (.gif)"
+    ]
+
+
+@pytest.mark.parametrize("change", ["fewer classes", "more classes", "huge resize"])
+def test_exports_that_cannot_classify_are_refused_on_load(digits_run, digit_pngs, tmp_path,
+                                                         capsys, change):  # fmt: skip
+    from cnnkit.infer.load import load_for_inference, save_safetensors
+
+    loaded = load_for_inference(digits_run)
+    if change == "fewer classes":
+        loaded.classes = loaded.classes[:7]
+    elif change == "more classes":
+        loaded.classes = [*loaded.classes, "extra"]
+    else:  # 60000 x 60000 x 3 bytes per image; Preprocess refuses it, so bypass its checks
+        loaded.preprocess = type(loaded.preprocess).model_construct(
+            **{**loaded.preprocess.to_dict(), "resize": 60000}
+        )
+    save_safetensors(loaded, tmp_path / "m.safetensors")
+    code, out, err = run_cli(["classify", str(tmp_path / "m.safetensors"), str(digit_pngs[0][0])],
+                             capsys)  # fmt: skip
+    (line,) = err.splitlines()
+    assert code == 1 and not out and line.startswith("cnnkit: error: ")
+    if change == "huge resize":
+        assert "resize" in line and (
+            "over the limit" in line or "less than or equal to 8192" in line
+        )
+    else:
+        assert f"{len(loaded.classes)} class names for the network's 10 outputs" in line
+    with pytest.raises(CnnkitError):
+        Classifier(loaded)

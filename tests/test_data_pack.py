@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import subprocess
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
-from data_images import write_bad_folder
+from data_images import within, write_bad_folder
+from helpers import run_cli
+from PIL import Image
 
 from cnnkit.data import data_config
 from cnnkit.data.batch import BatchJob
@@ -131,3 +138,142 @@ def test_pack_errors_are_one_line(tmp_path):
     (tmp_path / "empty/a").mkdir(parents=True)
     with pytest.raises(DataError, match="no images"):
         pack_folder(tmp_path / "empty", tmp_path / "p")
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_symlink_loop_packs_each_image_once(shapes, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(shapes, src)
+    first = sorted(p.name for p in src.iterdir())[0]
+    os.symlink(".", src / first / "loop")  # the issue's `ln -s . class001/loop`
+    os.symlink(sorted((src / first).glob("*.JPEG"))[0].name, src / first / "again.jpg")
+    s = pack_folder(src, tmp_path / "p", size=16, progress=False, workers=1)
+    files = (tmp_path / "p/files.txt").read_text().split()
+    assert s.images == 15 and len(files) == len({os.path.realpath(src / f) for f in files})
+    report = (tmp_path / "p/bad_images.tsv").read_text()
+    assert f"{first}/loop\tskipped\ta folder already scanned" in report
+    assert f"{first}/again.jpg\tskipped\tthe same file as {first}/" in report
+    # no image is packed twice, so none of the held-out split is a copy of a training image
+    # (93% were, through the loop)
+    x = all_images(tmp_path / "p")[0].float().flatten(1)
+    assert (torch.cdist(x, x) + torch.eye(len(x)) * 1e9).min() > 0
+
+
+def test_folders_that_would_change_the_classes_are_refused_and_nothing_is_written(tmp_path, capsys):
+    for name, build, code, words in [
+        ("empty class", lambda s: (s / "a").mkdir(), 1, "class folder with no images"),
+        ("gif only", lambda s: (s / "a").mkdir() or (s / "a/x.gif").write_bytes(b"GIF89a"), 1,
+         "not a supported image type (.gif)"),
+        ("linked class", lambda s: os.symlink("b", s / "a"), 1, "already a class"),
+        ("unreadable only", lambda s: (s / "a").mkdir() or (s / "a/x.jpg").write_bytes(b"x"), 1,
+         "none of the 2 images could be read"),
+    ]:  # fmt: skip
+        src = tmp_path / name
+        (src / "b").mkdir(parents=True)
+        (src / "b/ok.png").write_bytes(b"not really") if name == "unreadable only" else \
+            Image.new("RGB", (8, 8)).save(src / "b/ok.png")  # fmt: skip
+        build(src)
+        code_got, out, err = run_cli(["pack", str(src), str(tmp_path / "dst")], capsys)
+        (line,) = err.splitlines()
+        assert code_got == code and line.startswith("cnnkit: error: ") and words in line, line
+        assert "Traceback" not in err and not (tmp_path / "dst").exists(), name
+    Image.new("RGB", (8, 8)).save(tmp_path / "empty class/a/ok.png")
+    code, _, err = run_cli(["pack", str(tmp_path / "empty class"), str(tmp_path / "dst"),
+                            "--size", "20000"], capsys)  # fmt: skip
+    assert code == 2 and "over the limit" in err and not (tmp_path / "dst").exists()
+
+
+def _fails_on_third_shard(pack, monkeypatch):
+    real, calls = pack._write_records, []
+
+    def disk_fills(job, out):
+        calls.append(job.shard)
+        if len(calls) == 3:
+            out.write(b"\0" * 1000)  # a partial shard, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(job, out)
+
+    monkeypatch.setattr(pack, "_write_records", disk_fills)
+
+
+def test_a_full_disk_is_one_line_and_the_pack_resumes(shapes, tmp_path, monkeypatch, capsys):
+    import cnnkit.data.pack as pack
+
+    _fails_on_third_shard(pack, monkeypatch)
+    argv = ["pack", str(shapes), str(tmp_path / "p"), "--size", "16", "-j", "1"]
+    monkeypatch.setattr(pack, "_jobs", _small_shards(pack._jobs))
+    code, out, err = run_cli(argv, capsys)
+    (line,) = err.splitlines()
+    assert code == 1 and "the disk is full" in line and str(tmp_path / "p") in line, line
+    assert "00002.u8" in line and "resumes" in line
+    shards = sorted(p.name for p in (tmp_path / "p/shards").iterdir())
+    assert shards == ["00000.npz", "00000.u8", "00001.npz", "00001.u8"]  # no .tmp, no part
+    assert not (tmp_path / "p/meta.json").exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(pack, "_jobs", _small_shards(pack._jobs))
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0 and "(2 resumed)" in out
+    pack_folder(shapes, tmp_path / "fresh", size=16, workers=1, shard_size=4, progress=False)
+    torch.testing.assert_close(all_images(tmp_path / "p"), all_images(tmp_path / "fresh"))
+
+
+def _small_shards(jobs):
+    """The CLI's pack with 4 images per shard (the CLI has no option for it)."""
+
+    def planned(plan, src, dst):
+        return jobs({**plan, "shard_size": 4}, src, dst)
+
+    return planned
+
+
+def test_a_full_disk_while_finishing_leaves_no_meta(shapes, tmp_path, monkeypatch):
+    import cnnkit.data.pack as pack
+
+    real = pack._atomic
+
+    @contextmanager
+    def full(path):
+        with real(path) as f:
+            if path.name == "meta.json":
+                f.write(b'{"format": ')  # half a meta.json, then the disk is full
+                raise OSError(errno.ENOSPC, "No space left on device")
+            yield f
+
+    monkeypatch.setattr(pack, "_atomic", full)
+    with pytest.raises(DataError, match="disk is full.*meta.json"):
+        pack_folder(shapes, tmp_path / "p", size=16, workers=1, progress=False)
+    assert not (tmp_path / "p/meta.json").exists() and not list((tmp_path / "p").glob("*.tmp"))
+    monkeypatch.undo()
+    s = pack_folder(shapes, tmp_path / "p", size=16, workers=1, progress=False)
+    assert s.images == 15 and s.resumed_shards == s.shards
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs (root only; skipped where mounting is not allowed)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(disk)],
+                          capture_output=True)  # fmt: skip
+    if done.returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_real_full_disk_with_worker_processes(small_disk, tmp_path, capsys):
+    synth_shapes(tmp_path / "src", classes=3, per_class=30, size=40)  # 90 x 27 kB raw at 96 px:
+    # 6 shards of 16 images (442 kB each), 4 fit
+    argv = ["pack", str(tmp_path / "src"), str(small_disk / "p"), "--size", "96", "-j", "2"]
+    with within(60):
+        code, out, err = run_cli(argv, capsys)
+    (line,) = err.splitlines()
+    assert code == 1 and "the disk is full" in line and "Traceback" not in err, err
+    assert not (small_disk / "p/meta.json").exists()
+    assert not [p for p in (small_disk / "p").rglob("*.tmp")]
+    done = {p.stem for p in (small_disk / "p/shards").glob("*.npz")}
+    subprocess.run(["mount", "-o", "remount,size=16M", str(small_disk)], check=True)
+    with within(60):
+        code, out, err = run_cli(argv, capsys)
+    assert code == 0 and done and f"({len(done)} resumed)" in out, (out, err)
+    assert json.loads((small_disk / "p/meta.json").read_text())["num_images"] == 90

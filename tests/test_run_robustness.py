@@ -288,3 +288,23 @@ def test_ctrl_c_stops_at_a_step_saved_and_says_how_to_resume(tmp_path):
     state = load_checkpoint(out / "last.pt")
     assert state["step"] > 0 or state["epoch"] > 0
     assert not (out / ".lock").exists()
+
+
+def test_eval_takes_a_safetensors_export_with_data(tmp_path, capsys):
+    """A .safetensors export records no data section: eval asks for --data, then evaluates."""
+    run = tmp_path / "r"
+    fit(load_run("digits", ["train.epochs=1"]), run, quiet=True)
+    export = tmp_path / "d.safetensors"
+    code, _, err = run_cli(
+        ["export", str(run), "--format", "safetensors", "-o", str(export)], capsys
+    )
+    assert code == 0, err
+    code, _, err = run_cli(["eval", str(export)], capsys)
+    assert "give --data" in one_error_line(code, err, (2,))
+    code, out, err = run_cli(["eval", str(export), "--data", "digits", "--json"], capsys)
+    from_export = json.loads(out)
+    code, out, _ = run_cli(["eval", str(run), "--json"], capsys)
+    assert (
+        from_export["top1"] == pytest.approx(json.loads(out)["top1"])
+        and from_export["images"] == 359
+    )

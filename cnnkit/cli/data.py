@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -37,7 +38,11 @@ def pack(
         None, "--labels", help="Label file for a flat folder (NAME CLASS)."
     ),
 ) -> None:
-    """Resize every image once and store uint8 shards + index + mean image (like the seed)."""
+    """Resize every image once and store uint8 shards + index + mean image (like the seed).
+
+    Files that are not images, duplicates (links) and unreadable images are skipped and listed
+    in DST/bad_images.tsv; a class folder with no images is refused. Resumes when run again.
+    """
     from cnnkit.data.pack import pack_folder
     from cnnkit.errors import ConfigError
 
@@ -52,6 +57,9 @@ def pack(
         print(f"packed {done} into {s.shards} shards{resumed} -> {dst}")
     if s.converted or s.skipped:
         print(f"converted {s.converted}, skipped {s.skipped} (reasons: {dst / 'bad_images.tsv'})")
+    for name in s.empty_classes:
+        print(f"cnnkit: warning: class {name!r} has no usable image (all skipped: see "
+              f"{dst / 'bad_images.tsv'})", file=sys.stderr)  # fmt: skip
 
 
 def shapes(

@@ -39,26 +39,50 @@ def classify(
     batch_size: int = typer.Option(64, "--batch-size", min=1),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, mps, or auto."),
 ) -> None:
-    """Print the top classes and probabilities of each image; exit status 1 if any image failed."""
-    from cnnkit.distributed import resolve_device
-    from cnnkit.infer.classify import Classifier
-    from cnnkit.infer.images import expand_paths
+    """Print the top classes and probabilities of each image; exit status 1 if any image failed.
 
+    In folders, files that are not images (by name, type or duplicate link) are skipped and
+    named on stderr, which is no failure; a folder without any image is one, and so is finding
+    no image at all.
+    """
+    from cnnkit.data.scan import printable, report_skipped
+    from cnnkit.distributed import resolve_device
+    from cnnkit.errors import DataError
+    from cnnkit.infer.classify import Classifier
+    from cnnkit.infer.images import find_images
+
+    found = find_images(paths)
+    if not found.files:
+        raise DataError(_nothing_to_classify(paths, found.skipped))
     classifier = Classifier.load(target, resolve_device(device))
-    failed = 0
-    for pred in classifier.iter_predict(expand_paths(paths), top, tencrop, batch_size):
+    report_skipped(found.skipped)
+    for folder in found.empty:
+        typer.echo(f"cnnkit: error: {printable(folder)}: no images in this folder", err=True)
+    failed = len(found.empty)
+    for pred in classifier.iter_predict(found.files, top, tencrop, batch_size):
         failed += pred.error is not None
+        name = printable(pred.image)
         if as_json:
-            typer.echo(json.dumps(pred.to_dict()))
+            typer.echo(json.dumps({**pred.to_dict(), "image": name}))
         elif pred.error is not None:
-            typer.echo(f"cnnkit: error: {pred.image}: {pred.error}", err=True)
+            typer.echo(f"cnnkit: error: {name}: {pred.error}", err=True)
         else:
             ranked = ", ".join(
                 f"{c} ({p:.3f})" for c, p in zip(pred.labels, pred.probs, strict=True)
             )
-            typer.echo(f"{pred.image}: {ranked}")
+            typer.echo(f"{name}: {ranked}")
     if failed:
         raise typer.Exit(1)
+
+
+def _nothing_to_classify(paths: list[str], skipped: list[tuple[str, str]]) -> str:
+    from cnnkit.data.scan import printable
+
+    where = ", ".join(printable(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+    if not skipped:
+        return f"no images to classify in {where}"
+    first = f"{printable(skipped[0][0])}: {skipped[0][1]}"
+    return f"no images to classify in {where} ({len(skipped)} entries skipped; first {first})"
 
 
 def export(

@@ -106,7 +106,8 @@ def evaluate(
         print(json.dumps(result, indent=2))
         return
     crop = "centre crop  " if tencrop else ""
-    print(f"{result['checkpoint']}: {result['images']} images  {crop}{_figures(result)}")
+    skipped = f" ({result['skipped']} skipped)" if result.get("skipped") else ""
+    print(f"{result['checkpoint']}: {result['images']} images{skipped}  {crop}{_figures(result)}")
     if tencrop:
         print(f"{' ' * len(result['checkpoint'])}  {result['images']} images  10 crops     "
               f"{_figures(result['tencrop'])}")  # fmt: skip

@@ -1,10 +1,19 @@
-"""Image decoding for packing and folder loading: JPEG with DCT-domain downscaling, uint8 resize,
-and the bad-image policy (convert odd images to RGB; report broken ones with a reason).
+"""Image decoding for packing, folder loading and inference: JPEG with DCT-domain downscaling,
+uint8 resize, and the bad-image policy: odd images are converted to 8-bit RGB with a note saying
+how, broken or dangerous ones raise BadImage with the reason.
+
+Every file read goes through `read_file` (regular files only: a FIFO or a device named *.jpg is
+refused, never opened for reading) and every decode through `check_pixels` (one
+decompression-bomb limit, MAX_PIXELS, on the size actually decoded: a JPEG's DCT-scaled size
+when a target size is given, the full size otherwise).
 """
 
 from __future__ import annotations
 
 import io
+import os
+import re
+import stat
 import warnings
 from pathlib import Path
 from typing import Literal
@@ -21,13 +30,54 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 ResizeMode = Literal["squash", "shorter"]
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
-MAX_PIXELS = 120_000_000  # larger non-JPEG images are skipped as "huge" (JPEGs are DCT-scaled)
+MAX_PIXELS = 120_000_000  # the decompression-bomb limit: no image decodes to more pixels
 _JPEG_MAGIC = b"\xff\xd8\xff"
-_MODE_NAMES = {"L": "greyscale", "LA": "greyscale+alpha", "P": "palette", "1": "1-bit"}
+_TIFF_MAGIC = (b"II*\0", b"MM\0*")
+_MODE_NAMES = {"L": "greyscale", "LA": "greyscale+alpha (alpha dropped)", "P": "palette",
+               "1": "1-bit", "PA": "palette+alpha (alpha dropped)",
+               "RGBA": "RGBA (alpha dropped)"}  # fmt: skip
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))  # fmt: skip
 
 
 class BadImage(Exception):
     """An image that cannot be used; the message is the reason written to the report."""
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for messages: 'a FIFO', 'a folder', ..."""
+    return next((kind for test, kind in _FILE_KINDS if test(mode)), "an unusual file")
+
+
+def read_file(path: str | Path) -> bytes:
+    """The bytes of a regular file (symlinks followed); BadImage for anything else.
+
+    Checked before opening and again on the open descriptor (opened non-blocking), so a FIFO
+    or a device file named like an image is refused instead of hanging or reading forever.
+    """
+    try:
+        kind = os.stat(path).st_mode
+        if stat.S_ISREG(kind):
+            fd = os.open(
+                path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+            )
+            with open(fd, "rb") as f:
+                kind = os.fstat(fd).st_mode
+                if stat.S_ISREG(kind):
+                    return f.read()
+    except OSError as e:
+        raise BadImage(f"unreadable file ({e.strerror})") from None
+    raise BadImage(f"not a regular file ({file_kind(kind)})")
+
+
+def check_pixels(width: int, height: int) -> None:
+    """BadImage unless an image of width x height pixels is within the decompression-bomb limit."""
+    if width * height > MAX_PIXELS:
+        raise BadImage(
+            f"huge image ({width}x{height} = {width * height:,} pixels, over the limit of "
+            f"{MAX_PIXELS:,})"
+        )
 
 
 def is_image_name(name: str) -> bool:
@@ -69,6 +119,7 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -
     if colorspace not in ("RGB", "YCbCr", "Gray"):  # CMYK/YCCK: Pillow knows Adobe's inversion
         return None
     min_h, min_w = _dct_minimum(h, w, size, mode)
+    check_pixels(min_w or w, min_h or h)  # the DCT-scaled size is what gets allocated
     note = "greyscale -> RGB" if colorspace == "Gray" else None  # as Pillow's path says
     try:
         array = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w,
@@ -94,22 +145,73 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str)
             notes = []
             if im.format == "PNG" and suffix in (".jpg", ".jpeg"):
                 notes.append("PNG data in a .JPEG file")
-            if im.format != "JPEG" and im.width * im.height > MAX_PIXELS:
-                raise BadImage(f"huge image ({im.width}x{im.height} pixels)")
             if im.format == "JPEG" and size:
                 im.draft("RGB", _scaled_minimum(im.height, im.width, size, mode)[::-1])
+            check_pixels(im.width, im.height)  # after draft: the size that will be decoded
+            sixteen = _has_16_bit_samples(im)
             im.load()
-    except Image.DecompressionBombError as e:
-        raise BadImage(f"huge image ({e})") from None
+    except Image.DecompressionBombError as e:  # Pillow's own limit, at twice its warning
+        found = re.search(r"\((\d+) pixels\)", str(e))
+        count = f"{int(found[1]):,}" if found else "too many"
+        raise BadImage(f"huge image ({count} pixels, over the limit of {MAX_PIXELS:,})") from None
     except UnidentifiedImageError:
+        if data.startswith(_TIFF_MAGIC):
+            raise BadImage("a TIFF Pillow cannot read (float RGB or 64-bit samples?)") from None
         raise BadImage("not an image (unrecognised format)") from None
     except (OSError, SyntaxError, ValueError) as e:
         reason = "truncated image" if "truncated" in str(e).lower() else f"unreadable image ({e})"
         raise BadImage(reason) from None
-    if im.mode != "RGB":
+    im, what = to_8bit(im)
+    if what is None and sixteen and im.mode in ("RGB", "RGBA"):
+        what = f"16-bit {im.mode} (top 8 bits)"  # Pillow keeps the high byte: right scaling
+    if what is not None:
+        notes.append(f"{what} -> 8-bit RGB")
+    elif im.mode != "RGB":
         notes.append(f"{_MODE_NAMES.get(im.mode, im.mode)} -> RGB")
+    if im.mode != "RGB":
         im = im.convert("RGB")
     return np.array(im), "; ".join(notes) or None  # writable: torch.from_numpy takes it
+
+
+def _has_16_bit_samples(im: Image.Image) -> bool:
+    """True when Pillow will read 16-bit samples (its raw mode, e.g. 'RGB;16B')."""
+    for tile in im.tile:
+        args = tile[3]
+        raw = args if isinstance(args, str) else (args[0] if args else "")
+        if isinstance(raw, str) and ";16" in raw:
+            return True
+    return False
+
+
+def to_8bit(im: Image.Image) -> tuple[Image.Image, str | None]:
+    """A deep greyscale image (16-bit, 32-bit integer, float) as 8-bit 'L', scaled so that its
+    range survives, and what it was; other images are returned as they are, with None.
+
+    The rule: 16-bit keeps its top 8 bits (x >> 8, so 65535 -> 255); 32-bit integers in
+    0..65535 are read as 16-bit; floats in [0, 1] become round(255 x). Any other range (negative,
+    above 65535 or 1.0, NaN) raises BadImage: no scaling of it would be right for every image.
+    """
+    if im.mode.startswith("I;16") and im.mode != "I;16S":
+        return _grey(np.asarray(im).astype(np.uint16) >> 8), "16-bit grey (top 8 bits)"
+    if im.mode not in ("I", "F", "I;16S"):
+        return im, None
+    values = np.asarray(im)
+    if not np.isfinite(values).all():
+        raise BadImage("float image with NaN or infinite values: no 8-bit scaling is right")
+    low, high = (values.min(), values.max()) if values.size else (0, 0)
+    if im.mode == "F":
+        if low < 0 or high > 1:
+            raise BadImage(f"float image with values outside [0, 1] (min {low:.4g}, max "
+                           f"{high:.4g}): no 8-bit scaling is right for it")  # fmt: skip
+        return _grey(np.rint(values * 255.0)), "float grey in [0, 1] (x 255)"
+    if low < 0 or high > 65535:
+        raise BadImage(f"integer image with values outside 0..65535 (min {low}, max {high}): "
+                       "no 8-bit scaling is right for it")  # fmt: skip
+    return _grey(values.astype(np.uint16) >> 8), "32-bit integer grey in 0..65535 (top 8 bits)"
+
+
+def _grey(values: np.ndarray) -> Image.Image:
+    return Image.fromarray(values.astype(np.uint8), "L")
 
 
 def read_image(
@@ -122,10 +224,7 @@ def read_image(
     Raises BadImage with the reason when the file cannot be used.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise BadImage(f"unreadable file ({e.strerror})") from None
+    data = read_file(path)
     if not data:
         raise BadImage("empty file")
     if data.startswith(_JPEG_MAGIC):
@@ -138,11 +237,7 @@ def read_image(
 def device_jpeg(path: str | Path) -> bytes | None:
     """The bytes of a JPEG that batched device decoders take (RGB, YCbCr or grey), None for
     any other image (decode it on the CPU instead); BadImage if the file cannot be read."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise BadImage(f"unreadable file ({e.strerror})") from None
+    data = read_file(path)
     if not data:
         raise BadImage("empty file")
     if not data.startswith(_JPEG_MAGIC) or simplejpeg is None:
@@ -150,9 +245,11 @@ def device_jpeg(path: str | Path) -> bytes | None:
     if not data.rstrip(b"\0").endswith(b"\xff\xd9"):  # no end marker: truncated, say so on the CPU
         return None
     try:
-        colorspace = simplejpeg.decode_jpeg_header(data)[2]
+        h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None  # let the CPU path say what is wrong with it
+    if h * w > MAX_PIXELS:  # device decoders decode whole images: the CPU DCT-scales this one
+        return None
     return data if colorspace in ("RGB", "YCbCr", "Gray") else None
 
 

@@ -6,93 +6,26 @@ bad images are reported and skipped.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
 from cnnkit.data.batch import BatchJob, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import BadImage, device_jpeg, is_image_name, load_box, load_resized
+from cnnkit.data.decode import MAX_PIXELS, BadImage, device_jpeg, load_box, load_resized
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
+from cnnkit.data.scan import scan_folder
 from cnnkit.data.slots import new_batch
-from cnnkit.errors import ConfigError, DataError
+from cnnkit.errors import ConfigError
 from cnnkit.runtime import torch_threads
 
 IMAGENET_MEAN = (123.675, 116.28, 103.53)  # 0-255 units
 IMAGENET_STD = (58.395, 57.12, 57.375)
-
-
-def read_label_file(path: Path) -> dict[str, str]:
-    """File name (or stem) -> class name, from `NAME CLASS` lines or a `NAME,CLASS ...` CSV
-    (Kaggle's LOC_val_solution.csv: the first word of the second column is the class)."""
-    if not path.is_file():
-        raise DataError(f"{path}: label file not found")
-    mapping = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        parts = line.split(",", 1) if "," in line else line.split(None, 1)
-        if not line.strip() or line.startswith("ImageId,"):
-            continue
-        if len(parts) != 2 or not parts[1].split():
-            raise DataError(f"{path}:{number}: expected 'FILENAME CLASS', got {line.strip()!r}")
-        mapping[parts[0].strip()] = parts[1].split()[0]
-    return mapping
-
-
-def _class_folders(src: Path) -> tuple[list[str], list[int], list[str]]:
-    classes = sorted(d.name for d in os.scandir(src) if d.is_dir() and not d.name.startswith("."))
-    files, labels = [], []
-    for k, name in enumerate(classes):
-        for dirpath, dirnames, names in sorted(os.walk(src / name, followlinks=True)):
-            dirnames.sort()
-            rel = Path(dirpath).relative_to(src)
-            found = sorted(n for n in names if is_image_name(n))
-            files += [str(rel / n) for n in found]
-            labels += [k] * len(found)
-    return files, labels, classes
-
-
-def _flat_with_labels(src: Path, labels_file: Path) -> tuple[list[str], list[str]]:
-    mapping = read_label_file(labels_file)
-    files = sorted(n for n in os.listdir(src) if is_image_name(n))
-    missing = [n for n in files if n not in mapping and Path(n).stem not in mapping]
-    if missing:
-        raise DataError(
-            f"{labels_file}: no label for {len(missing)} images in {src} (first: {missing[0]})"
-        )
-    return files, [mapping.get(n, mapping.get(Path(n).stem)) for n in files]
-
-
-def scan_folder(src: str | Path, labels_file: str | Path | None = None,
-                classes: list[str] | None = None) -> tuple[list[str], list[int], list[str]]:  # fmt: skip
-    """(relative files, labels, class names) of an ImageFolder tree or a flat folder + labels.
-
-    With `classes` given (e.g. the training set's), labels index into that list.
-    """
-    src = Path(src)
-    if not src.is_dir():
-        raise DataError(f"{src}: not a folder")
-    if labels_file is not None:
-        files, names = _flat_with_labels(src, Path(labels_file))
-        found = sorted(set(names))
-    else:
-        files, labels, found = _class_folders(src)
-        names = [found[k] for k in labels]
-        if not files:
-            raise DataError(
-                f"{src}: no images in class subfolders (a flat folder needs a label file)"
-            )
-    classes = classes or found
-    lookup = {name: k for k, name in enumerate(classes)}
-    unknown = sorted(set(names) - set(lookup))
-    if unknown:
-        raise DataError(f"{src}: class {unknown[0]!r} is not among the training classes")
-    return files, [lookup[n] for n in names], classes
 
 
 class FolderImages(Dataset):
@@ -182,6 +115,13 @@ class FolderConfig(ImageSetConfig):
         """Images are resized to `size` before cropping."""
         return self.size
 
+    @field_validator("size")
+    @classmethod
+    def _within_pixel_limit(cls, v: int) -> int:
+        if v * v > MAX_PIXELS:
+            raise ValueError(f"{v}x{v} images are over the limit of {MAX_PIXELS:,} pixels")
+        return v
+
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
               seed: int = 0, local_ranks: int = 1) -> DataBundle:  # fmt: skip
         """Scan the folders and make this rank's streams."""
@@ -193,7 +133,15 @@ class FolderConfig(ImageSetConfig):
         files, labels, classes = scan_folder(root)
         train_ids, val_ids = holdout_split(labels, 0.0 if self.val_path else self.val_fraction)
         train = FolderImages(root, files, labels, train_ids, self.size, self.resize_mode)
-        if self.val_path:
+        same = (
+            self.val_path
+            and not self.val_labels
+            and Path(self.val_path).resolve() == root.resolve()
+        )
+        if self.val_path and same:  # one folder evaluated whole (eval --data DIR): scanned once
+            val = FolderImages(root, files, labels, np.arange(len(files)), self.size,
+                               self.resize_mode)  # fmt: skip
+        elif self.val_path:
             vfiles, vlabels, _ = scan_folder(self.val_path, self.val_labels, classes)
             val = FolderImages(Path(self.val_path), vfiles, vlabels, np.arange(len(vfiles)),
                                self.size, self.resize_mode)  # fmt: skip

@@ -10,25 +10,34 @@ image, per-channel mean/std and RGB covariance (for PCA lighting) are computed a
     DST/index.npz          labels, shard, offset, length per packed image
     DST/mean.npy           (3, S, S) float32 mean image
     DST/files.txt          source path of each packed image, in index order
-    DST/bad_images.tsv     path, skipped|converted, reason
+    DST/bad_images.tsv     path, skipped|converted, reason (non-image files and duplicates too)
     DST/shards/NNNNN.{u8,jpg}  the pixels; NNNNN.npz  the shard's done marker + partial stats
+
+Every file is written as NAME.tmp and renamed when complete, so nothing half-written ever looks
+finished. A failed write (a full disk) is one error line; the shards done stay done and the same
+command resumes. A pack that fails before its first shard, or finds no readable image, leaves
+nothing behind.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 import numpy as np
 import torch
 
+from cnnkit.data import decode
 from cnnkit.data.decode import BadImage, ResizeMode, encode_jpeg, load_resized
-from cnnkit.data.folder import scan_folder
 from cnnkit.data.packed import PACK_FORMAT
+from cnnkit.data.scan import printable, scan_images
 from cnnkit.errors import ConfigError, DataError
 
 PackFormat = Literal["raw", "jpeg"]
@@ -61,6 +70,7 @@ class PackSummary:
     converted: int
     skipped: int
     resumed_shards: int
+    empty_classes: list[str] = field(default_factory=list)  # every image of theirs skipped
 
 
 def _image_stats(image: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -77,55 +87,76 @@ def _image_stats(image: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return pixels.sum(1, dtype=np.int64).astype(np.float64), xxt
 
 
+@contextmanager
+def _atomic(path: Path) -> Iterator[IO[bytes]]:
+    """A file written as PATH.tmp and renamed to PATH once complete; removed if writing fails."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a failed write() names no file: say which
+        raise
+
+
+def _write_text(path: Path, text: str) -> None:
+    with _atomic(path) as f:
+        f.write(text.encode("utf-8"))
+
+
 def pack_shard(job: PackJob) -> tuple[int, int]:
     """Decode, resize and write one shard, then its done marker; returns (shard, images seen)."""
-    size, shards = job.size, Path(job.out_dir)
-    data_path = shards / f"{job.shard:05d}{SHARD_SUFFIX[job.format]}"
+    shards = Path(job.out_dir)
+    with _atomic(shards / f"{job.shard:05d}{SHARD_SUFFIX[job.format]}") as out:
+        marker = _write_records(job, out)
+    with _atomic(shards / f"{job.shard:05d}.npz") as f:
+        np.savez(f, **marker)
+    return job.shard, len(job.files)
+
+
+def _write_records(job: PackJob, out: IO[bytes]) -> dict[str, np.ndarray]:
+    """Write the shard's images to `out`; returns what its done marker holds."""
+    size = job.size
     sums = {"image": np.zeros((3, size, size)), "channel": np.zeros(3), "xxt": np.zeros((3, 3))}
     kept, labels, offsets, lengths, report = [], [], [], [], []
     offset = 0
-    with open(f"{data_path}.tmp", "wb") as out:
-        for i, (rel, label) in enumerate(zip(job.files, job.labels, strict=True)):
-            try:
-                image, note = load_resized(Path(job.root) / rel, size, job.resize)
-            except BadImage as e:
-                report.append(f"{rel}\tskipped\t{e}")
-                continue
-            if note:
-                report.append(f"{rel}\tconverted\t{note}")
-            record = (
-                image.numpy().tobytes()
-                if job.format == "raw"
-                else encode_jpeg(image.numpy(), job.quality)
-            )
-            out.write(record)
-            (
-                kept.append(i),
-                labels.append(label),
-                offsets.append(offset),
-                lengths.append(len(record)),
-            )
-            offset += len(record)
-            sums["image"] += image.numpy()
-            channel, xxt = _image_stats(image)
-            sums["channel"] += channel
-            sums["xxt"] += xxt
-    os.replace(f"{data_path}.tmp", data_path)
-    marker = shards / f"{job.shard:05d}.npz"
-    with open(f"{marker}.tmp", "wb") as f:
-        np.savez(f, kept=np.array(kept, np.int64), labels=np.array(labels, np.int64),
-                 offsets=np.array(offsets, np.int64), lengths=np.array(lengths, np.int64),
-                 report=np.array(report, dtype=str), **sums)  # fmt: skip
-    os.replace(f"{marker}.tmp", marker)
-    return job.shard, len(job.files)
+    for i, (rel, label) in enumerate(zip(job.files, job.labels, strict=True)):
+        try:
+            image, note = load_resized(Path(job.root) / rel, size, job.resize)
+        except BadImage as e:
+            report.append(f"{printable(rel)}\tskipped\t{e}")
+            continue
+        if note:
+            report.append(f"{printable(rel)}\tconverted\t{note}")
+        pixels = image.numpy()
+        record = pixels.tobytes() if job.format == "raw" else encode_jpeg(pixels, job.quality)
+        out.write(record)
+        kept.append(i), labels.append(label), offsets.append(offset), lengths.append(len(record))
+        offset += len(record)
+        sums["image"] += pixels
+        channel, xxt = _image_stats(image)
+        sums["channel"] += channel
+        sums["xxt"] += xxt
+    return {"kept": np.array(kept, np.int64), "labels": np.array(labels, np.int64),
+            "offsets": np.array(offsets, np.int64), "lengths": np.array(lengths, np.int64),
+            "report": np.array(report, dtype=str), **sums}  # fmt: skip
 
 
 def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
           shard_size: int | None) -> dict:  # fmt: skip
-    """The pack's fixed plan (file list, labels, params); reused when resuming into DST."""
+    """The pack's fixed plan (file list, labels, params); reused when resuming into DST.
+
+    The folder is scanned before anything is written: a refused folder leaves no DST.
+    """
     plan_path = dst / "plan.json"
     if plan_path.exists():
-        plan = json.loads(plan_path.read_text())
+        try:
+            plan = json.loads(plan_path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            raise DataError(f"{plan_path}: unreadable; delete {dst} and pack again") from None
         if plan["params"] != params:
             diff = {
                 k: (plan["params"].get(k), v)
@@ -134,17 +165,14 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
             }
             raise DataError(f"{dst}: holds a different pack ({diff}); use another DST or delete it")
         return plan
-    files, labels, classes = scan_folder(src, labels_file)
-    if not files:
-        raise DataError(f"{src}: no image files found")
+    scan = scan_images(src, labels_file)
     # ~32+ shards so every process stays busy, at most 512 images (100 MB raw) per shard
-    shard_size = shard_size or min(512, max(16, -(-len(files) // 32)))
-    plan = {"params": params, "files": files, "labels": labels, "classes": classes,
-            "shard_size": shard_size}  # fmt: skip
+    shard_size = shard_size or min(512, max(16, -(-len(scan.files) // 32)))
+    plan = {"params": params, "files": scan.files, "labels": scan.labels,
+            "classes": scan.classes, "shard_size": shard_size,
+            "skipped": [f"{printable(p)}\tskipped\t{r}" for p, r in scan.skipped]}  # fmt: skip
     (dst / "shards").mkdir(parents=True, exist_ok=True)
-    tmp = dst / "plan.json.tmp"
-    tmp.write_text(json.dumps(plan))
-    os.replace(tmp, plan_path)
+    _write_text(plan_path, json.dumps(plan))
     return plan
 
 
@@ -191,10 +219,9 @@ def _run_jobs(jobs: list[PackJob], workers: int, total: int, done: int, show: bo
                 bar.advance(task, count)
 
 
-def _finalize(plan: dict, dst: Path, jobs: list[PackJob]) -> dict:
-    """Merge the shard markers into the index, mean image, stats, report and meta.json."""
-    p = plan["params"]
-    size = p["size"]
+def _merge_markers(dst: Path, jobs: list[PackJob]) -> tuple[dict, dict, list, list]:
+    """The shard markers summed and joined: (stat totals, index arrays, files, report lines)."""
+    size = jobs[0].size
     total = {"image": np.zeros((3, size, size)), "channel": np.zeros(3), "xxt": np.zeros((3, 3))}
     index = {"labels": [], "shard": [], "offset": [], "length": []}
     files, report = [], []
@@ -208,30 +235,105 @@ def _finalize(plan: dict, dst: Path, jobs: list[PackJob]) -> dict:
             index["length"].append(z["lengths"])
             files += [job.files[k] for k in z["kept"]]
             report += list(z["report"])
-    arrays = {k: np.concatenate(v) for k, v in index.items()}
+    return total, {k: np.concatenate(v) for k, v in index.items()}, files, report
+
+
+def _finalize(plan: dict, dst: Path, jobs: list[PackJob]) -> dict:
+    """Merge the shard markers into the index, mean image, stats, report and meta.json."""
+    p = plan["params"]
+    size = p["size"]
+    total, arrays, files, report = _merge_markers(dst, jobs)
     count = len(files)
     if count == 0:
-        raise DataError(f"{dst}: every image was unreadable (see {dst / 'bad_images.tsv'})")
-    np.savez(dst / "index.npz", **arrays)
-    np.save(dst / "mean.npy", (total["image"] / count).astype(np.float32))
-    (dst / "files.txt").write_text("".join(f"{f}\n" for f in files))
-    (dst / "bad_images.tsv").write_text(
-        "path\tstatus\treason\n" + "".join(f"{r}\n" for r in report)
+        first = report[0].replace("\tskipped\t", ": ") if report else "?"
+        raise NothingPacked(f"none of the {len(plan['files'])} images could be read "
+                            f"(first: {first})")  # fmt: skip
+    with _atomic(dst / "index.npz") as f:
+        np.savez(f, **arrays)
+    with _atomic(dst / "mean.npy") as f:
+        np.save(f, (total["image"] / count).astype(np.float32))
+    _write_text(dst / "files.txt", "".join(f"{printable(f)}\n" for f in files))
+    report = plan.get("skipped", []) + report
+    _write_text(
+        dst / "bad_images.tsv", "path\tstatus\treason\n" + "".join(f"{r}\n" for r in report)
     )
     pixels = count * size * size
     mean = total["channel"] / pixels
     cov = total["xxt"] / pixels - np.outer(mean, mean)
+    used = set(np.unique(arrays["labels"]).tolist())
     meta = {
         "format": PACK_FORMAT, **p, "classes": plan["classes"], "num_images": count,
         "shards": [f"{j.shard:05d}{SHARD_SUFFIX[p['storage']]}" for j in jobs],
         "mean": mean.tolist(), "std": np.sqrt(np.diag(cov)).tolist(), "rgb_cov": cov.tolist(),
         "converted": sum("\tconverted\t" in r for r in report),
         "skipped": sum("\tskipped\t" in r for r in report),
+        "empty_classes": [c for k, c in enumerate(plan["classes"]) if k not in used],
     }  # fmt: skip
-    tmp = dst / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, dst / "meta.json")
+    _write_text(dst / "meta.json", json.dumps(meta, indent=1))
     return meta
+
+
+class NothingPacked(DataError):
+    """Every image of the folder was unreadable: the pack is discarded."""
+
+
+def _check_options(src: Path, size: int, resize: str, format: str, quality: int,
+                   shard_size: int | None) -> None:  # fmt: skip
+    if not src.is_dir():
+        raise DataError(f"{printable(str(src))}: not a folder")
+    if size < 8 or not 1 <= quality <= 100 or (shard_size or 1) < 1:
+        raise ConfigError("--size must be >= 8, --quality 1..100")
+    if size * size > decode.MAX_PIXELS:
+        raise ConfigError(f"--size {size}: {size}x{size} images are over the limit of "
+                          f"{decode.MAX_PIXELS:,} pixels")  # fmt: skip
+    if resize not in ("squash", "shorter") or format not in SHARD_SUFFIX:
+        raise ConfigError(
+            f"--resize squash|shorter-side-crop, --format raw|jpeg (got {resize}, {format})"
+        )
+
+
+def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
+          shard_size: int | None, workers: int | None, progress: bool) -> PackSummary:  # fmt: skip
+    """Plan (or reload the plan), pack the shards not done yet, finalize."""
+    plan = _plan(src, dst, params, labels_file, shard_size)
+    jobs = _jobs(plan, src, dst)
+    todo = [j for j in jobs if not (dst / "shards" / f"{j.shard:05d}.npz").exists()]
+    done_images = sum(len(j.files) for j in jobs if j not in todo)
+    if todo or not (dst / "meta.json").exists():
+        workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
+        _run_jobs(todo, workers, len(plan["files"]), done_images, progress)
+        meta = _finalize(plan, dst, jobs)
+    else:
+        meta = json.loads((dst / "meta.json").read_text())
+    return PackSummary(dst, meta["num_images"], len(jobs), len(meta["classes"]),
+                       meta["converted"], meta["skipped"], len(jobs) - len(todo),
+                       meta.get("empty_classes", []))  # fmt: skip
+
+
+def _tidy(dst: Path, created: bool, discard: bool) -> None:
+    """After a failure: remove every .tmp; with `discard`, everything this pack wrote too (only
+    its own names: a folder the user made keeps anything else it holds)."""
+    shards = dst / "shards"
+    own = list(dst.glob("*.tmp")) + (list(shards.glob("*")) if shards.is_dir() else [])
+    if discard:
+        names = ("plan.json", "index.npz", "mean.npy", "files.txt", "bad_images.tsv", "meta.json")
+        own += [dst / n for n in names]
+    for path in own:
+        if path.suffix == ".tmp" or discard:
+            path.unlink(missing_ok=True)
+    for folder in (shards, dst) if discard else ():
+        if folder.is_dir() and (created or folder == shards) and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _write_error(e: OSError, dst: Path) -> DataError:
+    """One line for a failed write: a full disk says so, and that the same command resumes."""
+    where = printable(str(e.filename or dst))
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DataError(f"{printable(str(dst))}: the disk is full (no space left on device "
+                         f"writing {where}); free some space and run the same cnnkit pack again: "
+                         "it resumes from the shards done")  # fmt: skip
+    return DataError(f"{printable(str(dst))}: cannot write {where} ({e.strerror or e})")
 
 
 def pack_folder(
@@ -248,26 +350,19 @@ def pack_folder(
 ) -> PackSummary:
     """Pack an image folder (class subfolders, or flat + labels file) into DST; resumable."""
     src, dst = Path(src), Path(dst)
-    if not src.is_dir():
-        raise DataError(f"{src}: not a folder")
-    if size < 8 or not 1 <= quality <= 100 or (shard_size or 1) < 1:
-        raise ConfigError("--size must be >= 8, --quality 1..100")
-    if resize not in ("squash", "shorter") or format not in SHARD_SUFFIX:
-        raise ConfigError(
-            f"--resize squash|shorter-side-crop, --format raw|jpeg (got {resize}, {format})"
-        )
-    dst.mkdir(parents=True, exist_ok=True)
+    _check_options(src, size, resize, format, quality, shard_size)
     params = {"source": str(src.resolve()), "size": size, "resize": resize, "storage": format,
               "quality": quality}  # fmt: skip
-    plan = _plan(src, dst, params, Path(labels_file) if labels_file else None, shard_size)
-    jobs = _jobs(plan, src, dst)
-    todo = [j for j in jobs if not (dst / "shards" / f"{j.shard:05d}.npz").exists()]
-    done_images = sum(len(j.files) for j in jobs if j not in todo)
-    if todo or not (dst / "meta.json").exists():
-        workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
-        _run_jobs(todo, workers, len(plan["files"]), done_images, progress)
-        meta = _finalize(plan, dst, jobs)
-    else:
-        meta = json.loads((dst / "meta.json").read_text())
-    return PackSummary(dst, meta["num_images"], len(jobs), len(meta["classes"]),
-                       meta["converted"], meta["skipped"], len(jobs) - len(todo))  # fmt: skip
+    created = not dst.exists()
+    labels = Path(labels_file) if labels_file else None
+    try:
+        return _pack(src, dst, params, labels, shard_size, workers, progress)
+    except NothingPacked as e:
+        _tidy(dst, created, discard=True)
+        raise DataError(f"{printable(str(src))}: {e}") from None
+    except OSError as e:
+        _tidy(dst, created, discard=not (dst / "plan.json").exists())
+        raise _write_error(e, dst) from None
+    except BaseException:
+        _tidy(dst, created, discard=False)
+        raise

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from cnnkit.errors import CnnkitError
-from cnnkit.infer.images import ImageInput, crops_of, image_name
+from cnnkit.errors import CheckpointError, CnnkitError, DataError
+from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
 from cnnkit.infer.load import Loaded, load_for_inference
 
 
@@ -43,6 +43,7 @@ class Classifier:
     """A model plus its class names and evaluation preprocessing."""
 
     def __init__(self, loaded: Loaded, device: Any = "cpu"):
+        check_loaded(loaded)
         self.model = loaded.model.to(device).eval()
         self.classes = loaded.classes
         self.preprocess = loaded.preprocess
@@ -105,4 +106,19 @@ class Classifier:
             yield Prediction(name, [self._name(k) for k in i], p)
 
     def _name(self, index: int) -> str:
-        return self.classes[index] if index < len(self.classes) else str(index)
+        return self.classes[index]  # as many names as outputs (check_loaded)
+
+
+def check_loaded(loaded: Loaded) -> None:
+    """CheckpointError unless the model can classify: one class name per output, and a
+    preprocessing resize within the pixel limit (checked before any image is read)."""
+    outputs = loaded.model.num_classes
+    if outputs is not None and len(loaded.classes) != outputs:
+        raise CheckpointError(
+            f"{loaded.source}: {len(loaded.classes)} class names for the network's {outputs} "
+            "outputs (the labels would be wrong)"
+        )
+    try:
+        check_preprocess(loaded.preprocess)
+    except DataError as e:
+        raise CheckpointError(f"{loaded.source}: {e}") from None

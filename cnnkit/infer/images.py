@@ -1,9 +1,14 @@
 """Images in for inference: find files (files, folders, globs), read paths / PIL images / arrays,
-and repeat evaluation's preprocessing (resize, centre crop or 10 crops) on uint8 (C, H, W)."""
+and repeat evaluation's preprocessing (resize, centre crop or 10 crops) on uint8 (C, H, W).
+Files are read and checked as the data pipeline reads them (data/decode.py: regular files only,
+the one pixel limit, deep images scaled to 8 bits)."""
 
 from __future__ import annotations
 
 import glob
+import os
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,30 +16,88 @@ import numpy as np
 import torch
 from PIL import Image
 
+from cnnkit.data import decode
 from cnnkit.data.augment import center_crop, ten_crop
 from cnnkit.data.base import Preprocess
-from cnnkit.data.decode import BadImage, is_image_name, read_image, resize_uint8
+from cnnkit.data.decode import (
+    BadImage,
+    check_pixels,
+    is_image_name,
+    read_image,
+    resize_uint8,
+    to_8bit,
+)
+from cnnkit.data.scan import Walker, printable, skip_reason
 from cnnkit.errors import DataError
 
 ImageInput = str | Path | Image.Image | np.ndarray | torch.Tensor
 
 
-def expand_paths(patterns: list[str]) -> list[Path]:
-    """Files, folders (their image files, sorted, recursively) and globs -> a list of files.
+@dataclass
+class FoundImages:
+    """The image files to read, what was passed over (path, reason), and the folders given
+    that held no image at all."""
 
-    A name that matches nothing stays in the list, so that it is reported with the others.
+    files: list[Path] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    empty: list[str] = field(default_factory=list)
+
+
+def find_images(patterns: list[str]) -> FoundImages:
+    """Files, folders (their image files, recursively) and globs -> the files to classify.
+
+    Folders are scanned as pack scans them (regular image files only, each real file once,
+    links followed but not in loops; the rest is listed in `skipped`). A file named explicitly
+    is read whatever its name; a name that matches nothing stays in the list, so that it is
+    reported with the others.
     """
-    found: list[Path] = []
+    found, taken = FoundImages(), {}
     for pattern in patterns:
-        path = Path(pattern)
         matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else []
-        if path.is_dir():
-            found += sorted(p for p in path.rglob("*") if p.is_file() and is_image_name(p.name))
-        elif matches:
-            found += [Path(p) for p in matches if Path(p).is_file()]
-        else:
-            found.append(path)
+        for name in matches or [pattern]:
+            path = Path(name)
+            if path.is_dir():
+                _add_folder(found, path, taken)
+            elif matches and not is_image_name(path.name):
+                found.skipped.append((name, skip_reason(path.name)))
+            else:
+                _add_file(found, path, taken)
     return found
+
+
+def _add_folder(found: FoundImages, folder: Path, taken: dict) -> None:
+    walker = Walker(folder, taken)
+    walker.claim_folder(folder)
+    files = walker.images("")
+    found.files += [folder / f for f in files]
+    found.skipped += [(str(folder / f), reason) for f, reason in walker.skipped]
+    if not files:
+        found.empty.append(str(folder))
+
+
+def _add_file(found: FoundImages, path: Path, taken: dict) -> None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None  # missing or unreadable: reading it says why
+    key = (st.st_dev, st.st_ino) if st is not None and stat.S_ISREG(st.st_mode) else None
+    if key is not None and key in taken:
+        found.skipped.append((str(path), f"the same file as {printable(taken[key])}"))
+        return
+    if key is not None:
+        taken[key] = str(path)
+    found.files.append(path)
+
+
+def check_preprocess(pre: Preprocess) -> None:
+    """DataError when evaluation's resize would make images over the pixel limit (a 60000 px
+    resize would allocate gigabytes per image)."""
+    side = pre.resize or pre.crop
+    try:
+        check_pixels(side, side)
+    except BadImage:
+        raise DataError(f"preprocess.resize {side}: {side}x{side} images are over the limit "
+                        f"of {decode.MAX_PIXELS:,} pixels") from None  # fmt: skip
 
 
 def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> np.ndarray:
@@ -49,7 +112,7 @@ def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> 
         except BadImage as e:
             raise DataError(f"{image}: {e}") from None
     if isinstance(image, Image.Image):
-        image = np.asarray(image.convert("L" if image.mode in ("1", "L", "I", "F") else "RGB"))
+        image = _pil_array(image)
     array = image.cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
     if isinstance(image, torch.Tensor) and array.ndim == 3:
         array = array.transpose(1, 2, 0)
@@ -62,6 +125,18 @@ def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> 
     if array.ndim != 3 or array.shape[2] not in (1, 3, 4):
         raise DataError(f"an image array must be (H, W), (H, W, C) or (C, H, W); got {array.shape}")
     return np.array(array[:, :, :3], order="C")  # a writable copy
+
+
+def _pil_array(image: Image.Image) -> np.ndarray:
+    """A PIL image as uint8 (H, W) grey or (H, W, 3) RGB, deep greys scaled as files are."""
+    try:
+        check_pixels(image.width, image.height)
+        image = to_8bit(image)[0]
+        return np.asarray(image.convert("L" if image.mode in ("1", "L") else "RGB"))
+    except BadImage as e:
+        raise DataError(str(e)) from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"unreadable image ({e})") from None
 
 
 def to_channels(array: np.ndarray, channels: int) -> np.ndarray:
@@ -77,6 +152,7 @@ def to_channels(array: np.ndarray, channels: int) -> np.ndarray:
 def resized(image: ImageInput, pre: Preprocess) -> torch.Tensor:
     """Evaluation's resize: to `pre.resize` (squash or shorter side), or to the crop size when
     the data was stored crop-sized. Returns uint8 (C, S, S)."""
+    check_preprocess(pre)
     size = pre.resize or pre.crop
     mode = pre.resize_mode if pre.resize else "squash"
     array = to_channels(to_hwc(image, pre.resize, mode), pre.channels)

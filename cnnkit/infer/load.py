@@ -8,12 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cnnkit.checkpoint import checkpoint_path, load_checkpoint, load_trained
+from cnnkit.checkpoint import (
+    EXPORT_FORMAT,
+    checkpoint_path,
+    load_checkpoint,
+    load_trained,
+    read_export,
+)
 from cnnkit.data.base import Preprocess
-from cnnkit.errors import CheckpointError, CnnkitError
+from cnnkit.errors import CheckpointError
 from cnnkit.nn import Network, build_model
 
-SAFETENSORS_FORMAT = "cnnkit-safetensors/1"
+SAFETENSORS_FORMAT = EXPORT_FORMAT
 
 
 @dataclass
@@ -69,30 +75,9 @@ def metadata(loaded: Loaded) -> dict[str, str]:
 
 def load_safetensors(path: Path, device: Any = "cpu") -> Loaded:
     """Rebuild a model from a .safetensors export (weights + metadata; no code is run)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
-
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        weights = load_file(str(path), device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-    if meta.get("format") != SAFETENSORS_FORMAT:
-        raise CheckpointError(
-            f"{path}: no cnnkit metadata (expected format {SAFETENSORS_FORMAT!r})"
-        )
-    try:
-        model = build_model(json.loads(meta["model_spec"]), json.loads(meta["num_classes"]))
-        model.load_state_dict(weights)
-        classes = json.loads(meta["classes"])
-        preprocess = Preprocess.from_dict(json.loads(meta["preprocess"]))
-    except (CnnkitError, KeyError, RuntimeError, TypeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: its metadata or weights do not fit ({first})") from None
-    return Loaded(model.to(device).eval(), classes, preprocess, str(path))
+    model, meta = read_export(Path(path))
+    preprocess = Preprocess.from_dict(meta["preprocess"])
+    return Loaded(model.to(device).eval(), meta["classes"], preprocess, str(path))
 
 
 def save_safetensors(loaded: Loaded, path: Path) -> None:

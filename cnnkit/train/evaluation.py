@@ -25,6 +25,9 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess) -> Dat
     a directory (a packed set if it holds meta.json, else an image folder), all of whose
     images are evaluated as the run saw them."""
     if spec is None:
+        if not trained:
+            raise ConfigError("--data: an export holds no data section: give --data (a folder, "
+                              "a packed set, a source name or a data YAML)")  # fmt: skip
         section = dict(trained)
     elif spec in SOURCES:
         section = {"source": spec}
@@ -103,7 +106,7 @@ def evaluate_checkpoint(
     `tencrop`: the centre crop's figures plus a "tencrop" mapping of the 10-crop ones)."""
     network, meta = load_trained(target)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
-    cfg = eval_data(data, config["data"], pre)
+    cfg = eval_data(data, config.get("data", {}), pre)
     crop = int(network.input_shape[-1])
     if tencrop:
         cfg = full_images(cfg, crop, pre.resize)
@@ -116,13 +119,34 @@ def evaluate_checkpoint(
             f"--data: {len(bundle.classes)} classes, but the network was trained on {network.num_classes}"
         )
     engine = build_engine(network, _eval_settings(config, device, dev), dev)
+    batches = CountedBatches(bundle.val)
     if tencrop:
-        both = evaluate_ten_crops(engine, bundle.val, crop)
+        both = evaluate_ten_crops(engine, batches, crop)
         result = {**both["centre"], "tencrop": both["tencrop"]}
     else:
-        result = evaluate(engine, bundle.val)
-    return {**result, "images": bundle.val.num_samples, "checkpoint": meta["path"],
-            "device": str(dev)}  # fmt: skip
+        result = evaluate(engine, batches)
+    return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,
+            "checkpoint": meta["path"], "device": str(dev)}  # fmt: skip
+
+
+class CountedBatches:
+    """A Batches stream that counts the images it yields: those evaluated, not the unreadable
+    ones the loader skipped (and named on stderr)."""
+
+    def __init__(self, batches: Any):
+        self.batches, self.images = batches, 0
+        self.num_samples = batches.num_samples
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.batches.set_epoch(epoch, skip_batches)
+
+    def __iter__(self) -> Any:
+        for x, y in self.batches:
+            self.images += len(y)
+            yield x, y
 
 
 def _eval_settings(config: dict[str, Any], name: str, device: torch.device) -> TrainConfig:

@@ -1,0 +1,263 @@
+"""Finding the images in a folder, the one scanner of pack, folder training and classify.
+
+Only regular files with an image extension are taken. Symlinks are followed, but each real
+file is taken once and each real folder walked once (both keyed by (st_dev, st_ino)), so a link
+loop (`ln -s . cat/loop`) or a second link to the same photo adds nothing. Everything passed
+over is listed with the reason (hidden names, other file types, FIFOs and devices, broken links,
+duplicates), never dropped silently. A class folder with no images is refused: a silently empty
+class would change the number of outputs of the network.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cnnkit.data.decode import file_kind, is_image_name
+from cnnkit.errors import DataError
+
+FileKey = tuple[int, int]  # (st_dev, st_ino): one real file or folder
+REPORTED_LINES = 10  # skipped entries named one per line on stderr; the rest are counted
+ALREADY_SCANNED = "a folder already scanned (a symlink loop, a second link or another class)"
+
+
+@dataclass
+class Scan:
+    """What a folder holds: image paths relative to the root (in a fixed order), their labels,
+    the class names, and the (relative path, reason) of everything passed over."""
+
+    files: list[str]
+    labels: list[int]
+    classes: list[str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def printable(text: str) -> str:
+    """A path as it can go on one line of a message or report: tabs and line breaks escaped,
+    undecodable bytes of a file name written as \\xNN."""
+    text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text.translate({9: "\\t", 10: "\\n", 13: "\\r"})
+
+
+def skip_reason(name: str) -> str:
+    """Why a regular file of this name is not taken as an image."""
+    if name.startswith("."):
+        return "hidden file"
+    suffix = os.path.splitext(name)[1]
+    return f"not a supported image type ({suffix.lower() or 'no extension'})"
+
+
+class Walker:
+    """Takes image files under one root: each real file once, each real folder walked once."""
+
+    def __init__(self, root: Path, taken: dict[FileKey, str] | None = None):
+        self.root = root
+        self.folders: set[FileKey] = set()
+        self.taken = {} if taken is None else taken  # real file -> the path it was taken as
+        self.skipped: list[tuple[str, str]] = []
+
+    def claim_folder(self, path: Path) -> FileKey | None:
+        """Mark a folder as walked; its key, or None if it was walked already."""
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino)
+        if key in self.folders:
+            return None
+        self.folders.add(key)
+        return key
+
+    def entry(self, entry: os.DirEntry, rel: str, device: int) -> tuple[str, FileKey] | None:
+        """('file' | 'folder', key) of one directory entry worth taking, else listed as skipped."""
+        try:
+            if not entry.is_symlink() and entry.is_file(follow_symlinks=False):
+                # no stat call (d_type and d_ino from the listing): a plain file lies on its
+                # folder's device (only a bind-mounted single file would not)
+                kind, key = stat.S_IFREG, (device, entry.inode())
+            else:
+                st = entry.stat()  # follows the link
+                kind, key = stat.S_IFMT(st.st_mode), (st.st_dev, st.st_ino)
+        except OSError as e:
+            broken = entry.is_symlink() and not os.path.exists(entry.path)
+            self.skipped.append((rel, "broken symlink" if broken else f"unreadable ({e.strerror})"))
+            return None
+        if entry.name.startswith("."):
+            self.skipped.append((rel, "hidden folder" if kind == stat.S_IFDIR else "hidden file"))
+        elif kind == stat.S_IFDIR:
+            return "folder", key
+        elif kind != stat.S_IFREG:
+            self.skipped.append((rel, f"not a regular file ({file_kind(kind)})"))
+        elif not is_image_name(entry.name):
+            self.skipped.append((rel, skip_reason(entry.name)))
+        else:
+            return "file", key
+        return None
+
+    def listing(self, rel: str) -> tuple[list[tuple[str, FileKey, bool]], list[str]]:
+        """The image files (path, key, is a link) and the subfolders right inside folder `rel`."""
+        where = self.root / rel
+        try:
+            device = os.stat(where).st_dev
+            entries = sorted(os.scandir(where), key=lambda e: e.name)
+        except OSError as e:
+            self.skipped.append((rel, f"unreadable folder ({e.strerror})"))
+            return [], []
+        files, folders = [], []
+        for entry in entries:
+            path = os.path.join(rel, entry.name)
+            found = self.entry(entry, path, device)
+            if found is None:
+                continue
+            if found[0] == "file":
+                files.append((path, found[1], entry.is_symlink()))
+            elif found[1] in self.folders:
+                self.skipped.append((path, ALREADY_SCANNED))
+            else:
+                self.folders.add(found[1])
+                folders.append(path)
+        return files, folders
+
+    def images(self, rel: str, recursive: bool = True) -> list[str]:
+        """Image files under folder `rel` not taken before, sorted by (folder, name)."""
+        found, stack = [], [rel]
+        while stack:
+            files, folders = self.listing(stack.pop())
+            found += files
+            if recursive:
+                stack += reversed(folders)
+            else:
+                self.skipped += [
+                    (f, "a folder (a flat folder is not searched below)") for f in folders
+                ]
+        found.sort(key=lambda item: (os.path.dirname(item[0]), os.path.basename(item[0])))
+        first = {}  # real file -> the path it is taken as: the file itself rather than a link
+        for path, key, _ in sorted(found, key=lambda item: item[2]):  # stable: links last
+            first.setdefault(key, path)
+        kept = []
+        for path, key, _ in found:
+            if key in self.taken or first[key] != path:
+                taken = self.taken.get(key, first[key])
+                self.skipped.append((path, f"the same file as {printable(taken)}"))
+            else:
+                self.taken[key] = path
+                kept.append(path)
+        return kept
+
+
+def class_folders(src: Path, classes: list[str] | None) -> Scan:
+    """Images of an ImageFolder tree: one subfolder per class (links followed, loops not)."""
+    walker = Walker(src)
+    walker.claim_folder(src)
+    names = []
+    try:
+        entries = sorted(os.scandir(src), key=lambda e: e.name)
+    except OSError as e:
+        raise DataError(f"{printable(str(src))}: unreadable folder ({e.strerror})") from None
+    for entry in entries:
+        found = walker.entry(entry, entry.name, os.stat(src).st_dev)
+        if found is not None and found[0] == "file":
+            walker.skipped.append((entry.name, "outside the class folders"))
+        elif found is not None:
+            if walker.claim_folder(src / entry.name) is None:
+                raise DataError(f"{printable(str(src / entry.name))}: a link to a folder that "
+                                "is already a class (or the data folder itself)")  # fmt: skip
+            names.append(entry.name)
+    if not names:
+        raise DataError(
+            f"{printable(str(src))}: no class subfolders (a flat folder needs a label file)"
+        )
+    files, labels = [], []
+    for k, name in enumerate(names):
+        found = walker.images(name)
+        if not found and classes is None:
+            raise DataError(_empty_class(src, name, walker.skipped))
+        files += found
+        labels += [k] * len(found)
+    if not files:
+        raise DataError(f"{printable(str(src))}: no images in the class subfolders")
+    return Scan(files, labels, names, walker.skipped)
+
+
+def _empty_class(src: Path, name: str, skipped: list[tuple[str, str]]) -> str:
+    inside = [(p, r) for p, r in skipped if p.startswith(name + os.sep)]
+    what = f" ({len(inside)} other entries skipped, first {printable(inside[0][0])}: " \
+        f"{inside[0][1]})" if inside else ""  # fmt: skip
+    return (f"{printable(str(src / name))}: class folder with no images{what}; add images or "
+            "remove it (an empty class changes the network's outputs)")  # fmt: skip
+
+
+def read_label_file(path: Path) -> dict[str, str]:
+    """File name (or stem) -> class name, from `NAME CLASS` lines or a `NAME,CLASS ...` CSV
+    (Kaggle's LOC_val_solution.csv: the first word of the second column is the class)."""
+    if not path.is_file():
+        raise DataError(f"{path}: label file not found")
+    mapping = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        parts = line.split(",", 1) if "," in line else line.split(None, 1)
+        if not line.strip() or line.startswith("ImageId,"):
+            continue
+        if len(parts) != 2 or not parts[1].split():
+            raise DataError(f"{path}:{number}: expected 'FILENAME CLASS', got {line.strip()!r}")
+        mapping[parts[0].strip()] = parts[1].split()[0]
+    return mapping
+
+
+def flat_with_labels(src: Path, labels_file: Path) -> tuple[list[str], list[str], Scan]:
+    """(files, class names) of the images right inside a flat folder (not below it), labelled
+    by a label file; the Scan says what was skipped."""
+    mapping = read_label_file(labels_file)
+    walker = Walker(src)
+    walker.claim_folder(src)
+    files = walker.images("", recursive=False)
+    missing = [n for n in files if n not in mapping and Path(n).stem not in mapping]
+    if missing:
+        raise DataError(f"{labels_file}: no label for {len(missing)} images in {src} "
+                        f"(first: {printable(missing[0])})")  # fmt: skip
+    names = [mapping.get(n, mapping.get(Path(n).stem)) for n in files]
+    return files, names, Scan(files, [], [], walker.skipped)
+
+
+def scan_images(src: str | Path, labels_file: str | Path | None = None,
+                classes: list[str] | None = None) -> Scan:  # fmt: skip
+    """The images of an ImageFolder tree, or of a flat folder + label file, and what was skipped.
+
+    With `classes` given (e.g. the training set's), labels index into that list and class
+    folders without images are allowed (the classes are fixed already).
+    """
+    src = Path(src)
+    if not src.is_dir():
+        raise DataError(f"{printable(str(src))}: not a folder")
+    if labels_file is not None:
+        files, names, scan = flat_with_labels(src, Path(labels_file))
+        found = sorted(set(names))
+        if not files:
+            raise DataError(f"{printable(str(src))}: no image files found")
+    else:
+        scan = class_folders(src, classes)
+        files, found = scan.files, scan.classes
+        names = [found[k] for k in scan.labels]
+    classes = classes or found
+    lookup = {name: k for k, name in enumerate(classes)}
+    unknown = sorted(set(names) - set(lookup))
+    if unknown:
+        raise DataError(f"{src}: class {unknown[0]!r} is not among the training classes")
+    return Scan(files, [lookup[n] for n in names], classes, scan.skipped)
+
+
+def scan_folder(src: str | Path, labels_file: str | Path | None = None,
+                classes: list[str] | None = None) -> tuple[list[str], list[int], list[str]]:  # fmt: skip
+    """(relative files, labels, class names) of scan_images; what it skipped is named on
+    stderr, as the loader names the images it cannot decode."""
+    scan = scan_images(src, labels_file, classes)
+    report_skipped(scan.skipped, Path(src))
+    return scan.files, scan.labels, scan.classes
+
+
+def report_skipped(skipped: list[tuple[str, str]], root: Path | None = None) -> None:
+    """Name skipped entries on stderr, one line each (the first few; then how many more)."""
+    for path, reason in skipped[:REPORTED_LINES]:
+        shown = printable(str(root / path) if root is not None else path)
+        print(f"cnnkit: skipped {shown}: {reason}", file=sys.stderr)
+    if len(skipped) > REPORTED_LINES:
+        print(f"cnnkit: skipped {len(skipped) - REPORTED_LINES} more entries", file=sys.stderr)
