@@ -24,11 +24,13 @@ __all__ = [
     "ConfigError",
     "DataError",
     "Network",
+    "StopTraining",
     "build_model",
     "fit",
 ]
 
 _LAZY = {
+    "StopTraining": "cnnkit.train.loop",
     "Network": "cnnkit.nn",
     "build_model": "cnnkit.nn",
     "Classifier": "cnnkit.infer",
@@ -44,6 +46,7 @@ def fit(
     quiet: bool = False,
     on_step: Any = None,
     dry_run: bool = False,
+    callbacks: list[Any] | tuple = (),
 ) -> dict[str, Any]:
     """Train a run exactly as `cnnkit train` does and return its summary (also summary.json).
 
@@ -51,7 +54,9 @@ def fit(
     the run directory; `resume`: a run directory to continue. A run whose data mines hard
     negatives (the faces run) trains its rounds; any other run trains once, alone or as a
     torchrun worker. `dry_run`: build the data, the network and its settings, print the
-    start line and stop (nothing is written).
+    start line and stop (nothing is written). `callbacks`: objects with `on_step_end(epoch,
+    step, global_step)` and/or `on_epoch_end(row)` methods (a row: that epoch's metrics.csv
+    figures); either may raise `cnnkit.StopTraining` to end the run there, files written.
     """
     from cnnkit.config import load_run
     from cnnkit.mining import fit_rounds, mining_of
@@ -68,7 +73,7 @@ def fit(
             run_dir = new_run_dir(config.name, out)
             return fit_rounds(config, run_dir, quiet=quiet, on_step=on_step)
     return launch(run, overrides, out=out, resume=resume, quiet=quiet, on_step=on_step,
-                  dry_run=dry_run)  # fmt: skip
+                  dry_run=dry_run, callbacks=callbacks)  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

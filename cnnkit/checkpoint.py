@@ -59,6 +59,8 @@ class Saved(BaseModel):
     scaler: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
     rng_ranks: list[dict[str, Any]] | None = None
+    ema: dict[str, torch.Tensor] | None = None  # train.ema's moving average of the weights
+    ema_count: NonNegativeInt = 0
 
     @model_validator(mode="after")
     def _consistent(self) -> Saved:
@@ -129,10 +131,11 @@ def checkpoint_path(target: str | Path) -> Path:
     return target
 
 
-def load_trained(target: str | Path, device: Any = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+def load_trained(target: str | Path, device: Any = "cpu",
+                 ema: bool = False) -> tuple[torch.nn.Module, dict[str, Any]]:  # fmt: skip
     """(Network in eval mode on `device`, meta with classes, preprocess, config) from a run
     directory, a checkpoint file or a .safetensors export (whose config is empty: it records
-    no data section)."""
+    no data section). `ema`: the moving average of the weights instead (train.ema)."""
     if Path(target).suffix == ".safetensors":
         model, meta = read_export(Path(target))
         return model.to(device).eval(), meta
@@ -140,7 +143,11 @@ def load_trained(target: str | Path, device: Any = "cpu") -> tuple[torch.nn.Modu
     state = load_checkpoint(path)
     try:
         model = build_model(state["model_spec"], num_classes=state["num_classes"])
-        model.load_state_dict(state["model"])
+        if ema and not state.get("ema"):
+            raise CheckpointError(f"{path}: no moving average of the weights (train.ema was 0)")
+        model.load_state_dict(state["ema"] if ema else state["model"])
+    except CheckpointError:
+        raise
     except CnnkitError as e:
         raise CheckpointError(f"{path}: its network does not build: {e}") from None
     except (RuntimeError, KeyError, TypeError) as e:

@@ -65,6 +65,15 @@ class TrainConfig(BaseModel):
         "none", description="balanced: each class weighs the same in the loss (mined negatives)"
     )
     grad_clip: PositiveFloat | None = Field(None, description="max global gradient norm")
+    ema: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="decay of an average of the weights, evaluated and saved too (0: off)",
+    )
+    early_stop: NonNegativeInt = Field(
+        0, description="stop after this many epochs without a held-out top-1 gain (0: off)"
+    )
     accumulate: PositiveInt = Field(1, description="micro-batches per optimizer step")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(

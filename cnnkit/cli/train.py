@@ -97,11 +97,12 @@ def evaluate(
     tencrop: bool = typer.Option(
         False, "--tencrop", help="Also average 10 crops (corners + centre, mirrored) per image."
     ),
+    ema: bool = typer.Option(False, "--ema", help="The moving average of the weights (train.ema)."),
 ) -> None:
     """Loss, top-1 and top-5 accuracy on the held-out split (or --data)."""
     from cnnkit.train.evaluation import evaluate_checkpoint
 
-    result = evaluate_checkpoint(target, data, device, batch_size, tencrop)
+    result = evaluate_checkpoint(target, data, device, batch_size, tencrop, ema)
     if as_json:
         print(json.dumps(result, indent=2))
         return

@@ -28,6 +28,12 @@ class DataConfigBase(BaseModel):
     )
     batch_size: PositiveInt = Field(128, description="global batch: split across ranks")
     eval_batch_size: PositiveInt | None = Field(None, description="default: batch_size")
+    policy: Literal["none", "randaugment", "trivialaugment"] = Field(
+        "none", description="torchvision's RandAugment / TrivialAugment on the training batch"
+    )
+    erasing: float = Field(0.0, ge=0.0, le=1.0, description="random erasing: chance per image")
+    mixup: float = Field(0.0, ge=0.0, description="mixup's Beta(alpha, alpha) (0: off)")
+    cutmix: float = Field(0.0, ge=0.0, description="cutmix's Beta(alpha, alpha) (0: off)")
 
     def build(
         self,

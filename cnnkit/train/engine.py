@@ -21,6 +21,7 @@ from torch import nn
 from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
 from cnnkit.train.optim import build_optimizer
+from cnnkit.train.recipe import build_ema
 from cnnkit.train.settings import Settings, static_settings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,6 +42,7 @@ class Engine:
     accumulate: int = 1
     grad_clip: float | None = None
     settings: Settings | None = None  # how precision, format and threads were chosen
+    ema: nn.Module | None = None  # an AveragedModel of the network (train.ema), or None
 
     def autocast(self):
         """The autocast context of this engine's precision (a no-op for fp32)."""
@@ -92,6 +94,7 @@ def build_engine(
         accumulate=cfg.accumulate,
         grad_clip=cfg.grad_clip,
         settings=settings,
+        ema=build_ema(network, cfg.ema),
     )
 
 
@@ -124,10 +127,13 @@ def train_step(
                 loss = engine.loss_fn(logits.float(), yc)
             engine.scaler.scale(loss * (len(yc) / len(y))).backward()
         loss_sum += loss.detach() * len(yc)
-        correct += (logits.argmax(1) == yc).sum()
+        hard = yc.argmax(1) if yc.dim() == 2 else yc  # mixed (soft) labels: the larger share
+        correct += (logits.argmax(1) == hard).sum()
     if engine.grad_clip is not None:
         engine.scaler.unscale_(opt)
         nn.utils.clip_grad_norm_(engine.network.parameters(), engine.grad_clip)
     engine.scaler.step(opt)
     engine.scaler.update()
+    if engine.ema is not None:
+        engine.ema.update_parameters(engine.network)
     return loss_sum / len(y), correct

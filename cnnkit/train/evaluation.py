@@ -101,10 +101,12 @@ def evaluate_checkpoint(
     device: str = "auto",
     batch_size: int | None = None,
     tencrop: bool = False,
+    ema: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a run directory or checkpoint; returns loss, top1, top5, images and where (with
-    `tencrop`: the centre crop's figures plus a "tencrop" mapping of the 10-crop ones)."""
-    network, meta = load_trained(target)
+    `tencrop`: the centre crop's figures plus a "tencrop" mapping of the 10-crop ones; `ema`:
+    the moving average of the weights that train.ema kept)."""
+    network, meta = load_trained(target, ema=ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
     cfg = eval_data(data, config.get("data", {}), pre)
     crop = int(network.input_shape[-1])

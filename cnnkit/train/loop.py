@@ -16,9 +16,15 @@ from cnnkit.errors import CnnkitError
 from cnnkit.train.engine import Engine, train_step
 from cnnkit.train.metrics import Console, StepInfo
 from cnnkit.train.optim import Schedule
+from cnnkit.train.recipe import BatchRecipe
 
 StepHook = Callable[[int, int, int], None]  # (epoch index, steps done in it, global step)
 FINITE_EVERY = 16  # steps between checks that the loss is still finite (each check syncs)
+
+
+class StopTraining(Exception):  # noqa: N818 - a request, not an error
+    """Raised by a callback to end the run after the step or epoch it was told about: the
+    run's files are written and its summary returned, as after the last epoch."""
 
 
 def diverged(epoch: int, step: int) -> CnnkitError:
@@ -127,8 +133,10 @@ def train_one_epoch(
     console: Console,
     on_step: StepHook,
     dist: Processes,
+    recipe: BatchRecipe | None = None,
 ) -> dict[str, float]:
-    """Train from progress.step to the end of epoch progress.epoch; return its train stats."""
+    """Train from progress.step to the end of epoch progress.epoch; return its train stats.
+    `recipe`: augmentation and mixing of the batch on its device (train/recipe.py)."""
     steps = len(batches)
     batches.set_epoch(progress.epoch, skip_batches=progress.step)
     stats = progress.running = EpochStats(engine.device, progress.partial)
@@ -141,6 +149,8 @@ def train_one_epoch(
         if x is None:
             break
         if len(y):  # else every image of the batch was unreadable (the loader said which)
+            if recipe is not None and recipe.active:
+                x, y = recipe(x, y, engine.network.num_classes)
             schedule.apply(engine.optimizer, progress.epoch + progress.step / steps)
             loss, hits = train_step(engine, x, y)
             stats.add(loss, hits, len(y))

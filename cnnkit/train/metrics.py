@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 LOG_EVERY = 20  # steps between TensorBoard's per-step scalars
+EMA_COLUMNS = ["val_loss_ema", "val_top1_ema", "val_top5_ema"]
 COLUMNS = [
     "epoch",
     "train_loss",
@@ -44,7 +45,7 @@ class RunLog:
         write_csv(self.run_dir / "metrics.csv", self.history)
         if self.tb is not None:
             step = int(row["epoch"])
-            for key in COLUMNS[1:]:
+            for key in COLUMNS[1:] + [k for k in EMA_COLUMNS if k in row]:
                 self.tb.add_scalar(key.replace("_", "/", 1), row[key], step)
             self.tb.flush()
         if final or row["seconds"] > 1.0 or time.monotonic() - self._last_plot > 5.0:
@@ -66,13 +67,15 @@ class RunLog:
 
 
 def write_csv(path: Path, rows: list[dict[str, float]]) -> None:
-    """All rows, written to a temporary file and renamed."""
+    """All rows, written to a temporary file and renamed (the moving average's columns too,
+    when the run keeps one)."""
+    columns = COLUMNS + [k for k in EMA_COLUMNS if rows and k in rows[-1]]
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: _fmt(row[k]) for k in COLUMNS})
+            writer.writerow({k: _fmt(row[k]) if k in row else "" for k in columns})
     tmp.replace(path)
 
 

@@ -5,11 +5,9 @@ trains epoch by epoch, saving last.pt every epoch and every N steps, best.pt and
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,29 +15,26 @@ from typing import Any
 import torch
 
 import cnnkit.distributed as distributed
-from cnnkit.checkpoint import load_checkpoint, rng_state, set_rng_state
+from cnnkit.checkpoint import load_checkpoint, set_rng_state
 from cnnkit.config import RunConfig, dump_run, load_run
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
-from cnnkit.errors import CheckpointError, ConfigError, Interrupted
+from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.nn import Network, build_model
 from cnnkit.runtime import mix_seed, seed_everything, torch_threads
 from cnnkit.train.engine import Engine, balanced_weights, build_engine
+from cnnkit.train.epochs import Hooks, stop_on_interrupt, train_epochs
 from cnnkit.train.loop import (
     Progress,
     StepHook,
-    diverged,
-    evaluate,
-    train_one_epoch,
-    weights_finite,
 )
 from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import clear_orphans, new_run_dir, resume_config, run_lock
-from cnnkit.train.saver import CheckpointWriter, MidEpochSaves
+from cnnkit.train.saver import CheckpointWriter
 from cnnkit.train.settings import choose_settings
-from cnnkit.train.state import RunContext, restore, training_state
-from cnnkit.train.summary import epoch_row, finish
+from cnnkit.train.state import RunContext, restore
+from cnnkit.train.summary import finish
 
 
 def launch(
@@ -50,6 +45,7 @@ def launch(
     quiet: bool = False,
     on_step: StepHook | None = None,
     dry_run: bool = False,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """What `cnnkit train` does, alone or as one torchrun worker: validate, join the process
     group, pick or resume the run directory (elastic restarts continue from last.pt), fit."""
@@ -76,7 +72,7 @@ def launch(
         else:
             run_dir = Path(resume)
         return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group,
-                   dry_run=dry_run)  # fmt: skip
+                   dry_run=dry_run, callbacks=callbacks)  # fmt: skip
 
 
 def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | None:
@@ -150,10 +146,11 @@ def fit(
     on_step: StepHook | None = None,
     dist: Processes | None = None,
     dry_run: bool = False,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Train as `config` says into `run_dir` (resume: a state from `resume_state`); return the
     summary (also written to summary.json). `dry_run`: build everything, stop before the first
-    step, write nothing."""
+    step, write nothing. `callbacks`: see train/epochs.Hooks."""
     started = time.perf_counter()
     dist = dist or Local()
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
@@ -185,7 +182,8 @@ def fit(
         writer = CheckpointWriter()
         try:
             with stop_on_interrupt(dist.world_size == 1) as stop:
-                _train_epochs(engine, schedule, progress, console, on_step, ctx, writer, stop)
+                train_epochs(engine, schedule, progress, console, Hooks(on_step, callbacks), ctx,
+                             writer, stop)  # fmt: skip
         finally:
             writer.wait()  # every checkpoint on disk before the run reports anything
             if log is not None:
@@ -249,97 +247,6 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
         f"({engine.settings.describe()}), {data.train.num_samples} train / "
         f"{data.val.num_samples} held-out images, batch {config.data.batch_size} -> {ctx.run_dir}"
     )
-
-
-def _train_epochs(engine, schedule, progress: Progress, console, on_step, ctx: RunContext,
-                  writer: CheckpointWriter, stop: StopRequest) -> None:  # fmt: skip
-    config, data, dist = ctx.config, ctx.data, ctx.dist
-    steps = len(data.train)
-    saves = MidEpochSaves(config.train.checkpoint_every, config.train.checkpoint_minutes, dist)
-
-    def after_step(epoch: int, step: int, global_step: int) -> None:
-        if saves.due(global_step, step, steps) or stop.requested:
-            _check_finite(engine, progress)
-            rngs = dist.gather_rng(rng_state())  # every rank's generators, for exact resume
-            if dist.is_main:
-                state = training_state(engine, schedule, progress, ctx, rngs)
-                writer.save((state, ctx.run_dir / "last.pt"))
-        if stop.requested:
-            writer.wait()
-            raise Interrupted(
-                f"interrupted at epoch {epoch + 1} step {step} (saved); resume with "
-                f"`cnnkit train --resume {ctx.run_dir}`"
-            )
-        if on_step is not None:
-            on_step(epoch, step, global_step)
-
-    epochs = config.train.epochs
-    while progress.epoch < epochs:
-        console.start_epoch(progress.epoch + 1, epochs, steps, progress.step)
-        stats = train_one_epoch(engine, data.train, schedule, progress, console, after_step, dist)
-        val = evaluate(engine, data.val, dist)
-        row = epoch_row(progress, stats, val, schedule, dist, engine.device)
-        schedule.end_epoch(1.0 - val["top1"])
-        progress.history.append(row)
-        progress.epoch, progress.step, progress.partial = progress.epoch + 1, 0, {}
-        progress.running = None
-        _save_epoch(engine, schedule, progress, ctx, row, writer)
-        console.end_epoch(row, epochs)
-
-
-def _save_epoch(engine, schedule, progress: Progress, ctx: RunContext, row: dict[str, float],
-                writer: CheckpointWriter) -> None:  # fmt: skip
-    """best.pt (if the epoch is the best) and last.pt, written in the background; then the
-    metrics files (a kill in between is harmless: a resumed run rewrites them from last.pt)."""
-    _check_finite(engine, progress)
-    rngs = ctx.dist.gather_rng(rng_state())
-    if not ctx.dist.is_main:
-        return
-    state = training_state(engine, schedule, progress, ctx, rngs)
-    saves = []
-    if row["val_top1"] > progress.best_top1:
-        progress.best_top1 = state["best_top1"] = row["val_top1"]
-        skip = ("optimizer", "scaler", "rng", "rng_ranks")
-        saves.append(({k: v for k, v in state.items() if k not in skip}, ctx.run_dir / "best.pt"))
-    writer.save(*saves, (state, ctx.run_dir / "last.pt"))
-    ctx.log.write_epoch(row, final=progress.epoch == ctx.config.train.epochs)
-
-
-class StopRequest:
-    """Set by the first Ctrl-C: the run stops after the step in progress, saved."""
-
-    requested = False
-
-
-@contextmanager
-def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
-    """The first Ctrl-C asks the run to stop at the next step boundary (saving last.pt there,
-    so the resumed run is exact); a second one stops at once. Only alone and in the main
-    thread: processes of a group could not agree on a step without a collective per step."""
-    stop = StopRequest()
-    if not graceful or threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def handler(signum, frame) -> None:
-        if stop.requested:
-            signal.signal(signal.SIGINT, previous)
-            raise KeyboardInterrupt
-        stop.requested = True
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _check_finite(engine: Engine, progress: Progress) -> None:
-    """Never save a diverged model: the loss and every weight must be finite."""
-    stats_ok = progress.running is None or progress.running.finite()
-    if not stats_ok or not weights_finite(engine.network):
-        raise diverged(progress.epoch, progress.step)
 
 
 def _restore_rng(state: dict[str, Any], dist: Processes) -> None:

@@ -40,7 +40,11 @@ def training_state(
     """Everything a checkpoint holds: the inference contract plus the exact training state
     (`rngs`: each rank's generator states, rank 0 first)."""
     rngs = rngs or [rng_state()]
-    return {
+    averaged = {}
+    if engine.ema is not None:  # the moving average beside the raw weights
+        averaged = {"ema": plain_state_dict(engine.ema.module),
+                    "ema_count": int(engine.ema.n_averaged.item())}  # fmt: skip
+    return averaged | {
         "model_spec": engine.network.spec,
         "num_classes": engine.network.num_classes,
         "model": plain_state_dict(engine.network),
@@ -79,6 +83,9 @@ def restore(state: dict[str, Any], engine: Engine, schedule: Schedule) -> Progre
         if engine.scaler.is_enabled() and state.get("scaler"):
             engine.scaler.load_state_dict(state["scaler"])
         schedule.load_state_dict(state["schedule"])
+        if engine.ema is not None and state.get("ema"):
+            engine.ema.module.load_state_dict(state["ema"])
+            engine.ema.n_averaged.fill_(state.get("ema_count", 0))
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise CheckpointError(

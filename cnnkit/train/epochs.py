@@ -1,0 +1,194 @@
+"""The epochs of a run: train, evaluate (the weights and their moving average), save, stop.
+
+A run ends after its last epoch, when the held-out top-1 has not improved for
+`train.early_stop` epochs, when a callback raises StopTraining, or at Ctrl-C (saved at the
+step boundary, exit 130 with the line to resume).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from cnnkit.checkpoint import rng_state
+from cnnkit.errors import Interrupted
+from cnnkit.train.engine import Engine
+from cnnkit.train.loop import (
+    Progress,
+    StepHook,
+    StopTraining,
+    diverged,
+    evaluate,
+    train_one_epoch,
+    weights_finite,
+)
+from cnnkit.train.metrics import Console
+from cnnkit.train.optim import Schedule
+from cnnkit.train.recipe import BatchRecipe
+from cnnkit.train.saver import CheckpointWriter, MidEpochSaves
+from cnnkit.train.state import RunContext, training_state
+from cnnkit.train.summary import epoch_row
+
+
+@dataclass
+class Hooks:
+    """What the caller hears of a run: a step hook and callbacks (objects with optional
+    `on_step_end(epoch, step, global_step)` and `on_epoch_end(row)` methods)."""
+
+    on_step: StepHook | None = None
+    callbacks: Sequence[Any] = field(default_factory=list)
+
+    def step(self, epoch: int, step: int, global_step: int) -> None:
+        if self.on_step is not None:
+            self.on_step(epoch, step, global_step)
+        for cb in self.callbacks:
+            if hasattr(cb, "on_step_end"):
+                cb.on_step_end(epoch, step, global_step)
+
+    def epoch(self, row: dict[str, float]) -> None:
+        for cb in self.callbacks:
+            if hasattr(cb, "on_epoch_end"):
+                cb.on_epoch_end(dict(row))
+
+
+class StopRequest:
+    """Set by the first Ctrl-C: the run stops after the step in progress, saved."""
+
+    requested = False
+
+
+@contextmanager
+def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
+    """The first Ctrl-C asks the run to stop at the next step boundary (saving last.pt there,
+    so the resumed run is exact); a second one stops at once. Only alone and in the main
+    thread: processes of a group could not agree on a step without a collective per step."""
+    stop = StopRequest()
+    if not graceful or threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame) -> None:
+        if stop.requested:
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        stop.requested = True
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def check_finite(engine: Engine, progress: Progress) -> None:
+    """Never save a diverged model: the loss and every weight must be finite."""
+    stats_ok = progress.running is None or progress.running.finite()
+    if not stats_ok or not weights_finite(engine.network):
+        raise diverged(progress.epoch, progress.step)
+
+
+def stale_epochs(history: list[dict[str, float]]) -> int:
+    """Epochs since the best held-out top-1 (0 when the last epoch is the best)."""
+    if not history:
+        return 0
+    best = max(range(len(history)), key=lambda i: (history[i]["val_top1"], -i))
+    return len(history) - 1 - best
+
+
+def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console: Console,
+                 hooks: Hooks, ctx: RunContext, writer: CheckpointWriter,
+                 stop: StopRequest) -> None:  # fmt: skip
+    """Epoch after epoch until the run ends (see the module's docstring)."""
+    config, data, dist = ctx.config, ctx.data, ctx.dist
+    steps, epochs = len(data.train), config.train.epochs
+    saves = MidEpochSaves(config.train.checkpoint_every, config.train.checkpoint_minutes, dist)
+    pre = data.preprocess
+    recipe = BatchRecipe(config.data.policy, config.data.erasing, config.data.mixup,
+                         config.data.cutmix, tuple(pre.mean), tuple(pre.std))  # fmt: skip
+
+    def after_step(epoch: int, step: int, global_step: int) -> None:
+        if saves.due(global_step, step, steps) or stop.requested:
+            save_mid_epoch(engine, schedule, progress, ctx, writer)
+        if stop.requested:
+            writer.wait()
+            raise Interrupted(
+                f"interrupted at epoch {epoch + 1} step {step} (saved); resume with "
+                f"`cnnkit train --resume {ctx.run_dir}`"
+            )
+        hooks.step(epoch, step, global_step)
+
+    try:
+        while progress.epoch < epochs and not _early_stop(
+            progress, config.train.early_stop, console
+        ):
+            console.start_epoch(progress.epoch + 1, epochs, steps, progress.step)
+            stats = train_one_epoch(engine, data.train, schedule, progress, console, after_step,
+                                    dist, recipe)  # fmt: skip
+            row = _evaluate(engine, progress, stats, schedule, ctx)
+            schedule.end_epoch(1.0 - row["val_top1"])
+            progress.history.append(row)
+            progress.epoch, progress.step, progress.partial = progress.epoch + 1, 0, {}
+            progress.running = None
+            save_epoch(engine, schedule, progress, ctx, row, writer)
+            console.end_epoch(row, epochs)
+            hooks.epoch(row)
+    except StopTraining:
+        console.print(f"stopped by a callback at epoch {progress.epoch + 1} step {progress.step}")
+        if progress.step:  # inside an epoch: keep where it stood
+            save_mid_epoch(engine, schedule, progress, ctx, writer)
+
+
+def _early_stop(progress: Progress, patience: int, console: Console) -> bool:
+    if not patience or stale_epochs(progress.history) < patience:
+        return False
+    best = max(progress.history, key=lambda r: r["val_top1"])
+    console.print(
+        f"early stop: no held-out gain for {patience} epochs (best {best['val_top1']:.2%} at "
+        f"epoch {int(best['epoch'])})"
+    )
+    return True
+
+
+def _evaluate(engine: Engine, progress: Progress, stats: dict[str, float], schedule: Schedule,
+              ctx: RunContext) -> dict[str, float]:  # fmt: skip
+    """The epoch's row: training figures, held-out ones, and the moving average's if kept."""
+    val = evaluate(engine, ctx.data.val, ctx.dist)
+    row = epoch_row(progress, stats, val, schedule, ctx.dist, engine.device)
+    if engine.ema is not None:
+        averaged = evaluate(replace(engine, network=engine.ema.module), ctx.data.val, ctx.dist)
+        row.update({f"val_{k}_ema": v for k, v in averaged.items()})
+    return row
+
+
+def save_mid_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
+                   writer: CheckpointWriter) -> None:  # fmt: skip
+    """last.pt in the middle of an epoch (every rank's generators gathered for exact resume)."""
+    check_finite(engine, progress)
+    rngs = ctx.dist.gather_rng(rng_state())
+    if ctx.dist.is_main:
+        writer.save(
+            (training_state(engine, schedule, progress, ctx, rngs), ctx.run_dir / "last.pt")
+        )
+
+
+def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
+               row: dict[str, float], writer: CheckpointWriter) -> None:  # fmt: skip
+    """best.pt (if the epoch is the best) and last.pt, written in the background; then the
+    metrics files (a kill in between is harmless: a resumed run rewrites them from last.pt)."""
+    check_finite(engine, progress)
+    rngs = ctx.dist.gather_rng(rng_state())
+    if not ctx.dist.is_main:
+        return
+    state = training_state(engine, schedule, progress, ctx, rngs)
+    saves = []
+    if row["val_top1"] > progress.best_top1:
+        progress.best_top1 = state["best_top1"] = row["val_top1"]
+        skip = ("optimizer", "scaler", "rng", "rng_ranks")
+        saves.append(({k: v for k, v in state.items() if k not in skip}, ctx.run_dir / "best.pt"))
+    writer.save(*saves, (state, ctx.run_dir / "last.pt"))
+    ctx.log.write_epoch(row, final=progress.epoch == ctx.config.train.epochs)

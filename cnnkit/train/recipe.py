@@ -1,0 +1,106 @@
+"""Modern recipe pieces applied to the training batch on its device, after the loader:
+RandAugment / TrivialAugment (torchvision.transforms.v2, one draw per group of 8 images),
+random erasing (per image, one batched op), mixup / cutmix (torchvision.transforms.v2, soft
+labels); and the exponential moving average of the weights (torch.optim.swa_utils).
+
+Every random draw comes from torch's generators, whose states checkpoints keep: a resumed
+run repeats its augmentations exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GROUP = 8  # images sharing one RandAugment / TrivialAugment draw (a v2 call per group)
+
+
+@dataclass(frozen=True)
+class BatchRecipe:
+    """What `data:` asks for beyond crops and mirrors (all off by default)."""
+
+    policy: str = "none"  # none | randaugment | trivialaugment
+    erasing: float = 0.0  # probability of erasing a random box of each image
+    mixup: float = 0.0  # Beta(alpha, alpha) of mixup (0: off)
+    cutmix: float = 0.0  # Beta(alpha, alpha) of cutmix (0: off); with mixup, one per batch
+    mean: tuple[float, ...] = (0.0,)  # the stream's normalisation, 0-255 units
+    std: tuple[float, ...] = (255.0,)
+
+    @property
+    def active(self) -> bool:
+        return self.policy != "none" or bool(self.erasing or self.mixup or self.cutmix)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple:
+        """A normalised float batch (B, C, H, W) and int64 labels -> the augmented batch and
+        labels (soft (B, K) ones when mixing)."""
+        if self.policy != "none":
+            x = self._policy(x)
+        if self.erasing:
+            x = random_erasing(x, self.erasing)
+        if self.mixup or self.cutmix:
+            x, y = self._mix(x, y, num_classes)
+        return x, y
+
+    def _policy(self, x: torch.Tensor) -> torch.Tensor:
+        """RandAugment / TrivialAugment on uint8 images: un-normalise, augment, normalise."""
+        from torchvision.transforms import v2
+
+        view = (1, -1, 1, 1)
+        mean = torch.tensor(self.mean, device=x.device).view(view)
+        std = torch.tensor(self.std, device=x.device).view(view)
+        images = (x * std + mean).round_().clamp_(0, 255).to(torch.uint8)
+        op = v2.RandAugment() if self.policy == "randaugment" else v2.TrivialAugmentWide()
+        images = torch.cat([op(part) for part in images.split(GROUP)])
+        return (images.float() - mean) / std
+
+    def _mix(self, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple:
+        from torchvision.transforms import v2
+
+        ops = []
+        if self.mixup:
+            ops.append(v2.MixUp(alpha=self.mixup, num_classes=num_classes))
+        if self.cutmix:
+            ops.append(v2.CutMix(alpha=self.cutmix, num_classes=num_classes))
+        op = ops[0] if len(ops) == 1 else v2.RandomChoice(ops)
+        return op(x, y)
+
+
+def random_erasing(x: torch.Tensor, p: float, scale: tuple[float, float] = (0.02, 1 / 3),
+                   ratio: tuple[float, float] = (0.3, 3.3)) -> torch.Tensor:  # fmt: skip
+    """Erase one random box per image with probability p, filled with normal noise (as timm's
+    'pixel' mode): boxes drawn per image, applied as one masked write for the batch."""
+    B, _, H, W = x.shape
+    dev = x.device
+    area = torch.empty(B, device=dev).uniform_(*scale) * H * W
+    aspect = torch.exp(torch.empty(B, device=dev).uniform_(math.log(ratio[0]), math.log(ratio[1])))
+    h = (area * aspect).sqrt().round().clamp(1, H).long()
+    w = (area / aspect).sqrt().round().clamp(1, W).long()
+    top = (torch.rand(B, device=dev) * (H - h + 1)).long()
+    left = (torch.rand(B, device=dev) * (W - w + 1)).long()
+    on = torch.rand(B, device=dev) < p
+    rows = torch.arange(H, device=dev).view(1, H, 1)
+    cols = torch.arange(W, device=dev).view(1, 1, W)
+    inside = (rows >= top.view(B, 1, 1)) & (rows < (top + h).view(B, 1, 1))
+    inside = inside & (cols >= left.view(B, 1, 1)) & (cols < (left + w).view(B, 1, 1))
+    mask = (inside & on.view(B, 1, 1)).unsqueeze(1)  # (B, 1, H, W)
+    return torch.where(mask, torch.randn_like(x), x)
+
+
+def build_ema(network: nn.Module, decay: float) -> nn.Module | None:
+    """torch's exponential moving average of the weights and buffers (None when decay is 0)."""
+    if not decay:
+        return None
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    with warnings.catch_warnings():  # AveragedModel warns about its deep copy's buffers
+        warnings.simplefilter("ignore", UserWarning)
+        return AveragedModel(network, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+
+def ema_weights(ema: nn.Module) -> nn.Module:
+    """The averaged network inside an AveragedModel (what evaluation and checkpoints use)."""
+    return ema.module

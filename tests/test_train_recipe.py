@@ -1,0 +1,131 @@
+"""Recipe pieces of the anchors (timm, torchvision's references): a moving average of the
+weights evaluated and saved beside them, mixup / cutmix, RandAugment / TrivialAugment, random
+erasing, early stopping, and callbacks of the Python API."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+import cnnkit
+from cnnkit.checkpoint import load_checkpoint
+from cnnkit.config import TrainConfig, load_run
+from cnnkit.nn import build_model
+from cnnkit.train.engine import build_engine, train_step
+from cnnkit.train.recipe import BatchRecipe, random_erasing
+from cnnkit.train.run import fit
+
+CPU = torch.device("cpu")
+
+
+def test_ema_follows_the_exponential_average_of_the_weights():
+    torch.manual_seed(0)
+    engine = build_engine(build_model("facenet"), TrainConfig(ema=0.9, precision="fp32"), CPU)
+    x, y = torch.randn(8, 1, 25, 25), torch.randint(0, 2, (8,))
+    expected = None
+    for _ in range(3):
+        train_step(engine, x, y)
+        w = engine.network.c1.weight.detach().clone()
+        expected = w if expected is None else 0.9 * expected + 0.1 * w  # the first step copies
+    torch.testing.assert_close(engine.ema.module.c1.weight, expected)
+
+
+def test_ema_is_evaluated_saved_and_resumed(tmp_path, capsys):
+    class StopAfterFirstEpoch:
+        def on_epoch_end(self, row):
+            raise cnnkit.StopTraining
+
+    base = ["train.ema=0.95", "train.epochs=2", "data.batch_size=128", "deterministic=true"]
+    fit(load_run("digits", base), tmp_path / "straight", quiet=True)
+    cnnkit.fit("digits", base, out=tmp_path / "r", quiet=True, callbacks=[StopAfterFirstEpoch()])
+    cnnkit.fit(resume=tmp_path / "r", quiet=True)
+    a, b = (
+        load_checkpoint(tmp_path / "r" / "last.pt"),
+        load_checkpoint(tmp_path / "straight" / "last.pt"),
+    )
+    assert a["ema_count"] == b["ema_count"] == 2 * 11
+    for key in b["ema"]:
+        torch.testing.assert_close(a["ema"][key], b["ema"][key])
+    assert any(not torch.equal(b["ema"][k], b["model"][k]) for k in b["model"])
+    rows = list(csv.DictReader((tmp_path / "straight" / "metrics.csv").open()))
+    assert rows and all(0 <= float(r["val_top1_ema"]) <= 1 for r in rows)
+    from helpers import run_cli
+
+    code, out, err = run_cli(["eval", str(tmp_path / "straight"), "--ema", "--json"], capsys)
+    assert code == 0, err
+    assert '"top1"' in out
+
+
+def test_mixing_gives_soft_labels_and_trains(tmp_path):
+    torch.manual_seed(0)
+    recipe = BatchRecipe(mixup=0.4, cutmix=1.0, mean=(0.0,), std=(1.0,))
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    mixed, soft = recipe(x, y, 10)
+    assert mixed.shape == x.shape and soft.shape == (16, 10)
+    torch.testing.assert_close(soft.sum(1), torch.ones(16))
+    assert not torch.equal(mixed, x)
+    summary = fit(load_run("digits", ["train.epochs=2", "data.mixup=0.2", "data.cutmix=1.0"]),
+                  tmp_path / "m", quiet=True)  # fmt: skip
+    assert summary["val_top1"] > 0.5  # it learns from soft labels
+
+
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment"])
+def test_policies_change_images_not_their_shape_or_range(policy):
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (20, 3, 24, 24), dtype=torch.uint8)
+    mean, std = (120.0, 110.0, 100.0), (60.0, 55.0, 50.0)
+    x = (images.float() - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    same, _ = BatchRecipe(mean=mean, std=std)(x, torch.zeros(20, dtype=torch.long), 2)
+    assert torch.equal(same, x)  # nothing asked: nothing done
+    out, _ = BatchRecipe(policy=policy, mean=mean, std=std)(x, torch.zeros(20, dtype=torch.long), 2)
+    back = out * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
+    assert out.shape == x.shape and back.min() > -0.5 and back.max() < 255.5
+    changed = [(out[i] - x[i]).abs().max() > 1e-4 for i in range(20)]
+    assert sum(changed) >= 10  # most groups drew an op that changes pixels
+
+
+def test_random_erasing_boxes_per_image():
+    torch.manual_seed(0)
+    x = torch.zeros(64, 3, 32, 32)
+    out = random_erasing(x, p=1.0)
+    erased = (out != 0).any(1)  # (B, H, W): noise where erased
+    area = erased.flatten(1).float().mean(1)
+    assert (area > 0.015).all() and (area < 0.34).all()  # scale 0.02-1/3, every image
+    assert len({tuple(erased[i].nonzero()[0].tolist()) for i in range(64)}) > 32  # boxes differ
+    assert torch.equal(random_erasing(x, p=0.0), x)
+
+
+def test_early_stop_ends_a_run_that_stopped_improving(tmp_path, capsys):
+    run = {"name": "flat", "model": "digitnet", "seed": 0,
+           "data": {"source": "synthetic", "shape": [1, 8, 8], "num_classes": 10,
+                    "train_size": 128, "val_size": 64, "batch_size": 32},
+           "train": {"epochs": 30, "lr": 1e-6, "early_stop": 2}}  # fmt: skip
+    from cnnkit.config import validate_run
+
+    summary = fit(validate_run(run), tmp_path / "r", quiet=False)
+    assert (
+        summary["epochs"] < 30
+        and "early stop: no held-out gain for 2 epochs" in capsys.readouterr().err
+    )
+
+
+def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path):
+    class Recorder:
+        def __init__(self):
+            self.steps, self.rows = 0, []
+
+        def on_step_end(self, epoch, step, global_step):
+            self.steps += 1
+
+        def on_epoch_end(self, row):
+            self.rows.append(row)
+            if row["epoch"] == 2:
+                raise cnnkit.StopTraining
+
+    seen = Recorder()
+    summary = cnnkit.fit("digits", ["train.epochs=10"], out=tmp_path / "r", quiet=True,
+                         callbacks=[seen])  # fmt: skip
+    assert [r["epoch"] for r in seen.rows] == [1, 2] and seen.steps == 2 * 22
+    assert summary["epochs"] == 2 and load_checkpoint(tmp_path / "r" / "last.pt")["epoch"] == 2
