@@ -308,3 +308,17 @@ def test_eval_takes_a_safetensors_export_with_data(tmp_path, capsys):
         from_export["top1"] == pytest.approx(json.loads(out)["top1"])
         and from_export["images"] == 359
     )
+
+
+@pytest.mark.parametrize("command", [["export", "digitnet", "--format", "onnx"],
+                                     ["show", "net", "digitnet"]])  # fmt: skip
+def test_output_that_is_a_folder_is_one_line(command, tmp_path, capsys):
+    code, _, err = run_cli([*command, "-o", str(tmp_path)], capsys)
+    assert "is a folder" in one_error_line(code, err, (2,)) and not list(tmp_path.iterdir())
+
+
+def test_help_starts_without_torch():
+    """`cnnkit --help` stays fast: the command line imports the library only inside commands."""
+    done = subprocess.run([*CLI[:1], "-c", "import sys, cnnkit.cli; print('torch' in sys.modules)"],
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert done.stdout.strip() == "False", done.stderr[-500:]

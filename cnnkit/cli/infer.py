@@ -238,8 +238,12 @@ def detect(
 
 
 def _writable(out: Path | None) -> None:
-    """One clear line instead of a traceback when -o points into a missing folder."""
+    """One clear line instead of a traceback when -o points into a missing folder or names one."""
     from cnnkit.errors import ConfigError
 
+    if out is not None and out.is_dir():
+        raise ConfigError(
+            f"-o {out}: is a folder; give the file to write (e.g. {out / 'model.onnx'})"
+        )
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
