@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 LOG_EVERY = 20  # steps between TensorBoard's per-step scalars
+PLOT_EVERY = 30.0  # seconds between redrawings of curves.png during a run
 EMA_COLUMNS = ["val_loss_ema", "val_top1_ema", "val_top5_ema"]
 COLUMNS = [
     "epoch",
@@ -37,18 +38,19 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir), purge_step=len(history) + 1)
-        self._last_plot = 0.0
+        self._last_plot = time.monotonic()
 
     def write_epoch(self, row: dict[str, float], final: bool = False) -> None:
         """Record the epoch `row` (already last in history): rewrite metrics.csv (one row per
-        epoch), log to TensorBoard, redraw curves.png (throttled for sub-second epochs)."""
+        epoch), log to TensorBoard, redraw curves.png (at the end, and at most every
+        PLOT_EVERY seconds: a drawing costs about a second)."""
         write_csv(self.run_dir / "metrics.csv", self.history)
         if self.tb is not None:
             step = int(row["epoch"])
             for key in COLUMNS[1:] + [k for k in EMA_COLUMNS if k in row]:
                 self.tb.add_scalar(key.replace("_", "/", 1), row[key], step)
             self.tb.flush()
-        if final or row["seconds"] > 1.0 or time.monotonic() - self._last_plot > 5.0:
+        if final or time.monotonic() - self._last_plot > PLOT_EVERY:
             plot_curves(self.history, self.run_dir / "curves.png")
             self._last_plot = time.monotonic()
 

@@ -99,12 +99,14 @@ def deterministic_mode(on: bool, device: torch.device) -> Iterator[None]:
     otherwise. Both restored afterwards."""
     before = torch.are_deterministic_algorithms_enabled()
     benchmark = torch.backends.cudnn.benchmark
-    torch.use_deterministic_algorithms(on, warn_only=device.type != "cpu")
+    if on != before:  # the call imports torch's compiler stack (3 s): only when it changes
+        torch.use_deterministic_algorithms(on, warn_only=device.type != "cpu")
     torch.backends.cudnn.benchmark = not on
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before)
+        if on != before:
+            torch.use_deterministic_algorithms(before)
         torch.backends.cudnn.benchmark = benchmark
 
 
