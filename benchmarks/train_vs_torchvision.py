@@ -31,6 +31,7 @@ from cnnkit.bench.peak import measure_peak
 from cnnkit.config import TrainConfig
 from cnnkit.runtime import keep_freed_memory, machine_name
 from cnnkit.train.engine import build_engine, train_step
+from cnnkit.train.settings import choose_settings
 
 # (name, train: overrides) of the variants --explore times against the plain fp32 loop;
 # "fused" is a what-if: the engine's optimizer replaced by torch's fused SGD (one kernel)
@@ -63,7 +64,10 @@ def cnnkit_step(batch: int, device: torch.device, overrides: dict | None = None)
     overrides = dict(overrides or {})
     fused = overrides.pop("fused", False)
     cfg = TrainConfig(device=str(device), **overrides)
-    engine = build_engine(build_model("alexnet-owt"), cfg, device)
+    network = build_model("alexnet-owt")
+    settings = choose_settings(network, cfg, device, batch)  # what `cnnkit train` would run
+    torch.set_num_threads(settings.threads)
+    engine = build_engine(network, cfg, device, settings=settings)
     if fused:
         groups = engine.network.param_groups(cfg.lr, cfg.weight_decay)
         engine.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)

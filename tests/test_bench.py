@@ -9,7 +9,7 @@ import torch
 import yaml
 from helpers import run_cli
 
-from cnnkit.bench.baseline import plain_model
+from cnnkit.bench.baseline import amp_dtype, peer_label, plain_model
 from cnnkit.bench.layers import bench_layers
 from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
 from cnnkit.bench.throughput import bench_throughput, make_train_step, train_config
@@ -159,7 +159,10 @@ def test_baseline_is_timed_in_the_same_run_and_compared():
     assert b["name"] == "plain tiny fp32 NCHW" and b["step"]["repeats"] == r["step"]["repeats"]
     assert r["speedup_vs_baseline"] == pytest.approx(b["step_ms"] / r["step_ms"])
     c = r["careful"]
-    assert c["name"] == "plain tiny autocast bfloat16 channels_last"
+    assert c["name"] == f"plain tiny {peer_label('careful', CPU)}"
+    assert c["name"].endswith("channels_last") and ("bfloat16" in c["name"]) == (
+        amp_dtype(CPU) is not None
+    )
     assert r["speedup_vs_careful"] == pytest.approx(c["step_ms"] / r["step_ms"])
 
 

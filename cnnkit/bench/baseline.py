@@ -24,18 +24,23 @@ TORCHVISION = {"alexnet-owt": "alexnet"}
 PEERS = ("plain", "careful")
 
 
-def amp_dtype(device: torch.device) -> torch.dtype:
-    """The careful user's autocast type: bf16, or fp16 on a GPU without bf16."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16
-    return torch.bfloat16
+def amp_dtype(device: torch.device) -> torch.dtype | None:
+    """The careful user's autocast type: bf16 where the hardware computes in it, fp16 on a GPU
+    without bf16, none (fp32) on a CPU without bf16 units (emulated bf16 is many times slower)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return None
 
 
 def peer_label(peer: str, device: torch.device) -> str:
     """How a peer runs, for the report."""
     if peer == "plain":
         return "fp32 NCHW"
-    return f"autocast {str(amp_dtype(device)).removeprefix('torch.')} channels_last"
+    dtype = amp_dtype(device)
+    how = "fp32" if dtype is None else f"autocast {str(dtype).removeprefix('torch.')}"
+    return f"{how} channels_last"
 
 
 def plain_model(model: Network, device: torch.device, peer: str = "plain") -> tuple[nn.Module, str]:
@@ -61,9 +66,8 @@ def plain_model(model: Network, device: torch.device, peer: str = "plain") -> tu
 
 
 def _context(peer: str, device: torch.device):
-    if peer == "plain":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=amp_dtype(device))
+    dtype = amp_dtype(device) if peer == "careful" else None
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def plain_train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor,

@@ -32,6 +32,13 @@ EXPLORE = typer.Option(
 )
 
 
+def _as_the_command_runs() -> None:
+    """What `cnnkit train` starts with, so that a benchmark measures what training runs."""
+    from cnnkit.runtime import keep_freed_memory
+
+    keep_freed_memory()
+
+
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     bench.command("layers")(layers)
     bench.command("train")(train)
@@ -55,6 +62,7 @@ def layers(
 
     Precision, memory format and threads are `cnnkit train`'s choice for this network here.
     """
+    _as_the_command_runs()
     from cnnkit.bench.layers import bench_layers, print_layers
     from cnnkit.bench.throughput import settings_for
     from cnnkit.distributed import resolve_device
@@ -148,6 +156,7 @@ def scaling(
 def _throughput(
     mode: str, net: str, device: str, quick: bool, threads: int | None, as_json: bool, **options
 ) -> None:
+    _as_the_command_runs()
     from cnnkit.bench.throughput import bench_throughput, print_throughput
     from cnnkit.distributed import resolve_device
 

@@ -322,19 +322,18 @@ def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int,
     (mirrored if flip), straight from the file: one resize, DCT-scaled as far as the box allows.
 
     Close to resize_uint8 then cropping and resizing the box, for half the work. Returns a
-    (3, crop, crop) uint8 numpy view (strided: copy it out). Raises BadImage like read_image.
+    (3, crop, crop) uint8 tensor (any strides: copy it out). Raises BadImage like read_image.
     """
     need = -(-size * crop // min(box[2], box[3]))  # the box stays >= crop at this size
-    array = read_image(path, need, mode)[0]
+    array = read_image(path, need, mode, fast=True)[0]  # a random training crop: 7% faster
     y0, x0, y1, x1 = box_region(array.shape[:2], box, size, mode)
     return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
 
 
-def resize_crop(region: torch.Tensor, crop: int, flip: bool) -> np.ndarray:
+def resize_crop(region: torch.Tensor, crop: int, flip: bool) -> torch.Tensor:
     """(3, h, w) uint8, any memory layout -> (3, crop, crop) by antialiased bilinear resizing,
-    mirrored if flip: a numpy view (strided: copy it out)."""
+    mirrored if flip (torch's flip: a copy 7x faster than numpy's of a reversed view)."""
     x = region[None]
     if x.shape[-2:] != (crop, crop):
         x = F.interpolate(x, size=(crop, crop), mode="bilinear", antialias=True)
-    out = x[0].numpy()
-    return out[..., ::-1] if flip else out
+    return x[0].flip(-1) if flip else x[0]

@@ -54,11 +54,11 @@ class FolderImages(Dataset):
         ids = self.ids[job.positions]
         side = job.crops.side if job.crops else self.size
         x = new_batch(len(ids), side) if job.slot is None else self.slots[job.slot]
-        out, kept, bad = x.numpy(), [], []
+        kept, bad = [], []
         for k, i in enumerate(ids):
             path = self.root / self.files[i]
             try:  # odd images are converted
-                out[len(kept)] = self._decode(path, job, k)
+                x[len(kept)].copy_(self._decode(path, job, k))
                 kept.append(k)
             except BadImage as e:
                 bad.append((str(path), str(e)))
@@ -67,7 +67,7 @@ class FolderImages(Dataset):
         pixels = x[: len(kept)] if job.slot is None else None
         return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad)
 
-    def _decode(self, path: Path, job: BatchJob, k: int) -> np.ndarray | torch.Tensor:
+    def _decode(self, path: Path, job: BatchJob, k: int) -> torch.Tensor:
         if job.crops is None:
             return load_resized(path, self.size, self.resize_mode)[0]
         c = job.crops

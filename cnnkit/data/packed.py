@@ -106,25 +106,28 @@ class PackedImages(Dataset):
         side = job.crops.side if job.crops else self.size
         x = new_batch(len(ids), side) if job.slot is None else self.slots[job.slot]
         with torch_threads(1):  # per-image resizes (already so in a worker process)
-            self._fill(x.numpy(), ids, job)
+            self._fill(x, ids, job)
         pixels = x[: len(ids)] if job.slot is None else None
         return WorkerBatch(labels, pixels, job.slot, alpha=job.crops.alpha if job.crops else None)
 
-    def _fill(self, out: np.ndarray, ids: np.ndarray, job: BatchJob) -> None:
+    def _fill(self, out: torch.Tensor, ids: np.ndarray, job: BatchJob) -> None:
         """Every image of the batch into `out`: whole (one memcpy from the page cache, or a
         decode) or its crop, resized and mirrored."""
         if job.crops is None:
             for k, i in enumerate(ids):
                 if self.direct:
-                    out[k].reshape(-1)[:] = self._record(i)
+                    out[k].view(-1).copy_(torch.from_numpy(self._record(i)))
                 else:
-                    out[k] = decode_jpeg_bytes(self._record(i), self.size).transpose(2, 0, 1)
+                    image = decode_jpeg_bytes(self._record(i), self.size)
+                    out[k].copy_(torch.from_numpy(image).permute(2, 0, 1))
             return
         c = job.crops
         for k, (i, (top, left, h, w), flip) in enumerate(
             zip(ids, c.boxes.tolist(), c.flip.tolist(), strict=True)
         ):
-            out[k] = resize_crop(self._image(i)[:, top : top + h, left : left + w], c.side, flip)
+            out[k].copy_(
+                resize_crop(self._image(i)[:, top : top + h, left : left + w], c.side, flip)
+            )
 
     def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor]:
         """(images as views of the mapped shards, labels): the zero-copy batch of a CPU device."""

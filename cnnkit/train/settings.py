@@ -31,7 +31,7 @@ from cnnkit.runtime import available_cores, machine_name, torch_threads
 
 CACHE = Path("~/.cache/cnnkit/settings.json")
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
-TARGET_MACS = {"cpu": 3e9, "cuda": 2e12}  # work per timed call: long enough to time, short
+TARGET_MACS = {"cpu": 1.5e10, "cuda": 2e12}  # work per timed call: enough to rank formats
 MARGIN = 1.03  # reduced precision must be this much faster than fp32 to be chosen
 BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
 MIN_ROUNDS, MAX_ROUNDS = 2, 5
