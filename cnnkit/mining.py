@@ -75,6 +75,9 @@ def _fit_rounds(config: RunConfig, run_dir: Path, quiet: bool, on_step: Any) -> 
         if not quiet:
             print(_describe(rounds[-1]))
         if r < hn.rounds:
+            if not quiet:
+                print(f"round {r}: scanning {len(pictures)} face-free pictures for false "
+                      "positives", flush=True)  # fmt: skip
             negatives = np.concatenate([negatives, _mine(loaded, pictures, hn, side)])
     return _keep_best(run_dir, rounds, time.perf_counter() - started, quiet)
 

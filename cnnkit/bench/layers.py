@@ -8,6 +8,7 @@ total are both reported and their gap (timer overhead, caching effects) is visib
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,15 +114,20 @@ def bench_layers(
     warmup: int = 1,
     repeats: int = 5,
     num_classes: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Time every layer's forward and backward and the whole passes; a JSON-ready report."""
+    """Time every layer's forward and backward and the whole passes; a JSON-ready report.
+    `progress` hears a line about every 5 seconds (which layer, how far)."""
     runner = Runner(device, precision, warmup, repeats)
     layout = "channels_last" if channels_last else "NCHW"
     model = load_network(net, device, num_classes, channels_last).train()  # as in training
     x, y = synthetic_batch(model, batch, device, channels_last)
     inputs = capture_inputs(model, x, runner)
-    rows = []
-    for row, args in zip(model.table, inputs, strict=True):
+    rows, said = [], time.monotonic()
+    for k, (row, args) in enumerate(zip(model.table, inputs, strict=True)):
+        if progress is not None and time.monotonic() - said > 5.0:
+            progress(f"timing layer {k + 1}/{len(model.table)} ({row.name})")
+            said = time.monotonic()
         module = model.get_submodule(row.name)
         forward, backward = time_layer(module, args, row.inputs == ("input",), runner)
         rows.append(LayerTime(row.name, row.type, row.output_shape, row.macs, forward, backward))
@@ -130,6 +136,8 @@ def bench_layers(
         logits = model(x)
     loss_fwd, loss_bwd = time_loss(logits, y, runner)
     rows.append(LayerTime("loss", "cross_entropy", (), 0, loss_fwd, loss_bwd))
+    if progress is not None:
+        progress("timing the whole forward, backward and step")
     whole = time_whole(model, x, y, runner)
     report = _report(model, rows, whole, runner, batch, timer_overhead(device))
     return {**report, "memory_format": layout}

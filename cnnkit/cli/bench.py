@@ -73,7 +73,7 @@ def layers(
     s = settings_for(net, dev, batch, precision, channels_last, threads, num_classes)
     with torch_threads(s.threads):
         report = bench_layers(net, batch, dev, s.precision, s.channels_last, warmup, repeats,
-                              num_classes=num_classes)  # fmt: skip
+                              num_classes=num_classes, progress=_say)  # fmt: skip
     report["settings"] = s.describe()
     print_layers(report)
     _emit(report, as_json)
@@ -130,7 +130,7 @@ def scaling(
     quick: bool = typer.Option(False, "--quick", help="Fewer networks and repeats (a smoke run)."),
     as_json: bool = JSON,
 ) -> None:
-    """The second seed's study: growing networks timed on every device; GPU/CPU speed-up."""
+    """The CPU-vs-GPU study of Strigl et al. 2010: growing networks timed on every device, with speed-ups."""
     from cnnkit.bench.scaling import (
         ensure_dir,
         parse_devices,
@@ -167,6 +167,13 @@ def _throughput(
                               threads=threads, **options)  # fmt: skip
     print_throughput(report)
     _emit(report, as_json)
+
+
+def _say(text: str) -> None:
+    """A progress line on stderr (stdout keeps the report and its JSON)."""
+    import sys
+
+    print(f"cnnkit bench: {text}", file=sys.stderr, flush=True)
 
 
 def _positive(**values: int) -> None:

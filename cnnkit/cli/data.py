@@ -38,7 +38,7 @@ def pack(
         None, "--labels", help="Label file for a flat folder (NAME CLASS)."
     ),
 ) -> None:
-    """Resize every image once and store uint8 shards + index + mean image (like the seed).
+    """Resize every image once and store uint8 shards, an index and the mean image (as AlexNet prepared ImageNet).
 
     Files that are not images, duplicates (links) and unreadable images are skipped and listed
     in DST/bad_images.tsv; a class folder with no images is refused. Resumes when run again.
