@@ -21,11 +21,11 @@ from cnnkit.nn.expr import ExprError, evaluate, is_expression
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Layer, Linear, Shape, ShapeError, fmt_shape
 from cnnkit.nn.spec import BlockDef, NetSpec, suggest
+from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 RESERVED = {"input", "previous"}
 MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
-MAX_LAYERS = 20_000  # ResNet-1001 has about 3,000
 MAX_BLOCK_DEPTH = 16
 MAX_NAME = 200
 
@@ -134,7 +134,7 @@ class Expander:
         for key in ("repeat", "start", "first", "inline"):  # these may be $parameters too
             if key in raw:
                 raw[key] = self._sub(label, key, raw[key], env)
-        stage = _stage(label, short, raw, named, scope.sequential)
+        stage = stage_of(label, short, raw, named, scope.sequential)
         if not self._present(label, condition, env):
             return self._alias(scope, short, value)
         if scope.depth >= MAX_BLOCK_DEPTH:
@@ -150,7 +150,7 @@ class Expander:
 
     def _copies(
         self, label: str, short: str, block_name: str, block: BlockDef, raw: dict[str, Any],
-        stage: _Stage, scope: _Scope, value: int,
+        stage: Stage, scope: _Scope, value: int,
     ) -> int:  # fmt: skip
         """Expand the copies of a block line in turn; the value the last one outputs."""
         for r in range(stage.repeat):
@@ -335,47 +335,6 @@ def shape_params(shape: Shape) -> dict[str, int]:
     if len(shape) == 3:
         return {"in_channels": shape[0], "in_height": shape[1], "in_width": shape[2]}
     return {"in_channels": shape[0]}
-
-
-@dataclass(frozen=True)
-class _Stage:
-    """How a block line repeats: copies, the first copy's number and overrides, splicing."""
-
-    repeat: int
-    start: int
-    first: dict[str, Any] | None
-    numbered: bool  # copies are named NAME.0, NAME.1 ... (or by $index in the name)
-    inline: bool  # its layers join the enclosing list
-    numbered_on: bool  # unnamed in a sequential block: each copy takes the next number
-
-    def copy_name(self, short: str, number: int) -> str:
-        if "$index" in short:
-            return short.replace("$index", str(number))
-        return f"{short}.{number}" if self.numbered else short
-
-
-def _stage(label: str, short: str, raw: dict[str, Any], named: bool, sequential: bool) -> _Stage:
-    """repeat, start, first and inline of a block line (taken out of `raw`), checked."""
-    repeat, start, first = raw.pop("repeat", 1), raw.pop("start", None), raw.pop("first", None)
-    inline = raw.pop("inline", False)
-    if not _is_int(repeat) or not 1 <= repeat <= MAX_LAYERS:
-        raise ConfigError(
-            f"{label}: repeat: must be a whole number from 1 to {MAX_LAYERS:,}, got {brief(repeat)}"
-        )
-    if start is not None and (not _is_int(start) or start < 0):
-        raise ConfigError(f"{label}: start: must be a whole number >= 0, got {brief(start)}")
-    if first is not None and not isinstance(first, dict):
-        raise ConfigError(
-            f"{label}: first: a mapping of the first copy's parameters, got {brief(first)}"
-        )
-    if not isinstance(inline, bool) or (inline and named):
-        raise ConfigError(f"{label}: inline: true or false, and an inline block has no name")
-    numbered = repeat > 1 or start is not None or first is not None or "$index" in short
-    return _Stage(repeat, start or 0, first, numbered, inline, sequential and not named)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _output_shape(label: str, layer: Layer, in_shapes: list[Shape]) -> Shape:
