@@ -104,9 +104,9 @@ def _register(buffers: torch.Tensor) -> bool:
         return False
     try:
         err = torch.cuda.cudart().cudaHostRegister(buffers.data_ptr(), buffers.numel(), 0)
-    except (AttributeError, RuntimeError):
+        return err is None or int(err) == 0  # cudaSuccess (some builds return nothing)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
         return False
-    return int(err) == 0
 
 
 class BufferPool:
