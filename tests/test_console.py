@@ -1,0 +1,42 @@
+"""What a run reports as it goes: plain progress lines in a log file, per-step TensorBoard
+scalars, top-5 hidden below 6 classes, and the last line naming the last and best epochs."""
+
+from __future__ import annotations
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from cnnkit.config import load_run
+from cnnkit.train.metrics import LOG_EVERY, Console, RunLog, StepInfo
+from cnnkit.train.run import fit
+
+
+def test_log_files_get_a_plain_line_every_few_seconds(capsys):
+    console = Console(every=0.0)  # capsys is no terminal: lines, not a bar
+    console.start_epoch(3, 10, 100, 0)
+    console.step(StepInfo(3, 10, 40, 100, torch.tensor(1.25), 40, 0.01, 512.0, 0.12, 8.0))
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("epoch 3/10  step 40/100  loss 1.2500  lr 0.01  512 img/s")
+    assert "data wait 12%" in line and "epoch eta 12s" in line  # 8 s for 40 steps, 60 to go
+
+
+def test_tensorboard_gets_per_step_scalars(tmp_path):
+    log = RunLog(tmp_path, [])
+    console = Console(quiet=True, log=log)
+    for step in range(1, 3 * LOG_EVERY + 1):
+        console.step(StepInfo(1, 1, step, 100, torch.tensor(float(step)), step, 0.1, 100.0, 0, 1))
+    log.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("step/loss")]
+    assert losses == [(k * LOG_EVERY, float(k * LOG_EVERY)) for k in (1, 2, 3)]
+    assert {"step/lr", "step/images_per_second"} <= set(events.Tags()["scalars"])
+
+
+def test_two_class_runs_hide_top5_and_say_which_epoch(tmp_path, capsys):
+    fit(load_run("faces", ["data.hard_negatives=null", "train.epochs=2"]), tmp_path / "f")
+    err = capsys.readouterr().err
+    assert "top-5" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("done: held-out top-1") and "at the last epoch" in last
+    assert "best" in last and "kept as best.pt" in last
