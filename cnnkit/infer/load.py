@@ -19,8 +19,6 @@ from cnnkit.data.base import Preprocess
 from cnnkit.errors import CheckpointError
 from cnnkit.nn import Network, build_model
 
-SAFETENSORS_FORMAT = EXPORT_FORMAT
-
 
 @dataclass
 class Loaded:
@@ -65,7 +63,7 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
 def metadata(loaded: Loaded) -> dict[str, str]:
     """String metadata describing a model: network, classes and preprocessing (JSON values)."""
     return {
-        "format": SAFETENSORS_FORMAT,
+        "format": EXPORT_FORMAT,
         "model_spec": json.dumps(loaded.model.spec),
         "num_classes": json.dumps(loaded.model.num_classes),
         "classes": json.dumps(loaded.classes),
