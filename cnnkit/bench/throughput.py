@@ -25,6 +25,7 @@ from cnnkit.bench.peak import Kernel, best_rates, math_mode, peak_kernels, theor
 from cnnkit.bench.timing import Timing, autocast, check_precision, measure, measure_interleaved
 from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
+from cnnkit.nn.kernels import set_kernels
 from cnnkit.runtime import machine_name, torch_threads
 from cnnkit.train.engine import Engine, build_engine, train_step
 from cnnkit.train.settings import Settings, candidates, choose_settings
@@ -81,6 +82,7 @@ def _cnnkit_step(net: Any, mode: str, batch: int, device: torch.device, cfg: Tra
         if settings.channels_last and x.dim() == 4:
             model = model.to(memory_format=torch.channels_last)
             x = x.contiguous(memory_format=torch.channels_last)
+        set_kernels(model, dict(settings.kernels))
         runnable = torch.compile(model) if cfg.compile else model
         step = make_infer_step(runnable.eval(), x, device, settings.precision)
 
@@ -96,8 +98,7 @@ def _explored(model: Network, cfg: TrainConfig, device: torch.device, chosen: Se
     """Every combination of the settings `auto` would choose among (the chosen one first)."""
     options = candidates(model, cfg, device)
     combos = [Settings(p, cl, t, "set") for p, cl, t in itertools.product(*options.values())]
-    key = (chosen.precision, chosen.channels_last, chosen.threads)
-    return [chosen] + [c for c in combos if (c.precision, c.channels_last, c.threads) != key]
+    return [chosen] + [c for c in combos if _key(c) != _key(chosen)]
 
 
 def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: torch.device,
@@ -142,7 +143,8 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
 
 
 def _key(s: Settings) -> str:
-    return f"cnnkit {s.precision} {'NHWC' if s.channels_last else 'NCHW'} {s.threads}t"
+    layers = " kernels per layer" if s.kernels else ""
+    return f"cnnkit {s.precision} {'NHWC' if s.channels_last else 'NCHW'}{layers} {s.threads}t"
 
 
 def _counts(device: torch.device, compile: bool, warmup: int | None, repeats: int | None):
@@ -179,7 +181,7 @@ def _report(model, mode, batch, device, settings: Settings, cfg, timings, block,
         "net": model.name, "mode": mode, "device": str(device), "hardware": machine_name(device),
         "torch": torch.__version__, "batch": batch,
         "precision": settings.precision, "channels_last": settings.channels_last,
-        "threads": settings.threads, "compile": cfg.compile, "math": math_mode(device, settings.precision),
+        "threads": settings.threads, "kernels": dict(settings.kernels), "compile": cfg.compile, "math": math_mode(device, settings.precision),
         "settings": {"how": settings.how, "describe": settings.describe(), "as": "cnnkit train"},
         "images_per_second": images_per_second, "step_ms": step_ms, "step": _per_step(chosen, block),
         "steps_per_measurement": block,
@@ -203,7 +205,8 @@ def _report(model, mode, batch, device, settings: Settings, cfg, timings, block,
 
 
 def _combo(s: Settings) -> dict[str, Any]:
-    return {"precision": s.precision, "channels_last": s.channels_last, "threads": s.threads}
+    return {"precision": s.precision, "channels_last": s.channels_last, "threads": s.threads,
+            "kernels": dict(s.kernels)}  # fmt: skip
 
 
 def print_throughput(report: dict[str, Any], console: Any = None) -> None:
@@ -229,6 +232,8 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
             f"  {r['synced']['images_per_second']:.1f} images/s one step at a time (synced each step)"
         )
     raised = " (raised to the step's own rate: no kernel ran faster)" if r["peak_raised"] else ""
+    if "nnpack" in r["kernels"].values():  # counted as direct convolutions
+        raised += "; FLOPs counted as direct convolution, which NNPACK's Winograd/FFT beats"
     say(f"  {r['flops_per_second'] / 1e12:.3f} TFLOP/s achieved = {100 * r['peak_fraction']:.1f}% "
         f"of the measured {r['precision']} peak {r['peak_flops_per_second'] / 1e12:.3f} TFLOP/s{raised}")  # fmt: skip
     kernels = ", ".join(
@@ -247,5 +252,7 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
                 f"{b['step_ms']:.2f} ms (interleaved) -> cnnkit {r[label]:.2f}x")  # fmt: skip
     for row in r.get("explore", []):
         mark = "  <- chosen" if row["chosen"] else ""
-        say(f"  explore {row['precision']} {'NHWC' if row['channels_last'] else 'NCHW'} "
-            f"{row['threads']} threads: {row['images_per_second']:.1f} images/s{mark}")  # fmt: skip
+        layers = " + kernels per layer" if row["kernels"] else ""
+        say(f"  explore {row['precision']} {'NHWC' if row['channels_last'] else 'NCHW'}{layers} "
+            f"{row['threads']} thread{'s' * (row['threads'] != 1)}: "
+            f"{row['images_per_second']:.1f} images/s{mark}")  # fmt: skip

@@ -24,6 +24,7 @@ from pydantic import (
 from torch import nn
 
 from cnnkit.errors import brief
+from cnnkit.nn.kernels import Conv2d
 from cnnkit.nn.modules import (
     ChannelLayerNorm,
     ChannelLinear,
@@ -191,7 +192,7 @@ class Conv(ParamLayer):
         )
 
     def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.Conv2d(
+        return Conv2d(
             shapes[0][0],
             self.out_channels,
             pair(self.kernel_size),

@@ -4,7 +4,7 @@
     loss, correct = train_step(engine, x, y)   # one optimizer step on batch (x, y)
 
 `build_engine` puts the network on the device in the chosen precision (fp32 | bf16 autocast |
-fp16 + GradScaler) and memory format (train/settings.py chooses them), with optional
+fp16 + GradScaler), memory format and kernels per layer (train/settings.py chooses them), with optional
 torch.compile, the optimizer over the network's per-layer groups, label smoothing, clipping and
 accumulation. `cnnkit bench train` times `train_step`.
 """
@@ -20,6 +20,7 @@ from torch import nn
 
 from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
+from cnnkit.nn.kernels import set_kernels
 from cnnkit.train.optim import build_optimizer
 from cnnkit.train.recipe import build_ema
 from cnnkit.train.settings import Settings, static_settings
@@ -76,6 +77,7 @@ def build_engine(
     network = network.to(device)
     if channels_last:
         network = network.to(memory_format=torch.channels_last)
+    set_kernels(network, dict(settings.kernels))  # a kernel per layer, where measured faster
     model: nn.Module = wrap(network) if wrap else network
     if cfg.compile:
         model = torch.compile(model)

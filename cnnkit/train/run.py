@@ -164,7 +164,7 @@ def fit(
         data = config.data.build(
             device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
         )
-        engine = _engine(config, data, device, dist)
+        engine = _engine(config, data, device, dist, Console(quiet or not dist.is_main))
         if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
             torch.manual_seed(mix_seed(config.seed, dist.rank))
         stack.enter_context(torch_threads(engine.settings.threads))
@@ -208,14 +208,16 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
             "val_images": data.val.num_samples, "parameters": params}  # fmt: skip
 
 
-def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Processes) -> Engine:
+def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Processes,
+            console: Console) -> Engine:  # fmt: skip
     """The network built and put on the device with the settings chosen for it (rank 0's
     choice on every rank: one precision and format for the whole group)."""
     network = build_network(config, data)
     per_rank = config.data.batch_size // dist.world_size
     chosen = None
     if dist.is_main:
-        chosen = choose_settings(network, config.train, device, per_rank, config.deterministic)
+        chosen = choose_settings(network, config.train, device, per_rank, config.deterministic,
+                                 notify=console.print)  # fmt: skip
     settings = dist.broadcast_object(chosen)
     weights = None
     if config.train.class_weights == "balanced":

@@ -5,8 +5,11 @@ cudnn.benchmark picks kernels: the network's own forward + backward is timed on 
 for each candidate (interleaved, a second or two in all), the fastest wins (reduced precision
 only when it is clearly faster, since fp32 keeps the most accuracy), and the choice is cached
 per machine, torch version, network and batch in ~/.cache/cnnkit, so the next run reuses it.
-Explicit settings always win; `train.calibrate: false` or `deterministic: true` falls back to
-the static rules (a timing-dependent choice would make a run unrepeatable).
+Where fp32 on the CPU wins and the memory format is left on auto, each convolution and pooling
+layer then gets its own fastest kernel (NCHW, NHWC or NNPACK: train/kernel_plan.py), kept if the
+whole step runs faster with them. Explicit settings always win; `train.calibrate: false` or
+`deterministic: true` falls back to the static rules (a timing-dependent choice would make a run
+unrepeatable).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,9 @@ import torch
 from cnnkit.config import TrainConfig
 from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
+from cnnkit.nn.kernels import set_kernels
 from cnnkit.runtime import available_cores, machine_name, torch_threads
+from cnnkit.train.kernel_plan import plan_kernels
 
 CACHE = Path("~/.cache/cnnkit/settings.json")
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
@@ -35,6 +41,9 @@ TARGET_MACS = {"cpu": 1.5e10, "cuda": 2e12}  # work per timed call: enough to ra
 MARGIN = 1.03  # reduced precision must be this much faster than fp32 to be chosen
 BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
 MIN_ROUNDS, MAX_ROUNDS = 2, 5
+PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
+METHOD = 2  # how settings are measured; part of the cache key, so a new method measures anew
+Plan = tuple[tuple[str, str], ...]  # (layer name, kernel) pairs; () for none
 
 
 @dataclass(frozen=True)
@@ -46,16 +55,25 @@ class Settings:
     threads: int  # torch's intra-op CPU threads
     how: str  # set (explicitly) | measured | cached | rules
     speedup: float | None = None  # measured: images/s against fp32 NCHW at the same threads
+    kernels: Plan = ()  # a kernel per layer (nn/kernels.py) on top of the format; () for none
+
+    def __post_init__(self) -> None:  # the cache stores the plan as lists
+        object.__setattr__(self, "kernels", tuple((str(n), str(k)) for n, k in self.kernels))
 
     def describe(self) -> str:
         """For the start line: "bf16 autocast, channels_last, 2 threads: fastest measured (1.4x
         fp32 NCHW)"."""
         what = "fp32" if self.precision == "fp32" else f"{self.precision} autocast"
         parts = [what] + (["channels_last"] if self.channels_last else [])
+        if self.kernels:
+            counts = {k: [v for _, v in self.kernels].count(k) for k in ("nnpack", "nhwc", "nchw")}
+            named = {"nnpack": "NNPACK", "nhwc": "NHWC", "nchw": "NCHW"}
+            mix = ", ".join(f"{n} {named[k]}" for k, n in counts.items() if n)
+            parts.append(f"kernels per layer ({mix})")
         parts.append(f"{self.threads} thread{'s' * (self.threads != 1)}")
         why = {"set": "as set", "rules": "static rules", "cached": "fastest measured (cached)",
                "measured": "fastest measured"}[self.how]  # fmt: skip
-        plain = self.precision == "fp32" and not self.channels_last
+        plain = self.precision == "fp32" and not self.channels_last and not self.kernels
         if self.speedup is not None and self.how in ("measured", "cached") and not plain:
             why += f", {self.speedup:.2f}x fp32 NCHW"
         return f"{', '.join(parts)}: {why}"
@@ -90,9 +108,11 @@ def static_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
 
 
 def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, batch: int,
-                    deterministic: bool = False, cache: Path | bool = True) -> Settings:  # fmt: skip
+                    deterministic: bool = False, cache: Path | bool = True,
+                    notify: Callable[[str], None] | None = None) -> Settings:  # fmt: skip
     """The settings `cnnkit train` runs `network` with at `batch` images per step on `device`
-    (`cache`: True for the user's cache file CACHE, False for none, or a file)."""
+    (`cache`: True for the user's cache file CACHE, False for none, or a file; `notify` is told
+    before a measurement starts)."""
     cache = CACHE if cache is True else (cache or None)
     explicit = cfg.precision != "auto" and cfg.channels_last is not None
     explicit = explicit and (cfg.threads is not None or device.type != "cpu")
@@ -104,6 +124,10 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
     found = _read_cache(cache).get(key) if cache else None
     if found is not None:
         return Settings(**{**found, "how": "cached"})
+    if notify is not None:
+        where = f": cached in {cache}" if cache is not None else ""
+        notify(f"measuring the fastest settings for {network.name} at batch {batch} on this "
+               f"machine (once{where})")  # fmt: skip
     chosen = measure_settings(network, cfg, device, batch)
     if cache is not None:
         _write_cache(cache, key, chosen)
@@ -126,14 +150,44 @@ def candidates(network: Network, cfg: TrainConfig, device: torch.device) -> dict
 def measure_settings(network: Network, cfg: TrainConfig, device: torch.device,
                      batch: int) -> Settings:  # fmt: skip
     """Time every candidate (precision x format x threads; the best format can depend on the
-    thread count) and return the fastest, with its speed-up over fp32 NCHW at its threads."""
+    thread count) and return the fastest, with its speed-up over fp32 NCHW at its threads;
+    then a kernel per layer where the step runs faster with them."""
     options = candidates(network, cfg, device)
-    grid = list(itertools.product(*options.values()))
+    grid = [(*c, ()) for c in itertools.product(*options.values())]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        times = _StepTimer(network, device, batch).run(grid)
-    chosen = _fastest(times)
-    base = times.get(("fp32", False, chosen[2]), times[chosen])
-    return Settings(*chosen, how="measured", speedup=base / times[chosen])
+        timer = _StepTimer(network, device, batch)
+        times = timer.run(grid)
+        chosen = _fastest(times)
+        speedup = times.get(("fp32", False, chosen[2], ()), times[chosen]) / times[chosen]
+        if _plans_kernels(network, cfg, device, chosen):
+            chosen, gain = _with_kernels(network, device, batch, chosen)
+            speedup *= gain
+    precision, channels_last, threads, kernels = chosen
+    return Settings(precision, channels_last, threads, "measured", speedup, kernels)
+
+
+def _plans_kernels(network: Network, cfg: TrainConfig, device: torch.device, chosen: tuple) -> bool:
+    """Kernels per layer are for fp32 CPU steps of image networks whose format is on auto."""
+    return (
+        device.type == "cpu" and chosen[0] == "fp32" and cfg.channels_last is None
+        and not cfg.compile and len(network.input_shape) == 3
+    )  # fmt: skip
+
+
+def _with_kernels(network: Network, device: torch.device, batch: int,
+                  chosen: tuple) -> tuple[tuple, float]:  # fmt: skip
+    """`chosen` with the fastest kernel per layer if its step is MARGIN faster than without
+    (both timed again, interleaved), and that gain; else `chosen` and 1. Timed at the run's
+    own batch (up to PLAN_BATCH): which kernel wins changes with the batch."""
+    timer = _StepTimer(network, device, min(batch, PLAN_BATCH), exact=True)
+    plan = plan_kernels(network, timer.x, chosen[2])
+    if not plan:
+        return chosen, 1.0
+    planned = ("fp32", False, chosen[2], tuple(sorted(plan.items())))
+    times = timer.run([chosen, planned])
+    if times[planned] * MARGIN < times[chosen]:
+        return planned, times[chosen] / times[planned]
+    return chosen, 1.0
 
 
 def _fastest(times: dict[tuple, float]) -> tuple:
@@ -151,32 +205,33 @@ class _StepTimer:
     """Times forward + backward of copies of the network (one per memory format) on a fixed
     random batch, candidates interleaved round by round; seconds per image, median."""
 
-    def __init__(self, network: Network, device: torch.device, batch: int) -> None:
+    def __init__(self, network: Network, device: torch.device, batch: int,
+                 exact: bool = False) -> None:  # fmt: skip
         self.device = device
         per_image = max(_macs(network), 1)
-        self.batch = min(
+        self.batch = batch if exact else min(
             batch, max(min(batch, 8), int(TARGET_MACS.get(device.type, 3e9) / per_image))
-        )
+        )  # fmt: skip
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn((self.batch, *network.input_shape), generator=g).to(device)
         self.y = torch.randint(0, max(network.num_classes or 1, 1), (self.batch,), generator=g).to(
             device
         )
-        self.models: dict[bool, Any] = {}
+        self.models: dict[tuple, Any] = {}
         self.network = network
         self.done: dict[tuple, float] = {}
 
-    def _model(self, channels_last: bool):
-        if channels_last not in self.models:
+    def _model(self, channels_last: bool, kernels: Plan):
+        if (channels_last, kernels) not in self.models:
             model = copy.deepcopy(self.network).to(self.device).train()
             if channels_last:
                 model = model.to(memory_format=torch.channels_last)
-            self.models[channels_last] = model
-        return self.models[channels_last]
+            self.models[channels_last, kernels] = set_kernels(model, dict(kernels))
+        return self.models[channels_last, kernels]
 
     def _call(self, candidate: tuple) -> float:
-        precision, channels_last, threads = candidate
-        model = self._model(channels_last)
+        precision, channels_last, threads, kernels = candidate
+        model = self._model(channels_last, kernels)
         x = self.x.contiguous(memory_format=torch.channels_last) if channels_last else self.x
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         with torch_threads(threads):
@@ -217,7 +272,7 @@ def _macs(network: Network) -> int:
 
 def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int) -> str:
     fixed = {k: getattr(cfg, k) for k in ("precision", "channels_last", "threads")}
-    parts = [machine_name(device), torch.__version__, _version(), batch, fixed,
+    parts = [machine_name(device), torch.__version__, _version(), METHOD, batch, fixed,
              json.dumps(network.spec, sort_keys=True, default=str), network.num_classes]  # fmt: skip
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 

@@ -1,0 +1,119 @@
+"""A kernel per layer, chosen by timing the way cudnn.benchmark picks a convolution algorithm:
+each convolution and pooling layer is timed alone (forward + backward on an input of its own
+shape) in every kernel that applies to it (NCHW, NHWC, NNPACK; nn/kernels.py), interleaved,
+and the fastest kept. NNPACK must also agree with oneDNN on that layer (TOLERANCE), or it is
+not used. The largest layers are timed first, and timing stops after BUDGET_S.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from cnnkit.nn import Network
+from cnnkit.nn.kernels import options, set_kernel
+from cnnkit.runtime import torch_threads
+
+BUDGET_S = 30.0  # per network; the layers left untimed run in the format their input has
+ROUNDS = 2  # timed rounds per layer, after one warm-up
+TOLERANCE = 1e-4  # NNPACK's largest difference from oneDNN, relative to the largest value
+
+
+def plan_kernels(network: Network, x: torch.Tensor, threads: int) -> dict[str, str]:
+    """Layer name -> fastest kernel, timed on a copy of `network` fed batches shaped as `x`;
+    an empty plan where nothing beats plain NCHW."""
+    model = copy.deepcopy(network).cpu().train()
+    inputs = layer_inputs(model, x)
+    layers = sorted(
+        ((name, m) for name, m in model.named_modules() if name in inputs and len(options(m)) > 1),
+        key=lambda item: -_work(item[1], inputs[item[0]][0]),
+    )
+    plan: dict[str, str] = {}
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    with torch_threads(threads):
+        for name, module in layers:
+            if time.perf_counter() - start > BUDGET_S:
+                break
+            shape, first = inputs[name]
+            plan[name] = fastest_kernel(module, torch.randn(shape, generator=g), not first)
+    return plan if set(plan.values()) - {"nchw"} else {}
+
+
+def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Layer name -> (input shape, whether that input is the network's own) for every layer
+    that has kernel options, from one forward pass (the network's input needs no gradient)."""
+    x = x.cpu()
+    seen: dict[str, tuple[tuple[int, ...], bool]] = {}
+
+    def record(name: str, args: tuple) -> None:
+        seen.setdefault(name, (tuple(args[0].shape), args[0] is x))
+
+    hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: record(name, args))
+             for name, m in model.named_modules() if options(m)]  # fmt: skip
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def fastest_kernel(module: nn.Module, x: torch.Tensor, grad_input: bool = True) -> str:
+    """The kernel under which forward + backward of `module` on `x` (NCHW) is fastest."""
+    kernels = list(options(module))
+    variants = {k: _variant(module, k) for k in kernels}
+    x = x.requires_grad_(grad_input)
+    seconds: dict[str, list[float]] = {k: [] for k in kernels}
+    results = {}
+    for r in range(ROUNDS + 1):  # round 0 warms up (and keeps each kernel's results)
+        for k in kernels if r % 2 else kernels[::-1]:
+            took, out = _time_once(variants[k], x)
+            if r:
+                seconds[k].append(took)
+            else:
+                results[k] = out
+    if "nnpack" in kernels and not _agrees(results["nnpack"], results["nchw"]):
+        del seconds["nnpack"]
+    return min(seconds, key=lambda k: statistics.median(seconds[k]))
+
+
+def _variant(module: nn.Module, kernel: str) -> nn.Module:
+    copied = copy.deepcopy(module)
+    set_kernel(copied, kernel)
+    return copied
+
+
+def _time_once(module: nn.Module, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    """Seconds for one forward + backward; the output and the gradients it computed."""
+    x.grad = None
+    for p in module.parameters():
+        p.grad = None
+    start = time.perf_counter()
+    y = module(x)
+    if y.requires_grad:  # not for a first layer without weights: training has no backward there
+        y.backward(torch.ones_like(y))
+    took = time.perf_counter() - start
+    grads = [t.grad for t in (x, *module.parameters()) if t.grad is not None]
+    return took, [y.detach(), *grads]
+
+
+def _agrees(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) == len(want) and all(
+        (a - b).abs().max() <= TOLERANCE * b.abs().max().clamp(min=1e-12)
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def _work(module: nn.Module, shape: tuple[int, ...]) -> float:
+    """Multiply-adds of a convolution, values read of a pooling layer: a ranking only."""
+    elements = float(torch.Size(shape).numel())
+    if isinstance(module, nn.Conv2d):
+        kh, kw = module.kernel_size
+        return elements * module.out_channels * kh * kw / module.groups
+    return elements

@@ -1,0 +1,169 @@
+"""Kernels per layer: NNPACK convolutions (forward, input and weight gradients) against
+torch.nn's, per-layer memory formats leaving the network's results and state_dict unchanged,
+and the measurement that picks them (only when faster, never when NNPACK disagrees)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cnnkit.config import TrainConfig
+from cnnkit.nn import Network
+from cnnkit.nn.kernels import Conv2d, NnpackConv, nnpack_ready, options, set_kernel, set_kernels
+from cnnkit.train import kernel_plan
+from cnnkit.train import settings as settings_module
+from cnnkit.train.engine import build_engine, train_step
+from cnnkit.train.settings import Settings
+
+needs_nnpack = pytest.mark.skipif(not nnpack_ready(), reason="this torch build has no NNPACK")
+CPU = torch.device("cpu")
+
+SPEC = {
+    "name": "tiny",
+    "input": [3, 20, 20],
+    "layers": [
+        {"name": "c1", "type": "conv", "out_channels": 8, "kernel_size": 3, "stride": 2},
+        {"type": "relu"},
+        {"name": "c2", "type": "conv", "out_channels": 8, "kernel_size": 5, "padding": 2},
+        {"name": "pool", "type": "maxpool", "kernel_size": 2},
+        {"name": "c3", "type": "conv", "out_channels": 6, "kernel_size": 3, "padding": 1},
+        {"type": "global_avgpool"},
+        {"type": "linear", "out_features": 4},
+    ],
+}
+
+
+def grads_of(fn, x, *params):
+    """Output and the gradients of x and params for a fixed random output gradient."""
+    for t in (x, *params):
+        t.grad = None
+    y = fn(x)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+    return [y.detach()] + [t.grad.clone() for t in (x, *params) if t.grad is not None]
+
+
+@needs_nnpack
+@pytest.mark.parametrize(
+    "cin,cout,kernel,padding,size,bias",
+    [
+        (16, 24, 5, 2, (27, 27), True),  # the weight gradient cut into tiles (27 > 17 - 5)
+        (12, 8, 3, 1, (13, 13), True),  # one tile
+        (5, 7, (3, 5), (1, 2), (19, 23), False),  # non-square kernel and image, no bias
+        (3, 4, 3, 0, (40, 9), True),  # no padding, a tall image
+    ],
+)
+def test_nnpack_conv_matches_torch(cin, cout, kernel, padding, size, bias):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(cin, cout, kernel, padding=padding, bias=bias)
+    x = torch.randn(6, cin, *size, requires_grad=True)
+    params = [p for p in (conv.weight, conv.bias) if p is not None]
+    want = grads_of(conv, x, *params)
+    got = grads_of(lambda t: NnpackConv.apply(t, conv.weight, conv.bias, conv.padding), x, *params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+
+
+def test_kernels_apply_only_where_they_can():
+    net = Network(SPEC)
+    assert options(net.c1) == ("nchw", "nhwc")  # stride 2: not NNPACK
+    assert options(net.c2) == (("nchw", "nhwc", "nnpack") if nnpack_ready() else ("nchw", "nhwc"))
+    assert options(net.pool) == ("nchw", "nhwc")
+    assert options(net.get_submodule(net.table[1].name)) == ()  # relu follows its input
+    with pytest.raises(ValueError, match="does not apply"):
+        set_kernel(net.c1, "nnpack")
+
+
+def test_a_planned_network_computes_the_same_and_saves_the_same():
+    torch.manual_seed(0)
+    plain = Network(SPEC)
+    plan = {"c1": "nhwc", "pool": "nhwc", "c3": "nchw"}
+    if nnpack_ready():
+        plan["c2"] = "nnpack"
+    planned = set_kernels(copy.deepcopy(plain), plan)
+    again = copy.deepcopy(planned)  # a copy (an EMA, a DDP replica) keeps its kernels
+    assert list(planned.state_dict()) == list(plain.state_dict())
+    assert planned.c1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert isinstance(plain.c2, Conv2d) and again.c2.nnpack == nnpack_ready()
+    x = torch.randn(4, 3, 20, 20, requires_grad=True)
+    want = grads_of(plain, x, *plain.parameters())
+    for model in (planned, again):
+        got = grads_of(model, x, *model.parameters())
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@needs_nnpack
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
+def test_nnpack_steps_aside_under_autocast_and_in_exports():
+    conv = Conv2d(4, 6, 3, padding=1)
+    set_kernel(conv, "nnpack")
+    x = torch.randn(2, 4, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert conv(x).dtype == torch.bfloat16  # oneDNN's bf16 path, not fp32 NNPACK
+    traced = torch.jit.trace(conv, x)
+    assert "nnpack" not in str(traced.graph)  # an export holds the plain convolution
+    torch.testing.assert_close(traced(x), F.conv2d(x, conv.weight, conv.bias, padding=1))
+
+
+@needs_nnpack
+def test_the_plan_takes_the_fastest_that_agrees(monkeypatch):
+    net = Network(SPEC)
+    x = torch.randn(4, 3, 20, 20)
+    plan = kernel_plan.plan_kernels(net, x, threads=1)
+    assert all(kernel in options(net.get_submodule(name)) for name, kernel in plan.items())
+    assert not plan or set(plan.values()) != {"nchw"}  # all-NCHW is no plan at all
+    monkeypatch.setattr(kernel_plan, "TOLERANCE", -1.0)  # NNPACK "disagrees": never chosen
+    assert "nnpack" not in kernel_plan.plan_kernels(net, x, threads=1).values()
+    monkeypatch.setattr(kernel_plan, "BUDGET_S", 0.0)
+    assert kernel_plan.plan_kernels(net, x, threads=1) == {}
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_plan_is_kept_only_if_the_whole_step_is_faster(monkeypatch, faster):
+    net = Network(SPEC)
+    monkeypatch.setattr(settings_module, "plan_kernels", lambda *a: {"c2": "nhwc", "pool": "nhwc"})
+    planned = ("fp32", False, 1, (("c2", "nhwc"), ("pool", "nhwc")))
+    times = {("fp32", True, 1, ()): 1.0, planned: 0.8 if faster else 0.99}
+    monkeypatch.setattr(settings_module._StepTimer, "run", lambda self, cands: times)
+    chosen, gain = settings_module._with_kernels(net, CPU, 8, ("fp32", True, 1, ()))
+    assert (chosen, gain) == ((planned, 1.25) if faster else (("fp32", True, 1, ()), 1.0))
+
+
+def test_settings_carry_the_plan_through_the_cache_and_the_start_line(tmp_path):
+    plan = (("c2", "nnpack"), ("pool", "nhwc"), ("c3", "nnpack"))
+    s = Settings("fp32", False, 2, "measured", 1.4, plan)
+    assert s.describe() == (
+        "fp32, kernels per layer (2 NNPACK, 1 NHWC), 2 threads: fastest measured, 1.40x fp32 NCHW"
+    )
+    cache = tmp_path / "c.json"
+    settings_module._write_cache(cache, "k", s)
+    back = Settings(**{**settings_module._read_cache(cache)["k"], "how": "cached"})
+    assert back.kernels == plan and hash(back)  # lists in JSON, tuples again when read
+
+
+def test_the_engine_trains_with_the_plan_as_without():
+    torch.manual_seed(0)
+    net = Network(SPEC)
+    x, y = torch.randn(8, 3, 20, 20), torch.randint(0, 4, (8,))
+    kernel = "nnpack" if nnpack_ready() else "nhwc"
+    results = []
+    for kernels in ((), (("c2", kernel), ("pool", "nhwc"))):
+        engine = build_engine(copy.deepcopy(net), TrainConfig(lr=0.1), CPU,
+                              settings=Settings("fp32", False, 1, "set", kernels=kernels))  # fmt: skip
+        loss, _ = train_step(engine, x, y)
+        results.append((loss.item(), engine.network.c2.weight.detach().clone()))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_first_layer_without_weights_is_timed_forward_only():
+    spec = {
+        **SPEC,
+        "layers": [{"name": "p0", "type": "maxpool", "kernel_size": 2}, *SPEC["layers"]],
+    }
+    net = Network({**spec, "input": [3, 40, 40]})
+    kernel = kernel_plan.fastest_kernel(net.p0, torch.randn(2, 3, 40, 40), grad_input=False)
+    assert kernel in ("nchw", "nhwc")
