@@ -167,3 +167,17 @@ def test_a_first_layer_without_weights_is_timed_forward_only():
     net = Network({**spec, "input": [3, 40, 40]})
     kernel = kernel_plan.fastest_kernel(net.p0, torch.randn(2, 3, 40, 40), grad_input=False)
     assert kernel in ("nchw", "nhwc")
+
+
+def test_each_layer_is_timed_with_its_input_in_the_format_the_layer_before_leaves(monkeypatch):
+    seen = []
+
+    def fake(module, x, grad_input=True):
+        seen.append((x.is_contiguous(memory_format=torch.channels_last), grad_input))
+        return "nhwc" if len(seen) == 1 else "nchw"
+
+    monkeypatch.setattr(kernel_plan, "fastest_kernel", fake)
+    plan = kernel_plan.plan_kernels(Network(SPEC), torch.randn(4, 3, 20, 20), threads=1)
+    assert list(plan) == ["c1", "c2", "pool", "c3"]  # in the order they run
+    # c1 gets the batch (NCHW, no gradient); c2 gets c1's NHWC output; after c2 (NCHW), NCHW
+    assert seen == [(False, False), (True, True), (False, True), (False, True)]

@@ -9,7 +9,7 @@ total are both reported and their gap (timer overhead, caching effects) is visib
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from torch import nn
 from cnnkit.bench.model_setup import load_network, synthetic_batch
 from cnnkit.bench.timing import Timing, autocast, measure, timer_overhead
 from cnnkit.nn import Network
+from cnnkit.nn.kernels import set_kernels
 from cnnkit.runtime import machine_name
 
 
@@ -115,12 +116,15 @@ def bench_layers(
     repeats: int = 5,
     num_classes: int | None = None,
     progress: Callable[[str], None] | None = None,
+    kernels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Time every layer's forward and backward and the whole passes; a JSON-ready report.
-    `progress` hears a line about every 5 seconds (which layer, how far)."""
+    `progress` hears a line about every 5 seconds (which layer, how far); `kernels`: a kernel
+    per layer (nn/kernels.py), as training runs them."""
     runner = Runner(device, precision, warmup, repeats)
     layout = "channels_last" if channels_last else "NCHW"
     model = load_network(net, device, num_classes, channels_last).train()  # as in training
+    set_kernels(model, kernels or {})
     x, y = synthetic_batch(model, batch, device, channels_last)
     inputs = capture_inputs(model, x, runner)
     rows, said = [], time.monotonic()

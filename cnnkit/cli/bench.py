@@ -73,7 +73,7 @@ def layers(
     s = settings_for(net, dev, batch, precision, channels_last, threads, num_classes)
     with torch_threads(s.threads):
         report = bench_layers(net, batch, dev, s.precision, s.channels_last, warmup, repeats,
-                              num_classes=num_classes, progress=_say)  # fmt: skip
+                              num_classes=num_classes, progress=_say, kernels=dict(s.kernels))  # fmt: skip
     report["settings"] = s.describe()
     print_layers(report)
     _emit(report, as_json)

@@ -2,7 +2,7 @@
 each convolution and pooling layer is timed alone (forward + backward on an input of its own
 shape) in every kernel that applies to it (NCHW, NHWC, NNPACK; nn/kernels.py), interleaved,
 and the fastest kept. NNPACK must also agree with oneDNN on that layer (TOLERANCE), or it is
-not used. The largest layers are timed first, and timing stops after BUDGET_S.
+not used. Timing stops after BUDGET_S; the layers left untimed keep the format they get.
 """
 
 from __future__ import annotations
@@ -25,28 +25,27 @@ TOLERANCE = 1e-4  # NNPACK's largest difference from oneDNN, relative to the lar
 
 def plan_kernels(network: Network, x: torch.Tensor, threads: int) -> dict[str, str]:
     """Layer name -> fastest kernel, timed on a copy of `network` fed batches shaped as `x`;
-    an empty plan where nothing beats plain NCHW."""
+    an empty plan where nothing beats plain NCHW. Layers are timed in the order they run, each
+    with its input in the format the kernel before it leaves (NNPACK's and NCHW's: NCHW)."""
     model = copy.deepcopy(network).cpu().train()
-    inputs = layer_inputs(model, x)
-    layers = sorted(
-        ((name, m) for name, m in model.named_modules() if name in inputs and len(options(m)) > 1),
-        key=lambda item: -_work(item[1], inputs[item[0]][0]),
-    )
     plan: dict[str, str] = {}
+    arrives = torch.contiguous_format  # the batch itself comes NCHW
     start = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     with torch_threads(threads):
-        for name, module in layers:
+        for name, (shape, first) in layer_inputs(model, x).items():
             if time.perf_counter() - start > BUDGET_S:
                 break
-            shape, first = inputs[name]
-            plan[name] = fastest_kernel(module, torch.randn(shape, generator=g), not first)
+            sample = torch.randn(shape, generator=g).contiguous(memory_format=arrives)
+            plan[name] = fastest_kernel(model.get_submodule(name), sample, not first)
+            arrives = torch.channels_last if plan[name] == "nhwc" else torch.contiguous_format
     return plan if set(plan.values()) - {"nchw"} else {}
 
 
 def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Layer name -> (input shape, whether that input is the network's own) for every layer
-    that has kernel options, from one forward pass (the network's input needs no gradient)."""
+    that has kernel options, in the order one forward pass runs them (the network's input
+    needs no gradient)."""
     x = x.cpu()
     seen: dict[str, tuple[tuple[int, ...], bool]] = {}
 
@@ -54,7 +53,7 @@ def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int
         seen.setdefault(name, (tuple(args[0].shape), args[0] is x))
 
     hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: record(name, args))
-             for name, m in model.named_modules() if options(m)]  # fmt: skip
+             for name, m in model.named_modules() if len(options(m)) > 1]  # fmt: skip
     try:
         with torch.no_grad():
             model(x)
@@ -108,12 +107,3 @@ def _agrees(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
         (a - b).abs().max() <= TOLERANCE * b.abs().max().clamp(min=1e-12)
         for a, b in zip(got, want, strict=True)
     )
-
-
-def _work(module: nn.Module, shape: tuple[int, ...]) -> float:
-    """Multiply-adds of a convolution, values read of a pooling layer: a ranking only."""
-    elements = float(torch.Size(shape).numel())
-    if isinstance(module, nn.Conv2d):
-        kh, kw = module.kernel_size
-        return elements * module.out_channels * kh * kw / module.groups
-    return elements

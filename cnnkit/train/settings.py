@@ -42,7 +42,7 @@ MARGIN = 1.03  # reduced precision must be this much faster than fp32 to be chos
 BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
 MIN_ROUNDS, MAX_ROUNDS = 2, 5
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
-METHOD = 2  # how settings are measured; part of the cache key, so a new method measures anew
+METHOD = 3  # how settings are measured; part of the cache key, so a new method measures anew
 Plan = tuple[tuple[str, str], ...]  # (layer name, kernel) pairs; () for none
 
 
