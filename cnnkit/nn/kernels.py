@@ -20,7 +20,9 @@ from torch.autograd.function import once_differentiable
 
 KERNELS = ("nchw", "nhwc", "nnpack")
 NNPACK_MAX_KERNEL = 16  # NNPACK's largest kernel side
-_FORMATS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last, "nnpack": None}
+# the memory format each kernel takes its input and weights in (NNPACK: NCHW)
+FORMATS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last,
+           "nnpack": torch.contiguous_format}  # fmt: skip
 
 
 @functools.cache
@@ -70,7 +72,7 @@ def set_kernel(module: nn.Module, kernel: str) -> None:
     old = getattr(module, "_kernel_hook", None)
     if old is not None:
         old.remove()
-    fmt = _FORMATS[kernel] or torch.contiguous_format
+    fmt = FORMATS[kernel]
     module.to(memory_format=fmt)
     module._kernel_hook = module.register_forward_pre_hook(InputFormat(fmt))
     if isinstance(module, Conv2d):

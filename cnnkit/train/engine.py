@@ -4,9 +4,9 @@
     loss, correct = train_step(engine, x, y)   # one optimizer step on batch (x, y)
 
 `build_engine` puts the network on the device in the chosen precision (fp32 | bf16 autocast |
-fp16 + GradScaler), memory format and kernels per layer (train/settings.py chooses them), with optional
-torch.compile, the optimizer over the network's per-layer groups, label smoothing, clipping and
-accumulation. `cnnkit bench train` times `train_step`.
+fp16 + GradScaler), memory format and kernels per layer (train/settings.py chooses them), with
+optional torch.compile, the optimizer over the network's per-layer groups, label smoothing,
+clipping and accumulation. `cnnkit bench train` times `train_step`.
 """
 
 from __future__ import annotations

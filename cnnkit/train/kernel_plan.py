@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cnnkit.nn import Network
-from cnnkit.nn.kernels import options, set_kernel
+from cnnkit.nn.kernels import FORMATS, options, set_kernel
 from cnnkit.runtime import torch_threads
 
 BUDGET_S = 30.0  # per network; the layers left untimed run in the format their input has
@@ -38,7 +38,7 @@ def plan_kernels(network: Network, x: torch.Tensor, threads: int) -> dict[str, s
                 break
             sample = torch.randn(shape, generator=g).contiguous(memory_format=arrives)
             plan[name] = fastest_kernel(model.get_submodule(name), sample, not first)
-            arrives = torch.channels_last if plan[name] == "nhwc" else torch.contiguous_format
+            arrives = FORMATS[plan[name]]  # what this layer's output keeps
     return plan if set(plan.values()) - {"nchw"} else {}
 
 
@@ -64,7 +64,8 @@ def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int
 
 
 def fastest_kernel(module: nn.Module, x: torch.Tensor, grad_input: bool = True) -> str:
-    """The kernel under which forward + backward of `module` on `x` (NCHW) is fastest."""
+    """The kernel under which forward + backward of `module` on `x` (in the memory format it
+    arrives in) is fastest."""
     kernels = list(options(module))
     variants = {k: _variant(module, k) for k in kernels}
     x = x.requires_grad_(grad_input)

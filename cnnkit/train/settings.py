@@ -202,8 +202,9 @@ def _fastest(times: dict[tuple, float]) -> tuple:
 
 
 class _StepTimer:
-    """Times forward + backward of copies of the network (one per memory format) on a fixed
-    random batch, candidates interleaved round by round; seconds per image, median."""
+    """Times forward + backward of copies of the network (one per memory format and kernel
+    plan) on a fixed random batch, candidates interleaved round by round; seconds per image,
+    median."""
 
     def __init__(self, network: Network, device: torch.device, batch: int,
                  exact: bool = False) -> None:  # fmt: skip
