@@ -49,6 +49,7 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print("gpu:", gpu, "| torch", torch.__version__, "| cuda", torch.version.cuda)
 print("cpu:", platform.processor() or platform.machine(), "| cores", len(os.sched_getaffinity(0)))
 PY
+df -h /dev/shm | tail -n 1 | awk '{print "shm: " $2 " (" $4 " free)"}' >> "$OUT/hardware.txt"
 date -u +"%Y-%m-%dT%H:%M:%SZ" >> "$OUT/hardware.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,memory.total,power.limit \
     --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
@@ -77,7 +78,7 @@ RUN="$OUT/runs"
 mkdir -p "$RUN"
 # The most telling figures first: a step that would overrun the budget is the one dropped.
 # 0. the CUDA tests: if the path is broken, the figures below say little
-[[ $DEV == cuda ]] && step gpu_tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
+[[ $DEV == cuda ]] && step gpu_tests 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
 # 1. the flagship's training step: every precision x format interleaved, both torchvision peers
 step train_owt_256_explore  90 "${T[@]}" alexnet-owt -b "$B" --explore --baseline
 # 2. the data: synthesised JPEGs packed raw and as JPEG shards; the loader alone

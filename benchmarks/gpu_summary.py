@@ -70,6 +70,8 @@ def run_figures(out: Path, run: str) -> tuple[float | None, dict]:
     rows = list(csv.DictReader((folder / "metrics.csv").open()))
     later = rows[1:] or rows
     rate = max(float(r["images_per_second"]) for r in later)
+    if not (folder / "summary.json").is_file():  # stopped by its time limit after an epoch
+        return rate, {"finished": False}
     summary = json.loads((folder / "summary.json").read_text())
     keep = ("precision", "channels_last", "device", "world_size", "epochs", "val_top1")
     return rate, {k: summary.get(k) for k in keep}

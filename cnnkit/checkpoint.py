@@ -196,12 +196,14 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every random generator's state as plain data (torch CPU + each CUDA device, numpy, python)."""
+    """Every random generator's state as plain data: torch's CPU one and this process's CUDA
+    device's (not every GPU's: reading one opens a context on it), numpy's and python's."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     np_state = np.random.get_state(legacy=False)
     version, internal, gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state()] if cuda else [],
         "numpy": {
             "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
             "pos": int(np_state["state"]["pos"]),
@@ -215,8 +217,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `rng_state` captured."""
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+    if state["cuda"] and torch.cuda.is_available():  # onto this process's device
+        torch.cuda.set_rng_state(state["cuda"][0])
     n = state["numpy"]
     np.random.set_state(
         {

@@ -132,6 +132,8 @@ class Group:
             train_cfg.average_every,
             train_cfg.sync_bn,
         )
+        # static_graph with no_sync() micro-batches crashes or stops reducing (pytorch#143580)
+        self.static_graph = train_cfg.accumulate == 1
         self.use_cuda = train_cfg.device != "cpu" and torch.cuda.is_available()
         if self.use_cuda:
             torch.cuda.set_device(self.local_rank)
@@ -195,8 +197,9 @@ class Group:
         device_ids = [self.local_rank] if self.use_cuda else None
         # gradients live in DDP's buckets (no copy per step); the graph is the same every step
         return nn.parallel.DistributedDataParallel(
-            model, device_ids=device_ids, gradient_as_bucket_view=True, static_graph=True
-        )
+            model, device_ids=device_ids, gradient_as_bucket_view=True,
+            static_graph=self.static_graph,
+        )  # fmt: skip
 
     def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None:
         """sync "average": every K steps, average the replicas' weights, floating buffers (the

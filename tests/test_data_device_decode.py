@@ -76,6 +76,28 @@ def test_device_decoding_reports_bad_files_like_the_workers(tmp_path, capfd):
     assert counts["cpu"] == counts["gpu"] and len(counts["gpu"]) == 14 - 3
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_batch_of_only_corrupt_jpegs_is_empty_on_the_device(device):
+    """Every image refused by the decoder: an empty batch where the network runs, each named."""
+    from cnnkit.data.batch import Encoded, WorkerBatch
+    from cnnkit.data.device_decode import decode_batch
+
+    class Set:
+        size, resize_mode = 16, "squash"
+
+    junk = [b"\xff\xd8\xff\xe0" + bytes(range(60)), b"\xff\xd8\xff\xdb" + bytes(40)]
+    batch = WorkerBatch(torch.tensor([0, 1]), encoded=Encoded.join(junk), names=["a", "b"])
+    pixels, kept = decode_batch(None, batch, Set(), torch.device(device))
+    assert pixels.shape == (0, 3, 16, 16) and pixels.device.type == device
+    assert len(kept) == 0 and [name for name, _ in kept.bad] == ["a", "b"]
+
+
 def test_raw_shards_need_no_decoding(sets):
     with pytest.raises(ConfigError, match="raw shards need no decoding"):
         data_config({"source": "packed", "path": str(sets / "raw"), "crop": 28,

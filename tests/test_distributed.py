@@ -34,6 +34,7 @@ BASE = {
 }  # fmt: skip
 SCENARIOS = {
     "ddp": {},
+    "ddp_acc2": {"accumulate": 2},  # no_sync micro-batches: static_graph must be off
     "avg1": {"sync": "average"},
     "avg3": {"sync": "average", "average_every": 3},
 }
@@ -90,7 +91,7 @@ def _params(path: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(path)["model"]
 
 
-@pytest.mark.parametrize("name", ["ddp", "avg1"])
+@pytest.mark.parametrize("name", ["ddp", "ddp_acc2", "avg1"])
 def test_two_processes_match_one(name, two_processes, tmp_path):
     one = fit(
         validate_run({**BASE, "train": {**BASE["train"], **SCENARIOS[name]}}),

@@ -103,3 +103,14 @@ def test_bench_reports_steady_state_synced_and_tf32():
     assert "TF32" in r["math"] or "true fp32" in r["math"]
     assert r["peak_fraction"] <= 1 and r["theoretical_peak"] is not None
     assert r["speedup_vs_baseline"] > 0 and r["speedup_vs_careful"] > 0
+
+
+def test_rng_state_holds_this_devices_generator_and_restores_it():
+    from cnnkit.checkpoint import rng_state, set_rng_state
+
+    torch.rand(1, device=CUDA)  # CUDA in use: its generator is part of the state
+    state = rng_state()
+    assert len(state["cuda"]) == 1
+    first = torch.rand(8, device=CUDA)
+    set_rng_state(state)
+    assert torch.equal(first, torch.rand(8, device=CUDA))

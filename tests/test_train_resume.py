@@ -3,6 +3,7 @@ to an uninterrupted run; checkpoints are data, never code."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -175,3 +176,46 @@ def test_timed_saves_come_at_steps_every_rank_agrees_on(monkeypatch):
     counted = saver.MidEpochSaves(every=50, minutes=0.0, dist=Local())
     assert [g for g in range(1, 160) if counted.due(g, 1, 1000)] == [50, 100, 150]
     assert not counted.due(200, step=1000, steps=1000)  # the epoch's own save comes next
+
+
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+              "adam": lambda ps: torch.optim.Adam(ps, lr=0.01)}  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_optimizer_state_takes_the_resumed_models_memory_format(optimizer):
+    """Momenta saved from a channels_last model load into an NCHW one (another device's
+    choice) with the parameters' strides, and the next step equals one without the trip."""
+    from cnnkit.nn import build_model
+    from cnnkit.train.state import match_param_layout
+
+    def model_and_optimizer(fmt):
+        torch.manual_seed(0)
+        model = build_model("digitnet", num_classes=4).to(memory_format=fmt).eval()
+        return model, OPTIMIZERS[optimizer](model.parameters())
+
+    def step(model, opt):
+        x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    saved, opt = model_and_optimizer(torch.channels_last)
+    step(saved, opt)
+    model, resumed = model_and_optimizer(torch.contiguous_format)
+    model.load_state_dict(saved.state_dict())
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))  # as torch.load gives it
+    loaded = {(i, k): v.clone() for i, p in enumerate(model.parameters())
+              for k, v in resumed.state[p].items()}  # fmt: skip
+    assert any(v.stride() != p.stride() for p in model.parameters()
+               for v in resumed.state[p].values() if v.dim())  # fmt: skip
+    match_param_layout(resumed)
+    for i, p in enumerate(model.parameters()):
+        for k, v in resumed.state[p].items():
+            assert torch.equal(v, loaded[i, k]) and (v.stride() == p.stride() or not v.dim())
+    as_loaded, optimizer_as_loaded = model_and_optimizer(torch.contiguous_format)
+    as_loaded.load_state_dict(saved.state_dict())
+    optimizer_as_loaded.load_state_dict(copy.deepcopy(opt.state_dict()))
+    step(model, resumed), step(as_loaded, optimizer_as_loaded)  # the same step either way
+    for a, b in zip(model.parameters(), as_loaded.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -34,9 +34,12 @@ EXPLORE = typer.Option(
 
 def _as_the_command_runs() -> None:
     """What `cnnkit train` starts with, so that a benchmark measures what training runs."""
+    import torch
+
     from cnnkit.runtime import keep_freed_memory
 
     keep_freed_memory()
+    torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -131,6 +134,7 @@ def scaling(
     as_json: bool = JSON,
 ) -> None:
     """The CPU-vs-GPU study of Strigl et al. 2010: growing networks timed on every device, with speed-ups."""
+    _as_the_command_runs()
     from cnnkit.bench.scaling import (
         ensure_dir,
         parse_devices,

@@ -19,6 +19,10 @@ def decode_images(items: list[torch.Tensor], device: torch.device) -> list[torch
         warnings.simplefilter("ignore", DeprecationWarning)
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        if device.type == "cuda":
+            # nvJPEG fills its outputs from a stream of its own that does not wait for this one;
+            # memory freed on this stream (the last batch's images) must be idle before reuse
+            torch.cuda.current_stream(device).synchronize()
         return _decode_all(items, device, decode_jpeg, ImageReadMode.RGB)
 
 
@@ -61,7 +65,8 @@ def decode_batch(pixels: torch.Tensor | None, batch: WorkerBatch, dataset: Batch
     keep = [i for i in range(n) if i in batch.decoded or image[i] is not None]
     parts = [batch.decoded[i].to(device, non_blocking=True) if i in batch.decoded
              else resize_on_device(image[i], size, mode) for i in keep]  # fmt: skip
-    out = torch.stack(parts) if parts else torch.empty((0, 3, size, size), dtype=torch.uint8)
+    empty = torch.empty((0, 3, size, size), dtype=torch.uint8, device=device)
+    out = torch.stack(parts) if parts else empty
     if len(keep) < n:
         bad = [(batch.names[i], "corrupt JPEG (device decoder)") for i in range(n) if i not in keep]
         batch = WorkerBatch(batch.labels[keep], bad=bad)

@@ -75,11 +75,26 @@ def plain_state_dict(network: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def match_param_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each parameter's optimizer state (momenta, Adam's averages) the parameter's memory
+    format: a checkpoint saved in another format (channels_last on one device, NCHW on another)
+    loads with its own strides, which fused and foreach kernels want equal to the parameter's."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if not torch.is_tensor(value) or value.shape != p.shape:
+                    continue  # a step count
+                if value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
 def restore(state: dict[str, Any], engine: Engine, schedule: Schedule) -> Progress:
     """Load model, optimizer, scaler and schedule from a checkpoint; return where it stood."""
     try:
         engine.network.load_state_dict(state["model"])
         engine.optimizer.load_state_dict(state["optimizer"])
+        match_param_layout(engine.optimizer)
         if engine.scaler.is_enabled() and state.get("scaler"):
             engine.scaler.load_state_dict(state["scaler"])
         schedule.load_state_dict(state["schedule"])
