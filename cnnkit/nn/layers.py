@@ -166,7 +166,7 @@ class Conv(ParamLayer):
     dilation: IntPair = 1
     groups: Count = 1
     bias: Flag = True
-    param_names: ClassVar = ("weight", "bias")
+    param_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         c, h, w = need_image(shapes[0])
@@ -221,7 +221,7 @@ class Linear(ParamLayer):
     out_features: Count | None = Field(None, description="omitted: the data set's class count")
     bias: Flag = True
     flatten: Flag = True
-    param_names: ClassVar = ("weight", "bias")
+    param_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         if self.out_features is None:
@@ -253,7 +253,7 @@ class BatchNorm(ParamLayer):
     eps: Real = Field(1e-5, gt=0)
     momentum: Real | None = Field(0.1, ge=0, le=1)
     affine: Flag = True
-    param_names: ClassVar = ("weight", "bias")
+    param_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         _channels_or_features(shapes[0])
@@ -274,7 +274,7 @@ class LayerNorm(ParamLayer):
     type: Literal["layernorm"]
     eps: Real = Field(1e-5, gt=0)
     affine: Flag = True
-    param_names: ClassVar = ("weight", "bias")
+    param_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         _channels_or_features(shapes[0])
@@ -291,7 +291,7 @@ class PReLU(ParamLayer):
     type: Literal["prelu"]
     channelwise: Flag = True
     init_slope: Real = 0.25
-    param_names: ClassVar = ("weight",)
+    param_names: ClassVar[tuple[str, ...]] = ("weight",)
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         return nn.PReLU(self.param_count(shapes), self.init_slope)
@@ -306,7 +306,7 @@ class Scale(ParamLayer):
     as torchvision names it), not `<name>.weight`."""
 
     type: Literal["scale"]
-    param_names: ClassVar = ("weight",)
+    param_names: ClassVar[tuple[str, ...]] = ("weight",)
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         _channels_or_features(shapes[0])

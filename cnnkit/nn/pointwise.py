@@ -39,42 +39,42 @@ class _Plain(Layer):
 
 class ReLU(_Plain):
     type: Literal["relu"]
-    module: ClassVar = nn.ReLU
+    module: ClassVar[type[nn.Module]] = nn.ReLU
 
 
 class ReLU6(_Plain):
     type: Literal["relu6"]
-    module: ClassVar = nn.ReLU6
+    module: ClassVar[type[nn.Module]] = nn.ReLU6
 
 
 class Sigmoid(_Plain):
     type: Literal["sigmoid"]
-    module: ClassVar = nn.Sigmoid
+    module: ClassVar[type[nn.Module]] = nn.Sigmoid
 
 
 class Hardsigmoid(_Plain):
     type: Literal["hardsigmoid"]
-    module: ClassVar = nn.Hardsigmoid
+    module: ClassVar[type[nn.Module]] = nn.Hardsigmoid
 
 
 class Hardswish(_Plain):
     type: Literal["hardswish"]
-    module: ClassVar = nn.Hardswish
+    module: ClassVar[type[nn.Module]] = nn.Hardswish
 
 
 class GELU(_Plain):
     type: Literal["gelu"]
-    module: ClassVar = nn.GELU
+    module: ClassVar[type[nn.Module]] = nn.GELU
 
 
 class SiLU(_Plain):
     type: Literal["silu"]
-    module: ClassVar = nn.SiLU
+    module: ClassVar[type[nn.Module]] = nn.SiLU
 
 
 class Identity(_Plain):
     type: Literal["identity"]
-    module: ClassVar = nn.Identity
+    module: ClassVar[type[nn.Module]] = nn.Identity
 
 
 class LeakyReLU(Layer):
@@ -181,7 +181,7 @@ def _broadcast(shapes: list[Shape]) -> Shape | None:
 class _Merge(Layer):
     """Element-wise merges broadcast a size-1 dimension ((C, 1, 1) * (C, H, W): excitation)."""
 
-    many_inputs: ClassVar = True
+    many_inputs: ClassVar[bool] = True
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         if len(shapes) < 2:
