@@ -135,3 +135,41 @@ def test_concat_joins_channels():
     with torch.no_grad():
         torch.testing.assert_close(model(x), torch.cat([model.a(x), model.b(x)], 1))
     assert model.output_shape == (7, 6, 6)
+
+
+@pytest.mark.parametrize("size", [5, 4, 1])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_lrn_matches_torch_forward_and_backward_in_both_formats(size, channels_last):
+    """cnnkit's LRN (a band matrix product, the backward written out) against
+    nn.LocalResponseNorm: outputs, input gradients and memory formats; with grad and without."""
+    from cnnkit.nn.modules import LocalResponseNorm
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(3, 10, 6, 7, generator=torch.Generator().manual_seed(size)) * 4
+    x = x.contiguous(memory_format=fmt)
+    ours, ref = (
+        LocalResponseNorm(size, 1e-2, 0.75, 2.0),
+        nn.LocalResponseNorm(size, 1e-2, 0.75, 2.0),
+    )
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = ours(a), ref(b)
+    grad = torch.randn_like(want)
+    got.backward(grad), want.backward(grad)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert got.stride() == want.stride() and a.grad.stride() == b.grad.stride()
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x), want.detach(), rtol=1e-5, atol=1e-6)
+    assert ours(x[:, :, ::2]).shape == ref(x[:, :, ::2]).shape  # neither format: made contiguous
+
+
+def test_lrn_in_bf16_is_computed_in_fp32_and_exports_as_torch_nn():
+    from cnnkit.nn.modules import LocalResponseNorm
+
+    ours, ref = LocalResponseNorm(5, 1e-4, 0.75, 1.0), nn.LocalResponseNorm(5, 1e-4, 0.75, 1.0)
+    x = torch.randn(2, 8, 5, 5) * 50
+    half = ours(x.bfloat16())
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), ref(x.bfloat16().float()), rtol=1e-2, atol=1e-2)
+    graph = str(torch.export.export(ours, (x,)).graph)  # exports hold torch.nn's ops
+    assert "baddbmm" not in graph and "avg_pool3d" in graph

@@ -21,7 +21,7 @@ from cnnkit.nn.layers import (
     pair,
     window_out,
 )
-from cnnkit.nn.modules import WithinChannelLRN
+from cnnkit.nn.modules import LocalResponseNorm, WithinChannelLRN
 
 
 class _Pool(Layer):
@@ -120,4 +120,4 @@ class LRN(Layer):
         if self.region == "within_channel":
             return WithinChannelLRN(self.size, self.alpha, self.beta, k)
         alpha = self.alpha * self.size if self.convention == "paper" else self.alpha
-        return nn.LocalResponseNorm(self.size, alpha, self.beta, k)
+        return LocalResponseNorm(self.size, alpha, self.beta, k)
