@@ -171,5 +171,6 @@ def test_lrn_in_bf16_is_computed_in_fp32_and_exports_as_torch_nn():
     half = ours(x.bfloat16())
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), ref(x.bfloat16().float()), rtol=1e-2, atol=1e-2)
+    assert ours(x.to("meta")).shape == x.shape  # shape inference on the meta device
     graph = str(torch.export.export(ours, (x,)).graph)  # exports hold torch.nn's ops
     assert "baddbmm" not in graph and "avg_pool3d" in graph

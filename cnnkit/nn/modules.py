@@ -83,7 +83,8 @@ class LocalResponseNorm(nn.LocalResponseNorm):
     written out. Exports, tracing and compiling see plain nn.LocalResponseNorm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        plain = x.dim() != 4 or x.device.type not in ("cpu", "cuda")  # meta: shapes only
+        if plain or torch.jit.is_tracing() or torch.compiler.is_compiling():
             return super().forward(x)
         return _CrossChannelLRN.apply(x, self.size, self.alpha, self.beta, self.k)
 
