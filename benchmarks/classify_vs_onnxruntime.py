@@ -1,6 +1,7 @@
-"""CPU inference: a cnnkit network in PyTorch (fp32, eager, as `cnnkit classify` runs it) vs the
-same network exported by `cnnkit export --format onnx` and run in ONNX Runtime. Same batch, same
-process, runs interleaved, medians and the ratio printed.
+"""CPU inference: a cnnkit network in PyTorch (fp32, eager, with the memory format and linear
+products `cnnkit classify` measures as the fastest here) vs the same network exported by
+`cnnkit export --format onnx` and run in ONNX Runtime. Same batch, same process, runs
+interleaved, medians and the ratio printed.
 
     python benchmarks/classify_vs_onnxruntime.py --net alexnet --batch 16 --repeats 10
     python benchmarks/classify_vs_onnxruntime.py --net runs/digits --batch 256 --threads 2
@@ -22,7 +23,9 @@ import torch
 
 from cnnkit.infer.export import export
 from cnnkit.infer.load import load_for_inference
+from cnnkit.nn.kernels import set_kernels
 from cnnkit.runtime import machine_name
+from cnnkit.train.settings import choose_inference_kernels
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,9 +66,15 @@ def main() -> None:
             options.intra_op_num_threads = args.threads
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     x = torch.randn(args.batch, *model.input_shape)
+    channels_last, plan = choose_inference_kernels(model, torch.device("cpu"), args.batch)
+    if channels_last:  # as Classifier does, which converts each batch (counted here too)
+        model = model.to(memory_format=torch.channels_last)
+    set_kernels(model, plan)
 
     def pytorch(batch: torch.Tensor):
         with torch.inference_mode():
+            if channels_last:
+                batch = batch.contiguous(memory_format=torch.channels_last)
             return model(batch)
 
     def onnxruntime(batch: torch.Tensor):
@@ -77,12 +86,15 @@ def main() -> None:
     )
     medians = {name: statistics.median(s) for name, s in seconds.items()}
     print(f"{args.net}  batch {args.batch}  {machine_name(torch.device('cpu'))}  "
-          f"torch threads {torch.get_num_threads()}  max abs diff {diff:.2e}")  # fmt: skip
+          f"torch threads {torch.get_num_threads()}  channels_last {channels_last}  "
+          f"kernels {sorted(set(plan.values())) or 'plain'}  "
+          f"max abs diff {diff:.2e}")  # fmt: skip
     for name, median in medians.items():
         print(f"  {name:12s} {median * 1e3:9.2f} ms/batch  {args.batch / median:9.1f} images/s")
     ratio = medians["pytorch"] / medians["onnxruntime"]
     print(f"  onnxruntime / pytorch speed: {ratio:.2f}x")
-    record = {"net": args.net, "batch": args.batch, "max_abs_diff": diff, "speedup": ratio}
+    record = {"net": args.net, "batch": args.batch, "channels_last": channels_last, "kernels": plan,
+              "max_abs_diff": diff, "speedup": ratio}  # fmt: skip
     record.update({f"{k}_ms": v * 1e3 for k, v in medians.items()})
     print(json.dumps(record))
 

@@ -55,6 +55,28 @@ def test_classifies_digit_pngs_like_evaluation(digits_run, digit_pngs):
     assert all(len(p.labels) == 3 and p.probs == sorted(p.probs, reverse=True) for p in preds)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_either_measured_format_gives_the_same_predictions(digits_run, digit_pngs, monkeypatch,
+                                                           channels_last):  # fmt: skip
+    from cnnkit.train import settings
+
+    paths, _ = digit_pngs
+    plain = Classifier.load(digits_run)
+    plain.channels_last = False  # as measured: NCHW
+    plan = {"fc3": "wxt", "output": "wxt"} if channels_last else {}  # digitnet's linear layers
+    monkeypatch.setattr(settings, "choose_inference_kernels", lambda *a, **k: (channels_last, plan))
+    chosen = Classifier.load(digits_run)
+    want, got = plain.predict(paths[:9], top=2), chosen.predict(paths[:9], top=2)
+    assert chosen.channels_last is channels_last
+    conv = next(m for m in chosen.model.modules()
+                if isinstance(m, torch.nn.Conv2d) and m.in_channels > 1)  # fmt: skip
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) is channels_last
+    assert chosen.model.get_submodule("fc3").product == ("wxt" if channels_last else "xwt")
+    assert [p.labels for p in got] == [p.labels for p in want]
+    for a, b in zip(got, want, strict=True):
+        assert a.probs == pytest.approx(b.probs, rel=1e-5, abs=1e-6)
+
+
 def test_predict_accepts_paths_pil_arrays_and_tensors(digits_run, digit_pngs):
     path = digit_pngs[0][0]
     classifier = Classifier.load(digits_run)

@@ -91,3 +91,50 @@ def test_train_prints_the_choice_on_its_start_line(tmp_path, capsys, threads):
     line = next(x for x in err.splitlines() if x.startswith("training digits"))
     assert "fastest measured" in line or "as set" in line or "static rules" in line
     assert ("1 thread" in line) if threads == 1 else True
+
+
+def test_inference_kernels_are_timed_forward_only_once_then_cached(tmp_path, monkeypatch):
+    """Classification's kernels: NCHW / channels_last x the linear layers' two products,
+    forward passes timed in inference mode at the batch (up to INFER_BATCH), the answer cached
+    apart from the training settings."""
+    from cnnkit.train.settings import INFER_BATCH, choose_inference_kernels
+
+    net, cache = build_model("digitnet"), tmp_path / "c.json"
+    timed = []
+    real = settings_module._StepTimer._call
+
+    def spy(self, candidate):
+        timed.append((self.batch, self.forward_only, candidate[1], candidate[3]))
+        return real(self, candidate)
+
+    monkeypatch.setattr(settings_module._StepTimer, "_call", spy)
+    first = choose_inference_kernels(net, CPU, 500, cache=cache)
+    assert {t[0] for t in timed} == {INFER_BATCH} and all(t[1] for t in timed)
+    linear = (("fc3", "wxt"), ("output", "wxt"))
+    assert {(t[2], t[3]) for t in timed} == {(cl, p) for cl in (False, True) for p in ((), linear)}
+    measured = len(timed)
+    assert choose_inference_kernels(net, CPU, 500, cache=cache) == first and len(timed) == measured
+    entry = next(iter(json.loads(cache.read_text()).values()))
+    assert entry["precision"] == "fp32" and entry["channels_last"] == first[0]
+    assert set(first[1].items()) in (set(), set(linear))
+    choose_settings(net, TrainConfig(), CPU, INFER_BATCH, cache=cache)  # training: its own entry
+    assert len(json.loads(cache.read_text())) == 2
+    flat = build_model({"input": [10], "layers": [{"type": "linear", "out_features": 3}]})
+    assert choose_inference_kernels(flat, CPU, 8, cache=cache) == (False, {})  # as trained
+
+
+def test_flattening_linear_layers_transposed_product_equals_f_linear():
+    from cnnkit.nn.kernels import set_kernel
+    from cnnkit.nn.modules import FlatLinear
+
+    for bias in (True, False):
+        layer = FlatLinear(12, 5, bias=bias)
+        x = torch.randn(3, 3, 2, 2, requires_grad=True)
+        want = layer(x)
+        set_kernel(layer, "wxt")
+        got = layer(x)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        assert x.grad is not None and layer.weight.grad is not None
+        graph = str(torch.export.export(layer, (x.detach(),)).graph)
+        assert "aten.linear" in graph and "addmm" not in graph  # exports: F.linear

@@ -48,6 +48,7 @@ class Classifier:
         self.classes = loaded.classes
         self.preprocess = loaded.preprocess
         self.device = torch.device(device)
+        self.channels_last: bool | None = None  # the faster kernels, measured at the first batch
 
     @classmethod
     def load(cls, path: str | Path, device: Any = "cpu") -> Classifier:
@@ -94,8 +95,24 @@ class Classifier:
         """uint8 (B, N, C, H, W) crops -> class probabilities (B, K), averaged over the N crops."""
         b, n = crops.shape[:2]
         x = self.preprocess.normalize(crops.flatten(0, 1).to(self.device))
+        if self.channels_last is None:
+            self._choose_format(len(x))
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         probs = self.model(x).float().softmax(dim=1)  # (B * N, K)
         return probs.view(b, n, -1).mean(dim=1)
+
+    def _choose_format(self, batch: int) -> None:
+        """channels_last and the linear layers' product where this CPU runs the network's
+        forward pass faster with them (timed once per machine and network, then cached:
+        train/settings.py)."""
+        from cnnkit.nn.kernels import set_kernels
+        from cnnkit.train.settings import choose_inference_kernels
+
+        self.channels_last, plan = choose_inference_kernels(self.model, self.device, batch)
+        if self.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        set_kernels(self.model, plan)
 
     def _run(self, pending: list[tuple[str, torch.Tensor]], top: int) -> Iterator[Prediction]:
         if not pending:

@@ -18,11 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from cnnkit.nn.modules import FlatLinear
+
 KERNELS = ("nchw", "nhwc", "nnpack")
+PRODUCTS = ("xwt", "wxt")  # a flattening linear layer's: F.linear's x @ W^T, or (W @ x^T)^T
 NNPACK_MAX_KERNEL = 16  # NNPACK's largest kernel side
 # the memory format each kernel takes its input and weights in (NNPACK: NCHW)
 FORMATS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last,
-           "nnpack": torch.contiguous_format}  # fmt: skip
+           "nnpack": torch.contiguous_format, "xwt": torch.contiguous_format,
+           "wxt": torch.contiguous_format}  # fmt: skip
 
 
 @functools.cache
@@ -55,6 +59,8 @@ def options(module: nn.Module) -> tuple[str, ...]:
         return KERNELS if nnpack else KERNELS[:2]
     if isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)):
         return KERNELS[:2]
+    if isinstance(module, FlatLinear):
+        return PRODUCTS
     return ()
 
 
@@ -69,6 +75,9 @@ def set_kernel(module: nn.Module, kernel: str) -> None:
     """Put the layer's input and weights in the kernel's memory format; NNPACK for a conv."""
     if kernel not in options(module):
         raise ValueError(f"kernel {kernel!r} does not apply to {type(module).__name__}")
+    if isinstance(module, FlatLinear):  # a product, no memory format
+        module.product = kernel
+        return
     old = getattr(module, "_kernel_hook", None)
     if old is not None:
         old.remove()

@@ -15,10 +15,21 @@ class ScaledTanh(nn.Module):
 
 
 class FlatLinear(nn.Linear):
-    """nn.Linear that flattens a (B, C, H, W) input first, as Caffe's InnerProduct does."""
+    """nn.Linear that flattens a (B, C, H, W) input first, as Caffe's InnerProduct does.
+
+    `product` "wxt" computes (W @ x^T)^T instead of F.linear's x @ W^T: the same sums, which
+    some CPUs' BLAS runs several times faster for small batches (nn/kernels.py; classification
+    measures it). Exports, tracing and compiling see F.linear."""
+
+    product = "xwt"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.flatten(1) if x.dim() > 2 else x)
+        x = x.flatten(1) if x.dim() > 2 else x
+        if self.product == "xwt" or torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return super().forward(x)
+        if self.bias is None:
+            return (self.weight @ x.T).T
+        return torch.addmm(self.bias[:, None], self.weight, x.T).T
 
 
 class ChannelLinear(nn.Linear):

@@ -44,7 +44,7 @@ def plan_kernels(network: Network, x: torch.Tensor, threads: int) -> dict[str, s
 
 def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Layer name -> (input shape, whether that input is the network's own) for every layer
-    that has kernel options, in the order one forward pass runs them (the network's input
+    that has memory-format options (convolutions and pooling), in the order one forward pass runs them (the network's input
     needs no gradient)."""
     x = x.cpu()
     seen: dict[str, tuple[tuple[int, ...], bool]] = {}
@@ -53,7 +53,7 @@ def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int
         seen.setdefault(name, (tuple(args[0].shape), args[0] is x))
 
     hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: record(name, args))
-             for name, m in model.named_modules() if len(options(m)) > 1]  # fmt: skip
+             for name, m in model.named_modules() if "nchw" in options(m)]  # fmt: skip
     try:
         with torch.no_grad():
             model(x)

@@ -31,7 +31,7 @@ import torch
 from cnnkit.config import TrainConfig
 from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
-from cnnkit.nn.kernels import set_kernels
+from cnnkit.nn.kernels import options, set_kernels
 from cnnkit.runtime import available_cores, machine_name, torch_threads
 from cnnkit.train.kernel_plan import plan_kernels
 
@@ -42,6 +42,8 @@ MARGIN = 1.03  # reduced precision must be this much faster than fp32 to be chos
 BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
 MIN_ROUNDS, MAX_ROUNDS = 2, 5
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
+INFER_BATCH = 16  # the largest batch inference kernels are timed at
+INFER_METHOD = 2  # how they are measured (2: formats x linear products); in the cache key
 METHOD = 3  # how settings are measured; part of the cache key, so a new method measures anew
 Plan = tuple[tuple[str, str], ...]  # (layer name, kernel) pairs; () for none
 
@@ -134,6 +136,39 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
     return chosen
 
 
+def choose_inference_kernels(network: Network, device: torch.device, batch: int,
+                             cache: Path | bool = True) -> tuple[bool, dict[str, str]]:  # fmt: skip
+    """(channels_last, a kernel per layer) for fp32 inference of `network` at `batch` images
+    on this CPU: NCHW or channels_last, and the flattening linear layers' product (F.linear's
+    or its transpose, nn/kernels.py), whichever forward pass is fastest; each pair timed in
+    inference mode, interleaved, at up to INFER_BATCH images, once per machine, torch version,
+    network and batch (cached beside the training settings). Off a CPU, and for networks
+    without image input: (False, {}), as trained."""
+    if device.type != "cpu" or len(network.input_shape) != 3:
+        return False, {}
+    cache = CACHE if cache is True else (cache or None)
+    batch = max(1, min(batch, INFER_BATCH))
+    key = _cache_key(network, TrainConfig(), device, batch, mode=f"infer{INFER_METHOD}")
+    found = _read_cache(cache).get(key) if cache else None
+    if found is None:
+        found = asdict(_measure_inference(network, device, batch))
+        if cache is not None:
+            _write_cache(cache, key, Settings(**found))
+    return bool(found["channels_last"]), {str(n): str(k) for n, k in found["kernels"]}
+
+
+def _measure_inference(network: Network, device: torch.device, batch: int) -> Settings:
+    threads = torch.get_num_threads()
+    linear = tuple((n, "wxt") for n, m in network.named_modules() if "wxt" in options(m))
+    plans = [(), linear] if linear else [()]
+    grid = [("fp32", cl, threads, plan) for cl in (False, True) for plan in plans]
+    with torch.random.fork_rng(devices=[]):
+        times = _StepTimer(network, device, batch, exact=True, forward_only=True).run(grid)
+    plain, best = grid[0], min(grid, key=times.get)
+    chosen = best if times[best] * MARGIN < times[plain] else plain
+    return Settings(*chosen[:3], "measured", times[plain] / times[chosen], chosen[3])
+
+
 def candidates(network: Network, cfg: TrainConfig, device: torch.device) -> dict[str, list]:
     """Values to try per setting (a setting the config fixes has one)."""
     image = len(network.input_shape) == 3
@@ -202,13 +237,13 @@ def _fastest(times: dict[tuple, float]) -> tuple:
 
 
 class _StepTimer:
-    """Times forward + backward of copies of the network (one per memory format and kernel
-    plan) on a fixed random batch, candidates interleaved round by round; seconds per image,
-    median."""
+    """Times forward + backward (or the forward alone, in inference mode) of copies of the
+    network (one per memory format and kernel plan) on a fixed random batch, candidates
+    interleaved round by round; seconds per image, median."""
 
     def __init__(self, network: Network, device: torch.device, batch: int,
-                 exact: bool = False) -> None:  # fmt: skip
-        self.device = device
+                 exact: bool = False, forward_only: bool = False) -> None:  # fmt: skip
+        self.device, self.forward_only = device, forward_only
         per_image = max(_macs(network), 1)
         self.batch = batch if exact else min(
             batch, max(min(batch, 8), int(TARGET_MACS.get(device.type, 3e9) / per_image))
@@ -224,7 +259,7 @@ class _StepTimer:
 
     def _model(self, channels_last: bool, kernels: Plan):
         if (channels_last, kernels) not in self.models:
-            model = copy.deepcopy(self.network).to(self.device).train()
+            model = copy.deepcopy(self.network).to(self.device).train(not self.forward_only)
             if channels_last:
                 model = model.to(memory_format=torch.channels_last)
             self.models[channels_last, kernels] = set_kernels(model, dict(kernels))
@@ -238,9 +273,13 @@ class _StepTimer:
         with torch_threads(threads):
             _sync(self.device)
             start = time.perf_counter()
-            with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-                loss = torch.nn.functional.cross_entropy(model(x).float(), self.y)
-            loss.backward()
+            if self.forward_only:
+                with torch.inference_mode():
+                    model(x)
+            else:
+                with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = torch.nn.functional.cross_entropy(model(x).float(), self.y)
+                loss.backward()
             _sync(self.device)
             seconds = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
@@ -271,10 +310,13 @@ def _macs(network: Network) -> int:
     return sum(row.macs for row in network.table)
 
 
-def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int) -> str:
+def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int,
+               mode: str = "train") -> str:  # fmt: skip
     fixed = {k: getattr(cfg, k) for k in ("precision", "channels_last", "threads")}
     parts = [machine_name(device), torch.__version__, _version(), METHOD, batch, fixed,
              json.dumps(network.spec, sort_keys=True, default=str), network.num_classes]  # fmt: skip
+    if mode != "train":  # training keys stay as they were
+        parts.append(mode)
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
