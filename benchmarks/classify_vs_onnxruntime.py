@@ -62,6 +62,8 @@ def main() -> None:
         path = Path(tmp) / "model.onnx"
         export(loaded, "onnx", path)
         options = ort.SessionOptions()
+        # idle ORT threads otherwise spin on the cores PyTorch's next (interleaved) call runs on
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if args.threads:
             options.intra_op_num_threads = args.threads
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
