@@ -138,3 +138,19 @@ def test_flattening_linear_layers_transposed_product_equals_f_linear():
         assert x.grad is not None and layer.weight.grad is not None
         graph = str(torch.export.export(layer, (x.detach(),)).graph)
         assert "aten.linear" in graph and "addmm" not in graph  # exports: F.linear
+
+
+def test_eval_on_the_cpu_runs_classifications_kernels(digits_run, monkeypatch):
+    """`cnnkit eval` of an fp32 run on a CPU uses the measured inference kernels; the figures
+    are the same in either choice."""
+    from cnnkit.train import evaluation
+
+    asked, results = [], {}
+    for choice in ((False, {}), (True, {"fc3": "wxt", "output": "wxt"})):
+        monkeypatch.setattr(evaluation, "choose_inference_kernels",
+                            lambda net, dev, batch, c=choice: asked.append(batch) or c)  # fmt: skip
+        results[choice[0]] = evaluation.evaluate_checkpoint(digits_run, device="cpu")
+    assert len(asked) == 2 and all(b > 0 for b in asked)
+    assert results[True]["images"] == results[False]["images"] > 0
+    assert results[True]["top1"] == pytest.approx(results[False]["top1"])
+    assert results[True]["loss"] == pytest.approx(results[False]["loss"], rel=1e-5)
