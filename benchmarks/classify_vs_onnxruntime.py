@@ -25,7 +25,7 @@ from cnnkit.infer.export import export
 from cnnkit.infer.load import load_for_inference
 from cnnkit.nn.kernels import set_kernels
 from cnnkit.runtime import machine_name
-from cnnkit.train.settings import choose_inference_kernels
+from cnnkit.tuning import choose_inference_kernels
 
 
 def parse_args() -> argparse.Namespace:

@@ -22,6 +22,6 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def own_settings_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
     """Measured training settings are cached per test session, not in the user's ~/.cache."""
-    from cnnkit.train import settings
+    from cnnkit import tuning
 
-    monkeypatch.setattr(settings, "CACHE", tmp_path_factory.getbasetemp() / "settings.json")
+    monkeypatch.setattr(tuning, "CACHE", tmp_path_factory.getbasetemp() / "settings.json")

@@ -58,13 +58,13 @@ def test_classifies_digit_pngs_like_evaluation(digits_run, digit_pngs):
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_either_measured_format_gives_the_same_predictions(digits_run, digit_pngs, monkeypatch,
                                                            channels_last):  # fmt: skip
-    from cnnkit.train import settings
+    from cnnkit import tuning
 
     paths, _ = digit_pngs
     plain = Classifier.load(digits_run)
     plain.channels_last = False  # as measured: NCHW
     plan = {"fc3": "wxt", "output": "wxt"} if channels_last else {}  # digitnet's linear layers
-    monkeypatch.setattr(settings, "choose_inference_kernels", lambda *a, **k: (channels_last, plan))
+    monkeypatch.setattr(tuning, "choose_inference_kernels", lambda *a, **k: (channels_last, plan))
     chosen = Classifier.load(digits_run)
     want, got = plain.predict(paths[:9], top=2), chosen.predict(paths[:9], top=2)
     assert chosen.channels_last is channels_last

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cnnkit import tuning
 from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import Conv2d, NnpackConv, nnpack_ready, options, set_kernel, set_kernels
@@ -127,7 +128,7 @@ def test_a_plan_is_kept_only_if_the_whole_step_is_faster(monkeypatch, faster):
     monkeypatch.setattr(settings_module, "plan_kernels", lambda *a: {"c2": "nhwc", "pool": "nhwc"})
     planned = ("fp32", False, 1, (("c2", "nhwc"), ("pool", "nhwc")))
     times = {("fp32", True, 1, ()): 1.0, planned: 0.8 if faster else 0.99}
-    monkeypatch.setattr(settings_module._StepTimer, "run", lambda self, cands: times)
+    monkeypatch.setattr(tuning.CandidateTimer, "run", lambda self, cands: times)
     chosen, gain = settings_module._with_kernels(net, CPU, 8, ("fp32", True, 1, ()))
     assert (chosen, gain) == ((planned, 1.25) if faster else (("fp32", True, 1, ()), 1.0))
 
@@ -139,8 +140,8 @@ def test_settings_carry_the_plan_through_the_cache_and_the_start_line(tmp_path):
         "fp32, kernels per layer (2 NNPACK, 1 NHWC), 2 threads: fastest measured, 1.40x fp32 NCHW"
     )
     cache = tmp_path / "c.json"
-    settings_module._write_cache(cache, "k", s)
-    back = Settings(**{**settings_module._read_cache(cache)["k"], "how": "cached"})
+    tuning.write_cache(cache, "k", {k: v for k, v in s.__dict__.items() if k != "how"})
+    back = Settings(**{**tuning.read_cache(cache)["k"], "how": "cached"})
     assert back.kernels == plan and hash(back)  # lists in JSON, tuples again when read
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from cnnkit import tuning
 from cnnkit.bench.throughput import bench_throughput
 from cnnkit.config import TrainConfig
 from cnnkit.nn import build_model
@@ -32,8 +33,8 @@ def test_explicit_settings_win_and_no_measuring_uses_the_rules(tmp_path):
 def test_measured_once_then_cached_per_batch(tmp_path, monkeypatch):
     net, cache = build_model("digitnet"), tmp_path / "c.json"
     timed = []
-    real = settings_module._StepTimer.run
-    monkeypatch.setattr(settings_module._StepTimer, "run",
+    real = tuning.CandidateTimer.run
+    monkeypatch.setattr(tuning.CandidateTimer, "run",
                         lambda self, c: timed.append(len(c)) or real(self, c))  # fmt: skip
     rng = torch.get_rng_state()
     first = choose_settings(net, TrainConfig(), CPU, 64, cache=cache)
@@ -68,7 +69,7 @@ def test_describe_says_what_and_why():
 
 
 def test_bench_runs_what_train_would_choose(tmp_path, monkeypatch):
-    monkeypatch.setattr(settings_module, "CACHE", tmp_path / "c.json")
+    monkeypatch.setattr(tuning, "CACHE", tmp_path / "c.json")
     net = build_model("digitnet")
     chosen = choose_settings(net, TrainConfig(device="cpu"), CPU, 16)
     r = bench_throughput("digitnet", "train", 16, CPU, repeats=2, quick_peak=True, explore=True)
@@ -97,17 +98,17 @@ def test_inference_kernels_are_timed_forward_only_once_then_cached(tmp_path, mon
     """Classification's kernels: NCHW / channels_last x the linear layers' two products,
     forward passes timed in inference mode at the batch (up to INFER_BATCH), the answer cached
     apart from the training settings."""
-    from cnnkit.train.settings import INFER_BATCH, choose_inference_kernels
+    from cnnkit.tuning import INFER_BATCH, choose_inference_kernels
 
     net, cache = build_model("digitnet"), tmp_path / "c.json"
     timed = []
-    real = settings_module._StepTimer._call
+    real = tuning.CandidateTimer._call
 
     def spy(self, candidate):
         timed.append((self.batch, self.forward_only, candidate[1], candidate[3]))
         return real(self, candidate)
 
-    monkeypatch.setattr(settings_module._StepTimer, "_call", spy)
+    monkeypatch.setattr(tuning.CandidateTimer, "_call", spy)
     first = choose_inference_kernels(net, CPU, 500, cache=cache)
     assert {t[0] for t in timed} == {INFER_BATCH} and all(t[1] for t in timed)
     linear = (("fc3", "wxt"), ("output", "wxt"))

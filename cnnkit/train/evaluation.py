@@ -18,7 +18,8 @@ from cnnkit.errors import ConfigError, DataError
 from cnnkit.nn import Network
 from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import evaluate, score_logits
-from cnnkit.train.settings import Settings, choose_inference_kernels, static_settings
+from cnnkit.train.settings import Settings, static_settings
+from cnnkit.tuning import choose_inference_kernels
 
 
 def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess) -> DataConfig:
@@ -161,7 +162,7 @@ class CountedBatches:
 def _eval_kernels(network: Network, cfg: TrainConfig, device: torch.device,
                   batch: int) -> Settings | None:  # fmt: skip
     """On a CPU in fp32 with the memory format on auto: the kernels classification measures
-    (train/settings.py: channels_last or not, the linear layers' product); else None, the
+    (cnnkit/tuning.py: channels_last or not, the linear layers' product); else None, the
     run's own rules."""
     rules = static_settings(network, cfg, device, batch)
     if device.type != "cpu" or rules.precision != "fp32" or cfg.channels_last is not None:

@@ -7,45 +7,39 @@ only when it is clearly faster, since fp32 keeps the most accuracy), and the cho
 per machine, torch version, network and batch in ~/.cache/cnnkit, so the next run reuses it.
 Where fp32 on the CPU wins and the memory format is left on auto, each convolution and pooling
 layer then gets its own fastest kernel (NCHW, NHWC or NNPACK: train/kernel_plan.py), kept if the
-whole step runs faster with them. Explicit settings always win; `train.calibrate: false` or
+whole step runs faster with them. The timer and the cache are cnnkit/tuning.py's. Explicit settings always win; `train.calibrate: false` or
 `deterministic: true` falls back to the static rules (a timing-dependent choice would make a run
 unrepeatable).
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import itertools
-import json
-import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from cnnkit.config import TrainConfig
 from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
-from cnnkit.nn.kernels import options, set_kernels
-from cnnkit.runtime import available_cores, machine_name, torch_threads
+from cnnkit.runtime import available_cores
 from cnnkit.train.kernel_plan import plan_kernels
+from cnnkit.tuning import (
+    MARGIN,
+    CandidateTimer,
+    Plan,
+    cache_key,
+    cache_path,
+    macs,
+    read_cache,
+    write_cache,
+)
 
-CACHE = Path("~/.cache/cnnkit/settings.json")
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
-TARGET_MACS = {"cpu": 1.5e10, "cuda": 2e12}  # work per timed call: enough to rank formats
-MARGIN = 1.03  # reduced precision must be this much faster than fp32 to be chosen
-BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
-MIN_ROUNDS, MAX_ROUNDS = 2, 5
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
-INFER_BATCH = 16  # the largest batch inference kernels are timed at
-INFER_METHOD = 2  # how they are measured (2: formats x linear products); in the cache key
 METHOD = 3  # how settings are measured; part of the cache key, so a new method measures anew
-Plan = tuple[tuple[str, str], ...]  # (layer name, kernel) pairs; () for none
 
 
 @dataclass(frozen=True)
@@ -104,7 +98,7 @@ def static_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
     image = len(network.input_shape) == 3
     channels_last = cfg.channels_last if cfg.channels_last is not None else precision != "fp32"
     threads = min(cfg.threads, available_cores()) if cfg.threads else torch.get_num_threads()
-    if cfg.threads is None and device.type == "cpu" and _macs(network) * batch < SMALL_STEP_MACS:
+    if cfg.threads is None and device.type == "cpu" and macs(network) * batch < SMALL_STEP_MACS:
         threads = 1
     return Settings(precision, bool(channels_last and image), threads, how)
 
@@ -113,9 +107,9 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
                     deterministic: bool = False, cache: Path | bool = True,
                     notify: Callable[[str], None] | None = None) -> Settings:  # fmt: skip
     """The settings `cnnkit train` runs `network` with at `batch` images per step on `device`
-    (`cache`: True for the user's cache file CACHE, False for none, or a file; `notify` is told
-    before a measurement starts)."""
-    cache = CACHE if cache is True else (cache or None)
+    (`cache`: True for the user's cache file, tuning.CACHE; False for none; or a file. `notify`
+    is told before a measurement starts)."""
+    cache = cache_path(cache)
     explicit = cfg.precision != "auto" and cfg.channels_last is not None
     explicit = explicit and (cfg.threads is not None or device.type != "cpu")
     if explicit:
@@ -123,7 +117,7 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
     if not cfg.calibrate or deterministic:
         return static_settings(network, cfg, device, batch)
     key = _cache_key(network, cfg, device, batch)
-    found = _read_cache(cache).get(key) if cache else None
+    found = read_cache(cache).get(key) if cache else None
     if found is not None:
         return Settings(**{**found, "how": "cached"})
     if notify is not None:
@@ -132,41 +126,8 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
                f"machine (once{where})")  # fmt: skip
     chosen = measure_settings(network, cfg, device, batch)
     if cache is not None:
-        _write_cache(cache, key, chosen)
+        write_cache(cache, key, {k: v for k, v in asdict(chosen).items() if k != "how"})
     return chosen
-
-
-def choose_inference_kernels(network: Network, device: torch.device, batch: int,
-                             cache: Path | bool = True) -> tuple[bool, dict[str, str]]:  # fmt: skip
-    """(channels_last, a kernel per layer) for fp32 inference of `network` at `batch` images
-    on this CPU: NCHW or channels_last, and the flattening linear layers' product (F.linear's
-    or its transpose, nn/kernels.py), whichever forward pass is fastest; each pair timed in
-    inference mode, interleaved, at up to INFER_BATCH images, once per machine, torch version,
-    network and batch (cached beside the training settings). Off a CPU, and for networks
-    without image input: (False, {}), as trained."""
-    if device.type != "cpu" or len(network.input_shape) != 3:
-        return False, {}
-    cache = CACHE if cache is True else (cache or None)
-    batch = max(1, min(batch, INFER_BATCH))
-    key = _cache_key(network, TrainConfig(), device, batch, mode=f"infer{INFER_METHOD}")
-    found = _read_cache(cache).get(key) if cache else None
-    if found is None:
-        found = asdict(_measure_inference(network, device, batch))
-        if cache is not None:
-            _write_cache(cache, key, Settings(**found))
-    return bool(found["channels_last"]), {str(n): str(k) for n, k in found["kernels"]}
-
-
-def _measure_inference(network: Network, device: torch.device, batch: int) -> Settings:
-    threads = torch.get_num_threads()
-    linear = tuple((n, "wxt") for n, m in network.named_modules() if "wxt" in options(m))
-    plans = [(), linear] if linear else [()]
-    grid = [("fp32", cl, threads, plan) for cl in (False, True) for plan in plans]
-    with torch.random.fork_rng(devices=[]):
-        times = _StepTimer(network, device, batch, exact=True, forward_only=True).run(grid)
-    plain, best = grid[0], min(grid, key=times.get)
-    chosen = best if times[best] * MARGIN < times[plain] else plain
-    return Settings(*chosen[:3], "measured", times[plain] / times[chosen], chosen[3])
 
 
 def candidates(network: Network, cfg: TrainConfig, device: torch.device) -> dict[str, list]:
@@ -190,7 +151,7 @@ def measure_settings(network: Network, cfg: TrainConfig, device: torch.device,
     options = candidates(network, cfg, device)
     grid = [(*c, ()) for c in itertools.product(*options.values())]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        timer = _StepTimer(network, device, batch)
+        timer = CandidateTimer(network, device, batch)
         times = timer.run(grid)
         chosen = _fastest(times)
         speedup = times.get(("fp32", False, chosen[2], ()), times[chosen]) / times[chosen]
@@ -214,7 +175,7 @@ def _with_kernels(network: Network, device: torch.device, batch: int,
     """`chosen` with the fastest kernel per layer if its step is MARGIN faster than without
     (both timed again, interleaved), and that gain; else `chosen` and 1. Timed at the run's
     own batch (up to PLAN_BATCH): which kernel wins changes with the batch."""
-    timer = _StepTimer(network, device, min(batch, PLAN_BATCH), exact=True)
+    timer = CandidateTimer(network, device, min(batch, PLAN_BATCH), exact=True)
     plan = plan_kernels(network, timer.x, chosen[2])
     if not plan:
         return chosen, 1.0
@@ -236,117 +197,6 @@ def _fastest(times: dict[tuple, float]) -> tuple:
     return best
 
 
-class _StepTimer:
-    """Times forward + backward (or the forward alone, in inference mode) of copies of the
-    network (one per memory format and kernel plan) on a fixed random batch, candidates
-    interleaved round by round; seconds per image, median."""
-
-    def __init__(self, network: Network, device: torch.device, batch: int,
-                 exact: bool = False, forward_only: bool = False) -> None:  # fmt: skip
-        self.device, self.forward_only = device, forward_only
-        per_image = max(_macs(network), 1)
-        self.batch = batch if exact else min(
-            batch, max(min(batch, 8), int(TARGET_MACS.get(device.type, 3e9) / per_image))
-        )  # fmt: skip
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn((self.batch, *network.input_shape), generator=g).to(device)
-        self.y = torch.randint(0, max(network.num_classes or 1, 1), (self.batch,), generator=g).to(
-            device
-        )
-        self.models: dict[tuple, Any] = {}
-        self.network = network
-        self.done: dict[tuple, float] = {}
-
-    def _model(self, channels_last: bool, kernels: Plan):
-        if (channels_last, kernels) not in self.models:
-            model = copy.deepcopy(self.network).to(self.device).train(not self.forward_only)
-            if channels_last:
-                model = model.to(memory_format=torch.channels_last)
-            self.models[channels_last, kernels] = set_kernels(model, dict(kernels))
-        return self.models[channels_last, kernels]
-
-    def _call(self, candidate: tuple) -> float:
-        precision, channels_last, threads, kernels = candidate
-        model = self._model(channels_last, kernels)
-        x = self.x.contiguous(memory_format=torch.channels_last) if channels_last else self.x
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        with torch_threads(threads):
-            _sync(self.device)
-            start = time.perf_counter()
-            if self.forward_only:
-                with torch.inference_mode():
-                    model(x)
-            else:
-                with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = torch.nn.functional.cross_entropy(model(x).float(), self.y)
-                loss.backward()
-            _sync(self.device)
-            seconds = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return seconds / self.batch
-
-    def run(self, cands: list[tuple]) -> dict[tuple, float]:
-        """Median seconds per image of each candidate not timed yet (and those already)."""
-        todo = [c for c in dict.fromkeys(cands) if c not in self.done]
-        for c in todo:  # warm-up: kernels chosen, memory allocated
-            self._call(c)
-        seconds: dict[tuple, list[float]] = {c: [] for c in todo}
-        start = time.perf_counter()
-        for r in range(MAX_ROUNDS if todo else 0):
-            for c in todo if r % 2 == 0 else todo[::-1]:
-                seconds[c].append(self._call(c))
-            if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > BUDGET_S:
-                break
-        self.done.update({c: statistics.median(s) for c, s in seconds.items()})
-        return {c: self.done[c] for c in dict.fromkeys(cands)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _macs(network: Network) -> int:
-    return sum(row.macs for row in network.table)
-
-
-def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int,
-               mode: str = "train") -> str:  # fmt: skip
+def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int) -> str:
     fixed = {k: getattr(cfg, k) for k in ("precision", "channels_last", "threads")}
-    parts = [machine_name(device), torch.__version__, _version(), METHOD, batch, fixed,
-             json.dumps(network.spec, sort_keys=True, default=str), network.num_classes]  # fmt: skip
-    if mode != "train":  # training keys stay as they were
-        parts.append(mode)
-    return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
-
-
-def _version() -> str:
-    """cnnkit's version (the timing method may change with it)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("cnnkit")
-    except PackageNotFoundError:
-        return "source"
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.expanduser().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(path: Path, key: str, settings: Settings) -> None:
-    """Add one entry (atomically; a cache that cannot be written is only a missed speed-up)."""
-    path = path.expanduser()
-    entries = _read_cache(path)
-    entries[key] = {k: v for k, v in asdict(settings).items() if k != "how"}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1) + "\n")
-        tmp.replace(path)
-    except OSError:
-        pass
+    return cache_key(network, device, [METHOD, batch, fixed])
