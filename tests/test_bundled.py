@@ -25,6 +25,27 @@ def test_digits_are_uint8_with_a_fixed_stratified_split():
     assert counts.min() >= 35 and counts.max() <= 37 and classes == list("0123456789")
 
 
+def test_digits_are_scikit_learns_read_from_its_file(monkeypatch):
+    """The file scikit-learn ships is read directly (no `load_digits`, so no scikit-learn
+    import): the same pixels and labels; where the file is not found, `load_digits` gives them."""
+    import sklearn.datasets
+
+    from cnnkit.data import bundled
+
+    digits = sklearn.datasets.load_digits()
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("load_digits was called")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sklearn.datasets, "load_digits", not_called)
+        pixels, target = bundled._digits()
+    assert np.array_equal(pixels, digits.data) and np.array_equal(target, digits.target)
+    monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)
+    pixels, target = bundled._digits()
+    assert np.array_equal(pixels, digits.data) and np.array_equal(target, digits.target)
+
+
 def test_faces_split_sizes_and_labels():
     bundle = data_config({"source": "faces", "batch_size": 16}).build(CPU)
     assert len(bundle.train.images) == 150 and bundle.val.num_samples == 50
