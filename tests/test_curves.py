@@ -3,9 +3,12 @@ learning rate, at a size readable on a laptop screen."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.transforms import Bbox
 from PIL import Image
 
 from cnnkit.train.metrics import curves_figure, plot_curves
@@ -44,3 +47,24 @@ def test_curves_png_is_laptop_sized(tmp_path):
     del rows[0]["lr"]  # a row without a learning rate (older runs): a gap, not an error
     _, _, lr = curves_figure(rows).axes
     assert math.isnan(lr.get_lines()[0].get_ydata()[0])
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1.0, 2e3])
+def test_labels_stay_inside_the_fixed_margins(scale):
+    """Tiny and huge losses and learning rates: every panel's tick labels, axis labels and
+    title are drawn inside the picture, clear of the neighbouring panel's."""
+    rows = [{**r, "train_loss": scale * r["train_loss"], "val_loss": scale * r["val_loss"],
+             "lr": scale * r["lr"] / 3} for r in history(120)]  # fmt: skip
+    fig = curves_figure(rows)
+    canvas = FigureCanvasAgg(fig)  # as savefig draws it
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    panels = [Bbox.union([ax.bbox, ax.xaxis.get_tightbbox(renderer),
+                          ax.yaxis.get_tightbbox(renderer)]) for ax in fig.axes]  # fmt: skip
+    titles = [ax.title.get_window_extent(renderer) for ax in fig.axes]
+    page = fig.bbox
+    for box in panels + titles:
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+    for boxes in (panels, titles):
+        for left, right in itertools.pairwise(boxes):
+            assert left.x1 < right.x0
