@@ -1,5 +1,6 @@
 """Two gloo processes under torchrun against one process: DDP and weight averaging give the same
-parameters, evaluation counts each image once, a killed worker is restarted and the run ends."""
+parameters, evaluation counts each image once, a killed worker is restarted and the run ends.
+Every check but the restart shares one torchrun (each costs seconds of imports per process)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,28 @@ from cnnkit.train.engine import build_engine
 from cnnkit.train.loop import evaluate
 from cnnkit.train.run import fit
 
+from cnnkit.config import TrainConfig
+from cnnkit.train.engine import train_step
+
+
+def averaging():  # three Adam steps in channels_last, sync: average, each rank its own batches
+    cfg = TrainConfig(optimizer="adam", lr=0.01, precision="fp32", channels_last=True,
+                      sync="average")
+    group = distributed.Group(cfg)
+    torch.manual_seed(0)
+    engine = build_engine(build_model("digitnet"), cfg, torch.device("cpu"), wrap=group.wrap)
+    torch.manual_seed(1 + group.rank)
+    for step in range(1, 4):
+        train_step(engine, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
+        group.after_step(engine.network, engine.optimizer, step)
+    net, opt = engine.network, engine.optimizer
+    moments = [s[k].flatten()[:3].tolist() for s in opt.state.values()
+               for k in ("exp_avg", "exp_avg_sq")]
+    return {{"conv": net.conv1.weight.is_contiguous(memory_format=torch.channels_last),
+             "bn": net.bn1.running_mean[:4].tolist(), "var": net.bn2.running_var[:4].tolist(),
+             "w": net.fc3.weight[0, :4].tolist(), "moments": moments}}
+
+
 base, scenarios, out = {base!r}, {scenarios!r}, {out!r}
 group = None
 for name, change in scenarios.items():
@@ -66,6 +89,7 @@ try:
     fit(validate_run({{**base, "data": {{**base["data"], "batch_size": 15}}}}), out + "/bad", dist=group)
 except ConfigError as e:
     result["bad"] = str(e)
+result["averaging"] = averaging()
 json.dump(result, open(os.path.join(out, f"rank{{group.rank}}.json"), "w"))
 group.close()
 """
@@ -166,39 +190,10 @@ def test_killed_worker_restarts_and_the_run_finishes(tmp_path):
         torch.testing.assert_close(state["model"][key], alone[key], rtol=1e-4, atol=1e-5)
 
 
-AVERAGING = """
-import json, os, sys
-sys.path.insert(0, {root!r})
-import torch
-from cnnkit import distributed
-from cnnkit.config import TrainConfig
-from cnnkit.nn import build_model
-from cnnkit.train.engine import build_engine, train_step
-
-cfg = TrainConfig(optimizer="adam", lr=0.01, precision="fp32", channels_last=True, sync="average")
-group = distributed.Group(cfg)
-torch.manual_seed(0)
-engine = build_engine(build_model("digitnet"), cfg, torch.device("cpu"), wrap=group.wrap)
-torch.manual_seed(1 + group.rank)  # each replica its own batches
-for step in range(1, 4):
-    train_step(engine, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
-    group.after_step(engine.network, engine.optimizer, step)
-net, opt = engine.network, engine.optimizer
-moments = [s[k].flatten()[:3].tolist() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
-out = {{"conv": net.conv1.weight.is_contiguous(memory_format=torch.channels_last),
-        "bn": net.bn1.running_mean[:4].tolist(), "var": net.bn2.running_var[:4].tolist(),
-        "w": net.fc3.weight[0, :4].tolist(), "moments": moments}}
-json.dump(out, open(os.path.join({out!r}, f"rank{{group.rank}}.json"), "w"))
-group.close()
-"""
-
-
-def test_weight_averaging_keeps_channels_last_and_averages_buffers_and_moments(tmp_path):
+def test_weight_averaging_keeps_channels_last_and_averages_buffers_and_moments(two_processes):
     """sync: average leaves the weights in channels_last and makes every replica's weights,
     BatchNorm statistics and Adam moments the same."""
-    proc = _torchrun(tmp_path, AVERAGING.format(root=str(ROOT), out=str(tmp_path)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((two_processes / f"rank{r}.json").read_text())["averaging"] for r in (0, 1)]
     assert ranks[0]["conv"] and ranks[1]["conv"]
     for key in ("bn", "var", "w", "moments"):
         torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(ranks[1][key]))
