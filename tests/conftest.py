@@ -19,9 +19,19 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache_home(tmp_path_factory: pytest.TempPathFactory):
+    """The `cnnkit` subprocesses the tests start cache measured settings in this session's
+    folder (XDG_CACHE_HOME), not in the user's ~/.cache."""
+    cache = tmp_path_factory.getbasetemp() / "cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(cache))
+        yield cache
+
+
 @pytest.fixture(autouse=True)
-def own_settings_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
-    """Measured training settings are cached per test session, not in the user's ~/.cache."""
+def own_settings_cache(own_cache_home: Path, monkeypatch) -> None:
+    """And so does this process (a test may patch it further)."""
     from cnnkit import tuning
 
-    monkeypatch.setattr(tuning, "CACHE", tmp_path_factory.getbasetemp() / "settings.json")
+    monkeypatch.setattr(tuning, "CACHE", own_cache_home / "cnnkit" / "settings.json")
