@@ -90,6 +90,19 @@ def test_bench_runs_what_train_would_choose(tmp_path, monkeypatch):
                          "images_per_second": r["images_per_second"], "chosen": True}  # fmt: skip
 
 
+def test_bench_infer_runs_what_classify_would_choose(monkeypatch):
+    """On a CPU in fp32 `bench infer` times classification's measured kernels."""
+    chosen = (True, {"fc3": "wxt"})
+    monkeypatch.setattr(settings_module, "choose_inference_kernels",
+                        lambda net, dev, batch, cache=True: chosen)  # fmt: skip
+    r = bench_throughput("digitnet", "infer", 16, CPU, precision="fp32", repeats=2, quick_peak=True)
+    assert (r["precision"], r["channels_last"], r["kernels"]) == ("fp32", True, {"fc3": "wxt"})
+    assert r["settings"]["as"] == "cnnkit classify" and "(W x^T)^T" in r["settings"]["describe"]
+    fixed = bench_throughput("digitnet", "infer", 16, CPU, precision="fp32", channels_last=False,
+                                repeats=2, quick_peak=True)  # fmt: skip
+    assert fixed["settings"]["as"] == "cnnkit train" and not fixed["kernels"]
+
+
 @pytest.mark.parametrize("threads", [None, 1])
 def test_train_prints_the_choice_on_its_start_line(tmp_path, capsys, threads):
     from helpers import cli_ok
@@ -156,8 +169,8 @@ def test_eval_on_the_cpu_runs_classifications_kernels(digits_run, monkeypatch):
 
     asked, results = [], {}
     for choice in ((False, {}), (True, {"fc3": "wxt", "output": "wxt"})):
-        monkeypatch.setattr(evaluation, "choose_inference_kernels",
-                            lambda net, dev, batch, c=choice: asked.append(batch) or c)  # fmt: skip
+        monkeypatch.setattr(settings_module, "choose_inference_kernels",
+                            lambda net, dev, batch, cache=True, c=choice: asked.append(batch) or c)  # fmt: skip
         results[choice[0]] = evaluation.evaluate_checkpoint(digits_run, device="cpu")
     assert len(asked) == 2 and all(b > 0 for b in asked)
     assert results[True]["images"] == results[False]["images"] > 0

@@ -1,5 +1,7 @@
 """`cnnkit bench train|infer`: images/s, step time, achieved FLOP/s and its fraction of the
-device's peak, with exactly the settings `cnnkit train` would use (train/settings.py).
+device's peak, with exactly the settings `cnnkit train` would use (train/settings.py), and for
+infer those of `cnnkit classify` and `cnnkit eval` (on a CPU in fp32: the measured inference
+kernels).
 
 Everything is timed in one interleaved run: cnnkit's step, the peers (--baseline: the plain
 fp32 NCHW loop and the careful user's autocast + channels_last loop, each in its own process),
@@ -28,7 +30,7 @@ from cnnkit.nn import Network
 from cnnkit.nn.kernels import set_kernels
 from cnnkit.runtime import machine_name, torch_threads
 from cnnkit.train.engine import Engine, build_engine, train_step
-from cnnkit.train.settings import Settings, candidates, choose_settings
+from cnnkit.train.settings import Settings, candidates, choose_settings, inference_settings
 from cnnkit.train.settings import precisions as hardware_precisions
 
 TRAIN_FLOPS_FACTOR = 3.0  # forward + backward (grad of inputs and of weights) ~ 3x forward
@@ -111,7 +113,11 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
     torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
     cfg = train_config(device, precision, channels_last, compile, threads)
     model = load_network(net, device, num_classes)
-    settings = choose_settings(model, cfg, device, batch, cache=cache)
+    settings, runs_as = None, "cnnkit train"
+    if mode == "infer":  # the forward pass `cnnkit classify` and `cnnkit eval` run
+        settings = inference_settings(model, cfg, device, batch, cache=cache)
+        runs_as = "cnnkit classify" if settings else runs_as
+    settings = settings or choose_settings(model, cfg, device, batch, cache=cache)
     block = 10 if device.type == "cuda" else 1
     combos = _explored(model, cfg, device, settings) if explore else [settings]
     steps = {
@@ -138,8 +144,10 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
     if block > 1:  # single steps, each synchronised: what a per-step timer sees
         synced = measure(_cnnkit_step(net, mode, batch, device, cfg, settings, num_classes, 1),
                          device, warmup=2, repeats=repeats)  # fmt: skip
-    return _report(model, mode, batch, device, settings, cfg, timings, block, synced, kernels,
-                   peers, combos)  # fmt: skip
+    report = _report(model, mode, batch, device, settings, cfg, timings, block, synced, kernels,
+                     peers, combos)  # fmt: skip
+    report["settings"]["as"] = runs_as
+    return report
 
 
 def _key(s: Settings) -> str:
@@ -182,7 +190,7 @@ def _report(model, mode, batch, device, settings: Settings, cfg, timings, block,
         "torch": torch.__version__, "batch": batch,
         "precision": settings.precision, "channels_last": settings.channels_last,
         "threads": settings.threads, "kernels": dict(settings.kernels), "compile": cfg.compile, "math": math_mode(device, settings.precision),
-        "settings": {"how": settings.how, "describe": settings.describe(), "as": "cnnkit train"},
+        "settings": {"how": settings.how, "describe": settings.describe()},
         "images_per_second": images_per_second, "step_ms": step_ms, "step": _per_step(chosen, block),
         "steps_per_measurement": block,
         "flops_per_image": flops_per_image, "flops_per_second": flops_per_second,
@@ -218,7 +226,7 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
     say = lambda text: console.print(text, markup=False, soft_wrap=True)  # noqa: E731
     say(f"{r['net']} {r['mode']}  batch {r['batch']}  {r['device']} ({r['hardware']})  "
         f"torch {r['torch']}")  # fmt: skip
-    say(f"  settings as `cnnkit train` chooses them: {r['settings']['describe']}"
+    say(f"  settings as `{r['settings']['as']}` chooses them: {r['settings']['describe']}"
         f"{'  compile' if r['compile'] else ''}  [{r['math']}]")  # fmt: skip
     steady = (
         f"{r['steps_per_measurement']} steps between two syncs"

@@ -15,11 +15,9 @@ from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import ConfigError, DataError
-from cnnkit.nn import Network
 from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import evaluate, score_logits
-from cnnkit.train.settings import Settings, static_settings
-from cnnkit.tuning import choose_inference_kernels
+from cnnkit.train.settings import inference_settings
 
 
 def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess) -> DataConfig:
@@ -109,7 +107,7 @@ def evaluate_checkpoint(
     """Evaluate a run directory or checkpoint; returns loss, top1, top5, images and where (with
     `tencrop`: the centre crop's figures plus a "tencrop" mapping of the 10-crop ones; `ema`:
     the moving average of the weights that train.ema kept). On a CPU an fp32 run is evaluated
-    with the kernels classification measures as fastest (`_eval_kernels`)."""
+    with the kernels classification measures as fastest (settings.inference_settings)."""
     network, meta = load_trained(target, ema=ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
     cfg = eval_data(data, config.get("data", {}), pre)
@@ -127,7 +125,7 @@ def evaluate_checkpoint(
     train_cfg = _eval_settings(config, device, dev)
     batch = cfg.eval_batch_size or cfg.batch_size
     engine = build_engine(
-        network, train_cfg, dev, settings=_eval_kernels(network, train_cfg, dev, batch)
+        network, train_cfg, dev, settings=inference_settings(network, train_cfg, dev, batch)
     )
     batches = CountedBatches(bundle.val)
     if tencrop:
@@ -157,19 +155,6 @@ class CountedBatches:
         for x, y in self.batches:
             self.images += len(y)
             yield x, y
-
-
-def _eval_kernels(network: Network, cfg: TrainConfig, device: torch.device,
-                  batch: int) -> Settings | None:  # fmt: skip
-    """On a CPU in fp32 with the memory format on auto: the kernels classification measures
-    (cnnkit/tuning.py: channels_last or not, the linear layers' product); else None, the
-    run's own rules."""
-    rules = static_settings(network, cfg, device, batch)
-    if device.type != "cpu" or rules.precision != "fp32" or cfg.channels_last is not None:
-        return None
-    channels_last, plan = choose_inference_kernels(network, device, batch)
-    return Settings("fp32", channels_last, rules.threads, "measured",
-                    kernels=tuple(sorted(plan.items())))  # fmt: skip
 
 
 def _eval_settings(config: dict[str, Any], name: str, device: torch.device) -> TrainConfig:

@@ -32,6 +32,7 @@ from cnnkit.tuning import (
     Plan,
     cache_key,
     cache_path,
+    choose_inference_kernels,
     macs,
     read_cache,
     write_cache,
@@ -62,8 +63,8 @@ class Settings:
         what = "fp32" if self.precision == "fp32" else f"{self.precision} autocast"
         parts = [what] + (["channels_last"] if self.channels_last else [])
         if self.kernels:
-            counts = {k: [v for _, v in self.kernels].count(k) for k in ("nnpack", "nhwc", "nchw")}
-            named = {"nnpack": "NNPACK", "nhwc": "NHWC", "nchw": "NCHW"}
+            named = {"nnpack": "NNPACK", "nhwc": "NHWC", "nchw": "NCHW", "wxt": "(W x^T)^T"}
+            counts = {k: [v for _, v in self.kernels].count(k) for k in named}
             mix = ", ".join(f"{n} {named[k]}" for k, n in counts.items() if n)
             parts.append(f"kernels per layer ({mix})")
         parts.append(f"{self.threads} thread{'s' * (self.threads != 1)}")
@@ -101,6 +102,20 @@ def static_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
     if cfg.threads is None and device.type == "cpu" and macs(network) * batch < SMALL_STEP_MACS:
         threads = 1
     return Settings(precision, bool(channels_last and image), threads, how)
+
+
+def inference_settings(network: Network, cfg: TrainConfig, device: torch.device, batch: int,
+                       cache: Path | bool = True) -> Settings | None:  # fmt: skip
+    """What a forward pass in eval mode runs with (evaluation, `cnnkit bench infer`): on a CPU
+    in fp32 with the memory format on auto, the kernels classification measures as fastest
+    (cnnkit/tuning.py: channels_last or not, the linear layers' product); else None, the
+    training settings' rules."""
+    rules = static_settings(network, cfg, device, batch)
+    if device.type != "cpu" or rules.precision != "fp32" or cfg.channels_last is not None:
+        return None
+    channels_last, plan = choose_inference_kernels(network, device, batch, cache=cache)
+    return Settings("fp32", channels_last, rules.threads, "measured",
+                    kernels=tuple(sorted(plan.items())))  # fmt: skip
 
 
 def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, batch: int,
