@@ -121,6 +121,11 @@ def test_cli_detect_json_and_drawing(tmp_path, capsys):
     rows = [json.loads(line) for line in out.splitlines()]
     assert rows and set(rows[0]) == {"x0", "y0", "x1", "y1", "score"} and rows[0]["score"] >= 0.9
     assert (tmp_path / "b.png").is_file()
+    Image.fromarray(np.zeros_like(image)).save(tmp_path / "dark.png")  # nothing to find
+    args[-1] = str(tmp_path / "dark.png")
+    code, out, err = run_cli([*args, "--min-size", "8", "-o", str(tmp_path / "none.png")], capsys)
+    assert code == 0 and "0 boxes" in out and "no face found" in err, err
+    assert Image.open(tmp_path / "none.png").size == (48, 48)  # the picture, no box on it
 
 
 def test_mirror_average_scores_a_window_with_its_mirror_image():

@@ -322,3 +322,25 @@ def test_help_starts_without_torch():
     done = subprocess.run([*CLI[:1], "-c", "import sys, cnnkit.cli; print('torch' in sys.modules)"],
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert done.stdout.strip() == "False", done.stderr[-500:]
+
+
+@pytest.mark.parametrize("args", [["classify", "digitnet", "x.png", "--top", "0"],
+                                  ["info", "digitnet", "--num-classes", "abc"],
+                                  ["train", "digits", "--no-such-option"], ["no-such-command"],
+                                  ["info"]])  # fmt: skip
+def test_a_bad_option_or_command_is_one_line_naming_the_help(args, capsys):
+    line = one_error_line(*run_cli(args, capsys)[::2], codes=(2,))
+    assert line.endswith("--help)")
+
+
+def test_unwritable_places_are_one_line(tmp_path, capsys):
+    """A path under a file, and a folder nothing can be created in (/proc), before any work."""
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "afile" / "run")], capsys)
+    assert "afile" in one_error_line(code, err)
+    if Path("/proc/self").is_dir():
+        code, _, err = run_cli(["export", "digitnet", "--format", "onnx", "-o", "/proc/x.onnx"],
+                               capsys)  # fmt: skip
+        assert "cannot write in /proc" in one_error_line(code, err)
+        code, _, err = run_cli(["synth", "shapes", "/proc/cnnkit-synth"], capsys)
+        assert "/proc/cnnkit-synth" in one_error_line(code, err)

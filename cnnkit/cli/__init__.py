@@ -12,10 +12,17 @@ import sys
 
 import typer
 
+try:  # typer 0.2x carries its own copy of click; older ones use click itself
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer
+    from click import exceptions as click_errors
+
 from cnnkit.cli import bench, data, infer, net, train
 from cnnkit.errors import CnnkitError, Interrupted
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click < 8.2 shows the help itself
+PATH_ERRORS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST)
 
 app = typer.Typer(
     name="cnnkit",
@@ -50,7 +57,25 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     try:
-        app(args=argv, prog_name="cnnkit")  # usage errors: typer prints them and exits 2
+        code = app(args=argv, prog_name="cnnkit", standalone_mode=False)
+    except NO_ARGS:  # `cnnkit` or `cnnkit bench` alone: the help, as typer shows it
+        app(args=[*argv, "--help"], prog_name="cnnkit")
+    except click_errors.UsageError as e:  # a bad option or value: one line, as for a bad file
+        if debug:
+            raise
+        where = e.ctx.command_path if e.ctx is not None else "cnnkit"
+        print(
+            f"cnnkit: error: {e.format_message().rstrip('.')} (see {where} --help)", file=sys.stderr
+        )
+        sys.exit(e.exit_code)
+    except click_errors.ClickException as e:
+        if debug:
+            raise
+        print(f"cnnkit: error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # end of input at a prompt
+        print("cnnkit: interrupted", file=sys.stderr)
+        sys.exit(130)
     except CnnkitError as e:
         if debug:
             raise
@@ -62,11 +87,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print("cnnkit: interrupted", file=sys.stderr)
         sys.exit(130)
-    except OSError as e:  # a full disk, a read-only folder: the machine's problem, in one line
-        if debug or e.errno not in DISK_ERRORS:
+    except OSError as e:  # a full disk, a read-only or missing folder: one line
+        if debug or (e.errno not in DISK_ERRORS and e.errno not in PATH_ERRORS):
             raise
         where = f"{e.filename}: " if e.filename else ""
-        print(
-            f"cnnkit: error: {where}{e.strerror} (nothing half-written was kept)", file=sys.stderr
-        )
+        kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
+        print(f"cnnkit: error: {where}{e.strerror}{kept}", file=sys.stderr)
         sys.exit(1)
+    if code:  # typer.Exit(code) from a command
+        sys.exit(code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import typer
@@ -228,6 +229,8 @@ def detect(
     picture = to_hwc(image)
     loaded = load_for_inference(target)
     boxes = find(loaded, picture, label, threshold, iou, min_size, step, top, mirror)
+    if not boxes:
+        typer.echo(f"no {label} found: no window scored {threshold:g} or more", err=True)
     for rank, box in enumerate(boxes, 1):
         d = box.to_dict()
         text = f"{rank:2d}  x {d['x0']:.0f}-{d['x1']:.0f}  y {d['y0']:.0f}-{d['y1']:.0f}  score {d['score']:.4f}"
@@ -247,3 +250,9 @@ def _writable(out: Path | None) -> None:
         )
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
+    if out is not None:  # read-only, not ours, not a real folder (/proc): before any work
+        try:
+            with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".cnnkit-probe-"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"-o {out}: cannot write in {out.parent} ({e.strerror})") from None

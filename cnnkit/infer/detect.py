@@ -197,7 +197,7 @@ def draw_boxes(image: ImageInput, boxes: list[Box], path: Path) -> None:
     pen = ImageDraw.Draw(picture)
     side = min(picture.size)
     text_font, width = font(max(11, round(side / 28))), max(2, round(side / 170))
-    colours = [((230, 30, 30), "white")] + [((255, 200, 0), "black")] * (len(boxes) - 1)
+    colours = ([((230, 30, 30), "white")] + [((255, 200, 0), "black")] * len(boxes))[: len(boxes)]
     for box, (colour, _) in reversed(list(zip(boxes, colours, strict=True))):  # best on top
         pen.rectangle([box.x0, box.y0, box.x1, box.y1], outline=colour, width=width)
     for rank in reversed(range(len(boxes))):  # labels over every line, the best's on top

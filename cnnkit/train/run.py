@@ -30,7 +30,13 @@ from cnnkit.train.loop import (
 )
 from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
-from cnnkit.train.rundir import clear_orphans, new_run_dir, resume_config, run_lock
+from cnnkit.train.rundir import (
+    check_writable,
+    clear_orphans,
+    new_run_dir,
+    resume_config,
+    run_lock,
+)
 from cnnkit.train.saver import CheckpointWriter
 from cnnkit.train.settings import choose_settings
 from cnnkit.train.state import RunContext, restore
@@ -158,6 +164,8 @@ def fit(
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
     device = dist.device(config.train.device)
     check_batch(config, dist.world_size)
+    if dist.is_main and not dry_run:
+        check_writable(run_dir)
     with ExitStack() as stack:
         stack.enter_context(deterministic_mode(config.deterministic, device))
         seed_everything(config.seed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,6 +44,23 @@ def new_run_dir(
     if not reuse and any((path / f).exists() for f in RUN_FILES):
         raise ConfigError(f"--out {path}: already holds a run (continue it with --resume {path})")
     return path
+
+
+def check_writable(run_dir: Path) -> None:
+    """ConfigError, before any work, where the run directory cannot be made: a file in the way,
+    a read-only folder, one nothing can be created in (a probe file is made and removed)."""
+    parent = run_dir
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the nearest folder that exists
+    if not parent.is_dir():
+        raise ConfigError(f"run directory {run_dir}: {parent} is a file, not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".cnnkit-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"run directory {run_dir}: cannot write in {parent} ({e.strerror})"
+        ) from None
 
 
 def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
