@@ -128,3 +128,17 @@ def test_torch_export_of_a_net_with_groups_lrn_and_branches(tmp_path):
     with torch.no_grad():
         next(loaded.model.parameters()).add_(1e-2)  # the check can fail
     assert not check_export(loaded, "torch-export", out).ok
+
+
+@pytest.mark.parametrize("fmt,suffix", [("onnx", "onnx"), ("safetensors", "safetensors")])
+def test_a_network_on_feature_vectors_exports_and_round_trips(fmt, suffix, tmp_path, capsys):
+    """input: [64] (more features than an image has channels): no image preprocessing."""
+    net = tmp_path / "vec.yaml"
+    net.write_text("model: {name: vec, input: [64], num_classes: 10, layers: [{name: fc1, "
+                   "type: linear, out_features: 32}, {type: relu}, {name: fc2, type: linear}]}\n")  # fmt: skip
+    out = tmp_path / f"vec.{suffix}"
+    code, stdout, err = run_cli(["export", str(net), "-f", fmt, "-o", str(out), "--check"], capsys)
+    assert code == 0 and "passed" in stdout, err
+    if fmt == "safetensors":
+        loaded = load_safetensors(out)
+        assert loaded.model.input_shape == (64,) and loaded.preprocess.std == [1.0]

@@ -54,8 +54,11 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
         model = build_model(import_caffe(spec), device=device)
     else:
         model = build_model(spec, device=device)
-    c, size = model.input_shape[0], model.input_shape[-1]
-    preprocess = Preprocess(channels=c, crop=size, mean=[0.0] * c, std=[255.0] * c)
+    if len(model.input_shape) == 3:  # images: pixels 0-255 scaled to 0-1
+        c, size = model.input_shape[0], model.input_shape[-1]
+        preprocess = Preprocess(channels=c, crop=size, mean=[0.0] * c, std=[255.0] * c)
+    else:  # feature vectors (input: [F]): no image preprocessing, the values as given
+        preprocess = Preprocess(channels=1, crop=1, mean=[0.0], std=[1.0])
     classes = [f"class{i}" for i in range(model.num_classes or 0)]
     return Loaded(model.eval(), classes, preprocess, spec)
 
