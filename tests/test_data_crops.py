@@ -58,6 +58,19 @@ def test_box_region_maps_to_the_source():
     assert box_region((200, 100), (0, 0, 64, 64), 64, "shorter") == (50, 0, 150, 100)
 
 
+@pytest.mark.parametrize("shape", [(1, 3000), (3000, 1), (2, 5)])
+def test_a_box_of_a_one_pixel_thin_image_holds_pixels(shape, tmp_path):
+    """Every box of a very thin image maps to at least one pixel inside it (the lower half of
+    a 1-pixel row once mapped past its end: an empty region, and the resize crashed)."""
+    h, w = shape
+    for top, left in [(0, 0), (40, 40), (60, 62), (63, 63)]:
+        y0, x0, y1, x1 = box_region(shape, (top, left, 1, 1), 64, "squash")
+        assert 0 <= y0 < y1 <= h and 0 <= x0 < x1 <= w, (top, left, (y0, x0, y1, x1))
+    path = tmp_path / "thin.png"
+    Image.fromarray(np.full((h, w, 3), 90, np.uint8)).save(path)
+    assert load_box(path, 64, "squash", (48, 48, 16, 16), 16, False).shape == (3, 16, 16)
+
+
 def test_large_jpeg_is_dct_scaled_for_the_box(tmp_path, monkeypatch):
     path = tmp_path / "big.jpg"
     Image.fromarray(photo(256, 256, seed=5)).save(path, quality=95)

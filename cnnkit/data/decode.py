@@ -311,9 +311,10 @@ def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int
         side = min(h, w)
         oy, ox, h, w = (h - side) // 2, (w - side) // 2, side, side
     top, left, bh, bw = box
-    y0, x0 = oy + round(top * h / size), ox + round(left * w / size)
-    y1, x1 = oy + round((top + bh) * h / size), ox + round((left + bw) * w / size)
-    return y0, x0, max(y1, y0 + 1), max(x1, x0 + 1)
+    y0, x0 = min(round(top * h / size), h - 1), min(round(left * w / size), w - 1)
+    y1 = min(max(round((top + bh) * h / size), y0 + 1), h)  # at least a pixel, inside the image
+    x1 = min(max(round((left + bw) * w / size), x0 + 1), w)  # (a 1-pixel-tall image too)
+    return oy + y0, ox + x0, oy + y1, ox + x1
 
 
 def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int, int, int],
