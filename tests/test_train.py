@@ -13,8 +13,9 @@ from cnnkit import build_model
 from cnnkit.cli import main
 from cnnkit.config import TrainConfig, load_run, validate_run
 from cnnkit.distributed import resolve_device
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, DataError
 from cnnkit.train.engine import build_engine, train_step
+from cnnkit.train.loop import evaluate
 from cnnkit.train.optim import build_optimizer
 from cnnkit.train.run import fit
 
@@ -101,9 +102,11 @@ def test_bf16_autocast_on_cpu_trains():
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
-def test_fp16_and_absent_cuda_are_clear_errors():
+def test_fp16_and_absent_cuda_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="fp16"):
         build_engine(build_model("facenet"), TrainConfig(precision="fp16"), CPU)
+    with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):  # measured settings too
+        fit(load_run("digits", ["train.precision=fp16", "train.epochs=1"]), tmp_path, quiet=True)
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             resolve_device("cuda:1")
@@ -122,6 +125,21 @@ def tiny_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
     summary = fit(validate_run(TINY), run_dir, quiet=True)
     return run_dir, summary
+
+
+def test_held_out_images_all_unreadable_is_an_error_not_a_zero():
+    class Unreadable:  # a validation stream whose 3 images were all skipped
+        num_samples = 3
+
+        def set_epoch(self, epoch, skip_batches=0):
+            pass
+
+        def __iter__(self):
+            return iter(())
+
+    engine = build_engine(build_model("facenet"), TrainConfig(precision="fp32"), CPU)
+    with pytest.raises(DataError, match="no held-out image could be read: all 3"):
+        evaluate(engine, Unreadable())
 
 
 def test_run_directory_holds_every_file(tiny_run):

@@ -12,7 +12,7 @@ import torch
 
 from cnnkit.data import Batches
 from cnnkit.distributed import Local, Processes
-from cnnkit.errors import CnnkitError
+from cnnkit.errors import CnnkitError, DataError
 from cnnkit.train.engine import Engine, train_step
 from cnnkit.train.metrics import Console, StepInfo
 from cnnkit.train.optim import Schedule
@@ -108,6 +108,9 @@ def evaluate(engine: Engine, batches: Batches, dist: Processes | None = None) ->
         totals[:3] += score_logits(logits.log_softmax(1), y)
         totals[3] += len(y)
     totals = dist.all_reduce(totals)
+    listed = getattr(batches, "num_samples", 0)
+    if totals[3].item() == 0 and listed:  # every one unreadable: no figure, not a 0% one
+        raise DataError(f"no held-out image could be read: all {listed} were unreadable")
     n = max(totals[3].item(), 1.0)
     return {
         "loss": totals[0].item() / n,

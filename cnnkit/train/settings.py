@@ -125,6 +125,8 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
     (`cache`: True for the user's cache file, tuning.CACHE; False for none; or a file. `notify`
     is told before a measurement starts)."""
     cache = cache_path(cache)
+    if cfg.precision == "fp16" and device.type != "cuda":  # before any measuring
+        static_settings(network, cfg, device, batch)  # raises the one-line ConfigError
     explicit = cfg.precision != "auto" and cfg.channels_last is not None
     explicit = explicit and (cfg.threads is not None or device.type != "cpu")
     if explicit:
