@@ -308,9 +308,11 @@ class Expander:
         out = []
         for ref in names:
             pool = scope.local if scope.local is not None else self.value_of
+            if not isinstance(ref, str):
+                raise ConfigError(f"{label}: inputs: {brief(ref)} is not a layer name")
             if ref == "previous":
                 out.append(scope.last)
-            elif isinstance(ref, str) and ref in pool:
+            elif ref in pool:
                 out.append(pool[ref])
             elif ref == short:
                 raise ConfigError(f"{label}: inputs: names itself (a cycle)")

@@ -32,8 +32,27 @@ _KEYWORDS = {
 }
 
 
+NUMBERS = {"mean", "std", "a", "b", "gain", "value"}  # the arguments that are numbers
+
+
 def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
-    """Turn one init rule into (name, keyword arguments); raise ValueError when malformed."""
+    """Turn one init rule into (name, keyword arguments); raise ValueError when malformed or
+    out of range (a negative std, a uniform range upside down)."""
+    name, kw = _parse_rule(rule)
+    for key in NUMBERS & set(kw):
+        if not _is_number(kw[key]):
+            raise ValueError(
+                f"init {brief(name)}: {key} must be a finite number, not {brief(kw[key])}"
+            )
+    if kw.get("std", 0.0) < 0:
+        raise ValueError(f"init {brief(name)}: std {kw['std']:g} is negative")
+    if name == "uniform" and kw.get("a", 0.0) > kw.get("b", 1.0):
+        raise ValueError(f"init 'uniform': the range [{kw.get('a', 0.0):g}, {kw.get('b', 1.0):g}] "
+                         "is upside down")  # fmt: skip
+    return name, kw
+
+
+def _parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(rule, bool):
         raise ValueError(f"init rule {brief(rule)} is not a number, a name or a one-key mapping")
     if isinstance(rule, (int, float)):
