@@ -327,7 +327,10 @@ def test_help_starts_without_torch():
 @pytest.mark.parametrize("args", [["classify", "digitnet", "x.png", "--top", "0"],
                                   ["info", "digitnet", "--num-classes", "abc"],
                                   ["train", "digits", "--no-such-option"], ["no-such-command"],
-                                  ["info"]])  # fmt: skip
+                                  ["info"], ["info", "digitnet", "--num-classes", "-1"],
+                                  ["bench", "train", "digitnet", "--repeats", "0"],
+                                  ["bench", "layers", "digitnet", "--threads", "0"],
+                                  ["pack", "a", "b", "--workers", "-1"]])  # fmt: skip
 def test_a_bad_option_or_command_is_one_line_naming_the_help(args, capsys):
     line = one_error_line(*run_cli(args, capsys)[::2], codes=(2,))
     assert line.endswith("--help)")

@@ -15,10 +15,14 @@ BATCH = typer.Option(64, "--batch", "-b", help="Images per step.")
 DEVICE = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N")
 PRECISION = typer.Option("auto", "--precision", "-p", help="auto | fp32 | bf16 | fp16")
 JSON = typer.Option(False, "--json", help="End with one line of JSON holding every figure.")
-REPEATS = typer.Option(None, "--repeats", help="Timed repeats (default: 5 on CPU, 30 on GPU).")
-WARMUP = typer.Option(None, "--warmup", help="Untimed warm-up steps first.")
-CLASSES = typer.Option(None, "--num-classes", help="Override the network's class count.")
-THREADS = typer.Option(None, "--threads", help="CPU threads (default: as cnnkit train picks).")
+REPEATS = typer.Option(
+    None, "--repeats", min=1, help="Timed repeats (default: 5 on CPU, 30 on GPU)."
+)
+WARMUP = typer.Option(None, "--warmup", min=0, help="Untimed warm-up steps first.")
+CLASSES = typer.Option(None, "--num-classes", min=1, help="Override the network's class count.")
+THREADS = typer.Option(
+    None, "--threads", min=1, help="CPU threads (default: as cnnkit train picks)."
+)
 BASELINE = typer.Option(
     False,
     "--baseline",
@@ -55,8 +59,8 @@ def layers(
     device: str = DEVICE,
     precision: str = PRECISION,
     channels_last: bool = typer.Option(None, "--channels-last/--no-channels-last"),
-    repeats: int = typer.Option(5, "--repeats", help="Timed repeats per measurement."),
-    warmup: int = typer.Option(1, "--warmup", help="Untimed calls before each measurement."),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="Timed repeats per measurement."),
+    warmup: int = typer.Option(1, "--warmup", min=0, help="Untimed calls before each measurement."),
     num_classes: int = CLASSES,
     threads: int = THREADS,
     as_json: bool = JSON,

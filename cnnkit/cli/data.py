@@ -33,7 +33,9 @@ def pack(
         "raw", "--format", help="raw (memory-mapped) | jpeg (5-10x smaller)"
     ),
     quality: int = typer.Option(90, "--quality", help="JPEG quality for --format jpeg."),
-    workers: int = typer.Option(None, "--workers", "-j", help="Processes (default: all cores)."),
+    workers: int = typer.Option(
+        None, "--workers", "-j", min=1, help="Processes (default: all cores)."
+    ),
     labels: Path = typer.Option(
         None, "--labels", help="Label file for a flat folder (NAME CLASS)."
     ),

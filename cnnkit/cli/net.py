@@ -34,7 +34,9 @@ def info(
         ...,
         help="A zoo name, network / run file, Caffe prototxt, run directory, checkpoint or export.",
     ),
-    num_classes: int = typer.Option(None, "--num-classes", help="Override the file's class count."),
+    num_classes: int = typer.Option(
+        None, "--num-classes", min=1, help="Override the file's class count."
+    ),
 ) -> None:
     """Print the layer table: output shape, parameters and multiply-adds per layer, then totals."""
     from cnnkit.infer.load import network_of
