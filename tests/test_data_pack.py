@@ -130,6 +130,11 @@ def test_flat_val_folder_with_label_file(shapes, tmp_path):
     assert labels.tolist() == [0, 1, 2] and bundle.classes == sorted(
         p.name for p in shapes.iterdir()
     )
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\n")  # not text: one line, not a traceback
+    with pytest.raises(DataError, match="not a UTF-8 text file"):
+        pack_folder(flat, tmp_path / "bad", size=16, labels_file=tmp_path / "binary.txt",
+                    progress=False)  # fmt: skip
+    assert not (tmp_path / "bad").exists()
 
 
 def test_pack_errors_are_one_line(tmp_path):

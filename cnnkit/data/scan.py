@@ -192,8 +192,13 @@ def read_label_file(path: Path) -> dict[str, str]:
     (Kaggle's LOC_val_solution.csv: the first word of the second column is the class)."""
     if not path.is_file():
         raise DataError(f"{path}: label file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not a UTF-8 text file (byte {e.start}); a label file holds "
+                        "'FILENAME CLASS' lines") from None  # fmt: skip
     mapping = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         parts = line.split(",", 1) if "," in line else line.split(None, 1)
         if not line.strip() or line.startswith("ImageId,"):
             continue
