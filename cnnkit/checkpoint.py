@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from pydantic import (
 )
 
 from cnnkit.data.base import Preprocess
-from cnnkit.errors import CheckpointError, CnnkitError, validation_message
+from cnnkit.errors import CheckpointError, CnnkitError, one_line, validation_message
 from cnnkit.nn import build_model
 
 FORMAT = "cnnkit-checkpoint/1"
@@ -96,18 +97,22 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # e.g. a foreign pickle's protocol: the error says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL (\S+)", str(e))
         if found is None:  # random bytes also fail to unpickle: not an object, just no file
-            raise CheckpointError(f"{path}: not a readable checkpoint ({_one(e)})") from None
+            raise CheckpointError(
+                f"{path}: not a readable checkpoint (not a torch.save file)"
+            ) from None
         raise CheckpointError(
             f"{path}: refused: it holds a pickled object ({found.group(1)}), not only tensors "
             "and plain data"
         ) from None
     except Exception as e:
         raise CheckpointError(
-            f"{path}: not a readable checkpoint (truncated or foreign: {_one(e)})"
+            f"{path}: not a readable checkpoint (truncated or foreign: {one_line(e)})"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a cnnkit checkpoint (expected format {FORMAT!r})")
@@ -151,10 +156,26 @@ def load_trained(target: str | Path, device: Any = "cpu",
     except CnnkitError as e:
         raise CheckpointError(f"{path}: its network does not build: {e}") from None
     except (RuntimeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: weights do not fit its network: {_one(e)}") from None
+        raise CheckpointError(f"{path}: weights do not fit its network: {one_line(e)}") from None
     meta = {k: state[k] for k in ("classes", "preprocess", "config")}
     meta.update(path=str(path), epoch=state.get("epoch"), metrics=state.get("metrics", {}))
+    check_input_fits(meta["preprocess"], model, path)
     return model.to(device).eval(), meta
+
+
+def check_input_fits(preprocess: dict[str, Any], model: torch.nn.Module, source: Any) -> None:
+    """CheckpointError unless the recorded preprocessing makes the network's input: its
+    channels and its crop (a tampered or mismatched file, refused on load)."""
+    shape = tuple(getattr(model, "input_shape", ()))
+    if len(shape) != 3 or not isinstance(preprocess, dict):
+        return
+    channels, crop = preprocess.get("channels"), preprocess.get("crop")
+    square = shape[1] == shape[2]  # a crop is square: other inputs are fed by other means
+    if channels != shape[0] or (square and crop != shape[1]):
+        raise CheckpointError(
+            f"{source}: its preprocessing makes {channels} x {crop} x {crop} inputs, but the "
+            f"network takes {shape[0]} x {shape[1]} x {shape[2]}"
+        )
 
 
 def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -172,7 +193,7 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
             meta = f.metadata() or {}
         weights = load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({_one(e)})") from None
+        raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(e)})") from None
     if meta.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{path}: no cnnkit metadata (expected format {EXPORT_FORMAT!r})")
     try:
@@ -185,12 +206,15 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
             f"{path}: a damaged export: preprocess.{validation_message(e)}"
         ) from None
     except (CnnkitError, KeyError, RuntimeError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: its metadata or weights do not fit ({_one(e)})") from None
+        raise CheckpointError(
+            f"{path}: its metadata or weights do not fit ({one_line(e)})"
+        ) from None
     if not isinstance(classes, list) or len(classes) != (model.num_classes or len(classes)):
         count = len(classes) if isinstance(classes, list) else "no"
         raise CheckpointError(
             f"{path}: {count} class names for the network's {model.num_classes} outputs"
         )
+    check_input_fits(preprocess.to_dict(), model, path)
     return model, {"classes": [str(c) for c in classes], "preprocess": preprocess.to_dict(),
                    "config": {}, "path": str(path), "epoch": None, "metrics": {}}  # fmt: skip
 
@@ -230,8 +254,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-
-
-def _one(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:160]

@@ -73,3 +73,11 @@ def config_error(error: Any, prefix: str = "", hide: Collection[str] = ()) -> Co
     parts, msg = _first(error, hide)
     loc = ".".join(([prefix] if prefix else []) + parts)
     return ConfigError(f"{loc or 'config'}: {msg}")
+
+
+def one_line(error: BaseException | str, limit: int = 240) -> str:
+    """An exception's message (or a text) on one line, cut at a word, never mid-word."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(".,:;") + " ..."

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from cnnkit.errors import ConfigError, brief
+from cnnkit.errors import ConfigError, brief, one_line
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
 from cnnkit.prototxt import Message, parse_prototxt
@@ -44,7 +44,7 @@ def _translator(path: str | Path) -> _Translator:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {str(e)[:160]}") from None
+        raise ConfigError(f"{path}: cannot read: {one_line(e, 160)}") from None
     return _Translator(parse_prototxt(text, str(path)), str(path))
 
 

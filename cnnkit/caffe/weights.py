@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnnkit.errors import CheckpointError
+from cnnkit.errors import CheckpointError, one_line
 
 # caffe.proto (BVLC/caffe, src/caffe/proto/caffe.proto): message -> (field, number, type, label)
 _OPT, _REP = "LABEL_OPTIONAL", "LABEL_REPEATED"
@@ -88,7 +88,7 @@ def read_caffemodel(path: str | Path) -> dict[str, list[np.ndarray]]:
     try:
         net = caffe_messages()["NetParameter"].FromString(path.read_bytes())
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {str(e)[:160]}") from None
+        raise CheckpointError(f"{path}: cannot read: {one_line(e, 160)}") from None
     except (DecodeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: not a Caffe .caffemodel ({str(e)[:100]})") from None
     layers = [*net.layer, *net.layers]

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-from cnnkit.errors import ConfigError, brief
+from cnnkit.errors import ConfigError, brief, one_line
 
 MAX_BYTES = 16 * 2**20  # a 10,000-layer network file is about 1 MB
 MAX_DEPTH = 50  # a network file nests about 10 deep
@@ -116,7 +116,7 @@ def read_yaml(path: str | Path) -> Any:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML{_where(e)}: {_problem(e)}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {str(e)[:160]}") from None
+        raise ConfigError(f"{path}: cannot read: {one_line(e, 160)}") from None
 
 
 def _where(e: yaml.YAMLError) -> str:

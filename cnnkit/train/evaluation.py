@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 import yaml
+from pydantic import ValidationError
 
 from cnnkit.checkpoint import load_trained
 from cnnkit.config import TrainConfig
 from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
 from cnnkit.distributed import resolve_device
-from cnnkit.errors import ConfigError, DataError
+from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import evaluate, score_logits
 from cnnkit.train.settings import inference_settings
@@ -122,7 +123,7 @@ def evaluate_checkpoint(
         raise DataError(
             f"--data: {len(bundle.classes)} classes, but the network was trained on {network.num_classes}"
         )
-    train_cfg = _eval_settings(config, device, dev)
+    train_cfg = _eval_settings(config, device, dev, meta.get("path", target))
     batch = cfg.eval_batch_size or cfg.batch_size
     engine = build_engine(
         network, train_cfg, dev, settings=inference_settings(network, train_cfg, dev, batch)
@@ -157,9 +158,15 @@ class CountedBatches:
             yield x, y
 
 
-def _eval_settings(config: dict[str, Any], name: str, device: torch.device) -> TrainConfig:
+def _eval_settings(config: dict[str, Any], name: str, device: torch.device,
+                   source: Any = "the checkpoint") -> TrainConfig:  # fmt: skip
     """The run's precision and memory format, on the evaluation device."""
-    trained = dict(config.get("train", {}), device=name, compile=False)
+    trained = config.get("train", {})
+    trained = dict(trained if isinstance(trained, dict) else {}, device=name, compile=False)
     if trained.get("precision") == "fp16" and device.type != "cuda":
         trained["precision"] = "auto"  # trained with CUDA fp16, evaluated elsewhere
-    return TrainConfig.model_validate(trained)
+    try:
+        return TrainConfig.model_validate(trained)
+    except ValidationError as e:
+        raise CheckpointError(f"{source}: its train settings are damaged: train."
+                              f"{validation_message(e)}") from None  # fmt: skip

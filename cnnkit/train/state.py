@@ -14,7 +14,7 @@ from cnnkit.checkpoint import rng_state
 from cnnkit.config import RunConfig, run_dict
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Processes
-from cnnkit.errors import CheckpointError
+from cnnkit.errors import CheckpointError, one_line
 from cnnkit.train.engine import Engine
 from cnnkit.train.loop import Progress
 from cnnkit.train.metrics import RunLog
@@ -102,9 +102,8 @@ def restore(state: dict[str, Any], engine: Engine, schedule: Schedule) -> Progre
             engine.ema.module.load_state_dict(state["ema"])
             engine.ema.n_averaged.fill_(state.get("ema_count", 0))
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise CheckpointError(
-            f"last.pt does not match this run's network or optimizer: {first}"
+            f"last.pt does not match this run's network or optimizer: {one_line(e)}"
         ) from None
     return Progress(
         epoch=state["epoch"],
