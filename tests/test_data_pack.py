@@ -22,7 +22,7 @@ from cnnkit.data.decode import load_resized
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
 from cnnkit.data.synth import synth_shapes
-from cnnkit.errors import DataError
+from cnnkit.errors import ConfigError, DataError
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +140,10 @@ def test_flat_val_folder_with_label_file(shapes, tmp_path):
 def test_pack_errors_are_one_line(tmp_path):
     with pytest.raises(DataError, match="not a folder"):
         pack_folder(tmp_path / "missing", tmp_path / "p")
+    (tmp_path / "src/a").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="inside the folder being packed"):
+        pack_folder(tmp_path / "src", tmp_path / "src" / "packed")
+    assert not (tmp_path / "src" / "packed").exists()
     (tmp_path / "empty/a").mkdir(parents=True)
     with pytest.raises(DataError, match="no images"):
         pack_folder(tmp_path / "empty", tmp_path / "p")

@@ -29,6 +29,8 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
         (["train", "digits", "train.device=gpu7"], 2, "train.device"),
         (["train", "digits", "lr"], 2, "key=value"),
         (["train", "--resume", "/no/such/run"], 1, "no such run directory"),
+        (["train", "--resume", "/a/run", "--out", "/b"], 2, "--out /b cannot be given with it"),
+        (["train", "digits", "--resume", "/a/run"], 2, "the run digits cannot be given with it"),
         (["eval", "/no/such/run"], 1, "no such checkpoint"),
     ],
 )

@@ -35,6 +35,12 @@ def train(
     overrides = list(overrides or [])
     if run is not None and "=" in run and resume is not None:
         run, overrides = None, [run, *overrides]
+    if resume is not None and (out is not None or run is not None):
+        from cnnkit.errors import ConfigError
+
+        given = f"--out {out}" if out is not None else f"the run {run}"
+        raise ConfigError(f"--resume {resume} continues that run in its own directory: "
+                          f"{given} cannot be given with it (key=value overrides can)")  # fmt: skip
     if nproc is not None and not dry_run:
         raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
     cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)

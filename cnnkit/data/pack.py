@@ -351,6 +351,9 @@ def pack_folder(
     """Pack an image folder (class subfolders, or flat + labels file) into DST; resumable."""
     src, dst = Path(src), Path(dst)
     _check_options(src, size, resize, format, quality, shard_size)
+    if dst.resolve().is_relative_to(src.resolve()):  # its shards would become a class
+        raise ConfigError(f"{printable(str(dst))}: inside the folder being packed "
+                          f"({printable(str(src))}); pack into a folder outside it")  # fmt: skip
     params = {"source": str(src.resolve()), "size": size, "resize": resize, "storage": format,
               "quality": quality}  # fmt: skip
     created = not dst.exists()
