@@ -94,5 +94,4 @@ def main(argv: list[str] | None = None) -> None:
         kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
         print(f"cnnkit: error: {where}{e.strerror}{kept}", file=sys.stderr)
         sys.exit(1)
-    if code:  # typer.Exit(code) from a command
-        sys.exit(code)
+    sys.exit(code or 0)  # as typer's standalone mode ends (a command's typer.Exit(code) too)
