@@ -139,6 +139,9 @@ def test_a_network_on_feature_vectors_exports_and_round_trips(fmt, suffix, tmp_p
     out = tmp_path / f"vec.{suffix}"
     code, stdout, err = run_cli(["export", str(net), "-f", fmt, "-o", str(out), "--check"], capsys)
     assert code == 0 and "passed" in stdout, err
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    assert out.stat().st_mode == plain.stat().st_mode  # the usual mode (umask), not 0600
     if fmt == "safetensors":
         loaded = load_safetensors(out)
         assert loaded.model.input_shape == (64,) and loaded.preprocess.std == [1.0]

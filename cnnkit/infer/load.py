@@ -82,11 +82,18 @@ def load_safetensors(path: Path, device: Any = "cpu") -> Loaded:
 
 
 def save_safetensors(loaded: Loaded, path: Path) -> None:
-    """Write weights plus network, classes and preprocessing as metadata."""
-    from safetensors.torch import save_file
+    """Write weights plus network, classes and preprocessing as metadata (through a temporary
+    file renamed into place; with the usual file mode, not save_file's private 0600)."""
+    from safetensors.torch import save
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in loaded.model.state_dict().items()}
-    save_file(state, str(path), metadata=metadata(loaded))
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_bytes(save(state, metadata=metadata(loaded)))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def network_of(target: str, num_classes: int | None = None) -> Network:
