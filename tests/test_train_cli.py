@@ -31,6 +31,7 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
         (["train", "--resume", "/no/such/run"], 1, "no such run directory"),
         (["train", "--resume", "/a/run", "--out", "/b"], 2, "--out /b cannot be given with it"),
         (["train", "digits", "--resume", "/a/run"], 2, "the run digits cannot be given with it"),
+        (["train", "digits", "--nproc", "3", "--dry-run"], 2, "does not divide into 3"),
         (["eval", "/no/such/run"], 1, "no such checkpoint"),
     ],
 )

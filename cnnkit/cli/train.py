@@ -43,6 +43,11 @@ def train(
                           f"{given} cannot be given with it (key=value overrides can)")  # fmt: skip
     if nproc is not None and not dry_run:
         raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
+    if nproc is not None and run is not None:  # a dry run of N processes: the batch split too
+        from cnnkit.config import load_run
+        from cnnkit.train.run import check_batch
+
+        check_batch(load_run(run, overrides), nproc)
     cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)
 
 
