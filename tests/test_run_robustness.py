@@ -360,3 +360,21 @@ def test_unwritable_places_are_one_line(tmp_path, capsys):
         assert "cannot write in /proc" in one_error_line(code, err)
         code, _, err = run_cli(["synth", "shapes", "/proc/cnnkit-synth"], capsys)
         assert "/proc/cnnkit-synth" in one_error_line(code, err)
+
+
+@pytest.mark.parametrize("group", [[], ["bench"], ["show"]])
+def test_a_command_group_alone_shows_its_help_once(group, capsys):
+    code, out, _ = run_cli(group, capsys)
+    assert code == 2 and out.count("Usage: cnnkit") == 1
+
+
+def test_end_of_input_inside_a_command_is_one_line_not_an_interrupt(monkeypatch, capsys):
+    """typer turns an EOFError (a benchmark peer lost) into Abort: an error, exit 1."""
+    from cnnkit.infer import load
+
+    def lost(*args, **kwargs):
+        raise EOFError
+
+    monkeypatch.setattr(load, "network_of", lost)
+    code, _, err = run_cli(["info", "digitnet"], capsys)
+    assert "aborted" in one_error_line(code, err, (1,))

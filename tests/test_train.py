@@ -15,6 +15,7 @@ from cnnkit.config import TrainConfig, load_run, validate_run
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.train.engine import build_engine, train_step
+from cnnkit.train.evaluation import evaluate_ten_crops
 from cnnkit.train.loop import evaluate
 from cnnkit.train.optim import build_optimizer
 from cnnkit.train.run import fit
@@ -140,6 +141,8 @@ def test_held_out_images_all_unreadable_is_an_error_not_a_zero():
     engine = build_engine(build_model("facenet"), TrainConfig(precision="fp32"), CPU)
     with pytest.raises(DataError, match="no held-out image could be read: all 3"):
         evaluate(engine, Unreadable())
+    with pytest.raises(DataError, match="no held-out image could be read: all 3"):
+        evaluate_ten_crops(engine, Unreadable(), 25)  # `cnnkit eval --tencrop` too
 
 
 def test_run_directory_holds_every_file(tiny_run):

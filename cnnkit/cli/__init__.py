@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--debug"]
     try:
         code = app(args=argv, prog_name="cnnkit", standalone_mode=False)
-    except NO_ARGS:  # `cnnkit` or `cnnkit bench` alone: the help, as typer shows it
-        app(args=[*argv, "--help"], prog_name="cnnkit")
+    except NO_ARGS as e:  # `cnnkit` or `cnnkit bench` alone: typer has shown the help
+        sys.exit(e.exit_code)
     except click_errors.UsageError as e:  # a bad option or value: one line, as for a bad file
         if debug:
             raise
@@ -73,9 +73,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"cnnkit: error: {e.format_message()}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except typer.Abort:  # end of input at a prompt
-        print("cnnkit: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except typer.Abort:  # typer's name for an EOFError inside a command (a peer lost, ...)
+        if debug:
+            raise
+        print("cnnkit: error: aborted (end of input: --debug shows where)", file=sys.stderr)
+        sys.exit(1)
     except CnnkitError as e:
         if debug:
             raise
@@ -94,4 +96,4 @@ def main(argv: list[str] | None = None) -> None:
         kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
         print(f"cnnkit: error: {where}{e.strerror}{kept}", file=sys.stderr)
         sys.exit(1)
-    sys.exit(code or 0)  # as typer's standalone mode ends (a command's typer.Exit(code) too)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(code); commands return None

@@ -43,28 +43,38 @@ def train(
                           f"{given} cannot be given with it (key=value overrides can)")  # fmt: skip
     if nproc is not None and not dry_run:
         raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
-    if nproc is not None and run is not None:  # a dry run of N processes: the batch split too
-        from cnnkit.config import load_run
+    if nproc is not None and (
+        run is not None or resume is not None
+    ):  # a dry run of N: the split too
         from cnnkit.train.run import check_batch
 
-        check_batch(load_run(run, overrides), nproc)
+        check_batch(_config(run, overrides, resume), nproc)
     cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)
+
+
+def _config(run, overrides: list[str], resume):
+    """The run's configuration: the run file's, or the resumed run's with the overrides."""
+    from cnnkit.config import load_run
+    from cnnkit.train.run import resume_state
+    from cnnkit.train.rundir import resume_config
+
+    if resume is None:
+        return load_run(run, overrides)
+    state = resume_state(resume)
+    return resume_config(state, overrides) if state else load_run(resume / "config.yaml")
 
 
 def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int) -> int:
     """Re-run this command under torchrun with N processes and one agreed run directory."""
-    from cnnkit.config import load_run
     from cnnkit.distributed import start_local
-    from cnnkit.train.run import check_batch, resume_state
-    from cnnkit.train.rundir import new_run_dir, resume_config
+    from cnnkit.train.run import check_batch
+    from cnnkit.train.rundir import new_run_dir
 
     argv = ["train", *([run] if run else []), *overrides]
-    if resume is not None:  # checked here, once, before N processes would each say it
-        state = resume_state(resume)
-        config = resume_config(state, overrides) if state else load_run(resume / "config.yaml")
+    config = _config(run, overrides, resume)  # checked here, once, not by N processes each
+    if resume is not None:
         argv += ["--resume", str(resume)]
     else:
-        config = load_run(run, overrides)
         argv += ["--out", str(new_run_dir(config.name, out))]
     check_batch(config, nproc)
     return start_local(nproc, argv + (["--quiet"] if quiet else []), max_restarts)

@@ -89,6 +89,9 @@ def evaluate_ten_crops(engine: Engine, batches: Any, crop: int) -> dict[str, dic
         totals["tencrop"][:3] += score_logits(probs.clamp_min(1e-12).log(), y)
         for t in totals.values():
             t[3] += len(y)
+    listed = getattr(batches, "num_samples", 0)
+    if totals["centre"][3].item() == 0 and listed:  # as evaluate: no figure, not a 0% one
+        raise DataError(f"no held-out image could be read: all {listed} were unreadable")
     return {name: _means(t) for name, t in totals.items()}
 
 
