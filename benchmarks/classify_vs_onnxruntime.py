@@ -24,8 +24,8 @@ import torch
 from cnnkit.infer.export import export
 from cnnkit.infer.load import load_for_inference
 from cnnkit.nn.kernels import set_kernels
+from cnnkit.nn.tuning import choose_inference_kernels
 from cnnkit.runtime import machine_name
-from cnnkit.tuning import choose_inference_kernels
 
 
 def parse_args() -> argparse.Namespace:

@@ -32,6 +32,6 @@ def own_cache_home(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(autouse=True)
 def own_settings_cache(own_cache_home: Path, monkeypatch) -> None:
     """And so does this process (a test may patch it further)."""
-    from cnnkit import tuning
+    from cnnkit.nn import tuning
 
     monkeypatch.setattr(tuning, "CACHE", own_cache_home / "cnnkit" / "settings.json")

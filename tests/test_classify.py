@@ -58,7 +58,7 @@ def test_classifies_digit_pngs_like_evaluation(digits_run, digit_pngs):
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_either_measured_format_gives_the_same_predictions(digits_run, digit_pngs, monkeypatch,
                                                            channels_last):  # fmt: skip
-    from cnnkit import tuning
+    from cnnkit.nn import tuning
 
     paths, _ = digit_pngs
     plain = Classifier.load(digits_run)

@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cnnkit import tuning
 from cnnkit.config import TrainConfig
-from cnnkit.nn import Network
+from cnnkit.nn import Network, tuning
 from cnnkit.nn.kernels import Conv2d, NnpackConv, nnpack_ready, options, set_kernel, set_kernels
 from cnnkit.train import kernel_plan
 from cnnkit.train import settings as settings_module

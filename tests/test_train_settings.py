@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cnnkit import tuning
 from cnnkit.bench.throughput import bench_throughput
 from cnnkit.config import TrainConfig
-from cnnkit.nn import build_model
+from cnnkit.nn import build_model, tuning
 from cnnkit.train import settings as settings_module
 from cnnkit.train.settings import MARGIN, Settings, _fastest, choose_settings, static_settings
 
@@ -119,7 +118,7 @@ def test_inference_kernels_are_timed_forward_only_once_then_cached(tmp_path, mon
     """Classification's kernels: NCHW / channels_last x the linear layers' two products,
     forward passes timed in inference mode at the batch (up to INFER_BATCH), the answer cached
     apart from the training settings."""
-    from cnnkit.tuning import INFER_BATCH, choose_inference_kernels
+    from cnnkit.nn.tuning import INFER_BATCH, choose_inference_kernels
 
     net, cache = build_model("digitnet"), tmp_path / "c.json"
     timed = []

@@ -105,9 +105,9 @@ class Classifier:
     def _choose_format(self, batch: int) -> None:
         """channels_last and the linear layers' product where this CPU runs the network's
         forward pass faster with them (timed once per machine and network, then cached:
-        cnnkit/tuning.py)."""
+        cnnkit/nn/tuning.py)."""
         from cnnkit.nn.kernels import set_kernels
-        from cnnkit.tuning import choose_inference_kernels
+        from cnnkit.nn.tuning import choose_inference_kernels
 
         self.channels_last, plan = choose_inference_kernels(self.model, self.device, batch)
         if self.channels_last:

@@ -7,7 +7,7 @@ only when it is clearly faster, since fp32 keeps the most accuracy), and the cho
 per machine, torch version, network and batch in ~/.cache/cnnkit, so the next run reuses it.
 Where fp32 on the CPU wins and the memory format is left on auto, each convolution and pooling
 layer then gets its own fastest kernel (NCHW, NHWC or NNPACK: train/kernel_plan.py), kept if the
-whole step runs faster with them. The timer and the cache are cnnkit/tuning.py's. Explicit settings always win; `train.calibrate: false` or
+whole step runs faster with them. The timer and the cache are cnnkit/nn/tuning.py's. Explicit settings always win; `train.calibrate: false` or
 `deterministic: true` falls back to the static rules (a timing-dependent choice would make a run
 unrepeatable).
 """
@@ -24,9 +24,7 @@ import torch
 from cnnkit.config import TrainConfig
 from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
-from cnnkit.runtime import available_cores
-from cnnkit.train.kernel_plan import plan_kernels
-from cnnkit.tuning import (
+from cnnkit.nn.tuning import (
     MARGIN,
     CandidateTimer,
     Plan,
@@ -37,6 +35,8 @@ from cnnkit.tuning import (
     read_cache,
     write_cache,
 )
+from cnnkit.runtime import available_cores
+from cnnkit.train.kernel_plan import plan_kernels
 
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
@@ -108,7 +108,7 @@ def inference_settings(network: Network, cfg: TrainConfig, device: torch.device,
                        cache: Path | bool = True) -> Settings | None:  # fmt: skip
     """What a forward pass in eval mode runs with (evaluation, `cnnkit bench infer`): on a CPU
     in fp32 with the memory format on auto, the kernels classification measures as fastest
-    (cnnkit/tuning.py: channels_last or not, the linear layers' product); else None, the
+    (cnnkit/nn/tuning.py: channels_last or not, the linear layers' product); else None, the
     training settings' rules."""
     rules = static_settings(network, cfg, device, batch)
     if device.type != "cpu" or rules.precision != "fp32" or cfg.channels_last is not None:
