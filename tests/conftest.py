@@ -20,18 +20,19 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def own_cache_home(tmp_path_factory: pytest.TempPathFactory):
-    """The `cnnkit` subprocesses the tests start cache measured settings in this session's
-    folder (XDG_CACHE_HOME), not in the user's ~/.cache."""
-    cache = tmp_path_factory.getbasetemp() / "cache"
+def own_home(tmp_path_factory: pytest.TempPathFactory):
+    """The `cnnkit` subprocesses the tests start cache measured settings under this session's
+    HOME, not in the user's ~/.cache."""
+    home = tmp_path_factory.getbasetemp() / "home"
+    home.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(cache))
-        yield cache
+        patch.setenv("HOME", str(home))
+        yield home
 
 
 @pytest.fixture(autouse=True)
-def own_settings_cache(own_cache_home: Path, monkeypatch) -> None:
+def own_settings_cache(own_home: Path, monkeypatch) -> None:
     """And so does this process (a test may patch it further)."""
     from cnnkit.nn import tuning
 
-    monkeypatch.setattr(tuning, "CACHE", own_cache_home / "cnnkit" / "settings.json")
+    monkeypatch.setattr(tuning, "CACHE", own_home / ".cache" / "cnnkit" / "settings.json")

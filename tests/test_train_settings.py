@@ -5,7 +5,6 @@ rules when measuring is off; the benchmark uses exactly what training uses."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -49,13 +48,6 @@ def test_measured_once_then_cached_per_batch(tmp_path, monkeypatch):
     assert grid == len(settings_module.precisions(CPU)) * 2 * len(
         {1, max(1, torch.get_num_threads() // 2), torch.get_num_threads()}
     )
-
-
-def test_the_cache_lives_under_xdg_cache_home_where_it_is_set(monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
-    assert tuning.user_cache() == Path("/somewhere/cache/cnnkit/settings.json")
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert tuning.user_cache() == Path("~/.cache/cnnkit/settings.json")
 
 
 def test_the_fastest_wins_reduced_precision_only_when_clearly_faster():

@@ -1,7 +1,6 @@
 """Choices measured on this machine, the way cudnn.benchmark picks kernels: a timer that runs
 copies of a network under each candidate (precision, memory format, threads, a kernel per
-layer) interleaved, and a per-machine cache of what won (~/.cache/cnnkit/settings.json, or
-under $XDG_CACHE_HOME where that is set). The
+layer) interleaved, and a per-machine cache of what won (~/.cache/cnnkit/settings.json). The
 training settings (train/settings.py) and classification's kernels (`choose_inference_kernels`,
 used by infer/ and by evaluation) are both measured with them.
 """
@@ -23,13 +22,7 @@ from cnnkit.nn import Network
 from cnnkit.nn.kernels import options, set_kernels
 from cnnkit.runtime import machine_name, torch_threads
 
-
-def user_cache() -> Path:
-    """~/.cache/cnnkit/settings.json, or under $XDG_CACHE_HOME where that is set."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "cnnkit" / "settings.json"
-
-
-CACHE = user_cache()
+CACHE = Path("~/.cache/cnnkit/settings.json")
 TARGET_MACS = {"cpu": 1.5e10, "cuda": 2e12}  # work per timed call: enough to rank formats
 MARGIN = 1.03  # a choice other than the plain one must be this much faster to be taken
 BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
