@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import random
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -104,3 +106,13 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
+
+
+def cannot_write(folder: Path) -> str | None:
+    """Why nothing can be created in `folder` (read-only, not ours, not a real folder such as
+    /proc), found by making and removing a probe file; None when it can."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".cnnkit-probe-"):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__

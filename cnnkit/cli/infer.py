@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import typer
@@ -250,9 +249,9 @@ def _writable(out: Path | None) -> None:
         )
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
-    if out is not None:  # read-only, not ours, not a real folder (/proc): before any work
-        try:
-            with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".cnnkit-probe-"):
-                pass
-        except OSError as e:
-            raise ConfigError(f"-o {out}: cannot write in {out.parent} ({e.strerror})") from None
+    if out is not None:  # before any work
+        from cnnkit.runtime import cannot_write
+
+        reason = cannot_write(out.parent)
+        if reason is not None:
+            raise ConfigError(f"-o {out}: cannot write in {out.parent} ({reason})")

@@ -17,7 +17,7 @@ from cnnkit.data.augment import ten_crop
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.train.engine import Engine, build_engine
-from cnnkit.train.loop import evaluate, score_logits
+from cnnkit.train.loop import check_read, evaluate, score_logits
 from cnnkit.train.settings import inference_settings
 
 
@@ -89,9 +89,7 @@ def evaluate_ten_crops(engine: Engine, batches: Any, crop: int) -> dict[str, dic
         totals["tencrop"][:3] += score_logits(probs.clamp_min(1e-12).log(), y)
         for t in totals.values():
             t[3] += len(y)
-    listed = getattr(batches, "num_samples", 0)
-    if totals["centre"][3].item() == 0 and listed:  # as evaluate: no figure, not a 0% one
-        raise DataError(f"no held-out image could be read: all {listed} were unreadable")
+    check_read(totals["centre"][3].item(), batches)
     return {name: _means(t) for name, t in totals.items()}
 
 

@@ -108,15 +108,21 @@ def evaluate(engine: Engine, batches: Batches, dist: Processes | None = None) ->
         totals[:3] += score_logits(logits.log_softmax(1), y)
         totals[3] += len(y)
     totals = dist.all_reduce(totals)
-    listed = getattr(batches, "num_samples", 0)
-    if totals[3].item() == 0 and listed:  # every one unreadable: no figure, not a 0% one
-        raise DataError(f"no held-out image could be read: all {listed} were unreadable")
+    check_read(totals[3].item(), batches)
     n = max(totals[3].item(), 1.0)
     return {
         "loss": totals[0].item() / n,
         "top1": totals[1].item() / n,
         "top5": totals[2].item() / n,
     }
+
+
+def check_read(images: float, batches: Batches) -> None:
+    """DataError when a validation stream that lists images yielded none (every one
+    unreadable): no figure rather than a 0% one."""
+    listed = getattr(batches, "num_samples", 0)
+    if images == 0 and listed:
+        raise DataError(f"no held-out image could be read: all {listed} were unreadable")
 
 
 def score_logits(log_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

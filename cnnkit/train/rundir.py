@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from typing import Any
 
 from cnnkit.config import RunConfig, apply_override, validate_run
 from cnnkit.errors import CheckpointError, ConfigError
+from cnnkit.runtime import cannot_write
 
 LOCK = ".lock"
 
@@ -54,13 +54,9 @@ def check_writable(run_dir: Path) -> None:
         parent = parent.parent  # the nearest folder that exists
     if not parent.is_dir():
         raise ConfigError(f"run directory {run_dir}: {parent} is a file, not a folder")
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".cnnkit-probe-"):
-            pass
-    except OSError as e:
-        raise ConfigError(
-            f"run directory {run_dir}: cannot write in {parent} ({e.strerror})"
-        ) from None
+    reason = cannot_write(parent)
+    if reason is not None:
+        raise ConfigError(f"run directory {run_dir}: cannot write in {parent} ({reason})")
 
 
 def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
