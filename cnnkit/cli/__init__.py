@@ -60,18 +60,12 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, prog_name="cnnkit", standalone_mode=False)
     except NO_ARGS as e:  # `cnnkit` or `cnnkit bench` alone: typer has shown the help
         sys.exit(e.exit_code)
-    except click_errors.UsageError as e:  # a bad option or value: one line, as for a bad file
+    except click_errors.ClickException as e:  # a bad option, value or command: one line
         if debug:
             raise
-        where = e.ctx.command_path if e.ctx is not None else "cnnkit"
-        print(
-            f"cnnkit: error: {e.format_message().rstrip('.')} (see {where} --help)", file=sys.stderr
-        )
-        sys.exit(e.exit_code)
-    except click_errors.ClickException as e:
-        if debug:
-            raise
-        print(f"cnnkit: error: {e.format_message()}", file=sys.stderr)
+        ctx = getattr(e, "ctx", None)  # usage errors know the command: point at its help
+        see = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        print(f"cnnkit: error: {e.format_message().rstrip('.')}{see}", file=sys.stderr)
         sys.exit(e.exit_code)
     except typer.Abort:  # typer's name for an EOFError inside a command (a peer lost, ...)
         if debug:
