@@ -8,18 +8,26 @@
 #   `sync: average` run; the CPU/GPU scaling study in fp32 and bf16; torch.compile last.
 #
 #   bash benchmarks/gpu_wheels.sh            # here, once: the wheels the GPU image lacks -> .whl/
-#   bash benchmarks/gpu.sh OUT_DIR           # there; results: OUT_DIR/*.log, *.json, summary.json
+#   bash benchmarks/gpu.sh OUT_DIR [BACK]    # there; results: OUT_DIR/*.log, *.json, summary.json
 #
+# The device tool brings back at most 8 files: with BACK (its $OUT) the summary, the step list,
+# the hardware and one results.tgz of every log and figure (no shards, no checkpoints) go there.
 # Without a CUDA device it writes OUT_DIR/skipped.txt, skips every GPU part and exits 0.
 # Each step has its own time limit and the whole run a budget (BUDGET_S, default 470 s):
 # a step that would not fit is skipped and listed, never left half-written.
 # SMOKE=1 runs every step on the CPU with tiny sizes, to test this script without a GPU.
 set -u
-OUT=${1:?usage: bash benchmarks/gpu.sh OUT_DIR}
+OUT=${1:?usage: bash benchmarks/gpu.sh OUT_DIR [BACK_DIR]}
+BACK=${2:-}
 [[ ${SMOKE:-0} == 1 ]] || BUDGET_S=${BUDGET_S:-470}
 SMOKE=${SMOKE:-0}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
+# a rerun starts clean (stale logs and runs would mix in); a folder gpu.sh did not make is kept
+if [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
+    [[ -f $OUT/.gpu-sh ]] || { echo "gpu.sh: $OUT is not empty and not an earlier gpu.sh run" >&2; exit 2; }
+    rm -rf "${OUT:?}"/* "$OUT"/.gpu-sh
+fi
+mkdir -p "$OUT" && touch "$OUT/.gpu-sh"
 PY=${PYTHON:-python3}
 START=$(date +%s)
 cd "$REPO"
@@ -28,6 +36,11 @@ if ! "$PY" -c 'import pydantic, simplejpeg' 2>/dev/null && ls .whl/*.whl > /dev/
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/cnnkit-site .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheels: rc=1" >> "$OUT/steps.txt"
     export PYTHONPATH="/tmp/cnnkit-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! "$PY" -c 'import pydantic, simplejpeg' 2>/dev/null; then  # every step would fail
+    echo "gpu.sh: pydantic or simplejpeg missing: run benchmarks/gpu_wheels.sh here and carry .whl" \
+        | tee -a "$OUT/steps.txt" >&2
+    exit 1
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -41,6 +54,7 @@ fi
 if [[ $DEV == cuda ]] &&
     ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "no CUDA device on $(hostname): GPU measurements skipped" | tee "$OUT/skipped.txt"
+    [[ -n $BACK ]] && mkdir -p "$BACK" && cp "$OUT/skipped.txt" "$BACK/"
     exit 0
 fi
 "$PY" - > "$OUT/hardware.txt" <<'PY'
@@ -49,12 +63,18 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print("gpu:", gpu, "| torch", torch.__version__, "| cuda", torch.version.cuda)
 print("cpu:", platform.processor() or platform.machine(), "| cores", len(os.sched_getaffinity(0)))
 PY
+# containers often give /dev/shm 64 MB; the loader's slot rings need a few GB (root may grow it)
+shm_kb=$(df -k --output=size /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')
+if [[ $DEV == cuda && ${shm_kb:-0} -lt $(( 16 * 1024 * 1024 )) ]]; then
+    mount -o remount,size=32G /dev/shm 2>/dev/null || echo "shm: could not grow /dev/shm" >> "$OUT/hardware.txt"
+fi
 df -h /dev/shm | tail -n 1 | awk '{print "shm: " $2 " (" $4 " free)"}' >> "$OUT/hardware.txt"
 date -u +"%Y-%m-%dT%H:%M:%SZ" >> "$OUT/hardware.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,memory.total,power.limit \
     --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
 
-# step NAME LIMIT_S COMMAND...: run with a time limit, stdout to NAME.log, last line to NAME.json
+# step NAME LIMIT_S COMMAND...: run with a time limit, output to NAME.log, its last JSON line
+# (stderr may print after it) to NAME.json
 step() {
     local name=$1 limit=$(( $2 * SLOW )); shift 2
     local left=$(( BUDGET_S - ($(date +%s) - START) ))
@@ -66,8 +86,11 @@ step() {
     local t0=$(date +%s)
     timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    tail -n 1 "$OUT/$name.log" | "$PY" -c 'import json,sys; json.loads(sys.stdin.read())' \
-        2>/dev/null && tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
+    local last
+    last=$(grep '^{' "$OUT/$name.log" | tail -n 1)
+    if [[ -n $last ]] && "$PY" -c 'import json,sys; json.loads(sys.argv[1])' "$last" 2>/dev/null; then
+        printf '%s\n' "$last" > "$OUT/$name.json"
+    fi
     echo "$name: rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
 }
 
@@ -78,7 +101,8 @@ RUN="$OUT/runs"
 mkdir -p "$RUN"
 # The most telling figures first: a step that would overrun the budget is the one dropped.
 # 0. the CUDA tests: if the path is broken, the figures below say little
-[[ $DEV == cuda ]] && step gpu_tests 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
+# (one process: the tests are small, and 16 workers would each start CUDA; SMOKE: all skipped)
+step gpu_tests 180 "$PY" -m pytest -q -m gpu -n 0 -p no:cacheprovider tests
 # 1. the flagship's training step: every precision x format interleaved, both torchvision peers
 step train_owt_256_explore  90 "${T[@]}" alexnet-owt -b "$B" --explore --baseline
 # 2. the data: synthesised JPEGs packed raw and as JPEG shards; the loader alone
@@ -131,3 +155,12 @@ rm -rf "$RUN/shapes"  # the JPEGs are only input; the results stay
 "$PY" benchmarks/gpu_summary.py "$OUT" > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 echo "total $(( $(date +%s) - START ))s; results in $OUT"
+if [[ -n $BACK ]]; then  # what the device tool brings back: a few files, every log inside one
+    mkdir -p "$BACK"
+    for f in summary.json summary.txt steps.txt skipped.txt hardware.txt; do
+        [[ -f $OUT/$f ]] && cp "$OUT/$f" "$BACK/"
+    done
+    (cd "$OUT" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.txt' -o -name '*.csv' \
+        -o -name '*.png' -o -name '*.yaml' \) -size -4M | tar czf "$BACK/results.tgz" -T -)
+    ls -la "$BACK"
+fi

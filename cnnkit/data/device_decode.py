@@ -1,10 +1,17 @@
 """JPEG batches decoded where the network runs: torchvision's batched `decode_jpeg` (nvJPEG on
 CUDA, libjpeg-turbo on the CPU), then resized there to the set's stored size. Images the
-workers could not hand over as JPEG (PNG, CMYK...) arrive decoded already; a JPEG the decoder
-refuses is reported and dropped with its label."""
+workers could not hand over as JPEG (PNG, CMYK...) arrive decoded already; a JPEG the device's
+decoder refuses goes to the CPU decoder, and one neither reads is reported and dropped with its
+label.
+
+nvJPEG (torchvision's flags) upsamples 4:2:0 chroma by repetition where libjpeg-turbo
+interpolates: colour edges of such JPEGs differ by a few levels between `decode: gpu` and the
+workers. `cnnkit pack --format jpeg` writes 4:4:4, where the two agree to rounding."""
 
 from __future__ import annotations
 
+import functools
+import sys
 import warnings
 
 import torch
@@ -30,13 +37,29 @@ def _decode_all(items, device, decode_jpeg, rgb) -> list[torch.Tensor | None]:
     try:
         return list(decode_jpeg(items, mode=rgb, device=device))
     except RuntimeError:  # one bad file fails the batch: find it
-        out: list[torch.Tensor | None] = []
-        for item in items:
-            try:
-                out.append(decode_jpeg(item, mode=rgb, device=device))
-            except RuntimeError:
-                out.append(None)
-        return out
+        return [_decode_one(item, device, decode_jpeg, rgb) for item in items]
+
+
+def _decode_one(item, device, decode_jpeg, rgb) -> torch.Tensor | None:
+    """One JPEG on `device`; one the device's decoder refuses but libjpeg-turbo reads (or every
+    one, where nvJPEG itself fails) is decoded on the CPU and copied over; None if neither can."""
+    try:
+        return decode_jpeg(item, mode=rgb, device=device)
+    except RuntimeError:
+        if device.type == "cpu":
+            return None
+    try:
+        image = decode_jpeg(item, mode=rgb)
+    except RuntimeError:
+        return None
+    _say_decoded_on_the_cpu(str(device))
+    return image.to(device, non_blocking=True)
+
+
+@functools.cache
+def _say_decoded_on_the_cpu(device: str) -> None:
+    print(f"cnnkit: the {device} JPEG decoder refused images the CPU decoder reads: those are "
+          "decoded on the CPU (correct, slower)", file=sys.stderr)  # fmt: skip
 
 
 def resize_on_device(image: torch.Tensor, size: int, mode: str) -> torch.Tensor:
