@@ -164,7 +164,7 @@ def print_scaling(report: dict[str, Any], console: Any = None) -> None:
     from rich import box
     from rich.table import Table
 
-    from cnnkit.nn.summary import wide_console
+    from cnnkit.tables import wide_console
 
     console = console or wide_console()
     devices = list(report["devices"])

@@ -219,7 +219,7 @@ def _combo(s: Settings) -> dict[str, Any]:
 
 def print_throughput(report: dict[str, Any], console: Any = None) -> None:
     """A few human lines: settings, images/s, step times, FLOP/s against the peak, peers."""
-    from cnnkit.nn.summary import wide_console
+    from cnnkit.tables import wide_console
 
     console = console or wide_console()
     r, s = report, report["step"]

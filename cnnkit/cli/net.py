@@ -17,7 +17,7 @@ def zoo() -> None:
     from rich import box
     from rich.table import Table
 
-    from cnnkit.nn.summary import wide_console
+    from cnnkit.tables import wide_console
 
     table = Table(title="cnnkit zoo", title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("name", style="bold")

@@ -90,7 +90,7 @@ def show_config(
     from rich.table import Table
 
     from cnnkit.config import describe_run, load_run
-    from cnnkit.nn.summary import wide_console
+    from cnnkit.tables import wide_console
 
     config = load_run(run, list(overrides or []))
     table = Table(title=f"{config.name}: {run}", title_justify="left", box=box.SIMPLE_HEAD)

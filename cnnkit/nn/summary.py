@@ -9,6 +9,7 @@ from rich.table import Table
 
 from cnnkit.nn.graph import Network
 from cnnkit.nn.memory import format_bytes
+from cnnkit.tables import wide_console
 
 
 def print_layer_table(model: Network, console: Console | None = None) -> None:
@@ -48,8 +49,3 @@ def print_layer_table(model: Network, console: Console | None = None) -> None:
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape))
-
-
-def wide_console() -> Console:
-    """A console at least 120 columns wide, so tables piped to a file are not cut."""
-    return Console(width=max(Console().width, 120))
