@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     NonNegativeFloat,
@@ -30,12 +29,13 @@ from pydantic import (
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import CheckpointError, CnnkitError, one_line, validation_message
 from cnnkit.nn import build_model
+from cnnkit.sections import Section
 
 FORMAT = "cnnkit-checkpoint/1"
 EXPORT_FORMAT = "cnnkit-safetensors/1"  # `cnnkit export --format safetensors`
 
 
-class Saved(BaseModel):
+class Saved(Section):
     """What a cnnkit checkpoint holds, checked when it is read (best.pt has no optimizer, RNG
     or scaler; the training fields have their fresh-run values when absent)."""
 

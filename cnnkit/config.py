@@ -31,12 +31,13 @@ from cnnkit.data import SOURCES, DataConfig, check_source
 from cnnkit.errors import ConfigError, brief, config_error
 from cnnkit.nn import read_spec
 from cnnkit.nn.yamlio import load_yaml, read_yaml
+from cnnkit.sections import Section
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(Section):
     """The `train:` section: optimisation, schedule, precision, checkpoints."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -121,7 +122,7 @@ class TrainConfig(BaseModel):
         return self
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Section):
     """The `model:` section: which network, and optionally weights to start from.
 
     A run file may write just the network: `model: resnet18`, `model: net.yaml`, or the
@@ -161,7 +162,7 @@ class ModelConfig(BaseModel):
         return read_spec(self.network)
 
 
-class RunConfig(BaseModel):
+class RunConfig(Section):
     """A whole run: which network, which data, how to train; seed and determinism."""
 
     model_config = ConfigDict(extra="forbid")

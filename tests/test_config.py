@@ -52,6 +52,13 @@ def test_run_file_naming_a_network_file_beside_it(tmp_path):
         ({"data": {"source": "digits", "val_fraction": 1.5}}, "data.val_fraction"),
         ({"data": {"source": "digits", "colour": 1}}, "data.colour"),
         ({"seed": -1}, "seed"),
+        # YAML's on / off / yes / no are booleans: never read as 1 and 0 where a number goes
+        ({"train": {"epochs": True}}, "train: epochs: Input should be a number, not true or false"),
+        ({"train": {"grad_clip": False}}, "train: grad_clip: Input should be a number"),
+        ({"data": {"source": "digits", "batch_size": True}}, "data: batch_size: Input should be"),
+        ({"data": {"source": "faces", "hard_negatives": {"images": [], "rounds": True}}},
+         "data.hard_negatives: rounds: Input should be a number"),
+        ({"seed": False}, "seed: Input should be a number"),
     ],
 )
 def test_each_bad_field_is_named(change, words):

@@ -13,12 +13,13 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import ConfigDict, Field, PositiveInt, model_validator
 
 from cnnkit.errors import ConfigError
+from cnnkit.sections import Section
 
 
-class DataConfigBase(BaseModel):
+class DataConfigBase(Section):
     """Fields every `data:` section has; each source subclasses it with its own fields and the
     behaviour that depends on the source (how to build streams, how to evaluate)."""
 
@@ -77,7 +78,7 @@ class Batches(Protocol):
 MAX_SIDE = 8192  # the largest image side an evaluation may resize to (a bound, not a taste)
 
 
-class Preprocess(BaseModel):
+class Preprocess(Section):
     """How a raw image becomes network input at evaluation time (stored in checkpoints and
     exports, and validated when read back: a tampered file cannot ask for a 60000 px resize)."""
 

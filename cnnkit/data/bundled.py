@@ -12,11 +12,12 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, field_validator
 
 from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, holdout_split
 from cnnkit.data.memory import Jitter, TensorBatches
 from cnnkit.errors import DataError
+from cnnkit.sections import Section
 
 
 class BundledConfig(DataConfigBase):
@@ -154,7 +155,7 @@ FACE_FREE = ("coffee", "rocket", "brick", "grass", "gravel", "moon", "page", "te
              "cell", "colorwheel", "checkerboard")  # fmt: skip
 
 
-class HardNegatives(BaseModel, extra="forbid"):
+class HardNegatives(Section, extra="forbid"):
     """Bootstrapping: train, scan face-free pictures with the detector, add its false positives
     as non-faces, train again; the trainer keeps the round best on the held-out measure."""
 
