@@ -56,8 +56,10 @@ def test_run_file_naming_a_network_file_beside_it(tmp_path):
         ({"train": {"epochs": True}}, "train: epochs: Input should be a number, not true or false"),
         ({"train": {"grad_clip": False}}, "train: grad_clip: Input should be a number"),
         ({"data": {"source": "digits", "batch_size": True}}, "data: batch_size: Input should be"),
-        ({"data": {"source": "faces", "hard_negatives": {"images": [], "rounds": True}}},
-         "data.hard_negatives: rounds: Input should be a number"),
+        (
+            {"data": {"source": "faces", "hard_negatives": {"images": [], "rounds": True}}},
+            "data.hard_negatives: rounds: Input should be a number",
+        ),
         ({"seed": False}, "seed: Input should be a number"),
     ],
 )

@@ -109,6 +109,7 @@ def test_early_stop_ends_a_run_that_stopped_improving(tmp_path, capsys):
         summary["epochs"] < 30
         and "early stop: no held-out gain for 2 epochs" in capsys.readouterr().err
     )
+    assert (tmp_path / "r" / "curves.png").is_file()  # drawn when the run ends, early or not
 
 
 def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path):
@@ -129,3 +130,4 @@ def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path):
                          callbacks=[seen])  # fmt: skip
     assert [r["epoch"] for r in seen.rows] == [1, 2] and seen.steps == 2 * 22
     assert summary["epochs"] == 2 and load_checkpoint(tmp_path / "r" / "last.pt")["epoch"] == 2
+    assert (tmp_path / "r" / "curves.png").is_file()

@@ -39,6 +39,7 @@ class RunLog:
 
             self.tb = SummaryWriter(str(run_dir), purge_step=len(history) + 1)
         self._last_plot = time.monotonic()
+        self._plotted = len(history)  # epochs in curves.png (a resumed run's: drawn before)
 
     def write_epoch(self, row: dict[str, float], final: bool = False) -> None:
         """Record the epoch `row` (already last in history): rewrite metrics.csv (one row per
@@ -51,8 +52,11 @@ class RunLog:
                 self.tb.add_scalar(key.replace("_", "/", 1), row[key], step)
             self.tb.flush()
         if final or time.monotonic() - self._last_plot > PLOT_EVERY:
-            plot_curves(self.history, self.run_dir / "curves.png")
-            self._last_plot = time.monotonic()
+            self._plot()
+
+    def _plot(self) -> None:
+        plot_curves(self.history, self.run_dir / "curves.png")
+        self._last_plot, self._plotted = time.monotonic(), len(self.history)
 
     def write_step(
         self, global_step: int, loss: float, lr: float, images_per_second: float
@@ -64,8 +68,14 @@ class RunLog:
             self.tb.add_scalar("step/images_per_second", images_per_second, global_step)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        """Draw the epochs curves.png lacks (a run that stopped early: early_stop, a callback,
+        Ctrl-C), then close TensorBoard's file."""
+        try:
+            if self.history and self._plotted != len(self.history):
+                self._plot()
+        finally:
+            if self.tb is not None:
+                self.tb.close()
 
 
 def write_csv(path: Path, rows: list[dict[str, float]]) -> None:
