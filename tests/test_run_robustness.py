@@ -61,6 +61,8 @@ def test_a_second_resume_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path,
                                                "start": _start(live.pid), "since": "now"}))  # fmt: skip
         code, _, err = run_cli(["train", "--resume", str(run), "train.epochs=2", "--quiet"], capsys)
         assert "in use by another run" in one_error_line(code, err, (2,))
+        code, _, err = run_cli(["train", "digits", "--out", str(run), "--quiet"], capsys)
+        assert "in use by another run" in one_error_line(code, err, (2,))  # not "--resume it"
     finally:
         live.kill()
         live.wait()

@@ -42,7 +42,9 @@ def new_run_dir(
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {path}: exists and is not a directory")
     if not reuse and any((path / f).exists() for f in RUN_FILES):
-        raise ConfigError(f"--out {path}: already holds a run (continue it with --resume {path})")
+        busy = in_use(path)  # a live run first: resuming it would be refused as well
+        raise ConfigError(busy or f"--out {path}: already holds a run (continue it with "
+                          f"--resume {path})")  # fmt: skip
     return path
 
 
@@ -110,6 +112,18 @@ def _stale(holder: dict[str, Any] | None, job: str | None) -> bool:
     return start is None or (start != "?" and start != holder.get("start"))
 
 
+def in_use(run_dir: Path, job: str | None = None) -> str | None:
+    """What to say when a live run holds run_dir's lock (None: no lock, or a stale one)."""
+    path = run_dir / LOCK
+    if not path.exists():
+        return None
+    holder = _holder(path)
+    if _stale(holder, job):
+        return None
+    return (f"{run_dir}: in use by another run (pid {holder.get('pid')} on {holder.get('host')} "
+            f"since {holder.get('since')}); let it finish or use another --out")  # fmt: skip
+
+
 @contextmanager
 def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
     """Hold run_dir/.lock (owner pid, host, start time) while a run writes there: a second
@@ -122,13 +136,9 @@ def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            holder = _holder(path)
-            if not _stale(holder, job):
-                raise ConfigError(
-                    f"{run_dir}: in use by another run (pid {holder.get('pid')} on "
-                    f"{holder.get('host')} since {holder.get('since')}); let it finish or use "
-                    "another --out"
-                ) from None
+            busy = in_use(run_dir, job)
+            if busy:
+                raise ConfigError(busy) from None
             path.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:
