@@ -29,6 +29,7 @@ from pydantic import (
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import CheckpointError, CnnkitError, one_line, validation_message
 from cnnkit.nn import build_model
+from cnnkit.nn.weights import check_finite_weights
 from cnnkit.sections import Section
 
 FORMAT = "cnnkit-checkpoint/1"
@@ -150,7 +151,9 @@ def load_trained(target: str | Path, device: Any = "cpu",
         model = build_model(state["model_spec"], num_classes=state["num_classes"])
         if ema and not state.get("ema"):
             raise CheckpointError(f"{path}: no moving average of the weights (train.ema was 0)")
-        model.load_state_dict(state["ema"] if ema else state["model"])
+        weights = state["ema"] if ema else state["model"]
+        model.load_state_dict(weights)
+        check_finite_weights(weights, path)
     except CheckpointError:
         raise
     except CnnkitError as e:
@@ -209,6 +212,7 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         raise CheckpointError(
             f"{path}: its metadata or weights do not fit ({one_line(e)})"
         ) from None
+    check_finite_weights(weights, path)
     if not isinstance(classes, list) or len(classes) != (model.num_classes or len(classes)):
         count = len(classes) if isinstance(classes, list) else "no"
         raise CheckpointError(

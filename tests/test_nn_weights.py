@@ -115,3 +115,23 @@ def test_files_that_are_not_weights_are_refused(tmp_path):
     for name, message in cases.items():
         with pytest.raises(CheckpointError, match=message):
             build_model("squeezenet1_1", weights=tmp_path / name)
+
+
+def test_weights_holding_nan_are_refused_naming_the_tensor(tmp_path):
+    """A state_dict file, a .safetensors export and a checkpoint with a nan: one line naming
+    the tensor, not a network that classifies everything as nan."""
+    from cnnkit.infer.load import load_for_inference, load_network, save_safetensors
+
+    model = build_model("digitnet")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    name = next(k for k in state if k.endswith("weight"))
+    state[name][0] = float("inf")
+    torch.save(state, tmp_path / "w.pt")
+    with pytest.raises(CheckpointError, match=f"w.pt: {name} holds nan or inf"):
+        build_model("digitnet", weights=tmp_path / "w.pt")
+    loaded = load_network("digitnet")
+    with torch.no_grad():
+        loaded.model.get_parameter(name)[0] = float("nan")
+    save_safetensors(loaded, tmp_path / "e.safetensors")
+    with pytest.raises(CheckpointError, match=f"e.safetensors: {name} holds nan or inf"):
+        load_for_inference(tmp_path / "e.safetensors")

@@ -235,6 +235,8 @@ def _tampered(state: dict) -> dict[str, dict | bytes]:
         "preprocess crop 16": edit(preprocess={**pre, "crop": 16}),
         "train epochs text": edit(config={**cfg, "train": {**cfg.get("train", {}), "epochs": "x"}}),
         "a weight missing": edit(model={k: v for k, v in list(state["model"].items())[1:]}),
+        "a nan weight": edit(model={k: v.clone().fill_(float("nan")) if i == 2 else v
+                                    for i, (k, v) in enumerate(state["model"].items())}),
     })  # fmt: skip
     buf = io.BytesIO()
     torch.save({"format": "cnnkit-checkpoint/1", "payload": io.BytesIO}, buf)  # a pickled class
@@ -277,6 +279,8 @@ def test_tampered_checkpoints_are_one_line_never_a_traceback(good_run, tmp_path,
             assert str(target) in line or "last.pt" in line, (name, line)
             if name == "a weight missing":  # the key is named, not only "Error(s) in loading"
                 assert next(iter(state["model"])) in line, line
+            if name == "a nan weight":  # named, not predictions of nan (or a run diverging)
+                assert f"{list(state['model'])[2]} holds nan or inf" in line, line
         assert sorted(p.name for p in folder.iterdir()) == before, name  # nothing written
 
 

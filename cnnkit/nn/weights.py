@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,11 +66,23 @@ def _read_pt(path: Path) -> object:
         raise CheckpointError(f"{path}: not a readable weights file ({first[:100]})") from None
 
 
+def check_finite_weights(weights: Mapping[str, Any], source: Any) -> None:
+    """CheckpointError naming the first tensor that holds nan or inf: such weights classify
+    everything as nan (or train into it) without a word otherwise."""
+    for name, value in weights.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not value.isfinite().all():
+            raise CheckpointError(
+                f"{source}: {name} holds nan or inf values (weights that diverged, or a "
+                "damaged file)"
+            )
+
+
 def load_weights(network: nn.Module, path: str | Path) -> list[str]:
     """Load a state_dict file into `network` (names and shapes must agree) and return the keys
     left as initialised: the classifier of a network built for another class count (its
     `heads`), so fine-tuning starts from everything else."""
     state = read_state_dict(path)
+    check_finite_weights(state, path)
     own = network.state_dict()
     heads = tuple(f"{h}." for h in getattr(network, "heads", ()))
     missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]

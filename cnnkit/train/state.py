@@ -15,6 +15,7 @@ from cnnkit.config import RunConfig, run_dict
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Processes
 from cnnkit.errors import CheckpointError, one_line
+from cnnkit.nn.weights import check_finite_weights
 from cnnkit.train.engine import Engine
 from cnnkit.train.loop import Progress
 from cnnkit.train.metrics import RunLog
@@ -93,6 +94,7 @@ def restore(state: dict[str, Any], engine: Engine, schedule: Schedule) -> Progre
     """Load model, optimizer, scaler and schedule from a checkpoint; return where it stood."""
     try:
         engine.network.load_state_dict(state["model"])
+        check_finite_weights(state["model"], "last.pt")
         engine.optimizer.load_state_dict(state["optimizer"])
         match_param_layout(engine.optimizer)
         if engine.scaler.is_enabled() and state.get("scaler"):
