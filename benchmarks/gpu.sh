@@ -101,8 +101,10 @@ RUN="$OUT/runs"
 mkdir -p "$RUN"
 # The most telling figures first: a step that would overrun the budget is the one dropped.
 # 0. the CUDA tests: if the path is broken, the figures below say little
-# (one process: the tests are small, and 16 workers would each start CUDA; SMOKE: all skipped)
-step gpu_tests 180 "$PY" -m pytest -q -m gpu -n 0 -p no:cacheprovider tests
+# (one process: the tests are small, and 16 workers would each start CUDA; SMOKE: all skipped;
+# without pytest-xdist, pyproject's "-n auto" is replaced)
+if "$PY" -c 'import xdist' 2>/dev/null; then ONE=(-n 0); else ONE=(-o "addopts=-ra"); fi
+step gpu_tests 180 "$PY" -m pytest -q -m gpu "${ONE[@]}" -p no:cacheprovider tests
 # 1. the flagship's training step: every precision x format interleaved, both torchvision peers
 step train_owt_256_explore  90 "${T[@]}" alexnet-owt -b "$B" --explore --baseline
 # 2. the data: synthesised JPEGs packed raw and as JPEG shards; the loader alone
