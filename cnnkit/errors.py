@@ -52,6 +52,10 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     errors = error.errors()  # a missing field first: it is why the others look wrong
     err = next((e for e in errors if e["type"] == "missing"), errors[0])
     parts = [str(p)[:40] for p in err["loc"]]
+    field = (err.get("ctx") or {}).get("field")  # a model-level check names its field there
+    if field is not None:
+        parts.append(str(field)[:40])
+        err = {**err, "input": err.get("input", {}).get(field)}
     parts = [p for p in parts if not p.startswith(("function-", "literal[")) and p not in hide]
     msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")[:200]
     if err["type"] == "extra_forbidden":

@@ -53,14 +53,23 @@ def test_run_file_naming_a_network_file_beside_it(tmp_path):
         ({"data": {"source": "digits", "colour": 1}}, "data.colour"),
         ({"seed": -1}, "seed"),
         # YAML's on / off / yes / no are booleans: never read as 1 and 0 where a number goes
-        ({"train": {"epochs": True}}, "train: epochs: Input should be a number, not true or false"),
-        ({"train": {"grad_clip": False}}, "train: grad_clip: Input should be a number"),
-        ({"data": {"source": "digits", "batch_size": True}}, "data: batch_size: Input should be"),
+        (
+            {"train": {"epochs": True}},
+            r"train.epochs: Input should be a number, not true or false \(got True\)",
+        ),
+        ({"train": {"grad_clip": False}}, "train.grad_clip: Input should be a number"),
+        ({"train": {"milestones": [5, True]}}, "train.milestones: Input should be a number"),
+        (
+            {"data": {"source": "digits", "batch_size": True}},
+            "data.batch_size: Input should be a number",
+        ),
         (
             {"data": {"source": "faces", "hard_negatives": {"images": [], "rounds": True}}},
-            "data.hard_negatives: rounds: Input should be a number",
+            "data.hard_negatives.rounds: Input should be a number",
         ),
         ({"seed": False}, "seed: Input should be a number"),
+        ({"name": True}, "name: Input should be a valid string"),  # not a number field: pydantic's
+        ({"train": {"optimizer": True}}, "train.optimizer: Input should be 'sgd'"),
     ],
 )
 def test_each_bad_field_is_named(change, words):
@@ -101,3 +110,10 @@ def test_run_file_weights_start_the_network_from_a_state_dict(tmp_path):
     assert trained["output.weight"].shape[0] == 10  # digits has 10 classes: a fresh classifier
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["model"] == {"network": "digitnet", "weights": str(tmp_path / "w.safetensors")}
+
+
+def test_booleans_still_set_the_boolean_fields():
+    raw = {"model": "digitnet", "data": {"source": "digits"}, "deterministic": True,
+           "train": {"channels_last": True, "compile": False, "calibrate": False}}  # fmt: skip
+    config = validate_run(raw)
+    assert config.train.channels_last is True and config.deterministic is True
