@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cnnkit.errors import one_line
 
 LOG_EVERY = 20  # steps between TensorBoard's per-step scalars
 PLOT_EVERY = 30.0  # seconds between redrawings of curves.png during a run
@@ -73,6 +76,8 @@ class RunLog:
         try:
             if self.history and self._plotted != len(self.history):
                 self._plot()
+        except Exception as e:  # noqa: BLE001 - may run while a run's own error propagates
+            print(f"cnnkit: curves.png not redrawn ({one_line(e)})", file=sys.stderr)
         finally:
             if self.tb is not None:
                 self.tb.close()
@@ -98,8 +103,8 @@ def _fmt(v: float) -> str:
 def plot_curves(history: list[dict[str, float]], path: Path) -> None:
     """curves.png: loss, top-1 error and learning rate per epoch (written to a temporary file
     and renamed, so a viewer never reads half a picture)."""
-    tmp = path.with_suffix(".tmp.png")
-    curves_figure(history).savefig(tmp, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp")  # a kill mid-write: removed on resume
+    curves_figure(history).savefig(tmp, dpi=110, format="png")
     tmp.replace(path)
 
 

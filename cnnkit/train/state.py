@@ -102,6 +102,7 @@ def restore(state: dict[str, Any], engine: Engine, schedule: Schedule) -> Progre
         schedule.load_state_dict(state["schedule"])
         if engine.ema is not None and state.get("ema"):
             engine.ema.module.load_state_dict(state["ema"])
+            check_finite_weights(state["ema"], "last.pt (ema)")
             engine.ema.n_averaged.fill_(state.get("ema_count", 0))
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(
