@@ -12,13 +12,14 @@
 #
 # The device tool brings back at most 8 files: with BACK (its $OUT) the summary, the step list,
 # the hardware and one results.tgz of every log and figure (no shards, no checkpoints) go there.
-# Without a CUDA device it writes OUT_DIR/skipped.txt, skips every GPU part and exits 0.
+# Without pydantic and simplejpeg importable it stops at once (exit 1); without a CUDA device it
+# writes OUT_DIR/skipped.txt, skips every GPU part and exits 0. BACK is filled on every exit.
 # Each step has its own time limit and the whole run a budget (BUDGET_S, default 470 s):
 # a step that would not fit is skipped and listed, never left half-written.
 # SMOKE=1 runs every step on the CPU with tiny sizes, to test this script without a GPU.
 set -u
-OUT=${1:?usage: bash benchmarks/gpu.sh OUT_DIR [BACK_DIR]}
-BACK=${2:-}
+OUT=$(realpath -m -- "${1:?usage: bash benchmarks/gpu.sh OUT_DIR [BACK_DIR]}")
+BACK=${2:+$(realpath -m -- "$2")}
 [[ ${SMOKE:-0} == 1 ]] || BUDGET_S=${BUDGET_S:-470}
 SMOKE=${SMOKE:-0}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,6 +29,24 @@ if [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
     rm -rf "${OUT:?}"/* "$OUT"/.gpu-sh
 fi
 mkdir -p "$OUT" && touch "$OUT/.gpu-sh"
+# what the device tool brings back (at most 8 files): the summary, the steps, the hardware and
+# one results.tgz of every log and figure under 4 MiB (no shards, no checkpoints); on any exit
+bring_back() {
+    [[ -n $BACK ]] || return 0
+    mkdir -p "$BACK"
+    local f
+    for f in summary.json summary.txt steps.txt skipped.txt hardware.txt results.tgz left_out.txt; do
+        rm -f "$BACK/$f"
+        [[ -f $OUT/$f && $f != results.tgz ]] && cp "$OUT/$f" "$BACK/"
+    done
+    (cd "$OUT" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.txt' -o -name '*.csv' \
+        -o -name '*.png' -o -name '*.yaml' \) -size +4194303c > "$BACK/left_out.txt")
+    [[ -s $BACK/left_out.txt ]] || rm -f "$BACK/left_out.txt"
+    (cd "$OUT" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.txt' -o -name '*.csv' \
+        -o -name '*.png' -o -name '*.yaml' \) -size -4194304c | tar czf "$BACK/results.tgz" -T -)
+}
+trap bring_back EXIT
+trap 'exit 143' TERM INT  # (bash runs it once the step in flight has ended)
 PY=${PYTHON:-python3}
 START=$(date +%s)
 cd "$REPO"
@@ -54,7 +73,6 @@ fi
 if [[ $DEV == cuda ]] &&
     ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "no CUDA device on $(hostname): GPU measurements skipped" | tee "$OUT/skipped.txt"
-    [[ -n $BACK ]] && mkdir -p "$BACK" && cp "$OUT/skipped.txt" "$BACK/"
     exit 0
 fi
 "$PY" - > "$OUT/hardware.txt" <<'PY'
@@ -87,11 +105,12 @@ step() {
     timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     local last
-    last=$(grep '^{' "$OUT/$name.log" | tail -n 1)
-    if [[ -n $last ]] && "$PY" -c 'import json,sys; json.loads(sys.argv[1])' "$last" 2>/dev/null; then
+    last=$(grep -a '^{' "$OUT/$name.log" | tail -n 1)
+    if [[ -n $last ]] && printf '%s\n' "$last" | "$PY" -c 'import json,sys; json.load(sys.stdin)' 2>/dev/null; then
         printf '%s\n' "$last" > "$OUT/$name.json"
     fi
     echo "$name: rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
+    bring_back  # after every step: a run killed outright still leaves what it had measured
 }
 
 CK=("$PY" -m cnnkit)
@@ -157,12 +176,3 @@ rm -rf "$RUN/shapes"  # the JPEGs are only input; the results stay
 "$PY" benchmarks/gpu_summary.py "$OUT" > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 echo "total $(( $(date +%s) - START ))s; results in $OUT"
-if [[ -n $BACK ]]; then  # what the device tool brings back: a few files, every log inside one
-    mkdir -p "$BACK"
-    for f in summary.json summary.txt steps.txt skipped.txt hardware.txt; do
-        [[ -f $OUT/$f ]] && cp "$OUT/$f" "$BACK/"
-    done
-    (cd "$OUT" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.txt' -o -name '*.csv' \
-        -o -name '*.png' -o -name '*.yaml' \) -size -4M | tar czf "$BACK/results.tgz" -T -)
-    ls -la "$BACK"
-fi

@@ -34,16 +34,20 @@ def steps(out: Path) -> tuple[dict[str, int], list[str]]:
 
 
 def gpu_tests(out: Path, rc: int | None) -> dict | None:
-    """pytest's counts, and whether the tests passed: exit status 0 and at least one passed
-    (a pytest killed by its time limit prints no counts, and zero failures is not a pass)."""
+    """pytest's counts (from its final summary line), and whether the tests passed: exit status
+    0 and at least one passed (a pytest killed by its time limit prints no counts, and zero
+    failures is not a pass); None where every test skipped (no CUDA: a SMOKE rehearsal)."""
     log = out / "gpu_tests.log"
     if not log.is_file():
         return None
-    text = log.read_text()
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", text)}
-    passed = counts.get("passed", 0)
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b", line)]  # fmt: skip
+    final = lines[-1] if lines else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", final)}
+    passed, skipped = counts.get("passed", 0), counts.get("skipped", 0)
     failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
-    return {"passed": passed, "failed": failed, "rc": rc, "ok": rc == 0 and passed > 0}
+    ok = None if rc == 0 and not passed and not failed and skipped else rc == 0 and passed > 0
+    return {"passed": passed, "failed": failed, "skipped": skipped, "rc": rc, "ok": ok}
 
 
 def model_only(out: Path) -> tuple[float | None, dict]:

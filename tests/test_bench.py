@@ -191,12 +191,16 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
 
     script = Path(__file__).parents[1] / "benchmarks" / "gpu.sh"
     out, back = tmp_path / "out", tmp_path / "back"
-    for _ in range(2):  # a rerun into its own folder starts clean
-        proc = subprocess.run(["bash", str(script), str(out), str(back)], capture_output=True,
-                              text=True)  # fmt: skip
+    for rerun in (False, True):  # a rerun into its own folder starts clean
+        if rerun:
+            (out / "stale.log").write_text("an earlier run's")
+            (back / "summary.json").write_text("{}")
+        proc = subprocess.run(  # relative paths, run from another folder
+            ["bash", str(script), "out", "back"], capture_output=True, text=True, cwd=tmp_path
+        )
         assert proc.returncode == 0, proc.stderr
         assert sorted(p.name for p in out.iterdir()) == [".gpu-sh", "skipped.txt"]
-        assert [p.name for p in back.iterdir()] == ["skipped.txt"]
+        assert sorted(p.name for p in back.iterdir()) == ["results.tgz", "skipped.txt"]
         assert "no CUDA device" in (out / "skipped.txt").read_text()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
