@@ -26,11 +26,10 @@ from pydantic import (
     model_validator,
 )
 
-from cnnkit.data.base import Preprocess
+from cnnkit.data.base import Preprocess, Section
 from cnnkit.errors import CheckpointError, CnnkitError, one_line, validation_message
 from cnnkit.nn import build_model
 from cnnkit.nn.weights import check_finite_weights
-from cnnkit.sections import Section
 
 FORMAT = "cnnkit-checkpoint/1"
 EXPORT_FORMAT = "cnnkit-safetensors/1"  # `cnnkit export --format safetensors`

@@ -28,10 +28,10 @@ from pydantic import (
 )
 
 from cnnkit.data import SOURCES, DataConfig, check_source
+from cnnkit.data.base import Section
 from cnnkit.errors import ConfigError, brief, config_error
 from cnnkit.nn import read_spec
 from cnnkit.nn.yamlio import load_yaml, read_yaml
-from cnnkit.sections import Section
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")

@@ -1,4 +1,5 @@
-"""The console cnnkit's tables print to (rich, and nothing else: `cnnkit zoo` imports no torch)."""
+"""The console the command line's and the benchmarks' tables print to (rich, and nothing else:
+`cnnkit zoo` imports no torch)."""
 
 from __future__ import annotations
 

@@ -41,5 +41,6 @@ def info(
     """Print the layer table: output shape, parameters and multiply-adds per layer, then totals."""
     from cnnkit.infer.load import network_of
     from cnnkit.nn.summary import print_layer_table
+    from cnnkit.tables import wide_console
 
-    print_layer_table(network_of(net, num_classes))
+    print_layer_table(network_of(net, num_classes), wide_console())

@@ -1,5 +1,5 @@
 """What every data source provides: its config base class, the batch stream, the bundle, and the
-preprocessing that classification must repeat.
+preprocessing that classification must repeat; and the pydantic base of every run-file section.
 
 Every source stores images as uint8 (C, H, W), 0-255. Normalisation happens on the device:
 x = (x - mean) / std with mean and std per channel in 0-255 units.
@@ -7,16 +7,70 @@ x = (x - mean) / std with mean and std per channel in 0-255 units.
 
 from __future__ import annotations
 
+import itertools
+import types
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
-from pydantic import ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic_core import PydanticCustomError
 
 from cnnkit.errors import ConfigError
-from cnnkit.sections import Section
+
+
+class Section(BaseModel):
+    """The base of every run-file section (train, data, model, hard_negatives) and of what
+    checkpoints record: booleans are not numbers. Pydantic's lax mode reads `true` as 1 and
+    `false` as 0, and YAML reads on / off / yes / no as booleans, so `epochs: on` would train
+    one epoch without a word. A boolean where only a number goes (a number field, or an item of
+    a list or tuple of numbers) is refused naming the field; other fields keep pydantic's own
+    messages. (Network files get the same from their layers' strict types, nn/layers.py.)
+
+    A model-level check, since a field-level one cannot sit on a discriminated union's tag;
+    its error carries the field in its context, which errors.py adds to the location."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key) if isinstance(key, str) else None
+                if field is not None and _boolean_number(field.annotation, value):
+                    raise PydanticCustomError(
+                        "bool_number", "Input should be a number, not true or false",
+                        {"field": key},
+                    )  # fmt: skip
+        return data
+
+
+def _boolean_number(annotation: Any, value: Any) -> bool:
+    """Whether `value` holds a boolean where `annotation` takes only numbers."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _boolean_number(args[0], value)
+    if isinstance(value, bool):
+        kinds = _kinds(annotation)
+        return bool(kinds) and bool not in kinds and kinds <= {int, float}
+    if isinstance(value, (list, tuple)) and origin in (list, tuple) and args:
+        variadic = origin is list or (len(args) == 2 and args[1] is Ellipsis)
+        items = itertools.repeat(args[0]) if variadic else args
+        return any(_boolean_number(a, v) for a, v in zip(items, value, strict=False))
+    return False
+
+
+def _kinds(annotation: Any) -> set:
+    """The scalar types a field may take (Annotated and unions unwrapped); `object` stands for
+    any other (a model, a string, a literal, a container, an unresolved name)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _kinds(args[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return set().union(*(_kinds(a) for a in args if a is not type(None)))
+    return {annotation if annotation in (int, float, bool) else object}
 
 
 class DataConfigBase(Section):

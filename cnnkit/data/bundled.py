@@ -14,10 +14,9 @@ import numpy as np
 import torch
 from pydantic import Field, PositiveInt, field_validator
 
-from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, holdout_split
+from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, Section, holdout_split
 from cnnkit.data.memory import Jitter, TensorBatches
 from cnnkit.errors import DataError
-from cnnkit.sections import Section
 
 
 class BundledConfig(DataConfigBase):

@@ -9,12 +9,10 @@ from rich.table import Table
 
 from cnnkit.nn.graph import Network
 from cnnkit.nn.memory import format_bytes
-from cnnkit.tables import wide_console
 
 
-def print_layer_table(model: Network, console: Console | None = None) -> None:
+def print_layer_table(model: Network, console: Console) -> None:
     """Print name, type, inputs, output shape, parameters and multiply-adds of every layer."""
-    console = console or wide_console()
     title = f"{model.name}  input {_shape(model.input_shape)}"
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("#", "name", "type", "inputs", "output"):
