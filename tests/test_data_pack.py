@@ -286,3 +286,44 @@ def test_a_real_full_disk_with_worker_processes(small_disk, tmp_path, capsys):
         code, out, err = run_cli(argv, capsys)
     assert code == 0 and done and f"({len(done)} resumed)" in out, (out, err)
     assert json.loads((small_disk / "p/meta.json").read_text())["num_images"] == 90
+
+
+def test_a_failed_pack_keeps_the_users_own_files(tmp_path, capsys):
+    (tmp_path / "bad/a").mkdir(parents=True)
+    (tmp_path / "bad/a/x.jpg").write_bytes(b"not an image")
+    dst = tmp_path / "mine"
+    (dst / "shards").mkdir(parents=True)
+    for name in ("shards/notes.txt", "shards/12.u8", "draft.tmp", "readme.txt"):
+        (dst / name).write_text("precious")
+    code, _, err = run_cli(["pack", str(tmp_path / "bad"), str(dst), "--size", "16"], capsys)
+    assert code == 1 and "could be read" in err
+    left = sorted(str(p.relative_to(dst)) for p in dst.rglob("*"))
+    assert left == ["draft.tmp", "readme.txt", "shards", "shards/12.u8", "shards/notes.txt"]
+
+
+def test_a_pack_rerun_on_a_changed_folder_or_label_file_is_refused(shapes, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(shapes, src)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    classes = sorted(p.name for p in src.iterdir())
+    for k, cls in enumerate(classes):
+        shutil.copy(next((src / cls).iterdir()), flat / f"v{k}.png")
+    (tmp_path / "labels.txt").write_text("".join(f"v{k}.png {c}\n" for k, c in enumerate(classes)))
+    (tmp_path / "swapped.txt").write_text(f"v0.png {classes[1]}\nv1.png {classes[0]}\n"
+                                          f"v2.png {classes[2]}\n")  # fmt: skip
+    pack_folder(flat, tmp_path / "val", size=16, labels_file=tmp_path / "labels.txt",
+                progress=False)  # fmt: skip
+    before = (tmp_path / "val/index.npz").read_bytes()
+    with pytest.raises(DataError, match=r"changed since .* \(2 relabelled\); delete"):
+        pack_folder(flat, tmp_path / "val", size=16, labels_file=tmp_path / "swapped.txt",
+                    progress=False)  # fmt: skip
+    assert (tmp_path / "val/index.npz").read_bytes() == before  # the finished pack untouched
+    s = pack_folder(flat, tmp_path / "val", size=16, labels_file=tmp_path / "labels.txt",
+                    progress=False)  # fmt: skip
+    assert s.images == 3 and s.resumed_shards == s.shards  # unchanged: already packed
+    pack_folder(src, tmp_path / "train", size=16, progress=False)
+    shutil.copy(next((src / classes[0]).iterdir()), src / classes[0] / "new.png")
+    (src / classes[1] / sorted(os.listdir(src / classes[1]))[0]).unlink()
+    with pytest.raises(DataError, match=r"\(1 added, 1 gone\)"):
+        pack_folder(src, tmp_path / "train", size=16, progress=False)

@@ -4,6 +4,7 @@ over the stored images, softmax averaged), for a folder and its packed copy; cle
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from helpers import cli_ok as main
 
 from cnnkit.checkpoint import load_trained
 from cnnkit.data.decode import load_resized
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, DataError
 from cnnkit.train.evaluation import evaluate_checkpoint
 
 NET = Path(__file__).parent / "data" / "tiny_alexnet.yaml"  # input 20x20; images stored 24x24
@@ -39,15 +40,15 @@ def trained(tmp_path_factory) -> Path:
     return tmp
 
 
-def reference(tmp: Path) -> dict[str, dict[str, float]]:
+def reference(tmp: Path, folder: str = "val", count: int = 24) -> dict[str, dict[str, float]]:
     """By hand: every val image decoded as its source does (the folder pipeline and pack decode
     alike), normalised, torchvision's ten_crop, softmax averaged."""
     network, meta = load_trained(tmp / "run")
     pre, classes = meta["preprocess"], meta["classes"]
     mean, std = torch.tensor(pre["mean"]).view(3, 1, 1), torch.tensor(pre["std"]).view(3, 1, 1)
     rows = {"centre": [], "tencrop": []}
-    paths = sorted((tmp / "val").rglob("*.JPEG"))
-    assert len(paths) == 24
+    paths = sorted((tmp / folder).rglob("*.JPEG"))
+    assert len(paths) == count
     for path in paths:
         image = load_resized(path, 24, "squash")[0]  # (3, 24, 24) uint8: as stored
         x = (image.float() - mean) / std
@@ -98,3 +99,20 @@ def test_tencrop_refuses_data_without_margin(trained, tmp_path):
     with pytest.raises(SystemExit) as e:  # on the command line: one line, exit status 2
         main(["eval", str(tmp_path / "d"), "--tencrop"])
     assert e.value.code == 2
+
+
+def test_eval_maps_the_data_classes_to_the_network_by_name(trained, tmp_path):
+    """A set holding some of the classes (their sorted indices differ from training's) is
+    scored against the right outputs; a class the network never saw is one clear error."""
+    classes = sorted(p.name for p in (trained / "val").iterdir())
+    part = tmp_path / "part"
+    for name in (classes[3], classes[5]):  # indices 0 and 1 in the subset
+        shutil.copytree(trained / "val" / name, part / name)
+    shutil.copytree(part, trained / "part", dirs_exist_ok=True)
+    expected = reference(trained, "part", 8)["centre"]
+    got = evaluate_checkpoint(trained / "run", str(part), device="cpu")
+    assert got["images"] == 8 and got["top1"] == expected["top1"]
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    (part / classes[3]).rename(part / "Renamed")
+    with pytest.raises(DataError, match="class 'Renamed' is not one the network was trained on"):
+        evaluate_checkpoint(trained / "run", str(part), device="cpu")

@@ -25,6 +25,7 @@ import errno
 import json
 import multiprocessing as mp
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,11 +38,12 @@ import torch
 from cnnkit.data import decode
 from cnnkit.data.decode import BadImage, ResizeMode, encode_jpeg, load_resized
 from cnnkit.data.packed import PACK_FORMAT
-from cnnkit.data.scan import printable, scan_images
+from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError
 
 PackFormat = Literal["raw", "jpeg"]
 SHARD_SUFFIX = {"raw": ".u8", "jpeg": ".jpg"}
+SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
 
 
 @dataclass
@@ -164,6 +166,7 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
                 if plan["params"].get(k) != v
             }
             raise DataError(f"{dst}: holds a different pack ({diff}); use another DST or delete it")
+        _check_unchanged(plan, scan_images(src, labels_file), src, dst)
         return plan
     scan = scan_images(src, labels_file)
     # ~32+ shards so every process stays busy, at most 512 images (100 MB raw) per shard
@@ -174,6 +177,24 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
     (dst / "shards").mkdir(parents=True, exist_ok=True)
     _write_text(plan_path, json.dumps(plan))
     return plan
+
+
+def _check_unchanged(plan: dict, scan: Scan, src: Path, dst: Path) -> None:
+    """DataError unless the folder (and label file) still hold what the plan was made from: a
+    pack resumed or re-run after images were added, removed or relabelled would be stale."""
+    if (scan.files, scan.labels, scan.classes) == (plan["files"], plan["labels"], plan["classes"]):
+        return
+    then = dict(zip(plan["files"], plan["labels"], strict=True))
+    now = dict(zip(scan.files, scan.labels, strict=True))
+    added, gone = len(now.keys() - then.keys()), len(then.keys() - now.keys())
+    names = plan["classes"], scan.classes
+    relabelled = sum(names[0][then[f]] != names[1][now[f]] for f in now.keys() & then.keys())
+    what = [f"{n} {word}" for n, word in ((added, "added"), (gone, "gone"),
+                                          (relabelled, "relabelled")) if n]  # fmt: skip
+    change = ", ".join(what) if what else "classes or order changed"
+    raise DataError(f"{printable(str(src))} changed since {printable(str(dst))} was packed "
+                    f"({change}); delete {printable(str(dst))} and pack again, or pack into "
+                    "another folder")  # fmt: skip
 
 
 def _jobs(plan: dict, src: Path, dst: Path) -> list[PackJob]:
@@ -310,20 +331,27 @@ def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
                        meta.get("empty_classes", []))  # fmt: skip
 
 
+OWN_FILES = ("plan.json", "index.npz", "mean.npy", "files.txt", "bad_images.tsv", "meta.json")
+
+
 def _tidy(dst: Path, created: bool, discard: bool) -> None:
-    """After a failure: remove every .tmp; with `discard`, everything this pack wrote too (only
-    its own names: a folder the user made keeps anything else it holds)."""
+    """After a failure: remove this pack's .tmp files; with `discard`, everything this pack wrote
+    too. Only its own names: a folder the user made keeps anything else it holds, even under
+    shards/."""
     shards = dst / "shards"
-    own = list(dst.glob("*.tmp")) + (list(shards.glob("*")) if shards.is_dir() else [])
-    if discard:
-        names = ("plan.json", "index.npz", "mean.npy", "files.txt", "bad_images.tsv", "meta.json")
-        own += [dst / n for n in names]
-    for path in own:
+    own = [dst / n for n in OWN_FILES] + [
+        p for p in _listing(shards) if SHARD_NAME.fullmatch(p.name)
+    ]
+    for path in own + [dst / f"{n}.tmp" for n in OWN_FILES]:
         if path.suffix == ".tmp" or discard:
             path.unlink(missing_ok=True)
     for folder in (shards, dst) if discard else ():
         if folder.is_dir() and (created or folder == shards) and not any(folder.iterdir()):
             folder.rmdir()
+
+
+def _listing(folder: Path) -> list[Path]:
+    return list(folder.iterdir()) if folder.is_dir() else []
 
 
 def _write_error(e: OSError, dst: Path) -> DataError:

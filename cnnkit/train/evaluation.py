@@ -120,16 +120,13 @@ def evaluate_checkpoint(
         cfg = cfg.model_copy(update={"eval_batch_size": batch_size})
     dev = resolve_device(device)
     bundle = cfg.build(dev, 0, 1, config.get("seed", 0))
-    if len(bundle.classes) != network.num_classes:
-        raise DataError(
-            f"--data: {len(bundle.classes)} classes, but the network was trained on {network.num_classes}"
-        )
+    label_map = class_map(bundle.classes, meta["classes"], data or "the held-out split")
     train_cfg = _eval_settings(config, device, dev, meta.get("path", target))
     batch = cfg.eval_batch_size or cfg.batch_size
     engine = build_engine(
         network, train_cfg, dev, settings=inference_settings(network, train_cfg, dev, batch)
     )
-    batches = CountedBatches(bundle.val)
+    batches = CountedBatches(bundle.val, label_map)
     if tencrop:
         both = evaluate_ten_crops(engine, batches, crop)
         result = {**both["centre"], "tencrop": both["tencrop"]}
@@ -139,12 +136,28 @@ def evaluate_checkpoint(
             "checkpoint": meta["path"], "device": str(dev)}  # fmt: skip
 
 
+def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.Tensor | None:
+    """The data's class indices as the network's (matched by name, as training matches a
+    validation set), None where they are the same; DataError for a class the network lacks.
+    A set holding only some of the classes is fine; one that names them differently is not."""
+    if list(data_classes) == list(trained):
+        return None
+    lookup = {name: k for k, name in enumerate(trained)}
+    unknown = [c for c in data_classes if c not in lookup]
+    if unknown:
+        shown = ", ".join(repr(c) for c in trained[:8]) + (", ..." if len(trained) > 8 else "")
+        raise DataError(f"--data {where}: class {unknown[0]!r} is not one the network was "
+                        f"trained on ({len(trained)} classes: {shown})")  # fmt: skip
+    return torch.tensor([lookup[c] for c in data_classes])
+
+
 class CountedBatches:
     """A Batches stream that counts the images it yields: those evaluated, not the unreadable
-    ones the loader skipped (and named on stderr)."""
+    ones the loader skipped (and named on stderr). `label_map`: the data's labels as the
+    network's class indices (class_map)."""
 
-    def __init__(self, batches: Any):
-        self.batches, self.images = batches, 0
+    def __init__(self, batches: Any, label_map: torch.Tensor | None = None):
+        self.batches, self.images, self.label_map = batches, 0, label_map
         self.num_samples = batches.num_samples
 
     def __len__(self) -> int:
@@ -156,6 +169,9 @@ class CountedBatches:
     def __iter__(self) -> Any:
         for x, y in self.batches:
             self.images += len(y)
+            if self.label_map is not None:
+                self.label_map = self.label_map.to(y.device)
+                y = self.label_map[y]
             yield x, y
 
 
