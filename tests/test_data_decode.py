@@ -43,6 +43,24 @@ def test_bad_images_reported_odd_ones_converted(tmp_path, backend):
     assert "not an image" in reasons["odd/text.JPEG"]
 
 
+def test_a_jpeg_with_stray_bytes_decodes_as_pillow_does(tmp_path, backend):
+    """libjpeg's recoverable warning (bytes before the end marker, seen in ImageNet): decoded
+    to the same pixels as the intact file and noted; a truncated file is still refused."""
+    data = jpeg_bytes(photo(seed=5))
+    (tmp_path / "ok.jpg").write_bytes(data)
+    (tmp_path / "stray.jpg").write_bytes(data[:-2] + b"\0\0\0\0" + data[-2:])
+    (tmp_path / "cut.jpg").write_bytes(data[: len(data) * 2 // 3])
+    intact, _ = read_image(tmp_path / "ok.jpg")
+    stray, note = read_image(tmp_path / "stray.jpg")
+    np.testing.assert_array_equal(stray, intact)
+    np.testing.assert_array_equal(stray, np.asarray(Image.open(tmp_path / "stray.jpg")))
+    if backend == "turbo":
+        assert note == "decoded despite libjpeg's warning: Corrupt JPEG data: 4 extraneous " \
+                       "bytes before marker 0xd9"  # fmt: skip
+    with pytest.raises(BadImage, match="truncated"):
+        read_image(tmp_path / "cut.jpg")
+
+
 def test_conversion_notes_and_values(tmp_path):
     write_bad_folder(tmp_path)
     grey, note = read_image(tmp_path / "odd/grey.JPEG")

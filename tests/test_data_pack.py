@@ -327,3 +327,39 @@ def test_a_pack_rerun_on_a_changed_folder_or_label_file_is_refused(shapes, tmp_p
     (src / classes[1] / sorted(os.listdir(src / classes[1]))[0]).unlink()
     with pytest.raises(DataError, match=r"\(1 added, 1 gone\)"):
         pack_folder(src, tmp_path / "train", size=16, progress=False)
+
+
+def test_a_damaged_packed_set_is_one_line_or_skips_the_damaged_image(shapes, tmp_path, capsys):
+    pack_folder(shapes, tmp_path / "raw", size=16, shard_size=4, progress=False)
+    pack_folder(shapes, tmp_path / "jpeg", size=16, shard_size=4, format="jpeg", progress=False)
+    damaged = {
+        "cut": lambda p: os.truncate(p / "shards/00001.u8", 100),
+        "meta": lambda p: (p / "meta.json").write_text('{"format": '),
+        "index": lambda p: (p / "index.npz").write_bytes(b"PK\x03\x04 not a zip"),
+        "gone": lambda p: (p / "shards/00003.u8").unlink(),
+    }
+    words = {"cut": "00001.u8: 100 bytes, the index needs 3,072", "meta": "unreadable",
+             "index": "index.npz: unreadable", "gone": "00003.u8: missing"}  # fmt: skip
+    for name, damage in damaged.items():
+        shutil.copytree(tmp_path / "raw", tmp_path / name)
+        damage(tmp_path / name)
+        code, _, err = run_cli(["bench", "loader", str(tmp_path / name), "--workers", "0",
+                                "--batch", "4", "--batches", "1", "--crop", "12"], capsys)  # fmt: skip
+        (line,) = err.splitlines()
+        assert code == 1 and line.startswith("cnnkit: error: ") and words[name] in line, line
+    # a JPEG record with damaged bytes: that image is skipped and named, the others are kept
+    index = np.load(tmp_path / "jpeg/index.npz")
+    shard, offset = int(index["shard"][5]), int(index["offset"][5])
+    with open(tmp_path / f"jpeg/shards/{shard:05d}.jpg", "r+b") as f:
+        f.seek(offset + 2)
+        f.write(b"\xff\x00" * 40)  # over its headers
+    ds = PackedImages(tmp_path / "jpeg")
+    for job in (BatchJob(list(range(15))), BatchJob(list(range(15)), crops=None)):
+        batch = ds[job]
+        assert len(batch) == 14 and batch.pixels.shape[0] == 14
+        ((name, reason),) = batch.bad
+        assert name.startswith(f"{tmp_path / 'jpeg'} image 5 (packed from ") and "damaged" in reason
+        assert batch.labels.tolist() == np.delete(index["labels"], 5).tolist()
+    code, out, err = run_cli(["bench", "loader", str(tmp_path / "jpeg"), "--workers", "1",
+                              "--batch", "4", "--batches", "4", "--crop", "12"], capsys)  # fmt: skip
+    assert code == 0 and "Traceback" not in err and "image 5" in err and "skipped" in err, err

@@ -121,12 +121,19 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -
     min_h, min_w = _dct_minimum(h, w, size, mode)
     check_pixels(min_w or w, min_h or h)  # the DCT-scaled size is what gets allocated
     note = "greyscale -> RGB" if colorspace == "Gray" else None  # as Pillow's path says
+    args = {"colorspace": "RGB", "min_height": min_h, "min_width": min_w, "fastupsample": fast}
     try:
-        array = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w,
-                                       fastupsample=fast)  # fmt: skip
+        return simplejpeg.decode_jpeg(data, **args), note
+    except ValueError as e:
+        reason = _jpeg_reason(str(e))
+    if reason == "truncated JPEG":  # libjpeg would fill the rest grey: refused, as Pillow does
+        raise BadImage(reason)
+    try:  # libjpeg's recoverable warnings (stray bytes before a marker): Pillow reads these too
+        array = simplejpeg.decode_jpeg(data, strict=False, **args)
     except ValueError as e:
         raise BadImage(_jpeg_reason(str(e))) from None
-    return array, note
+    what = reason.removeprefix("corrupt JPEG (").removesuffix(")")
+    return array, "; ".join(filter(None, [note, f"decoded despite libjpeg's warning: {what}"]))
 
 
 def _jpeg_reason(message: str) -> str:

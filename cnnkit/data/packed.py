@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import zipfile
 from pathlib import Path
 from typing import Literal
 
@@ -18,13 +19,18 @@ from torch.utils.data import Dataset
 from cnnkit.data.augment import lighting_from_cov
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
 from cnnkit.data.batch import BatchJob, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import decode_jpeg_bytes, resize_crop
+from cnnkit.data.decode import BadImage, decode_jpeg_bytes, resize_crop
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import torch_threads
 
 PACK_FORMAT = "cnnkit-packed/1"
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_meta(path: str | Path) -> dict:
@@ -37,10 +43,38 @@ def read_meta(path: str | Path) -> dict:
             else ""
         )
         raise DataError(f"{path}: not a packed data set, no meta.json{hint}")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != PACK_FORMAT:
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise DataError(f"{meta_path}: unreadable ({_reason(e)}); pack the set again") from None
+    if not isinstance(meta, dict) or meta.get("format") != PACK_FORMAT:
+        meta = meta if isinstance(meta, dict) else {}
         raise DataError(f"{meta_path}: format {meta.get('format')!r}, expected {PACK_FORMAT!r}")
     return meta
+
+
+def read_index(path: Path, meta: dict) -> dict[str, np.ndarray]:
+    """index.npz of a packed set, checked against its shards: DataError for a damaged index or
+    a missing or cut-short shard (an incomplete copy), before any worker reads past its end."""
+    try:
+        with np.load(path / "index.npz") as z:
+            index = {k: z[k] for k in ("labels", "shard", "offset", "length")}
+        shards = list(meta["shards"])
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        raise DataError(
+            f"{path}/index.npz: unreadable ({_reason(e)}); pack the set again"
+        ) from None
+    ends = index["offset"] + index["length"]
+    need = np.zeros(len(shards), np.int64)
+    np.maximum.at(need, index["shard"], ends)
+    for name, size in zip(shards, need.tolist(), strict=True):
+        shard = path / "shards" / name
+        have = shard.stat().st_size if shard.is_file() else None
+        if have is None or have < size:
+            what = "missing" if have is None else f"{have:,} bytes, the index needs {size:,}"
+            raise DataError(f"{shard}: {what} (an incomplete copy?); copy the set again or "
+                            "pack it again")  # fmt: skip
+    return index
 
 
 class PackedImages(Dataset):
@@ -54,8 +88,7 @@ class PackedImages(Dataset):
                  label_map: np.ndarray | None = None) -> None:  # fmt: skip
         self.path = Path(path)
         self.meta = read_meta(path)
-        with np.load(self.path / "index.npz") as z:
-            self.index = {k: z[k] for k in z.files}
+        self.index = read_index(self.path, self.meta)
         labels = self.index["labels"]
         self.labels = label_map[labels] if label_map is not None else labels
         self.ids = np.arange(len(labels)) if ids is None else ids
@@ -63,15 +96,16 @@ class PackedImages(Dataset):
         self.direct = self.meta["storage"] == "raw"  # a CPU device crops from the page cache
         self.jpeg = self.meta["storage"] == "jpeg"
         self._shards: list[np.memmap] | None = None  # opened lazily in each process
+        self._files: list[str] | None = None  # files.txt, read at the first damaged record
 
     def subset(self, ids: np.ndarray) -> PackedImages:
         """The same set restricted to images `ids` (the index is shared, not read again)."""
         part = copy.copy(self)
-        part.ids, part._shards = ids, None
+        part.ids, part._shards, part._files = ids, None, None
         return part
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_shards": None}  # never pickle the mappings
+        return {**self.__dict__, "_shards": None, "_files": None}  # never pickle the mappings
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -90,44 +124,69 @@ class PackedImages(Dataset):
         return self.shards()[self.index["shard"][i]][offset : offset + self.index["length"][i]]
 
     def _image(self, i: int) -> torch.Tensor:
-        """Image i as (3, size, size) uint8: a view of a raw shard, or decoded."""
+        """Image i as (3, size, size) uint8: a view of a raw shard, or decoded (BadImage for a
+        damaged JPEG record)."""
         s, record = self.size, self._record(i)
         if self.direct:
             return torch.from_numpy(record.reshape(3, s, s))
-        return torch.from_numpy(decode_jpeg_bytes(record, s)).permute(2, 0, 1)
+        try:
+            image = decode_jpeg_bytes(record, s)
+        except (ValueError, OSError) as e:  # simplejpeg / Pillow on damaged bytes
+            raise BadImage(f"damaged JPEG record ({_reason(e)})") from None
+        if image.shape[:2] != (s, s):
+            raise BadImage(f"damaged JPEG record ({image.shape[1]}x{image.shape[0]}, not {s}x{s})")
+        return torch.from_numpy(image).permute(2, 0, 1)
+
+    def name(self, i: int) -> str:
+        """How reports name image i: the set and its index."""
+        return f"{self.path} image {i}"
+
+    def source(self, i: int) -> str:
+        """The file image i was packed from (files.txt), or '?' where that list is missing."""
+        if self._files is None:
+            try:
+                self._files = (self.path / "files.txt").read_text("utf-8").splitlines()
+            except (OSError, UnicodeDecodeError):
+                self._files = []
+        return self._files[i] if i < len(self._files) else "?"
 
     def __getitem__(self, job: BatchJob) -> WorkerBatch:
         ids = self.ids[job.positions]
         labels = torch.from_numpy(self.labels[ids])
         if job.encoded:
-            names = [f"{self.path} image {i}" for i in ids]
             return WorkerBatch(labels, encoded=Encoded.join([self._record(i) for i in ids]),
-                               names=names)  # fmt: skip
+                               names=[self.name(i) for i in ids])  # fmt: skip
         side = job.crops.side if job.crops else self.size
         x = new_batch(len(ids), side) if job.slot is None else self.slots[job.slot]
         with torch_threads(1):  # per-image resizes (already so in a worker process)
-            self._fill(x, ids, job)
-        pixels = x[: len(ids)] if job.slot is None else None
-        return WorkerBatch(labels, pixels, job.slot, alpha=job.crops.alpha if job.crops else None)
+            kept, bad = self._fill(x, ids, job)
+        if bad:
+            labels = labels[kept]
+        alpha = job.crops.alpha[kept] if job.crops else None
+        pixels = x[: len(kept)] if job.slot is None else None
+        return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad)
 
-    def _fill(self, out: torch.Tensor, ids: np.ndarray, job: BatchJob) -> None:
-        """Every image of the batch into `out`: whole (one memcpy from the page cache, or a
-        decode) or its crop, resized and mirrored."""
-        if job.crops is None:
-            for k, i in enumerate(ids):
-                if self.direct:
-                    out[k].view(-1).copy_(torch.from_numpy(self._record(i)))
+    def _fill(self, out: torch.Tensor, ids: np.ndarray, job: BatchJob) -> tuple[list, list]:
+        """Every image of the batch into `out`, in order: whole (one memcpy from the page cache,
+        or a decode) or its crop, resized and mirrored. Returns (positions kept, (name, reason)
+        of the damaged JPEG records left out)."""
+        kept, bad, c = [], [], job.crops
+        for k, i in enumerate(ids):
+            slot = out[len(kept)]
+            try:
+                if c is None and self.direct:
+                    slot.view(-1).copy_(torch.from_numpy(self._record(i)))
+                elif c is None:
+                    slot.copy_(self._image(i))
                 else:
-                    image = decode_jpeg_bytes(self._record(i), self.size)
-                    out[k].copy_(torch.from_numpy(image).permute(2, 0, 1))
-            return
-        c = job.crops
-        for k, (i, (top, left, h, w), flip) in enumerate(
-            zip(ids, c.boxes.tolist(), c.flip.tolist(), strict=True)
-        ):
-            out[k].copy_(
-                resize_crop(self._image(i)[:, top : top + h, left : left + w], c.side, flip)
-            )
+                    top, left, h, w = c.boxes[k].tolist()
+                    region = self._image(i)[:, top : top + h, left : left + w]
+                    slot.copy_(resize_crop(region, c.side, bool(c.flip[k])))
+            except BadImage as e:
+                bad.append((f"{self.name(i)} (packed from {self.source(i)})", str(e)))
+                continue
+            kept.append(k)
+        return kept, bad
 
     def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor]:
         """(images as views of the mapped shards, labels): the zero-copy batch of a CPU device."""
