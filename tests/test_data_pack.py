@@ -363,3 +363,29 @@ def test_a_damaged_packed_set_is_one_line_or_skips_the_damaged_image(shapes, tmp
     code, out, err = run_cli(["bench", "loader", str(tmp_path / "jpeg"), "--workers", "1",
                               "--batch", "4", "--batches", "4", "--crop", "12"], capsys)  # fmt: skip
     assert code == 0 and "Traceback" not in err and "image 5" in err and "skipped" in err, err
+
+
+def test_label_files_with_spaces_a_bom_conflicts_and_absent_images(shapes, tmp_path, capsys):
+    from cnnkit.data.scan import scan_images
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    classes = sorted(p.name for p in shapes.iterdir())
+    names = ["with space ñ.png", "plain.png", "v2.png"]
+    for name, cls in zip(names, classes, strict=True):
+        shutil.copy(next((shapes / cls).iterdir()), flat / name)
+    lines = [f"{n} {c}" for n, c in zip(names, classes, strict=True)] + [f"gone.png {classes[0]}"]
+    (tmp_path / "bom.txt").write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
+    scan = scan_images(flat, tmp_path / "bom.txt")
+    assert dict(zip(scan.files, scan.labels, strict=True)) == {
+        "plain.png": 1, "v2.png": 2, "with space ñ.png": 0}  # fmt: skip
+    assert ("gone.png", "named in bom.txt but not in the folder") in scan.skipped
+    s = pack_folder(flat, tmp_path / "p", size=16, labels_file=tmp_path / "bom.txt",
+                    progress=False)  # fmt: skip
+    assert s.images == 3 and "gone.png\tskipped\tnamed in bom.txt" in (
+        tmp_path / "p/bad_images.tsv").read_text()  # fmt: skip
+    (tmp_path / "twice.txt").write_text("\n".join(lines[:3] + [f"plain.png {classes[2]}"]))
+    with pytest.raises(DataError, match=r"twice.txt:4: 'plain.png' is labelled .* on line 2"):
+        scan_images(flat, tmp_path / "twice.txt")
+    (tmp_path / "again.txt").write_text("\n".join(lines[:3] + [lines[1]]))  # the same: fine
+    assert len(scan_images(flat, tmp_path / "again.txt").files) == 3

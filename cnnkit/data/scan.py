@@ -188,29 +188,42 @@ def _empty_class(src: Path, name: str, skipped: list[tuple[str, str]]) -> str:
 
 
 def read_label_file(path: Path) -> dict[str, str]:
-    """File name (or stem) -> class name, from `NAME CLASS` lines or a `NAME,CLASS ...` CSV
-    (Kaggle's LOC_val_solution.csv: the first word of the second column is the class)."""
+    """File name (or stem) -> class name, from `NAME CLASS` lines (the class is the last word,
+    so names may hold spaces) or a `NAME,CLASS ...` CSV (Kaggle's LOC_val_solution.csv: the
+    first word of the second column is the class). A name given two different classes is an
+    error; a UTF-8 byte-order mark is allowed."""
     if not path.is_file():
         raise DataError(f"{path}: label file not found")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not a UTF-8 text file (byte {e.start}); a label file holds "
                         "'FILENAME CLASS' lines") from None  # fmt: skip
-    mapping = {}
+    mapping: dict[str, str] = {}
+    lines: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
-        parts = line.split(",", 1) if "," in line else line.split(None, 1)
         if not line.strip() or line.startswith("ImageId,"):
             continue
-        if len(parts) != 2 or not parts[1].split():
+        if "," in line:
+            name, _, rest = line.partition(",")
+            label = rest.split()[0] if rest.split() else ""
+        else:
+            words = line.rsplit(None, 1)
+            name, label = (words[0], words[1]) if len(words) == 2 else (line, "")
+        name = name.strip()
+        if not name or not label:
             raise DataError(f"{path}:{number}: expected 'FILENAME CLASS', got {line.strip()!r}")
-        mapping[parts[0].strip()] = parts[1].split()[0]
+        if mapping.get(name, label) != label:
+            raise DataError(f"{path}:{number}: {name!r} is labelled {label!r} here but "
+                            f"{mapping[name]!r} on line {lines[name]}")  # fmt: skip
+        mapping[name], lines[name] = label, lines.get(name, number)
     return mapping
 
 
 def flat_with_labels(src: Path, labels_file: Path) -> tuple[list[str], list[str], Scan]:
     """(files, class names) of the images right inside a flat folder (not below it), labelled
-    by a label file; the Scan says what was skipped."""
+    by a label file; the Scan says what was skipped, and names the label file's entries with
+    no image in the folder (a half-copied validation set says so)."""
     mapping = read_label_file(labels_file)
     walker = Walker(src)
     walker.claim_folder(src)
@@ -220,7 +233,10 @@ def flat_with_labels(src: Path, labels_file: Path) -> tuple[list[str], list[str]
         raise DataError(f"{labels_file}: no label for {len(missing)} images in {src} "
                         f"(first: {printable(missing[0])})")  # fmt: skip
     names = [mapping.get(n, mapping.get(Path(n).stem)) for n in files]
-    return files, names, Scan(files, [], [], walker.skipped)
+    found = {key for n in files for key in (n, Path(n).stem)}
+    absent = [(n, f"named in {labels_file.name} but not in the folder") for n in mapping
+              if n not in found]  # fmt: skip
+    return files, names, Scan(files, [], [], walker.skipped + absent)
 
 
 def scan_images(src: str | Path, labels_file: str | Path | None = None,
