@@ -148,6 +148,31 @@ def test_too_little_shared_memory_is_one_clear_line(sets, monkeypatch):
         next(iter(stream))
 
 
+def test_the_validation_ring_is_counted_before_training_starts(sets, monkeypatch):
+    """Room for training's ring but not for validation's too: refused before the first
+    training batch, not after an epoch's work; then both fit and the stream runs."""
+    from cnnkit.data import slots
+
+    bundle = data_config({**sections(sets)[1], "workers": 1}).build(CPU)
+    train, val = bundle.train.ring_bytes(), bundle.val.ring_bytes()
+    assert train > 0 and val > 0
+    real, free = os.statvfs, [train + slots.SHM_MARGIN + val // 2]
+
+    class Room:
+        f_frsize = 1
+
+        @property
+        def f_bavail(self):
+            return free[0]
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Room() if p == "/dev/shm" else real(p))
+    with pytest.raises(DataError, match=r"data.workers=1 \(training and validation\) needs "
+                                        r"4\.\d MiB .* has 4\.\d MiB free"):  # fmt: skip
+        next(iter(bundle.train))
+    free[0] += val
+    assert next(iter(bundle.train))[0].shape[0] == 4
+
+
 def test_workers_default_from_the_cores_shared_by_local_ranks(sets, monkeypatch):
     monkeypatch.setattr(loader_module, "available_cores", lambda: 16)
     cfg = data_config(sections(sets)[0])

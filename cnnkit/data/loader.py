@@ -12,6 +12,8 @@ How a batch is made depends on the device and the data (`ImageBatches.mode`):
 
 from __future__ import annotations
 
+import errno
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -28,7 +30,7 @@ from cnnkit.data.device_decode import decode_batch
 from cnnkit.data.feed import DeviceFeed
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
 from cnnkit.data.slots import BufferPool, SlotRing
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import available_cores, torch_threads
 
 Mode = Literal["views", "crops", "whole", "encoded"]
@@ -101,6 +103,7 @@ class ImageBatches:
         self._feed = DeviceFeed(self.device) if self.device.type == "cuda" else None
         self._pool = BufferPool() if self.device.type == "cpu" else None
         self._reported: set[str] = set()
+        self.validation: ImageBatches | None = None  # its ring comes while this one's lives
 
     def _mode(self, decode: str) -> Mode:
         cpu, ds = self.device.type == "cpu", self.dataset
@@ -129,14 +132,25 @@ class ImageBatches:
         side = self.augment.crop if self.mode == "crops" else self.dataset.size
         return (self.sampler.batch, 3, side, side)
 
+    def ring_slots(self) -> int:
+        """Shared-memory slots of this stream's ring: every batch in flight, plus two (none
+        where batches are views or JPEG bytes)."""
+        return max(self.workers, 1) * self.prefetch + 2 if self.mode in ("crops", "whole") else 0
+
+    def ring_bytes(self) -> int:
+        return self.ring_slots() * math.prod(self._slot_shape())
+
     def loader(self) -> DataLoader:
         """The torch DataLoader over this stream's jobs; training workers persist across epochs,
         validation workers live only while validating (never two sets busy at once)."""
         if self._loader is None:
-            if self.mode in ("crops", "whole"):  # slots for every batch in flight, plus two
-                count = max(self.workers, 1) * self.prefetch + 2
-                self._ring = SlotRing(count, self._slot_shape(), pin=self._feed is not None,
-                                      what=f"data.workers={self.workers}")  # fmt: skip
+            if self.ring_slots():
+                also = self.validation.ring_bytes() if self.validation is not None else 0
+                what = f"data.workers={self.workers}" + (
+                    " (training and validation)" if also else ""
+                )
+                self._ring = SlotRing(self.ring_slots(), self._slot_shape(),
+                                      pin=self._feed is not None, what=what, also=also)  # fmt: skip
                 self.dataset.slots = self._ring.buffers  # set before the workers start
             crops = self.augment if self.mode == "crops" else None
             jobs = JobSampler(self.sampler, self._ring, crops, self.dataset.size,
@@ -151,7 +165,7 @@ class ImageBatches:
     def worker_batches(self) -> Iterator[tuple[torch.Tensor, WorkerBatch]]:
         """(uint8 pixels on the CPU, the record) of each batch of the epoch, bad images reported;
         the pixels may be a slot, valid until the caller releases it (`release`)."""
-        for batch in self.loader():
+        for batch in self._started(self.loader()):
             self._report(batch.bad)
             if batch.slot is not None:
                 pixels = self._ring.buffers[batch.slot][: len(batch)]
@@ -161,6 +175,20 @@ class ImageBatches:
                 yield pixels, batch
             elif batch.slot is not None:
                 self._ring.release(batch.slot)
+
+    def _started(self, loader: DataLoader) -> Iterator[WorkerBatch]:
+        """The loader's batches; shared memory running out as its workers start (their queues
+        and semaphores live in /dev/shm too) is one line saying so."""
+        try:
+            batches = iter(loader)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise DataError(f"data.workers={self.workers}: shared memory ran out starting the "
+                            f"loader's workers ({e.strerror}): give the container more /dev/shm "
+                            "(docker run --shm-size=8g), or lower data.workers, data.prefetch or "
+                            "data.batch_size") from None  # fmt: skip
+        yield from batches
 
     def release(self, batch: WorkerBatch, copied: torch.cuda.Event | None = None) -> None:
         """The batch's slot is read (or will be once `copied` completes): it may take another."""
@@ -246,8 +274,8 @@ def build_streams(cfg: ImageSetConfig, train: BatchDataset, val: BatchDataset,
     seen = per_rank - per_rank % local if per_rank >= local else per_rank
     workers = cfg.worker_count(local_ranks)
     common = dict(device=device, workers=workers, prefetch=cfg.prefetch, decode=cfg.decode)
-    return (
-        ImageBatches(train, train_sampler, augment, train=True, num_samples=seen * world_size,
-                     **common),
-        ImageBatches(val, val_sampler, augment, train=False, num_samples=n_val, **common),
-    )  # fmt: skip
+    training = ImageBatches(train, train_sampler, augment, train=True,
+                            num_samples=seen * world_size, **common)  # fmt: skip
+    training.validation = ImageBatches(val, val_sampler, augment, train=False, num_samples=n_val,
+                                       **common)  # fmt: skip
+    return training, training.validation

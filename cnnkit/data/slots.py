@@ -34,19 +34,28 @@ def new_batch(n: int, size: int, channels: int = 3) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8) if get_worker_info() is None else shared(shape)
 
 
+SHM_MARGIN = 4 * 2**20  # the DataLoader's own use: semaphores, each batch's labels
+
+
 def check_shared_memory(needed: int, what: str, path: str = SHM) -> None:
-    """One clear line, not a bus error later, when `path` has less room than `needed` bytes."""
+    """One clear line, not a bus error later, when `path` has less room than `needed` bytes
+    plus the DataLoader's own margin."""
     try:
         stat = os.statvfs(path)
     except OSError:  # no /dev/shm (not Linux): torch uses its own mechanism
         return
     free = stat.f_bavail * stat.f_frsize
-    if needed > free:
+    if needed + SHM_MARGIN > free:
         raise DataError(
-            f"{what} needs {needed / 2**20:,.0f} MiB of shared memory but {path} has "
-            f"{free / 2**20:,.0f} MiB free: give the container more (docker run --shm-size=8g), "
+            f"{what} needs {_mib(needed + SHM_MARGIN)} of shared memory but {path} has "
+            f"{_mib(free)} free: give the container more (docker run --shm-size=8g), "
             "or lower data.workers, data.prefetch or data.batch_size"
         )
+
+
+def _mib(n: int) -> str:
+    """Bytes as MiB, with a decimal where a whole number would hide the difference."""
+    return f"{n / 2**20:,.1f} MiB" if n < 100 * 2**20 else f"{n / 2**20:,.0f} MiB"
 
 
 class SlotRing:
@@ -58,8 +67,11 @@ class SlotRing:
     (cudaHostRegister), so the host-to-device copy is asynchronous and needs no staging.
     """
 
-    def __init__(self, count: int, shape: tuple[int, ...], pin: bool = False, what: str = "loader"):
-        check_shared_memory(count * math.prod(shape), what)
+    def __init__(self, count: int, shape: tuple[int, ...], pin: bool = False, what: str = "loader",
+                 also: int = 0):  # fmt: skip
+        """`also`: bytes of another ring that will be made while this one lives (validation's,
+        next to training's), checked against /dev/shm now, before any worker starts."""
+        check_shared_memory(count * math.prod(shape) + also, what)
         self.buffers = shared((count, *shape))
         self.free: deque[int] = deque(range(count))
         self.copying: deque[tuple[int, torch.cuda.Event]] = deque()  # slot, copy-done event
