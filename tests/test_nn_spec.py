@@ -165,3 +165,18 @@ def test_bad_files(tmp_path):
         build_model(binary)
     with pytest.raises(ConfigError, match="neither a zoo network"):
         build_model(str(tmp_path / "missing.yaml"))
+
+
+def test_the_reserved_names_cover_every_network_attribute():
+    """A layer named like one of the Network's own attributes would replace it: every
+    attribute a built network sets is reserved (graph.Network and expand must agree)."""
+    from cnnkit.nn.expand import reserved_name
+    from cnnkit.nn.graph import Network
+
+    net = Network({"input": [3, 8, 8], "layers": [{"name": "c", "type": "conv", "out_channels": 2,
+                                                   "kernel_size": 3}]})  # fmt: skip
+    own = {k for k in vars(net) if not k.startswith("_")} | set(dir(Network))
+    assert all(reserved_name(k) for k in own - {"c"}), sorted(
+        k for k in own if not reserved_name(k)
+    )
+    assert not reserved_name("conv1") and not reserved_name("name", top=False)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from torch import nn
 
 from cnnkit.errors import ConfigError, brief, validation_message
 from cnnkit.nn.expr import ExprError, evaluate, is_expression
@@ -25,6 +26,20 @@ from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 RESERVED = {"input", "previous"}
+# A layer is an attribute of the Network (or of a container, for dotted names): names that
+# torch's nn.Module API or the Network's own attributes hold would shadow them (keep in sync
+# with graph.Network; a test checks it).
+NETWORK_ATTRIBUTES = frozenset({"spec", "name", "input_shape", "param_count", "activation_count",
+                                "table", "num_classes", "output_shape", "heads", "multipliers",
+                                "param_groups", "reset_parameters"})  # fmt: skip
+MODULE_ATTRIBUTES = frozenset(dir(nn.Module()))
+
+
+def reserved_name(part: str, top: bool = True) -> bool:
+    """True where a layer (or the `top` part of a dotted name) may not take this name."""
+    return part in RESERVED or part in MODULE_ATTRIBUTES or (top and part in NETWORK_ATTRIBUTES)
+
+
 MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
 MAX_BLOCK_DEPTH = 16
 MAX_NAME = 200
@@ -238,9 +253,13 @@ class Expander:
                 f"{label}: name: {brief(short)} is not a usable name (letters, digits, _ and -; "
                 "not 'input' or 'previous')"
             )
+        parts = name.split(".")
+        clash = next((p for i, p in enumerate(parts) if reserved_name(p, i == 0)), None)
+        if clash is not None:
+            raise ConfigError(f"{label}: name: {brief(clash)} is taken by torch's nn.Module "
+                              "API or the network's own attributes; choose another name")  # fmt: skip
         if name in self.taken:
             raise ConfigError(f"{label}: name: {name!r} is used twice")
-        parts = name.split(".")
         holder = next(
             (p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in self.taken), None
         )
