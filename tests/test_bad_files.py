@@ -92,6 +92,7 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("expression cut short", layer("{name: c1, type: conv, out_channels: '$in_channels *', kernel_size: 3}"), "out_channels: the expression ends where a value should be"),
     ("unknown parameter", layer("{name: c1, type: conv, out_channels: $width, kernel_size: 3}"), "out_channels: $width is not a parameter here"),
     ("division by zero", layer("{name: c1, type: conv, out_channels: '$in_channels // 0', kernel_size: 3}"), "out_channels: division by zero"),
+    ("overflow", block_line("{name: s, block: b, w: 1" + "0" * 400 + "}").replace("$w,", "'$w / 3',"), "out_channels: '/': the result is too large"),
     ("code in an expression", layer("{name: c1, type: conv, out_channels: '$in_channels.__class__', kernel_size: 3}"), "out_channels: cannot read '.__class__'"),
     ("condition not boolean", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, if: $in_channels}"), "if: must be true or false, got 3"),
     ("400 TB linear", NET.replace("[3, 16, 16]", "[10000000]").replace(LAYER, "    - {name: fc0, type: linear, out_features: 10000000}\n"), "needs 400.0 TB"),

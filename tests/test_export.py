@@ -145,3 +145,23 @@ def test_a_network_on_feature_vectors_exports_and_round_trips(fmt, suffix, tmp_p
     if fmt == "safetensors":
         loaded = load_safetensors(out)
         assert loaded.model.input_shape == (64,) and loaded.preprocess.std == [1.0]
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torch-export", "torchscript", "safetensors"])
+def test_a_full_disk_leaves_no_partial_export(digits_run, tmp_path, capsys, monkeypatch, fmt):
+    """Every format is written whole to a temporary file and renamed: a full disk is one line
+    and leaves nothing at the destination (an earlier export stays as it was)."""
+    out = tmp_path / f"digits.{fmt}"
+    out.write_bytes(b"the earlier export")
+    real = Path.write_bytes
+
+    def full(self, data):
+        real(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    code, _, err = run_cli(["export", str(digits_run), "-f", fmt, "-o", str(out)], capsys)
+    monkeypatch.undo()
+    assert code == 1 and len(err.splitlines()) == 1 and "No space left" in err, err
+    assert out.read_bytes() == b"the earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]

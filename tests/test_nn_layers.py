@@ -174,3 +174,19 @@ def test_lrn_in_bf16_is_computed_in_fp32_and_exports_as_torch_nn():
     assert ours(x.to("meta")).shape == x.shape  # shape inference on the meta device
     graph = str(torch.export.export(ours, (x,)).graph)  # exports hold torch.nn's ops
     assert "baddbmm" not in graph and "avg_pool3d" in graph
+
+
+@pytest.mark.parametrize("kind, ref", [("maxpool", nn.MaxPool2d), ("avgpool", nn.AvgPool2d)])
+def test_ceil_mode_pooling_with_a_window_larger_than_its_input(kind, ref):
+    """As torch and Caffe count it: one window overhanging a 2x2 input gives 1x1; floor mode,
+    or a window that would start past the input, is refused with the layer's reason."""
+    from cnnkit.errors import ConfigError
+
+    net = one_layer({"type": kind, "kernel_size": 3, "stride": 2, "ceil_mode": True}, [4, 2, 2])
+    x = torch.randn(2, 4, 2, 2)
+    torch.testing.assert_close(net(x), ref(3, 2, ceil_mode=True)(x))
+    assert net.output_shape == (4, 1, 1)
+    for layer, shape in (({"kernel_size": 3, "stride": 2}, [4, 2, 2]),
+                         ({"kernel_size": 7, "stride": 2, "ceil_mode": True}, [4, 5, 5])):  # fmt: skip
+        with pytest.raises(ConfigError, match="kernel_size: kernel .* is larger than its input"):
+            one_layer({"type": kind, **layer}, shape)

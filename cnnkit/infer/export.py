@@ -4,6 +4,7 @@ exported model computes what PyTorch computes."""
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from cnnkit.errors import CnnkitError, ConfigError
 from cnnkit.infer.images import crops_of, to_channels, to_hwc
-from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors
+from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors, write_atomic
 
 Format = Literal["onnx", "torch-export", "torchscript", "safetensors"]
 FORMATS: tuple[str, ...] = ("onnx", "torch-export", "torchscript", "safetensors")
@@ -57,7 +58,9 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
             warnings.simplefilter("ignore")  # torch.jit's deprecation notice
             traced = torch.jit.trace(model, example)
             extra = {"cnnkit.json": json.dumps(metadata(loaded))}
-            torch.jit.save(traced, str(path), _extra_files=extra)
+            buffer = io.BytesIO()
+            torch.jit.save(traced, buffer, _extra_files=extra)
+            write_atomic(path, buffer.getvalue())
     else:
         export_onnx(loaded, path)
 
@@ -72,7 +75,9 @@ def export_program(loaded: Loaded, path: Path) -> None:
         warnings.simplefilter("ignore")
         program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
     extra = {"cnnkit.json": json.dumps(metadata(loaded))}
-    torch.export.save(program, str(path), extra_files=extra)
+    buffer = io.BytesIO()  # written whole, then renamed: torch's writer aborts on a full disk
+    torch.export.save(program, buffer, extra_files=extra)
+    write_atomic(path, buffer.getvalue())
 
 
 def _need(module: str):
@@ -119,7 +124,9 @@ def export_onnx(loaded: Loaded, path: Path) -> None:
     del proto.metadata_props[:]
     for key, value in props.items():
         proto.metadata_props.add(key=key, value=value)
-    onnx.save(proto, str(path))
+    buffer = io.BytesIO()
+    onnx.save(proto, buffer)
+    write_atomic(path, buffer.getvalue())
 
 
 def run_exported(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:

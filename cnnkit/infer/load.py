@@ -87,10 +87,15 @@ def save_safetensors(loaded: Loaded, path: Path) -> None:
     from safetensors.torch import save
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in loaded.model.state_dict().items()}
-    path = Path(path)
+    write_atomic(Path(path), save(state, metadata=metadata(loaded)))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` to `path` through a temporary file renamed into place: a full disk or a kill
+    mid-write leaves no partial file (and an existing one as it was)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_bytes(save(state, metadata=metadata(loaded)))
+        tmp.write_bytes(data)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)

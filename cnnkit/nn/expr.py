@@ -179,4 +179,7 @@ def _arith(op: str, left: Any, right: Any) -> int | float:
     left, right = _number(left, op), _number(right, op)
     if op in ("/", "//", "%") and right == 0:
         raise ExprError("division by zero")
-    return _ARITH[op](left, right)
+    try:
+        return _ARITH[op](left, right)
+    except OverflowError:  # e.g. a 400-digit integer divided into a float
+        raise ExprError(f"{op!r}: the result is too large") from None

@@ -73,16 +73,16 @@ def need_image(shape: Shape) -> tuple[int, int, int]:
 def window_out(size: int, kernel: int, stride: int, pad: int, dilation: int, ceil: bool) -> int:
     """Output length of a sliding window (conv or pool) along one axis, as torch and Caffe count it."""
     span = dilation * (kernel - 1) + 1
-    if span > size + 2 * pad:
+    steps = (size + 2 * pad - span) / stride
+    out = (math.ceil(steps) if ceil else math.floor(steps)) + 1
+    if ceil and (out - 1) * stride >= size + pad:  # the last window must start inside the input
+        out -= 1
+    if span > size + 2 * pad and (not ceil or out < 1):  # ceil mode: one window may overhang
         raise ShapeError(
             "kernel_size",
             f"kernel {span} is larger than its input {size}"
             + (f" (+2x{pad} padding)" if pad else ""),
         )
-    steps = (size + 2 * pad - span) / stride
-    out = (math.ceil(steps) if ceil else math.floor(steps)) + 1
-    if ceil and (out - 1) * stride >= size + pad:  # the last window must start inside the input
-        out -= 1
     if out < 1:
         raise ShapeError("kernel_size", f"output size {out} is below 1")
     return out
