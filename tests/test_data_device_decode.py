@@ -5,6 +5,7 @@ rounding, bad files reported the same way; and the loader's shared-memory budget
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -187,3 +188,28 @@ def test_validation_workers_live_only_while_validating(sets):
     bundle = data_config({**sections(sets)[0], "workers": 2}).build(CPU)
     assert bundle.train.loader().persistent_workers
     assert not bundle.val.loader().persistent_workers
+
+
+def test_gpu_decoding_on_a_cpu_and_too_many_workers_are_said_once(sets, monkeypatch, capfd):
+    """No silent fallback and no wall of torch warnings: one line each, once a process."""
+    loader_module._say_decoded_in_process.cache_clear()
+    loader_module._say_more_workers_than_cores.cache_clear()
+    monkeypatch.setattr(loader_module, "available_cores", lambda: 1)
+    with _no_warnings():  # torch's own advice on the worker count is not shown
+        bundle = data_config({**sections(sets)[1], "decode": "gpu", "workers": 2}).build(CPU)
+        next(iter(bundle.train)), next(iter(bundle.val))
+    err = capfd.readouterr().err.splitlines()
+    assert [line for line in err if "decode: gpu on a cpu device" in line] == [
+        "cnnkit: data.decode: gpu on a cpu device: the main process decodes each batch's JPEGs "
+        "there (libjpeg-turbo; the workers only read bytes)"]  # fmt: skip
+    assert sum("data.workers=2 is more than the 1 cores" in line for line in err) == 1, err
+
+
+@contextmanager
+def _no_warnings():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]

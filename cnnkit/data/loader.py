@@ -13,10 +13,12 @@ How a batch is made depends on the device and the data (`ImageBatches.mode`):
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import sys
+import warnings
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -83,6 +85,27 @@ class ImageSetConfig(DataConfigBase):
         return self
 
 
+@functools.cache
+def _say_decoded_in_process(device: str) -> None:
+    print(f"cnnkit: data.decode: gpu on a {device} device: the main process decodes each batch's "
+          "JPEGs there (libjpeg-turbo; the workers only read bytes)", file=sys.stderr)  # fmt: skip
+
+
+@contextmanager
+def _no_worker_count_warning() -> Iterator[None]:
+    """torch's advice on the worker count (a multi-line warning, printed at every start) hidden;
+    ImageBatches says it once, in a line (_say_more_workers_than_cores)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*suggested max number of worker")
+        yield
+
+
+@functools.cache
+def _say_more_workers_than_cores(workers: int, cores: int) -> None:
+    print(f"cnnkit: data.workers={workers} is more than the {cores} cores this process may use: "
+          "they take turns (the default is one fewer than the cores)", file=sys.stderr)  # fmt: skip
+
+
 def _one_thread_per_worker(worker_id: int) -> None:
     torch.set_num_threads(1)  # each worker is one core's worth of decoding
 
@@ -97,6 +120,8 @@ class ImageBatches:
         self.device = torch.device(device)
         self.augment = augment.to(self.device)
         self.workers, self.prefetch, self.num_samples = workers, prefetch, num_samples
+        if workers > available_cores():
+            _say_more_workers_than_cores(workers, available_cores())
         self.mode: Mode = self._mode(decode)
         self._loader: DataLoader | None = None
         self._ring: SlotRing | None = None
@@ -110,6 +135,8 @@ class ImageBatches:
         if decode == "gpu":
             if not ds.jpeg:
                 raise ConfigError("data.decode: gpu decodes JPEGs; raw shards need no decoding")
+            if self.device.type != "cuda":
+                _say_decoded_in_process(str(self.device))
             return "encoded"
         per_channel = self.augment.mean.shape[-1] == 1
         crops = cpu and self.train and ds.crops and per_channel
@@ -156,10 +183,11 @@ class ImageBatches:
             jobs = JobSampler(self.sampler, self._ring, crops, self.dataset.size,
                               encoded=self.mode == "encoded")  # fmt: skip
             extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.train}
-            self._loader = DataLoader(self.dataset, batch_size=None, sampler=jobs,
-                                      num_workers=self.workers, pin_memory=False,
-                                      worker_init_fn=_one_thread_per_worker,
-                                      **(extra if self.workers else {}))  # fmt: skip
+            with _no_worker_count_warning():
+                self._loader = DataLoader(self.dataset, batch_size=None, sampler=jobs,
+                                          num_workers=self.workers, pin_memory=False,
+                                          worker_init_fn=_one_thread_per_worker,
+                                          **(extra if self.workers else {}))  # fmt: skip
         return self._loader
 
     def worker_batches(self) -> Iterator[tuple[torch.Tensor, WorkerBatch]]:
@@ -180,7 +208,8 @@ class ImageBatches:
         """The loader's batches; shared memory running out as its workers start (their queues
         and semaphores live in /dev/shm too) is one line saying so."""
         try:
-            batches = iter(loader)
+            with _no_worker_count_warning():
+                batches = iter(loader)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
