@@ -40,3 +40,28 @@ def test_two_class_runs_hide_top5_and_say_which_epoch(tmp_path, capsys):
     last = err.strip().splitlines()[-1]
     assert last.startswith("done: held-out top-1") and "at the last epoch" in last
     assert "best" in last and "kept as best.pt" in last
+
+
+def test_a_resumed_run_keeps_tensorboards_points_from_before_its_checkpoint(tmp_path):
+    """Session 1 logs to global step 90 and is killed after a checkpoint at step 70; session 2
+    resumes there: TensorBoard holds session 1's points up to 70 and session 2's after it."""
+    row = {k: 0.5 for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "lr",
+                            "images_per_second", "seconds")}  # fmt: skip
+    first = RunLog(tmp_path, [{**row, "epoch": 1}])
+    for step in (20, 40, 60, 80):
+        first.write_step(step, 1.0, 0.1, 100.0)
+    first.write_epoch(first.history[-1], 44)
+    first.tb.close()  # killed: the checkpoint was at step 70, mid epoch 2
+    second = RunLog(tmp_path, [{**row, "epoch": 1}], global_step=70)
+    second.write_epoch(second.history[-1], None, final=True)  # what a resume does first
+    for step in (80, 100):
+        second.write_step(step, 2.0, 0.1, 100.0)
+    second.history.append({**row, "epoch": 2})
+    second.write_epoch(second.history[-1], 88, final=True)
+    second.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("step/loss")] == [
+        (20, 1.0), (40, 1.0), (60, 1.0), (80, 2.0), (100, 2.0)]  # fmt: skip
+    assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(44, 1.0), (88, 2.0)]
+    assert [e.step for e in events.Scalars("val/top1")] == [44, 88]

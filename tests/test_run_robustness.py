@@ -83,12 +83,16 @@ def test_killed_before_the_first_checkpoint_resumes_from_the_start(tmp_path, cap
     for name in ("last.pt", "best.pt", "metrics.csv", "summary.json"):
         (run / name).unlink()
     (run / f".last.pt.{os.getpid() + 99999}.tmp").write_bytes(b"")  # an orphan of the kill
+    (run / "metrics.csv.tmp").write_bytes(b"")
+    for mine in ("draft.tmp", ".session.tmp", ".last.pt.notes.tmp"):  # the user's own: kept
+        (run / mine).write_text("mine")
     code, _, err = run_cli(["train", "--out", str(run), "digits", "--quiet"], capsys)
     assert code == 2 and "--resume" in err  # the directory holds a run: resume it
     code, _, err = run_cli(["train", "--resume", str(run), "--quiet"], capsys)
     assert code == 0, err
     assert load_checkpoint(run / "last.pt")["epoch"] == 1
-    assert not list(run.glob(".*.tmp"))
+    left = sorted(p.name for p in run.glob("*.tmp"))
+    assert left == [".last.pt.notes.tmp", ".session.tmp", "draft.tmp"]
 
 
 def test_divergence_stops_before_anything_diverged_is_saved(tmp_path, capsys):

@@ -191,4 +191,4 @@ def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunC
         skip = ("optimizer", "scaler", "rng", "rng_ranks")
         saves.append(({k: v for k, v in state.items() if k not in skip}, ctx.run_dir / "best.pt"))
     writer.save(*saves, (state, ctx.run_dir / "last.pt"))
-    ctx.log.write_epoch(row, final=progress.epoch == ctx.config.train.epochs)
+    ctx.log.write_epoch(row, progress.global_step, final=progress.epoch == ctx.config.train.epochs)

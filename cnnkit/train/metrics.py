@@ -33,26 +33,32 @@ COLUMNS = [
 class RunLog:
     """Rank 0's writer of the run directory's metrics files; `history` is the source of truth."""
 
-    def __init__(self, run_dir: Path, history: list[dict[str, float]], tensorboard: bool = True):
+    def __init__(self, run_dir: Path, history: list[dict[str, float]], tensorboard: bool = True,
+                 global_step: int = 0) -> None:  # fmt: skip
+        """`global_step`: where a resumed run's checkpoint stands. Every TensorBoard scalar is
+        on the global-step axis (epoch rows at their last step, with an `epoch` scalar), so
+        what a killed session logged after its checkpoint is purged, and nothing before."""
         self.run_dir = run_dir
         self.history = history
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir), purge_step=len(history) + 1)
+            self.tb = SummaryWriter(str(run_dir), purge_step=global_step + 1)
         self._last_plot = time.monotonic()
         self._plotted = len(history)  # epochs in curves.png (a resumed run's: drawn before)
 
-    def write_epoch(self, row: dict[str, float], final: bool = False) -> None:
+    def write_epoch(self, row: dict[str, float], global_step: int | None,
+                    final: bool = False) -> None:  # fmt: skip
         """Record the epoch `row` (already last in history): rewrite metrics.csv (one row per
-        epoch), log to TensorBoard, redraw curves.png (at the end, and at most every
-        PLOT_EVERY seconds: a drawing costs about 0.3 s)."""
+        epoch), log to TensorBoard at `global_step` (None: logged already, a resumed run's last
+        epoch), redraw curves.png (at the end, and at most every PLOT_EVERY seconds: a drawing
+        costs about 0.3 s)."""
         write_csv(self.run_dir / "metrics.csv", self.history)
-        if self.tb is not None:
-            step = int(row["epoch"])
+        if self.tb is not None and global_step is not None:
+            self.tb.add_scalar("epoch", row["epoch"], global_step)
             for key in COLUMNS[1:] + [k for k in EMA_COLUMNS if k in row]:
-                self.tb.add_scalar(key.replace("_", "/", 1), row[key], step)
+                self.tb.add_scalar(key.replace("_", "/", 1), row[key], global_step)
             self.tb.flush()
         if final or time.monotonic() - self._last_plot > PLOT_EVERY:
             self._plot()

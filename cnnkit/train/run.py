@@ -238,9 +238,9 @@ def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLo
     run_dir.mkdir(parents=True, exist_ok=True)
     clear_orphans(run_dir)
     dump_run(config, run_dir / "config.yaml")
-    log = RunLog(run_dir, progress.history)
+    log = RunLog(run_dir, progress.history, global_step=progress.global_step)
     if progress.history:  # resumed: drop rows written after the checkpoint
-        log.write_epoch(progress.history[-1], final=True)
+        log.write_epoch(progress.history[-1], None, final=True)
     return log
 
 

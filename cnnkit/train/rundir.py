@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -153,10 +154,15 @@ def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
             path.unlink(missing_ok=True)
 
 
+# the temporary names a run's writers use (.last.pt.PID.tmp, metrics.csv.tmp, .curves.png.tmp)
+ORPHAN = re.compile(r"\.?(last\.pt|best\.pt|metrics\.csv|curves\.png|summary\.json|config\.yaml)"
+                    r"(\.\d+)?\.tmp")  # fmt: skip
+
+
 def clear_orphans(run_dir: Path) -> None:
     """Remove temporary files left by a process killed mid-write (the lock is held: no writer
-    of this run is alive)."""
-    for tmp in run_dir.glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
+    of this run is alive). Only the names cnnkit writes: a folder of the user's given as --out
+    keeps its own .tmp files."""
     for tmp in run_dir.glob("*.tmp"):
-        tmp.unlink(missing_ok=True)
+        if ORPHAN.fullmatch(tmp.name):
+            tmp.unlink(missing_ok=True)
