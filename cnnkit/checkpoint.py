@@ -12,7 +12,7 @@ import random
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -33,6 +33,19 @@ from cnnkit.nn.weights import check_finite_weights
 
 FORMAT = "cnnkit-checkpoint/1"
 EXPORT_FORMAT = "cnnkit-safetensors/1"  # `cnnkit export --format safetensors`
+
+
+class RunSettings(Section):
+    """The resolved settings of a run's steps (train/settings.Settings) and its device type."""
+
+    model_config = ConfigDict(extra="forbid")
+    device: str
+    precision: Literal["fp32", "bf16", "fp16"]
+    channels_last: bool
+    threads: PositiveInt
+    how: str
+    speedup: float | None = None
+    kernels: list[tuple[str, str]] = Field(default_factory=list)
 
 
 class Saved(Section):
@@ -62,6 +75,7 @@ class Saved(Section):
     rng_ranks: list[dict[str, Any]] | None = None
     ema: dict[str, torch.Tensor] | None = None  # train.ema's moving average of the weights
     ema_count: NonNegativeInt = 0
+    settings: RunSettings | None = None  # what the steps ran with: a resume keeps them
 
     @model_validator(mode="after")
     def _consistent(self) -> Saved:

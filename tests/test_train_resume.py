@@ -219,3 +219,24 @@ def test_optimizer_state_takes_the_resumed_models_memory_format(optimizer):
     step(model, resumed), step(as_loaded, optimizer_as_loaded)  # the same step either way
     for a, b in zip(model.parameters(), as_loaded.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_resume_keeps_the_settings_the_run_began_with(tmp_path, capsys):
+    """Another thread count alone changes the weights: a resume (on a machine whose measured
+    or cached choice differs) runs with the checkpoint's settings unless it sets them anew."""
+    run = tmp_path / "run"
+    fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 1}}), run, quiet=True)
+    state = load_checkpoint(run / "last.pt")
+    assert state["settings"]["device"] == "cpu"
+    state["settings"] = {**state["settings"], "threads": 1, "how": "measured"}
+    torch.save(state, run / "last.pt")
+    threads = []
+    more = validate_run({**RUN, "train": {**RUN["train"], "epochs": 2}})
+    fit(more, run, resume=resume_state(run), on_step=lambda *a: threads.append(
+        torch.get_num_threads()))  # fmt: skip
+    assert "1 thread: as the run began (kept for an exact resume)" in capsys.readouterr().err
+    assert set(threads) == {1} and load_checkpoint(run / "last.pt")["settings"]["threads"] == 1
+    again = validate_run({**RUN, "train": {**RUN["train"], "epochs": 3, "threads": 2}})
+    fit(again, run, resume=resume_state(run), on_step=lambda *a: threads.append(
+        torch.get_num_threads()))  # fmt: skip
+    assert "2 threads: static rules" in capsys.readouterr().err and threads[-1] == 2

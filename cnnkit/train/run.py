@@ -38,7 +38,7 @@ from cnnkit.train.rundir import (
     run_lock,
 )
 from cnnkit.train.saver import CheckpointWriter
-from cnnkit.train.settings import choose_settings
+from cnnkit.train.settings import Settings, choose_settings
 from cnnkit.train.state import RunContext, restore
 from cnnkit.train.summary import finish
 
@@ -172,7 +172,7 @@ def fit(
         data = config.data.build(
             device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
         )
-        engine = _engine(config, data, device, dist, Console(quiet or not dist.is_main))
+        engine = _engine(config, data, device, dist, Console(quiet or not dist.is_main), resume)
         if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
             torch.manual_seed(mix_seed(config.seed, dist.rank))
         stack.enter_context(torch_threads(engine.settings.threads))
@@ -217,21 +217,41 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
 
 
 def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Processes,
-            console: Console) -> Engine:  # fmt: skip
+            console: Console, resume: dict[str, Any] | None = None) -> Engine:  # fmt: skip
     """The network built and put on the device with the settings chosen for it (rank 0's
-    choice on every rank: one precision and format for the whole group)."""
+    choice on every rank: one precision and format for the whole group); a resumed run keeps
+    the settings it began with (resumed_settings)."""
     network = build_network(config, data)
     per_rank = config.data.batch_size // dist.world_size
     chosen = None
     if dist.is_main:
-        chosen = choose_settings(network, config.train, device, per_rank, config.deterministic,
-                                 notify=console.print)  # fmt: skip
+        chosen = resumed_settings(resume, config, device) or choose_settings(
+            network, config.train, device, per_rank, config.deterministic, notify=console.print
+        )
     settings = dist.broadcast_object(chosen)
     weights = None
     if config.train.class_weights == "balanced":
         weights = balanced_weights(data.train_labels, len(data.classes))
     return build_engine(network, config.train, device, wrap=dist.wrap, class_weights=weights,
                         settings=settings)  # fmt: skip
+
+
+SETTING_FIELDS = ("precision", "channels_last", "threads", "compile")
+
+
+def resumed_settings(resume: dict[str, Any] | None, config: RunConfig,
+                     device: torch.device) -> Settings | None:  # fmt: skip
+    """The settings a resumed run's steps ran with, so it continues bitwise as it began
+    (another thread count or kernel alone changes the weights), unless the resume sets them
+    anew (train.precision=..., train.threads=...) or runs on another kind of device."""
+    saved = (resume or {}).get("settings")
+    if not saved or saved["device"] != device.type:
+        return None
+    before = (resume["config"].get("train") or {}) if isinstance(resume["config"], dict) else {}
+    if any(before.get(k) != getattr(config.train, k) for k in SETTING_FIELDS):
+        return None
+    fields = {k: v for k, v in saved.items() if k != "device"}
+    return Settings(**{**fields, "how": "resumed"})
 
 
 def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLog:

@@ -50,7 +50,7 @@ class Settings:
     precision: str  # fp32 | bf16 | fp16
     channels_last: bool
     threads: int  # torch's intra-op CPU threads
-    how: str  # set (explicitly) | measured | cached | rules
+    how: str  # set (explicitly) | measured | cached | rules | resumed (as the run began)
     speedup: float | None = None  # measured: images/s against fp32 NCHW at the same threads
     kernels: Plan = ()  # a kernel per layer (nn/kernels.py) on top of the format; () for none
 
@@ -69,7 +69,8 @@ class Settings:
             parts.append(f"kernels per layer ({mix})")
         parts.append(f"{self.threads} thread{'s' * (self.threads != 1)}")
         why = {"set": "as set", "rules": "static rules", "cached": "fastest measured (cached)",
-               "measured": "fastest measured"}[self.how]  # fmt: skip
+               "measured": "fastest measured",
+               "resumed": "as the run began (kept for an exact resume)"}[self.how]  # fmt: skip
         plain = self.precision == "fp32" and not self.channels_last and not self.kernels
         if self.speedup is not None and self.how in ("measured", "cached") and not plain:
             why += f", {self.speedup:.2f}x fp32 NCHW"

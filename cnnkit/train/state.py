@@ -4,7 +4,7 @@ the inference contract (network, classes, preprocessing) plus the exact training
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ def training_state(
         "partial": progress.epoch_stats(),
         "rng": rngs[0],
         "rng_ranks": rngs,
+        "settings": {**asdict(engine.settings), "device": engine.device.type},
     }
 
 
