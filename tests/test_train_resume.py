@@ -240,3 +240,21 @@ def test_a_resume_keeps_the_settings_the_run_began_with(tmp_path, capsys):
     fit(again, run, resume=resume_state(run), on_step=lambda *a: threads.append(
         torch.get_num_threads()))  # fmt: skip
     assert "2 threads: static rules" in capsys.readouterr().err and threads[-1] == 2
+
+
+def test_a_mid_epoch_resume_refuses_what_changes_the_epochs_order(finished_run):
+    from cnnkit.errors import ConfigError
+    from cnnkit.train.rundir import resume_config
+
+    state = {**load_checkpoint(finished_run / "last.pt"), "epoch": 1, "step": 4}
+    for override, name in (("data.batch_size=8", "data.batch_size"), ("seed=4", "seed"),
+                           ("data.train_size=64", "data.train_size")):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"--resume: {name} changes the order of the epoch "
+                                              r"in progress \(epoch 2, 4 steps of it done\)"):  # fmt: skip
+            resume_config(state, [override])
+    assert resume_config(state, ["data.eval_batch_size=7", "train.epochs=3"]).train.epochs == 3
+    assert resume_config({**state, "step": 0}, ["data.batch_size=8"]).data.batch_size == 8
+    damaged = {**state, "step": 1_000_000, "global_step": 1_000_000}
+    with pytest.raises(CheckpointError, match="step 1000000 of epoch 2 .* 8 steps an epoch"):
+        fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 3}}), finished_run.parent /
+            "again", resume=damaged, quiet=True)  # fmt: skip

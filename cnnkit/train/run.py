@@ -177,7 +177,7 @@ def fit(
             torch.manual_seed(mix_seed(config.seed, dist.rank))
         stack.enter_context(torch_threads(engine.settings.threads))
         schedule = Schedule(config.train)
-        progress = restore(resume, engine, schedule) if resume else Progress()
+        progress = restore(resume, engine, schedule, len(data.train)) if resume else Progress()
         if resume:  # after everything that draws from the generators, before any file is written
             _restore_rng(resume, dist)
         if dry_run:

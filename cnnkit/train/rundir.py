@@ -3,6 +3,7 @@ config of a run to resume."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -65,15 +66,35 @@ def check_writable(run_dir: Path) -> None:
 def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """The run config stored in a checkpoint, with overrides (e.g. train.epochs=30) applied; the
     network is the checkpoint's own (its file may have moved since)."""
-    raw = dict(state["config"], model=state["model_spec"])
+    raw = dict(copy.deepcopy(state["config"]), model=state["model_spec"])  # the state unchanged
     for item in overrides or []:
         apply_override(raw, item)
+    if state.get("step"):
+        _same_epoch_order(state, raw)
     if not overrides:
         try:
             return validate_run(raw)
         except ConfigError as e:  # nothing of the user's: the checkpoint itself is damaged
             raise CheckpointError(f"last.pt: its run settings do not validate: {e}") from None
     return validate_run(raw)
+
+
+HARMLESS_DATA = {"workers", "prefetch", "eval_batch_size", "decode"}  # no effect on the order
+
+
+def _same_epoch_order(state: dict[str, Any], raw: dict[str, Any]) -> None:
+    """A run stopped mid-epoch resumes by skipping the batches it did: an override that changes
+    the epoch's order or batches (the seed, the batch size, the data) would skip the wrong
+    images, or train some twice. ConfigError naming it."""
+    before, after = state["config"], raw
+    changed = ["seed"] if before.get("seed") != after.get("seed") else []
+    old, new = before.get("data") or {}, after.get("data") or {}
+    changed += [f"data.{k}" for k in sorted(old.keys() | new.keys())
+                if k not in HARMLESS_DATA and old.get(k) != new.get(k)]  # fmt: skip
+    if changed:
+        raise ConfigError(f"--resume: {changed[0]} changes the order of the epoch in progress "
+                          f"(epoch {state['epoch'] + 1}, {state['step']} steps of it done): "
+                          "resume without it, and change it once the epoch is finished")  # fmt: skip
 
 
 def _process_start(pid: int) -> str | None:

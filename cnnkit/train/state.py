@@ -91,8 +91,14 @@ def match_param_layout(optimizer: torch.optim.Optimizer) -> None:
                     state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
-def restore(state: dict[str, Any], engine: Engine, schedule: Schedule) -> Progress:
-    """Load model, optimizer, scaler and schedule from a checkpoint; return where it stood."""
+def restore(state: dict[str, Any], engine: Engine, schedule: Schedule,
+            steps_per_epoch: int | None = None) -> Progress:  # fmt: skip
+    """Load model, optimizer, scaler and schedule from a checkpoint; return where it stood
+    (checked against `steps_per_epoch`: a step past the epoch's end is a damaged checkpoint)."""
+    step, epoch, done = state["step"], state["epoch"], state["global_step"]
+    if (steps_per_epoch is not None and step > steps_per_epoch) or done < step:
+        raise CheckpointError(f"last.pt: step {step} of epoch {epoch + 1} (global step {done}) "
+                              f"does not fit this run's {steps_per_epoch} steps an epoch")  # fmt: skip
     try:
         engine.network.load_state_dict(state["model"])
         check_finite_weights(state["model"], "last.pt")
