@@ -17,6 +17,7 @@ _TOKEN_RE = re.compile(
     re.VERBOSE,
 )
 _CLOSE = {"{": "}", "<": ">"}
+MAX_DEPTH = 100  # protobuf's own parsers stop at 100 nested messages too
 
 
 class Message:
@@ -44,7 +45,7 @@ class Message:
 def parse_prototxt(text: str, source: str = "prototxt") -> Message:
     """Parse protobuf text format into a Message tree; errors name the source and line."""
     tokens = _tokenize(text, source)
-    message, end = _parse_message(tokens, 0, None, source)
+    message, end = _parse_message(tokens, 0, None, source, 1, 0)
     if end != len(tokens):
         kind, value, line = tokens[end]
         raise ConfigError(f"{source}:{line}: unexpected {value!r}")
@@ -65,8 +66,10 @@ def _tokenize(text: str, source: str) -> list[tuple[str, str, int]]:
 
 
 def _parse_message(
-    tokens, i: int, close: str | None, source: str, line: int = 1
+    tokens, i: int, close: str | None, source: str, line: int, depth: int
 ) -> tuple[Message, int]:
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"{source}:{line}: blocks nested more than {MAX_DEPTH} deep")
     message = Message(line)
     while i < len(tokens) and tokens[i][1] != close:
         kind, name, line = tokens[i]
@@ -75,7 +78,7 @@ def _parse_message(
         i += 1
         if i < len(tokens) and tokens[i][1] == ":":
             i += 1
-        values, i = _parse_value(tokens, i, source, line)
+        values, i = _parse_value(tokens, i, source, line, depth)
         message.fields.extend((name, v, line) for v in values)
     if close is not None and i >= len(tokens):
         raise ConfigError(
@@ -84,17 +87,19 @@ def _parse_message(
     return message, i
 
 
-def _parse_value(tokens, i: int, source: str, line: int) -> tuple[list[Any], int]:
+def _parse_value(tokens, i: int, source: str, line: int, depth: int) -> tuple[list[Any], int]:
     if i >= len(tokens):
         raise ConfigError(f"{source}:{line}: the file ends where a value should be")
     kind, text, _ = tokens[i]
     if text in _CLOSE:
-        message, i = _parse_message(tokens, i + 1, _CLOSE[text], source, line)
+        message, i = _parse_message(tokens, i + 1, _CLOSE[text], source, line, depth + 1)
         return [message], i + 1
     if text == "[":  # list syntax: name: [1, 2] or name [{...}, {...}]
         values, i = [], i + 1
         while i < len(tokens) and tokens[i][1] != "]":
-            more, i = _parse_value(tokens, i, source, line)
+            if tokens[i][1] == "[":  # protobuf has no list of lists
+                raise ConfigError(f"{source}:{tokens[i][2]}: a list inside a list")
+            more, i = _parse_value(tokens, i, source, line, depth)
             values += more
         return values, i + 1
     if kind == "punct":

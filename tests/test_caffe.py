@@ -272,3 +272,91 @@ def test_cli_writes_a_network_file_and_reports_errors(tmp_path, capsys):
     assert run_cli(["import-caffe", str(DATA / "unsupported.prototxt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'Crop'" in err
+
+
+INPUT = 'input: "data"\ninput_dim: 1 input_dim: 3 input_dim: 8 input_dim: 8\n'
+
+
+def test_parser_caps_nesting_depth():
+    with pytest.raises(ConfigError, match=r"x:1: blocks nested more than 100 deep"):
+        parse_prototxt("a {" * 5000 + "}" * 5000, "x")
+    with pytest.raises(ConfigError, match=r"x:1: a list inside a list"):
+        parse_prototxt("a: " + "[" * 5000 + "]" * 5000, "x")
+    assert parse_prototxt("a {" * 100 + "b: 1" + "}" * 100).sub("a").line == 1
+
+
+def test_phase_rules_as_caffe_reads_them_for_deploy():
+    def conv(name, n, rule=""):
+        return _layer(name, "Convolution", ["data"], "feat", f"{rule} " + CONV.format(n))
+
+    text = (
+        INPUT + conv("a", 4, "exclude { phase: TEST }") + conv("b", 5, "exclude { phase: TRAIN }")
+    )
+    text += conv("c", 7, "include { phase: TRAIN }") + conv(
+        "d", 9, "include { phase: TEST stage: 'x' }"
+    )
+    text += _layer("fc", "InnerProduct", ["feat"], "fc", "inner_product_param { num_output: 2 }")
+    text += _layer("prob", "Softmax", ["fc"], "prob")  # last of the TEST phase: dropped
+    text += _layer("loss", "SoftmaxWithLoss", ["fc", "label"], "loss", "include { phase: TRAIN }")
+    layers = translate(parse_prototxt(text))["layers"]
+    assert [(n["name"], n.get("out_channels")) for n in layers] == [("b", 5), ("fc", None)]
+    with pytest.raises(ConfigError, match=r":3: give include or exclude rules, not both"):
+        translate(parse_prototxt(INPUT + conv("a", 4, "include {} exclude { phase: TRAIN }")))
+
+
+CONV = "convolution_param {{ num_output: {} kernel_size: 1 }}"
+BAD_FIELDS = {
+    "kernel_h: 3": r"kernel_h and kernel_w go together",
+    'kernel_size: "abc"': r"kernel_size: expected an integer, got 'abc'",
+    "kernel_size: 3 num_output: xyz": r"num_output: expected an integer, got 'xyz'",
+    "kernel_size: 3 num_output: 4.7": r"num_output: expected an integer, got 4.7",
+    "kernel_size: 3 num_output: 4 bias_term: 'false'": r"bias_term: expected true or false",
+    "kernel_size: 3 num_output: 4 bias_term: 2": r"bias_term: expected true or false, got 2",
+    "kernel_size: 3 num_output: 4 pad: -1": r"padding.* greater than or equal to 0 \(got -1\)",
+    "kernel_size: 3 num_output: 0": r"out_channels: Input should be greater than 0 \(got 0\)",
+}
+
+
+@pytest.mark.parametrize("fields", BAD_FIELDS)
+def test_bad_field_values_are_one_line(fields):
+    text = INPUT + _layer("c", "Convolution", ["data"], "c", f"convolution_param {{ {fields} }}")
+    with pytest.raises(ConfigError, match=BAD_FIELDS[fields]) as err:
+        translate(parse_prototxt(text, "t"), "t")
+    assert str(err.value).startswith("t:3: ") and "\n" not in str(err.value)
+
+
+def test_bad_layers_and_inputs_are_one_line():
+    sub = _layer("x", "Eltwise", ["data", "data"], "x", "eltwise_param { operation: SUB }")
+    with pytest.raises(ConfigError, match=r":3: Eltwise operation 'SUB': SUM, PROD or MAX"):
+        translate(parse_prototxt(INPUT + sub))
+    flat = 'input: "data"\ninput_dim: 1 input_dim: 6\n'
+    pool = _layer("p", "Pooling", ["data"], "p", "pooling_param { pool: MAX global_pooling: true }")
+    with pytest.raises(ConfigError, match=r":3: global_pooling needs a \(C, H, W\) input"):
+        translate(parse_prototxt(flat + pool))
+    with pytest.raises(ConfigError, match=r":1: dim: expected an integer, got 3.5"):
+        translate(parse_prototxt(INPUT.replace("input_dim: 3", "input_dim: 3.5") + pool))
+
+
+def test_booleans_are_protobuf_identifiers_or_0_and_1():
+    for value, bias in (("false", False), ("true", True), ("0", False), ("1", True)):
+        p = f"convolution_param {{ num_output: 4 kernel_size: 3 bias_term: {value} }}"
+        layers = translate(parse_prototxt(INPUT + _layer("c", "Convolution", ["data"], "c", p)))
+        assert layers["layers"][0].get("bias", True) is bias
+
+
+def test_layers_named_like_module_attributes_are_renamed(tmp_path, capsys):
+    names = ["train", "forward", "to", "training", "input", "train_caffe"]
+    text = INPUT + "".join(
+        _layer(n, "Convolution", ["data" if i == 0 else names[i - 1]], n, CONV.format(4))
+        for i, n in enumerate(names)
+    )
+    prototxt = tmp_path / "n.prototxt"
+    prototxt.write_text(text)
+    assert run_cli(["import-caffe", str(prototxt), "-o", str(tmp_path / "n.yaml")]) == 0
+    net = build_model(str(tmp_path / "n.yaml"), device="meta")
+    assert [r.name for r in net.table] == [
+        "train_caffe", "forward_caffe", "to_caffe", "training_caffe", "input_caffe", "train_caffe_2"
+    ]  # fmt: skip
+    header = (tmp_path / "n.yaml").read_text().split("model:")[0]
+    assert "# layer train is train_caffe here: cnnkit or torch holds that name" in header
+    assert "layer to is to_caffe" in header and "train_caffe_2" not in header

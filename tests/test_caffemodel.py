@@ -4,6 +4,8 @@ written from; BatchNorm + Scale, PReLU and LRN WITHIN_CHANNEL against a direct c
 
 from __future__ import annotations
 
+import errno
+import re
 from pathlib import Path
 
 import pytest
@@ -147,7 +149,7 @@ def test_caffemodels_that_do_not_fit_are_one_line(tmp_path, capsys):
     write_caffemodel(wrong, {**blobs, "ip1": [torch.zeros(10, 800), blobs["ip1"][1]]})
     with pytest.raises(
         CheckpointError,
-        match=r"layer 'ip1': blob weight holds 8,000 values, ip1 needs \(500, 800\)",
+        match=r"layer 'ip1': blob weight has shape \(10, 800\) \(8,000 values\), ip1 needs \(500, 800\)",
     ):
         import_caffe_weights(DATA / "lenet.prototxt", wrong)
     partial = tmp_path / "partial.caffemodel"
@@ -160,3 +162,155 @@ def test_caffemodels_that_do_not_fit_are_one_line(tmp_path, capsys):
         import_caffe_weights(DATA / "lenet.prototxt", junk)
     code, _, err = run_cli(["import-caffe", str(DATA / "lenet.prototxt"), str(partial)], capsys)
     assert code == 2 and "needs -o NET.yaml" in err and err.count("\n") == 1
+
+
+def prototxt_file(tmp_path: Path, layers: str, dims: str = "dim: 1 dim: 2 dim: 4 dim: 4") -> Path:
+    path = tmp_path / "net.prototxt"
+    data = (
+        f'layer {{ name: "data" type: "Input" top: "data" input_param {{ shape {{ {dims} }} }} }}'
+    )
+    path.write_text(data + "\n" + layers)
+    return path
+
+
+TRANSPOSED = """layer { name: "fc8" type: "InnerProduct" bottom: "data" top: "fc8"
+        inner_product_param { num_output: 3 transpose: true } }"""
+
+
+@pytest.mark.parametrize("v1", [False, True])  # V1: the weight as a (1, 1, in, out) blob
+def test_transposed_inner_product_computes_x_times_w(tmp_path, v1):
+    prototxt = prototxt_file(tmp_path, TRANSPOSED, "dim: 1 dim: 6")
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(6, 3, generator=g), torch.randn(3, generator=g)  # Caffe's (in, out)
+    write_caffemodel(tmp_path / "t.caffemodel", {"fc8": [w, b]}, v1=v1)
+    model, state = import_caffe_weights(prototxt, tmp_path / "t.caffemodel")
+    net = build_model(model).eval()
+    net.load_state_dict(state)
+    x = torch.randn(4, 6, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), x @ w + b, rtol=1e-6, atol=1e-6)
+    write_caffemodel(tmp_path / "t.caffemodel", {"fc8": [w.T, b]})  # (out, in): not transposed
+    with pytest.raises(CheckpointError, match=r"blob weight has shape \(3, 6\) .*needs \(6, 3\)"):
+        import_caffe_weights(prototxt, tmp_path / "t.caffemodel")
+
+
+FORK = """layer { name: "bn1" type: "BatchNorm" bottom: "data" top: "bn1" }
+layer { name: "sc1" type: "Scale" bottom: "bn1" top: "sc1" scale_param { bias_term: true } }
+layer { name: "sum" type: "Eltwise" bottom: "bn1" bottom: "sc1" top: "sum" }
+layer { name: "bn2" type: "BatchNorm" bottom: "sum" top: "sum" }
+layer { name: "sc2" type: "Scale" bottom: "sum" top: "sum" }
+layer { name: "fc8" type: "InnerProduct" bottom: "sum" top: "fc8" inner_product_param { num_output: 3 } }
+"""  # the un-scaled bn1 read twice; a Scale without bias
+
+
+def test_scale_beside_another_reader_of_the_batchnorm_keeps_caffes_sum(tmp_path):
+    prototxt = prototxt_file(tmp_path, FORK)
+    g = torch.Generator().manual_seed(0)
+
+    def stats() -> list[torch.Tensor]:
+        return [torch.randn(2, generator=g) * 2, torch.rand(2, generator=g) + 0.5, torch.ones(1)]
+
+    blobs = {"bn1": stats(), "sc1": [torch.randn(2, generator=g), torch.randn(2, generator=g)]}
+    blobs |= {"bn2": stats(), "sc2": [torch.randn(2, generator=g)]}
+    blobs["fc8"] = [torch.randn(3, 32, generator=g), torch.randn(3, generator=g)]
+    write_caffemodel(tmp_path / "f.caffemodel", blobs)
+    model, state = import_caffe_weights(prototxt, tmp_path / "f.caffemodel")
+    net = build_model(model).eval()
+    net.load_state_dict(state)
+
+    def per_channel(t: torch.Tensor) -> torch.Tensor:
+        return t.view(1, -1, 1, 1)
+
+    def normalise(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, _) -> torch.Tensor:
+        return (x - per_channel(mean)) / per_channel(var + 1e-5).sqrt()  # Caffe's BatchNorm
+
+    x = torch.randn(2, 2, 4, 4, generator=g)
+    bn1 = normalise(x, *blobs["bn1"])
+    total = bn1 + (bn1 * per_channel(blobs["sc1"][0]) + per_channel(blobs["sc1"][1]))
+    scaled = normalise(total, *blobs["bn2"]) * per_channel(blobs["sc2"][0])
+    expected = scaled.flatten(1) @ blobs["fc8"][0].T + blobs["fc8"][1]
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
+
+
+FOLDED = """layer { name: "bn1" type: "BatchNorm" bottom: "data" top: "bn1" }
+layer { name: "sc1" type: "Scale" bottom: "bn1" top: "bn1" scale_param { bias_term: true } }
+layer { name: "bn2" type: "BatchNorm" bottom: "bn1" top: "bn2" }
+layer { name: "sc2" type: "Scale" bottom: "bn2" top: "bn2" }
+layer { name: "fc8" type: "InnerProduct" bottom: "bn2" top: "fc8" inner_product_param { num_output: 3 } }
+"""  # sc1 folds into bn1 (its gamma and beta); sc2, without bias, is cnnkit's `scale`
+
+
+def test_caffemodels_the_network_cannot_take_write_nothing(tmp_path, capsys):
+    prototxt = prototxt_file(tmp_path, FOLDED)
+    g = torch.Generator().manual_seed(0)
+    good = {
+        "bn1": [torch.zeros(2), torch.ones(2), torch.ones(1)], "sc1": [torch.ones(2), torch.zeros(2)],
+        "bn2": [torch.zeros(2), torch.ones(2), torch.ones(1)], "sc2": [torch.ones(2)],
+        "fc8": [torch.randn(3, 32, generator=g), torch.randn(3, generator=g)],
+    }  # fmt: skip
+    bad = {
+        "fc8": (
+            [good["fc8"][0]],
+            r"layer 'fc8': no bias blob \(the .caffemodel has 1; fc8 takes 2",
+        ),
+        "sc1": ([torch.ones(2)], r"layer 'sc1': no bias blob"),  # folded into bn1: gamma, no beta
+        "bn2": ([torch.zeros(2), torch.ones(2)], r"layer 'bn2': no scale factor blob"),
+        "sc2": ([torch.ones(2), torch.zeros(2)], r"layer 'sc2': 2 blobs, sc2 takes 1 \(weight\)"),
+    }
+    out = tmp_path / "net.yaml"
+    for name, (blobs, message) in bad.items():
+        write_caffemodel(tmp_path / "bad.caffemodel", {**good, name: blobs})
+        args = ["import-caffe", str(prototxt), str(tmp_path / "bad.caffemodel"), "-o", str(out)]
+        code, _, err = run_cli(args, capsys)
+        assert code == 1 and re.search(message, err) and err.count("\n") == 1, err
+    for name, blob, message in [
+        ("fc8", good["fc8"][0].reshape(32, 3), r"fc8': blob weight has shape \(32, 3\)"),
+        ("sc1", torch.tensor([1.0, float("nan")]), r"sc1': blob weight holds nan or inf"),
+        ("bn2", torch.tensor([0.0, float("inf")]), r"bn2': blob mean holds nan or inf"),
+    ]:
+        write_caffemodel(tmp_path / "bad.caffemodel", {**good, name: [blob, *good[name][1:]]})
+        with pytest.raises(CheckpointError, match=message):
+            import_caffe_weights(prototxt, tmp_path / "bad.caffemodel")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.caffemodel", "net.prototxt"]
+    write_caffemodel(tmp_path / "good.caffemodel", good)
+    args = ["import-caffe", str(prototxt), str(tmp_path / "good.caffemodel"), "-o", str(out)]
+    assert run_cli(args, capsys)[0] == 0
+    build_model(str(out))  # loads its weights
+
+
+def test_a_full_disk_leaves_no_half_written_file(tmp_path, capsys, monkeypatch):
+    prototxt = prototxt_file(tmp_path, TRANSPOSED, "dim: 1 dim: 6")
+    write_caffemodel(tmp_path / "t.caffemodel", {"fc8": [torch.ones(6, 3), torch.zeros(3)]})
+    out = tmp_path / "net.yaml"
+    out.write_text("the previous import\n")
+    real_write = Path.write_bytes
+
+    def fill_the_disk(path: Path, data: bytes) -> int:
+        if path.name.startswith(".net.safetensors"):  # after net.yaml's temporary file
+            real_write(path, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", fill_the_disk)
+    args = ["import-caffe", str(prototxt), str(tmp_path / "t.caffemodel"), "-o", str(out)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert "net.safetensors: cannot write: No space left on device (nothing half-written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "net.prototxt",
+        "net.yaml",
+        "t.caffemodel",
+    ]
+    assert out.read_text() == "the previous import\n"
+
+
+def test_layer_renamed_from_a_module_attribute_keeps_its_weights(tmp_path):
+    prototxt = prototxt_file(tmp_path, TRANSPOSED.replace('"fc8"', '"eval"'), "dim: 1 dim: 6")
+    w, b = torch.randn(6, 3), torch.randn(3)
+    write_caffemodel(tmp_path / "t.caffemodel", {"eval": [w, b]})
+    model, state = import_caffe_weights(prototxt, tmp_path / "t.caffemodel")
+    net = build_model(model).eval()
+    net.load_state_dict(state)
+    assert net.table[0].name == "eval_caffe"
+    torch.testing.assert_close(net.eval_caffe.weight.detach(), w.T)

@@ -6,37 +6,53 @@ With a .caffemodel (read by cnnkit.caffe.weights), its weights come along as a s
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from cnnkit.errors import ConfigError, brief, one_line
+from cnnkit.caffe.deploy import deployed_layers, layer_type, sole_readers
+from cnnkit.caffe.fields import as_integer, flag, integer, learning, real, require, sizes
+from cnnkit.errors import ConfigError, brief, one_line, validation_message
+from cnnkit.nn.expand import reserved_name
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
 from cnnkit.prototxt import Message, parse_prototxt
 
-_V1_TYPES = {  # the old `layers { type: CONVOLUTION }` enum names
-    "CONVOLUTION": "Convolution", "POOLING": "Pooling", "LRN": "LRN", "RELU": "ReLU",
-    "TANH": "TanH", "SIGMOID": "Sigmoid", "INNER_PRODUCT": "InnerProduct", "DROPOUT": "Dropout",
-    "SOFTMAX": "Softmax", "CONCAT": "Concat", "ELTWISE": "Eltwise", "FLATTEN": "Flatten",
-    "SPLIT": "Split",
-}  # fmt: skip
+
+@dataclass
+class CaffeImport:
+    """A translated prototxt: the `model:` mapping, the state_dict of its .caffemodel (None
+    without one) and notes for the network file's header (the layers renamed)."""
+
+    model: dict[str, Any]
+    state: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
 
 
-def import_caffe(path: str | Path) -> dict[str, Any]:
-    """Read a Caffe deploy prototxt file and return the equivalent cnnkit `model:` mapping."""
-    return _translator(path).run()
-
-
-def import_caffe_weights(path: str | Path, caffemodel: str | Path) -> tuple[dict[str, Any], dict]:
-    """A deploy prototxt and its trained .caffemodel: (cnnkit `model:` mapping, state_dict)."""
+def read_caffe(path: str | Path, caffemodel: str | Path | None = None) -> CaffeImport:
+    """A Caffe deploy prototxt (and its trained .caffemodel) as a cnnkit network."""
     from cnnkit.caffe.weights import caffe_state_dict, read_caffemodel
 
     translator = _translator(path)
     model = translator.run()
-    return model, caffe_state_dict(model, translator.sources, read_caffemodel(caffemodel))
+    state = None
+    if caffemodel is not None:
+        state = caffe_state_dict(model, translator.sources, read_caffemodel(caffemodel))
+    return CaffeImport(model, state, translator.notes)
+
+
+def import_caffe(path: str | Path) -> dict[str, Any]:
+    """Read a Caffe deploy prototxt file and return the equivalent cnnkit `model:` mapping."""
+    return read_caffe(path).model
+
+
+def import_caffe_weights(path: str | Path, caffemodel: str | Path) -> tuple[dict[str, Any], dict]:
+    """A deploy prototxt and its trained .caffemodel: (cnnkit `model:` mapping, state_dict)."""
+    imported = read_caffe(path, caffemodel)
+    return imported.model, imported.state
 
 
 def _translator(path: str | Path) -> _Translator:
@@ -81,16 +97,16 @@ class _Translator:
         self.input: list[int] | None = None
         # cnnkit layer -> the Caffe layers whose blobs are its weights: [(caffe name, role)]
         self.sources: dict[str, list[tuple[str, str]]] = {}
+        self.notes: list[str] = []  # what the network file's header should say
+        self.folds: set[Message] = set()  # the Scale layers that fold into their BatchNorm
 
     def run(self) -> dict[str, Any]:
         self._net_level_input()
-        caffe_layers = self.net.all("layer") + self.net.all("layers")
+        caffe_layers = deployed_layers(self.net.all("layer") + self.net.all("layers"), self.source)
+        self.folds = sole_readers(caffe_layers)
         for index, layer in enumerate(caffe_layers):
-            if not _in_test_phase(layer):
-                continue
             self.here = f"{self.source}:{layer.line}"
-            kind = str(layer.get("type", ""))
-            kind = _V1_TYPES.get(kind, kind)
+            kind = layer_type(layer)
             handler = getattr(self, f"_{kind.lower()}", None) if kind in SUPPORTED else None
             if handler is None:
                 raise ConfigError(
@@ -137,14 +153,14 @@ class _Translator:
             raise ConfigError(f"{self.here}: cnnkit networks take one input, got {names}")
         if len(dims) not in (2, 4):
             raise ConfigError(f"{self.here}: input dims {dims}: expected N, C, H, W (or N, F)")
-        self.input = [int(d) for d in dims[1:]]
+        self.input = [as_integer(self.here, "dim", d) for d in dims[1:]]
         self.blobs[names[0]] = "input"
         self.shapes["input"] = tuple(self.input)
 
     # -- emitting -------------------------------------------------------------------------------
 
-    def _emit(self, layer: Message, spec: dict[str, Any]) -> None:
-        """Add one cnnkit layer reading the Caffe layer's bottoms and holding its tops."""
+    def _emit(self, layer: Message, spec: dict[str, Any]) -> str:
+        """Add one cnnkit layer reading the Caffe layer's bottoms and holding its tops; its name."""
         inputs = [self._bottom(b) for b in layer.all("bottom")]
         if not inputs:
             raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))} has no bottom")
@@ -160,6 +176,7 @@ class _Translator:
             self.blobs[top] = name
         if spec["type"] in ("conv", "linear", "batchnorm", "prelu"):
             self.sources[name] = [(str(layer.get("name", "")), spec["type"])]
+        return name
 
     def _alias(self, layer: Message) -> None:
         """A layer that changes nothing (Split, a final Softmax): its tops name its bottom."""
@@ -175,13 +192,15 @@ class _Translator:
         return self.blobs[blob]
 
     def _unique_name(self, raw: str) -> str:
-        base = _clean(raw)
-        if base in ("input", "previous"):
-            base += "_"
+        base = clean = _clean(raw)
+        if reserved_name(base):  # `input`, `train`, `forward`, `to`: names cnnkit or torch hold
+            base += "_caffe"
         name, n = base, 1
         while name in self.shapes:
             n += 1
             name = f"{base}_{n}"
+        if base != clean:
+            self.notes.append(f"layer {clean} is {name} here: cnnkit or torch holds that name")
         return name
 
     def _shape(self, spec: dict[str, Any], inputs: list[str]) -> Shape:
@@ -189,71 +208,84 @@ class _Translator:
         try:
             layer = KINDS[spec["type"]].model_validate(fields)
             return layer.output_shape([self.shapes[i] for i in inputs])
-        except (ValidationError, ShapeError) as e:
-            raise ConfigError(f"{self.here}: layer {spec['name']!r}: {e}") from None
+        except ValidationError as e:
+            raise ConfigError(
+                f"{self.here}: layer {spec['name']!r}: {validation_message(e)}"
+            ) from None
+        except ShapeError as e:
+            raise ConfigError(f"{self.here}: layer {spec['name']!r}: {e.field}: {e}") from None
 
     # -- layer types ------------------------------------------------------------------------------
 
     def _convolution(self, layer: Message, last: bool) -> None:
-        p = layer.sub("convolution_param")
-        _require(self.here, int(p.get("axis", 1)) == 1, "Convolution axis must be 1")
-        spec: dict[str, Any] = {"type": "conv", "out_channels": int(p.get("num_output", 0))}
-        spec["kernel_size"] = _hw(p, "kernel", None)
-        _require(self.here, spec["kernel_size"] is not None, "Convolution needs kernel_size")
-        _put(spec, "stride", _hw(p, "stride", 1), 1)
-        _put(spec, "padding", _hw(p, "pad", 0), 0)
-        _put(spec, "dilation", _hw(p, "dilation", 1), 1)
-        _put(spec, "groups", int(p.get("group", 1)), 1)
-        _put(spec, "bias", bool(p.get("bias_term", True)), True)
-        self._emit(layer, {**spec, **_learning(self.here, layer, p)})
+        p, here = layer.sub("convolution_param"), self.here
+        require(here, integer(here, p, "axis", 1) == 1, "Convolution axis must be 1")
+        spec: dict[str, Any] = {"type": "conv", "out_channels": integer(here, p, "num_output", 0)}
+        spec["kernel_size"] = sizes(here, p, "kernel", None)
+        require(here, spec["kernel_size"] is not None, "Convolution needs kernel_size")
+        _put(spec, "stride", sizes(here, p, "stride", 1), 1)
+        _put(spec, "padding", sizes(here, p, "pad", 0), 0)
+        _put(spec, "dilation", sizes(here, p, "dilation", 1), 1)
+        _put(spec, "groups", integer(here, p, "group", 1), 1)
+        _put(spec, "bias", flag(here, p, "bias_term", True), True)
+        self._emit(layer, {**spec, **learning(here, layer, p)})
 
     def _innerproduct(self, layer: Message, last: bool) -> None:
-        p = layer.sub("inner_product_param")
-        _require(self.here, int(p.get("axis", 1)) == 1, "InnerProduct axis must be 1")
-        spec: dict[str, Any] = {"type": "linear", "out_features": int(p.get("num_output", 0))}
-        _put(spec, "bias", bool(p.get("bias_term", True)), True)
-        self._emit(layer, {**spec, **_learning(self.here, layer, p)})
+        p, here = layer.sub("inner_product_param"), self.here
+        require(here, integer(here, p, "axis", 1) == 1, "InnerProduct axis must be 1")
+        spec: dict[str, Any] = {"type": "linear", "out_features": integer(here, p, "num_output", 0)}
+        _put(spec, "bias", flag(here, p, "bias_term", True), True)
+        name = self._emit(layer, {**spec, **learning(here, layer, p)})
+        if flag(here, p, "transpose", False):  # Caffe then holds W as (in, out): y = x @ W
+            self.sources[name] = [(str(layer.get("name", "")), "linear_t")]
 
     def _pooling(self, layer: Message, last: bool) -> None:
         p = layer.sub("pooling_param")
         method = str(p.get("pool", "MAX"))
-        _require(self.here, method in ("MAX", "AVE"), f"Pooling {method} is not supported")
-        if p.get("global_pooling", False):
-            _, h, w = self.shapes[self._bottom(layer.get("bottom"))]
+        require(self.here, method in ("MAX", "AVE"), f"Pooling {method} is not supported")
+        if flag(self.here, p, "global_pooling", False):
+            shape = self.shapes[self._bottom(layer.get("bottom"))]
+            require(
+                self.here, len(shape) == 3, f"global_pooling needs a (C, H, W) input, not {shape}"
+            )
             if method == "AVE":  # keeps Caffe's (C, 1, 1) output
                 return self._emit(layer, {"type": "adaptive_avgpool", "output_size": 1})
-            return self._emit(layer, {"type": "maxpool", "kernel_size": [h, w], "stride": 1})
+            return self._emit(
+                layer, {"type": "maxpool", "kernel_size": list(shape[1:]), "stride": 1}
+            )
         spec: dict[str, Any] = {"type": "maxpool" if method == "MAX" else "avgpool"}
-        spec["kernel_size"] = _hw(p, "kernel", None)
-        _require(self.here, spec["kernel_size"] is not None, "Pooling needs kernel_size")
-        spec["stride"] = _hw(p, "stride", 1)  # Caffe's default stride is 1, torch's the kernel
-        _put(spec, "padding", _hw(p, "pad", 0), 0)
+        spec["kernel_size"] = sizes(self.here, p, "kernel", None)
+        require(self.here, spec["kernel_size"] is not None, "Pooling needs kernel_size")
+        spec["stride"] = sizes(
+            self.here, p, "stride", 1
+        )  # Caffe's default is 1, torch's the kernel
+        _put(spec, "padding", sizes(self.here, p, "pad", 0), 0)
         spec["ceil_mode"] = str(p.get("round_mode", "CEIL")) == "CEIL"  # Caffe rounds up
         self._emit(layer, spec)
 
     def _lrn(self, layer: Message, last: bool) -> None:
-        p = layer.sub("lrn_param")
+        p, here = layer.sub("lrn_param"), self.here
         region = str(p.get("norm_region", "ACROSS_CHANNELS"))
-        _require(self.here, region in _LRN_REGIONS, f"LRN {region} is not supported")
-        spec = {"type": "lrn", "convention": "caffe", "size": int(p.get("local_size", 5))}
-        spec.update(alpha=float(p.get("alpha", 1.0)), beta=float(p.get("beta", 0.75)))
+        require(here, region in _LRN_REGIONS, f"LRN {region} is not supported")
+        spec = {"type": "lrn", "convention": "caffe", "size": integer(here, p, "local_size", 5)}
+        spec.update(alpha=real(here, p, "alpha", 1.0), beta=real(here, p, "beta", 0.75))
         if region == "WITHIN_CHANNEL":  # Caffe ignores k there: 1 + alpha * mean(a^2)
             return self._emit(layer, {**spec, "region": "within_channel", "k": 1.0})
-        self._emit(layer, {**spec, "k": float(p.get("k", 1.0))})
+        self._emit(layer, {**spec, "k": real(here, p, "k", 1.0)})
 
     def _prelu(self, layer: Message, last: bool) -> None:
         p = layer.sub("prelu_param")
         spec: dict[str, Any] = {"type": "prelu"}
-        _put(spec, "channelwise", not bool(p.get("channel_shared", False)), True)
+        _put(spec, "channelwise", not flag(self.here, p, "channel_shared", False), True)
         filler = p.get("filler")
         if filler is not None:
             constant = str(filler.get("type", "constant")) == "constant"
-            _require(self.here, constant, "PReLU filler must be constant")
-            _put(spec, "init_slope", float(filler.get("value", 0.0)), 0.25)
+            require(self.here, constant, "PReLU filler must be constant")
+            _put(spec, "init_slope", real(self.here, filler, "value", 0.0), 0.25)
         self._emit(layer, spec)
 
     def _relu(self, layer: Message, last: bool) -> None:
-        slope = float(layer.sub("relu_param").get("negative_slope", 0.0))
+        slope = real(self.here, layer.sub("relu_param"), "negative_slope", 0.0)
         spec = {"type": "leaky_relu", "negative_slope": slope} if slope else {"type": "relu"}
         self._emit(layer, spec)
 
@@ -264,52 +296,64 @@ class _Translator:
         self._emit(layer, {"type": "sigmoid"})
 
     def _dropout(self, layer: Message, last: bool) -> None:
-        ratio = float(layer.sub("dropout_param").get("dropout_ratio", 0.5))
+        ratio = real(self.here, layer.sub("dropout_param"), "dropout_ratio", 0.5)
         self._emit(layer, {"type": "dropout", "p": ratio})
 
     def _flatten(self, layer: Message, last: bool) -> None:
-        p = layer.sub("flatten_param")
-        ok = int(p.get("axis", 1)) == 1 and int(p.get("end_axis", -1)) == -1
-        _require(self.here, ok, "Flatten supports axis 1 to the end only")
+        p, here = layer.sub("flatten_param"), self.here
+        ok = integer(here, p, "axis", 1) == 1 and integer(here, p, "end_axis", -1) == -1
+        require(here, ok, "Flatten supports axis 1 to the end only")
         self._emit(layer, {"type": "flatten"})
 
     def _concat(self, layer: Message, last: bool) -> None:
-        p = layer.sub("concat_param")
-        axis = int(p.get("axis", p.get("concat_dim", 1)))
-        _require(self.here, axis == 1, "Concat supports the channel axis (1) only")
+        p, here = layer.sub("concat_param"), self.here
+        axis = integer(here, p, "axis", integer(here, p, "concat_dim", 1))
+        require(here, axis == 1, "Concat supports the channel axis (1) only")
         self._emit(layer, {"type": "concat"})
 
     def _eltwise(self, layer: Message, last: bool) -> None:
         p = layer.sub("eltwise_param")
         op = str(p.get("operation", "SUM"))
+        require(self.here, op in _ELTWISE, f"Eltwise operation {brief(op)}: SUM, PROD or MAX")
         coeffs = p.all("coeff")
-        _require(self.here, all(c == 1 for c in coeffs), "Eltwise coeff other than 1")
-        self._emit(layer, {"type": {"SUM": "add", "PROD": "mul", "MAX": "max"}[op]})
+        require(self.here, all(c == 1 for c in coeffs), "Eltwise coeff other than 1")
+        self._emit(layer, {"type": _ELTWISE[op]})
 
     def _batchnorm(self, layer: Message, last: bool) -> None:
         p = layer.sub("batch_norm_param")
-        spec = {"type": "batchnorm", "eps": float(p.get("eps", 1e-5)), "affine": False}
-        spec["momentum"] = round(1.0 - float(p.get("moving_average_fraction", 0.999)), 9)
+        spec = {"type": "batchnorm", "eps": real(self.here, p, "eps", 1e-5), "affine": False}
+        fraction = real(self.here, p, "moving_average_fraction", 0.999)
+        spec["momentum"] = round(1.0 - fraction, 9)
         self._emit(layer, spec)
 
     def _scale(self, layer: Message, last: bool) -> None:
-        """Caffe's BatchNorm has no scale and shift: the Scale after it adds them (torch's affine)."""
-        held = self._bottom(layer.get("bottom"))
+        """Caffe's BatchNorm has no scale and shift: the Scale after it adds them, folded into
+        the BatchNorm (torch's affine) where nothing else reads the un-scaled output."""
+        held, caffe_name = self._bottom(layer.get("bottom")), str(layer.get("name", ""))
         norm = self.layers[-1] if self.layers else {}
         ok = norm.get("name") == held and norm.get("type") == "batchnorm" and not norm["affine"]
-        _require(self.here, ok, "Scale is supported only right after a BatchNorm")
-        bias = bool(layer.sub("scale_param").get("bias_term", False))
-        _require(self.here, bias, "Scale after BatchNorm needs bias_term: true")
-        norm["affine"] = True
-        self.sources[held].append((str(layer.get("name", "")), "scale"))
-        for top in layer.all("top"):
-            self.blobs[top] = held
+        ok = ok and len(layer.all("bottom")) == 1
+        require(self.here, ok, "Scale is supported only right after a BatchNorm (one bottom)")
+        if not flag(self.here, layer.sub("scale_param"), "bias_term", False):  # x * gamma
+            name = self._emit(layer, {"type": "scale"})
+            self.sources[name] = [(caffe_name, "channel_scale")]
+        elif layer in self.folds:
+            norm["affine"] = True
+            self.sources[held].append((caffe_name, "scale"))
+            for top in layer.all("top"):
+                self.blobs[top] = held
+        else:  # gamma * x + beta beside a reader of x: a depthwise 1x1 convolution computes it
+            shape = self.shapes[held]
+            why = "Scale with bias_term beside another reader of its (N, F) BatchNorm output"
+            require(self.here, len(shape) == 3, f"{why}: cnnkit cannot express it")
+            conv = {"type": "conv", "out_channels": shape[0], "kernel_size": 1, "groups": shape[0]}
+            self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
 
     def _split(self, layer: Message, last: bool) -> None:
         self._alias(layer)
 
     def _softmax(self, layer: Message, last: bool) -> None:
-        _require(self.here, last, "Softmax is supported only as the last layer (it is dropped)")
+        require(self.here, last, "Softmax is supported only as the last layer (it is dropped)")
         self._alias(layer)  # the network returns logits
 
 
@@ -318,68 +362,12 @@ SUPPORTED = (
     "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
 )  # fmt: skip
 _LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
-
-
-def _in_test_phase(layer: Message) -> bool:
-    """False for layers that Caffe includes only in the TRAIN phase."""
-    phases = [str(rule.get("phase", "")) for rule in layer.all("include")]
-    return not phases or "TEST" in phases
-
-
-def _hw(p: Message, what: str, default: Any) -> Any:
-    """A Caffe size field: `what_size` / `what` (one value or [h, w]) or `what_h` + `what_w`."""
-    h, w = p.get(f"{what}_h"), p.get(f"{what}_w")
-    if h is not None or w is not None:
-        return [int(h if h is not None else default), int(w if w is not None else default)]
-    values = p.all(f"{what}_size") or p.all(what)
-    if not values:
-        return default
-    return int(values[0]) if len(values) == 1 else [int(v) for v in values[:2]]
+_ELTWISE = {"SUM": "add", "PROD": "mul", "MAX": "max"}
 
 
 def _put(spec: dict[str, Any], key: str, value: Any, default: Any) -> None:
     if value != default:
         spec[key] = value
-
-
-def _require(here: str, ok: bool, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"{here}: {what}")
-
-
-def _learning(here: str, layer: Message, p: Message) -> dict[str, Any]:
-    """lr_mult / decay_mult from `param {}` blocks and init from the fillers."""
-    out: dict[str, Any] = {}
-    params = dict(zip(("weight", "bias"), layer.all("param"), strict=False))
-    for key in ("lr_mult", "decay_mult"):
-        mults = {n: float(m.get(key, 1.0)) for n, m in params.items()}
-        if any(v != 1.0 for v in mults.values()):
-            out[key] = mults
-    init = {n: _filler(here, p.get(f"{n}_filler")) for n in ("weight", "bias")}
-    init = {n: rule for n, rule in init.items() if rule is not None}
-    if init:
-        out["init"] = init
-    return out
-
-
-def _filler(here: str, filler: Message | None) -> Any:
-    """A Caffe filler as a cnnkit init rule (None: absent)."""
-    if filler is None:
-        return None
-    kind = str(filler.get("type", "constant"))
-    if kind == "constant":
-        return float(filler.get("value", 0.0))
-    if kind == "gaussian":
-        return {
-            "normal": {"mean": float(filler.get("mean", 0.0)), "std": float(filler.get("std", 1.0))}
-        }
-    if kind == "uniform":
-        return {"uniform": [float(filler.get("min", 0.0)), float(filler.get("max", 1.0))]}
-    if kind == "xavier":  # Caffe's xavier: U(+-sqrt(3 / fan_in))
-        return {"kaiming_uniform": {"nonlinearity": "linear"}}
-    if kind == "msra":  # N(0, sqrt(2 / fan_in))
-        return {"kaiming_normal": {"nonlinearity": "relu"}}
-    raise ConfigError(f"{here}: filler type {brief(kind)} is not supported")
 
 
 def _clean(name: Any) -> str:

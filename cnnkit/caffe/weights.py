@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cnnkit.errors import CheckpointError, one_line
+from cnnkit.nn.weights import check_finite_weights
 
 # caffe.proto (BVLC/caffe, src/caffe/proto/caffe.proto): message -> (field, number, type, label)
 _OPT, _REP = "LABEL_OPTIONAL", "LABEL_REPEATED"
@@ -111,42 +112,101 @@ def caffe_state_dict(
     model: dict[str, Any], sources: dict[str, list[tuple[str, str]]], blobs: dict
 ) -> dict[str, torch.Tensor]:
     """The state_dict of the network `model` from Caffe's blobs; `sources` (from the
-    translation) says which Caffe layers feed each cnnkit layer, and how."""
+    translation) says which Caffe layers feed each cnnkit layer, and how. Every tensor the
+    network holds must come, of its shape and finite, or a CheckpointError names the blob."""
     from cnnkit.nn import build_model
 
-    shapes = build_model(model, device="meta").state_dict()  # names and shapes to fill
+    own = {k: tuple(v.shape) for k, v in build_model(model, device="meta").state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     for name, feeds in sources.items():
         for caffe_name, role in feeds:
             if caffe_name not in blobs:
                 raise CheckpointError(f"the .caffemodel has no weights for layer {caffe_name!r}")
-            for key, value in _convert(role, blobs[caffe_name]).items():
-                full = f"{name}.{key}"
-                if full not in shapes:
-                    raise CheckpointError(f"layer {caffe_name!r}: has more blobs than {name} takes")
-                want = shapes[full].shape
-                if value.size != int(np.prod(want)):
-                    raise CheckpointError(
-                        f"layer {caffe_name!r}: blob {key} holds {value.size:,} values, "
-                        f"{name} needs {tuple(want)}"
-                    )
-                state[full] = torch.from_numpy(value.reshape(want).copy())
-    for key, value in shapes.items():
+            layer = _BlobReader(caffe_name, name, blobs[caffe_name])
+            state.update(
+                _batchnorm(layer, own) if role == "batchnorm" else _params(layer, role, own)
+            )
+    for key, shape in own.items():
         if key.endswith("num_batches_tracked"):
-            state[key] = torch.zeros((), dtype=value.dtype)
+            state[key] = torch.zeros(shape, dtype=torch.long)
     return state
 
 
-def _convert(role: str, blobs: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """A Caffe layer's blobs as cnnkit parameter values, by the layer's role."""
-    if role in ("conv", "linear"):
-        return dict(zip(("weight", "bias"), blobs, strict=False))
-    if role == "prelu":
-        return {"weight": blobs[0]}
-    if role == "scale":  # Scale after BatchNorm: gamma and beta
-        return dict(zip(("weight", "bias"), blobs, strict=False))
-    if len(blobs) < 3:  # BatchNorm: running sums and their common scale factor
-        raise CheckpointError(f"a BatchNorm layer has {len(blobs)} blobs, Caffe writes 3")
-    factor = float(blobs[2].reshape(-1)[0])
+# role -> the parameters its Caffe blobs hold, in Caffe's order
+_KEYS = {
+    "conv": ("weight", "bias"), "linear": ("weight", "bias"), "linear_t": ("weight", "bias"),
+    "prelu": ("weight",), "scale": ("weight", "bias"),  # a Scale folded into its BatchNorm
+    "scale_conv": ("weight", "bias"),  # a Scale with bias as a depthwise 1x1 convolution
+    "channel_scale": ("weight",),  # a Scale without bias as cnnkit's `scale` layer
+}  # fmt: skip
+_PER_CHANNEL = ("scale_conv", "channel_scale")  # Caffe's blobs (C,), cnnkit's (C, 1, 1, ...)
+
+
+class _BlobReader:
+    """One Caffe layer's blobs, read into the tensors of cnnkit layer `name`."""
+
+    def __init__(self, caffe_name: str, name: str, blobs: list[np.ndarray]):
+        self.caffe_name, self.name, self.blobs = caffe_name, name, blobs
+
+    def count(self, keys: list[str]) -> None:
+        """The blobs must be `keys`, no fewer and no more."""
+        if len(self.blobs) < len(keys):
+            raise CheckpointError(
+                f"layer {self.caffe_name!r}: no {keys[len(self.blobs)]} blob (the .caffemodel has "
+                f"{len(self.blobs)}; {self.name} takes {len(keys)}: {', '.join(keys)})"
+            )
+        if len(self.blobs) > len(keys):
+            raise CheckpointError(
+                f"layer {self.caffe_name!r}: {len(self.blobs)} blobs, {self.name} takes "
+                f"{len(keys)} ({', '.join(keys) or 'none'})"
+            )
+
+    def read(self, index: int, key: str, caffe_shape: tuple[int, ...]) -> np.ndarray:
+        """Blob `index` as an array of `caffe_shape`: its shape must be that one, but for the
+        leading 1s of a legacy 4-D blob ((1, 1, out, in) for an InnerProduct)."""
+        value = self.blobs[index]
+        shape, extra = value.shape, value.ndim - len(caffe_shape)
+        if extra > 0 and all(d == 1 for d in shape[:extra]):
+            shape = shape[extra:]
+        if shape != caffe_shape:
+            raise CheckpointError(
+                f"layer {self.caffe_name!r}: blob {key} has shape {_dims(value.shape)} "
+                f"({value.size:,} values), {self.name} needs {_dims(caffe_shape)}"
+            )
+        check_finite_weights({f"blob {key}": torch.from_numpy(value)}, f"layer {self.caffe_name!r}")
+        return value.reshape(caffe_shape)
+
+
+def _params(layer: _BlobReader, role: str, own: dict[str, tuple[int, ...]]) -> dict:
+    """Weights and biases: Caffe's shapes are cnnkit's, but for a transposed InnerProduct's
+    weight (in, out) and a Scale's (C,) blobs where cnnkit holds (C, 1, 1) or (C, 1, 1, 1)."""
+    bare = role == "channel_scale"  # cnnkit's `scale` keeps its weight under the layer's name
+    names = {k: layer.name if bare else f"{layer.name}.{k}" for k in _KEYS[role]}
+    keys = [k for k, full in names.items() if full in own]
+    layer.count(keys)
+    state = {}
+    for index, key in enumerate(keys):
+        want = own[names[key]]
+        transpose = role == "linear_t" and key == "weight"  # Caffe computes x @ W, W (in, out)
+        caffe_shape = want[::-1] if transpose else want[:1] if role in _PER_CHANNEL else want
+        value = layer.read(index, key, caffe_shape)
+        value = value.T if transpose else value
+        state[names[key]] = torch.from_numpy(value.reshape(want).copy())
+    return state
+
+
+def _batchnorm(layer: _BlobReader, own: dict[str, tuple[int, ...]]) -> dict:
+    """Caffe's BatchNorm blobs: running sums and their common scale factor."""
+    layer.count(["mean", "variance", "scale factor"])
+    want = own[f"{layer.name}.running_mean"]
+    mean, var = layer.read(0, "mean", want), layer.read(1, "variance", want)
+    factor = float(layer.read(2, "scale factor", (1,))[0])
     factor = 0.0 if factor == 0 else 1.0 / factor
-    return {"running_mean": blobs[0] * factor, "running_var": blobs[1] * factor}
+    return {
+        f"{layer.name}.running_mean": torch.from_numpy(mean * factor),
+        f"{layer.name}.running_var": torch.from_numpy(var * factor),
+    }
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"

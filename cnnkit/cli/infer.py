@@ -132,8 +132,8 @@ def import_caffe(
     ),
 ) -> None:
     """Translate a Caffe prototxt (and its .caffemodel weights) into a cnnkit network file."""
-    from cnnkit.caffe import import_caffe as translate
-    from cnnkit.caffe import import_caffe_weights, network_yaml
+    from cnnkit.caffe import network_yaml, read_caffe
+    from cnnkit.caffe.output import write_import
     from cnnkit.errors import ConfigError
     from cnnkit.nn import build_model
 
@@ -142,25 +142,18 @@ def import_caffe(
         raise ConfigError(
             "import-caffe with a .caffemodel needs -o NET.yaml: its weights go beside it"
         )
-    state = None
-    if caffemodel is None:
-        model = translate(prototxt)
-    else:
-        model, state = import_caffe_weights(prototxt, caffemodel)
+    imported = read_caffe(prototxt, caffemodel)  # weights checked against the network
+    model, state = imported.model, imported.state
     net = build_model(model, device="meta")  # checks every shape before anything is written
     header = f"imported by cnnkit import-caffe from {prototxt.name}"
     if state is not None:
-        from safetensors.torch import save_file
-
-        weights = out.with_suffix(".safetensors")
-        save_file(state, str(weights))
-        model = {**model, "weights": weights.name}
+        model = {**model, "weights": out.with_suffix(".safetensors").name}
         header += f" and {caffemodel.name}"
-    text = network_yaml(model, header)
+    text = network_yaml(model, "\n".join([header, *imported.notes]))
     if out is None:
         typer.echo(text, nl=False)
         return
-    out.write_text(text)
+    write_import(out, text, state)
     params = sum(p.numel() for p in net.parameters())
     shape = "x".join(map(str, net.output_shape))
     also = f" and {out.with_suffix('.safetensors')}" if state is not None else ""

@@ -1,0 +1,66 @@
+"""Which layers of a Caffe net a deploy import reads, and how they connect: Caffe's
+NetStateRule for the deploy state (phase TEST, level 0, no stages), the V1 type names, and
+which Scale layers may fold into the BatchNorm before them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cnnkit.caffe.fields import integer, require
+from cnnkit.errors import brief
+from cnnkit.prototxt import Message
+
+V1_TYPES = {  # the old `layers { type: CONVOLUTION }` enum names
+    "CONVOLUTION": "Convolution", "POOLING": "Pooling", "LRN": "LRN", "RELU": "ReLU",
+    "TANH": "TanH", "SIGMOID": "Sigmoid", "INNER_PRODUCT": "InnerProduct", "DROPOUT": "Dropout",
+    "SOFTMAX": "Softmax", "CONCAT": "Concat", "ELTWISE": "Eltwise", "FLATTEN": "Flatten",
+    "SPLIT": "Split",
+}  # fmt: skip
+
+
+def layer_type(layer: Message) -> str:
+    """A layer's type by its current name (`Convolution` for V1's CONVOLUTION)."""
+    kind = str(layer.get("type", ""))
+    return V1_TYPES.get(kind, kind)
+
+
+def deployed_layers(layers: list[Message], source: str) -> list[Message]:
+    """The layers Caffe builds in the TEST phase: those with an include rule that holds, or
+    with no exclude rule that holds (a layer takes one kind of rule, not both)."""
+    kept = []
+    for layer in layers:
+        here = f"{source}:{layer.line}"
+        include, exclude = layer.all("include"), layer.all("exclude")
+        require(here, not (include and exclude), "give include or exclude rules, not both")
+        if include:
+            kept += [layer] if any(_meets(here, rule) for rule in include) else []
+        else:
+            kept += [] if any(_meets(here, rule) for rule in exclude) else [layer]
+    return kept
+
+
+def _meets(here: str, rule: Any) -> bool:
+    """Whether a NetStateRule holds for the deploy state: phase TEST, level 0, no stages."""
+    require(here, isinstance(rule, Message), "include / exclude takes a { ... } rule")
+    phase = str(rule.get("phase", "TEST"))
+    require(here, phase in ("TRAIN", "TEST"), f"phase {brief(phase)}: TRAIN or TEST")
+    low, high = integer(here, rule, "min_level", 0), integer(here, rule, "max_level", 0)
+    return phase == "TEST" and low <= 0 <= high and not rule.all("stage")
+
+
+def sole_readers(layers: list[Message]) -> set[Message]:
+    """The Scale layers that alone read their bottom's value (Splits pass it on): only those
+    may fold into the BatchNorm before them, as another reader needs the un-scaled value."""
+    value: dict[Any, int] = {}  # Caffe blob -> the layer whose output it holds now
+    readers: dict[int, int] = {}
+    scales = []
+    for index, layer in enumerate(layers):
+        bottoms = [value.get(b, -1) for b in layer.all("bottom")]
+        split = layer_type(layer) == "Split" and len(bottoms) == 1
+        for b in [] if split else bottoms:
+            readers[b] = readers.get(b, 0) + 1
+        if layer_type(layer) == "Scale" and bottoms:
+            scales.append((layer, bottoms[0]))
+        for top in layer.all("top"):
+            value[top] = bottoms[0] if split else index
+    return {layer for layer, b in scales if readers[b] == 1}
