@@ -68,6 +68,10 @@ def test_run_file_naming_a_network_file_beside_it(tmp_path):
             "data.hard_negatives.rounds: Input should be a number",
         ),
         ({"seed": False}, "seed: Input should be a number"),
+        # nor text ('3', quoted in YAML) nor, where a whole number goes, a float (lax mode's)
+        ({"train": {"epochs": "3"}}, r"train.epochs: Input should be a number, not text"),
+        ({"train": {"early_stop": 1.0}}, r"train.early_stop: Input should be a whole number"),
+        ({"train": {"milestones": [5, "9"]}}, r"train.milestones: Input should be a number"),
         ({"name": True}, "name: Input should be a valid string"),  # not a number field: pydantic's
         ({"train": {"optimizer": True}}, "train.optimizer: Input should be 'sgd'"),
     ],
@@ -117,3 +121,11 @@ def test_booleans_still_set_the_boolean_fields():
            "train": {"channels_last": True, "compile": False, "calibrate": False}}  # fmt: skip
     config = validate_run(raw)
     assert config.train.channels_last is True and config.deterministic is True
+
+
+def test_whole_numbers_go_where_floats_do():
+    raw = {"model": "digitnet", "data": {"source": "digits"}, "train": {"lr": 1, "epochs": 2}}
+    cfg = validate_run(raw)
+    assert cfg.train.lr == 1.0 and cfg.train.epochs == 2
+    raw["train"]["lr"] = "1e-3"  # PyYAML reads 1e-3 (no dot) as text: still a learning rate
+    assert validate_run(raw).train.lr == 1e-3

@@ -24,42 +24,50 @@ from cnnkit.errors import ConfigError
 
 class Section(BaseModel):
     """The base of every run-file section (train, data, model, hard_negatives) and of what
-    checkpoints record: booleans are not numbers. Pydantic's lax mode reads `true` as 1 and
-    `false` as 0, and YAML reads on / off / yes / no as booleans, so `epochs: on` would train
-    one epoch without a word. A boolean where only a number goes (a number field, or an item of
-    a list or tuple of numbers) is refused naming the field; other fields keep pydantic's own
-    messages. (Network files get the same from their layers' strict types, nn/layers.py.)
+    checkpoints record: numbers are numbers. Pydantic's lax mode reads `true` as 1, '3' as 3
+    and 3.0 as 3, and YAML reads on / off / yes / no as booleans, so `epochs: on` would train
+    one epoch without a word. A boolean where only a number goes, and text or a float where
+    only a whole number goes (a field, or an item of a list or tuple of them), are refused
+    naming the field; a float field still takes text, as PyYAML reads 1e-3 (no dot) as text.
+    Other fields keep pydantic's own messages. (Network files get the same from their layers'
+    strict types, nn/layers.py.)
 
     A model-level check, since a field-level one cannot sit on a discriminated union's tag;
     its error carries the field in its context, which errors.py adds to the location."""
 
     @model_validator(mode="before")
     @classmethod
-    def _no_boolean_numbers(cls, data: Any) -> Any:
+    def _only_numbers(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for key, value in data.items():
                 field = cls.model_fields.get(key) if isinstance(key, str) else None
-                if field is not None and _boolean_number(field.annotation, value):
-                    raise PydanticCustomError(
-                        "bool_number", "Input should be a number, not true or false",
-                        {"field": key},
-                    )  # fmt: skip
+                wrong = _not_a_number(field.annotation, value) if field is not None else None
+                if wrong is not None:
+                    raise PydanticCustomError("number", wrong, {"field": key})
         return data
 
 
-def _boolean_number(annotation: Any, value: Any) -> bool:
-    """Whether `value` holds a boolean where `annotation` takes only numbers."""
+def _not_a_number(annotation: Any, value: Any) -> str | None:
+    """Why `value` does not go where `annotation` takes only numbers (a boolean, text such as
+    '3', or 3.0 where a whole number goes: pydantic's lax mode would take each), else None."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
-        return _boolean_number(args[0], value)
-    if isinstance(value, bool):
-        kinds = _kinds(annotation)
-        return bool(kinds) and bool not in kinds and kinds <= {int, float}
+        return _not_a_number(args[0], value)
     if isinstance(value, (list, tuple)) and origin in (list, tuple) and args:
         variadic = origin is list or (len(args) == 2 and args[1] is Ellipsis)
         items = itertools.repeat(args[0]) if variadic else args
-        return any(_boolean_number(a, v) for a, v in zip(items, value, strict=False))
-    return False
+        found = (_not_a_number(a, v) for a, v in zip(items, value, strict=False))
+        return next((why for why in found if why is not None), None)
+    kinds = _kinds(annotation)
+    if not kinds or bool in kinds or not kinds <= {int, float}:
+        return None
+    if isinstance(value, bool):
+        return "Input should be a number, not true or false"
+    if kinds == {int} and isinstance(value, str):  # a float field takes PyYAML's '1e-3'
+        return "Input should be a number, not text (write it without quotes)"
+    if kinds == {int} and isinstance(value, float) and value.is_integer():
+        return "Input should be a whole number, not a float"  # others: pydantic's message
+    return None
 
 
 def _kinds(annotation: Any) -> set:
