@@ -168,6 +168,23 @@ def test_a_symlink_loop_packs_each_image_once(shapes, tmp_path):
     assert (torch.cdist(x, x) + torch.eye(len(x)) * 1e9).min() > 0
 
 
+def test_a_link_in_another_class_loses_to_the_real_file(shapes, tmp_path):
+    """b/real.jpg linked from a/: the image keeps class b (its own folder), wherever the link
+    sorts; the link is listed as skipped."""
+    from cnnkit.data.scan import scan_images
+
+    src = tmp_path / "s"
+    (src / "a").mkdir(parents=True)
+    (src / "b").mkdir()
+    one, two = sorted((shapes / sorted(os.listdir(shapes))[0]).iterdir())[:2]
+    shutil.copy(one, src / "b/real.jpg")
+    shutil.copy(two, src / "a/other.jpg")
+    os.symlink("../b/real.jpg", src / "a/link.jpg")
+    scan = scan_images(src)
+    assert dict(zip(scan.files, scan.labels, strict=True)) == {"a/other.jpg": 0, "b/real.jpg": 1}
+    assert ("a/link.jpg", "the same file as b/real.jpg") in scan.skipped
+
+
 def test_folders_that_would_change_the_classes_are_refused_and_nothing_is_written(tmp_path, capsys):
     for name, build, code, words in [
         ("empty class", lambda s: (s / "a").mkdir(), 1, "class folder with no images"),

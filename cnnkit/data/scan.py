@@ -120,6 +120,11 @@ class Walker:
 
     def images(self, rel: str, recursive: bool = True) -> list[str]:
         """Image files under folder `rel` not taken before, sorted by (folder, name)."""
+        return self.take([self.found(rel, recursive)])[0]
+
+    def found(self, rel: str, recursive: bool = True) -> list[tuple[str, FileKey, bool]]:
+        """(path, key, is a link) of every image file under folder `rel`, sorted by (folder,
+        name); nothing taken yet."""
         found, stack = [], [rel]
         while stack:
             files, folders = self.listing(stack.pop())
@@ -131,17 +136,30 @@ class Walker:
                     (f, "a folder (a flat folder is not searched below)") for f in folders
                 ]
         found.sort(key=lambda item: (os.path.dirname(item[0]), os.path.basename(item[0])))
-        first = {}  # real file -> the path it is taken as: the file itself rather than a link
-        for path, key, _ in sorted(found, key=lambda item: item[2]):  # stable: links last
-            first.setdefault(key, path)
+        return found
+
+    def take(self, groups: list[list[tuple[str, FileKey, bool]]]) -> list[list[str]]:
+        """The paths each group (a class) takes: each real file once, as the file itself
+        rather than a link to it, wherever the link lies (a link in another class folder
+        loses to the real file, which keeps its own label); the rest listed as skipped."""
+        first: dict[FileKey, str] = {}  # real file -> the path it is taken as
+        for group in groups:
+            for path, key, link in group:
+                if not link:
+                    first.setdefault(key, path)
+        for group in groups:
+            for path, key, _ in group:
+                first.setdefault(key, path)
         kept = []
-        for path, key, _ in found:
-            if key in self.taken or first[key] != path:
-                taken = self.taken.get(key, first[key])
-                self.skipped.append((path, f"the same file as {printable(taken)}"))
-            else:
-                self.taken[key] = path
-                kept.append(path)
+        for group in groups:
+            kept.append([])
+            for path, key, _ in group:
+                if key in self.taken or first[key] != path:
+                    taken = self.taken.get(key, first[key])
+                    self.skipped.append((path, f"the same file as {printable(taken)}"))
+                else:
+                    self.taken[key] = path
+                    kept[-1].append(path)
         return kept
 
 
@@ -168,8 +186,8 @@ def class_folders(src: Path, classes: list[str] | None) -> Scan:
             f"{printable(str(src))}: no class subfolders (a flat folder needs a label file)"
         )
     files, labels = [], []
-    for k, name in enumerate(names):
-        found = walker.images(name)
+    taken = walker.take([walker.found(name) for name in names])
+    for k, (name, found) in enumerate(zip(names, taken, strict=True)):
         if not found and classes is None:
             raise DataError(_empty_class(src, name, walker.skipped))
         files += found
