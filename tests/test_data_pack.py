@@ -22,7 +22,7 @@ from cnnkit.data.decode import load_resized
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
 from cnnkit.data.synth import synth_shapes
-from cnnkit.errors import ConfigError, DataError
+from cnnkit.errors import ConfigError, DataError, Interrupted
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_pack_resumes_after_an_interrupt(shapes, tmp_path, monkeypatch):
         return real(job)
 
     monkeypatch.setattr(pack, "pack_shard", dies_on_third)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted, match=r"pack interrupted: 2 shards done in .*resumes"):
         pack_folder(shapes, tmp_path / "p", size=16, workers=1, shard_size=4, progress=False)
     assert not (tmp_path / "p/meta.json").exists()
     with pytest.raises(DataError, match="interrupted"):
@@ -406,3 +406,43 @@ def test_label_files_with_spaces_a_bom_conflicts_and_absent_images(shapes, tmp_p
         scan_images(flat, tmp_path / "twice.txt")
     (tmp_path / "again.txt").write_text("\n".join(lines[:3] + [lines[1]]))  # the same: fine
     assert len(scan_images(flat, tmp_path / "again.txt").files) == 3
+
+
+def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path):
+    """SIGINT to the whole process group (a terminal's Ctrl-C): the workers ignore it, the
+    main process says how far it got; the same command then finishes the pack."""
+    import signal
+    import sys
+    import textwrap
+    import time
+
+    src = tmp_path / "src"
+    for k in range(8):
+        shutil.copytree(shapes, src / f"copy{k}", dirs_exist_ok=True)
+    flat = tmp_path / "classes"
+    for path in sorted(src.rglob("*.JPEG")):
+        cls = path.parent.name
+        (flat / cls).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, flat / cls / f"{path.parent.parent.name}-{path.name}")
+    script = textwrap.dedent(f"""
+        import cnnkit.data.pack as pack, time
+        real = pack._write_records
+        def slow(job, out):
+            time.sleep(0.3)
+            return real(job, out)
+        pack._write_records = slow
+        from cnnkit.cli import main
+        main(["pack", {str(flat)!r}, {str(tmp_path / "p")!r}, "--size", "16", "-j", "2"])
+    """)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "p").glob("shards/*.npz")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130 and len(lines) == 1, err
+    assert lines[0].startswith("cnnkit: pack interrupted: ") and "resumes" in lines[0]
+    s = pack_folder(flat, tmp_path / "p", size=16, progress=False)
+    assert s.images == 120 and 0 < s.resumed_shards < s.shards

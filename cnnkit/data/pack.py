@@ -26,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from cnnkit.data import decode
 from cnnkit.data.decode import BadImage, ResizeMode, encode_jpeg, load_resized
 from cnnkit.data.packed import PACK_FORMAT
 from cnnkit.data.scan import Scan, printable, scan_images
-from cnnkit.errors import ConfigError, DataError
+from cnnkit.errors import ConfigError, DataError, Interrupted
 
 PackFormat = Literal["raw", "jpeg"]
 SHARD_SUFFIX = {"raw": ".u8", "jpeg": ".jpg"}
@@ -219,6 +220,7 @@ def _jobs(plan: dict, src: Path, dst: Path) -> list[PackJob]:
 
 def _init_worker() -> None:
     torch.set_num_threads(1)  # one process per core already
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's: no tracebacks
 
 
 def _run_jobs(jobs: list[PackJob], workers: int, total: int, done: int, show: bool) -> None:
@@ -394,6 +396,13 @@ def pack_folder(
     except OSError as e:
         _tidy(dst, created, discard=not (dst / "plan.json").exists())
         raise _write_error(e, dst) from None
+    except KeyboardInterrupt:
+        _tidy(dst, created, discard=False)
+        done = len(list((dst / "shards").glob("[0-9]*.npz"))) if (dst / "shards").is_dir() else 0
+        if not (dst / "plan.json").exists():
+            raise Interrupted("pack interrupted before its first shard: nothing was packed") from None
+        raise Interrupted(f"pack interrupted: {done} shards done in {printable(str(dst))}; the "
+                          "same command resumes from them") from None  # fmt: skip
     except BaseException:
         _tidy(dst, created, discard=False)
         raise
