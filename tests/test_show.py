@@ -124,3 +124,22 @@ def test_show_filters_of_a_trained_run(digits_run, tmp_path, capsys):
     assert (title < 128).any()  # the title is written above the grid
     code, _, err = run_cli(["show", "filters", str(digits_run), "-o", str(out) + ".txt"], capsys)
     assert code == 2 and "use one of" in err
+
+
+def test_crossings_are_the_pairs_of_edges_that_cross():
+    """The O(E log E) count equals the definition: pairs whose ends come in opposite orders
+    (edges sharing an end do not cross), on random layers."""
+    import random
+    from itertools import combinations
+
+    from cnnkit.infer.layout import crossings
+
+    rng = random.Random(0)
+    for _ in range(200):
+        upper = [f"u{i}" for i in range(rng.randint(1, 9))]
+        lower = [f"l{i}" for i in range(rng.randint(1, 9))]
+        down = {a: rng.sample(lower, rng.randint(0, len(lower))) for a in upper}
+        at = {n: i for i, n in enumerate(lower)}
+        ends = [(i, at[b]) for i, a in enumerate(upper) for b in down[a]]
+        expected = sum((a1 - a2) * (b1 - b2) < 0 for (a1, b1), (a2, b2) in combinations(ends, 2))
+        assert crossings(upper, lower, down) == expected
