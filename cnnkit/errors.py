@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import reprlib
 from collections.abc import Collection
 from typing import Any
@@ -47,6 +48,12 @@ def brief(value: object, limit: int = 40) -> str:
     return text if len(text) <= limit + 3 else text[:limit] + "..."
 
 
+# the location parts pydantic adds for a union's members: `function-after[...]`, `literal[...]`,
+# `constrained-int`, `tuple[int, int]`; never a field's name
+_TYPE_TAG = re.compile(r"^(function-|literal\[|constrained-|(int|float|str|bool|bytes)$|"
+                       r"(tuple|list|dict|set|frozenset)\[)")  # fmt: skip
+
+
 def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     """(location parts, `message (got value)`) of a pydantic ValidationError's first problem."""
     errors = error.errors()  # a missing field first: it is why the others look wrong
@@ -56,7 +63,7 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     if field is not None:
         parts.append(str(field)[:40])
         err = {**err, "input": err.get("input", {}).get(field)}
-    parts = [p for p in parts if not p.startswith(("function-", "literal[")) and p not in hide]
+    parts = [p for p in parts if not _TYPE_TAG.match(p) and p not in hide]
     msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")[:200]
     if err["type"] == "extra_forbidden":
         msg = "unknown field"

@@ -66,6 +66,7 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("count negative", layer("{name: c1, type: conv, out_channels: -8, kernel_size: 3}"), "out_channels: Input should be greater than 0"),
     ("count past 2^31", layer("{name: c1, type: conv, out_channels: 1099511627776, kernel_size: 3}"), "out_channels: Input should be less than or equal to 2147483647"),
     ("kernel too large", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 33}"), "kernel_size: kernel 33 is larger than its input 16"),
+    ("padding negative", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, padding: -1}"), "layer 0 (c1): padding: Input should be greater than or equal to 0 (got -1)"),
     ("field typo", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, strid: 2}"), "strid: unknown field"),
     ("flag as text", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, bias: 'yes'}"), "bias: Input should be a valid boolean"),
     ("groups", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, groups: 3}"), "groups: groups=3 must divide both"),
