@@ -400,7 +400,9 @@ def pack_folder(
         _tidy(dst, created, discard=False)
         done = len(list((dst / "shards").glob("[0-9]*.npz"))) if (dst / "shards").is_dir() else 0
         if not (dst / "plan.json").exists():
-            raise Interrupted("pack interrupted before its first shard: nothing was packed") from None
+            raise Interrupted(
+                "pack interrupted before its first shard: nothing was packed"
+            ) from None
         raise Interrupted(f"pack interrupted: {done} shards done in {printable(str(dst))}; the "
                           "same command resumes from them") from None  # fmt: skip
     except BaseException:
