@@ -52,28 +52,51 @@ def fit(
 
     `run`: a zoo run, a run file or a mapping; `overrides`: dotted `key=value` strings; `out`:
     the run directory; `resume`: a run directory to continue. A run whose data mines hard
-    negatives (the faces run) trains its rounds; any other run trains once, alone or as a
-    torchrun worker. `dry_run`: build the data, the network and its settings, print the
-    start line and stop (nothing is written). `callbacks`: objects with `on_step_end(epoch,
+    negatives (the faces run) trains its rounds (and a resume of it continues them; callbacks
+    reach every round's training, where StopTraining ends that round's and the mining goes
+    on); any other run trains once, alone or as a torchrun worker. `dry_run`: build the data,
+    the network and its settings, print the start line and stop (nothing is written). `callbacks`: objects with `on_step_end(epoch,
     step, global_step)` and/or `on_epoch_end(row)` methods (a row: that epoch's metrics.csv
     figures); either may raise `cnnkit.StopTraining` to end the run there, files written.
     """
-    from cnnkit.config import load_run
-    from cnnkit.mining import fit_rounds, mining_of
     from cnnkit.train.run import launch
+
+    hooks = {"quiet": quiet, "on_step": on_step, "callbacks": callbacks}
+    mined = _fit_mining(run, overrides, out, resume, dry_run, hooks)
+    if mined is not None:
+        return mined
+    return launch(run, overrides, out=out, resume=resume, dry_run=dry_run, **hooks)
+
+
+def _fit_mining(run, overrides, out, resume, dry_run: bool, hooks: dict) -> dict | None:
+    """The rounds of a run that mines hard negatives, new or resumed; None for any other run
+    (a new mining run's dry run is its first round's)."""
+    from cnnkit import mining
+    from cnnkit.config import load_run
     from cnnkit.train.rundir import new_run_dir
 
-    if resume is None and run is not None:
-        config = load_run(run, overrides)
-        if mining_of(config) is not None and not dry_run:
-            from cnnkit.distributed import launched
+    if resume is not None:
+        mining.check_not_a_round(resume)
+        if not mining.mining_run(resume):
+            return None
+        if dry_run:
+            return mining.describe_resume(resume, overrides, hooks["quiet"])
+        _one_process()
+        return mining.resume_rounds(resume, overrides, **hooks)
+    if run is None or dry_run:
+        return None
+    config = load_run(run, overrides)
+    if mining.mining_of(config) is None:
+        return None
+    _one_process()
+    return mining.fit_rounds(config, new_run_dir(config.name, out), **hooks)
 
-            if launched():
-                raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
-            run_dir = new_run_dir(config.name, out)
-            return fit_rounds(config, run_dir, quiet=quiet, on_step=on_step)
-    return launch(run, overrides, out=out, resume=resume, quiet=quiet, on_step=on_step,
-                  dry_run=dry_run, callbacks=callbacks)  # fmt: skip
+
+def _one_process() -> None:
+    from cnnkit.distributed import launched
+
+    if launched():
+        raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
 
 
 def __getattr__(name: str) -> Any:

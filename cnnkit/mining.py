@@ -3,30 +3,36 @@ with the detector, add its false positives as non-faces, train again; keep the r
 best on a held-out measure (held-out faces scored above the strongest held-out clutter).
 
 It needs both training and inference, so it sits above them; `cnnkit train` starts it for a
-run whose data has `hard_negatives` rounds.
+run whose data has `hard_negatives` rounds, and `cnnkit train --resume` continues it.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from cnnkit.config import RunConfig
+from cnnkit.config import RunConfig, dump_run, load_run
 from cnnkit.data.bundled import FacesConfig, HardNegatives, face_free_picture
-from cnnkit.errors import ConfigError
+from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, Interrupted
 from cnnkit.infer.detect import detect, log_odds, mine_hard_negatives
 from cnnkit.infer.load import Loaded, load_for_inference
 from cnnkit.train.metrics import write_summary
-from cnnkit.train.run import fit
-from cnnkit.train.rundir import run_lock
+from cnnkit.train.run import fit, resume_state
+from cnnkit.train.rundir import clear_orphans, resume_config, run_lock
 
 CLUTTER_RANK = 1  # held-out faces must beat the strongest clutter window (a top-1 detection)
+ROUNDS = "rounds.json"  # the rows of the rounds finished so far: a resume does not redo them
+TEMPORARY = re.compile(r"\.(rounds\.json|negatives-\d+\.npy)\.tmp")  # killed writes of ours
 
 
 def mining_of(config: RunConfig) -> HardNegatives | None:
@@ -37,49 +43,226 @@ def mining_of(config: RunConfig) -> HardNegatives | None:
     return hn if hn is not None and hn.rounds > 0 else None
 
 
+def mining_run(run_dir: str | Path) -> bool:
+    """Whether run_dir holds a mining run (its config.yaml, written when the mining starts,
+    mines hard negatives)."""
+    path = Path(run_dir) / "config.yaml"
+    try:
+        return path.is_file() and mining_of(load_run(path)) is not None
+    except (CnnkitError, OSError):  # not a run's config: the resume itself will say so
+        return False
+
+
+def check_not_a_round(run_dir: str | Path) -> None:
+    """A round of a mining run is resumed with its mining run, never alone (the mining would
+    not go on, and a finished round would change under the rounds after it)."""
+    run_dir = Path(run_dir)
+    if re.fullmatch(r"round-\d+", run_dir.name) and mining_run(run_dir.parent):
+        raise ConfigError(f"--resume {run_dir}: a round of the mining run {run_dir.parent}: "
+                          f"resume that (`cnnkit train --resume {run_dir.parent}`)")  # fmt: skip
+
+
 def fit_rounds(
-    config: RunConfig, run_dir: str | Path, quiet: bool = False, on_step: Any = None
-) -> dict[str, Any]:
+    config: RunConfig, run_dir: str | Path, quiet: bool = False, on_step: Any = None,
+    callbacks: Sequence[Any] = (),
+) -> dict[str, Any]:  # fmt: skip
     """Train round 0 on the data, then `rounds` times: mine, add, retrain from the same seed.
-    Each round is a run in run_dir/round-N; the best round's files are copied to run_dir
-    (which is locked meanwhile, like any run directory)."""
+    Each round is a run in run_dir/round-N (on_step and callbacks reach each round's training);
+    the best round's files are copied to run_dir (which is locked meanwhile, like any run
+    directory). A Ctrl-C says how to go on: `resume_rounds`."""
+    run_dir = Path(run_dir)
+    if mining_of(config) is None:
+        raise ConfigError("data.hard_negatives: no mining rounds in this run")
+    with run_lock(run_dir):
+        _open(run_dir, config)
+        return Rounds(config, run_dir, quiet, on_step, callbacks, resumed=False).run([], 0.0)
+
+
+def resume_rounds(
+    run_dir: str | Path, overrides: list[str] | None = None, quiet: bool = False,
+    on_step: Any = None, callbacks: Sequence[Any] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """Continue the mining run in run_dir where it stopped: finished rounds are read back (their
+    rows and the negatives they trained on), the interrupted round resumes from its last.pt
+    (overrides applied as a normal resume applies them), later rounds run, the best is kept."""
     run_dir = Path(run_dir)
     with run_lock(run_dir):
-        return _fit_rounds(config, run_dir, quiet, on_step)
-
-
-def _fit_rounds(config: RunConfig, run_dir: Path, quiet: bool, on_step: Any) -> dict[str, Any]:
-    started, hn = time.perf_counter(), mining_of(config)
-    if hn is None:
-        raise ConfigError("data.hard_negatives: no mining rounds in this run")
-    pictures = [face_free_picture(name, hn.max_side) for name in hn.images]
-    held_out = [face_free_picture(name, hn.max_side) for name in hn.held_out]
-    faces = held_out_faces(config)
-    rng, side = np.random.default_rng(config.seed), faces.shape[-1]
-    negatives = np.concatenate(
-        [np.zeros((0, side, side), np.uint8)]
-        + [random_windows(p, hn.random_per_image, side, rng) for p in pictures]
-    )
-    rounds: list[dict[str, Any]] = []
-    for r in range(hn.rounds + 1):
-        mined = None
-        if len(negatives):
-            mined = str((run_dir / f"negatives-{r}.npy").resolve())
-            np.save(mined, negatives)
-        data = config.data.model_copy(update={"hard_negatives": None, "negatives": mined})
-        round_dir = run_dir / f"round-{r}"
-        summary = fit(config.model_copy(update={"data": data}), round_dir, quiet=quiet,
-                      on_step=on_step)  # fmt: skip
-        loaded = load_for_inference(round_dir)
-        rounds.append(_round_row(r, summary, len(negatives), loaded, faces, held_out))
-        if not quiet:
-            print(_describe(rounds[-1]))
-        if r < hn.rounds:
+        config = _resumed_config(run_dir, overrides)
+        rows, seconds = read_rounds(run_dir)
+        done = _finished(run_dir, rows, mining_of(config).rounds)
+        if done is not None:
             if not quiet:
-                print(f"round {r}: scanning {len(pictures)} face-free pictures for false "
+                print(f"{run_dir}: all {len(rows)} mining rounds done, round "
+                      f"{done['chosen_round']} kept (data.hard_negatives.rounds=N for more)")  # fmt: skip
+            return done
+        _open(run_dir, config)
+        rounds = Rounds(config, run_dir, quiet, on_step, callbacks, resumed=True,
+                        overrides=overrides or [])  # fmt: skip
+        return rounds.run(rows, seconds)
+
+
+def describe_resume(run_dir: str | Path, overrides: list[str] | None, quiet: bool) -> dict:
+    """A dry run of resume_rounds: where the mining would continue; nothing written."""
+    run_dir = Path(run_dir)
+    config = _resumed_config(run_dir, overrides)
+    rows, _ = read_rounds(run_dir)
+    last = mining_of(config).rounds
+    resumes = (run_dir / f"round-{len(rows)}" / "last.pt").is_file()
+    how = "resumes from its last.pt" if resumes else "starts"
+    what = (f"round {len(rows)} {how}, rounds up to {last} follow" if len(rows) <= last
+            else "nothing left to train")  # fmt: skip
+    if not quiet:
+        print(f"dry run of resuming the mining run {run_dir}: {len(rows)} of {last + 1} rounds "
+              f"done, {what} (nothing written)")  # fmt: skip
+    return {"dry_run": True, "name": config.name, "run_dir": str(run_dir),
+            "rounds_done": len(rows), "resumes_round": resumes}  # fmt: skip
+
+
+def _resumed_config(run_dir: Path, overrides: list[str] | None) -> RunConfig:
+    config = load_run(run_dir / "config.yaml", overrides)
+    if mining_of(config) is None:
+        raise ConfigError(f"--resume {run_dir}: a mining run resumes with its mining rounds "
+                          "(data.hard_negatives.rounds of 1 or more)")  # fmt: skip
+    return config
+
+
+def _open(run_dir: Path, config: RunConfig) -> None:
+    """With the lock held: remove killed writes, save the mining run's config (what a resume
+    reads; the rounds' own configs lie in their folders)."""
+    clear_orphans(run_dir)
+    for tmp in run_dir.glob(".*.tmp"):
+        if TEMPORARY.fullmatch(tmp.name):
+            tmp.unlink(missing_ok=True)
+    write_atomically(run_dir / "config.yaml", dump_run(config).encode())
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write a temporary file and rename it: a kill leaves the previous file or none."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def read_rounds(run_dir: Path) -> tuple[list[dict[str, Any]], float]:
+    """The rows of the rounds run_dir has finished, and the seconds the mining took so far."""
+    path = run_dir / ROUNDS
+    if not path.is_file():
+        return [], 0.0
+    try:
+        found = json.loads(path.read_text())
+        return list(found["rounds"]), float(found["seconds"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: damaged ({e})") from None
+
+
+def _finished(run_dir: Path, rows: list[dict], rounds: int) -> dict[str, Any] | None:
+    """The summary of a mining run that finished every round and kept one, else None."""
+    path = run_dir / "summary.json"
+    if len(rows) < rounds + 1 or not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary.get("rounds") == rows else None
+
+
+class Rounds:
+    """The rounds of one mining run: the negatives each trains on, its training, its row."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, quiet: bool, on_step: Any,
+                 callbacks: Sequence[Any], resumed: bool,
+                 overrides: Sequence[str] = ()) -> None:  # fmt: skip
+        self.config, self.run_dir, self.quiet = config, run_dir, quiet
+        self.resumed = resumed  # read back what a round saved; a new run starts afresh
+        self.on_step, self.callbacks = on_step, callbacks
+        self.hn = mining_of(config)
+        # a round resumed from its last.pt takes the overrides that concern its training
+        self.overrides = [o for o in overrides
+                          if not o.split("=", 1)[0].startswith("data.hard_negatives")]  # fmt: skip
+        self.pictures = [face_free_picture(name, self.hn.max_side) for name in self.hn.images]
+        self.held_out = [face_free_picture(name, self.hn.max_side) for name in self.hn.held_out]
+        self.faces = held_out_faces(config)
+        self.side = self.faces.shape[-1]
+
+    def run(self, rows: list[dict[str, Any]], seconds_before: float) -> dict[str, Any]:
+        """Every round not in rows, then keep the best of all."""
+        started, loaded = time.perf_counter(), None
+        for r in range(len(rows), self.hn.rounds + 1):
+            try:
+                negatives = self.negatives(r, rows, loaded)
+                summary = self.train(r, negatives)
+                loaded = load_for_inference(self.run_dir / f"round-{r}")
+                rows.append(_round_row(r, summary, len(negatives), loaded, self.faces,
+                                       self.held_out))  # fmt: skip
+            except Interrupted as e:  # a round's Ctrl-C: the mining run is what resumes
+                where = str(e).partition("; resume with")[0]
+                raise Interrupted(f"round {r}: {where}; {self.resume_hint()}") from None
+            except KeyboardInterrupt:  # while mining or measuring (or a second Ctrl-C)
+                raise Interrupted(f"interrupted in round {r}; {self.resume_hint()}") from None
+            seconds = seconds_before + time.perf_counter() - started
+            write_atomically(self.run_dir / ROUNDS,
+                             json.dumps({"rounds": rows, "seconds": seconds}).encode())  # fmt: skip
+            if not self.quiet:
+                print(_describe(rows[-1]))
+        seconds = seconds_before + time.perf_counter() - started
+        return _keep_best(self.run_dir, rows, seconds, self.quiet)
+
+    def resume_hint(self) -> str:
+        return f"resume with `cnnkit train --resume {self.run_dir}`"
+
+    def negatives(self, r: int, rows: list[dict], loaded: Loaded | None) -> np.ndarray:
+        """Round r's non-face patches: random windows for round 0, then round r-1's negatives
+        plus its detector's false positives (read back when saved: it is what round r trained
+        on), uint8 (N, side, side)."""
+        path = self.run_dir / f"negatives-{r}.npy"
+        if self.resumed and path.is_file():
+            return _read_negatives(path, None, self.side)
+        if r == 0:
+            rng = np.random.default_rng(self.config.seed)
+            parts = [random_windows(p, self.hn.random_per_image, self.side, rng)
+                     for p in self.pictures]  # fmt: skip
+        else:
+            if not self.quiet:
+                print(f"round {r - 1}: scanning {len(self.pictures)} face-free pictures for false "
                       "positives", flush=True)  # fmt: skip
-            negatives = np.concatenate([negatives, _mine(loaded, pictures, hn, side)])
-    return _keep_best(run_dir, rounds, time.perf_counter() - started, quiet)
+            loaded = loaded or load_for_inference(self.run_dir / f"round-{r - 1}")
+            before = self.run_dir / f"negatives-{r - 1}.npy"
+            parts = [_read_negatives(before, rows[r - 1]["negatives"], self.side),
+                     _mine(loaded, self.pictures, self.hn, self.side)]  # fmt: skip
+        negatives = np.concatenate([np.zeros((0, self.side, self.side), np.uint8), *parts])
+        if len(negatives):
+            buffer = io.BytesIO()
+            np.save(buffer, negatives)
+            write_atomically(path, buffer.getvalue())
+        return negatives
+
+    def train(self, r: int, negatives: np.ndarray) -> dict[str, Any]:
+        """Round r's training run (resumed exactly from its last.pt where it has one)."""
+        round_dir = self.run_dir / f"round-{r}"
+        saved = self.resumed and (round_dir / "last.pt").exists()
+        state = resume_state(round_dir) if saved else None
+        if state is not None:
+            config = resume_config(state, self.overrides)
+        else:
+            mined = str((self.run_dir / f"negatives-{r}.npy").resolve()) if len(negatives) else None
+            data = self.config.data.model_copy(update={"hard_negatives": None, "negatives": mined})
+            config = self.config.model_copy(update={"data": data})
+        return fit(config, round_dir, resume=state, quiet=self.quiet, on_step=self.on_step,
+                   callbacks=self.callbacks)  # fmt: skip
+
+
+def _read_negatives(path: Path, count: int | None, side: int) -> np.ndarray:
+    """A saved negatives file (none for a round with no negatives); `count`: how many the
+    round that trained on it recorded."""
+    if count == 0:
+        return np.zeros((0, side, side), np.uint8)
+    try:
+        found = np.load(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: cannot read the negatives a round trained on ({e})"
+        ) from None
+    if count is not None and len(found) != count:
+        raise CheckpointError(f"{path}: {len(found)} negatives, but its round trained on {count}")
+    return found
 
 
 def _mine(loaded: Loaded, pictures: list[np.ndarray], hn: HardNegatives, side: int) -> np.ndarray:
@@ -140,22 +323,25 @@ def _round_row(r: int, summary: dict, negatives: int, loaded: Loaded, faces, hel
 
 
 def _describe(row: dict) -> str:
+    top1 = row["val_top1"]  # None: a callback stopped the round before its first epoch ended
+    held_out = "no epoch trained" if top1 is None else f"best epoch's held-out top-1 {top1:.2%}"
     return (
-        f"round {row['round']}: {row['negatives']} mined negatives, best epoch's held-out top-1 "
-        f"{row['val_top1']:.2%}, held-out faces over clutter {row['faces_over_clutter']:.0%} "
-        f"(clutter {row['clutter_score']:.3f})"
+        f"round {row['round']}: {row['negatives']} mined negatives, {held_out}, held-out faces "
+        f"over clutter {row['faces_over_clutter']:.0%} (clutter {row['clutter_score']:.3f})"
     )
 
 
 def _keep_best(run_dir: Path, rounds: list[dict], seconds: float, quiet: bool) -> dict[str, Any]:
-    """Copy the best round's run files up into run_dir (held-out top-1 >= 95%, then the most
-    held-out faces over the clutter, then the earliest); summary.json lists every round."""
+    """Copy the best round's run files up into run_dir (an epoch trained, held-out top-1 >= 95%,
+    then the most held-out faces over the clutter, then the earliest; not its config.yaml:
+    run_dir's is the mining run's); summary.json lists every round."""
     # ties go to the earlier round: fewer mined patches, a less conservative classifier
-    best = max(rounds, key=lambda row: (row["val_top1"] >= 0.95, row["faces_over_clutter"],
-                                        -row["round"]))  # fmt: skip
+    best = max(rounds, key=lambda row: (row["val_top1"] is not None,
+                                        (row["val_top1"] or 0.0) >= 0.95,
+                                        row["faces_over_clutter"], -row["round"]))  # fmt: skip
     source = run_dir / f"round-{best['round']}"
     for item in source.iterdir():
-        if item.is_file():
+        if item.is_file() and item.name != "config.yaml":
             shutil.copy2(item, run_dir / item.name)
     summary = json.loads((source / "summary.json").read_text())
     summary.update(run_dir=str(run_dir), chosen_round=best["round"], rounds=rounds)

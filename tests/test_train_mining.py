@@ -1,17 +1,25 @@
 """Hard-negative mining run by the trainer: mined windows become non-face training patches and
-cut the false positives on a face-free picture; face pictures are refused; balanced loss."""
+cut the false positives on a face-free picture; face pictures are refused; balanced loss; a
+mining run resumes where it stopped, callbacks reach every round."""
 
 from __future__ import annotations
+
+import json
+import os
+import signal
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from cnnkit.config import load_run
+import cnnkit
+from cnnkit import mining
+from cnnkit.cli.train import train as train_command
+from cnnkit.config import dump_run, load_run
 from cnnkit.data import data_config
 from cnnkit.data.bundled import face_free_picture
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, Interrupted
 from cnnkit.infer.detect import detect
 from cnnkit.infer.load import load_for_inference
 from cnnkit.mining import fit_rounds
@@ -73,3 +81,143 @@ def test_balanced_loss_equals_weighted_cross_entropy():
     weight = torch.tensor([40 / (2 * 30), 40 / (2 * 10)])
     expected = torch.nn.functional.cross_entropy(logits, y, weight=weight)
     torch.testing.assert_close(engine.loss_fn(logits, y), expected)
+
+
+# resumable mining: small enough for seconds (one picture to mine, one held out, 64 px)
+QUICK = {"images": ["brick"], "held_out": ["gravel"], "per_image": 10, "max_side": 64}
+
+
+def quick_run(rounds: int = 2, epochs: int = 2) -> dict:
+    run = small_run(**QUICK, rounds=rounds)
+    run["train"].update(epochs=epochs, calibrate=False, threads=1, precision="fp32")
+    return run
+
+
+def interrupt_at(n: int):
+    """An on_step hook that presses Ctrl-C at its n-th call (the run stops a step later)."""
+    calls = [0]
+
+    def hook(epoch, step, global_step):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return hook, calls
+
+
+def same_weights(a, b) -> bool:
+    first, second = (torch.load(p, weights_only=True)["model"] for p in (a, b))
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def without_seconds(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+
+def test_interrupted_mining_run_resumes_to_the_uninterrupted_result(tmp_path, capsys):
+    """Ctrl-C in round 1, then `--resume RUN` (here deciding on one round more, 0-2): round 0
+    is read back, round 1 goes on from its last.pt, round 2 runs, and RUN ends bitwise as an
+    uninterrupted run of rounds 0-2."""
+    whole_hook, whole_calls = interrupt_at(0)
+    whole = cnnkit.fit(quick_run(), out=tmp_path / "whole", quiet=True, on_step=whole_hook)
+    run = tmp_path / "run"
+    hook, calls = interrupt_at(25)  # round 0 takes 18 steps (150 images, batch 16)
+    with pytest.raises(Interrupted, match=r"round 1: interrupted at epoch 1 step 8 \(saved\)") as e:
+        cnnkit.fit(quick_run(rounds=1), out=run, quiet=True, on_step=hook)
+    assert str(e.value).endswith(f"resume with `cnnkit train --resume {run}`")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        cnnkit.fit(quick_run(), out=run, quiet=True)
+    with pytest.raises(ConfigError, match="a round of the mining run"):
+        cnnkit.fit(resume=run / "round-1", quiet=True)
+    before = sorted(p.name for p in run.rglob("*"))
+    plan = cnnkit.fit(resume=run, dry_run=True, quiet=True)
+    assert plan["rounds_done"] == 1 and plan["resumes_round"]
+    assert sorted(p.name for p in run.rglob("*")) == before  # a dry run writes nothing
+
+    resume_hook, resumed_calls = interrupt_at(0)
+    more = ["data.hard_negatives.rounds=2"]  # not one of round 1's own settings
+    summary = cnnkit.fit(None, more, resume=run, quiet=True, on_step=resume_hook)
+    assert calls[0] + resumed_calls[0] == whole_calls[0] - 1  # round 0 not trained again
+    assert summary["chosen_round"] == whole["chosen_round"]
+    assert without_seconds(summary["rounds"]) == without_seconds(whole["rounds"])
+    for name in ("best.pt", "last.pt"):
+        assert same_weights(run / name, tmp_path / "whole" / name), name
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["hard_negatives"]
+
+    capsys.readouterr()
+    done_hook, done_calls = interrupt_at(0)
+    again = cnnkit.fit(resume=run, on_step=done_hook)
+    said = capsys.readouterr().out
+    assert f"{run}: all 3 mining rounds done, round {summary['chosen_round']} kept" in said
+    assert again == json.loads((run / "summary.json").read_text()) and done_calls[0] == 0
+
+
+def test_finished_mining_run_resumes_with_more_rounds(tmp_path):
+    """data.hard_negatives.rounds=N on a finished run mines on (later rounds take the other
+    overrides too); its finished rounds stay as they were."""
+    run = tmp_path / "run"
+    first = fit_rounds(load_run(quick_run(rounds=1, epochs=1)), run, quiet=True)
+    more = cnnkit.fit(None, ["data.hard_negatives.rounds=2", "train.epochs=2"], resume=run,
+                      quiet=True)  # fmt: skip
+    assert more["rounds"][:2] == first["rounds"] and len(more["rounds"]) == 3
+    assert json.loads((run / "round-2" / "summary.json").read_text())["epochs"] == 2
+    assert json.loads((run / "round-1" / "summary.json").read_text())["epochs"] == 1
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["data"]["hard_negatives"]["rounds"] == 2 and saved["train"]["epochs"] == 2
+
+
+def test_callbacks_reach_every_round_and_the_run_stays_locked(tmp_path, capsys):
+    """A callback's StopTraining ends that round's training (the mining goes on); while the
+    rounds train, the mining run's folder is locked: a resume of it is refused."""
+    run, heard = tmp_path / "run", []
+
+    class Stop:
+        def on_step_end(self, epoch, step, global_step):
+            heard.append((epoch, step, global_step))
+            with pytest.raises(ConfigError, match="in use by another run"):
+                cnnkit.fit(resume=run, quiet=True)
+            raise cnnkit.StopTraining
+
+        def on_epoch_end(self, row):
+            heard.append(row)
+
+    summary = cnnkit.fit(quick_run(rounds=1), out=run, callbacks=[Stop()])
+    assert heard == [(0, 1, 1), (0, 1, 1)] and summary["chosen_round"] in (0, 1)
+    assert "round 1: 10 mined negatives, no epoch trained" in capsys.readouterr().out
+    assert [json.loads((run / f"round-{r}" / "summary.json").read_text())["epochs"]
+            for r in (0, 1)] == [0, 0]  # fmt: skip
+
+
+def test_ctrl_c_while_mining_names_the_mining_run(tmp_path, monkeypatch):
+    """A Ctrl-C outside a training step (here while scanning for false positives) says how
+    to resume the mining run, and the resume mines again and goes on."""
+    run = tmp_path / "run"
+
+    def pressed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mining, "_mine", pressed)
+    with pytest.raises(Interrupted, match="interrupted in round 1") as e:
+        fit_rounds(load_run(quick_run(rounds=1, epochs=1)), run, quiet=True)
+    assert str(e.value).endswith(f"resume with `cnnkit train --resume {run}`")
+    monkeypatch.undo()
+    summary = cnnkit.fit(resume=run, quiet=True)
+    assert [row["round"] for row in summary["rounds"]] == [0, 1] and (run / "best.pt").is_file()
+
+    class Trained(Exception):
+        pass
+
+    def first_step(epoch, step, global_step):
+        raise Trained(global_step)
+
+    with pytest.raises(Trained, match="^1$"):  # a new run in its folder reads nothing back
+        fit_rounds(load_run(quick_run(rounds=1, epochs=1)), run, quiet=True, on_step=first_step)
+
+
+def test_mining_run_resumed_on_several_processes_is_refused(tmp_path):
+    """`cnnkit train --resume RUN --nproc 2` of a mining run: one line, no processes started."""
+    run = tmp_path / "run"
+    (run).mkdir()
+    dump_run(load_run(quick_run()), run / "config.yaml")
+    with pytest.raises(ConfigError, match="mining runs in one process"):
+        train_command(None, [], None, run, True, 2, 0, False)

@@ -55,11 +55,14 @@ def train(
 def _config(run, overrides: list[str], resume):
     """The run's configuration: the run file's, or the resumed run's with the overrides."""
     from cnnkit.config import load_run
+    from cnnkit.mining import mining_run
     from cnnkit.train.run import resume_state
     from cnnkit.train.rundir import resume_config
 
     if resume is None:
         return load_run(run, overrides)
+    if mining_run(resume):  # its own config.yaml, not the last.pt of the round it kept
+        return load_run(resume / "config.yaml", overrides)
     state = resume_state(resume)
     return resume_config(state, overrides) if state else load_run(resume / "config.yaml")
 
@@ -67,11 +70,15 @@ def _config(run, overrides: list[str], resume):
 def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int) -> int:
     """Re-run this command under torchrun with N processes and one agreed run directory."""
     from cnnkit.distributed import start_local
+    from cnnkit.errors import ConfigError
+    from cnnkit.mining import mining_of
     from cnnkit.train.run import check_batch
     from cnnkit.train.rundir import new_run_dir
 
     argv = ["train", *([run] if run else []), *overrides]
     config = _config(run, overrides, resume)  # checked here, once, not by N processes each
+    if mining_of(config) is not None:
+        raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
     if resume is not None:
         argv += ["--resume", str(resume)]
     else:
