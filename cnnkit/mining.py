@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
 import time
@@ -25,7 +24,7 @@ from cnnkit.config import RunConfig, dump_run, load_run
 from cnnkit.data.bundled import FacesConfig, HardNegatives, face_free_picture
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, Interrupted
 from cnnkit.infer.detect import detect, log_odds, mine_hard_negatives
-from cnnkit.infer.load import Loaded, load_for_inference
+from cnnkit.infer.load import Loaded, load_for_inference, write_atomic
 from cnnkit.train.metrics import write_summary
 from cnnkit.train.run import fit, resume_state
 from cnnkit.train.rundir import clear_orphans, resume_config, run_lock
@@ -133,14 +132,7 @@ def _open(run_dir: Path, config: RunConfig) -> None:
     for tmp in run_dir.glob(".*.tmp"):
         if TEMPORARY.fullmatch(tmp.name):
             tmp.unlink(missing_ok=True)
-    write_atomically(run_dir / "config.yaml", dump_run(config).encode())
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write a temporary file and rename it: a kill leaves the previous file or none."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_atomic(run_dir / "config.yaml", dump_run(config).encode())
 
 
 def read_rounds(run_dir: Path) -> tuple[list[dict[str, Any]], float]:
@@ -198,7 +190,7 @@ class Rounds:
             except KeyboardInterrupt:  # while mining or measuring (or a second Ctrl-C)
                 raise Interrupted(f"interrupted in round {r}; {self.resume_hint()}") from None
             seconds = seconds_before + time.perf_counter() - started
-            write_atomically(self.run_dir / ROUNDS,
+            write_atomic(self.run_dir / ROUNDS,
                              json.dumps({"rounds": rows, "seconds": seconds}).encode())  # fmt: skip
             if not self.quiet:
                 print(_describe(rows[-1]))
@@ -231,7 +223,7 @@ class Rounds:
         if len(negatives):
             buffer = io.BytesIO()
             np.save(buffer, negatives)
-            write_atomically(path, buffer.getvalue())
+            write_atomic(path, buffer.getvalue())
         return negatives
 
     def train(self, r: int, negatives: np.ndarray) -> dict[str, Any]:

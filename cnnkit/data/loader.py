@@ -120,8 +120,8 @@ class ImageBatches:
         self.device = torch.device(device)
         self.augment = augment.to(self.device)
         self.workers, self.prefetch, self.num_samples = workers, prefetch, num_samples
-        if workers > available_cores():
-            _say_more_workers_than_cores(workers, available_cores())
+        if workers > (cores := available_cores()):
+            _say_more_workers_than_cores(workers, cores)
         self.mode: Mode = self._mode(decode)
         self._loader: DataLoader | None = None
         self._ring: SlotRing | None = None

@@ -22,15 +22,10 @@ from cnnkit.data.batch import BatchJob, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes, resize_crop
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
 from cnnkit.data.slots import new_batch
-from cnnkit.errors import ConfigError, DataError
+from cnnkit.errors import ConfigError, DataError, one_line
 from cnnkit.runtime import torch_threads
 
 PACK_FORMAT = "cnnkit-packed/1"
-
-
-def _reason(e: Exception) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_meta(path: str | Path) -> dict:
@@ -46,7 +41,9 @@ def read_meta(path: str | Path) -> dict:
     try:
         meta = json.loads(meta_path.read_text())
     except (ValueError, UnicodeDecodeError, OSError) as e:
-        raise DataError(f"{meta_path}: unreadable ({_reason(e)}); pack the set again") from None
+        raise DataError(
+            f"{meta_path}: unreadable ({one_line(e, 80)}); pack the set again"
+        ) from None
     if not isinstance(meta, dict) or meta.get("format") != PACK_FORMAT:
         meta = meta if isinstance(meta, dict) else {}
         raise DataError(f"{meta_path}: format {meta.get('format')!r}, expected {PACK_FORMAT!r}")
@@ -62,7 +59,7 @@ def read_index(path: Path, meta: dict) -> dict[str, np.ndarray]:
         shards = list(meta["shards"])
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         raise DataError(
-            f"{path}/index.npz: unreadable ({_reason(e)}); pack the set again"
+            f"{path}/index.npz: unreadable ({one_line(e, 80)}); pack the set again"
         ) from None
     ends = index["offset"] + index["length"]
     need = np.zeros(len(shards), np.int64)
@@ -132,7 +129,7 @@ class PackedImages(Dataset):
         try:
             image = decode_jpeg_bytes(record, s)
         except (ValueError, OSError) as e:  # simplejpeg / Pillow on damaged bytes
-            raise BadImage(f"damaged JPEG record ({_reason(e)})") from None
+            raise BadImage(f"damaged JPEG record ({one_line(e, 80)})") from None
         if image.shape[:2] != (s, s):
             raise BadImage(f"damaged JPEG record ({image.shape[1]}x{image.shape[0]}, not {s}x{s})")
         return torch.from_numpy(image).permute(2, 0, 1)

@@ -14,6 +14,7 @@ import os
 import stat
 import sys
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 from cnnkit.data.decode import file_kind, is_image_name
@@ -143,13 +144,8 @@ class Walker:
         rather than a link to it, wherever the link lies (a link in another class folder
         loses to the real file, which keeps its own label); the rest listed as skipped."""
         first: dict[FileKey, str] = {}  # real file -> the path it is taken as
-        for group in groups:
-            for path, key, link in group:
-                if not link:
-                    first.setdefault(key, path)
-        for group in groups:
-            for path, key, _ in group:
-                first.setdefault(key, path)
+        for path, key, _ in sorted(chain(*groups), key=lambda item: item[2]):  # stable: links last
+            first.setdefault(key, path)
         kept = []
         for group in groups:
             kept.append([])

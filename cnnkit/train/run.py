@@ -247,7 +247,7 @@ def resumed_settings(resume: dict[str, Any] | None, config: RunConfig,
     saved = (resume or {}).get("settings")
     if not saved or saved["device"] != device.type:
         return None
-    before = (resume["config"].get("train") or {}) if isinstance(resume["config"], dict) else {}
+    before = resume["config"].get("train") or {}  # a dict: the checkpoint is validated
     if any(before.get(k) != getattr(config.train, k) for k in SETTING_FIELDS):
         return None
     fields = {k: v for k, v in saved.items() if k != "device"}

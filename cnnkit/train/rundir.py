@@ -176,8 +176,7 @@ def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
 
 
 # the temporary names a run's writers use (.last.pt.PID.tmp, metrics.csv.tmp, .curves.png.tmp)
-ORPHAN = re.compile(r"\.?(last\.pt|best\.pt|metrics\.csv|curves\.png|summary\.json|config\.yaml)"
-                    r"(\.\d+)?\.tmp")  # fmt: skip
+ORPHAN = re.compile(rf"\.?({'|'.join(map(re.escape, (*RUN_FILES, 'curves.png')))})(\.\d+)?\.tmp")
 
 
 def clear_orphans(run_dir: Path) -> None:
