@@ -209,8 +209,10 @@ def test_folders_that_would_change_the_classes_are_refused_and_nothing_is_writte
     assert code == 2 and "over the limit" in err and not (tmp_path / "dst").exists()
 
 
-def _fails_on_third_shard(pack, monkeypatch):
-    real, calls = pack._write_records, []
+def _fails_on_third_shard(monkeypatch):
+    import cnnkit.data.pack_shard as shard
+
+    real, calls = shard._write_records, []
 
     def disk_fills(job, out):
         calls.append(job.shard)
@@ -219,13 +221,13 @@ def _fails_on_third_shard(pack, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(job, out)
 
-    monkeypatch.setattr(pack, "_write_records", disk_fills)
+    monkeypatch.setattr(shard, "_write_records", disk_fills)
 
 
 def test_a_full_disk_is_one_line_and_the_pack_resumes(shapes, tmp_path, monkeypatch, capsys):
     import cnnkit.data.pack as pack
 
-    _fails_on_third_shard(pack, monkeypatch)
+    _fails_on_third_shard(monkeypatch)
     argv = ["pack", str(shapes), str(tmp_path / "p"), "--size", "16", "-j", "1"]
     monkeypatch.setattr(pack, "_jobs", _small_shards(pack._jobs))
     code, out, err = run_cli(argv, capsys)
@@ -253,9 +255,9 @@ def _small_shards(jobs):
 
 
 def test_a_full_disk_while_finishing_leaves_no_meta(shapes, tmp_path, monkeypatch):
-    import cnnkit.data.pack as pack
+    import cnnkit.data.pack_shard as shard
 
-    real = pack._atomic
+    real = shard.atomic
 
     @contextmanager
     def full(path):
@@ -265,7 +267,7 @@ def test_a_full_disk_while_finishing_leaves_no_meta(shapes, tmp_path, monkeypatc
                 raise OSError(errno.ENOSPC, "No space left on device")
             yield f
 
-    monkeypatch.setattr(pack, "_atomic", full)
+    monkeypatch.setattr(shard, "atomic", full)
     with pytest.raises(DataError, match="disk is full.*meta.json"):
         pack_folder(shapes, tmp_path / "p", size=16, workers=1, progress=False)
     assert not (tmp_path / "p/meta.json").exists() and not list((tmp_path / "p").glob("*.tmp"))
@@ -425,12 +427,12 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
         (flat / cls).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, flat / cls / f"{path.parent.parent.name}-{path.name}")
     script = textwrap.dedent(f"""
-        import cnnkit.data.pack as pack, time
-        real = pack._write_records
+        import cnnkit.data.pack_shard as shard, time
+        real = shard._write_records
         def slow(job, out):
             time.sleep(0.3)
             return real(job, out)
-        pack._write_records = slow
+        shard._write_records = slow
         from cnnkit.cli import main
         main(["pack", {str(flat)!r}, {str(tmp_path / "p")!r}, "--size", "16", "-j", "2"])
     """)  # fmt: skip

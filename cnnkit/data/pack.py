@@ -16,7 +16,7 @@ image, per-channel mean/std and RGB covariance (for PCA lighting) are computed a
 Every file is written as NAME.tmp and renamed when complete, so nothing half-written ever looks
 finished. A failed write (a full disk) is one error line; the shards done stay done and the same
 command resumes. A pack that fails before its first shard, or finds no readable image, leaves
-nothing behind.
+nothing behind. The worker side (one shard, and the atomic writes) is pack_shard.py.
 """
 
 from __future__ import annotations
@@ -27,39 +27,20 @@ import multiprocessing as mp
 import os
 import re
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal
 
 import numpy as np
 import torch
 
 from cnnkit.data import decode
-from cnnkit.data.decode import BadImage, ResizeMode, encode_jpeg, load_resized
+from cnnkit.data.decode import ResizeMode
+from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, atomic, pack_shard, write_text
 from cnnkit.data.packed import PACK_FORMAT
 from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError, Interrupted
 
-PackFormat = Literal["raw", "jpeg"]
-SHARD_SUFFIX = {"raw": ".u8", "jpeg": ".jpg"}
 SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
-
-
-@dataclass
-class PackJob:
-    """One shard to write: which files, their labels, and how."""
-
-    shard: int
-    root: str
-    files: list[str]
-    labels: list[int]
-    size: int
-    resize: ResizeMode
-    format: PackFormat
-    quality: int
-    out_dir: str
 
 
 @dataclass
@@ -74,78 +55,6 @@ class PackSummary:
     skipped: int
     resumed_shards: int
     empty_classes: list[str] = field(default_factory=list)  # every image of theirs skipped
-
-
-def _image_stats(image: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel sums (3,) and RGB cross-products (3, 3) of one uint8 image, in float64.
-
-    Sums and squares (hence mean and std) are exact; the off-diagonal products use every 7th
-    pixel, scaled up (a 7x cheaper estimate; they only steer the PCA lighting).
-    """
-    pixels = image.numpy().reshape(3, -1)
-    sample = pixels[:, ::7].astype(np.float32)
-    xxt = (sample @ sample.T).astype(np.float64) * (pixels.shape[1] / sample.shape[1])
-    squares = np.square(pixels, dtype=np.uint32).sum(1, dtype=np.uint64)
-    np.fill_diagonal(xxt, squares.astype(np.float64))
-    return pixels.sum(1, dtype=np.int64).astype(np.float64), xxt
-
-
-@contextmanager
-def _atomic(path: Path) -> Iterator[IO[bytes]]:
-    """A file written as PATH.tmp and renamed to PATH once complete; removed if writing fails."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)  # a failed write() names no file: say which
-        raise
-
-
-def _write_text(path: Path, text: str) -> None:
-    with _atomic(path) as f:
-        f.write(text.encode("utf-8"))
-
-
-def pack_shard(job: PackJob) -> tuple[int, int]:
-    """Decode, resize and write one shard, then its done marker; returns (shard, images seen)."""
-    shards = Path(job.out_dir)
-    with _atomic(shards / f"{job.shard:05d}{SHARD_SUFFIX[job.format]}") as out:
-        marker = _write_records(job, out)
-    with _atomic(shards / f"{job.shard:05d}.npz") as f:
-        np.savez(f, **marker)
-    return job.shard, len(job.files)
-
-
-def _write_records(job: PackJob, out: IO[bytes]) -> dict[str, np.ndarray]:
-    """Write the shard's images to `out`; returns what its done marker holds."""
-    size = job.size
-    sums = {"image": np.zeros((3, size, size)), "channel": np.zeros(3), "xxt": np.zeros((3, 3))}
-    kept, labels, offsets, lengths, report = [], [], [], [], []
-    offset = 0
-    for i, (rel, label) in enumerate(zip(job.files, job.labels, strict=True)):
-        try:
-            image, note = load_resized(Path(job.root) / rel, size, job.resize)
-        except BadImage as e:
-            report.append(f"{printable(rel)}\tskipped\t{e}")
-            continue
-        if note:
-            report.append(f"{printable(rel)}\tconverted\t{note}")
-        pixels = image.numpy()
-        record = pixels.tobytes() if job.format == "raw" else encode_jpeg(pixels, job.quality)
-        out.write(record)
-        kept.append(i), labels.append(label), offsets.append(offset), lengths.append(len(record))
-        offset += len(record)
-        sums["image"] += pixels
-        channel, xxt = _image_stats(image)
-        sums["channel"] += channel
-        sums["xxt"] += xxt
-    return {"kept": np.array(kept, np.int64), "labels": np.array(labels, np.int64),
-            "offsets": np.array(offsets, np.int64), "lengths": np.array(lengths, np.int64),
-            "report": np.array(report, dtype=str), **sums}  # fmt: skip
 
 
 def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
@@ -176,7 +85,7 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
             "classes": scan.classes, "shard_size": shard_size,
             "skipped": [f"{printable(p)}\tskipped\t{r}" for p, r in scan.skipped]}  # fmt: skip
     (dst / "shards").mkdir(parents=True, exist_ok=True)
-    _write_text(plan_path, json.dumps(plan))
+    write_text(plan_path, json.dumps(plan))
     return plan
 
 
@@ -271,15 +180,13 @@ def _finalize(plan: dict, dst: Path, jobs: list[PackJob]) -> dict:
         first = report[0].replace("\tskipped\t", ": ") if report else "?"
         raise NothingPacked(f"none of the {len(plan['files'])} images could be read "
                             f"(first: {first})")  # fmt: skip
-    with _atomic(dst / "index.npz") as f:
+    with atomic(dst / "index.npz") as f:
         np.savez(f, **arrays)
-    with _atomic(dst / "mean.npy") as f:
+    with atomic(dst / "mean.npy") as f:
         np.save(f, (total["image"] / count).astype(np.float32))
-    _write_text(dst / "files.txt", "".join(f"{printable(f)}\n" for f in files))
+    write_text(dst / "files.txt", "".join(f"{printable(f)}\n" for f in files))
     report = plan.get("skipped", []) + report
-    _write_text(
-        dst / "bad_images.tsv", "path\tstatus\treason\n" + "".join(f"{r}\n" for r in report)
-    )
+    write_text(dst / "bad_images.tsv", "path\tstatus\treason\n" + "".join(f"{r}\n" for r in report))
     pixels = count * size * size
     mean = total["channel"] / pixels
     cov = total["xxt"] / pixels - np.outer(mean, mean)
@@ -292,7 +199,7 @@ def _finalize(plan: dict, dst: Path, jobs: list[PackJob]) -> dict:
         "skipped": sum("\tskipped\t" in r for r in report),
         "empty_classes": [c for k, c in enumerate(plan["classes"]) if k not in used],
     }  # fmt: skip
-    _write_text(dst / "meta.json", json.dumps(meta, indent=1))
+    write_text(dst / "meta.json", json.dumps(meta, indent=1))
     return meta
 
 
