@@ -2,20 +2,23 @@
 study and the CLI's JSON. Tiny networks and tiny repeat counts: correctness, not speed."""
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from helpers import run_cli
 
-from cnnkit.bench.baseline import amp_dtype, peer_label, plain_model
+from cnnkit.bench.baseline import PlainProcess, amp_dtype, peer_label, plain_model
 from cnnkit.bench.layers import bench_layers
 from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
 from cnnkit.bench.throughput import bench_throughput, make_train_step, train_config
 from cnnkit.bench.timing import measure
 from cnnkit.distributed import resolve_device
-from cnnkit.errors import ConfigError
+from cnnkit.errors import CnnkitError, ConfigError
 from cnnkit.nn import build_model
 from cnnkit.train.settings import precisions
 
@@ -153,6 +156,7 @@ def test_cli_cuda_without_gpu_exits_2(capsys):
     assert code == 2 and "no CUDA device" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_baseline_is_timed_in_the_same_run_and_compared():
     r = bench_throughput(TINY, "train", 4, CPU, repeats=2, quick_peak=True, baseline=True)
     b = r["baseline"]
@@ -164,6 +168,21 @@ def test_baseline_is_timed_in_the_same_run_and_compared():
         amp_dtype(CPU) is not None
     )
     assert r["speedup_vs_careful"] == pytest.approx(c["step_ms"] / r["step_ms"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a device that fails")
+def test_a_comparison_loop_that_fails_is_one_error_never_a_hang():
+    """The peer's own error comes back as one line (here: CUDA on a machine without it); a peer
+    that dies mid-run is an error at the next step, not a parent waiting forever."""
+    model = build_model(TINY)
+    with pytest.raises(CnnkitError, match="comparison loop failed: .*(CUDA|NVIDIA)"):
+        PlainProcess(model, "train", 4, torch.device("cuda"))
+    peer = PlainProcess(model, "train", 4, CPU)
+    peer()  # one step runs
+    peer._process.kill()
+    with pytest.raises(CnnkitError, match="exit code -9"):
+        peer()
+    peer.close()  # a dead one is only reaped
 
 
 def test_alexnet_owt_baseline_is_torchvision_alexnet():
@@ -185,10 +204,8 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path of gpu.sh")
+@pytest.mark.slow
 def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
-    import subprocess
-    from pathlib import Path
-
     script = Path(__file__).parents[1] / "benchmarks" / "gpu.sh"
     out, back = tmp_path / "out", tmp_path / "back"
     for rerun in (False, True):  # a rerun into its own folder starts clean

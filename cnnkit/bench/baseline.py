@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from cnnkit.bench.model_setup import load_network
+from cnnkit.errors import CnnkitError, one_line
 from cnnkit.nn import Network
 
 # cnnkit zoo name -> torchvision model of the same architecture
@@ -134,22 +135,54 @@ class PlainProcess:
         )
         self._process = context.Process(target=_serve_plain, args=args, daemon=True)
         self._process.start()
-        self.name: str = self._conn.recv()
+        child.close()  # the child's end lives in the child only: its exit is an EOF here
+        self.name: str = self._answer()
 
     def __call__(self, _: Any = None) -> None:
         """`block` steps there, back to back, synchronised at the end."""
         self._conn.send(True)
-        self._conn.recv()
+        self._answer()
+
+    def _answer(self) -> Any:
+        """The child's reply; its error (or its death) as one CnnkitError, never a hang."""
+        try:
+            kind, value = self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(timeout=10)
+            kind, value = "error", f"it ended with exit code {self._process.exitcode}"
+        if kind == "error":
+            raise CnnkitError(f"the PyTorch comparison loop failed: {value}")
+        return value
 
     def close(self) -> None:
-        """Stop the process."""
-        self._conn.send(False)
+        """Stop the process (one that has died already is only reaped)."""
+        try:
+            self._conn.send(False)
+        except OSError:  # BrokenPipeError: it is gone
+            pass
         self._process.join(timeout=30)
+        self._conn.close()
 
 
 def _serve_plain(conn, spec: dict, num_classes: int, mode: str, batch: int, device: str,
                  threads: int, peer: str, block: int) -> None:  # fmt: skip
-    """The child's side of PlainProcess: build the peer, then `block` steps per request."""
+    """The child's side of PlainProcess: build the peer, then `block` steps per request. Every
+    reply is (kind, value); an exception goes back as ("error", its first line)."""
+    try:
+        name, run = _plain_runner(spec, num_classes, mode, batch, device, threads, peer, block)
+        conn.send(("ok", name))
+        while conn.recv():
+            run()
+            conn.send(("ok", None))
+    except (EOFError, KeyboardInterrupt):  # the parent is gone or stopping
+        pass
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", one_line(f"{type(e).__name__}: {e}")))
+
+
+def _plain_runner(spec: dict, num_classes: int, mode: str, batch: int, device: str,
+                  threads: int, peer: str, block: int) -> tuple[str, Callable[[], None]]:  # fmt: skip
+    """The peer's name, and a call that runs `block` of its steps, synchronised at the end."""
     from cnnkit.bench.model_setup import synthetic_batch
     from cnnkit.nn import Network
 
@@ -159,14 +192,16 @@ def _serve_plain(conn, spec: dict, num_classes: int, mode: str, batch: int, devi
     model = Network(spec, num_classes=num_classes, device="meta")
     module, name = plain_model(model, dev, peer)
     x, y = synthetic_batch(model, batch, dev)
-    if mode == "train":
-        step = plain_train_step(module, x, y, peer)
-    else:
-        step = plain_infer_step(module, x, peer)
-    conn.send(name)
-    while conn.recv():
+    step = (
+        plain_train_step(module, x, y, peer)
+        if mode == "train"
+        else plain_infer_step(module, x, peer)
+    )
+
+    def run() -> None:
         for _ in range(block):
             step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        conn.send(True)
+
+    return name, run
