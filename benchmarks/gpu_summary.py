@@ -18,19 +18,22 @@ def load(out: Path, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def steps(out: Path) -> tuple[dict[str, int], list[str]]:
-    """{step: exit status} and the steps skipped for the budget."""
-    done = {}
+def steps(out: Path) -> tuple[dict[str, int], list[str], list[str]]:
+    """{step: exit status} of the steps that ran to their own end or limit, the steps skipped
+    for the budget, and those stopped by the budget (started with less than their limit left)."""
+    done, cut = {}, []
     for line in (
         (out / "steps.txt").read_text().splitlines() if (out / "steps.txt").is_file() else []
     ):
         found = re.match(r"(\S+): rc=(\d+)", line)
-        if found:
+        if found and line.endswith("cut by the budget"):
+            cut.append(found.group(1))
+        elif found:
             done[found.group(1)] = int(found.group(2))
     skipped = []
     if (out / "skipped.txt").is_file():
         skipped = [line.split(":")[0] for line in (out / "skipped.txt").read_text().splitlines()]
-    return done, skipped
+    return done, skipped, cut
 
 
 def gpu_tests(out: Path, rc: int | None) -> dict | None:
@@ -84,7 +87,7 @@ def run_figures(out: Path, run: str) -> tuple[float | None, dict]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    done, skipped = steps(out)
+    done, skipped, cut = steps(out)
     train, train_settings = model_only(out)
     e2e, e2e_settings = run_figures(out, "packed-raw")
     e2e_jpeg, e2e_jpeg_settings = run_figures(out, "packed-jpeg")
@@ -112,6 +115,7 @@ def main() -> None:
         "gpu_tests_passed": tests["ok"] if tests else None,
         "steps_failed": sorted(name for name, rc in done.items() if rc != 0),
         "steps_skipped": skipped,
+        "steps_cut_by_budget": cut,
     }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for key, value in summary.items():

@@ -203,6 +203,19 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
     assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
 
 
+def test_gpu_summary_tells_steps_cut_by_the_budget_from_failures(tmp_path):
+    """A step stopped at its own limit failed; one stopped at a limit the budget shortened was
+    cut: listed apart, so steps_failed holds only the steps that are broken or too slow."""
+    (tmp_path / "steps.txt").write_text("a: rc=0 3s\nb: rc=1 4s\nc: rc=124 40s cut by the budget\n"
+                                        "d: rc=124 90s\n")  # fmt: skip
+    (tmp_path / "skipped.txt").write_text("e: skipped (20s of the budget left)\n")
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_summary.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, capture_output=True)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps_failed"] == ["b", "d"] and summary["steps_cut_by_budget"] == ["c"]
+    assert summary["steps_skipped"] == ["e"] and summary["train_images_per_second"] is None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path of gpu.sh")
 @pytest.mark.slow
 def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
