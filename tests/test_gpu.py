@@ -66,6 +66,19 @@ def test_slot_ring_is_page_locked_and_cuda_batches_equal_cpu_ones(shapes):
     assert gpu.train._ring is not None and gpu.train._ring.pinned
 
 
+def test_a_failed_page_lock_leaves_no_cuda_error_behind():
+    """Registering memory twice fails (cudaErrorHostMemoryAlreadyRegistered): the ring is then
+    not pinned, and the next kernel launch does not raise the stale error."""
+    from cnnkit.data.slots import SlotRing, _register
+
+    ring = SlotRing(2, (1, 3, 8, 8), pin=True)
+    try:
+        assert ring.pinned and not _register(ring.buffers)
+        assert torch.ones(4, device=CUDA).sum().item() == 4
+    finally:
+        ring.close()
+
+
 @pytest.mark.parametrize("source", ["folder", "jpeg"])
 def test_jpegs_decoded_on_the_gpu_equal_the_workers_decoding(shapes, source):
     if source == "folder":

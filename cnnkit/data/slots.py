@@ -116,9 +116,23 @@ def _register(buffers: torch.Tensor) -> bool:
         return False
     try:
         err = torch.cuda.cudart().cudaHostRegister(buffers.data_ptr(), buffers.numel(), 0)
-        return err is None or int(err) == 0  # cudaSuccess (some builds return nothing)
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return False
+    if err is None or int(err) == 0:  # cudaSuccess (some builds return nothing)
+        return True
+    _clear_cuda_error()
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """A failed cudaHostRegister stays CUDA's "last error", which torch reads after its next
+    kernel launch and raises there, in unrelated code. One throw-away launch reads and clears
+    it here (the registration errors are not sticky)."""
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
 
 
 class BufferPool:
