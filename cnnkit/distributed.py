@@ -195,7 +195,8 @@ class Group:
             self._broadcast(model)  # identical starting weights on every replica
             return model
         device_ids = [self.local_rank] if self.use_cuda else None
-        # gradients live in DDP's buckets (no copy per step); the graph is the same every step
+        # gradients live in DDP's buckets (train_step zeroes them in place: no copy per step);
+        # the graph is the same every step
         return nn.parallel.DistributedDataParallel(
             model, device_ids=device_ids, gradient_as_bucket_view=True,
             static_graph=self.static_graph,

@@ -115,7 +115,9 @@ def train_step(
     """
     model, opt = engine.model, engine.optimizer
     model.train()
-    opt.zero_grad(set_to_none=True)
+    # under DDP the gradients are views into its buckets (gradient_as_bucket_view): zeroed in
+    # place, since fresh ones each backward would be copied into the buckets every step
+    opt.zero_grad(set_to_none=not hasattr(model, "no_sync"))
     x = engine.prepare(x)
     chunks = list(zip(x.chunk(engine.accumulate), y.chunk(engine.accumulate), strict=True))
     loss_sum = torch.zeros((), device=x.device)
