@@ -36,3 +36,10 @@ def own_settings_cache(own_home: Path, monkeypatch) -> None:
     from cnnkit.nn import tuning
 
     monkeypatch.setattr(tuning, "CACHE", own_home / ".cache" / "cnnkit" / "settings.json")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long end-to-end checks (marked slow) first: pytest-xdist hands tests out in this
+    order, so they start at once, one per worker, instead of one worker running them alone at
+    the end while the others wait."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

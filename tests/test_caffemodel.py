@@ -50,6 +50,7 @@ def blobs_of(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
     }
 
 
+@pytest.mark.slow
 def test_alexnet_caffemodel_imports_with_the_logits_of_its_weights(tmp_path, capsys):
     torch.manual_seed(0)
     source = build_model(import_caffe(DATA / "alexnet.prototxt")).eval()

@@ -171,6 +171,7 @@ launch({run!r}, out={out!r}, quiet=True, on_step=kill_once)
 """
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_the_run_finishes(tmp_path):
     run = tmp_path / "run.yaml"
     run.write_text(yaml.safe_dump({**BASE, "train": {**BASE["train"], "epochs": 3}}))

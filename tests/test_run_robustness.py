@@ -35,6 +35,7 @@ def one_error_line(code: int, err: str, codes=(1, 2)) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_directory_one_is_refused(tmp_path):
     out = tmp_path / "same"
     cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=2", "--quiet"]
@@ -293,6 +294,7 @@ def test_config_errors_suggest_the_field_meant():
         load_run("digits", ["train.lrr=0.1"])
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_at_a_step_saved_and_says_how_to_resume(tmp_path):
     import signal
 

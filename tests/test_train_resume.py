@@ -51,6 +51,7 @@ def _tensors(state: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(tmp_path):
     killed = tmp_path / "killed"
     script = CHILD.format(root=str(ROOT), kill_at=KILL_AT, run=RUN, out=str(killed))
@@ -143,6 +144,7 @@ fit(validate_run({run!r}), {out!r}, quiet=True)
 """
 
 
+@pytest.mark.slow
 def test_kill_during_a_background_save_leaves_the_last_one_and_resumes_exactly(tmp_path):
     """Saves on the writer thread: a kill mid-write leaves the previous last.pt loadable, and
     the run resumed from it ends bitwise equal to an uninterrupted one."""
