@@ -427,10 +427,12 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
         (flat / cls).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, flat / cls / f"{path.parent.parent.name}-{path.name}")
     script = textwrap.dedent(f"""
+        import faulthandler, signal
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
         import cnnkit.data.pack_shard as shard, time
         real = shard._write_records
-        def slow(job, out):
-            time.sleep(0.3)
+        def slow(job, out):  # two shards are written, the rest wait for the Ctrl-C
+            time.sleep(0.3 if job.shard < 2 else 120)
             return real(job, out)
         shard._write_records = slow
         from cnnkit.cli import main
@@ -442,7 +444,13 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
     while not list((tmp_path / "p").glob("shards/*.npz")) and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
-    err = proc.communicate(timeout=60)[1]
+    try:
+        err = proc.communicate(timeout=30)[1]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the pack did not stop at Ctrl-C:\n{proc.communicate()[1][-6000:]}")
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 130 and len(lines) == 1, err
     assert lines[0].startswith("cnnkit: pack interrupted: ") and "resumes" in lines[0]

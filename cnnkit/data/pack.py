@@ -29,6 +29,7 @@ import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -147,8 +148,21 @@ def _run_jobs(jobs: list[PackJob], workers: int, total: int, done: int, show: bo
         methods = mp.get_all_start_methods()
         ctx = mp.get_context("fork" if "fork" in methods else "spawn")
         with ctx.Pool(workers, initializer=_init_worker) as pool:
-            for _, count in pool.imap_unordered(pack_shard, jobs):
-                bar.advance(task, count)
+            finished = pool.imap_unordered(pack_shard, jobs)
+            for _ in jobs:
+                bar.advance(task, _next_finished(finished)[1])
+
+
+def _next_finished(finished: Any) -> tuple[int, int]:
+    """The next shard's (shard, images), waited for in 0.25 s slices: Ctrl-C's KeyboardInterrupt
+    is raised between two of them, not only once a shard ends (an ImageNet shard takes seconds;
+    Python runs the handler in the main thread only, so a signal that the kernel hands to one
+    of the pool's threads would otherwise wait for the next shard)."""
+    while True:
+        try:
+            return finished.next(timeout=0.25)
+        except mp.TimeoutError:
+            continue
 
 
 def _merge_markers(dst: Path, jobs: list[PackJob]) -> tuple[dict, dict, list, list]:
