@@ -429,8 +429,8 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
         shutil.copy(path, flat / cls / f"{path.parent.parent.name}-{path.name}")
     script = textwrap.dedent(f"""
         import faulthandler, signal
-        # as a shell starts it: the test process hands down SIGINT ignored at times (seen in 3
-        # of ~10 suite runs, SIGINT and SIGQUIT both, as C's system() sets them while it runs)
+        # as a shell starts it: the test process hands down SIGINT ignored at times (seen in 4
+        # of 9 suite runs, SIGINT and SIGQUIT both, as C's system() sets them while it runs)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
         import cnnkit.data.pack_shard as shard, time
