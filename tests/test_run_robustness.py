@@ -11,6 +11,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -294,9 +295,27 @@ def test_config_errors_suggest_the_field_meant():
         load_run("digits", ["train.lrr=0.1"])
 
 
+def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored():
+    """As POSIX programs do: a background job of a script (SIGINT ignored) is not stopped by the
+    terminal's Ctrl-C; otherwise the run takes it, and gives it back at the end."""
+    from cnnkit.train.epochs import stop_on_interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with stop_on_interrupt(graceful=True):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with stop_on_interrupt(graceful=True) as stop:
+            signal.raise_signal(signal.SIGINT)  # the first Ctrl-C: a request, no exception
+            assert stop.requested
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_at_a_step_saved_and_says_how_to_resume(tmp_path):
-    import signal
 
     out = tmp_path / "r"
     cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=200"]

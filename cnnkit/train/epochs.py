@@ -71,6 +71,9 @@ def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
         yield stop
         return
     previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:  # started with Ctrl-C ignored (a script's background job)
+        yield stop
+        return
 
     def handler(signum, frame) -> None:
         if stop.requested:
