@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from data_images import within, write_bad_folder
-from helpers import run_cli
+from helpers import run_cli, sigint_default
 from PIL import Image
 
 from cnnkit.data import data_config
@@ -429,9 +429,6 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
         shutil.copy(path, flat / cls / f"{path.parent.parent.name}-{path.name}")
     script = textwrap.dedent(f"""
         import faulthandler, signal
-        # as a shell starts it: the test process hands down SIGINT ignored at times (seen in 4
-        # of 9 suite runs, SIGINT and SIGQUIT both, as C's system() sets them while it runs)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
         import cnnkit.data.pack_shard as shard, time
         real = shard._write_records
@@ -443,7 +440,7 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
         main(["pack", {str(flat)!r}, {str(tmp_path / "p")!r}, "--size", "16", "-j", "2"])
     """)  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=sigint_default)  # fmt: skip
     deadline = time.monotonic() + 60
     while not list((tmp_path / "p").glob("shards/*.npz")) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CLI, ROOT, run_cli
+from helpers import CLI, ROOT, run_cli, sigint_default
 
 from cnnkit.checkpoint import load_checkpoint
 from cnnkit.config import load_run
@@ -319,7 +319,8 @@ def test_ctrl_c_stops_at_a_step_saved_and_says_how_to_resume(tmp_path):
 
     out = tmp_path / "r"
     cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=200"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)  # fmt: skip
     deadline = time.time() + 120
     while not (out / "metrics.csv").exists() and time.time() < deadline:  # an epoch done
         time.sleep(0.2)
