@@ -115,16 +115,17 @@ def train_step(
     """
     model, opt = engine.model, engine.optimizer
     model.train()
+    ddp = hasattr(model, "no_sync")
     # under DDP the gradients are views into its buckets (gradient_as_bucket_view): zeroed in
     # place, since fresh ones each backward would be copied into the buckets every step
-    opt.zero_grad(set_to_none=not hasattr(model, "no_sync"))
+    opt.zero_grad(set_to_none=not ddp)
     x = engine.prepare(x)
     chunks = list(zip(x.chunk(engine.accumulate), y.chunk(engine.accumulate), strict=True))
     loss_sum = torch.zeros((), device=x.device)
     correct = torch.zeros((), device=x.device, dtype=torch.long)
     for i, (xc, yc) in enumerate(chunks):
         last = i == len(chunks) - 1
-        sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        sync = model.no_sync() if ddp and not last else nullcontext()
         with sync:
             with engine.autocast():
                 logits = model(xc)

@@ -67,11 +67,9 @@ def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
     so the resumed run is exact); a second one stops at once. Only alone and in the main
     thread: processes of a group could not agree on a step without a collective per step."""
     stop = StopRequest()
-    if not graceful or threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
+    in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT)
-    if previous is signal.SIG_IGN:  # started with Ctrl-C ignored (a script's background job)
+    if not graceful or not in_main or previous is signal.SIG_IGN:  # SIG_IGN: a background job
         yield stop
         return
 
