@@ -155,10 +155,17 @@ def test_flattening_linear_layers_transposed_product_equals_f_linear():
 
 def test_eval_on_the_cpu_runs_classifications_kernels(digits_run, monkeypatch):
     """`cnnkit eval` of an fp32 run on a CPU uses the measured inference kernels; the figures
-    are the same in either choice."""
+    are the same in either choice. (The digits run's precision is `auto`: fp32 on a CPU without
+    bf16 units, as here by patching; on one with them evaluation runs bf16 and measures nothing.)"""
     from cnnkit.train import evaluation
 
     asked, results = [], {}
+    monkeypatch.setattr(settings_module, "choose_inference_kernels",
+                        lambda *args, **kwargs: asked.append(args) or (False, {}))  # fmt: skip
+    monkeypatch.setattr(settings_module, "precisions", lambda device: ["fp32", "bf16"])
+    evaluation.evaluate_checkpoint(digits_run, device="cpu")
+    assert asked == []  # bf16 autocast: the training rules, nothing measured
+    monkeypatch.setattr(settings_module, "precisions", lambda device: ["fp32"])
     for choice in ((False, {}), (True, {"fc3": "wxt", "output": "wxt"})):
         monkeypatch.setattr(settings_module, "choose_inference_kernels",
                             lambda net, dev, batch, cache=True, c=choice: asked.append(batch) or c)  # fmt: skip
