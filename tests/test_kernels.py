@@ -1,10 +1,12 @@
-"""Kernels per layer: NNPACK convolutions (forward, input and weight gradients) against
-torch.nn's, per-layer memory formats leaving the network's results and state_dict unchanged,
-and the measurement that picks them (only when faster, never when NNPACK disagrees)."""
+"""Kernels per layer: NNPACK convolutions (forward, input and weight gradients) and oneDNN's
+linear layers against torch.nn's, per-layer memory formats leaving the network's results and
+state_dict unchanged, and the measurement that picks them (only when faster, never when a kernel
+disagrees with the plain one)."""
 
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -13,12 +15,15 @@ import torch.nn.functional as F
 from cnnkit.config import TrainConfig
 from cnnkit.nn import Network, tuning
 from cnnkit.nn.kernels import Conv2d, NnpackConv, nnpack_ready, options, set_kernel, set_kernels
+from cnnkit.nn.modules import FlatLinear
+from cnnkit.nn.onednn import onednn_ready
 from cnnkit.train import kernel_plan
 from cnnkit.train import settings as settings_module
 from cnnkit.train.engine import build_engine, train_step
 from cnnkit.train.settings import Settings
 
 needs_nnpack = pytest.mark.skipif(not nnpack_ready(), reason="this torch build has no NNPACK")
+needs_onednn = pytest.mark.skipif(not onednn_ready(), reason="torch without oneDNN linear")
 CPU = torch.device("cpu")
 
 SPEC = {
@@ -71,6 +76,8 @@ def test_kernels_apply_only_where_they_can():
     assert options(net.c1) == ("nchw", "nhwc")  # stride 2: not NNPACK
     assert options(net.c2) == (("nchw", "nhwc", "nnpack") if nnpack_ready() else ("nchw", "nhwc"))
     assert options(net.pool) == ("nchw", "nhwc")
+    linear = net.get_submodule(net.table[-1].name)
+    assert options(linear) == (("xwt", "wxt", "onednn") if onednn_ready() else ("xwt", "wxt"))
     assert options(net.get_submodule(net.table[1].name)) == ()  # relu follows its input
     with pytest.raises(ValueError, match="does not apply"):
         set_kernel(net.c1, "nnpack")
@@ -114,9 +121,10 @@ def test_the_plan_takes_the_fastest_that_agrees(monkeypatch):
     x = torch.randn(4, 3, 20, 20)
     plan = kernel_plan.plan_kernels(net, x, threads=1)
     assert all(kernel in options(net.get_submodule(name)) for name, kernel in plan.items())
-    assert not plan or set(plan.values()) != {"nchw"}  # all-NCHW is no plan at all
-    monkeypatch.setattr(kernel_plan, "TOLERANCE", -1.0)  # NNPACK "disagrees": never chosen
-    assert "nnpack" not in kernel_plan.plan_kernels(net, x, threads=1).values()
+    plain = {name: options(net.get_submodule(name))[0] for name in plan}
+    assert not plan or plan != plain  # all plain kernels is no plan at all
+    monkeypatch.setattr(kernel_plan, "TOLERANCE", -1.0)  # every other kernel "disagrees"
+    assert kernel_plan.plan_kernels(net, x, threads=1) == {}
     monkeypatch.setattr(kernel_plan, "BUDGET_S", 0.0)
     assert kernel_plan.plan_kernels(net, x, threads=1) == {}
 
@@ -149,14 +157,17 @@ def test_the_engine_trains_with_the_plan_as_without():
     net = Network(SPEC)
     x, y = torch.randn(8, 3, 20, 20), torch.randint(0, 4, (8,))
     kernel = "nnpack" if nnpack_ready() else "nhwc"
+    linear = net.table[-1].name
     results = []
-    for kernels in ((), (("c2", kernel), ("pool", "nhwc"))):
+    for kernels in ((), (("c2", kernel), ("pool", "nhwc"), (linear, "onednn"))):
         engine = build_engine(copy.deepcopy(net), TrainConfig(lr=0.1), CPU,
                               settings=Settings("fp32", False, 1, "set", kernels=kernels))  # fmt: skip
         loss, _ = train_step(engine, x, y)
-        results.append((loss.item(), engine.network.c2.weight.detach().clone()))
+        weights = [engine.network.get_submodule(n).weight.detach().clone() for n in ("c2", linear)]
+        results.append((loss.item(), weights))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
-    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-5)
+    for want, got in zip(*(r[1] for r in results), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_a_first_layer_without_weights_is_timed_forward_only():
@@ -174,10 +185,67 @@ def test_each_layer_is_timed_with_its_input_in_the_format_the_layer_before_leave
 
     def fake(module, x, grad_input=True):
         seen.append((x.is_contiguous(memory_format=torch.channels_last), grad_input))
-        return "nhwc" if len(seen) == 1 else "nchw"
+        return "nhwc" if len(seen) == 1 else options(module)[0]
 
     monkeypatch.setattr(kernel_plan, "fastest_kernel", fake)
-    plan = kernel_plan.plan_kernels(Network(SPEC), torch.randn(4, 3, 20, 20), threads=1)
-    assert list(plan) == ["c1", "c2", "pool", "c3"]  # in the order they run
+    net = Network(SPEC)
+    plan = kernel_plan.plan_kernels(net, torch.randn(4, 3, 20, 20), threads=1)
+    linear = net.table[-1].name
+    assert list(plan) == ["c1", "c2", "pool", "c3", linear]  # in the order they run
     # c1 gets the batch (NCHW, no gradient); c2 gets c1's NHWC output; after c2 (NCHW), NCHW
-    assert seen == [(False, False), (True, True), (False, True), (False, True)]
+    assert seen == [(False, False), (True, True), (False, True), (False, True), (False, True)]
+
+
+@needs_onednn
+def test_onednn_linear_packs_once_and_follows_the_weight():
+    """With no gradient wanted the weight is packed once, and again after an in-place change
+    (an optimizer step, load_state_dict); copies and pickles start unpacked; one image runs
+    unpacked; a training step drops the packed copy. Always as nn.Linear computes."""
+    torch.manual_seed(0)
+    plain = FlatLinear(48, 7)
+    layer = copy.deepcopy(plain)
+    set_kernel(layer, "onednn")
+    x = torch.randn(5, 3, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x[:1]), plain(x[:1]))
+        assert layer._packed.source is None  # one image: unpacked
+        torch.testing.assert_close(layer(x), plain(x))
+        packed = layer._packed.packed
+        layer(x)
+        assert layer._packed.packed is packed  # packed once
+        for m in (layer, plain):
+            m.weight.mul_(-2)  # as an optimizer step changes it
+        torch.testing.assert_close(layer(x), plain(x))
+        state = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
+        for m in (layer, plain):
+            m.load_state_dict(state)
+        torch.testing.assert_close(layer(x), plain(x))
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert twin._packed.source is None and twin.product == "onednn"
+        with torch.inference_mode():
+            torch.testing.assert_close(twin(x), plain(x))
+    layer(x).sum().backward()
+    assert layer._packed.source is None and layer.weight.grad is not None
+
+
+@needs_onednn
+def test_onednn_linear_gradients_and_where_it_steps_aside():
+    """Gradients of input, weight and bias as nn.Linear's, a frozen weight included; under
+    autocast it is bf16 F.linear, and on non-fp32 inputs plain F.linear."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(300, 20)
+    layer = FlatLinear(300, 20)
+    layer.load_state_dict(plain.state_dict())
+    set_kernel(layer, "onednn")
+    x = torch.randn(9, 300, requires_grad=True)
+    for frozen in (False, True):
+        for m in (plain, layer):
+            m.weight.requires_grad_(not frozen)
+        want = grads_of(plain, x, *[p for p in plain.parameters() if p.requires_grad])
+        got = grads_of(layer, x, *[p for p in layer.parameters() if p.requires_grad])
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(layer.double()(x.double()), plain.double()(x.double()))

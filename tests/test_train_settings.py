@@ -12,6 +12,7 @@ import torch
 from cnnkit.bench.throughput import bench_throughput
 from cnnkit.config import TrainConfig
 from cnnkit.nn import build_model, tuning
+from cnnkit.nn.onednn import onednn_ready
 from cnnkit.train import settings as settings_module
 from cnnkit.train.settings import MARGIN, Settings, _fastest, choose_settings, static_settings
 
@@ -107,9 +108,10 @@ def test_train_prints_the_choice_on_its_start_line(tmp_path, capsys, threads):
 
 
 def test_inference_kernels_are_timed_forward_only_once_then_cached(tmp_path, monkeypatch):
-    """Classification's kernels: NCHW / channels_last x the linear layers' two products,
-    forward passes timed in inference mode at the batch (up to INFER_BATCH), the answer cached
-    apart from the training settings."""
+    """Classification's kernels: NCHW / channels_last x the linear layers' products (F.linear's,
+    its transpose, oneDNN's where torch has it), forward passes timed in inference mode at the
+    batch (up to INFER_BATCH), the answer cached apart from the training settings."""
+    from cnnkit.nn.kernels import options
     from cnnkit.nn.tuning import INFER_BATCH, choose_inference_kernels
 
     net, cache = build_model("digitnet"), tmp_path / "c.json"
@@ -123,20 +125,24 @@ def test_inference_kernels_are_timed_forward_only_once_then_cached(tmp_path, mon
     monkeypatch.setattr(tuning.CandidateTimer, "_call", spy)
     first = choose_inference_kernels(net, CPU, 500, cache=cache)
     assert {t[0] for t in timed} == {INFER_BATCH} and all(t[1] for t in timed)
-    linear = (("fc3", "wxt"), ("output", "wxt"))
-    assert {(t[2], t[3]) for t in timed} == {(cl, p) for cl in (False, True) for p in ((), linear)}
+    plans = [(), *((("fc3", p), ("output", p)) for p in options(net.fc3)[1:])]
+    assert len(plans) == (3 if onednn_ready() else 2)
+    assert {(t[2], t[3]) for t in timed} == {(cl, p) for cl in (False, True) for p in plans}
     measured = len(timed)
     assert choose_inference_kernels(net, CPU, 500, cache=cache) == first and len(timed) == measured
     entry = next(iter(json.loads(cache.read_text()).values()))
     assert entry["precision"] == "fp32" and entry["channels_last"] == first[0]
-    assert set(first[1].items()) in (set(), set(linear))
+    assert set(first[1].items()) in [set(p) for p in plans]
     choose_settings(net, TrainConfig(), CPU, INFER_BATCH, cache=cache)  # training: its own entry
     assert len(json.loads(cache.read_text())) == 2
     flat = build_model({"input": [10], "layers": [{"type": "linear", "out_features": 3}]})
     assert choose_inference_kernels(flat, CPU, 8, cache=cache) == (False, {})  # as trained
 
 
-def test_flattening_linear_layers_transposed_product_equals_f_linear():
+@pytest.mark.parametrize("product", ["wxt", "onednn"])
+def test_flattening_linear_layers_products_equal_f_linear(product):
+    """Output and gradients as nn.Linear's (oneDNN's by its own path, or F.linear where torch
+    lacks it); exports see F.linear."""
     from cnnkit.nn.kernels import set_kernel
     from cnnkit.nn.modules import FlatLinear
 
@@ -144,11 +150,13 @@ def test_flattening_linear_layers_transposed_product_equals_f_linear():
         layer = FlatLinear(12, 5, bias=bias)
         x = torch.randn(3, 3, 2, 2, requires_grad=True)
         want = layer(x)
-        set_kernel(layer, "wxt")
+        (want_x,) = torch.autograd.grad(want.square().sum(), x)
+        set_kernel(layer, product)
         got = layer(x)
         torch.testing.assert_close(got, want)
-        got.sum().backward()
-        assert x.grad is not None and layer.weight.grad is not None
+        got.square().sum().backward()
+        torch.testing.assert_close(x.grad, want_x)
+        assert layer.weight.grad is not None
         graph = str(torch.export.export(layer, (x.detach(),)).graph)
         assert "aten.linear" in graph and "addmm" not in graph  # exports: F.linear
 

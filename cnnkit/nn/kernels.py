@@ -1,9 +1,11 @@
 """Per-layer CPU kernels: a convolution or pooling layer may run in a memory format of its own
-(NCHW or NHWC), and a stride-1 convolution may run on NNPACK, whose Winograd and FFT
-convolutions take fewer multiplies than oneDNN's direct ones (train/kernel_plan.py measures
-which is fastest for each layer). The network's parameters and state_dict are unchanged.
+(NCHW or NHWC), a stride-1 convolution may run on NNPACK, whose Winograd and FFT convolutions
+take fewer multiplies than oneDNN's direct ones, and a flattening linear layer may run as
+(W x^T)^T or on oneDNN instead of the BLAS (train/kernel_plan.py and nn/tuning.py measure which
+is fastest). The first kernel of each layer's options is the plain one. The network's
+parameters and state_dict are unchanged.
 
-    set_kernels(network, {"features.3": "nnpack", "features.2": "nhwc"})
+    set_kernels(network, {"features.3": "nnpack", "features.2": "nhwc", "fc6": "onednn"})
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from cnnkit.nn.modules import FlatLinear
+from cnnkit.nn.onednn import onednn_ready
 
 KERNELS = ("nchw", "nhwc", "nnpack")
-PRODUCTS = ("xwt", "wxt")  # a flattening linear layer's: F.linear's x @ W^T, or (W @ x^T)^T
+# a flattening linear layer's product: F.linear's x @ W^T (the BLAS), (W @ x^T)^T, or oneDNN's
+PRODUCTS = ("xwt", "wxt", "onednn")
 NNPACK_MAX_KERNEL = 16  # NNPACK's largest kernel side
 # the memory format each kernel takes its input and weights in (NNPACK: NCHW)
 FORMATS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last,
            "nnpack": torch.contiguous_format, "xwt": torch.contiguous_format,
-           "wxt": torch.contiguous_format}  # fmt: skip
+           "wxt": torch.contiguous_format, "onednn": torch.contiguous_format}  # fmt: skip
 
 
 @functools.cache
@@ -60,7 +64,7 @@ def options(module: nn.Module) -> tuple[str, ...]:
     if isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)):
         return KERNELS[:2]
     if isinstance(module, FlatLinear):
-        return PRODUCTS
+        return PRODUCTS if onednn_ready() else PRODUCTS[:2]
     return ()
 
 
@@ -73,11 +77,11 @@ def set_kernels(network: nn.Module, plan: Mapping[str, str]) -> nn.Module:
 
 def set_kernel(module: nn.Module, kernel: str) -> None:
     """Put the layer's input and weights in the kernel's memory format; NNPACK for a conv."""
+    if isinstance(module, FlatLinear) and kernel in PRODUCTS:  # a product, no memory format
+        module.product = kernel  # "onednn" runs F.linear where this torch lacks oneDNN
+        return
     if kernel not in options(module):
         raise ValueError(f"kernel {kernel!r} does not apply to {type(module).__name__}")
-    if isinstance(module, FlatLinear):  # a product, no memory format
-        module.product = kernel
-        return
     old = getattr(module, "_kernel_hook", None)
     if old is not None:
         old.remove()

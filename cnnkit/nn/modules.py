@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cnnkit.nn import onednn
+
 
 class ScaledTanh(nn.Module):
     """LeCun's tanh: 1.7159 * tanh(2/3 x), unit gain around zero."""
@@ -18,8 +20,9 @@ class FlatLinear(nn.Linear):
     """nn.Linear that flattens a (B, C, H, W) input first, as Caffe's InnerProduct does.
 
     `product` "wxt" computes (W @ x^T)^T instead of F.linear's x @ W^T: the same sums, which
-    some CPUs' BLAS runs several times faster for small batches (nn/kernels.py; classification
-    measures it). Exports, tracing and compiling see F.linear."""
+    some CPUs' BLAS runs several times faster for small batches; "onednn" runs them on oneDNN
+    instead of the BLAS (nn/onednn.py). Which is fastest is measured (nn/kernels.py). Exports,
+    tracing and compiling see F.linear."""
 
     product = "xwt"
 
@@ -27,6 +30,9 @@ class FlatLinear(nn.Linear):
         x = x.flatten(1) if x.dim() > 2 else x
         if self.product == "xwt" or torch.jit.is_tracing() or torch.compiler.is_compiling():
             return super().forward(x)
+        if self.product == "onednn":
+            packed = self.__dict__.setdefault("_packed", onednn.PackedWeight())
+            return onednn.linear(x, self.weight, self.bias, packed)
         if self.bias is None:
             return (self.weight @ x.T).T
         return torch.addmm(self.bias[:, None], self.weight, x.T).T

@@ -28,7 +28,7 @@ MARGIN = 1.03  # a choice other than the plain one must be this much faster to b
 BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
 MIN_ROUNDS, MAX_ROUNDS = 2, 5
 INFER_BATCH = 16  # the largest batch inference kernels are timed at
-INFER_METHOD = 2  # how they are measured (2: formats x linear products); in the cache key
+INFER_METHOD = 3  # how they are measured (3: formats x linear products, oneDNN's among them)
 Plan = tuple[tuple[str, str], ...]  # (layer name, kernel) pairs; () for none
 Candidate = tuple[str, bool, int, Plan]  # precision, channels_last, threads, kernels
 
@@ -101,8 +101,8 @@ class CandidateTimer:
 def choose_inference_kernels(network: Network, device: torch.device, batch: int,
                              cache: Path | bool = True) -> tuple[bool, dict[str, str]]:  # fmt: skip
     """(channels_last, a kernel per layer) for fp32 inference of `network` at `batch` images
-    on this CPU: NCHW or channels_last, and the flattening linear layers' product (F.linear's
-    or its transpose, nn/kernels.py), whichever forward pass is fastest; each pair timed in
+    on this CPU: NCHW or channels_last, and the flattening linear layers' product (F.linear's,
+    its transpose or oneDNN's, nn/kernels.py), whichever forward pass is fastest; each timed in
     inference mode, interleaved, at up to INFER_BATCH images, once per machine, torch version,
     network and batch (cached beside the training settings). Off a CPU, and for networks
     without image input: (False, {}), as trained."""
@@ -121,8 +121,9 @@ def choose_inference_kernels(network: Network, device: torch.device, batch: int,
 
 def _measure_inference(network: Network, device: torch.device, batch: int) -> dict[str, Any]:
     threads = torch.get_num_threads()
-    linear = tuple((n, "wxt") for n, m in network.named_modules() if "wxt" in options(m))
-    plans = [(), linear] if linear else [()]
+    linear = [(n, options(m)) for n, m in network.named_modules() if "wxt" in options(m)]
+    products = linear[0][1][1:] if linear else ()  # the plain product is the plan ()
+    plans = [(), *(tuple((n, p) for n, _ in linear) for p in products)]
     grid = [("fp32", cl, threads, plan) for cl in (False, True) for plan in plans]
     with torch.random.fork_rng(devices=[]):
         times = CandidateTimer(network, device, batch, exact=True, forward_only=True).run(grid)

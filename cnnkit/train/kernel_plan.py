@@ -1,8 +1,9 @@
 """A kernel per layer, chosen by timing the way cudnn.benchmark picks a convolution algorithm:
-each convolution and pooling layer is timed alone (forward + backward on an input of its own
-shape) in every kernel that applies to it (NCHW, NHWC, NNPACK; nn/kernels.py), interleaved,
-and the fastest kept. NNPACK must also agree with oneDNN on that layer (TOLERANCE), or it is
-not used. Timing stops after BUDGET_S; the layers left untimed keep the format they get.
+each convolution, pooling and flattening linear layer is timed alone (forward + backward on an
+input of its own shape) in every kernel that applies to it (NCHW, NHWC, NNPACK; the linear
+products; nn/kernels.py), interleaved, and the fastest kept. A kernel must also agree with the
+layer's plain one (TOLERANCE), or it is not used. Timing stops after BUDGET_S; the layers left
+untimed keep the format they get.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cnnkit.runtime import torch_threads
 
 BUDGET_S = 30.0  # per network; the layers left untimed run in the format their input has
 ROUNDS = 2  # timed rounds per layer, after one warm-up
-TOLERANCE = 1e-4  # NNPACK's largest difference from oneDNN, relative to the largest value
+TOLERANCE = 1e-4  # a kernel's largest difference from the plain one, relative to the largest value
 
 
 def plan_kernels(network: Network, x: torch.Tensor, threads: int) -> dict[str, str]:
@@ -36,16 +37,19 @@ def plan_kernels(network: Network, x: torch.Tensor, threads: int) -> dict[str, s
         for name, (shape, first) in layer_inputs(model, x).items():
             if time.perf_counter() - start > BUDGET_S:
                 break
-            sample = torch.randn(shape, generator=g).contiguous(memory_format=arrives)
+            sample = torch.randn(shape, generator=g)
+            if sample.dim() == 4:
+                sample = sample.contiguous(memory_format=arrives)
             plan[name] = fastest_kernel(model.get_submodule(name), sample, not first)
             arrives = FORMATS[plan[name]]  # what this layer's output keeps
-    return plan if set(plan.values()) - {"nchw"} else {}
+    plain = all(k == options(model.get_submodule(n))[0] for n, k in plan.items())
+    return {} if plain else plan
 
 
 def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Layer name -> (input shape, whether that input is the network's own) for every layer
-    that has memory-format options (convolutions and pooling), in the order one forward pass runs them (the network's input
-    needs no gradient)."""
+    that has kernel options (convolutions, pooling, flattening linear layers), in the order one
+    forward pass runs them (the network's input needs no gradient)."""
     x = x.cpu()
     seen: dict[str, tuple[tuple[int, ...], bool]] = {}
 
@@ -53,7 +57,7 @@ def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int
         seen.setdefault(name, (tuple(args[0].shape), args[0] is x))
 
     hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: record(name, args))
-             for name, m in model.named_modules() if "nchw" in options(m)]  # fmt: skip
+             for name, m in model.named_modules() if options(m)]  # fmt: skip
     try:
         with torch.no_grad():
             model(x)
@@ -65,7 +69,7 @@ def layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[tuple[int
 
 def fastest_kernel(module: nn.Module, x: torch.Tensor, grad_input: bool = True) -> str:
     """The kernel under which forward + backward of `module` on `x` (in the memory format it
-    arrives in) is fastest."""
+    arrives in) is fastest, among those that agree with the plain one (the first)."""
     kernels = list(options(module))
     variants = {k: _variant(module, k) for k in kernels}
     x = x.requires_grad_(grad_input)
@@ -78,8 +82,9 @@ def fastest_kernel(module: nn.Module, x: torch.Tensor, grad_input: bool = True) 
                 seconds[k].append(took)
             else:
                 results[k] = out
-    if "nnpack" in kernels and not _agrees(results["nnpack"], results["nchw"]):
-        del seconds["nnpack"]
+    for k in kernels[1:]:
+        if not _agrees(results[k], results[kernels[0]]):
+            del seconds[k]
     return min(seconds, key=lambda k: statistics.median(seconds[k]))
 
 

@@ -40,7 +40,7 @@ from cnnkit.train.kernel_plan import plan_kernels
 
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
-METHOD = 3  # how settings are measured; part of the cache key, so a new method measures anew
+METHOD = 4  # how settings are measured; part of the cache key, so a new method measures anew
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class Settings:
         what = "fp32" if self.precision == "fp32" else f"{self.precision} autocast"
         parts = [what] + (["channels_last"] if self.channels_last else [])
         if self.kernels:
-            named = {"nnpack": "NNPACK", "nhwc": "NHWC", "nchw": "NCHW", "wxt": "(W x^T)^T"}
+            named = {"nnpack": "NNPACK", "nhwc": "NHWC", "nchw": "NCHW", "wxt": "(W x^T)^T",
+                     "onednn": "oneDNN linear"}  # fmt: skip
             counts = {k: [v for _, v in self.kernels].count(k) for k in named}
             mix = ", ".join(f"{n} {named[k]}" for k, n in counts.items() if n)
             parts.append(f"kernels per layer ({mix})")
