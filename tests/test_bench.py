@@ -15,7 +15,12 @@ from helpers import run_cli
 from cnnkit.bench.baseline import PlainProcess, amp_dtype, peer_label, plain_model
 from cnnkit.bench.layers import bench_layers
 from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
-from cnnkit.bench.throughput import bench_throughput, make_train_step, train_config
+from cnnkit.bench.throughput import (
+    bench_throughput,
+    make_train_step,
+    print_throughput,
+    train_config,
+)
 from cnnkit.bench.timing import measure
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CnnkitError, ConfigError
@@ -87,6 +92,22 @@ def test_train_throughput_fields_are_consistent():
 def test_infer_counts_forward_flops_only():
     r = bench_throughput(TINY, "infer", 4, CPU, precision="fp32", repeats=2, quick_peak=True)
     assert r["flops_per_image"] == 2 * TINY_MACS and r["precision"] == "fp32"
+
+
+@pytest.mark.parametrize("ratio", [0.5, 2.0])
+def test_a_cpu_estimate_under_the_measured_peak_says_why(ratio):
+    """Under a hypervisor /proc/cpuinfo gives the nominal clock, and boosting cores beat the
+    estimate made from it: the report says so rather than show a paper peak below the measured."""
+    from rich.console import Console
+
+    r = bench_throughput(TINY, "infer", 4, CPU, precision="fp32", repeats=2, quick_peak=True)
+    r["settings"]["as"] = "cnnkit classify"
+    r["theoretical_peak"] = {"flops_per_second": ratio * r["peak_flops_per_second"],
+                             "source": "estimate"}  # fmt: skip
+    console = Console(record=True, width=200)
+    print_throughput(r, console)
+    line = next(x for x in console.export_text().splitlines() if "on paper" in x)
+    assert ("above the clock the OS reports" in line) == (ratio < 1)
 
 
 def test_train_step_is_a_real_sgd_step_of_the_engine():
