@@ -50,7 +50,9 @@ def classify(
     from cnnkit.errors import DataError
     from cnnkit.infer.classify import Classifier
     from cnnkit.infer.images import find_images
+    from cnnkit.runtime import keep_freed_memory
 
+    keep_freed_memory()  # batch after batch reuses the same large buffers
     found = find_images(paths)
     if not found.files:
         raise DataError(_nothing_to_classify(paths, found.skipped))
@@ -214,7 +216,9 @@ def detect(
     from cnnkit.infer.images import to_hwc
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix
+    from cnnkit.runtime import keep_freed_memory
 
+    keep_freed_memory()  # window batch after window batch: the same large buffers
     _writable(out)
     if out is not None:
         check_suffix(out, IMAGE_SUFFIXES)  # before the search, not after it

@@ -128,8 +128,10 @@ def evaluate(
     ema: bool = typer.Option(False, "--ema", help="The moving average of the weights (train.ema)."),
 ) -> None:
     """Loss, top-1 and top-5 accuracy on the held-out split (or --data)."""
+    from cnnkit.runtime import keep_freed_memory
     from cnnkit.train.evaluation import evaluate_checkpoint
 
+    keep_freed_memory()  # batch after batch reuses the same large buffers
     result = evaluate_checkpoint(target, data, device, batch_size, tencrop, ema)
     if as_json:
         print(json.dumps(result, indent=2))
