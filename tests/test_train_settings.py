@@ -161,20 +161,33 @@ def test_flattening_linear_layers_products_equal_f_linear(product):
         assert "aten.linear" in graph and "addmm" not in graph  # exports: F.linear
 
 
-def test_eval_on_the_cpu_runs_classifications_kernels(digits_run, monkeypatch):
-    """`cnnkit eval` of an fp32 run on a CPU uses the measured inference kernels; the figures
-    are the same in either choice. (The digits run's precision is `auto`: fp32 on a CPU without
-    bf16 units, as here by patching; on one with them evaluation runs bf16 and measures nothing.)"""
+def test_eval_on_the_cpu_runs_in_the_runs_precision_with_classifications_kernels(
+    digits_run, monkeypatch
+):
+    """`cnnkit eval` on the CPU evaluates in the precision the run's steps ran in (its
+    checkpoint's settings, where `auto` might resolve otherwise now), and in fp32 with the
+    measured inference kernels; the figures are the same in either kernel choice."""
     from cnnkit.train import evaluation
+
+    real = evaluation.load_trained
+
+    def ran_in(precision):
+        def load(*args, **kwargs):
+            network, meta = real(*args, **kwargs)
+            return network, {**meta, "settings": {**meta["settings"], "precision": precision}}
+
+        return load
 
     asked, results = [], {}
     monkeypatch.setattr(settings_module, "choose_inference_kernels",
                         lambda *args, **kwargs: asked.append(args) or (False, {}))  # fmt: skip
     monkeypatch.setattr(settings_module, "precisions", lambda device: ["fp32", "bf16"])
+    monkeypatch.setattr(evaluation, "load_trained", ran_in("bf16"))
     evaluation.evaluate_checkpoint(digits_run, device="cpu")
     assert asked == []  # bf16 autocast: the training rules, nothing measured
-    monkeypatch.setattr(settings_module, "precisions", lambda device: ["fp32"])
-    for choice in ((False, {}), (True, {"fc3": "wxt", "output": "wxt"})):
+    monkeypatch.setattr(evaluation, "load_trained", ran_in("fp32"))  # bf16 here, but not used
+    product = "onednn" if onednn_ready() else "wxt"
+    for choice in ((False, {}), (True, {"fc3": product, "output": product})):
         monkeypatch.setattr(settings_module, "choose_inference_kernels",
                             lambda net, dev, batch, cache=True, c=choice: asked.append(batch) or c)  # fmt: skip
         results[choice[0]] = evaluation.evaluate_checkpoint(digits_run, device="cpu")

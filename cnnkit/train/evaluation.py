@@ -121,7 +121,7 @@ def evaluate_checkpoint(
     dev = resolve_device(device)
     bundle = cfg.build(dev, 0, 1, config.get("seed", 0))
     label_map = class_map(bundle.classes, meta["classes"], data or "the held-out split")
-    train_cfg = _eval_settings(config, device, dev, meta.get("path", target))
+    train_cfg = _eval_settings(config, device, dev, meta.get("path", target), meta.get("settings"))
     batch = cfg.eval_batch_size or cfg.batch_size
     engine = build_engine(
         network, train_cfg, dev, settings=inference_settings(network, train_cfg, dev, batch)
@@ -176,10 +176,15 @@ class CountedBatches:
 
 
 def _eval_settings(config: dict[str, Any], name: str, device: torch.device,
-                   source: Any = "the checkpoint") -> TrainConfig:  # fmt: skip
-    """The run's precision and memory format, on the evaluation device."""
+                   source: Any = "the checkpoint", ran: dict | None = None) -> TrainConfig:  # fmt: skip
+    """The run's precision and memory format, on the evaluation device: on the kind of device
+    it trained on, the precision its steps ran in (`ran`, the checkpoint's settings), so that
+    evaluation repeats the held-out figures even where `auto` was measured (fp32 on a CPU
+    that also computes in bf16, say)."""
     trained = config.get("train", {})
     trained = dict(trained if isinstance(trained, dict) else {}, device=name, compile=False)
+    if trained.get("precision") == "auto" and ran and ran.get("device") == device.type:
+        trained["precision"] = ran["precision"]
     if trained.get("precision") == "fp16" and device.type != "cuda":
         trained["precision"] = "auto"  # trained with CUDA fp16, evaluated elsewhere
     try:
