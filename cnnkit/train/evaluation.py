@@ -176,7 +176,8 @@ class CountedBatches:
 
 
 def _eval_settings(config: dict[str, Any], name: str, device: torch.device,
-                   source: Any = "the checkpoint", ran: dict | None = None) -> TrainConfig:  # fmt: skip
+                   source: Any = "the checkpoint",
+                   ran: dict | None = None) -> TrainConfig:  # fmt: skip
     """The run's precision and memory format, on the evaluation device: on the kind of device
     it trained on, the precision its steps ran in (`ran`, the checkpoint's settings), so that
     evaluation repeats the held-out figures even where `auto` was measured (fp32 on a CPU
