@@ -24,6 +24,7 @@ import torch
 from cnnkit.infer.export import export
 from cnnkit.infer.load import load_for_inference
 from cnnkit.nn.kernels import set_kernels
+from cnnkit.nn.onednn import freeze
 from cnnkit.nn.tuning import choose_inference_kernels
 from cnnkit.runtime import keep_freed_memory, machine_name
 
@@ -72,7 +73,7 @@ def main() -> None:
     channels_last, plan = choose_inference_kernels(model, torch.device("cpu"), args.batch)
     if channels_last:  # as Classifier does, which converts each batch (counted here too)
         model = model.to(memory_format=torch.channels_last)
-    set_kernels(model, plan)
+    freeze(set_kernels(model, plan))  # as Classifier does: oneDNN's linear layers pack weights
 
     def pytorch(batch: torch.Tensor):
         with torch.inference_mode():

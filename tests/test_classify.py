@@ -55,15 +55,17 @@ def test_classifies_digit_pngs_like_evaluation(digits_run, digit_pngs):
     assert all(len(p.labels) == 3 and p.probs == sorted(p.probs, reverse=True) for p in preds)
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("channels_last,product", [(False, "xwt"), (True, "wxt"), (True, "onednn")])
 def test_either_measured_format_gives_the_same_predictions(digits_run, digit_pngs, monkeypatch,
-                                                           channels_last):  # fmt: skip
+                                                           channels_last, product):  # fmt: skip
+    """NCHW or channels_last, and each linear product (oneDNN's with its weights packed: a
+    classifier's weights are frozen), predict the same."""
     from cnnkit.nn import tuning
 
     paths, _ = digit_pngs
     plain = Classifier.load(digits_run)
     plain.channels_last = False  # as measured: NCHW
-    plan = {"fc3": "wxt", "output": "wxt"} if channels_last else {}  # digitnet's linear layers
+    plan = {"fc3": product, "output": product} if product != "xwt" else {}  # digitnet's linear
     monkeypatch.setattr(tuning, "choose_inference_kernels", lambda *a, **k: (channels_last, plan))
     chosen = Classifier.load(digits_run)
     want, got = plain.predict(paths[:9], top=2), chosen.predict(paths[:9], top=2)
@@ -71,7 +73,8 @@ def test_either_measured_format_gives_the_same_predictions(digits_run, digit_png
     conv = next(m for m in chosen.model.modules()
                 if isinstance(m, torch.nn.Conv2d) and m.in_channels > 1)  # fmt: skip
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) is channels_last
-    assert chosen.model.get_submodule("fc3").product == ("wxt" if channels_last else "xwt")
+    fc3 = chosen.model.get_submodule("fc3")
+    assert fc3.product == product and ("_packed" in fc3.__dict__) == (product == "onednn")
     assert [p.labels for p in got] == [p.labels for p in want]
     for a, b in zip(got, want, strict=True):
         assert a.probs == pytest.approx(b.probs, rel=1e-5, abs=1e-6)

@@ -16,7 +16,7 @@ from cnnkit.config import TrainConfig
 from cnnkit.nn import Network, tuning
 from cnnkit.nn.kernels import Conv2d, NnpackConv, nnpack_ready, options, set_kernel, set_kernels
 from cnnkit.nn.modules import FlatLinear
-from cnnkit.nn.onednn import onednn_ready
+from cnnkit.nn.onednn import freeze, onednn_ready
 from cnnkit.train import kernel_plan
 from cnnkit.train import settings as settings_module
 from cnnkit.train.engine import build_engine, train_step
@@ -197,16 +197,19 @@ def test_each_layer_is_timed_with_its_input_in_the_format_the_layer_before_leave
 
 
 @needs_onednn
-def test_onednn_linear_packs_once_and_follows_the_weight():
-    """With no gradient wanted the weight is packed once, and again after an in-place change
-    (an optimizer step, load_state_dict); copies and pickles start unpacked; one image runs
-    unpacked; a training step drops the packed copy. Always as nn.Linear computes."""
+def test_onednn_linear_packs_only_when_frozen_and_follows_the_weight():
+    """A frozen layer (inference) packs its weight once, and again after an in-place change
+    or a new weight; copies and pickles start unpacked; one image runs unpacked; a forward pass
+    that wants gradients drops the packed copy. Always as nn.Linear computes."""
     torch.manual_seed(0)
     plain = FlatLinear(48, 7)
     layer = copy.deepcopy(plain)
     set_kernel(layer, "onednn")
     x = torch.randn(5, 3, 4, 4)
     with torch.no_grad():
+        torch.testing.assert_close(layer(x), plain(x))
+        assert "_packed" not in layer.__dict__  # not frozen: never packed
+        freeze(layer)
         torch.testing.assert_close(layer(x[:1]), plain(x[:1]))
         assert layer._packed.source is None  # one image: unpacked
         torch.testing.assert_close(layer(x), plain(x))
@@ -214,7 +217,7 @@ def test_onednn_linear_packs_once_and_follows_the_weight():
         layer(x)
         assert layer._packed.packed is packed  # packed once
         for m in (layer, plain):
-            m.weight.mul_(-2)  # as an optimizer step changes it
+            m.weight.mul_(-2)
         torch.testing.assert_close(layer(x), plain(x))
         state = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
         for m in (layer, plain):
@@ -226,6 +229,47 @@ def test_onednn_linear_packs_once_and_follows_the_weight():
             torch.testing.assert_close(twin(x), plain(x))
     layer(x).sum().backward()
     assert layer._packed.source is None and layer.weight.grad is not None
+
+
+@needs_onednn
+def test_onednn_linear_reads_weights_a_fused_step_changed():
+    """A fused optimizer step changes the weight without bumping its version counter: the
+    layer evaluated between training steps (unfrozen, as `cnnkit train` evaluates) reads the
+    weight as it is now, not a packed copy of an earlier one."""
+    torch.manual_seed(0)
+    plain = FlatLinear(48, 7)
+    layer = copy.deepcopy(plain)
+    set_kernel(layer, "onednn")
+    x = torch.randn(5, 48)
+    for m in (plain, layer):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.5, fused=True)
+        for _ in range(2):
+            with torch.no_grad():
+                m(x)  # held-out figures between steps
+            m.weight.grad = torch.ones_like(m.weight)
+            m.bias.grad = torch.ones_like(m.bias)
+            optimizer.step()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), plain(x))
+
+
+@needs_onednn
+def test_onednn_linear_in_inference_mode_and_on_an_empty_batch():
+    """Weights made in inference mode (no version counter) pack; an empty batch gives F.linear's
+    empty output and zero gradients."""
+    with torch.inference_mode():
+        plain = FlatLinear(20, 3)
+        layer = copy.deepcopy(plain)
+        set_kernel(layer, "onednn")
+        freeze(layer)
+        x = torch.randn(4, 20)
+        torch.testing.assert_close(layer(x), plain(x))
+    layer = FlatLinear(20, 3)
+    set_kernel(layer, "onednn")
+    empty = torch.randn(0, 20, requires_grad=True)
+    y = layer(empty)
+    y.sum().backward()
+    assert y.shape == (0, 3) and not layer.weight.grad.any()
 
 
 @needs_onednn

@@ -107,6 +107,16 @@ def test_train_prints_the_choice_on_its_start_line(tmp_path, capsys, threads):
     assert ("1 thread" in line) if threads == 1 else True
 
 
+def test_a_compiled_run_has_settings_of_its_own():
+    """Kernels per layer are measured for eager steps only: a compiled run's settings are
+    cached apart, not taken from an eager run's entry."""
+    from cnnkit.train.settings import _cache_key
+
+    net = build_model("digitnet")
+    eager, compiled = TrainConfig(), TrainConfig(compile=True)
+    assert _cache_key(net, compiled, CPU, 64) != _cache_key(net, eager, CPU, 64)
+
+
 def test_inference_kernels_are_timed_forward_only_once_then_cached(tmp_path, monkeypatch):
     """Classification's kernels: NCHW / channels_last x the linear layers' products (F.linear's,
     its transpose, oneDNN's where torch has it), forward passes timed in inference mode at the

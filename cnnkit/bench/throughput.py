@@ -28,6 +28,7 @@ from cnnkit.bench.timing import Timing, autocast, check_precision, measure, meas
 from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import set_kernels
+from cnnkit.nn.onednn import freeze
 from cnnkit.runtime import machine_name, torch_threads
 from cnnkit.train.engine import Engine, build_engine, train_step
 from cnnkit.train.settings import Settings, candidates, choose_settings, inference_settings
@@ -84,7 +85,7 @@ def _cnnkit_step(net: Any, mode: str, batch: int, device: torch.device, cfg: Tra
         if settings.channels_last and x.dim() == 4:
             model = model.to(memory_format=torch.channels_last)
             x = x.contiguous(memory_format=torch.channels_last)
-        set_kernels(model, dict(settings.kernels))
+        freeze(set_kernels(model, dict(settings.kernels)))  # as classification runs
         runnable = torch.compile(model) if cfg.compile else model
         step = make_infer_step(runnable.eval(), x, device, settings.precision)
 

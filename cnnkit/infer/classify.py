@@ -107,12 +107,13 @@ class Classifier:
         forward pass faster with them (timed once per machine and network, then cached:
         cnnkit/nn/tuning.py)."""
         from cnnkit.nn.kernels import set_kernels
+        from cnnkit.nn.onednn import freeze
         from cnnkit.nn.tuning import choose_inference_kernels
 
         self.channels_last, plan = choose_inference_kernels(self.model, self.device, batch)
         if self.channels_last:
             self.model.to(memory_format=torch.channels_last)
-        set_kernels(self.model, plan)
+        freeze(set_kernels(self.model, plan))  # a classifier's weights do not change
 
     def _run(self, pending: list[tuple[str, torch.Tensor]], top: int) -> Iterator[Prediction]:
         if not pending:

@@ -30,9 +30,8 @@ class FlatLinear(nn.Linear):
         x = x.flatten(1) if x.dim() > 2 else x
         if self.product == "xwt" or torch.jit.is_tracing() or torch.compiler.is_compiling():
             return super().forward(x)
-        if self.product == "onednn":
-            packed = self.__dict__.setdefault("_packed", onednn.PackedWeight())
-            return onednn.linear(x, self.weight, self.bias, packed)
+        if self.product == "onednn":  # packed weights only once frozen (onednn.freeze)
+            return onednn.linear(x, self.weight, self.bias, self.__dict__.get("_packed"))
         if self.bias is None:
             return (self.weight @ x.T).T
         return torch.addmm(self.bias[:, None], self.weight, x.T).T

@@ -1,8 +1,9 @@
 """oneDNN's fp32 inner product for a linear layer on the CPU. torch sends an fp32 F.linear to
 MKL, which on some CPUs (AMD's) runs it 2-4x slower than oneDNN, which torch also ships: here the
-forward pass and both gradients are oneDNN products, and when no gradient is wanted the weight is
-reordered once into oneDNN's blocked layout (again only after the weight changes). A layer runs
-this way only where it was measured faster (nn/kernels.py: the "onednn" product).
+forward pass and both gradients are oneDNN products. For inference on weights that will not
+change (`freeze`: classification, `cnnkit eval`, the inference benchmarks) the weight is reordered
+once into oneDNN's blocked layout. A layer runs this way only where it was measured faster
+(nn/kernels.py: the "onednn" product).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 PACK_BATCH = 16  # the batch oneDNN picks the weight's blocked layout for (any batch runs on it)
@@ -37,28 +39,40 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == 2
-        and not torch.is_autocast_enabled("cpu") and onednn_ready()
+        and len(x) > 0 and not torch.is_autocast_enabled("cpu") and onednn_ready()
     )  # fmt: skip
 
 
+def freeze(network: nn.Module) -> nn.Module:
+    """Let the layers that run on oneDNN pack their weights, for inference on weights that will
+    not change. Never while training: a fused optimizer step changes a weight without a trace
+    torch can see (its version counter stays), and a packed copy would go stale."""
+    for module in network.modules():
+        if getattr(module, "product", None) == "onednn":
+            module.__dict__["_packed"] = PackedWeight()
+    return network
+
+
 class PackedWeight:
-    """A weight in oneDNN's blocked layout, remade when the weight is replaced or changed in
-    place (an optimizer step, load_state_dict); copies and pickles of a layer start empty."""
+    """A frozen layer's weight in oneDNN's blocked layout, made at its first use, and again if
+    the weight is replaced or changed in place all the same (load_state_dict, an in-place op);
+    dropped by a forward pass that wants gradients. Copies and pickles start empty."""
 
     def __init__(self) -> None:
         self.source: torch.Tensor | None = None
-        self.version = -1
+        self.version: int | None = None
         self.packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        if self.source is not weight or self.version != weight._version:
+        version = None if weight.is_inference() else weight._version  # inference: no counter
+        if self.source is not weight or self.version != version:
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
-            self.source, self.version = weight, weight._version
+            self.source, self.version = weight, version
         return self.packed
 
     def clear(self) -> None:
-        """Drop the packed copy (training: the weight changes every step)."""
+        """Drop the packed copy (the layer is being trained: its weight changes every step)."""
         if self.source is not None:
             self.__init__()
 
@@ -92,17 +106,19 @@ class OnednnLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight) -> torch.Tensor:  # fmt: skip
+           packed: PackedWeight | None = None) -> torch.Tensor:  # fmt: skip
     """F.linear by oneDNN where it applies (fp32 on the CPU outside autocast), else F.linear:
-    through OnednnLinear when a gradient is wanted, on the packed weight when none is (one
-    image at a time runs as fast unpacked, so it is packed from the second image on)."""
+    through OnednnLinear when a gradient is wanted; without, on the weight as it is, or packed
+    when the layer is frozen (`packed`; one image at a time runs as fast unpacked, so the
+    packing waits for a batch of two)."""
     if not _applies(x, weight):
         return F.linear(x, weight, bias)
     x = x.contiguous()
     wanted = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and wanted:
-        packed.clear()
+        if packed is not None:
+            packed.clear()
         return OnednnLinear.apply(x, weight, bias)
-    if len(x) < 2 and packed.source is None:
+    if packed is None or (len(x) < 2 and packed.source is None):
         return _product(x, weight, bias)
     return _product(x, packed.get(weight), bias)

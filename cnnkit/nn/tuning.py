@@ -20,6 +20,7 @@ import torch
 
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import options, set_kernels
+from cnnkit.nn.onednn import freeze
 from cnnkit.runtime import machine_name, torch_threads
 
 CACHE = Path("~/.cache/cnnkit/settings.json")
@@ -59,7 +60,8 @@ class CandidateTimer:
             model = copy.deepcopy(self.network).to(self.device).train(not self.forward_only)
             if channels_last:
                 model = model.to(memory_format=torch.channels_last)
-            self.models[channels_last, kernels] = set_kernels(model, dict(kernels))
+            set_kernels(model, dict(kernels))
+            self.models[channels_last, kernels] = freeze(model) if self.forward_only else model
         return self.models[channels_last, kernels]
 
     def _call(self, candidate: Candidate) -> float:

@@ -16,6 +16,7 @@ from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
+from cnnkit.nn.onednn import freeze
 from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import check_read, evaluate, score_logits
 from cnnkit.train.settings import inference_settings
@@ -126,6 +127,7 @@ def evaluate_checkpoint(
     engine = build_engine(
         network, train_cfg, dev, settings=inference_settings(network, train_cfg, dev, batch)
     )
+    freeze(engine.network)  # evaluated, never trained: oneDNN's linear layers pack their weights
     batches = CountedBatches(bundle.val, label_map)
     if tencrop:
         both = evaluate_ten_crops(engine, batches, crop)

@@ -217,5 +217,5 @@ def _fastest(times: dict[tuple, float]) -> tuple:
 
 
 def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int) -> str:
-    fixed = {k: getattr(cfg, k) for k in ("precision", "channels_last", "threads")}
+    fixed = {k: getattr(cfg, k) for k in ("precision", "channels_last", "threads", "compile")}
     return cache_key(network, device, [METHOD, batch, fixed])
