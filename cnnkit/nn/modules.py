@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cnnkit.nn import onednn
+from cnnkit.nn.onednn import linear as onednn_linear
 
 
 class ScaledTanh(nn.Module):
@@ -31,7 +31,7 @@ class FlatLinear(nn.Linear):
         if self.product == "xwt" or torch.jit.is_tracing() or torch.compiler.is_compiling():
             return super().forward(x)
         if self.product == "onednn":  # packed weights only once frozen (onednn.freeze)
-            return onednn.linear(x, self.weight, self.bias, self.__dict__.get("_packed"))
+            return onednn_linear(x, self.weight, self.bias, self.__dict__.get("_packed"))
         if self.bias is None:
             return (self.weight @ x.T).T
         return torch.addmm(self.bias[:, None], self.weight, x.T).T
