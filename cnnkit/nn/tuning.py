@@ -123,9 +123,9 @@ def choose_inference_kernels(network: Network, device: torch.device, batch: int,
 
 def _measure_inference(network: Network, device: torch.device, batch: int) -> dict[str, Any]:
     threads = torch.get_num_threads()
-    linear = [(n, options(m)) for n, m in network.named_modules() if "wxt" in options(m)]
-    products = linear[0][1][1:] if linear else ()  # the plain product is the plan ()
-    plans = [(), *(tuple((n, p) for n, _ in linear) for p in products)]
+    linear = [n for n, m in network.named_modules() if "wxt" in options(m)]
+    products = options(network.get_submodule(linear[0]))[1:] if linear else ()  # not the plain
+    plans = [(), *(tuple((n, p) for n in linear) for p in products)]
     grid = [("fp32", cl, threads, plan) for cl in (False, True) for plan in plans]
     with torch.random.fork_rng(devices=[]):
         times = CandidateTimer(network, device, batch, exact=True, forward_only=True).run(grid)
