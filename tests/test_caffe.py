@@ -325,6 +325,42 @@ def test_bad_field_values_are_one_line(fields):
     assert str(err.value).startswith("t:3: ") and "\n" not in str(err.value)
 
 
+CAFFE_SIZE_RULES = {  # Caffe's own checks (base_conv_layer.cpp, pooling_layer.cpp)
+    ("Convolution", "stride_h: 2"): r"stride_h and stride_w go together",
+    ("Convolution", "stride: 2 stride_h: 2 stride_w: 2"): r"give stride or stride_h \+ stride_w",
+    ("Convolution", "kernel_size: 1 kernel_h: 3 kernel_w: 3"): r"give kernel_size or kernel_h",
+    ("Pooling", "pad_h: 1"): r"pad_h and pad_w go together",
+}
+
+
+@pytest.mark.parametrize(("kind", "fields"), CAFFE_SIZE_RULES)
+def test_caffe_size_fields_follow_caffes_rules(kind, fields):
+    if kind == "Convolution":
+        params = f"convolution_param {{ num_output: 4 kernel_size: 3 {fields} }}"
+        params = params.replace("kernel_size: 3 kernel_size: 1", "kernel_size: 1")
+    else:
+        params = f"pooling_param {{ pool: MAX kernel_size: 2 stride: 2 {fields} }}"
+    text = INPUT + _layer("x", kind, ["data"], "x", params)
+    with pytest.raises(ConfigError, match=CAFFE_SIZE_RULES[kind, fields]):
+        translate(parse_prototxt(text))
+    # a convolution's pad_h alone is Caffe's (pad_w defaults to 0 there): (8+2-3)+1 x (8-3)+1
+    conv = "convolution_param { num_output: 4 kernel_size: 3 pad_h: 1 }"
+    model = translate(parse_prototxt(INPUT + _layer("c", "Convolution", ["data"], "c", conv)))
+    assert model["layers"][0]["padding"] == [1, 0]
+    assert build_model(model)(torch.zeros(1, 3, 8, 8)).shape == (1, 4, 8, 6)
+
+
+@pytest.mark.parametrize("axes", ["", "axis: -3", "axis: 0", "num_axes: 2", "num_axes: 0"])
+def test_scale_after_batchnorm_is_per_channel_only(axes):
+    text = INPUT + _layer("bn", "BatchNorm", ["data"], "bn")
+    text += _layer("sc", "Scale", ["bn"], "bn", f"scale_param {{ bias_term: true {axes} }}")
+    if axes in ("", "axis: -3"):  # channel axis of (N, C, H, W), counted either way
+        assert translate(parse_prototxt(text))["layers"][0]["affine"] is True
+        return
+    with pytest.raises(ConfigError, match=r":4: Scale supports one factor per channel only"):
+        translate(parse_prototxt(text))
+
+
 def test_bad_layers_and_inputs_are_one_line():
     sub = _layer("x", "Eltwise", ["data", "data"], "x", "eltwise_param { operation: SUB }")
     with pytest.raises(ConfigError, match=r":3: Eltwise operation 'SUB': SUM, PROD or MAX"):

@@ -38,14 +38,20 @@ def flag(here: str, p: Message, field: str, default: bool) -> bool:
     raise ConfigError(f"{here}: {field}: expected true or false, got {brief(value)}")
 
 
-def sizes(here: str, p: Message, what: str, default: Any) -> Any:
-    """A Caffe size field: `what_size` / `what` (one value or [h, w]) or `what_h` + `what_w`."""
+def sizes(here: str, p: Message, what: str, default: Any, alone: bool = False) -> Any:
+    """A Caffe size field: `what_size` / `what` (one value or [h, w]) or `what_h` + `what_w`.
+
+    As in Caffe, the two forms exclude each other, and `what_h` / `what_w` go together except
+    where Caffe defaults the missing one (`alone`: a convolution's pad_h / pad_w, default 0).
+    """
     h, w = integer(here, p, f"{what}_h"), integer(here, p, f"{what}_w")
+    field = f"{what}_size" if p.all(f"{what}_size") else what
     if h is not None or w is not None:
-        if default is None and (h is None or w is None):
+        if p.all(field):
+            raise ConfigError(f"{here}: give {field} or {what}_h + {what}_w, not both (as Caffe)")
+        if not alone and (h is None or w is None):
             raise ConfigError(f"{here}: {what}_h and {what}_w go together (Caffe needs both)")
         return [default if h is None else h, default if w is None else w]
-    field = f"{what}_size" if p.all(f"{what}_size") else what
     values = [as_integer(here, field, v) for v in p.all(field)]
     if len(values) > 2:
         raise ConfigError(f"{here}: {field}: {len(values)} values; give one, or one per H and W")

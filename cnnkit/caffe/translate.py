@@ -224,7 +224,7 @@ class _Translator:
         spec["kernel_size"] = sizes(here, p, "kernel", None)
         require(here, spec["kernel_size"] is not None, "Convolution needs kernel_size")
         _put(spec, "stride", sizes(here, p, "stride", 1), 1)
-        _put(spec, "padding", sizes(here, p, "pad", 0), 0)
+        _put(spec, "padding", sizes(here, p, "pad", 0, alone=True), 0)  # Caffe: pad_w 0
         _put(spec, "dilation", sizes(here, p, "dilation", 1), 1)
         _put(spec, "groups", integer(here, p, "group", 1), 1)
         _put(spec, "bias", flag(here, p, "bias_term", True), True)
@@ -334,7 +334,13 @@ class _Translator:
         ok = norm.get("name") == held and norm.get("type") == "batchnorm" and not norm["affine"]
         ok = ok and len(layer.all("bottom")) == 1
         require(self.here, ok, "Scale is supported only right after a BatchNorm (one bottom)")
-        if not flag(self.here, layer.sub("scale_param"), "bias_term", False):  # x * gamma
+        p, dims = layer.sub("scale_param"), len(self.shapes[held]) + 1  # with the batch axis
+        axis, count = integer(self.here, p, "axis", 1), integer(self.here, p, "num_axes", 1)
+        per_channel = axis % dims == 1 if -dims <= axis < dims else False
+        count_ok = count == 1 or (count == -1 and dims == 2)  # -1: to the last axis
+        require(self.here, per_channel and count_ok, "Scale supports one factor per channel "
+                f"only (axis 1, num_axes 1), not axis {axis}, num_axes {count}")  # fmt: skip
+        if not flag(self.here, p, "bias_term", False):  # x * gamma
             name = self._emit(layer, {"type": "scale"})
             self.sources[name] = [(caffe_name, "channel_scale")]
         elif layer in self.folds:
