@@ -124,10 +124,11 @@ RUN="$OUT/runs"
 mkdir -p "$RUN"
 # The most telling figures first: a step that would overrun the budget is the one dropped.
 # 0. the CUDA tests: if the path is broken, the figures below say little
-# (one process: the tests are small, and 16 workers would each start CUDA; SMOKE: all skipped;
-# without pytest-xdist, pyproject's "-n auto" is replaced)
-if "$PY" -c 'import xdist' 2>/dev/null; then ONE=(-n 0); else ONE=(-o "addopts=-ra"); fi
-step gpu_tests 180 "$PY" -m pytest -q -m gpu "${ONE[@]}" -p no:cacheprovider tests
+# (3 processes, not 16: each starts CUDA; SMOKE: all skipped; without pytest-xdist, pyproject's
+# "-n auto" is replaced; with pytest-timeout a hung test fails alone, leaving the summary line)
+if "$PY" -c 'import xdist' 2>/dev/null; then ONE=(-n 3); else ONE=(-o "addopts=-ra"); fi
+"$PY" -c 'import pytest_timeout' 2>/dev/null && ONE+=(--timeout 150)
+step gpu_tests 180 "$PY" -m pytest -q -m gpu "${ONE[@]}" --durations 8 -p no:cacheprovider tests
 # 1. the flagship's training step: every precision x format interleaved, both torchvision peers
 step train_owt_256_explore  90 "${T[@]}" alexnet-owt -b "$B" --explore --baseline
 # 2. the data: synthesised JPEGs packed raw and as JPEG shards; the loader alone

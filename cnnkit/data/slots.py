@@ -100,8 +100,10 @@ class SlotRing:
         """Undo the page-locking (before the memory is unmapped)."""
         if self.pinned:
             torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.buffers.data_ptr())
             self.pinned = False
+            err = torch.cuda.cudart().cudaHostUnregister(self.buffers.data_ptr())
+            if err is not None and int(err) != 0:  # not left as CUDA's "last error" either
+                _clear_cuda_error()
 
     def __del__(self) -> None:
         try:
