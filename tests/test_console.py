@@ -15,7 +15,7 @@ def test_log_files_get_a_plain_line_every_few_seconds(capsys):
     console = Console(every=0.0)  # capsys is no terminal: lines, not a bar
     console.start_epoch(3, 10, 100, 0)
     console.step(StepInfo(3, 10, 40, 100, torch.tensor(1.25), 40, 0.01, 512.0, 0.12, 8.0))
-    line = capsys.readouterr().err.strip()
+    line = capsys.readouterr().out.strip()
     assert line.startswith("epoch 3/10  step 40/100  loss 1.2500  lr 0.01  512 img/s")
     assert "data wait 12%" in line and "epoch eta 12s" in line  # 8 s for 40 steps, 60 to go
 
@@ -35,9 +35,10 @@ def test_tensorboard_gets_per_step_scalars(tmp_path):
 
 def test_two_class_runs_hide_top5_and_say_which_epoch(tmp_path, capsys):
     fit(load_run("faces", ["data.hard_negatives=null", "train.epochs=2"]), tmp_path / "f")
-    err = capsys.readouterr().err
-    assert "top-5" not in err
-    last = err.strip().splitlines()[-1]
+    out, err = capsys.readouterr()
+    assert not err  # the run's log is on stdout: `| tee` and `> log` get it all
+    assert "top-5" not in out
+    last = out.strip().splitlines()[-1]
     assert last.startswith("done: held-out top-1") and "at the last epoch" in last
     assert "best" in last and "kept as best.pt" in last
 

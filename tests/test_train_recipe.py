@@ -107,7 +107,7 @@ def test_early_stop_ends_a_run_that_stopped_improving(tmp_path, capsys):
     summary = fit(validate_run(run), tmp_path / "r", quiet=False)
     assert (
         summary["epochs"] < 30
-        and "early stop: no held-out gain for 2 epochs" in capsys.readouterr().err
+        and "early stop: no held-out gain for 2 epochs" in capsys.readouterr().out
     )
     assert (tmp_path / "r" / "curves.png").is_file()  # drawn when the run ends, early or not
 

@@ -236,12 +236,12 @@ def test_a_resume_keeps_the_settings_the_run_began_with(tmp_path, capsys):
     more = validate_run({**RUN, "train": {**RUN["train"], "epochs": 2}})
     fit(more, run, resume=resume_state(run), on_step=lambda *a: threads.append(
         torch.get_num_threads()))  # fmt: skip
-    assert "1 thread: as the run began (kept for an exact resume)" in capsys.readouterr().err
+    assert "1 thread: as the run began (kept for an exact resume)" in capsys.readouterr().out
     assert set(threads) == {1} and load_checkpoint(run / "last.pt")["settings"]["threads"] == 1
     again = validate_run({**RUN, "train": {**RUN["train"], "epochs": 3, "threads": 2}})
     fit(again, run, resume=resume_state(run), on_step=lambda *a: threads.append(
         torch.get_num_threads()))  # fmt: skip
-    assert "2 threads: static rules" in capsys.readouterr().err and threads[-1] == 2
+    assert "2 threads: static rules" in capsys.readouterr().out and threads[-1] == 2
 
 
 def test_a_mid_epoch_resume_refuses_what_changes_the_epochs_order(finished_run):

@@ -101,8 +101,8 @@ def test_train_prints_the_choice_on_its_start_line(tmp_path, capsys, threads):
 
     extra = [f"train.threads={threads}"] if threads else []
     cli_ok(["train", "digits", "--out", str(tmp_path / "r"), "train.epochs=1", *extra])
-    err = capsys.readouterr().err
-    line = next(x for x in err.splitlines() if x.startswith("training digits"))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("training digits"))
     assert "fastest measured" in line or "as set" in line or "static rules" in line
     assert ("1 thread" in line) if threads == 1 else True
 

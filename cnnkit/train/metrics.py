@@ -195,7 +195,7 @@ class Console:
         if not quiet:
             from rich.console import Console as RichConsole
 
-            self.console = RichConsole(stderr=True, highlight=False)
+            self.console = RichConsole(highlight=False)  # stdout: `| tee` and `> log` keep it
             self.terminal = self.console.is_terminal
 
     def print(self, text: str) -> None:
