@@ -93,6 +93,13 @@ def test_bench_infer_runs_what_classify_would_choose(monkeypatch):
     fixed = bench_throughput("digitnet", "infer", 16, CPU, precision="fp32", channels_last=False,
                                 repeats=2, quick_peak=True)  # fmt: skip
     assert fixed["settings"]["as"] == "cnnkit train" and not fixed["kernels"]
+    # precision auto on a CPU whose rules train in bf16: classify still runs (and is timed in) fp32
+    monkeypatch.setattr(settings_module, "precisions", lambda device: ["fp32", "bf16"])
+    auto = bench_throughput("digitnet", "infer", 16, CPU, repeats=2, quick_peak=True)
+    assert (auto["precision"], auto["settings"]["as"]) == ("fp32", "cnnkit classify")
+    bf16 = bench_throughput("digitnet", "infer", 16, CPU, precision="bf16", repeats=2,
+                            quick_peak=True)  # fmt: skip
+    assert (bf16["precision"], bf16["settings"]["as"]) == ("bf16", "cnnkit train")
 
 
 @pytest.mark.parametrize("threads", [None, 1])

@@ -115,8 +115,10 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
     cfg = train_config(device, precision, channels_last, compile, threads)
     model = load_network(net, device, num_classes)
     settings, runs_as = None, "cnnkit train"
-    if mode == "infer":  # the forward pass `cnnkit classify` and `cnnkit eval` run
-        settings = inference_settings(model, cfg, device, batch, cache=cache)
+    if mode == "infer":  # the forward pass `cnnkit classify` runs: on a CPU fp32 unless told
+        fp32 = device.type == "cpu" and cfg.precision == "auto"
+        classify = cfg.model_copy(update={"precision": "fp32"}) if fp32 else cfg
+        settings = inference_settings(model, classify, device, batch, cache=cache)
         runs_as = "cnnkit classify" if settings else runs_as
     settings = settings or choose_settings(model, cfg, device, batch, cache=cache)
     block = 10 if device.type == "cuda" else 1

@@ -123,7 +123,8 @@ def infer(
     explore: bool = EXPLORE,
     as_json: bool = JSON,
 ) -> None:
-    """Classification throughput (eval mode, no autograd) with `cnnkit train`'s settings:
+    """Classification throughput (eval mode, no autograd) with `cnnkit classify`'s settings
+    (on a CPU fp32; --precision bf16 times the forward pass a bf16 run's `cnnkit eval` runs):
     images/s, step ms, FLOP/s against the peak."""
     _throughput("infer", **locals())
 
