@@ -90,6 +90,23 @@ def test_safetensors_without_cnnkit_metadata_is_refused(tmp_path):
         load_safetensors(path)
 
 
+def test_the_format_comes_from_the_name_and_a_mismatch_is_refused(tmp_path, capsys):
+    from cnnkit.infer.export import export_format
+
+    assert [export_format(Path(f"m{s}"), None) for s in (".onnx", ".pt2", ".safetensors")] == [
+        "onnx", "torch-export", "safetensors"]  # fmt: skip
+    assert export_format(Path("m.pt"), "torchscript") == "torchscript"  # no format's own suffix
+    out = tmp_path / "lenet.safetensors"
+    code, stdout, err = run_cli(["export", "lenet5", "-o", str(out)], capsys)
+    assert code == 0 and "(safetensors," in stdout, err
+    assert load_safetensors(out).model.input_shape == (1, 32, 32)  # LeNet-5 as published
+    for argv, why in ((["-f", "safetensors", "-o", "x.onnx"], "a .onnx name for a safetensors"),
+                      (["-o", "x.pt"], "its name does not say the format: give --format")):  # fmt: skip
+        code, _, err = run_cli(["export", "lenet5", *argv], capsys)
+        assert code == 2 and why in err and len(err.splitlines()) == 1, err
+    assert not Path("x.onnx").exists() and not Path("x.pt").exists()
+
+
 def test_torchscript_export_matches(tmp_path, capsys):
     out = tmp_path / "net.pt"
     code, stdout, err = run_cli(

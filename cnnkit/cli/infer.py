@@ -92,10 +92,11 @@ def export(
         ..., help=TARGET_HELP + " Or a network (zoo name, YAML, prototxt)."
     ),
     fmt: str = typer.Option(
-        "onnx",
+        None,
         "--format",
         "-f",
-        help="onnx, torch-export (.pt2), safetensors, or torchscript (deprecated by PyTorch).",
+        help="onnx, torch-export (.pt2), safetensors, or torchscript (deprecated by PyTorch); "
+        "by default the one the file's suffix names.",
     ),
     out: Path = typer.Option(..., "-o", "--out", help="The file to write."),
     check: bool = typer.Option(
@@ -103,10 +104,11 @@ def export(
     ),
 ) -> None:
     """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
-    from cnnkit.infer.export import TOLERANCE, check_export
+    from cnnkit.infer.export import TOLERANCE, check_export, export_format
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
 
+    fmt = export_format(out, fmt)
     _writable(out)
     loaded = load_for_inference(target)
     export_model(loaded, fmt, out)

@@ -22,6 +22,8 @@ from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetenso
 
 Format = Literal["onnx", "torch-export", "torchscript", "safetensors"]
 FORMATS: tuple[str, ...] = ("onnx", "torch-export", "torchscript", "safetensors")
+SUFFIXES = {".onnx": "onnx", ".pt2": "torch-export", ".safetensors": "safetensors",
+            ".torchscript": "torchscript"}  # fmt: skip
 MAX_BATCH = 1 << 16  # the dynamic batch dimension's upper bound
 TOLERANCE = 1e-4  # max abs difference of fp32 logits
 
@@ -41,6 +43,23 @@ class CheckResult:
     @property
     def ok(self) -> bool:
         return self.max_diff <= TOLERANCE
+
+
+def export_format(path: Path, fmt: str | None) -> str:
+    """The format to write `path` in: `fmt` (--format), else the one its suffix names. A name
+    that says another format than `fmt` is refused (a .pt2 holding ONNX would fail when read)."""
+    implied = SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        if implied is None:
+            raise ConfigError(f"-o {path}: its name does not say the format: give --format "
+                              f"({', '.join(FORMATS)}) or end it in {', '.join(SUFFIXES)}")  # fmt: skip
+        return implied
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if implied not in (None, fmt):
+        raise ConfigError(f"-o {path}: a {path.suffix} name for a {fmt} export (that name "
+                          f"is --format {implied}'s)")  # fmt: skip
+    return fmt
 
 
 def export(loaded: Loaded, fmt: str, path: Path) -> None:
