@@ -31,6 +31,7 @@ from cnnkit.data import SOURCES, DataConfig, check_source
 from cnnkit.data.base import Section
 from cnnkit.errors import ConfigError, brief, config_error
 from cnnkit.nn import read_spec
+from cnnkit.nn.spec import suggest
 from cnnkit.nn.yamlio import load_yaml, read_yaml
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
@@ -302,16 +303,23 @@ def dump_run(config: RunConfig, path: Path | None = None) -> str:
 def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
     if isinstance(run, dict):
         return run, None
-    from cnnkit.zoo import RUNS, net_path
+    from cnnkit.zoo import NETS, RUNS, net_path, runs_training
 
     path = Path(run)
     if not path.is_file():
+        if str(run) in NETS:  # a network, not a run: say which runs train it
+            runs = runs_training(str(run))
+            also = f" (zoo runs of it: {', '.join(runs)})" if runs else ""
+            raise ConfigError(f"{str(run)!r} is a zoo network, not a run: give a run file "
+                              f"with model: {run}{also}")  # fmt: skip
         if str(run) not in RUNS:
-            raise ConfigError(
-                f"{str(run)!r} is neither a zoo run ('cnnkit zoo' lists them) nor a run file"
-            )
+            raise ConfigError(f"{brief(str(run), 80)} is neither a zoo run ('cnnkit zoo' lists "
+                              f"them) nor a run file{suggest(str(run), [*RUNS, *NETS])}")  # fmt: skip
         path = net_path(str(run))
     data = read_yaml(path)
     if not isinstance(data, dict) or "model" not in data:
-        raise ConfigError(f"{path}: a run file is a mapping with model:, data: and train:")
+        keys = [str(k) for k in data] if isinstance(data, dict) else []
+        close = difflib.get_close_matches("model", keys, n=1)
+        typo = f" ({close[0]!r}: a misspelled model?)" if close else ""
+        raise ConfigError(f"{path}: a run file is a mapping with model:, data: and train:{typo}")
     return data, path.parent

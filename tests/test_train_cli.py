@@ -21,6 +21,14 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
     "argv, code, words",
     [
         (["train", "nosuchrun"], 2, "neither a zoo run"),
+        (["train", "digts"], 2, "nor a run file (did you mean 'digits'?)"),
+        (
+            ["train", "alexnet"],
+            2,
+            "a zoo network, not a run: give a run file with model: alexnet "
+            "(zoo runs of it: alexnet-imagenet)",
+        ),  # fmt: skip
+        (["info", "resnet-18"], 2, "nor a file (did you mean 'resnet18'?)"),
         (["train", "digits", "train.lr=-1"], 2, "train.lr"),
         (["train", "digits", "data.batch_size=0"], 2, "data.batch_size"),
         (["train", "digits", "train.optimizer=sgdd"], 2, "train.optimizer"),
@@ -38,6 +46,22 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
 def test_bad_input_is_one_clear_line(argv, code, words, capsys):
     got, err = _fails(argv, capsys)
     assert got == code and words in err and err.startswith("cnnkit: error:")
+
+
+def test_a_binary_file_or_a_misspelled_model_key_is_named(tmp_path, capsys):
+    onnx, blob, run = tmp_path / "m.onnx", tmp_path / "m.bin", tmp_path / "r.yaml"
+    onnx.write_bytes(b"\x08\x07\x12\x07pytorch\xad\xff")
+    blob.write_bytes(bytes(range(128, 256)))
+    run.write_text("modell: digitnet\ndata: {source: digits}\n")
+    for argv, words in (
+        (["info", str(onnx)], "not a text file: an export, which cnnkit writes but does not read"),
+        (["classify", str(blob), str(blob)], "not a text file: give a zoo name, a network or run"),
+        (["import-caffe", str(blob), "-o", str(tmp_path / "n.yaml")], "not a text file: a deploy"),
+        (["train", str(run)], "('modell': a misspelled model?)"),
+    ):
+        code, err = _fails(argv, capsys)
+        assert code == 2 and words in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.onnx", "r.yaml"]
 
 
 def test_failed_starts_overwrite_nothing(tmp_path, capsys):

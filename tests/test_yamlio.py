@@ -58,5 +58,5 @@ def test_files_too_large_or_unreadable(tmp_path):
         read_yaml(big)
     binary = tmp_path / "bin.yaml"
     binary.write_bytes(b"\xff\xfe\x00\x01")
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="bin.yaml: not a text file: give a zoo name"):
         read_yaml(binary)

@@ -59,8 +59,11 @@ def _translator(path: str | Path) -> _Translator:
     path = Path(path)
     try:
         text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {one_line(e, 160)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file: a deploy .prototxt is text (a trained "
+                          ".caffemodel comes second)") from None  # fmt: skip
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or one_line(e, 160)}") from None
     return _Translator(parse_prototxt(text, str(path)), str(path))
 
 

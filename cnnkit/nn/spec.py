@@ -103,15 +103,14 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
 
 def _read_yaml_or_zoo(spec: str) -> tuple[Any, str]:
     from cnnkit.nn.yamlio import read_yaml
-    from cnnkit.zoo import net_path
+    from cnnkit.zoo import net_path, zoo_names
 
     path = Path(spec)
     if not path.is_file():
         zoo_file = net_path(spec)
         if zoo_file is None:
-            raise ConfigError(
-                f"{brief(spec, 80)} is neither a zoo network ('cnnkit zoo' lists them) nor a file"
-            )
+            raise ConfigError(f"{brief(spec, 80)} is neither a zoo network ('cnnkit zoo' lists "
+                              f"them) nor a file{suggest(spec, zoo_names())}")  # fmt: skip
         path = zoo_file
     return read_yaml(path), str(path)
 

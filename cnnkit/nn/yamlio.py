@@ -115,8 +115,18 @@ def read_yaml(path: str | Path) -> Any:
         return load_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML{_where(e)}: {_problem(e)}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {one_line(e, 160)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file: {_binary_hint(path)}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or one_line(e, 160)}") from None
+
+
+def _binary_hint(path: Path) -> str:
+    """What a binary file given for a network or run file may be, and what to give instead."""
+    if path.suffix.lower() in (".onnx", ".pt2", ".torchscript"):
+        return ("an export, which cnnkit writes but does not read back: give the run directory, "
+                ".pt checkpoint or .safetensors export it came from")  # fmt: skip
+    return "give a zoo name, a network or run file (YAML), a Caffe .prototxt or a trained model"
 
 
 def _where(e: yaml.YAMLError) -> str:

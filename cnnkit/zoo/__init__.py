@@ -89,3 +89,16 @@ def net_path(name: str) -> Path | None:
     """The file of a zoo network or run, or None if there is no such name."""
     entry = NETS.get(name) or RUNS.get(name)
     return _HERE / entry[0] if entry else None
+
+
+def zoo_names() -> list[str]:
+    """Every zoo network and run name."""
+    return [*NETS, *RUNS]
+
+
+def runs_training(net: str) -> list[str]:
+    """The zoo runs whose model is the zoo network `net`."""
+    import yaml
+
+    return [name for name, (file, _) in RUNS.items()
+            if (yaml.safe_load((_HERE / file).read_text()) or {}).get("model") == net]  # fmt: skip
