@@ -183,7 +183,10 @@ def test_binary_and_huge_files(tmp_path, monkeypatch, capsys):
     with (files / "huge.yaml").open("w") as f:
         f.seek(20 * 2**20)
         f.write("\n")
-    for name, expected in (("picture.yaml", "cannot read"), ("huge.yaml", "larger than 16 MiB")):
+    for name, expected in (
+        ("picture.yaml", "not a text file"),
+        ("huge.yaml", "larger than 16 MiB"),
+    ):
         for command in (["info"], ["train"]):
             started = time.perf_counter()
             code, out, err = run_cli([*command, str(files / name)], capsys)

@@ -133,7 +133,9 @@ def test_cli_missing_inputs_are_one_line_errors(digits_run, tmp_path, capsys):
     code, _, err = run_cli(["classify", str(tmp_path / "nope"), "x.png"], capsys)
     assert code == 1 and "no such run directory" in err
     code, _, err = run_cli(["classify", str(digits_run), str(tmp_path / "*.jpg")], capsys)
-    assert code == 1 and "No such file" in err and len(err.splitlines()) == 1
+    assert code == 1 and "*.jpg: no file matches this pattern" in err and len(err.splitlines()) == 1
+    code, _, err = run_cli(["classify", str(digits_run), str(tmp_path / "gone.png")], capsys)
+    assert code == 1 and "gone.png: no such file or folder" in err
 
 
 @pytest.mark.parametrize("mode", ["squash", "shorter"])
@@ -206,3 +208,17 @@ def test_exports_that_cannot_classify_are_refused_on_load(digits_run, digit_pngs
         assert f"{len(loaded.classes)} class names for the network's 10 outputs" in line
     with pytest.raises(CnnkitError):
         Classifier(loaded)
+
+
+def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
+    """Fresh weights classify as noise: only a network file naming its weights is taken."""
+    image = tmp_path / "x.png"
+    Image.new("L", (8, 8)).save(image)
+    code, _, err = run_cli(["classify", "digitnet", str(image)], capsys)
+    assert code == 2 and "digitnet: a network without trained weights" in err
+    net = load_network("digitnet").model
+    torch.save(net.state_dict(), tmp_path / "w.pt")
+    (tmp_path / "net.yaml").write_text(f"model: {json.dumps({**net.spec, 'weights': 'w.pt'})}\n")
+    prediction = Classifier.load(tmp_path / "net.yaml").predict(str(image), top=3)
+    expected = net(torch.zeros(1, 1, 8, 8)).softmax(1)[0].topk(3).values
+    assert prediction.probs == pytest.approx(expected.tolist(), abs=1e-5)

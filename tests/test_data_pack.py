@@ -92,8 +92,10 @@ def test_pack_resumes_after_an_interrupt(shapes, tmp_path, monkeypatch):
     assert calls == [0, 1, 2, 3] and s.resumed_shards == 2 and s.images == 15
     pack_folder(shapes, tmp_path / "fresh", size=16, workers=1, shard_size=4, progress=False)
     torch.testing.assert_close(all_images(tmp_path / "p"), all_images(tmp_path / "fresh"))
-    with pytest.raises(DataError, match="different pack"):
+    with pytest.raises(DataError, match=r"different pack \(--size 12 here, 16 there\); use"):
         pack_folder(shapes, tmp_path / "p", size=12, progress=False)
+    with pytest.raises(DataError, match=r"--resize shorter-side-crop here, squash there; --format"):
+        pack_folder(shapes, tmp_path / "p", size=16, resize="shorter", format="jpeg", progress=False)
 
 
 def test_bad_images_reported_converted_and_skipped(tmp_path):

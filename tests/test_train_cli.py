@@ -77,3 +77,19 @@ def test_failed_starts_overwrite_nothing(tmp_path, capsys):
     code, err = _fails(["train", "digits", "train.lr=-1", "--out", str(tmp_path / "new")], capsys)
     assert code == 2 and not (tmp_path / "new").exists()
     assert {p.name: p.read_bytes() for p in run.iterdir()} == files
+
+
+@pytest.mark.parametrize("classes", [2, 10])
+def test_eval_prints_top5_only_above_five_classes(classes, capsys, monkeypatch):
+    """As training's lines: with 5 classes or fewer top-5 is always 100%, so it is left out."""
+    from cnnkit.train import evaluation
+
+    figures = {"loss": 0.1, "top1": 0.9, "top5": 1.0}
+    result = {**figures, "images": 7, "checkpoint": "r/best.pt", "classes": classes,
+              "tencrop": figures}  # fmt: skip
+    monkeypatch.setattr(evaluation, "evaluate_checkpoint", lambda *args: result)
+    with pytest.raises(SystemExit) as done:
+        main(["eval", "r", "--tencrop"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(("top-5 100.00%" in x) == (classes > 5) for x in lines)

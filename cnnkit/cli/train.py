@@ -117,7 +117,9 @@ def _short(value) -> str:
 
 
 def evaluate(
-    target: str = typer.Argument(..., help="A run directory or checkpoint file."),
+    target: str = typer.Argument(
+        ..., help="A run directory, checkpoint file or .safetensors export (with --data)."
+    ),
     data: str = typer.Option(None, "--data", help="Source name, data YAML or directory."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
@@ -138,11 +140,15 @@ def evaluate(
         return
     crop = "centre crop  " if tencrop else ""
     skipped = f" ({result['skipped']} skipped)" if result.get("skipped") else ""
-    print(f"{result['checkpoint']}: {result['images']} images{skipped}  {crop}{_figures(result)}")
+    top5 = result["classes"] > 5  # as training prints it: with 5 classes or fewer it is 100%
+    print(f"{result['checkpoint']}: {result['images']} images{skipped}  {crop}"
+          f"{_figures(result, top5)}")  # fmt: skip
     if tencrop:
         print(f"{' ' * len(result['checkpoint'])}  {result['images']} images  10 crops     "
-              f"{_figures(result['tencrop'])}")  # fmt: skip
+              f"{_figures(result['tencrop'], top5)}")  # fmt: skip
 
 
-def _figures(r: dict) -> str:
-    return f"loss {r['loss']:.4f}  top-1 {r['top1']:.2%}  top-5 {r['top5']:.2%}"
+def _figures(r: dict, top5: bool) -> str:
+    return f"loss {r['loss']:.4f}  top-1 {r['top1']:.2%}" + (
+        f"  top-5 {r['top5']:.2%}" if top5 else ""
+    )

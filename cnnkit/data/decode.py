@@ -10,6 +10,7 @@ when a target size is given, the full size otherwise).
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import re
@@ -66,6 +67,13 @@ def read_file(path: str | Path) -> bytes:
                 kind = os.fstat(fd).st_mode
                 if stat.S_ISREG(kind):
                     return f.read()
+    except FileNotFoundError:  # a name given to classify, or a glob that matched nothing
+        if os.path.islink(path):
+            raise BadImage("broken symlink") from None
+        pattern = glob.has_magic(str(path))
+        raise BadImage(
+            "no file matches this pattern" if pattern else "no such file or folder"
+        ) from None
     except OSError as e:
         raise BadImage(f"unreadable file ({e.strerror})") from None
     raise BadImage(f"not a regular file ({file_kind(kind)})")

@@ -58,6 +58,19 @@ class PackSummary:
     empty_classes: list[str] = field(default_factory=list)  # every image of theirs skipped
 
 
+_OPTION = {
+    "source": "SRC",
+    "size": "--size",
+    "resize": "--resize",
+    "storage": "--format",
+    "quality": "--quality",
+}  # the pack's parameters as `cnnkit pack` names them
+
+
+def _shown(key: str, value: Any) -> str:
+    return "shorter-side-crop" if key == "resize" and value == "shorter" else str(value)
+
+
 def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
           shard_size: int | None) -> dict:  # fmt: skip
     """The pack's fixed plan (file list, labels, params); reused when resuming into DST.
@@ -71,12 +84,10 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
         except (ValueError, UnicodeDecodeError):
             raise DataError(f"{plan_path}: unreadable; delete {dst} and pack again") from None
         if plan["params"] != params:
-            diff = {
-                k: (plan["params"].get(k), v)
-                for k, v in params.items()
-                if plan["params"].get(k) != v
-            }
-            raise DataError(f"{dst}: holds a different pack ({diff}); use another DST or delete it")
+            diff = [f"{_OPTION.get(k, k)} {_shown(k, v)} here, {_shown(k, plan['params'].get(k))} "
+                    "there" for k, v in params.items() if plan["params"].get(k) != v]  # fmt: skip
+            raise DataError(f"{dst}: holds a different pack ({'; '.join(diff)}); use another DST "
+                            "or delete it")  # fmt: skip
         _check_unchanged(plan, scan_images(src, labels_file), src, dst)
         return plan
     scan = scan_images(src, labels_file)

@@ -28,16 +28,19 @@ from cnnkit.runtime import torch_threads
 PACK_FORMAT = "cnnkit-packed/1"
 
 
-def read_meta(path: str | Path) -> dict:
-    """The meta.json of a packed set (DataError if DST is not a finished pack)."""
+def read_meta(path: str | Path, field: str | None = None) -> dict:
+    """The meta.json of a packed set (DataError if DST is not a finished pack); `field` names
+    the setting that gave the path, for the message."""
     meta_path = Path(path) / "meta.json"
     if not meta_path.is_file():
-        hint = (
-            " (interrupted? run cnnkit pack again to resume)"
-            if (Path(path) / "plan.json").exists()
-            else ""
-        )
-        raise DataError(f"{path}: not a packed data set, no meta.json{hint}")
+        if (Path(path) / "plan.json").exists():
+            hint = " (interrupted? run cnnkit pack again to resume)"
+        elif not Path(path).exists():
+            hint = f" (no such folder{f': set {field}' if field else ''}; cnnkit pack makes one)"
+        else:
+            hint = ""
+        raise DataError(f"{f'{field} ' if field else ''}{path}: not a packed data set, no "
+                        f"meta.json{hint}")  # fmt: skip
     try:
         meta = json.loads(meta_path.read_text())
     except (ValueError, UnicodeDecodeError, OSError) as e:
@@ -211,14 +214,14 @@ class PackedConfig(ImageSetConfig):
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
               seed: int = 0, local_ranks: int = 1) -> DataBundle:  # fmt: skip
         """Open the packed sets and make this rank's streams."""
-        meta = read_meta(self.path)
+        meta = read_meta(self.path, "data.path")
         if self.crop > meta["size"]:
             raise ConfigError(
                 f"data.crop: {self.crop} is larger than the packed size {meta['size']}"
             )
         if self.val_path:
             train = PackedImages(self.path)
-            val_meta = read_meta(self.val_path)
+            val_meta = read_meta(self.val_path, "data.val_path")
             if val_meta["size"] != meta["size"]:
                 raise DataError(
                     f"{self.val_path}: packed at {val_meta['size']} px, train at {meta['size']}"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cnnkit.errors import CheckpointError, CnnkitError, DataError
+from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
 from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
 from cnnkit.infer.load import Loaded, load_for_inference
 
@@ -52,8 +52,14 @@ class Classifier:
 
     @classmethod
     def load(cls, path: str | Path, device: Any = "cpu") -> Classifier:
-        """From a run directory, a checkpoint or a .safetensors export (GPU-trained works on CPU)."""
-        return cls(load_for_inference(path, "cpu"), device)
+        """From a run directory, a checkpoint or a .safetensors export (GPU-trained works on CPU),
+        or a network file that names its trained weights (`weights:`)."""
+        loaded = load_for_inference(path, "cpu")
+        if not loaded.trained:  # its answers would be noise
+            raise ConfigError(f"{path}: a network without trained weights: give a run directory, "
+                              "a .pt checkpoint, a .safetensors export or a network file with "
+                              "weights:")  # fmt: skip
+        return cls(loaded, device)
 
     def predict(
         self, images: ImageInput | Sequence[ImageInput], top: int = 5, tencrop: bool = False

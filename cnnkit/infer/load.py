@@ -16,8 +16,8 @@ from cnnkit.checkpoint import (
     read_export,
 )
 from cnnkit.data.base import Preprocess
-from cnnkit.errors import CheckpointError
-from cnnkit.nn import Network, build_model
+from cnnkit.errors import CheckpointError, ConfigError
+from cnnkit.nn import Network, build_model, read_spec
 
 
 @dataclass
@@ -28,14 +28,19 @@ class Loaded:
     classes: list[str]
     preprocess: Preprocess
     source: str  # what was loaded, for messages
+    trained: bool = True  # False: a network description without weights (fresh ones)
 
 
 def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
     """Load a run directory, checkpoint, .safetensors file or network description."""
-    from cnnkit.zoo import net_path
+    from cnnkit.nn.spec import suggest
+    from cnnkit.zoo import net_path, zoo_names
 
     path = Path(target)
     if not path.exists() and net_path(str(target)) is None:
+        if "/" not in str(target) and not path.suffix:  # a name, not a path: as `info` says it
+            raise ConfigError(f"{target!r} is neither a zoo network ('cnnkit zoo' lists them) nor "
+                              f"a run directory{suggest(target, zoo_names())}")  # fmt: skip
         raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network")
     if path.suffix == ".safetensors":
         return load_safetensors(path, device)
@@ -51,16 +56,17 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
     if spec.endswith(".prototxt"):
         from cnnkit.caffe import import_caffe
 
-        model = build_model(import_caffe(spec), device=device)
+        description = import_caffe(spec)
     else:
-        model = build_model(spec, device=device)
+        description = read_spec(spec)
+    model = build_model(description, device=device)
     if len(model.input_shape) == 3:  # images: pixels 0-255 scaled to 0-1
         c, size = model.input_shape[0], model.input_shape[-1]
         preprocess = Preprocess(channels=c, crop=size, mean=[0.0] * c, std=[255.0] * c)
     else:  # feature vectors (input: [F]): no image preprocessing, the values as given
         preprocess = Preprocess(channels=1, crop=1, mean=[0.0], std=[1.0])
     classes = [f"class{i}" for i in range(model.num_classes or 0)]
-    return Loaded(model.eval(), classes, preprocess, spec)
+    return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
 
 
 def metadata(loaded: Loaded) -> dict[str, str]:

@@ -135,7 +135,7 @@ def evaluate_checkpoint(
     else:
         result = evaluate(engine, batches)
     return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,
-            "checkpoint": meta["path"], "device": str(dev)}  # fmt: skip
+            "checkpoint": meta["path"], "device": str(dev), "classes": len(meta["classes"])}  # fmt: skip
 
 
 def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.Tensor | None:
