@@ -24,7 +24,9 @@ def train(
     nproc: int = typer.Option(None, "--nproc", min=1, help="Start N processes here (torchrun)."),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="With --nproc: restarts."),
     dry_run: bool = typer.Option(
-        False, "--dry-run", help="Build data, network and settings, then stop: nothing written."
+        False,
+        "--dry-run",
+        help="Build data, network and settings (measured ones cached, as a run caches them), then stop: no run directory is written.",
     ),
 ) -> None:
     """Train a network: `cnnkit train digits`, `cnnkit train run.yaml train.lr=0.02`."""

@@ -209,7 +209,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
         f"{engine.device} ({engine.settings.describe()}), {data.train.num_samples} train / "
         f"{data.val.num_samples} held-out images, {len(data.train)} steps an epoch from epoch "
-        f"{progress.epoch + 1}; would write {run_dir} (nothing written)"
+        f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
     return {"dry_run": True, "name": config.name, "run_dir": str(run_dir),
             "settings": engine.settings.describe(), "train_images": data.train.num_samples,
