@@ -18,6 +18,8 @@
 # a step that would not fit is skipped and listed; one started with less than its limit left
 # and stopped at the budget is listed as cut (summary.json: steps_cut_by_budget), not failed.
 # SMOKE=1 runs every step on the CPU with tiny sizes, to test this script without a GPU.
+# STEPS="gpu_tests ddp_nccl" runs only the steps named (a second run after a fix, within the
+# device time left; a step on the packed data needs synth_shapes and pack_raw / pack_jpeg too).
 set -u
 OUT=$(realpath -m -- "${1:?usage: bash benchmarks/gpu.sh OUT_DIR [BACK_DIR]}")
 BACK=${2:+$(realpath -m -- "$2")}
@@ -89,6 +91,7 @@ if [[ $DEV == cuda && ${shm_kb:-0} -lt $(( 16 * 1024 * 1024 )) ]]; then
 fi
 df -h /dev/shm | tail -n 1 | awk '{print "shm: " $2 " (" $4 " free)"}' >> "$OUT/hardware.txt"
 date -u +"%Y-%m-%dT%H:%M:%SZ" >> "$OUT/hardware.txt"
+[[ -z ${STEPS:-} ]] || echo "steps selected: $STEPS" >> "$OUT/hardware.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,memory.total,power.limit \
     --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
 
@@ -96,6 +99,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,memory.total,powe
 # (stderr may print after it) to NAME.json
 step() {
     local name=$1 limit=$(( $2 * SLOW )); shift 2
+    [[ -z ${STEPS:-} || " $STEPS " == *" $name "* ]] || return 0  # a rerun of some steps only
     local left=$(( BUDGET_S - ($(date +%s) - START) ))
     if (( left < limit / 2 )); then
         echo "$name: skipped (${left}s of the budget left)" | tee -a "$OUT/skipped.txt"

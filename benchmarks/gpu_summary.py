@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -116,6 +117,7 @@ def main() -> None:
         "steps_failed": sorted(name for name, rc in done.items() if rc != 0),
         "steps_skipped": skipped,
         "steps_cut_by_budget": cut,
+        "steps_selected": os.environ.get("STEPS", "").split() or "all",  # gpu.sh's STEPS
     }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for key, value in summary.items():
