@@ -73,6 +73,10 @@ def test_bench_loader_json_last_line(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["images"] == 12 and report["images_per_second"] > 0
     assert report["source"] == "packed" and report["input_shape"] == [3, 16, 16]
+    with pytest.raises(SystemExit) as done:  # the flags it was given, not data.* settings
+        main(["bench", "loader", str(tmp_path / "p"), "--crop", "24"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "--crop: 24 is larger than the packed size 20" in err
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

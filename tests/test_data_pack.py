@@ -95,7 +95,9 @@ def test_pack_resumes_after_an_interrupt(shapes, tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"different pack \(--size 12 here, 16 there\); use"):
         pack_folder(shapes, tmp_path / "p", size=12, progress=False)
     with pytest.raises(DataError, match=r"--resize shorter-side-crop here, squash there; --format"):
-        pack_folder(shapes, tmp_path / "p", size=16, resize="shorter", format="jpeg", progress=False)
+        pack_folder(
+            shapes, tmp_path / "p", size=16, resize="shorter", format="jpeg", progress=False
+        )
 
 
 def test_bad_images_reported_converted_and_skipped(tmp_path):

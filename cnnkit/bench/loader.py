@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,7 +80,12 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
         raise ConfigError("bench loader: --batches and --batch must be >= 1")
     device = device or torch.device("cpu")
     cfg = data_config(loader_config(data, workers, batch, **options))
-    stream = cfg.build(device).train
+    try:
+        stream = cfg.build(device).train
+    except ConfigError as e:  # the settings bench loader made from its flags, named as flags
+        flags = {"data.crop": "--crop", "data.decode": "--decode", "data.workers": "--workers"}
+        raise ConfigError(re.sub(r"\bdata\.(crop|decode|workers)\b",
+                                 lambda m: flags[m.group(0)], str(e))) from None  # fmt: skip
     storage = (
         json.loads((Path(data) / "meta.json").read_text())["storage"]
         if cfg.source == "packed"
