@@ -240,7 +240,7 @@ def _special_files(odd: Path) -> list[Odd]:
         Odd("odd/.DS_Store", "scan", "hidden file", named="not an image"),
         Odd("odd/fifo.jpg", "scan", "not a regular file (a FIFO)", named="a FIFO"),
         Odd("odd/device.jpg", "scan", "not a regular file (a character device)", named="a character device"),
-        Odd("odd/broken-link.jpg", "scan", "broken symlink"),
+        Odd("odd/broken-link.jpg", "scan", "broken symlink", named="broken symlink"),
         Odd("odd/same-as-grey16.png", "scan", "the same file as odd/grey16.png"),
         Odd("odd/loop", "scan", "a folder already scanned"),
     ]  # fmt: skip
