@@ -81,7 +81,9 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: the fastest measured here (fp16 only on CUDA)"
     )
-    channels_last: bool | None = Field(None, description="None (auto): the faster one measured")
+    channels_last: bool | Literal["auto"] | None = Field(
+        None, description="None or auto: the faster one measured"
+    )
     threads: PositiveInt | None = Field(None, description="CPU threads (None: the faster measured)")
     calibrate: bool = Field(
         True, description="auto settings by a short timing on this machine, cached (false: rules)"
@@ -120,6 +122,10 @@ class TrainConfig(Section):
             raise ValueError("schedule multistep needs train.milestones (epochs)")
         if self.precision == "fp16" and self.device == "cpu":
             raise ValueError("precision fp16 needs CUDA (use bf16 on CPU)")
+        if self.optimizer == "nesterov" and self.momentum == 0:
+            raise ValueError("optimizer nesterov needs momentum > 0 (or optimizer sgd)")
+        if self.channels_last == "auto":  # as precision is written; None from here on
+            self.channels_last = None
         return self
 
 
@@ -178,6 +184,13 @@ class RunConfig(Section):
     @classmethod
     def _known_source(cls, value: Any) -> Any:
         return check_source(value)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _number_as_name(cls, value: Any) -> Any:  # `name=2024`: YAML reads a number
+        return (
+            str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+        )
 
     @field_validator("name")
     @classmethod

@@ -14,6 +14,8 @@ def test_zoo_run_with_overrides_is_typed():
     assert isinstance(config, RunConfig)
     assert config.train.lr == 0.02 and config.data.batch_size == 128
     assert config.train.milestones == [3, 6] and config.name == "digits"
+    config = load_run("digits", ["name=2024", "train.channels_last=auto"])  # YAML's int; auto
+    assert config.name == "2024" and config.train.channels_last is None
 
 
 def test_overrides_create_nested_keys_and_parse_yaml_values():

@@ -68,6 +68,14 @@ def test_init_rules():
     model = build_model(spec)
     assert abs(model.a.weight.std().item() - 0.5) < 0.1 and torch.all(model.a.bias == 0.25)
     assert torch.all(model.b.weight == 0) and torch.all((model.b.bias >= 1) & (model.b.bias <= 2))
+    # reset_parameters: every layer anew, PyTorch's default where no rule is given
+    model = build_model(net(conv("a", init={"bias": 0.25}), conv("b"), {"type": "batchnorm"}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7)
+    model.reset_parameters()
+    assert not any((p == 7).any() for p in model.parameters())
+    assert torch.all(model.a.bias == 0.25) and torch.all(model.batchnorm2.weight == 1)
 
 
 BAD = [

@@ -33,6 +33,7 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
         (["train", "digits", "data.batch_size=0"], 2, "data.batch_size"),
         (["train", "digits", "train.optimizer=sgdd"], 2, "train.optimizer"),
         (["train", "digits", "train.lrr=0.1"], 2, "train.lrr: unknown field"),
+        (["train", "digits", "train.momentum=0"], 2, "optimizer nesterov needs momentum > 0"),
         (["train", "digits", "data.source=nowhere"], 2, "data.source"),
         (["train", "digits", "train.device=gpu7"], 2, "train.device"),
         (["train", "digits", "lr"], 2, "key=value"),

@@ -69,7 +69,7 @@ class Network(nn.Module):
             self.register_state_dict_post_hook(partial(bare_scale_keys, scales))
             self.register_load_state_dict_pre_hook(partial(scale_weight_keys, scales))
         if device is None or torch.device(device).type != "meta":
-            self.reset_parameters()
+            self._apply_init()  # fresh modules hold PyTorch's default already
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values: list[torch.Tensor | None] = [x]
@@ -84,7 +84,14 @@ class Network(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialise every layer as its `init:` says (PyTorch's default where it says nothing)."""
+        """Initialise every layer anew: PyTorch's default, then what its `init:` says."""
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+        self._apply_init()
+
+    def _apply_init(self) -> None:
+        """The network file's `init:` rules, layer by layer."""
         for node in self._nodes:
             if not isinstance(node.layer, ParamLayer) or not node.layer.init:
                 continue
