@@ -44,6 +44,21 @@ def test_run_file_naming_a_network_file_beside_it(tmp_path):
     assert config.model.network == str(tmp_path / "net.yaml") and config.name == "run"
 
 
+def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
+    """`model: {network:, weights:}` is what info, show and build_model read too."""
+    import torch
+
+    from cnnkit import build_model
+
+    net = build_model("digitnet")
+    torch.save(net.state_dict(), tmp_path / "pre.pth")
+    (tmp_path / "run.yaml").write_text(
+        "model: {network: digitnet, weights: pre.pth}\ndata: {source: digits}\n"
+    )
+    built = build_model(tmp_path / "run.yaml")  # the weights beside the run file, as training
+    assert all(torch.equal(v, built.state_dict()[k]) for k, v in net.state_dict().items())
+
+
 @pytest.mark.parametrize(
     "change, words",
     [

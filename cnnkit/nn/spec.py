@@ -82,6 +82,8 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
             f"{source or 'spec'}: expected a mapping with 'layers' (or 'model'), got {type(data).__name__}"
         )
     model = data.get("model", data)
+    if isinstance(model, dict) and "network" in model and "layers" not in model:
+        return _run_model(model, source, _hops)  # a run file's {network:, weights:}
     if isinstance(model, str):  # a run file naming a zoo network or another file
         if _hops >= MAX_FILE_HOPS:
             raise ConfigError(
@@ -99,6 +101,21 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
     if source and isinstance(weights, str) and not Path(weights).is_absolute():
         model["weights"] = str(Path(source).parent / weights)  # beside the network file
     return model
+
+
+def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str, Any]:
+    """A run file's `model: {network: ..., weights: ...}` (fine-tuning) as the network's mapping
+    with those weights; files relative to the run file where they are there, as training reads
+    them."""
+    base = Path(source).parent if source else Path.cwd()
+
+    def beside(name: Any) -> Any:
+        return str(base / name) if isinstance(name, str) and (base / name).is_file() else name
+
+    network = read_spec(beside(model["network"]), hops + 1)
+    if model.get("weights") is not None:
+        network["weights"] = beside(model["weights"])
+    return network
 
 
 def _read_yaml_or_zoo(spec: str) -> tuple[Any, str]:
