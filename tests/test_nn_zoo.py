@@ -132,6 +132,39 @@ def test_family_loads_torchvisions_state_dict_strictly_with_the_same_logits(
     assert (got - expected).abs().max().item() <= 1e-4
 
 
+def test_published_files_of_googlenet_and_densenet_load_as_torchvision_loads_them(
+    tmp_path, one_thread
+):
+    """googlenet's file holds the auxiliary heads; densenet's names `norm1` as `norm.1` (older
+    torchvision): the network files' weights_keys drop and rename them, as torchvision does."""
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    densenet = torchvision.models.densenet121().eval()
+    old = {k.replace("norm1.", "norm.1.").replace("norm2.", "norm.2.").replace(
+        "conv1.", "conv.1.").replace("conv2.", "conv.2.") if ".denselayer" in k else k: v
+           for k, v in densenet.state_dict().items()}  # fmt: skip
+    assert "features.denseblock1.denselayer1.norm.1.weight" in old
+    googlenet = torchvision.models.googlenet(aux_logits=True, init_weights=True).eval()
+    googlenet.transform_input = False  # cnnkit's googlenet takes the input as it is
+    assert any(k.startswith("aux1.") for k in googlenet.state_dict())
+    for name, ref, state in (("densenet121", densenet, old), ("googlenet", googlenet, None)):
+        torch.save(state or ref.state_dict(), tmp_path / f"{name}.pth")
+        ours = build_model(name, weights=tmp_path / f"{name}.pth").eval()
+        with torch.no_grad():
+            assert (ours(x) - ref(x)).abs().max().item() <= 1e-4, name
+
+
+def test_weights_key_rules_are_checked():
+    from cnnkit import ConfigError
+
+    base = {"input": [4], "layers": [{"type": "linear", "out_features": 2}]}
+    for rule, words in (({"drop": "a", "match": "b", "to": "c"}, "a rule is {drop: REGEX}"),
+                        ({"match": "b"}, "a rule is {drop: REGEX}"),
+                        ({"drop": "("}, "not a regular expression")):  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            build_model({**base, "weights_keys": [rule]})
+
+
 def test_every_zoo_net_builds_and_runs():
     for name in NETS:
         model = build_model(name, device="meta")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +20,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     field_validator,
+    model_validator,
 )
 
 from cnnkit.errors import ConfigError, brief
@@ -50,6 +52,28 @@ class BlockDef(BaseModel):
         return v
 
 
+class KeyRule(BaseModel):
+    """A rule for the keys of a weights file, applied as it is loaded: keys that fully match
+    `drop` are left out (a training-only head the network has not); keys that fully match
+    `match` become `to` (re.sub's \\1 groups; an older naming of the same tensors)."""
+
+    model_config = ConfigDict(extra="forbid")
+    drop: str | None = None
+    match: str | None = None
+    to: str | None = None
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> KeyRule:
+        if (self.drop is None) == (self.match is None) or (self.match is None) != (self.to is None):
+            raise ValueError("a rule is {drop: REGEX} or {match: REGEX, to: REPLACEMENT}")
+        for pattern in (self.drop, self.match):
+            try:
+                re.compile(pattern or "")
+            except re.error as e:
+                raise ValueError(f"{brief(pattern)}: not a regular expression ({e})") from None
+        return self
+
+
 class NetSpec(BaseModel):
     """The `model:` section of a network or run file."""
 
@@ -58,6 +82,10 @@ class NetSpec(BaseModel):
     input: list[Dim] = Field(min_length=1, max_length=3, description="[C, H, W] or [F]")
     num_classes: Dim | None = Field(None, description="omitted: taken from the data set")
     weights: str | None = Field(None, description="a state_dict file to load (safetensors, .pt)")
+    weights_keys: list[KeyRule] = Field(
+        default_factory=list,
+        description="how published weight files name some keys: rename ({match, to}) or drop",
+    )
     defaults: dict[str, dict[str, Any]] = Field(default_factory=dict, description="type -> fields")
     blocks: dict[str, BlockDef] = Field(default_factory=dict)
     layers: list[dict[str, Any]] = Field(min_length=1)

@@ -87,7 +87,7 @@ def load_weights(network: nn.Module, path: str | Path) -> list[str]:
     """Load a state_dict file into `network` (names and shapes must agree) and return the keys
     left as initialised: the classifier of a network built for another class count (its
     `heads`), so fine-tuning starts from everything else."""
-    state = read_state_dict(path)
+    state = published_keys(read_state_dict(path), getattr(network, "spec", {}))
     check_finite_weights(state, path)
     own = network.state_dict()
     heads = tuple(f"{h}." for h in getattr(network, "heads", ()))
@@ -110,6 +110,25 @@ def load_weights(network: nn.Module, path: str | Path) -> list[str]:
     with torch.no_grad():
         network.load_state_dict(state)
     return fresh
+
+
+def published_keys(state: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
+    """`state` with the network file's `weights_keys` rules applied: keys a published file has
+    that the network leaves out are dropped, older names of its tensors renamed."""
+    rules = spec.get("weights_keys") or []
+    if not rules:
+        return state
+    out = {}
+    for key, tensor in state.items():
+        for rule in rules:
+            if rule.get("drop") is not None and re.fullmatch(rule["drop"], key):
+                key = None
+                break
+            if rule.get("match") is not None and re.fullmatch(rule["match"], key):
+                key = re.sub(rule["match"], rule["to"], key)
+        if key is not None:
+            out[key] = tensor
+    return out
 
 
 def _named(keys: list[str], what: str, show: Callable[[str], str]) -> str:
