@@ -231,3 +231,23 @@ def _value_after(model, x, name):
     model(x)
     handle.remove()
     return seen["out"]
+
+
+INITIALISED = ["vgg11_bn", "densenet121", "googlenet", "convnext_tiny", "mobilenet_v3_small",
+               "efficientnet_b0", "regnet_y_400mf", "resnet18", "squeezenet1_1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", INITIALISED)
+def test_zoo_nets_start_where_torchvisions_start(name, one_thread):
+    """Each tensor's spread as torchvision initialises it (within sampling noise), and zero
+    where torchvision's is zero: training from scratch starts from the same distribution."""
+    torch.manual_seed(0)
+    kwargs = {"init_weights": True, "aux_logits": False} if name == "googlenet" else {}
+    theirs = torchvision.models.get_model(name, weights=None, **kwargs).state_dict()
+    ours = build_model(name).state_dict()
+    for key, ref in theirs.items():
+        if not ref.is_floating_point() or ref.numel() < 500 or "running" in key:
+            continue
+        std, got = ref.std().item(), ours[key].std().item()
+        assert got == pytest.approx(std, rel=0.15, abs=1e-6), key
+        assert (ref == 0).all().item() == (ours[key] == 0).all().item(), key
