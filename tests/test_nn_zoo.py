@@ -251,3 +251,30 @@ def test_zoo_nets_start_where_torchvisions_start(name, one_thread):
         std, got = ref.std().item(), ours[key].std().item()
         assert got == pytest.approx(std, rel=0.15, abs=1e-6), key
         assert (ref == 0).all().item() == (ours[key] == 0).all().item(), key
+
+
+def test_groups_index_and_hook_like_torchvisions_containers(one_thread):
+    """`model.layer4` is a group of layers the network runs one by one: it indexes like
+    nn.Sequential and its forward hooks see (and may replace) what torchvision's see."""
+    torch.manual_seed(0)
+    ref = torchvision.models.resnet18().eval()
+    ours = build_model("resnet18").eval()
+    ours.load_state_dict(ref.state_dict())
+    seen: dict[str, list] = {"ref": [], "ours": []}
+    for name, model in (("ref", ref), ("ours", ours)):
+
+        def keep(module, args, output, name=name):
+            seen[name].append((args[0].clone(), output.clone()))
+
+        model.layer4.register_forward_hook(keep)
+        model.layer4[-1].register_forward_hook(keep)
+        model.layer3[0].register_forward_hook(lambda m, a, out: out * 0.5)  # replaces the output
+    assert len(ours.layer4) == 2 and ours.layer4[-1].conv2 is ours.layer4[1].conv2
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert (ours(x) - ref(x)).abs().max().item() <= 1e-5
+    assert len(seen["ours"]) == len(seen["ref"]) == 2
+    for (a, b), (c, d) in zip(seen["ours"], seen["ref"], strict=True):
+        assert a.shape == c.shape and (a - c).abs().max() <= 1e-5 and (b - d).abs().max() <= 1e-5
+    with pytest.raises(TypeError, match="runs as part of the network"):
+        ours.layer4(x)

@@ -31,7 +31,8 @@ RESERVED = {"input", "previous"}
 # with graph.Network; a test checks it).
 NETWORK_ATTRIBUTES = frozenset({"spec", "name", "input_shape", "param_count", "activation_count",
                                 "table", "num_classes", "output_shape", "heads", "multipliers",
-                                "param_groups", "reset_parameters"})  # fmt: skip
+                                "param_groups", "reset_parameters", "_apply_init",
+                                "_forward_hooked", "_groups", "_steps", "_nodes"})  # fmt: skip
 MODULE_ATTRIBUTES = frozenset(dir(nn.Module()))
 
 

@@ -64,6 +64,7 @@ class Network(nn.Module):
             (tuple(node.name.split(".")), node.inputs, frees[i]) for i, node in enumerate(nodes)
         )
         self._nodes = nodes
+        self._groups = _groups(self, nodes)  # (first step, last step, Group): for their hooks
         scales = tuple(node.name for node in nodes if node.layer.type == "scale")
         if scales:  # torchvision's key for a bare scale parameter is the layer's own name
             self.register_state_dict_post_hook(partial(bare_scale_keys, scales))
@@ -72,6 +73,9 @@ class Network(nn.Module):
             self._apply_init()  # fresh modules hold PyTorch's default already
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hooked = [g for g in self._groups if g[2]._forward_hooks]
+        if hooked:
+            return self._forward_hooked(x, hooked)
         values: list[torch.Tensor | None] = [x]
         for path, inputs, frees in self._steps:
             module = self
@@ -79,6 +83,27 @@ class Network(nn.Module):
                 module = module._modules[part]
             values.append(module(*[values[i] for i in inputs]))
             for i in frees:  # drop what no later layer reads: less memory at inference
+                values[i] = None
+        return values[-1]
+
+    def _forward_hooked(self, x: torch.Tensor, hooked: list) -> torch.Tensor:
+        """forward, calling the forward hooks of groups (`layer4`) as nn.Module would: with the
+        group's input (what its first layer reads) and its output (its last layer's), which a
+        hook may replace."""
+        values: list[torch.Tensor | None] = [x]
+        taken: dict[int, tuple] = {}
+        for step, (path, inputs, frees) in enumerate(self._steps):
+            args = [values[i] for i in inputs]
+            for first, _, group in hooked:
+                if first == step:
+                    taken[id(group)] = tuple(args)
+            values.append(self.get_submodule(".".join(path))(*args))
+            for _, last, group in hooked:
+                if last == step:
+                    for hook in list(group._forward_hooks.values()):
+                        result = hook(group, taken.pop(id(group), ()), values[-1])
+                        values[-1] = values[-1] if result is None else result
+            for i in frees:
                 values[i] = None
         return values[-1]
 
@@ -175,14 +200,46 @@ def _last_reads(nodes: list[Node]) -> list[tuple[int, ...]]:
     return [tuple(f) for f in frees]
 
 
+class Group(nn.Module):
+    """Layers whose names share a prefix (torchvision's `layer4`, `layer4.1`, `features`): the
+    container that names them. The network runs its layers one by one, so a group is never
+    called itself; its forward hooks are called all the same (with the group's input and
+    output), and it indexes like nn.Sequential (`model.layer4[-1]`)."""
+
+    def forward(self, *args: Any) -> Any:
+        raise TypeError("a group of a cnnkit network's layers runs as part of the network: call "
+                        "the network (a forward hook on the group sees its input and output)")  # fmt: skip
+
+    def __getitem__(self, index: int | slice) -> nn.Module | list[nn.Module]:
+        return list(self._modules.values())[index]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Any:
+        return iter(self._modules.values())
+
+
+def _groups(root: nn.Module, nodes: list[Node]) -> tuple[tuple[int, int, Group], ...]:
+    """Each Group with the first and last steps of the layers it holds."""
+    spans: dict[str, list[int]] = {}
+    for step, node in enumerate(nodes):
+        parts = node.name.split(".")
+        for depth in range(1, len(parts)):
+            span = spans.setdefault(".".join(parts[:depth]), [step, step])
+            span[1] = step
+    inner_first = sorted(spans, key=lambda name: -name.count("."))  # as nested modules return
+    return tuple((*spans[name], root.get_submodule(name)) for name in inner_first)
+
+
 def _set_submodule(root: nn.Module, dotted: str, module: nn.Module) -> None:
-    """Register `module` at a dotted path, making empty containers on the way (`layer1.0.conv1`)."""
+    """Register `module` at a dotted path, making groups on the way (`layer1.0.conv1`)."""
     *parents, leaf = dotted.split(".")
     parent = root
     for part in parents:
         child = parent._modules.get(part)
         if child is None:
-            child = nn.Module()
+            child = Group()
             parent.add_module(part, child)
         parent = child
     parent.add_module(leaf, module)
