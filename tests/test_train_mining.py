@@ -182,7 +182,7 @@ def test_callbacks_reach_every_round_and_the_run_stays_locked(tmp_path, capsys):
             heard.append(row)
 
     summary = cnnkit.fit(quick_run(rounds=1), out=run, callbacks=[Stop()])
-    assert heard == [(0, 1, 1), (0, 1, 1)] and summary["chosen_round"] in (0, 1)
+    assert heard == [(1, 1, 1), (1, 1, 1)] and summary["chosen_round"] in (0, 1)
     assert "round 1: 10 mined negatives, no epoch trained" in capsys.readouterr().out
     assert [json.loads((run / f"round-{r}" / "summary.json").read_text())["epochs"]
             for r in (0, 1)] == [0, 0]  # fmt: skip

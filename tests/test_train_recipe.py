@@ -119,6 +119,7 @@ def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path):
 
         def on_step_end(self, epoch, step, global_step):
             self.steps += 1
+            self.epoch = epoch  # counted from 1, as on_epoch_end's row["epoch"]
 
         def on_epoch_end(self, row):
             self.rows.append(row)
@@ -128,6 +129,6 @@ def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path):
     seen = Recorder()
     summary = cnnkit.fit("digits", ["train.epochs=10"], out=tmp_path / "r", quiet=True,
                          callbacks=[seen])  # fmt: skip
-    assert [r["epoch"] for r in seen.rows] == [1, 2] and seen.steps == 2 * 22
+    assert [r["epoch"] for r in seen.rows] == [1, 2] and seen.steps == 2 * 22 and seen.epoch == 2
     assert summary["epochs"] == 2 and load_checkpoint(tmp_path / "r" / "last.pt")["epoch"] == 2
     assert (tmp_path / "r" / "curves.png").is_file()

@@ -36,8 +36,9 @@ from cnnkit.train.summary import epoch_row
 
 @dataclass
 class Hooks:
-    """What the caller hears of a run: a step hook and callbacks (objects with optional
-    `on_step_end(epoch, step, global_step)` and `on_epoch_end(row)` methods)."""
+    """What the caller hears of a run: a step hook (epoch counted from 0) and callbacks
+    (objects with optional `on_step_end(epoch, step, global_step)` and `on_epoch_end(row)`
+    methods; epoch and step counted from 1, as the log and metrics.csv count them)."""
 
     on_step: StepHook | None = None
     callbacks: Sequence[Any] = field(default_factory=list)
@@ -47,7 +48,7 @@ class Hooks:
             self.on_step(epoch, step, global_step)
         for cb in self.callbacks:
             if hasattr(cb, "on_step_end"):
-                cb.on_step_end(epoch, step, global_step)
+                cb.on_step_end(epoch + 1, step, global_step)
 
     def epoch(self, row: dict[str, float]) -> None:
         for cb in self.callbacks:
