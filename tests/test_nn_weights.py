@@ -4,6 +4,7 @@ loaded by name for fine-tuning (a fresh classifier for other classes), mismatche
 import pytest
 import torch
 import torchvision
+import yaml
 from safetensors.torch import save_file
 
 from cnnkit import CheckpointError, build_model
@@ -63,6 +64,22 @@ def test_a_classifier_sized_by_num_classes_in_a_block_is_a_head_too(tmp_path, sq
         model.get_submodule("features.12.expand3x3").weight,
         squeezenet.features[12].expand3x3.weight,
     )
+
+
+@pytest.mark.parametrize("passed", ["n: $num_classes", "m: $num_classes"])
+def test_a_classifier_sized_through_a_block_parameter_is_a_head(tmp_path, passed):
+    """`n: $num_classes` given to a block (or a default reading such a parameter) sizes the
+    layer that reads `$n`: fine-tuning keeps that layer fresh as it does a `$num_classes` one."""
+    net = {"input": [1, 8, 8], "num_classes": 10,
+           "blocks": {"head": {"params": {"m": None, "n": "$m"}, "layers": [
+               {"name": "fc", "type": "linear", "out_features": "$n"}]}},
+           "layers": [{"name": "c", "type": "conv", "out_channels": 4, "kernel_size": 3},
+                      {"name": "classifier", "block": "head", "m": 3, **yaml.safe_load(passed)}]}  # fmt: skip
+    save_file(build_model(net).state_dict(), str(tmp_path / "w.safetensors"))
+    model = build_model(net, num_classes=5)
+    assert model.heads == ("classifier.fc",)
+    assert load_weights(model, tmp_path / "w.safetensors") == ["classifier.fc.weight",
+                                                                "classifier.fc.bias"]  # fmt: skip
 
 
 def test_a_network_file_names_its_weights_beside_it(tmp_path, squeezenet):

@@ -70,6 +70,15 @@ class _Scope:
     sequential: bool = False
     counter: int = 0  # the next number of a sequential block
     depth: int = 0
+    sized: frozenset[str] = frozenset({"num_classes"})  # the params num_classes sizes
+
+
+_PARAM = re.compile(r"\$([A-Za-z_]\w*)")
+
+
+def _mentions(value: Any, names: frozenset[str]) -> bool:
+    """Whether `value` is an expression reading one of the parameters `names`."""
+    return isinstance(value, str) and any(m in names for m in _PARAM.findall(value))
 
 
 class Expander:
@@ -129,7 +138,7 @@ class Expander:
             return self._alias(scope, short, inputs[0])
         fields = self._sub(label, None, {**fields, "type": kind}, env)
         layer = _validate(label, kind, {**fields, "name": scope.prefix + short, "inputs": names})
-        head = any(isinstance(v, str) and "$num_classes" in v for v in raw.values())
+        head = any(_mentions(v, scope.sized) for v in raw.values())  # a classifier
         if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
             layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
         self._check_name(label, scope.prefix + short, short)
@@ -180,10 +189,11 @@ class Expander:
                     )
             env = {**scope.params, **shape_params(self.shapes[value]), "index": number}
             params = self._block_params(label, block_name, this, given, env)
+            sized = _sized(this, given, scope.sized)
             if stage.inline:  # its layers join the enclosing list (and its numbering)
                 inner = _Scope(
                     scope.index, scope.prefix, params, {"input": value}, value,
-                    scope.sequential, scope.counter, scope.depth + 1,
+                    scope.sequential, scope.counter, scope.depth + 1, sized,
                 )  # fmt: skip
                 value = self._expand(this, inner)
                 scope.counter = inner.counter
@@ -194,7 +204,7 @@ class Expander:
                 name = stage.copy_name(short, number)
             inner = _Scope(
                 scope.index, f"{scope.prefix}{name}.", params, {"input": value}, value,
-                this.sequential, 0, scope.depth + 1,
+                this.sequential, 0, scope.depth + 1, sized,
             )  # fmt: skip
             value = self._expand(this, inner)
             self.value_of[scope.prefix + name] = value
@@ -398,3 +408,14 @@ def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[N
     if len(net.input) == 2:
         raise ConfigError("model: input: give [C, H, W] for images or [F] for vectors")
     return net, Expander(net).run()
+
+
+def _sized(block: BlockDef, given: dict[str, Any], outer: frozenset[str]) -> frozenset[str]:
+    """The block's parameters that num_classes sizes: given from an expression reading one of
+    the caller's (`n: $num_classes`), or defaulting to one reading such a parameter."""
+    sized = {"num_classes"}
+    for key, default in block.params.items():
+        value, names = (given[key], outer) if key in given else (default, frozenset(sized))
+        if _mentions(value, names):
+            sized.add(key)
+    return frozenset(sized)
