@@ -431,20 +431,31 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
         cls = path.parent.name
         (flat / cls).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, flat / cls / f"{path.parent.parent.name}-{path.name}")
-    script = textwrap.dedent(f"""
-        import faulthandler, signal
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
+    # the workers start from a fork server: the slow writing is a module it imports too
+    (tmp_path / "slow_shards.py").write_text(textwrap.dedent("""
         import cnnkit.data.pack_shard as shard, time
         real = shard._write_records
         def slow(job, out):  # two shards are written, the rest wait for the Ctrl-C
             time.sleep(0.3 if job.shard < 2 else 120)
             return real(job, out)
         shard._write_records = slow
+    """))  # fmt: skip
+    script = textwrap.dedent(f"""
+        import faulthandler, signal
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
+        import cnnkit.data.pack as pack
+        chosen = pack._pool_context
+        def with_slow_shards():
+            ctx = chosen()
+            ctx.set_forkserver_preload(["slow_shards", "cnnkit.data.pack"])
+            return ctx
+        pack._pool_context = with_slow_shards
         from cnnkit.cli import main
         main(["pack", {str(flat)!r}, {str(tmp_path / "p")!r}, "--size", "16", "-j", "2"])
     """)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=sigint_default)  # fmt: skip
+                            start_new_session=True, preexec_fn=sigint_default, env=env)  # fmt: skip
     deadline = time.monotonic() + 60
     while not list((tmp_path / "p").glob("shards/*.npz")) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -156,12 +156,21 @@ def _run_jobs(jobs: list[PackJob], workers: int, total: int, done: int, show: bo
             for job in jobs:
                 bar.advance(task, pack_shard(job)[1])
             return
-        methods = mp.get_all_start_methods()
-        ctx = mp.get_context("fork" if "fork" in methods else "spawn")
-        with ctx.Pool(workers, initializer=_init_worker) as pool:
+        with _pool_context().Pool(workers, initializer=_init_worker) as pool:
             finished = pool.imap_unordered(pack_shard, jobs)
             for _ in jobs:
                 bar.advance(task, _next_finished(finished)[1])
+
+
+def _pool_context() -> Any:
+    """Where the pack's processes start from: a fork server (forked once, before any thread of
+    ours, with this module imported), as Python 3.14 does by default. A fork of this process
+    could copy a lock some thread held (a progress bar's, a notebook's output) and hang."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def _next_finished(finished: Any) -> tuple[int, int]:
