@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
+import yaml
 from helpers import cli_ok as main
 
 from cnnkit.checkpoint import load_trained
@@ -116,3 +117,17 @@ def test_eval_maps_the_data_classes_to_the_network_by_name(trained, tmp_path):
     (part / classes[3]).rename(part / "Renamed")
     with pytest.raises(DataError, match="class 'Renamed' is not one the network was trained on"):
         evaluate_checkpoint(trained / "run", str(part), device="cpu")
+
+
+def test_a_data_yaml_is_evaluated_at_the_size_and_crop_the_network_trained_at(trained, tmp_path):
+    """What a --data YAML leaves unsaid (size, crop, resize) is the checkpoint's, as for a
+    directory; before, a folder was read at 256 / 227 and a 24 px pack refused."""
+    as_dir = evaluate_checkpoint(trained / "run", str(trained / "val"), device="cpu")
+    for section in ({"source": "folder", "path": str(trained / "val"),
+                     "val_path": str(trained / "val")},
+                    {"source": "packed", "path": str(trained / "val_packed"),
+                     "val_path": str(trained / "val_packed")}):  # fmt: skip
+        (tmp_path / "data.yaml").write_text(yaml.safe_dump({"data": section}))
+        got = evaluate_checkpoint(trained / "run", str(tmp_path / "data.yaml"), device="cpu")
+        assert got["images"] == as_dir["images"] and got["top1"] == as_dir["top1"]
+        assert got["loss"] == pytest.approx(as_dir["loss"], abs=1e-3)

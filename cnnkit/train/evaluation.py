@@ -39,6 +39,10 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess) -> Dat
         section = loaded.get("data", loaded) if isinstance(loaded, dict) else None
         if not isinstance(section, dict):
             raise ConfigError(f"--data {spec}: the file has no data: mapping")
+        if section.get("source") in ("folder", "packed"):  # unsaid: as the network trained
+            section = {"crop": pre.crop, **section}
+        if section.get("source") == "folder":
+            section = {"size": pre.resize or pre.crop, "resize_mode": pre.resize_mode, **section}
     elif Path(spec).is_dir():
         section = {"path": spec, "val_path": spec, "crop": pre.crop}
         if (Path(spec) / "meta.json").is_file():
