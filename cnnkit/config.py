@@ -185,6 +185,15 @@ class RunConfig(Section):
     def _known_source(cls, value: Any) -> Any:
         return check_source(value)
 
+    @field_validator("data")
+    @classmethod
+    def _held_out(cls, data: DataConfig) -> DataConfig:
+        if getattr(data, "val_fraction", None) == 0 and not getattr(data, "val_path", None):
+            raise ValueError("val_fraction 0 leaves no held-out images, which best.pt, early "
+                             "stopping and the plateau schedule read: give data.val_path, or a "
+                             "fraction above 0")  # fmt: skip
+        return data
+
     @field_validator("name", mode="before")
     @classmethod
     def _number_as_name(cls, value: Any) -> Any:  # `name=2024`: YAML reads a number

@@ -66,6 +66,7 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
         ({"train": {"schedule": "multistep"}}, "milestones"),
         ({"train": {"precision": "fp16", "device": "cpu"}}, "fp16"),
         ({"train": {"epochs": 0}}, "train.epochs"),
+        ({"data": {"source": "folder", "path": ".", "val_fraction": 0}}, "leaves no held-out"),
         ({"data": {"source": "digits", "val_fraction": 1.5}}, "data.val_fraction"),
         ({"data": {"source": "digits", "colour": 1}}, "data.colour"),
         ({"seed": -1}, "seed"),

@@ -138,6 +138,8 @@ def evaluate_checkpoint(
         result = {**both["centre"], "tencrop": both["tencrop"]}
     else:
         result = evaluate(engine, batches)
+    if not batches.images:  # never a 0% figure for an empty set
+        raise DataError(f"{data or 'the run'}: no held-out image to evaluate (give --data)")
     return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,
             "checkpoint": meta["path"], "device": str(dev), "classes": len(meta["classes"])}  # fmt: skip
 
