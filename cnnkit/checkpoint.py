@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -272,3 +273,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+
+
+def note_mean_image(config: dict[str, Any], what: str) -> None:
+    """One stderr line where a run trained with `normalize: mean_image` is applied to other
+    images: a checkpoint keeps the mean image's per-channel averages, not the image itself."""
+    data = config.get("data") if isinstance(config, dict) else None
+    if isinstance(data, dict) and data.get("normalize") == "mean_image":
+        print(f"cnnkit: {what} subtracts the training mean image's per-channel averages, not the "
+              "image itself (the checkpoint does not hold it): figures may differ slightly from "
+              "the run's own", file=sys.stderr)  # fmt: skip

@@ -222,3 +222,15 @@ def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
     prediction = Classifier.load(tmp_path / "net.yaml").predict(str(image), top=3)
     expected = net(torch.zeros(1, 1, 8, 8)).softmax(1)[0].topk(3).values
     assert prediction.probs == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_a_mean_image_run_says_its_mean_is_approximated(capsys):
+    """The checkpoint keeps the mean image's channel averages only: applying such a run to
+    other images says so (once per use), a per-channel run says nothing."""
+    from cnnkit.checkpoint import note_mean_image
+
+    note_mean_image({"data": {"source": "packed", "normalize": "channel"}}, "classify")
+    assert capsys.readouterr().err == ""
+    note_mean_image({"data": {"source": "packed", "normalize": "mean_image"}}, "--data v")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("cnnkit: --data v subtracts the training mean image's per-channel")

@@ -13,6 +13,7 @@ from cnnkit.checkpoint import (
     checkpoint_path,
     load_checkpoint,
     load_trained,
+    note_mean_image,
     read_export,
 )
 from cnnkit.data.base import Preprocess
@@ -46,6 +47,7 @@ def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
         return load_safetensors(path, device)
     if path.is_dir() or path.suffix in (".pt", ".pth"):
         model, meta = load_trained(path, device)
+        note_mean_image(meta.get("config", {}), "classifying other images")
         preprocess = Preprocess.from_dict(meta["preprocess"])
         return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)))
     return load_network(str(target), device)
