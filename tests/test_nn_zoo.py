@@ -278,3 +278,20 @@ def test_groups_index_and_hook_like_torchvisions_containers(one_thread):
         assert a.shape == c.shape and (a - c).abs().max() <= 1e-5 and (b - d).abs().max() <= 1e-5
     with pytest.raises(TypeError, match="runs as part of the network"):
         ours.layer4(x)
+
+
+def test_group_hooks_of_every_forward_kind_run_and_backward_ones_are_refused():
+    net = build_model("resnet18").eval()
+    heard = []
+    net.layer4.register_forward_hook(lambda m, a, out: heard.append(("one", len(a))))
+    net.layer4.register_forward_hook(lambda m, a, out: heard.append(("two", len(a))))
+    net.layer4.register_forward_hook(lambda m, a, kw, out: heard.append(("kw", len(a), kw)),
+                                     with_kwargs=True)  # fmt: skip
+    net.layer2.register_forward_pre_hook(lambda m, a: heard.append(("pre", tuple(a[0].shape))))
+    net(torch.zeros(1, 3, 64, 64))
+    assert heard == [("pre", (1, 64, 16, 16)), ("one", 1), ("two", 1), ("kw", 1, {})]
+    net.layer3.register_forward_pre_hook(lambda m, a: (a[0] * 2,))  # would miss the shortcut
+    with pytest.raises(TypeError, match="cannot replace its input"):
+        net(torch.zeros(1, 3, 64, 64))
+    with pytest.raises(TypeError, match="takes no backward hooks"):
+        net.layer4.register_full_backward_hook(lambda *args: None)

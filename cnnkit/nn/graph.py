@@ -73,7 +73,7 @@ class Network(nn.Module):
             self._apply_init()  # fresh modules hold PyTorch's default already
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hooked = [g for g in self._groups if g[2]._forward_hooks]
+        hooked = [g for g in self._groups if g[2]._forward_hooks or g[2]._forward_pre_hooks]
         if hooked:
             return self._forward_hooked(x, hooked)
         values: list[torch.Tensor | None] = [x]
@@ -96,13 +96,12 @@ class Network(nn.Module):
             args = [values[i] for i in inputs]
             for first, _, group in hooked:
                 if first == step:
+                    args = list(_call_pre_hooks(group, tuple(args)))
                     taken[id(group)] = tuple(args)
             values.append(self.get_submodule(".".join(path))(*args))
             for _, last, group in hooked:
                 if last == step:
-                    for hook in list(group._forward_hooks.values()):
-                        result = hook(group, taken.pop(id(group), ()), values[-1])
-                        values[-1] = values[-1] if result is None else result
+                    values[-1] = _call_hooks(group, taken.pop(id(group), ()), values[-1])
             for i in frees:
                 values[i] = None
         return values[-1]
@@ -204,7 +203,16 @@ class Group(nn.Module):
     """Layers whose names share a prefix (torchvision's `layer4`, `layer4.1`, `features`): the
     container that names them. The network runs its layers one by one, so a group is never
     called itself; its forward hooks are called all the same (with the group's input and
-    output), and it indexes like nn.Sequential (`model.layer4[-1]`)."""
+    output; its pre-hooks with its input, which they may read, not replace),
+    and it indexes like nn.Sequential (`model.layer4[-1]`). Backward hooks on a group are
+    refused: the group has no call of its own whose gradient they could see."""
+
+    def register_full_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a group of a cnnkit network's layers takes no backward hooks: in a "
+                        "forward hook, output.register_hook(...) sees its output's gradient")  # fmt: skip
+
+    register_full_backward_pre_hook = register_full_backward_hook
+    register_backward_hook = register_full_backward_hook
 
     def forward(self, *args: Any) -> Any:
         raise TypeError("a group of a cnnkit network's layers runs as part of the network: call "
@@ -218,6 +226,30 @@ class Group(nn.Module):
 
     def __iter__(self) -> Any:
         return iter(self._modules.values())
+
+
+def _call_pre_hooks(group: nn.Module, args: tuple) -> tuple:
+    """A group's forward pre-hooks, in order, as nn.Module calls them. They may look, not
+    replace: more than the group's first layer may read its input (a residual shortcut)."""
+    with_kwargs = group._forward_pre_hooks_with_kwargs
+    for key, hook in list(group._forward_pre_hooks.items()):
+        result = hook(group, args, {}) if with_kwargs.get(key) else hook(group, args)
+        if result is not None:
+            raise TypeError("a forward pre-hook on a group of a cnnkit network's layers cannot "
+                            "replace its input: hook the layers that read it")  # fmt: skip
+    return args
+
+
+def _call_hooks(group: nn.Module, args: tuple, output: Any) -> Any:
+    """A group's forward hooks, in order, as nn.Module calls them (`with_kwargs` ones with no
+    keyword arguments); a hook's return value replaces the output."""
+    with_kwargs = group._forward_hooks_with_kwargs
+    for key, hook in list(group._forward_hooks.items()):
+        result = (
+            hook(group, args, {}, output) if with_kwargs.get(key) else hook(group, args, output)
+        )
+        output = output if result is None else result
+    return output
 
 
 def _groups(root: nn.Module, nodes: list[Node]) -> tuple[tuple[int, int, Group], ...]:
