@@ -431,7 +431,7 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
         cls = path.parent.name
         (flat / cls).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, flat / cls / f"{path.parent.parent.name}-{path.name}")
-    # the workers start from a fork server: the slow writing is a module it imports too
+    # the slow writing is a module: a fork inherits it, a fork server imports it too
     (tmp_path / "slow_shards.py").write_text(textwrap.dedent("""
         import cnnkit.data.pack_shard as shard, time
         real = shard._write_records
@@ -443,11 +443,12 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
     script = textwrap.dedent(f"""
         import faulthandler, signal
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
-        import cnnkit.data.pack as pack
+        import cnnkit.data.pack as pack, slow_shards
         chosen = pack._pool_context
         def with_slow_shards():
             ctx = chosen()
-            ctx.set_forkserver_preload(["slow_shards", "cnnkit.data.pack"])
+            if ctx.get_start_method() == "forkserver":
+                ctx.set_forkserver_preload(["slow_shards", "cnnkit.data.pack"])
             return ctx
         pack._pool_context = with_slow_shards
         from cnnkit.cli import main
@@ -489,3 +490,22 @@ def test_rgb_covariance_is_within_two_percent_of_every_pixels(shapes, tmp_path):
     cov = torch.cov(pixels, correction=0).numpy()
     got = np.array(json.loads((tmp_path / "p/meta.json").read_text())["rgb_cov"])
     np.testing.assert_allclose(got, cov, atol=0.02 * np.abs(cov).max())
+
+
+def test_pack_forks_only_where_no_other_thread_runs():
+    """A fork copies whatever lock another thread holds: with one running, the workers start
+    from a fork server instead (a plain script, with no thread, still forks: no main guard)."""
+    import threading
+
+    from cnnkit.data import pack
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert pack._pool_context().get_start_method() == "forkserver"
+    finally:
+        stop.set()
+        other.join()
+    alone = threading.active_count() == 1  # pytest-xdist's worker runs a thread of its own
+    assert (pack._pool_context().get_start_method() == "fork") == alone

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,23 +151,30 @@ def _run_jobs(jobs: list[PackJob], workers: int, total: int, done: int, show: bo
 
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                TimeRemainingColumn())  # fmt: skip
-    with Progress(*columns, disable=not show, transient=False) as bar:
-        task = bar.add_task("packing", total=total, completed=done)
-        if workers <= 1:
+    if workers <= 1:
+        with Progress(*columns, disable=not show, transient=False) as bar:
+            task = bar.add_task("packing", total=total, completed=done)
             for job in jobs:
                 bar.advance(task, pack_shard(job)[1])
-            return
-        with _pool_context().Pool(workers, initializer=_init_worker) as pool:
-            finished = pool.imap_unordered(pack_shard, jobs)
+        return
+    # the workers start before the progress bar's thread does
+    with _pool_context().Pool(workers, initializer=_init_worker) as pool:
+        finished = pool.imap_unordered(pack_shard, jobs)
+        with Progress(*columns, disable=not show, transient=False) as bar:
+            task = bar.add_task("packing", total=total, completed=done)
             for _ in jobs:
                 bar.advance(task, _next_finished(finished)[1])
 
 
 def _pool_context() -> Any:
-    """Where the pack's processes start from: a fork server (forked once, before any thread of
-    ours, with this module imported), as Python 3.14 does by default. A fork of this process
-    could copy a lock some thread held (a progress bar's, a notebook's output) and hang."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """How the pack's processes start: a fork of this process where it runs no other thread
+    (`cnnkit pack`), else from a fork server (a notebook's, a test runner's threads: a fork
+    could copy a lock one of them holds, and hang), which needs a script's call under
+    `if __name__ == "__main__":`; spawn where there is no fork."""
+    methods = mp.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return mp.get_context("fork")
+    if "forkserver" not in methods:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
