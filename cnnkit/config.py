@@ -185,21 +185,10 @@ class RunConfig(Section):
     def _known_source(cls, value: Any) -> Any:
         return check_source(value)
 
-    @field_validator("data")
-    @classmethod
-    def _held_out(cls, data: DataConfig) -> DataConfig:
-        if getattr(data, "val_fraction", None) == 0 and not getattr(data, "val_path", None):
-            raise ValueError("val_fraction 0 leaves no held-out images, which best.pt, early "
-                             "stopping and the plateau schedule read: give data.val_path, or a "
-                             "fraction above 0")  # fmt: skip
-        return data
-
     @field_validator("name", mode="before")
     @classmethod
     def _number_as_name(cls, value: Any) -> Any:  # `name=2024`: YAML reads a number
-        return (
-            str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-        )
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("name")
     @classmethod
@@ -224,7 +213,13 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         _relative_to(raw, base)
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
-    return validate_run(raw)
+    config = validate_run(raw)
+    data = config.data  # a new run (a resumed one keeps the settings it started with)
+    if getattr(data, "val_fraction", None) == 0 and not getattr(data, "val_path", None):
+        raise ConfigError("data.val_fraction: 0 leaves no held-out images, which best.pt, early "
+                          "stopping and the plateau schedule read: give data.val_path, or a "
+                          "fraction above 0")  # fmt: skip
+    return config
 
 
 def describe_run(config: RunConfig) -> list[tuple[str, Any, Any, str]]:

@@ -57,6 +57,9 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
     )
     built = build_model(tmp_path / "run.yaml")  # the weights beside the run file, as training
     assert all(torch.equal(v, built.state_dict()[k]) for k, v in net.state_dict().items())
+    (tmp_path / "self.yaml").write_text("model: {network: self.yaml}\n")
+    with pytest.raises(ConfigError, match="files name each other more than"):
+        build_model(tmp_path / "self.yaml")
 
 
 @pytest.mark.parametrize(
@@ -66,7 +69,6 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
         ({"train": {"schedule": "multistep"}}, "milestones"),
         ({"train": {"precision": "fp16", "device": "cpu"}}, "fp16"),
         ({"train": {"epochs": 0}}, "train.epochs"),
-        ({"data": {"source": "folder", "path": ".", "val_fraction": 0}}, "leaves no held-out"),
         ({"data": {"source": "digits", "val_fraction": 1.5}}, "data.val_fraction"),
         ({"data": {"source": "digits", "colour": 1}}, "data.colour"),
         ({"seed": -1}, "seed"),
@@ -98,6 +100,15 @@ def test_each_bad_field_is_named(change, words):
     raw = {"model": "digitnet", "data": {"source": "digits"}, **change}
     with pytest.raises(ConfigError, match=words):
         validate_run(raw)
+
+
+def test_a_new_run_needs_held_out_images(tmp_path):
+    """val_fraction 0 without val_path is refused for a new run (best.pt would be epoch 1's);
+    a checkpoint saved with it before still validates, so it resumes."""
+    section = {"source": "folder", "path": str(tmp_path), "val_fraction": 0}
+    with pytest.raises(ConfigError, match="data.val_fraction: 0 leaves no held-out images"):
+        load_run({"model": "digitnet", "data": section})
+    validate_run({"model": "digitnet", "data": section})
 
 
 def test_missing_run_file_or_zoo_name():

@@ -163,6 +163,10 @@ def test_weights_key_rules_are_checked():
                         ({"drop": "("}, "not a regular expression")):  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             build_model({**base, "weights_keys": [rule]})
+    from cnnkit.nn.weights import published_keys  # a pattern matching "" renames once
+
+    rules = {"weights_keys": [{"drop": "gone"}, {"match": "(.*)", "to": r"x.\1"}]}  # in order
+    assert published_keys({"abc": 1, "gone": 2}, rules) == {"x.abc": 1}
 
 
 def test_every_zoo_net_builds_and_runs():

@@ -135,6 +135,8 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
     """A run file's `model: {network: ..., weights: ...}` (fine-tuning) as the network's mapping
     with those weights; files relative to the run file where they are there, as training reads
     them."""
+    if hops >= MAX_FILE_HOPS:
+        raise ConfigError(f"{source}: model: files name each other more than {MAX_FILE_HOPS} deep")
     base = Path(source).parent if source else Path.cwd()
 
     def beside(name: Any) -> Any:

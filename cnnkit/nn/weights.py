@@ -124,8 +124,9 @@ def published_keys(state: dict[str, torch.Tensor], spec: dict) -> dict[str, torc
             if rule.get("drop") is not None and re.fullmatch(rule["drop"], key):
                 key = None
                 break
-            if rule.get("match") is not None and re.fullmatch(rule["match"], key):
-                key = re.sub(rule["match"], rule["to"], key)
+            found = re.fullmatch(rule["match"], key) if rule.get("match") is not None else None
+            if found:
+                key = found.expand(rule["to"])
         if key is not None:
             out[key] = tensor
     return out
