@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from cnnkit.errors import ConfigError, brief, validation_message
-from cnnkit.nn.expr import ExprError, evaluate, is_expression
+from cnnkit.nn.expr import ExprError, evaluate, is_expression, reads
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Layer, Linear, Shape, ShapeError, fmt_shape
 from cnnkit.nn.spec import BlockDef, NetSpec, suggest
@@ -71,14 +71,6 @@ class _Scope:
     counter: int = 0  # the next number of a sequential block
     depth: int = 0
     sized: frozenset[str] = frozenset({"num_classes"})  # the params num_classes sizes
-
-
-_PARAM = re.compile(r"\$([A-Za-z_]\w*)")
-
-
-def _mentions(value: Any, names: frozenset[str]) -> bool:
-    """Whether `value` is an expression reading one of the parameters `names`."""
-    return isinstance(value, str) and any(m in names for m in _PARAM.findall(value))
 
 
 class Expander:
@@ -138,7 +130,7 @@ class Expander:
             return self._alias(scope, short, inputs[0])
         fields = self._sub(label, None, {**fields, "type": kind}, env)
         layer = _validate(label, kind, {**fields, "name": scope.prefix + short, "inputs": names})
-        head = any(_mentions(v, scope.sized) for v in raw.values())  # a classifier
+        head = any(reads(v, scope.sized) for v in raw.values())  # a classifier
         if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
             layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
         self._check_name(label, scope.prefix + short, short)
@@ -189,7 +181,7 @@ class Expander:
                     )
             env = {**scope.params, **shape_params(self.shapes[value]), "index": number}
             params = self._block_params(label, block_name, this, given, env)
-            sized = _sized(this, given, scope.sized)
+            sized = this.sized_params(given, scope.sized)
             if stage.inline:  # its layers join the enclosing list (and its numbering)
                 inner = _Scope(
                     scope.index, scope.prefix, params, {"input": value}, value,
@@ -408,14 +400,3 @@ def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[N
     if len(net.input) == 2:
         raise ConfigError("model: input: give [C, H, W] for images or [F] for vectors")
     return net, Expander(net).run()
-
-
-def _sized(block: BlockDef, given: dict[str, Any], outer: frozenset[str]) -> frozenset[str]:
-    """The block's parameters that num_classes sizes: given from an expression reading one of
-    the caller's (`n: $num_classes`), or defaulting to one reading such a parameter."""
-    sized = {"num_classes"}
-    for key, default in block.params.items():
-        value, names = (given[key], outer) if key in given else (default, frozenset(sized))
-        if _mentions(value, names):
-            sized.add(key)
-    return frozenset(sized)

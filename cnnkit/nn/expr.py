@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Collection
 from typing import Any
 
 MAX_LENGTH = 200
@@ -34,6 +35,7 @@ _COMPARE = {
     ">=": operator.ge,
 }
 NAME_ONLY = re.compile(r"^\$([A-Za-z_][A-Za-z0-9_]*)$")
+PARAM = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")  # a parameter read anywhere in an expression
 
 
 class ExprError(ValueError):
@@ -42,6 +44,11 @@ class ExprError(ValueError):
 
 def is_expression(value: Any) -> bool:
     return isinstance(value, str) and "$" in value
+
+
+def reads(value: Any, names: Collection[str]) -> bool:
+    """Whether `value` is an expression reading one of the parameters `names`."""
+    return isinstance(value, str) and any(m in names for m in PARAM.findall(value))
 
 
 def evaluate(text: str, params: dict[str, Any]) -> Any:

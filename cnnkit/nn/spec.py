@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,6 +25,7 @@ from pydantic import (
 )
 
 from cnnkit.errors import ConfigError, brief
+from cnnkit.nn.expr import reads
 from cnnkit.nn.kinds import KINDS
 
 MAX_FILE_HOPS = 8  # a run file may name a network file, which may name another ...
@@ -42,6 +44,16 @@ class BlockDef(BaseModel):
         False, description="unnamed layers are named 0, 1, 2 ... as in torch's nn.Sequential"
     )
     layers: list[dict[str, Any]] = Field(min_length=1)
+
+    def sized_params(self, given: dict[str, Any], outer: Collection[str]) -> frozenset[str]:
+        """The parameters num_classes sizes in a use of this block: given as an expression
+        reading one of the caller's (`n: $num_classes`), or defaulting to one reading such."""
+        sized = {"num_classes"}
+        for key, default in self.params.items():
+            value, names = (given[key], outer) if key in given else (default, sized)
+            if reads(value, names):
+                sized.add(key)
+        return frozenset(sized)
 
     @field_validator("params")
     @classmethod
