@@ -275,11 +275,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def note_mean_image(config: dict[str, Any], what: str) -> None:
-    """One stderr line where a run trained with `normalize: mean_image` is applied to other
-    images: a checkpoint keeps the mean image's per-channel averages, not the image itself."""
+def uses_mean_image(config: dict[str, Any]) -> bool:
+    """Whether a run trained with `normalize: mean_image` (its checkpoint keeps only the mean
+    image's per-channel averages, not the image)."""
     data = config.get("data") if isinstance(config, dict) else None
-    if isinstance(data, dict) and data.get("normalize") == "mean_image":
-        print(f"cnnkit: {what} subtracts the training mean image's per-channel averages, not the "
-              "image itself (the checkpoint does not hold it): figures may differ slightly from "
-              "the run's own", file=sys.stderr)  # fmt: skip
+    return isinstance(data, dict) and data.get("normalize") == "mean_image"
+
+
+def note_mean_image(what: str) -> None:
+    """One stderr line where such a run is applied to other images (uses_mean_image)."""
+    print(f"cnnkit: {what} subtracts the training mean image's per-channel averages, not the "
+          "image itself (the checkpoint does not hold it): figures may differ slightly from "
+          "the run's own", file=sys.stderr)  # fmt: skip

@@ -224,13 +224,19 @@ def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
     assert prediction.probs == pytest.approx(expected.tolist(), abs=1e-5)
 
 
-def test_a_mean_image_run_says_its_mean_is_approximated(capsys):
-    """The checkpoint keeps the mean image's channel averages only: applying such a run to
-    other images says so (once per use), a per-channel run says nothing."""
-    from cnnkit.checkpoint import note_mean_image
+def test_a_mean_image_run_says_its_mean_is_approximated(digits_run, capsys, monkeypatch):
+    """The checkpoint keeps the mean image's channel averages only: classifying with such a
+    run says so; a per-channel run (and exporting or drawing one) says nothing."""
+    from cnnkit.checkpoint import uses_mean_image
+    from cnnkit.infer import load
 
-    note_mean_image({"data": {"source": "packed", "normalize": "channel"}}, "classify")
+    assert not uses_mean_image({"data": {"source": "packed", "normalize": "channel"}})
+    assert uses_mean_image({"data": {"source": "packed", "normalize": "mean_image"}})
+    Classifier.load(digits_run)
     assert capsys.readouterr().err == ""
-    note_mean_image({"data": {"source": "packed", "normalize": "mean_image"}}, "--data v")
+    monkeypatch.setattr(load, "uses_mean_image", lambda config: True)
+    load.load_for_inference(digits_run)  # export, show, detect: no line
+    assert capsys.readouterr().err == ""
+    Classifier.load(digits_run)
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("cnnkit: --data v subtracts the training mean image's per-channel")
+    assert line.startswith("cnnkit: classify subtracts the training mean image's per-channel")

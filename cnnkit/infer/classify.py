@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from cnnkit.checkpoint import note_mean_image
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
 from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
 from cnnkit.infer.load import Loaded, load_for_inference
@@ -59,6 +60,8 @@ class Classifier:
             raise ConfigError(f"{path}: a network without trained weights: give a run directory, "
                               "a .pt checkpoint, a .safetensors export or a network file with "
                               "weights:")  # fmt: skip
+        if loaded.mean_image:
+            note_mean_image("classify")
         return cls(loaded, device)
 
     def predict(

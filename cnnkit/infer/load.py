@@ -13,8 +13,8 @@ from cnnkit.checkpoint import (
     checkpoint_path,
     load_checkpoint,
     load_trained,
-    note_mean_image,
     read_export,
+    uses_mean_image,
 )
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import CheckpointError, ConfigError
@@ -30,6 +30,7 @@ class Loaded:
     preprocess: Preprocess
     source: str  # what was loaded, for messages
     trained: bool = True  # False: a network description without weights (fresh ones)
+    mean_image: bool = False  # trained with normalize: mean_image (preprocess: its averages)
 
 
 def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
@@ -47,9 +48,10 @@ def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
         return load_safetensors(path, device)
     if path.is_dir() or path.suffix in (".pt", ".pth"):
         model, meta = load_trained(path, device)
-        note_mean_image(meta.get("config", {}), "classifying other images")
         preprocess = Preprocess.from_dict(meta["preprocess"])
-        return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)))
+        mean_image = uses_mean_image(meta.get("config", {}))
+        return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)),
+                      mean_image=mean_image)  # fmt: skip
     return load_network(str(target), device)
 
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from cnnkit.checkpoint import load_trained, note_mean_image
+from cnnkit.checkpoint import load_trained, note_mean_image, uses_mean_image
 from cnnkit.config import TrainConfig
 from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
@@ -117,8 +117,8 @@ def evaluate_checkpoint(
     with the kernels classification measures as fastest (settings.inference_settings)."""
     network, meta = load_trained(target, ema=ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
-    if data is not None:
-        note_mean_image(config, f"--data {data}")
+    if data is not None and uses_mean_image(config):
+        note_mean_image(f"--data {data}")
     cfg = eval_data(data, config.get("data", {}), pre)
     crop = int(network.input_shape[-1])
     if tencrop:
