@@ -96,8 +96,8 @@ class Network(nn.Module):
             args = [values[i] for i in inputs]
             for first, _, group in hooked:
                 if first == step:
-                    args = list(_call_pre_hooks(group, tuple(args)))
                     taken[id(group)] = tuple(args)
+                    _call_pre_hooks(group, taken[id(group)])
             values.append(self.get_submodule(".".join(path))(*args))
             for _, last, group in hooked:
                 if last == step:
@@ -228,7 +228,7 @@ class Group(nn.Module):
         return iter(self._modules.values())
 
 
-def _call_pre_hooks(group: nn.Module, args: tuple) -> tuple:
+def _call_pre_hooks(group: nn.Module, args: tuple) -> None:
     """A group's forward pre-hooks, in order, as nn.Module calls them. They may look, not
     replace: more than the group's first layer may read its input (a residual shortcut)."""
     with_kwargs = group._forward_pre_hooks_with_kwargs
@@ -237,7 +237,6 @@ def _call_pre_hooks(group: nn.Module, args: tuple) -> tuple:
         if result is not None:
             raise TypeError("a forward pre-hook on a group of a cnnkit network's layers cannot "
                             "replace its input: hook the layers that read it")  # fmt: skip
-    return args
 
 
 def _call_hooks(group: nn.Module, args: tuple, output: Any) -> Any:

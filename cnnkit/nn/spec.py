@@ -67,7 +67,7 @@ class BlockDef(BaseModel):
 class KeyRule(BaseModel):
     """A rule for the keys of a weights file, applied as it is loaded: keys that fully match
     `drop` are left out (a training-only head the network has not); keys that fully match
-    `match` become `to` (re.sub's \\1 groups; an older naming of the same tensors)."""
+    `match` become `to` (with its \\1 groups; an older naming of the same tensors)."""
 
     model_config = ConfigDict(extra="forbid")
     drop: str | None = None
