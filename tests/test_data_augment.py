@@ -9,9 +9,11 @@ import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 
 from cnnkit.data.augment import (
+    IMAGENET_EIGVAL,
     CropAugment,
     center_crop,
     crop_mirror,
+    imagenet_lighting,
     lighting_from_cov,
     resized_crop_mirror,
     sample_boxes,
@@ -129,5 +131,15 @@ def test_lighting_shift_is_constant_per_image_and_off_at_zero():
 def test_lighting_eigen_decomposition():
     cov = torch.tensor([[900.0, 100, 50], [100, 800, 60], [50, 60, 700]])
     eigval, eigvec = lighting_from_cov(cov.tolist())
-    torch.testing.assert_close(eigvec @ torch.diag(eigval**2) @ eigvec.T, cov, rtol=1e-4, atol=1e-2)
+    torch.testing.assert_close(eigvec @ torch.diag(eigval * 255) @ eigvec.T, cov, rtol=1e-4,
+                               atol=1e-2)  # fmt: skip
     assert eigval[0] >= eigval[1] >= eigval[2]
+
+
+def test_lighting_from_packed_stats_matches_imagenet_constants():
+    """A packed set with ImageNet's colour covariance lights images as the folder path does."""
+    ref_val, ref_vec = imagenet_lighting()
+    cov_01 = ref_vec @ torch.diag(torch.tensor(IMAGENET_EIGVAL)) @ ref_vec.T
+    eigval, eigvec = lighting_from_cov((cov_01 * 255**2).tolist())
+    torch.testing.assert_close(eigval, ref_val, rtol=2e-3, atol=1e-3)
+    torch.testing.assert_close(eigvec.abs(), ref_vec.abs(), rtol=0, atol=2e-3)  # signs are free

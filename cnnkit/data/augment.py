@@ -270,6 +270,10 @@ def imagenet_lighting() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lighting_from_cov(cov: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(eigval as std along each axis, eigvec) from an RGB covariance in 0-255 units."""
-    values, vectors = torch.linalg.eigh(torch.tensor(cov, dtype=torch.float64))
-    return values.clamp(min=0).sqrt().flip(0).float(), vectors.flip(1).float()
+    """(eigval, eigvec) from an RGB covariance in 0-255 units, on imagenet_lighting's scale.
+
+    IMAGENET_EIGVAL are the covariance's eigenvalues (variances) of 0-1 pixels: the paper's shift
+    is eigvec @ (alpha * eigval), so in 0-255 units eigval is the 0-1 eigenvalue times 255.
+    """
+    values, vectors = torch.linalg.eigh(torch.tensor(cov, dtype=torch.float64) / 255**2)
+    return (values.clamp(min=0) * 255).flip(0).float(), vectors.flip(1).float()
