@@ -1,7 +1,8 @@
 """Checkpoints, read and written by training and inference alike: atomic save, safe load
 (`weights_only=True`: data, never code), the structure validated (`Saved`), RNG state, and
 `load_trained` for inference. Format "cnnkit-checkpoint/1": model_spec, num_classes, model
-(fp32 state_dict of the plain model), classes, preprocess, config, plus the training state.
+(fp32 state_dict of the plain model), classes, preprocess, config, mean_image (runs with
+`normalize: mean_image`), plus the training state.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from cnnkit.nn.weights import check_finite_weights
 
 FORMAT = "cnnkit-checkpoint/1"
 EXPORT_FORMAT = "cnnkit-safetensors/1"  # `cnnkit export --format safetensors`
+MEAN_IMAGE_KEY = "cnnkit.mean_image"  # a safetensors export's tensor beside the weights
 
 
 class RunSettings(Section):
@@ -77,6 +79,7 @@ class Saved(Section):
     ema: dict[str, torch.Tensor] | None = None  # train.ema's moving average of the weights
     ema_count: NonNegativeInt = 0
     settings: RunSettings | None = None  # what the steps ran with: a resume keeps them
+    mean_image: torch.Tensor | None = None  # (C, S, S): normalize: mean_image subtracted it
 
     @model_validator(mode="after")
     def _consistent(self) -> Saved:
@@ -84,7 +87,19 @@ class Saved(Section):
             raise ValueError(f"classes: {len(self.classes)} names for {self.num_classes} outputs")
         if not isinstance(self.config.get("data"), dict):
             raise ValueError("config: no data section")
+        if self.mean_image is not None:
+            check_mean_image(self.mean_image, self.preprocess)
         return self
+
+
+def check_mean_image(image: torch.Tensor, pre: Preprocess) -> None:
+    """ValueError unless `image` is a finite float (C, S, S) at the side `pre` resizes to."""
+    side = pre.resize or pre.crop
+    if image.shape != (pre.channels, side, side) or not image.is_floating_point():
+        raise ValueError(f"mean_image: {tuple(image.shape)} {image.dtype}; the preprocessing "
+                         f"wants float {pre.channels} x {side} x {side}")  # fmt: skip
+    if not torch.isfinite(image).all():
+        raise ValueError("mean_image: not finite")
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
@@ -176,7 +191,7 @@ def load_trained(target: str | Path, device: Any = "cpu",
         raise CheckpointError(f"{path}: weights do not fit its network: {one_line(e)}") from None
     meta = {k: state[k] for k in ("classes", "preprocess", "config")}
     meta.update(path=str(path), epoch=state.get("epoch"), metrics=state.get("metrics", {}),
-                settings=state.get("settings"))  # fmt: skip
+                settings=state.get("settings"), mean_image=state.get("mean_image"))  # fmt: skip
     check_input_fits(meta["preprocess"], model, path)
     return model.to(device).eval(), meta
 
@@ -210,6 +225,7 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         weights = load_file(str(path), device="cpu")
+        mean_image = weights.pop(MEAN_IMAGE_KEY, None)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(e)})") from None
     if meta.get("format") != EXPORT_FORMAT:
@@ -219,6 +235,8 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         model.load_state_dict(weights)
         classes = json.loads(meta["classes"])
         preprocess = Preprocess.from_dict(json.loads(meta["preprocess"]))
+        if mean_image is not None:
+            check_mean_image(mean_image, preprocess)
     except ValidationError as e:
         raise CheckpointError(
             f"{path}: a damaged export: preprocess.{validation_message(e)}"
@@ -235,7 +253,8 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         )
     check_input_fits(preprocess.to_dict(), model, path)
     return model, {"classes": [str(c) for c in classes], "preprocess": preprocess.to_dict(),
-                   "config": {}, "path": str(path), "epoch": None, "metrics": {}}  # fmt: skip
+                   "config": {}, "path": str(path), "epoch": None, "metrics": {},
+                   "mean_image": mean_image}  # fmt: skip
 
 
 def rng_state() -> dict[str, Any]:
@@ -276,8 +295,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def uses_mean_image(config: dict[str, Any]) -> bool:
-    """Whether a run trained with `normalize: mean_image` (its checkpoint keeps only the mean
-    image's per-channel averages, not the image)."""
+    """Whether a run trained with `normalize: mean_image` (checkpoints written before they kept
+    the image have only its per-channel averages)."""
     data = config.get("data") if isinstance(config, dict) else None
     return isinstance(data, dict) and data.get("normalize") == "mean_image"
 

@@ -225,8 +225,8 @@ def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
 
 
 def test_a_mean_image_run_says_its_mean_is_approximated(digits_run, capsys, monkeypatch):
-    """The checkpoint keeps the mean image's channel averages only: classifying with such a
-    run says so; a per-channel run (and exporting or drawing one) says nothing."""
+    """A checkpoint from before they kept the mean image has its channel averages only:
+    classifying with such a run says so; a per-channel run (and drawing one) says nothing."""
     from cnnkit.checkpoint import uses_mean_image
     from cnnkit.infer import load
 

@@ -115,9 +115,11 @@ class DataConfigBase(Section):
         margin); None for sources stored at the network's input size."""
         return None
 
-    def evaluated_as(self, preprocess: Preprocess) -> DataConfigBase:
-        """This data normalised as a checkpoint's `preprocess` says (evaluating a trained net);
-        in-memory sources compute their statistics from the same images, so nothing changes."""
+    def evaluated_as(self, preprocess: Preprocess,
+                     mean_image: torch.Tensor | None = None) -> DataConfigBase:  # fmt: skip
+        """This data normalised as a checkpoint's `preprocess` (and `mean_image`, that of a
+        `normalize: mean_image` run) says, evaluating a trained net; in-memory sources compute
+        their statistics from the same images, so nothing changes."""
         return self
 
 
@@ -195,6 +197,8 @@ class DataBundle:
     input_shape: tuple[int, int, int]  # (C, H, W) the network sees
     preprocess: Preprocess
     train_labels: torch.Tensor  # (N,) int64 on the CPU: every training image's class
+    mean_image: torch.Tensor | None = None  # (C, S, S) 0-255 float: what normalize: mean_image
+    #   subtracts before cropping (checkpoints keep it; `preprocess` has its channel averages)
 
 
 def holdout_split(

@@ -125,7 +125,7 @@ class FolderConfig(ImageSetConfig):
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
               seed: int = 0, local_ranks: int = 1) -> DataBundle:  # fmt: skip
         """Scan the folders and make this rank's streams."""
-        if self.normalize == "mean_image":
+        if self.normalize == "mean_image" and self._mean_image is None:  # see evaluated_as
             raise ConfigError("data.normalize: mean_image needs a packed set (cnnkit pack)")
         if self.crop > self.size:
             raise ConfigError(f"data.crop: {self.crop} is larger than data.size {self.size}")
@@ -148,9 +148,12 @@ class FolderConfig(ImageSetConfig):
         else:
             val = FolderImages(root, files, labels, val_ids, self.size, self.resize_mode)
         mean, std = self.mean or IMAGENET_MEAN, self.std or IMAGENET_STD
-        stats = {"mean": mean, "std": std, "lighting": imagenet_lighting()}
+        image = self._mean_image
+        if image is not None:  # a trained run's (evaluated_as): its channel averages to classify
+            mean, std = image.mean(dim=(1, 2)).tolist(), [1.0, 1.0, 1.0]
+        stats = {"mean": mean, "std": std, "lighting": imagenet_lighting(), "mean_image": image}
         train_s, val_s = build_streams(self, train, val, build_augment(self, stats), device, rank,
                                        world_size, seed, local_ranks)  # fmt: skip
         pre = Preprocess(3, self.crop, self.size, self.resize_mode, list(mean), list(std))
         labels = torch.from_numpy(train.labels[train.ids])
-        return DataBundle(train_s, val_s, classes, (3, self.crop, self.crop), pre, labels)
+        return DataBundle(train_s, val_s, classes, (3, self.crop, self.crop), pre, labels, image)

@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
-from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr, model_validator
 from torch.utils.data import DataLoader
 
 from cnnkit.data.augment import CropAugment
@@ -63,9 +63,16 @@ class ImageSetConfig(DataConfigBase):
         None, description="per channel, 0-255 (None: ImageNet's for folders, the pack's own)"
     )
     std: tuple[float, float, float] | None = Field(None, description="per channel, 0-255")
+    _mean_image: torch.Tensor | None = PrivateAttr(None)  # a trained run's (evaluated_as)
 
-    def evaluated_as(self, preprocess: Preprocess) -> ImageSetConfig:
-        """Normalised with a trained network's per-channel mean/std (not this data's own)."""
+    def evaluated_as(self, preprocess: Preprocess,
+                     mean_image: torch.Tensor | None = None) -> ImageSetConfig:  # fmt: skip
+        """Normalised with a trained network's mean image where it has one the size of these
+        images, else its per-channel mean/std (not this data's own)."""
+        if mean_image is not None and mean_image.shape[-1] == self.stored_size():
+            out = self.model_copy(update={"normalize": "mean_image"})
+            out._mean_image = mean_image
+            return out
         if self.normalize != "channel" or len(preprocess.mean) != 3:
             return self
         return self.model_copy(update={"mean": tuple(preprocess.mean),

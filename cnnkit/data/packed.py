@@ -232,16 +232,19 @@ class PackedConfig(ImageSetConfig):
             every = PackedImages(self.path)
             train_ids, val_ids = holdout_split(every.labels, self.val_fraction)
             train, val = every.subset(train_ids), every.subset(val_ids)
+        image = self._mean_image  # a trained run's (evaluated_as), else the pack's own
+        if image is None and self.normalize == "mean_image":
+            image = torch.from_numpy(np.load(Path(self.path) / "mean.npy")).float()
         stats = {"mean": self.mean or meta["mean"], "std": self.std or meta["std"],
-                 "lighting": lighting_from_cov(meta["rgb_cov"]),
-                 "mean_image": np.load(Path(self.path) / "mean.npy")}  # fmt: skip
+                 "lighting": lighting_from_cov(meta["rgb_cov"]), "mean_image": image}  # fmt: skip
         augment = build_augment(self, stats)
         train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed,
                                        local_ranks)  # fmt: skip
         mean, std = self._preprocess_stats(meta, stats)
         pre = Preprocess(3, self.crop, meta["size"], meta["resize"], mean, std)
         labels = torch.from_numpy(train.labels[train.ids])
-        return DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop), pre, labels)
+        return DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop), pre, labels,
+                          image)  # fmt: skip
 
     def stored_size(self) -> int:
         """The side the set was packed at."""
@@ -250,5 +253,5 @@ class PackedConfig(ImageSetConfig):
     def _preprocess_stats(self, meta: dict, stats: dict) -> tuple[list[float], list[float]]:
         """Per-channel mean/std for classification (the mean image's channel averages if used)."""
         if self.normalize == "mean_image":
-            return stats["mean_image"].mean(axis=(1, 2)).tolist(), [1.0, 1.0, 1.0]
+            return stats["mean_image"].mean(dim=(1, 2)).tolist(), [1.0, 1.0, 1.0]
         return list(stats["mean"]), list(stats["std"])

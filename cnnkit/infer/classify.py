@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from cnnkit.checkpoint import note_mean_image
+from cnnkit.data.augment import center_crop, ten_crop
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
 from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
 from cnnkit.infer.load import Loaded, load_for_inference
@@ -49,6 +50,8 @@ class Classifier:
         self.classes = loaded.classes
         self.preprocess = loaded.preprocess
         self.device = torch.device(device)
+        self.mean_image = loaded.mean_image  # (C, S, S) or None: see _mean_residual
+        self._residuals: dict[int, torch.Tensor] = {}
         self.channels_last: bool | None = None  # the faster kernels, measured at the first batch
 
     @classmethod
@@ -60,7 +63,7 @@ class Classifier:
             raise ConfigError(f"{path}: a network without trained weights: give a run directory, "
                               "a .pt checkpoint, a .safetensors export or a network file with "
                               "weights:")  # fmt: skip
-        if loaded.mean_image:
+        if loaded.mean_averaged:
             note_mean_image("classify")
         return cls(loaded, device)
 
@@ -104,12 +107,26 @@ class Classifier:
         """uint8 (B, N, C, H, W) crops -> class probabilities (B, K), averaged over the N crops."""
         b, n = crops.shape[:2]
         x = self.preprocess.normalize(crops.flatten(0, 1).to(self.device))
+        if self.mean_image is not None:
+            x = (x.view(b, n, *x.shape[1:]) - self._mean_residual(n)).flatten(0, 1)
         if self.channels_last is None:
             self._choose_format(len(x))
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         probs = self.model(x).float().softmax(dim=1)  # (B * N, K)
         return probs.view(b, n, -1).mean(dim=1)
+
+    def _mean_residual(self, n: int) -> torch.Tensor:
+        """(n, C, crop, crop): what a normalize: mean_image run subtracted at each of the n
+        crops' places beyond the channel averages `preprocess` holds (crops cut where
+        crops_of cuts them from images resized to the mean image's side)."""
+        if n not in self._residuals:
+            pre, image = self.preprocess, self.mean_image[None].float()
+            crops = ten_crop(image, pre.crop)[0] if n == 10 else center_crop(image, pre.crop)
+            mean = torch.tensor(pre.mean).view(1, -1, 1, 1)
+            std = torch.tensor(pre.std).view(1, -1, 1, 1)
+            self._residuals[n] = ((crops - mean) / std).to(self.device)
+        return self._residuals[n]
 
     def _choose_format(self, batch: int) -> None:
         """channels_last and the linear layers' product where this CPU runs the network's

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     model = loaded.model.to("cpu").eval()
+    if loaded.mean_image is not None and fmt != "safetensors":
+        print(f"cnnkit: the network subtracts a mean image; a {fmt} export records only its "
+              "per-channel averages as the preprocessing mean (safetensors keeps the image)",
+              file=sys.stderr)  # fmt: skip
     if fmt == "safetensors":
         save_safetensors(loaded, path)
     elif fmt == "torch-export":

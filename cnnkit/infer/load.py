@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cnnkit.checkpoint import (
     EXPORT_FORMAT,
+    MEAN_IMAGE_KEY,
     checkpoint_path,
     load_checkpoint,
     load_trained,
@@ -30,7 +33,8 @@ class Loaded:
     preprocess: Preprocess
     source: str  # what was loaded, for messages
     trained: bool = True  # False: a network description without weights (fresh ones)
-    mean_image: bool = False  # trained with normalize: mean_image (preprocess: its averages)
+    mean_image: torch.Tensor | None = None  # (C, S, S) a normalize: mean_image run subtracted
+    mean_averaged: bool = False  # such a run's older checkpoint: only the image's averages
 
 
 def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
@@ -49,9 +53,10 @@ def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
     if path.is_dir() or path.suffix in (".pt", ".pth"):
         model, meta = load_trained(path, device)
         preprocess = Preprocess.from_dict(meta["preprocess"])
-        mean_image = uses_mean_image(meta.get("config", {}))
+        image = meta.get("mean_image")
+        averaged = image is None and uses_mean_image(meta.get("config", {}))
         return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)),
-                      mean_image=mean_image)  # fmt: skip
+                      mean_image=image, mean_averaged=averaged)  # fmt: skip
     return load_network(str(target), device)
 
 
@@ -88,7 +93,8 @@ def load_safetensors(path: Path, device: Any = "cpu") -> Loaded:
     """Rebuild a model from a .safetensors export (weights + metadata; no code is run)."""
     model, meta = read_export(Path(path))
     preprocess = Preprocess.from_dict(meta["preprocess"])
-    return Loaded(model.to(device).eval(), meta["classes"], preprocess, str(path))
+    return Loaded(model.to(device).eval(), meta["classes"], preprocess, str(path),
+                  mean_image=meta["mean_image"])  # fmt: skip
 
 
 def save_safetensors(loaded: Loaded, path: Path) -> None:
@@ -97,6 +103,8 @@ def save_safetensors(loaded: Loaded, path: Path) -> None:
     from safetensors.torch import save
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in loaded.model.state_dict().items()}
+    if loaded.mean_image is not None:  # classify from the export subtracts it as the run did
+        state[MEAN_IMAGE_KEY] = loaded.mean_image.detach().to("cpu", torch.float32).contiguous()
     write_atomic(Path(path), save(state, metadata=metadata(loaded)))
 
 

@@ -22,11 +22,13 @@ from cnnkit.train.loop import check_read, evaluate, score_logits
 from cnnkit.train.settings import inference_settings
 
 
-def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess) -> DataConfig:
+def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
+              mean_image: torch.Tensor | None = None) -> DataConfig:  # fmt: skip
     """The data to evaluate on, normalised as the network was trained: the run's own (its
     held-out split) when `spec` is None; a source name; a YAML file with a `data:` mapping; or
     a directory (a packed set if it holds meta.json, else an image folder), all of whose
-    images are evaluated as the run saw them."""
+    images are evaluated as the run saw them (`mean_image`: the one a normalize: mean_image
+    run subtracted, wherever the data is stored at its size)."""
     if spec is None:
         if not trained:
             raise ConfigError("--data: an export holds no data section: give --data (a folder, "
@@ -53,7 +55,7 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess) -> Dat
             )
     else:
         raise DataError(f"--data {spec}: not a data source ({', '.join(SOURCES)}), file or folder")
-    return data_config(section).evaluated_as(pre)
+    return data_config(section).evaluated_as(pre, mean_image)
 
 
 def full_images(cfg: DataConfig, crop: int, trained: int | None) -> DataConfig:
@@ -117,9 +119,9 @@ def evaluate_checkpoint(
     with the kernels classification measures as fastest (settings.inference_settings)."""
     network, meta = load_trained(target, ema=ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
-    if data is not None and uses_mean_image(config):
+    cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"))
+    if data is not None and uses_mean_image(config) and getattr(cfg, "_mean_image", None) is None:
         note_mean_image(f"--data {data}")
-    cfg = eval_data(data, config.get("data", {}), pre)
     crop = int(network.input_shape[-1])
     if tencrop:
         cfg = full_images(cfg, crop, pre.resize)

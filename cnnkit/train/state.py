@@ -42,8 +42,10 @@ def training_state(
     (`rngs`: each rank's generator states, rank 0 first)."""
     rngs = rngs or [rng_state()]
     averaged = {}
+    if ctx.data.mean_image is not None:  # normalize: mean_image: classify subtracts it too
+        averaged["mean_image"] = ctx.data.mean_image.detach().to("cpu", torch.float32)
     if engine.ema is not None:  # the moving average beside the raw weights
-        averaged = {"ema": plain_state_dict(engine.ema.module),
+        averaged |= {"ema": plain_state_dict(engine.ema.module),
                     "ema_count": int(engine.ema.n_averaged.item())}  # fmt: skip
     return averaged | {
         "model_spec": engine.network.spec,
