@@ -153,11 +153,12 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     return state
 
 
-def checkpoint_path(target: str | Path) -> Path:
-    """A checkpoint file, or a run directory's best.pt (else last.pt)."""
+def checkpoint_path(target: str | Path, ema: bool = False) -> Path:
+    """A checkpoint file, or a run directory's best.pt (else last.pt); with `ema`, the
+    checkpoint of the moving average's best epoch (best_ema.pt) first."""
     target = Path(target)
     if target.is_dir():
-        for name in ("best.pt", "last.pt"):
+        for name in ("best_ema.pt", "best.pt", "last.pt")[0 if ema else 1 :]:
             if (target / name).is_file():
                 return target / name
         raise CheckpointError(f"{target}: run directory holds no best.pt or last.pt")
@@ -172,9 +173,12 @@ def load_trained(target: str | Path, device: Any = "cpu",
     directory, a checkpoint file or a .safetensors export (whose config is empty: it records
     no data section). `ema`: the moving average of the weights instead (train.ema)."""
     if Path(target).suffix == ".safetensors":
+        if ema:
+            raise CheckpointError(f"{target}: an export keeps no moving average of the weights "
+                                  "(export with --ema to make one of it)")  # fmt: skip
         model, meta = read_export(Path(target))
         return model.to(device).eval(), meta
-    path = checkpoint_path(target)
+    path = checkpoint_path(target, ema)
     state = load_checkpoint(path)
     try:
         model = build_model(state["model_spec"], num_classes=state["num_classes"])

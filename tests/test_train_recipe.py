@@ -5,9 +5,13 @@ erasing, early stopping, and callbacks of the Python API."""
 from __future__ import annotations
 
 import csv
+import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
+from safetensors.torch import load_file
 
 import cnnkit
 from cnnkit.checkpoint import load_checkpoint
@@ -55,7 +59,29 @@ def test_ema_is_evaluated_saved_and_resumed(tmp_path, capsys):
 
     code, out, err = run_cli(["eval", str(tmp_path / "straight"), "--ema", "--json"], capsys)
     assert code == 0, err
-    assert '"top1"' in out
+    # best_ema.pt: the epoch whose moving average scored best; eval --ema reads it (timm's pick)
+    scores = [float(r["val_top1_ema"]) for r in rows]
+    best = load_checkpoint(tmp_path / "straight" / "best_ema.pt")
+    assert best["epoch"] == 1 + scores.index(max(scores))
+    images = int(json.loads(out)["images"])
+    assert json.loads(out)["top1"] == pytest.approx(max(scores), abs=1.5 / images)
+    summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["best_val_top1_ema"] == pytest.approx(max(scores), abs=1e-6)
+    Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "x.png")
+    code, out, err = run_cli(["classify", str(tmp_path / "straight"), "--ema", "--json",
+                              str(tmp_path / "x.png")], capsys)  # fmt: skip
+    assert code == 0 and json.loads(out)["label"], err
+    classifier = cnnkit.Classifier.load(tmp_path / "straight", ema=True)
+    for key, value in classifier.model.state_dict().items():
+        torch.testing.assert_close(value, best["ema"][key])
+    code, _, err = run_cli(["export", str(tmp_path / "straight"), "--ema", "-o",
+                            str(tmp_path / "e.safetensors")], capsys)  # fmt: skip
+    assert code == 0, err
+    exported = load_file(tmp_path / "e.safetensors")
+    for key, value in best["ema"].items():
+        torch.testing.assert_close(exported[key], value)
+    code, _, err = run_cli(["eval", str(tmp_path / "e.safetensors"), "--ema"], capsys)
+    assert code != 0 and "no moving average" in err
 
 
 def test_mixing_gives_soft_labels_and_trains(tmp_path):

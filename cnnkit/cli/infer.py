@@ -10,6 +10,7 @@ import typer
 from cnnkit.errors import CnnkitError
 
 TARGET_HELP = "A run directory, checkpoint (.pt) or .safetensors export."
+EMA_HELP = "The run's moving average of the weights (train.ema), from its best_ema.pt."
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -38,6 +39,7 @@ def classify(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, mps, or auto."),
+    ema: bool = typer.Option(False, "--ema", help=EMA_HELP),
 ) -> None:
     """Print the top classes and probabilities of each image; exit status 1 if any image failed.
 
@@ -56,7 +58,7 @@ def classify(
     found = find_images(paths)
     if not found.files:
         raise DataError(_nothing_to_classify(paths, found.skipped))
-    classifier = Classifier.load(target, resolve_device(device))
+    classifier = Classifier.load(target, resolve_device(device), ema)
     report_skipped(found.skipped)
     for folder in found.empty:
         typer.echo(f"cnnkit: error: {printable(folder)}: no images in this folder", err=True)
@@ -102,6 +104,7 @@ def export(
     check: bool = typer.Option(
         False, "--check", help="Compare the export with PyTorch (ONNX: in ONNX Runtime)."
     ),
+    ema: bool = typer.Option(False, "--ema", help=EMA_HELP),
 ) -> None:
     """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
     from cnnkit.infer.export import TOLERANCE, check_export, export_format
@@ -110,7 +113,7 @@ def export(
 
     fmt = export_format(out, fmt)
     _writable(out)
-    loaded = load_for_inference(target)
+    loaded = load_for_inference(target, ema=ema)
     export_model(loaded, fmt, out)
     typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
     if check:

@@ -129,7 +129,11 @@ def evaluate(
     tencrop: bool = typer.Option(
         False, "--tencrop", help="Also average 10 crops (corners + centre, mirrored) per image."
     ),
-    ema: bool = typer.Option(False, "--ema", help="The moving average of the weights (train.ema)."),
+    ema: bool = typer.Option(
+        False,
+        "--ema",
+        help="The run's moving average of the weights (train.ema), from its best_ema.pt.",
+    ),
 ) -> None:
     """Loss, top-1 and top-5 accuracy on the held-out split (or --data)."""
     from cnnkit.runtime import keep_freed_memory

@@ -55,10 +55,11 @@ class Classifier:
         self.channels_last: bool | None = None  # the faster kernels, measured at the first batch
 
     @classmethod
-    def load(cls, path: str | Path, device: Any = "cpu") -> Classifier:
+    def load(cls, path: str | Path, device: Any = "cpu", ema: bool = False) -> Classifier:
         """From a run directory, a checkpoint or a .safetensors export (GPU-trained works on CPU),
-        or a network file that names its trained weights (`weights:`)."""
-        loaded = load_for_inference(path, "cpu")
+        or a network file that names its trained weights (`weights:`); `ema`: a run's moving
+        average of the weights (train.ema) instead."""
+        loaded = load_for_inference(path, "cpu", ema)
         if not loaded.trained:  # its answers would be noise
             raise ConfigError(f"{path}: a network without trained weights: give a run directory, "
                               "a .pt checkpoint, a .safetensors export or a network file with "

@@ -37,8 +37,9 @@ class Loaded:
     mean_averaged: bool = False  # such a run's older checkpoint: only the image's averages
 
 
-def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
-    """Load a run directory, checkpoint, .safetensors file or network description."""
+def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = False) -> Loaded:
+    """Load a run directory, checkpoint, .safetensors file or network description (`ema`: a
+    run's moving average of the weights, from its best_ema.pt where it has one)."""
     from cnnkit.nn.spec import suggest
     from cnnkit.zoo import net_path, zoo_names
 
@@ -48,10 +49,13 @@ def load_for_inference(target: str | Path, device: Any = "cpu") -> Loaded:
             raise ConfigError(f"{target!r} is neither a zoo network ('cnnkit zoo' lists them) nor "
                               f"a run directory{suggest(target, zoo_names())}")  # fmt: skip
         raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network")
+    if ema and not (path.is_dir() or path.suffix in (".pt", ".pth")):
+        raise ConfigError(f"--ema: {target} is not a run directory or checkpoint (only those keep "
+                          "a moving average of the weights)")  # fmt: skip
     if path.suffix == ".safetensors":
         return load_safetensors(path, device)
     if path.is_dir() or path.suffix in (".pt", ".pth"):
-        model, meta = load_trained(path, device)
+        model, meta = load_trained(path, device, ema)
         preprocess = Preprocess.from_dict(meta["preprocess"])
         image = meta.get("mean_image")
         averaged = image is None and uses_mean_image(meta.get("config", {}))

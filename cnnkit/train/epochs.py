@@ -180,17 +180,22 @@ def save_mid_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: 
 
 def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
                row: dict[str, float], writer: CheckpointWriter) -> None:  # fmt: skip
-    """best.pt (if the epoch is the best) and last.pt, written in the background; then the
-    metrics files (a kill in between is harmless: a resumed run rewrites them from last.pt)."""
+    """best.pt (if the epoch is the best), best_ema.pt (if the moving average's is: timm's
+    choice), and last.pt, written in the background; then the metrics files (a kill in between
+    is harmless: a resumed run rewrites them from last.pt)."""
     check_finite(engine, progress)
     rngs = ctx.dist.gather_rng(rng_state())
     if not ctx.dist.is_main:
         return
     state = training_state(engine, schedule, progress, ctx, rngs)
     saves = []
+    skip = ("optimizer", "scaler", "rng", "rng_ranks")
     if row["val_top1"] > progress.best_top1:
         progress.best_top1 = state["best_top1"] = row["val_top1"]
-        skip = ("optimizer", "scaler", "rng", "rng_ranks")
         saves.append(({k: v for k, v in state.items() if k not in skip}, ctx.run_dir / "best.pt"))
+    earlier = [r["val_top1_ema"] for r in progress.history[:-1] if "val_top1_ema" in r]
+    if "val_top1_ema" in row and row["val_top1_ema"] > max(earlier, default=-1.0):
+        best = {k: v for k, v in state.items() if k not in skip}
+        saves.append((best, ctx.run_dir / "best_ema.pt"))
     writer.save(*saves, (state, ctx.run_dir / "last.pt"))
     ctx.log.write_epoch(row, progress.global_step, final=progress.epoch == ctx.config.train.epochs)

@@ -51,6 +51,9 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float,
         "val_loss": last.get("val_loss"),
         "best_val_top1": max((r["val_top1"] for r in history), default=None),
         "val_top1_ema": last.get("val_top1_ema"),
+        "best_val_top1_ema": max(
+            (r["val_top1_ema"] for r in history if "val_top1_ema" in r), default=None
+        ),  # fmt: skip
         "train_images": ctx.data.train.num_samples,
         "val_images": ctx.data.val.num_samples,
         "wall_seconds": round(progress.seconds + seconds, 3),
