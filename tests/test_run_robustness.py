@@ -86,6 +86,7 @@ def test_killed_before_the_first_checkpoint_resumes_from_the_start(tmp_path, cap
         (run / name).unlink()
     (run / f".last.pt.{os.getpid() + 99999}.tmp").write_bytes(b"")  # an orphan of the kill
     (run / "metrics.csv.tmp").write_bytes(b"")
+    (run / f".best_ema.pt.{os.getpid() + 99999}.tmp").write_bytes(b"")
     for mine in ("draft.tmp", ".session.tmp", ".last.pt.notes.tmp"):  # the user's own: kept
         (run / mine).write_text("mine")
     code, _, err = run_cli(["train", "--out", str(run), "digits", "--quiet"], capsys)

@@ -21,7 +21,7 @@ from cnnkit.runtime import cannot_write
 
 LOCK = ".lock"
 
-RUN_FILES = ("config.yaml", "last.pt", "best.pt", "metrics.csv", "summary.json")
+RUN_FILES = ("config.yaml", "last.pt", "best.pt", "best_ema.pt", "metrics.csv", "summary.json")
 
 
 def new_run_dir(
