@@ -70,6 +70,7 @@ class Saved(Section):
     seconds: NonNegativeFloat = 0.0
     history: list[dict[str, float]] = Field(default_factory=list)
     partial: dict[str, float] = Field(default_factory=dict)
+    partial_ranks: list[dict[str, float]] | None = None  # each rank's `partial`, rank order
     metrics: dict[str, float] = Field(default_factory=dict)
     optimizer: dict[str, Any] | None = None
     schedule: dict[str, Any] | None = None

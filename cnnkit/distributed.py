@@ -65,11 +65,15 @@ class Processes(Protocol):
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...  # sum over ranks, in place
 
-    def gather_rng(self, state: dict) -> list[dict]: ...  # every rank's RNG states, rank order
+    def gather(self, obj: Any) -> list[Any]: ...  # every rank's obj, rank order
 
     def broadcast_object(self, obj: Any) -> Any: ...  # rank 0's obj on every rank
 
-    def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None: ...
+    def synced(self, global_step: int, epoch_end: bool = False) -> bool: ...  # replicas equal
+
+    def after_step(self, engine: Any, global_step: int, epoch_end: bool = False) -> None: ...
+
+    def average(self, engine: Any) -> None: ...  # sync "average": make the replicas equal now
 
 
 class Local:
@@ -86,13 +90,19 @@ class Local:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def gather_rng(self, state: dict) -> list[dict]:
-        return [state]
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
-    def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None:
+    def synced(self, global_step: int, epoch_end: bool = False) -> bool:
+        return True
+
+    def after_step(self, engine: Any, global_step: int, epoch_end: bool = False) -> None:
+        """Nothing to average alone."""
+
+    def average(self, engine: Any) -> None:
         """Nothing to average alone."""
 
 
@@ -116,9 +126,10 @@ class Group:
     """This process's place in the torchrun group and the collectives the training loop needs.
 
     sync "ddp": gradients all-reduced by DistributedDataParallel at every step (the default).
-    sync "average": each replica steps on its own batches and every `average_every` steps the
-    weights, BatchNorm statistics and optimizer moments are averaged (the first seed's scheme;
-    K = 1 equals synchronous SGD).
+    sync "average": each replica steps on its own batches and every `average_every` steps, and
+    after each epoch's last step, the weights, BatchNorm statistics, optimizer moments and the
+    moving average (train.ema) are averaged (the first seed's scheme; K = 1 equals synchronous
+    SGD). So every evaluation and every checkpoint sees one model, the same on every rank.
     """
 
     def __init__(self, train_cfg: Any):
@@ -175,10 +186,11 @@ class Group:
         dist.all_reduce(tensor)
         return tensor
 
-    def gather_rng(self, state: dict) -> list[dict]:
-        """Every rank's generator states, in rank order (saved so each rank resumes its own)."""
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (generator states and epoch statistics: saved so
+        each rank resumes its own)."""
         states: list[Any] = [None] * self.world_size
-        dist.all_gather_object(states, state)
+        dist.all_gather_object(states, obj)
         return states
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -202,14 +214,27 @@ class Group:
             static_graph=self.static_graph,
         )  # fmt: skip
 
-    def after_step(self, network: nn.Module, optimizer: Any, global_step: int) -> None:
-        """sync "average": every K steps, average the replicas' weights, floating buffers (the
-        BatchNorm statistics) and optimizer moments (SGD momenta, Adam's two averages)."""
-        if self.sync != "average" or global_step % self.every:
+    def synced(self, global_step: int, epoch_end: bool = False) -> bool:
+        """Whether the replicas are equal after this step (checkpoints wait for such a step)."""
+        return self.sync != "average" or epoch_end or global_step % self.every == 0
+
+    def after_step(self, engine: Any, global_step: int, epoch_end: bool = False) -> None:
+        """sync "average": every K steps and at the epoch's end, average the replicas."""
+        if self.sync == "average" and self.synced(global_step, epoch_end):
+            self.average(engine)
+
+    def average(self, engine: Any) -> None:
+        """sync "average": average the replicas' weights, floating buffers (the BatchNorm
+        statistics), optimizer moments (SGD momenta, Adam's two averages) and moving average
+        (linear in the weights: the average of the ranks' is that of the averaged weights)."""
+        if self.sync != "average":
             return
+        network = engine.network
         tensors = [p.data for p in network.parameters() if p.requires_grad]
         tensors += [b for b in network.buffers() if b.is_floating_point()]
-        for state in optimizer.state.values():
+        if engine.ema is not None:  # every floating tensor of it (state_dict: views, in place)
+            tensors += [t for t in engine.ema.module.state_dict().values() if t.is_floating_point()]
+        for state in engine.optimizer.state.values():
             tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
         average_in_place(tensors, self.world_size)
 

@@ -38,13 +38,18 @@ SCENARIOS = {
     "ddp_acc2": {"accumulate": 2},  # no_sync micro-batches: static_graph must be off
     "avg1": {"sync": "average"},
     "avg3": {"sync": "average", "average_every": 3},
+    # 4 steps an epoch, averaged at steps 3, 4 (the epoch's end), 6, 8: checkpoints (every 2)
+    # wait for those; the moving average is averaged with the weights
+    "avg3ema": {"sync": "average", "average_every": 3, "ema": 0.9},
 }
 
 WORKER = """
-import json, os, sys
+import json, os, shutil, sys
 sys.path.insert(0, {root!r})
 import torch
 from cnnkit import distributed
+from cnnkit.checkpoint import load_checkpoint
+from cnnkit.train.rundir import resume_config
 from cnnkit.config import validate_run
 from cnnkit.data import data_config
 from cnnkit.errors import ConfigError
@@ -66,7 +71,7 @@ def averaging():  # three Adam steps in channels_last, sync: average, each rank 
     torch.manual_seed(1 + group.rank)
     for step in range(1, 4):
         train_step(engine, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
-        group.after_step(engine.network, engine.optimizer, step)
+        group.after_step(engine, step)
     net, opt = engine.network, engine.optimizer
     moments = [s[k].flatten()[:3].tolist() for s in opt.state.values()
                for k in ("exp_avg", "exp_avg_sq")]
@@ -81,6 +86,27 @@ for name, change in scenarios.items():
     cfg = validate_run({{**base, "train": {{**base["train"], **change}}}})
     group = distributed.Group(cfg.train)
     fit(cfg, os.path.join(out, name), quiet=True, dist=group)
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_at_7(epoch, step, global_step):  # after the mid-epoch save at step 6, before the end
+    if global_step == 7:
+        raise Killed
+
+
+killed = os.path.join(out, "avg3ema-killed")
+try:
+    fit(cfg, killed, quiet=True, dist=group, on_step=kill_at_7)
+except Killed:
+    pass
+group.broadcast_object(None)  # rank 0 has read nothing yet: no rank copies before the save
+if group.is_main:
+    shutil.copy(os.path.join(killed, "last.pt"), os.path.join(out, "mid-epoch.pt"))
+state = group.broadcast_object(load_checkpoint(os.path.join(killed, "last.pt")) if group.is_main else None)
+fit(resume_config(state), killed, resume=state, quiet=True, dist=group)
 torch.manual_seed(0)
 data = data_config(base["data"]).build(torch.device("cpu"), group.rank, 2, 0)
 engine = build_engine(build_model("facenet", num_classes=4), cfg.train, torch.device("cpu"))
@@ -137,6 +163,50 @@ def test_averaging_every_three_steps_trains(two_processes):
     first, last = state["history"][0], state["history"][-1]
     assert state["global_step"] == 8 and last["train_loss"] < first["train_loss"] * 1.5
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def _scored(state: dict, weights: str) -> dict[str, float]:
+    """The held-out figures of a checkpoint's weights (or moving average), in one process."""
+    data = data_config(BASE["data"]).build(torch.device("cpu"), 0, 1, BASE["seed"])
+    engine = build_engine(build_model("facenet", num_classes=4), validate_run(BASE).train,
+                          torch.device("cpu"))  # fmt: skip
+    engine.network.load_state_dict(state[weights])
+    return evaluate(engine, data.val)
+
+
+def test_averaged_replicas_are_what_is_scored_and_saved(two_processes):
+    """average_every 3 does not divide the 4 steps of an epoch: the replicas are averaged at
+    its end too, so each epoch's figures are those of the saved weights (and moving average)."""
+    state = load_checkpoint(two_processes / "avg3ema" / "last.pt")
+    row = state["history"][-1]
+    for weights, suffix in (("model", ""), ("ema", "_ema")):
+        scored = _scored(state, weights)
+        assert scored["loss"] == pytest.approx(row[f"val_loss{suffix}"], rel=1e-5)
+        assert scored["top1"] == pytest.approx(row[f"val_top1{suffix}"])
+
+
+def test_a_mid_epoch_resume_under_averaging_ends_as_the_straight_run(two_processes):
+    """Killed after the checkpoint of step 6 (a save due at an averaging step) and resumed:
+    the same weights, moving average and epoch statistics (each rank's partial sums kept)."""
+    straight = load_checkpoint(two_processes / "avg3ema" / "last.pt")
+    resumed = load_checkpoint(two_processes / "avg3ema-killed" / "last.pt")
+    mid = load_checkpoint(two_processes / "mid-epoch.pt")
+    assert (mid["epoch"], mid["step"], len(mid["partial_ranks"])) == (1, 2, 2)
+    for weights in ("model", "ema"):
+        for key, value in straight[weights].items():
+            torch.testing.assert_close(resumed[weights][key], value, rtol=0, atol=0)
+    for a, b in zip(straight["history"], resumed["history"], strict=True):
+        for key in ("train_loss", "train_top1", "val_loss", "val_top1", "val_loss_ema"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6), key
+
+
+def test_a_mid_epoch_checkpoint_resumes_only_in_its_number_of_processes(two_processes):
+    from cnnkit.errors import ConfigError
+    from cnnkit.train.rundir import resume_config
+
+    state = load_checkpoint(two_processes / "mid-epoch.pt")
+    with pytest.raises(ConfigError, match=r"saved by 2 process.*--nproc 2"):
+        fit(resume_config(state), two_processes / "one-process", resume=state, quiet=True)
 
 
 def test_distributed_evaluation_counts_each_image_once(two_processes):

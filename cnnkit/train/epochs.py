@@ -114,7 +114,10 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
                          config.data.cutmix, tuple(pre.mean), tuple(pre.std))  # fmt: skip
 
     def after_step(epoch: int, step: int, global_step: int) -> None:
-        if saves.due(global_step, step, steps) or stop.requested:
+        if saves.due(global_step, step, steps, dist.synced(global_step, step == steps)):
+            save_mid_epoch(engine, schedule, progress, ctx, writer)
+        elif stop.requested:  # sync: average between two averagings: average early
+            dist.average(engine)
             save_mid_epoch(engine, schedule, progress, ctx, writer)
         if stop.requested:
             writer.wait()
@@ -141,7 +144,8 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
             hooks.epoch(row)
     except StopTraining:
         console.print(f"stopped by a callback at epoch {progress.epoch + 1} step {progress.step}")
-        if progress.step:  # inside an epoch: keep where it stood
+        if progress.step:  # inside an epoch: keep where it stood (sync: average: averaged)
+            dist.average(engine)
             save_mid_epoch(engine, schedule, progress, ctx, writer)
 
 
@@ -169,12 +173,13 @@ def _evaluate(engine: Engine, progress: Progress, stats: dict[str, float], sched
 
 def save_mid_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
                    writer: CheckpointWriter) -> None:  # fmt: skip
-    """last.pt in the middle of an epoch (every rank's generators gathered for exact resume)."""
+    """last.pt in the middle of an epoch (every rank's generators and statistics of the epoch
+    so far gathered for exact resume)."""
     check_finite(engine, progress)
-    rngs = ctx.dist.gather_rng(rng_state())
+    ranks = ctx.dist.gather((rng_state(), progress.epoch_stats()))
     if ctx.dist.is_main:
         writer.save(
-            (training_state(engine, schedule, progress, ctx, rngs), ctx.run_dir / "last.pt")
+            (training_state(engine, schedule, progress, ctx, ranks), ctx.run_dir / "last.pt")
         )
 
 
@@ -184,10 +189,10 @@ def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunC
     choice), and last.pt, written in the background; then the metrics files (a kill in between
     is harmless: a resumed run rewrites them from last.pt)."""
     check_finite(engine, progress)
-    rngs = ctx.dist.gather_rng(rng_state())
+    ranks = ctx.dist.gather((rng_state(), {}))
     if not ctx.dist.is_main:
         return
-    state = training_state(engine, schedule, progress, ctx, rngs)
+    state = training_state(engine, schedule, progress, ctx, ranks)
     saves = []
     skip = ("optimizer", "scaler", "rng", "rng_ranks")
     if row["val_top1"] > progress.best_top1:

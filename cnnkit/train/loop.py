@@ -167,7 +167,7 @@ def train_one_epoch(
         progress.global_step += 1
         if (progress.step % FINITE_EVERY == 0 or progress.step == steps) and not stats.finite():
             raise diverged(progress.epoch, progress.step)
-        dist.after_step(engine.network, engine.optimizer, progress.global_step)
+        dist.after_step(engine, progress.global_step, progress.step == steps)
         seconds = max(stats.seconds, 1e-9)
         console.step(StepInfo(progress.epoch + 1, schedule.cfg.epochs, progress.step, steps, loss,
                               progress.global_step,

@@ -137,6 +137,18 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
     return network
 
 
+def check_world_size(state: dict[str, Any], world_size: int) -> None:
+    """ConfigError for a mid-epoch resume in another number of processes: each rank skips the
+    batches of its own share of the epoch, so another split would train some images twice and
+    others not at all."""
+    saved = len(state.get("rng_ranks") or [None])
+    if state["step"] and saved != world_size:
+        raise ConfigError(f"--resume: last.pt was saved by {saved} process(es) in the middle of "
+                          f"epoch {state['epoch'] + 1} ({state['step']} steps done): resume it "
+                          f"with {saved} (--nproc {saved}); the number can change at an "
+                          "epoch's end")  # fmt: skip
+
+
 def check_batch(config: RunConfig, world_size: int) -> None:
     """The global batch must split evenly over the processes."""
     if config.data.batch_size % world_size:
@@ -164,6 +176,8 @@ def fit(
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
     device = dist.device(config.train.device)
     check_batch(config, dist.world_size)
+    if resume:
+        check_world_size(resume, dist.world_size)
     if dist.is_main and not dry_run:
         check_writable(run_dir)
     with ExitStack() as stack:
@@ -179,7 +193,7 @@ def fit(
         schedule = Schedule(config.train)
         progress = restore(resume, engine, schedule, len(data.train)) if resume else Progress()
         if resume:  # after everything that draws from the generators, before any file is written
-            _restore_rng(resume, dist)
+            _restore_rank(resume, dist, progress)
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
                             progress)  # fmt: skip
@@ -281,8 +295,12 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     )
 
 
-def _restore_rng(state: dict[str, Any], dist: Processes) -> None:
-    """Set this rank's saved generator states (rank 0's if the world size changed)."""
+def _restore_rank(state: dict[str, Any], dist: Processes, progress: Progress) -> None:
+    """Set this rank's saved generator states (rank 0's if the world size changed) and its
+    statistics of the epoch in progress (a mid-epoch resume keeps the world size)."""
+    partials = state.get("partial_ranks") or []
+    if len(partials) == dist.world_size:
+        progress.partial = dict(partials[dist.rank])
     ranks = state.get("rng_ranks") or [state.get("rng")]
     mine = ranks[dist.rank] if len(ranks) == dist.world_size else state.get("rng")
     try:

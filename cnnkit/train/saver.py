@@ -89,14 +89,20 @@ class MidEpochSaves:
         self.interval: int | None = None  # steps between timed saves, once measured
         self.next_step = 0
         self._steps, self._t0 = 0, 0.0
+        self.pending = False  # a save fell due while the replicas differed (sync: average)
 
-    def due(self, global_step: int, step: int, steps: int) -> bool:
+    def due(self, global_step: int, step: int, steps: int, synced: bool = True) -> bool:
         """Whether to save after this step (`step` of `steps` in the epoch: the epoch's own
-        save follows its last step)."""
+        save follows its last step). `synced`: whether the replicas are equal after it; a
+        save that falls due while they are not waits for the next step where they are."""
         self._steps += 1
         timed = self.seconds > 0 and self._timed(global_step)
         by_count = bool(self.every) and global_step % self.every == 0
-        return (timed or by_count) and step < steps
+        self.pending = (self.pending or timed or by_count) and step < steps
+        if self.pending and synced:
+            self.pending = False
+            return True
+        return False
 
     def _timed(self, global_step: int) -> bool:
         if self.interval is None:

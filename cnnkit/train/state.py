@@ -36,11 +36,12 @@ class RunContext:
 
 def training_state(
     engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
-    rngs: list | None = None,
+    ranks: list[tuple[dict, dict]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Everything a checkpoint holds: the inference contract plus the exact training state
-    (`rngs`: each rank's generator states, rank 0 first)."""
-    rngs = rngs or [rng_state()]
+    (`ranks`: each rank's generator states and statistics of the epoch so far, rank 0 first)."""
+    ranks = ranks or [(rng_state(), progress.epoch_stats())]
+    rngs = [rng for rng, _ in ranks]
     averaged = {}
     if ctx.data.mean_image is not None:  # normalize: mean_image: classify subtracts it too
         averaged["mean_image"] = ctx.data.mean_image.detach().to("cpu", torch.float32)
@@ -64,6 +65,7 @@ def training_state(
         "seconds": progress.seconds + time.perf_counter() - ctx.started,
         "history": list(progress.history),
         "partial": progress.epoch_stats(),
+        "partial_ranks": [partial for _, partial in ranks],
         "rng": rngs[0],
         "rng_ranks": rngs,
         "settings": {**asdict(engine.settings), "device": engine.device.type},
