@@ -240,3 +240,37 @@ def test_a_mean_image_run_says_its_mean_is_approximated(digits_run, capsys, monk
     Classifier.load(digits_run)
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("cnnkit: classify subtracts the training mean image's per-channel")
+
+
+def test_eval_of_a_grey_network_on_an_rgb_folder_agrees_with_classify(digits_run, tmp_path):
+    """Folders and packed sets are RGB: eval --data makes them grey as classify does."""
+    from cnnkit.train.evaluation import evaluate_checkpoint
+
+    images, names = held_out_digits(30)
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (image, name) in enumerate(zip(images, names, strict=True)):
+        (tmp_path / name).mkdir(exist_ok=True)
+        tint = rng.integers(0, 60, 3)  # a coloured image: luma, not a channel, is what counts
+        rgb = np.clip(image[:, :, None].astype(int) + tint - 30, 0, 255).astype(np.uint8)
+        paths.append(tmp_path / name / f"{i:02d}.png")
+        Image.fromarray(rgb).save(paths[-1])
+    result = evaluate_checkpoint(digits_run, data=str(tmp_path))
+    classifier = Classifier.load(digits_run)
+    preds = classifier.predict(paths, top=10)
+    truth = [p.parent.name for p in paths]
+    correct = np.mean([p.label == t for p, t in zip(preds, truth, strict=True)])
+    loss = -np.mean([np.log(dict(zip(p.labels, p.probs, strict=True))[t])
+                     for p, t in zip(preds, truth, strict=True)])  # fmt: skip
+    # eval runs in the run's precision (bf16 where it trained in bf16), classify in fp32
+    assert result["images"] == 30 and result["top1"] == pytest.approx(correct, abs=1.5 / 30)
+    assert result["loss"] == pytest.approx(loss, rel=2e-2)
+
+
+def test_luma_is_pillows_grey():
+    from cnnkit.train.evaluation import luma
+
+    rgb = np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    expected = np.array(Image.fromarray(rgb).convert("L"))
+    got = luma(torch.from_numpy(rgb).permute(2, 0, 1)[None].float())[0, 0]
+    assert torch.equal(got, torch.from_numpy(expected).float())

@@ -122,6 +122,11 @@ def evaluate_checkpoint(
     cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"))
     if data is not None and uses_mean_image(config) and getattr(cfg, "_mean_image", None) is None:
         note_mean_image(f"--data {data}")
+    grey = None
+    if pre.channels == 1 and hasattr(cfg, "normalize"):  # RGB folders / packed sets: to grey
+        cfg = cfg.model_copy(update={"normalize": "channel", "mean": (0.0,) * 3,
+                                     "std": (1.0,) * 3})  # fmt: skip
+        grey = (pre.mean[0], pre.std[0])
     crop = int(network.input_shape[-1])
     if tencrop:
         cfg = full_images(cfg, crop, pre.resize)
@@ -136,7 +141,7 @@ def evaluate_checkpoint(
         network, train_cfg, dev, settings=inference_settings(network, train_cfg, dev, batch)
     )
     freeze(engine.network)  # evaluated, never trained: oneDNN's linear layers pack their weights
-    batches = CountedBatches(bundle.val, label_map)
+    batches = CountedBatches(bundle.val, label_map, grey)
     if tencrop:
         both = evaluate_ten_crops(engine, batches, crop)
         result = {**both["centre"], "tencrop": both["tencrop"]}
@@ -166,10 +171,12 @@ def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.
 class CountedBatches:
     """A Batches stream that counts the images it yields: those evaluated, not the unreadable
     ones the loader skipped (and named on stderr). `label_map`: the data's labels as the
-    network's class indices (class_map)."""
+    network's class indices (class_map). `grey`: a grey network's (mean, std), for RGB data
+    yielded in 0-255: made grey as Pillow's "L" (and so classify) does, then normalised."""
 
-    def __init__(self, batches: Any, label_map: torch.Tensor | None = None):
-        self.batches, self.images, self.label_map = batches, 0, label_map
+    def __init__(self, batches: Any, label_map: torch.Tensor | None = None,
+                 grey: tuple[float, float] | None = None):  # fmt: skip
+        self.batches, self.images, self.label_map, self.grey = batches, 0, label_map, grey
         self.num_samples = batches.num_samples
 
     def __len__(self) -> int:
@@ -184,7 +191,16 @@ class CountedBatches:
             if self.label_map is not None:
                 self.label_map = self.label_map.to(y.device)
                 y = self.label_map[y]
+            if self.grey is not None:
+                x = (luma(x) - self.grey[0]) / self.grey[1]
             yield x, y
+
+
+def luma(rgb: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) float 0-255 integers -> (B, 1, H, W): ITU-R 601 luma rounded exactly as
+    Pillow's convert("L") (fixed point, 16 bits; exact in float32 below 2**24)."""
+    r, g, b = rgb.unbind(1)
+    return ((r * 19595 + g * 38470 + b * 7471 + 32768) / 65536).floor()[:, None]
 
 
 def _eval_settings(config: dict[str, Any], name: str, device: torch.device,
