@@ -33,6 +33,7 @@ from cnnkit.errors import ConfigError, brief, config_error
 from cnnkit.nn import read_spec
 from cnnkit.nn.spec import suggest
 from cnnkit.nn.yamlio import load_yaml, read_yaml
+from cnnkit.runtime import write_atomic
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
@@ -313,7 +314,7 @@ def dump_run(config: RunConfig, path: Path | None = None) -> str:
     """The resolved config as YAML (written to `path` when given)."""
     text = yaml.safe_dump(run_dict(config), sort_keys=False)
     if path is not None:
-        Path(path).write_text(text)
+        write_atomic(Path(path), text.encode())
     return text
 
 

@@ -24,7 +24,8 @@ from cnnkit.config import RunConfig, dump_run, load_run
 from cnnkit.data.bundled import FacesConfig, HardNegatives, face_free_picture
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, Interrupted
 from cnnkit.infer.detect import detect, log_odds, mine_hard_negatives
-from cnnkit.infer.load import Loaded, load_for_inference, write_atomic
+from cnnkit.infer.load import Loaded, load_for_inference
+from cnnkit.runtime import write_atomic
 from cnnkit.train.metrics import write_summary
 from cnnkit.train.run import fit, resume_state
 from cnnkit.train.rundir import clear_orphans, resume_config, run_lock

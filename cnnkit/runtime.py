@@ -1,4 +1,5 @@
-"""Process-wide settings: torch's CPU threads, seeds, and glibc's memory setting.
+"""Process-wide settings: torch's CPU threads, seeds, and glibc's memory setting; and files
+written whole or not at all (atomic, write_atomic).
 
 Every part of cnnkit sets thread counts and mixes seeds through these (devices are resolved
 by cnnkit.distributed.resolve_device: a process's device is part of its place in the group).
@@ -6,12 +7,14 @@ by cnnkit.distributed.resolve_device: a process's device is part of its place in
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -116,3 +119,25 @@ def cannot_write(folder: Path) -> str | None:
             return None
     except OSError as e:
         return e.strerror or type(e).__name__
+
+
+@contextmanager
+def atomic(path: Path) -> Iterator[IO[bytes]]:
+    """A file written as PATH.tmp and renamed to PATH once complete; removed if writing fails
+    (the error then names PATH, which a failed write() alone does not)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)
+        raise
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` to `path` through atomic (an existing file stays as it was if this fails)."""
+    with atomic(Path(path)) as f:
+        f.write(data)

@@ -4,6 +4,7 @@ nets with LRN and groups."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from helpers import run_cli
 
+import cnnkit.runtime
 from cnnkit import CheckpointError
 from cnnkit.infer import Classifier
 from cnnkit.infer.export import check_export, export
@@ -170,13 +172,13 @@ def test_a_full_disk_leaves_no_partial_export(digits_run, tmp_path, capsys, monk
     and leaves nothing at the destination (an earlier export stays as it was)."""
     out = tmp_path / f"digits.{fmt}"
     out.write_bytes(b"the earlier export")
-    real = Path.write_bytes
 
-    def full(self, data):
-        real(self, data[: len(data) // 2])
-        raise OSError(28, "No space left on device")
+    class Full(io.FileIO):  # half of each write lands, then the disk is full
+        def write(self, data):
+            super().write(bytes(data)[: len(data) // 2])
+            raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr(cnnkit.runtime, "open", Full, raising=False)
     code, _, err = run_cli(["export", str(digits_run), "-f", fmt, "-o", str(out)], capsys)
     monkeypatch.undo()
     assert code == 1 and len(err.splitlines()) == 1 and "No space left" in err, err

@@ -414,3 +414,29 @@ def test_end_of_input_inside_a_command_is_one_line_not_an_interrupt(monkeypatch,
     monkeypatch.setattr(load, "network_of", lost)
     code, _, err = run_cli(["info", "digitnet"], capsys)
     assert "aborted" in one_error_line(code, err, (1,))
+
+
+def test_summary_and_config_are_written_whole_or_not_at_all(tmp_path):
+    """A write that fails (here: its temporary name is taken by a folder) keeps the old file."""
+    import errno
+
+    from cnnkit.config import dump_run
+    from cnnkit.runtime import atomic
+    from cnnkit.train.metrics import write_summary
+
+    for name, write in (("summary.json", lambda p: write_summary(p, {"a": 1})),
+                        ("config.yaml", lambda p: dump_run(load_run("digits"), p))):  # fmt: skip
+        path = tmp_path / name
+        path.write_text("the good one")
+        (tmp_path / f"{name}.tmp").mkdir()
+        with pytest.raises(OSError):
+            write(path)
+        assert path.read_text() == "the good one"
+        (tmp_path / f"{name}.tmp").rmdir()
+        write(path)
+        assert path.read_text() != "the good one"
+    with pytest.raises(OSError) as failed, atomic(tmp_path / "x.bin") as f:
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert failed.value.filename == str(tmp_path / "x.bin")  # the error line names the file
+    assert not list(tmp_path.glob("x.bin*"))

@@ -37,10 +37,11 @@ import torch
 
 from cnnkit.data import decode
 from cnnkit.data.decode import ResizeMode
-from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, atomic, pack_shard, write_text
+from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
 from cnnkit.data.packed import PACK_FORMAT
 from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError, Interrupted
+from cnnkit.runtime import atomic
 
 SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
 

@@ -5,9 +5,6 @@ and partial statistics); and the atomic writes every pack file goes through.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
@@ -17,6 +14,7 @@ import torch
 
 from cnnkit.data.decode import BadImage, ResizeMode, encode_jpeg, load_resized
 from cnnkit.data.scan import printable
+from cnnkit.runtime import atomic
 
 PackFormat = Literal["raw", "jpeg"]
 SHARD_SUFFIX = {"raw": ".u8", "jpeg": ".jpg"}
@@ -54,21 +52,6 @@ def _image_stats(image: torch.Tensor, phase: int = 0) -> tuple[np.ndarray, np.nd
     squares = np.square(pixels, dtype=np.uint32).sum(1, dtype=np.uint64)
     np.fill_diagonal(xxt, squares.astype(np.float64))
     return sums, xxt
-
-
-@contextmanager
-def atomic(path: Path) -> Iterator[IO[bytes]]:
-    """A file written as PATH.tmp and renamed to PATH once complete; removed if writing fails."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)  # a failed write() names no file: say which
-        raise
 
 
 def write_text(path: Path, text: str) -> None:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from cnnkit.errors import CnnkitError, ConfigError
 from cnnkit.infer.images import crops_of, to_channels, to_hwc
-from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors, write_atomic
+from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors
+from cnnkit.runtime import write_atomic
 
 Format = Literal["onnx", "torch-export", "torchscript", "safetensors"]
 FORMATS: tuple[str, ...] = ("onnx", "torch-export", "torchscript", "safetensors")

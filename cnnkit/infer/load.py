@@ -22,6 +22,7 @@ from cnnkit.checkpoint import (
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.nn import Network, build_model, read_spec
+from cnnkit.runtime import write_atomic
 
 
 @dataclass
@@ -110,17 +111,6 @@ def save_safetensors(loaded: Loaded, path: Path) -> None:
     if loaded.mean_image is not None:  # classify from the export subtracts it as the run did
         state[MEAN_IMAGE_KEY] = loaded.mean_image.detach().to("cpu", torch.float32).contiguous()
     write_atomic(Path(path), save(state, metadata=metadata(loaded)))
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """`data` to `path` through a temporary file renamed into place: a full disk or a kill
-    mid-write leaves no partial file (and an existing one as it was)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def network_of(target: str, num_classes: int | None = None) -> Network:

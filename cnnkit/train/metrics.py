@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cnnkit.errors import one_line
+from cnnkit.runtime import write_atomic
 
 LOG_EVERY = 20  # steps between TensorBoard's per-step scalars
 PLOT_EVERY = 30.0  # seconds between redrawings of curves.png during a run
@@ -155,8 +156,8 @@ def _best(epochs: list[float], history: list[dict[str, float]]) -> str:
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    """summary.json (accuracies in [0, 1])."""
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    """summary.json (accuracies in [0, 1]), written whole or not at all."""
+    write_atomic(path, (json.dumps(summary, indent=2) + "\n").encode())
 
 
 @dataclass
