@@ -3,6 +3,7 @@ scalars, top-5 hidden below 6 classes, and the last line naming the last and bes
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -66,3 +67,18 @@ def test_a_resumed_run_keeps_tensorboards_points_from_before_its_checkpoint(tmp_
         (20, 1.0), (40, 1.0), (60, 1.0), (80, 2.0), (100, 2.0)]  # fmt: skip
     assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(44, 1.0), (88, 2.0)]
     assert [e.step for e in events.Scalars("val/top1")] == [44, 88]
+
+
+def test_tensorboards_step_lr_is_the_rate_the_step_used(tmp_path):
+    from cnnkit.train.optim import Schedule
+
+    config = load_run("digits", ["train.epochs=2", "train.warmup_epochs=1", "data.batch_size=32"])
+    fit(config, tmp_path / "r", quiet=True)
+    events = EventAccumulator(str(tmp_path / "r"))
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars("step/lr")]
+    schedule, per_epoch = Schedule(config.train), len(config.data.build(torch.device("cpu")).train)
+    assert len(points) >= 2
+    for global_step, lr in points:  # step g ran at (g - 1) / steps of an epoch into the run
+        used = schedule.lr((global_step - 1) / per_epoch)
+        assert lr == pytest.approx(used, rel=1e-6), global_step

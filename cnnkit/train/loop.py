@@ -157,10 +157,11 @@ def train_one_epoch(
         waited += time.perf_counter() - t0
         if x is None:
             break
+        at = progress.epoch + progress.step / steps  # where in the schedule this step is
         if len(y):  # else every image of the batch was unreadable (the loader said which)
             if recipe is not None and recipe.active:
                 x, y = recipe(x, y, engine.network.num_classes)
-            schedule.apply(engine.optimizer, progress.epoch + progress.step / steps)
+            schedule.apply(engine.optimizer, at)
             loss, hits = train_step(engine, x, y)
             stats.add(loss, hits, len(y))
         progress.step += 1
@@ -170,8 +171,7 @@ def train_one_epoch(
         dist.after_step(engine, progress.global_step, progress.step == steps)
         seconds = max(stats.seconds, 1e-9)
         console.step(StepInfo(progress.epoch + 1, schedule.cfg.epochs, progress.step, steps, loss,
-                              progress.global_step,
-                              schedule.lr(progress.epoch + progress.step / steps),
+                              progress.global_step, schedule.lr(at),
                               stats.seen * dist.world_size / seconds, waited / seconds, seconds))  # fmt: skip
         on_step(progress.epoch, progress.step, progress.global_step)
     return stats.read()
