@@ -287,3 +287,15 @@ def test_sync_batchnorm_conversion_keeps_the_network_running_its_layers():
     torch.manual_seed(1)
     torch.testing.assert_close(network(x), expected)  # no process group: plain batch norm maths
     assert ran  # the converted layer is the one that runs
+
+
+def test_sync_batchnorm_on_cpus_is_one_line():
+    from cnnkit.distributed import Local
+    from cnnkit.errors import ConfigError
+
+    class TwoOnCpus(Local):  # the check comes before any collective
+        world_size = 2
+
+    config = validate_run({**BASE, "train": {**BASE["train"], "sync_bn": True}})
+    with pytest.raises(ConfigError, match="sync_bn: SyncBatchNorm runs on CUDA devices only"):
+        fit(config, Path("/nonexistent/never-written"), quiet=True, dist=TwoOnCpus())

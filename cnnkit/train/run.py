@@ -176,6 +176,9 @@ def fit(
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
     device = dist.device(config.train.device)
     check_batch(config, dist.world_size)
+    if config.train.sync_bn and dist.world_size > 1 and device.type != "cuda":
+        raise ConfigError("train.sync_bn: SyncBatchNorm runs on CUDA devices only; leave it out "
+                          f"on {device.type} (each process then keeps its own statistics)")  # fmt: skip
     if resume:
         check_world_size(resume, dist.world_size)
     if dist.is_main and not dry_run:
