@@ -58,13 +58,22 @@ def test_train_step_equals_a_plain_pytorch_loop():
         torch.testing.assert_close(a, b)
 
 
-def test_accumulation_equals_the_whole_batch():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_accumulation_equals_the_whole_batch(weighted):
+    """Also with class weights (the loss normalises by the batch's weights, not its images):
+    micro-batches of mostly one class must not lose the weighting."""
     torch.manual_seed(0)
     whole = build_model("facenet")
     parts = copy.deepcopy(whole)
-    x, y = _batch()
-    train_step(build_engine(whole, TrainConfig(**FP32), CPU), x, y)
-    train_step(build_engine(parts, TrainConfig(accumulate=4, **FP32), CPU), x, y)
+    x, _ = _batch()
+    y = torch.tensor([0] * 24 + [1] * 8)  # micro-batches of 8: three of class 0, one of 1
+    weights = torch.tensor([0.25, 3.0]) if weighted else None
+    cfg = TrainConfig(lr=0.5, momentum=0.0, weight_decay=0.0, **FP32)
+    loss, _ = train_step(build_engine(whole, cfg, CPU, class_weights=weights), x, y)
+    engine = build_engine(parts, cfg.model_copy(update={"accumulate": 4}), CPU,
+                          class_weights=weights)  # fmt: skip
+    loss_parts, _ = train_step(engine, x, y)
+    torch.testing.assert_close(loss_parts, loss)
     for a, b in zip(whole.parameters(), parts.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

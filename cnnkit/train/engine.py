@@ -109,9 +109,11 @@ def balanced_weights(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
 def train_step(
     engine: Engine, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on (x, y), split into `accumulate` micro-batches.
+    """One optimizer step on (x, y), split into `accumulate` micro-batches whose gradients add
+    up to the whole batch's: each micro-batch's mean loss weighs its share of the batch (of
+    its images, or with class weights of its images' weights, as the loss normalises).
 
-    Returns (mean loss, number correct) as device tensors (no host sync).
+    Returns (the batch's loss, number correct) as device tensors (no host sync).
     """
     model, opt = engine.model, engine.optimizer
     model.train()
@@ -121,6 +123,9 @@ def train_step(
     opt.zero_grad(set_to_none=not ddp)
     x = engine.prepare(x)
     chunks = list(zip(x.chunk(engine.accumulate), y.chunk(engine.accumulate), strict=True))
+    weight = engine.loss_fn.weight
+    per_image = weight[y] if weight is not None and y.dim() == 1 else None  # hard labels
+    total = per_image.sum() if per_image is not None else len(y)
     loss_sum = torch.zeros((), device=x.device)
     correct = torch.zeros((), device=x.device, dtype=torch.long)
     for i, (xc, yc) in enumerate(chunks):
@@ -130,8 +135,9 @@ def train_step(
             with engine.autocast():
                 logits = model(xc)
                 loss = engine.loss_fn(logits.float(), yc)
-            engine.scaler.scale(loss * (len(yc) / len(y))).backward()
-        loss_sum += loss.detach() * len(yc)
+            share = (weight[yc].sum() if per_image is not None else len(yc)) / total
+            engine.scaler.scale(loss * share).backward()
+        loss_sum += loss.detach() * share
         hard = yc.argmax(1) if yc.dim() == 2 else yc  # mixed (soft) labels: the larger share
         correct += (logits.argmax(1) == hard).sum()
     if engine.grad_clip is not None:
@@ -141,4 +147,4 @@ def train_step(
     engine.scaler.update()
     if engine.ema is not None:
         engine.ema.update_parameters(engine.network)
-    return loss_sum / len(y), correct
+    return loss_sum, correct
