@@ -149,6 +149,23 @@ def test_defaults_may_use_arithmetic_and_the_input_shape():
     assert build_model(spec, device="meta").output_shape == (8, 8, 8)
 
 
+def test_an_absent_last_entry_stands_for_its_input_as_the_output():
+    """The network's output is its last entry's value: when that entry is absent (`if:` false)
+    it is the entry's input, even though an earlier layer of the block was computed."""
+    block = {"params": {"res": True},
+             "layers": [conv("conv"), {"name": "add", "type": "add", "inputs": ["input", "conv"],
+                                       "if": "$res"}]}  # fmt: skip
+    spec = net(conv("stem", kernel_size=1, padding=0), {"name": "b", "block": "unit", "res": False},
+               blocks={"unit": block})  # fmt: skip
+    model = build_model(spec).eval()
+    x = torch.randn(2, 4, 8, 8)
+    torch.testing.assert_close(model(x), model.stem(x))
+    with_add = build_model(
+        {**spec, "layers": [spec["layers"][0], {**spec["layers"][1], "res": True}]}
+    )
+    assert [row.name for row in with_add.table][-1] == "b.add"
+
+
 def test_a_block_may_hold_itself_only_to_a_bounded_depth():
     spec = net(
         {"name": "r", "block": "loop"},

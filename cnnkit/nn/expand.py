@@ -32,7 +32,7 @@ RESERVED = {"input", "previous"}
 NETWORK_ATTRIBUTES = frozenset({"spec", "name", "input_shape", "param_count", "activation_count",
                                 "table", "num_classes", "output_shape", "heads", "multipliers",
                                 "param_groups", "reset_parameters", "_apply_init",
-                                "_forward_hooked", "_groups", "_steps", "_nodes"})  # fmt: skip
+                                "_forward_hooked", "_groups", "_steps", "_nodes", "_output"})  # fmt: skip
 MODULE_ATTRIBUTES = frozenset(dir(nn.Module()))
 
 
@@ -85,12 +85,14 @@ class Expander:
         self.holders: dict[str, str] = {}  # each dotted prefix of a module name -> that name
         self.later = {str(raw["name"]) for raw in net.layers if "name" in raw}
 
-    def run(self) -> list[Node]:
+    def run(self) -> tuple[list[Node], int]:
+        """The nodes, and the value the network outputs: the last entry's (an absent last
+        entry stands for its input, which an earlier node computed)."""
         scope = _Scope(0, "", {"num_classes": self.net.num_classes}, None, 0)
         for index, raw in enumerate(self.net.layers):
             scope.index = index
             self._entry(raw, index, scope)
-        return self.nodes
+        return self.nodes, scope.last
 
     # -- entries ----------------------------------------------------------------------------------
 
@@ -389,8 +391,10 @@ def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str
     return merged
 
 
-def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[NetSpec, list]:
-    """Validate a `model:` mapping and expand it into nodes; `num_classes` overrides the file's."""
+def parse_spec(model: dict[str, Any],
+               num_classes: int | None = None) -> tuple[NetSpec, list, int]:  # fmt: skip
+    """Validate a `model:` mapping and expand it into nodes and the output's value index (0:
+    the input, k: node k - 1's); `num_classes` overrides the file's."""
     try:
         net = NetSpec.model_validate(model)
     except ValidationError as e:
@@ -399,4 +403,4 @@ def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[N
         net = net.model_copy(update={"num_classes": num_classes})
     if len(net.input) == 2:
         raise ConfigError("model: input: give [C, H, W] for images or [F] for vectors")
-    return net, Expander(net).run()
+    return net, *Expander(net).run()

@@ -38,7 +38,7 @@ class Network(nn.Module):
 
     def __init__(self, spec: dict[str, Any], num_classes: int | None = None, device: Any = None):
         super().__init__()
-        net, nodes = parse_spec(spec, num_classes)
+        net, nodes, self._output = parse_spec(spec, num_classes)
         # the file's `model:` mapping, enough to rebuild this network (weights come separately)
         self.spec = {k: v for k, v in spec.items() if k != "weights"}
         self.name = net.name or "net"
@@ -54,10 +54,11 @@ class Network(nn.Module):
                 module = node.layer.build(in_shapes)
                 _set_submodule(self, node.name, module)
                 self.table.append(_describe(node, in_shapes, module, nodes))
-        self.num_classes = shapes[-1][0] if len(shapes[-1]) == 1 else None
-        self.output_shape: Shape = shapes[-1]
+        out = shapes[self._output]
+        self.num_classes = out[0] if len(out) == 1 else None
+        self.output_shape: Shape = out
         self.heads = tuple(node.name for node in nodes if node.head)  # sized by num_classes
-        frees = _last_reads(nodes)
+        frees = _last_reads(nodes, self._output)
         # (module name, input value indices, values to drop after it); modules are looked up by
         # name at run time, so replacing one (SyncBatchNorm, quantised, ...) takes effect.
         self._steps = tuple(
@@ -84,7 +85,7 @@ class Network(nn.Module):
             values.append(module(*[values[i] for i in inputs]))
             for i in frees:  # drop what no later layer reads: less memory at inference
                 values[i] = None
-        return values[-1]
+        return values[self._output]
 
     def _forward_hooked(self, x: torch.Tensor, hooked: list) -> torch.Tensor:
         """forward, calling the forward hooks of groups (`layer4`) as nn.Module would: with the
@@ -104,7 +105,7 @@ class Network(nn.Module):
                     values[-1] = _call_hooks(group, taken.pop(id(group), ()), values[-1])
             for i in frees:
                 values[i] = None
-        return values[-1]
+        return values[self._output]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -187,12 +188,13 @@ def _describe(
     return LayerInfo(node.name, node.layer.type, names, node.shape, params, macs)
 
 
-def _last_reads(nodes: list[Node]) -> list[tuple[int, ...]]:
-    """For each node, the value indices it is the last reader of."""
+def _last_reads(nodes: list[Node], output: int) -> list[tuple[int, ...]]:
+    """For each node, the value indices it is the last reader of (never the output's)."""
     last_use: dict[int, int] = {}
     for i, node in enumerate(nodes):
         for v in node.inputs:
-            last_use[v] = i
+            if v != output:
+                last_use[v] = i
     frees: list[list[int]] = [[] for _ in nodes]
     for v, i in last_use.items():
         frees[i].append(v)
