@@ -14,7 +14,7 @@ import torchvision.transforms.functional as TF
 from helpers import CLI, ROOT, run_cli
 from PIL import Image
 
-from cnnkit import CnnkitError
+from cnnkit import CnnkitError, build_model
 from cnnkit.data.base import Preprocess, holdout_split
 from cnnkit.data.bundled import DigitsConfig
 from cnnkit.infer import Classifier
@@ -274,3 +274,35 @@ def test_luma_is_pillows_grey():
     expected = np.array(Image.fromarray(rgb).convert("L"))
     got = luma(torch.from_numpy(rgb).permute(2, 0, 1)[None].float())[0, 0]
     assert torch.equal(got, torch.from_numpy(expected).float())
+
+
+def test_a_network_file_declares_how_its_weights_read_images(tmp_path, capsys):
+    """`preprocess:` in a network file (published weights want their own normalisation and
+    resize); networks that do not read square grey or RGB images are one line in classify."""
+    net = load_network("digitnet").model
+    torch.save(net.state_dict(), tmp_path / "w.pt")
+    given = {"mean": [100.0], "std": [50.0], "resize": 12}
+    spec = {**net.spec, "weights": "w.pt", "preprocess": given}
+    (tmp_path / "net.yaml").write_text(f"model: {json.dumps(spec)}\n")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (12, 12), dtype=np.uint8)).save(tmp_path / "x.png")
+    prediction = Classifier.load(tmp_path / "net.yaml").predict(str(tmp_path / "x.png"), top=3)
+    pixels = torch.from_numpy(np.array(Image.open(tmp_path / "x.png"))).float()
+    x = ((pixels[2:10, 2:10] - 100.0) / 50.0)[None, None]  # resize 12 (as stored), centre 8
+    with torch.no_grad():
+        expected = net(x).softmax(1)[0].topk(3).values
+    assert prediction.probs == pytest.approx(expected.tolist(), abs=1e-5)
+    for bad, message in (({"mean": [1.0, 2.0]}, "preprocess.mean"),
+                         ({"crop": 4}, "channels and crop are the input's")):  # fmt: skip
+        (tmp_path / "bad.yaml").write_text(f"model: {json.dumps({**spec, 'preprocess': bad})}\n")
+        code, _, err = run_cli(["classify", str(tmp_path / "bad.yaml"), str(tmp_path / "x.png")],
+                               capsys)  # fmt: skip
+        assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    wide = {"input": [3, 8, 6], "weights": "w2.pt",
+            "layers": [{"type": "flatten"}, {"type": "linear", "out_features": 2}]}  # fmt: skip
+    torch.save(build_model({k: v for k, v in wide.items() if k != "weights"}).state_dict(),
+               tmp_path / "w2.pt")  # fmt: skip
+    (tmp_path / "wide.yaml").write_text(f"model: {json.dumps(wide)}\n")
+    code, _, err = run_cli(["classify", str(tmp_path / "wide.yaml"), str(tmp_path / "x.png")],
+                           capsys)  # fmt: skip
+    assert code == 2 and "takes 3 x 8 x 6 inputs" in err and len(err.splitlines()) == 1, err

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from cnnkit.checkpoint import (
     EXPORT_FORMAT,
@@ -20,7 +21,7 @@ from cnnkit.checkpoint import (
     uses_mean_image,
 )
 from cnnkit.data.base import Preprocess
-from cnnkit.errors import CheckpointError, ConfigError
+from cnnkit.errors import CheckpointError, ConfigError, validation_message
 from cnnkit.nn import Network, build_model, read_spec
 from cnnkit.runtime import write_atomic
 
@@ -74,13 +75,29 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
     else:
         description = read_spec(spec)
     model = build_model(description, device=device)
-    if len(model.input_shape) == 3:  # images: pixels 0-255 scaled to 0-1
-        c, size = model.input_shape[0], model.input_shape[-1]
-        preprocess = Preprocess(channels=c, crop=size, mean=[0.0] * c, std=[255.0] * c)
-    else:  # feature vectors (input: [F]): no image preprocessing, the values as given
+    shape, given = tuple(model.input_shape), description.get("preprocess")
+    if reads_images(shape):  # 0-255 pixels scaled to 0-1, unless the file says otherwise
+        c = shape[0]
+        try:
+            preprocess = Preprocess.from_dict({"channels": c, "crop": shape[-1], "mean": [0.0] * c,
+                                               "std": [255.0] * c, **(given or {})})  # fmt: skip
+        except ValidationError as e:
+            raise ConfigError(f"{spec}: model: preprocess.{validation_message(e)}") from None
+        if preprocess.channels != c or preprocess.crop != shape[-1]:
+            raise ConfigError(f"{spec}: model: preprocess: channels and crop are the input's "
+                              f"({c} and {shape[-1]}): leave them out")  # fmt: skip
+    elif given is not None:
+        raise ConfigError(f"{spec}: model: preprocess: only for networks that read square grey "
+                          f"or RGB images (this one reads {' x '.join(map(str, shape))})")  # fmt: skip
+    else:  # other inputs (vectors, other channels, not square): the values as given
         preprocess = Preprocess(channels=1, crop=1, mean=[0.0], std=[1.0])
     classes = [f"class{i}" for i in range(model.num_classes or 0)]
     return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
+
+
+def reads_images(shape: tuple[int, ...]) -> bool:
+    """Whether a network's input is a square grey or RGB image (what classify can feed it)."""
+    return len(shape) == 3 and shape[0] in (1, 3) and shape[1] == shape[2]
 
 
 def metadata(loaded: Loaded) -> dict[str, str]:

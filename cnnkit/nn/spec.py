@@ -98,6 +98,11 @@ class NetSpec(BaseModel):
         default_factory=list,
         description="how published weight files name some keys: rename ({match, to}) or drop",
     )
+    preprocess: dict[str, Any] | None = Field(
+        None,
+        description="how classify and export read images for these weights: mean, std "
+        "(0-255, per channel), resize, resize_mode (default: 0-1 pixels, no resize)",
+    )
     defaults: dict[str, dict[str, Any]] = Field(default_factory=dict, description="type -> fields")
     blocks: dict[str, BlockDef] = Field(default_factory=dict)
     layers: list[dict[str, Any]] = Field(min_length=1)
