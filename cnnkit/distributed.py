@@ -317,10 +317,37 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
 def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """`cnnkit train --nproc N ...`: run torchrun for one machine; returns its exit status."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", "cnnkit.distributed", "--standalone",
         f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "cnnkit", *argv,
     ]  # fmt: skip
     env = dict(os.environ)
     # the cores shared among the processes (torchrun would set 1 and print a banner about it)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     return subprocess.call(cmd, env=env)
+
+
+def torchrun(args: list[str]) -> int:
+    """torchrun's main (start_local's agent) with its failure report cut down to cnnkit's: the
+    ranks have printed their one error line, so no table of failures and no traceback; the
+    exit status is the first failed rank's (2 for a configuration error), a rank killed by a
+    signal is one line."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        main(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode > 0:
+            return failure.exitcode
+        print(f"cnnkit: error: rank {rank} was killed by {failure.signal_name()}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # start_local runs `python -m cnnkit.distributed` as torchrun
+    sys.exit(torchrun(sys.argv[1:]))

@@ -299,3 +299,21 @@ def test_sync_batchnorm_on_cpus_is_one_line():
     config = validate_run({**BASE, "train": {**BASE["train"], "sync_bn": True}})
     with pytest.raises(ConfigError, match="sync_bn: SyncBatchNorm runs on CUDA devices only"):
         fit(config, Path("/nonexistent/never-written"), quiet=True, dist=TwoOnCpus())
+
+
+def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
+    """Every rank meets the same configuration error: one line (rank 0's), exit status 2, and
+    no torchrun failure table; a rank killed by a signal is one line too."""
+    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "model=lenet5", "--nproc", "2",
+           "--out", str(tmp_path / "r")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "cnnkit: error: model: input [1, 32, 32] does not match the data's images [1, 8, 8]"
+    ]
+    (tmp_path / "die.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    cmd = [sys.executable, "-m", "cnnkit.distributed", "--standalone", "--nproc_per_node=1",
+           str(tmp_path / "die.py")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == ["cnnkit: error: rank 0 was killed by SIGKILL"]

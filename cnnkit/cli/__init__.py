@@ -8,6 +8,7 @@ commands; each command is a few lines that call the library.
 from __future__ import annotations
 
 import errno
+import os
 import sys
 
 import typer
@@ -18,7 +19,7 @@ except ImportError:  # pragma: no cover - older typer
     from click import exceptions as click_errors
 
 from cnnkit.cli import bench, data, infer, net, train
-from cnnkit.errors import CnnkitError, Interrupted
+from cnnkit.errors import CnnkitError, ConfigError, Interrupted
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click < 8.2 shows the help itself
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         kind = "" if isinstance(e, Interrupted) else "error: "
-        print(f"cnnkit: {kind}{e}", file=sys.stderr)
+        if not (isinstance(e, ConfigError) and os.environ.get("RANK", "0") != "0"):
+            print(f"cnnkit: {kind}{e}", file=sys.stderr)  # a config error: rank 0's line says it
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training step
         if debug:
