@@ -440,3 +440,36 @@ def test_summary_and_config_are_written_whole_or_not_at_all(tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
     assert failed.value.filename == str(tmp_path / "x.bin")  # the error line names the file
     assert not list(tmp_path.glob("x.bin*"))
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    """A default run directory is made when chosen (a sweep started in the background does not
+    share one), removed again if the run fails before writing; a run that finds another's
+    checkpoint in its directory when it takes the lock is refused."""
+    from cnnkit.train.run import launch
+    from cnnkit.train.rundir import new_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    first, second = (new_run_dir("sweep", None, reserve=True) for _ in range(2))
+    assert first != second and first.is_dir() and second.is_dir()
+    assert second.name.startswith(first.name) and second.name.endswith("-2")
+    with pytest.raises(ConfigError, match="does not match the data"):
+        launch("digits", ["model=lenet5"], quiet=True)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(
+        [first.name, second.name]
+    )
+    (first / "last.pt").write_bytes(b"another run's")
+    with pytest.raises(ConfigError, match="another run wrote there"):
+        fit(load_run("digits", ["train.epochs=1"]), first, quiet=True, fresh=True)
+    assert (first / "last.pt").read_bytes() == b"another run's"
+
+
+def test_a_background_sweep_runs_side_by_side(tmp_path):
+    cmd = [*CLI, "train", "digits", "train.epochs=1", "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]  # fmt: skip
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 3 and all((r / "summary.json").is_file() for r in runs)

@@ -75,18 +75,26 @@ def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restart
     from cnnkit.errors import ConfigError
     from cnnkit.mining import mining_of
     from cnnkit.train.run import check_batch
-    from cnnkit.train.rundir import new_run_dir
+    from cnnkit.train.rundir import forget_run_dir, new_run_dir
 
     argv = ["train", *([run] if run else []), *overrides]
     config = _config(run, overrides, resume)  # checked here, once, not by N processes each
     if mining_of(config) is not None:
         raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
+    check_batch(config, nproc)
+    reserved, made_runs = None, False  # a default run directory made here (and runs/):
+    #   removed if the run leaves it empty
     if resume is not None:
         argv += ["--resume", str(resume)]
     else:
-        argv += ["--out", str(new_run_dir(config.name, out))]
-    check_batch(config, nproc)
-    return start_local(nproc, argv + (["--quiet"] if quiet else []), max_restarts)
+        made_runs = out is None and not Path("runs").exists()
+        run_dir = new_run_dir(config.name, out, reserve=out is None)
+        reserved = run_dir if out is None else None
+        argv += ["--out", str(run_dir)]
+    code = start_local(nproc, argv + (["--quiet"] if quiet else []), max_restarts)
+    if code and reserved is not None:
+        forget_run_dir(reserved, made_runs)
+    return code
 
 
 def show_config(

@@ -33,6 +33,7 @@ from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import (
     check_writable,
     clear_orphans,
+    forget_run_dir,
     new_run_dir,
     resume_config,
     run_lock,
@@ -66,19 +67,29 @@ def launch(
     if state is None and run is None:
         raise ConfigError("train: give a run (a zoo name or a run file) or --resume RUN_DIR")
     config = resume_config(state, overrides) if state else load_run(run, overrides)
+    reserved = None  # a default run directory made for this run: removed if it stays empty
     with distributed.group_for(config.train) as group:
         if fresh_in is not None:
             run_dir = fresh_in
         elif state is None:
             tag = distributed.run_id() if group is not None else None
-            run_dir = new_run_dir(config.name, out, reuse=restarted, tag=tag)
+            reserve = out is None and tag is None and not dry_run
+            made_runs = reserve and not Path("runs").exists()
+            run_dir = new_run_dir(config.name, out, reuse=restarted, tag=tag, reserve=reserve)
+            reserved = run_dir if reserve else None
             if restarted:  # the group died: continue from its checkpoint, if it made one
                 state = _restart_state(run_dir, group)
                 config = resume_config(state, overrides) if state else config
         else:
             run_dir = Path(resume)
-        return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group,
-                   dry_run=dry_run, callbacks=callbacks)  # fmt: skip
+        try:
+            return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group,
+                       dry_run=dry_run, callbacks=callbacks,
+                       fresh=state is None and fresh_in is None and not restarted)  # fmt: skip
+        except BaseException:
+            if reserved is not None:
+                forget_run_dir(reserved, made_runs)
+            raise
 
 
 def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | None:
@@ -167,10 +178,12 @@ def fit(
     dist: Processes | None = None,
     dry_run: bool = False,
     callbacks: Sequence[Any] = (),
+    fresh: bool = False,
 ) -> dict[str, Any]:
     """Train as `config` says into `run_dir` (resume: a state from `resume_state`); return the
     summary (also written to summary.json). `dry_run`: build everything, stop before the first
-    step, write nothing. `callbacks`: see train/epochs.Hooks."""
+    step, write nothing. `callbacks`: see train/epochs.Hooks. `fresh`: `run_dir` was chosen as
+    holding no run, which is checked again once it is locked."""
     started = time.perf_counter()
     dist = dist or Local()
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
@@ -202,6 +215,9 @@ def fit(
                             progress)  # fmt: skip
         if dist.is_main:
             stack.enter_context(run_lock(run_dir, job=distributed.run_id()))
+            if fresh and (run_dir / "last.pt").exists():  # written since it was chosen
+                raise ConfigError(f"{run_dir}: another run wrote there while this one was "
+                                  "starting (give each run its own --out)")  # fmt: skip
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
         ctx = RunContext(config, data, dist, run_dir, log, started)
         console = Console(quiet or not dist.is_main, top5=len(data.classes) > 5, log=log)

@@ -25,21 +25,33 @@ RUN_FILES = ("config.yaml", "last.pt", "best.pt", "best_ema.pt", "metrics.csv", 
 
 
 def new_run_dir(
-    name: str, out: str | Path | None, reuse: bool = False, tag: str | None = None
-) -> Path:
-    """The directory a new run will write (not created yet); refuses one that holds a run unless
-    `reuse` (an elastic restart before the first checkpoint). `tag`: torchrun's job id, so every
-    rank and every restart agrees on the default runs/<name>-<tag>."""
+    name: str, out: str | Path | None, reuse: bool = False, tag: str | None = None,
+    reserve: bool = False,
+) -> Path:  # fmt: skip
+    """The directory a new run will write; refuses one that holds a run unless `reuse` (an
+    elastic restart before the first checkpoint). `tag`: torchrun's job id, so every rank and
+    every restart agrees on the default runs/<name>-<tag>. A default runs/<name>-<time> is
+    created at once when `reserve`d, so runs started in the same second (a sweep started in
+    the background) each get their own (-2, -3, ...); forget_run_dir removes it if unused."""
     if out is None and tag is not None:
         out = Path("runs") / f"{name}-{tag[:12]}"
     if out is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{name}-{stamp}"
-        n = 1
-        while path.exists():
-            n += 1
-            path = Path("runs") / f"{name}-{stamp}-{n}"
-        return path
+        for n in range(1, 10_000):
+            path = Path("runs") / (f"{name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+            if not reserve and not path.exists():
+                return path
+            if reserve:
+                try:
+                    path.mkdir(parents=True)
+                    return path
+                except FileExistsError:
+                    continue
+                except OSError as e:
+                    raise ConfigError(
+                        f"run directory {path}: cannot make it ({e.strerror})"
+                    ) from None
+        raise ConfigError(f"runs/{name}-{stamp}: no free run directory name (give --out)")
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {path}: exists and is not a directory")
@@ -48,6 +60,16 @@ def new_run_dir(
         raise ConfigError(busy or f"--out {path}: already holds a run (continue it with "
                           f"--resume {path})")  # fmt: skip
     return path
+
+
+def forget_run_dir(run_dir: Path, parent_too: bool = False) -> None:
+    """Remove a reserved run directory that a run left empty (it failed before writing), and
+    its parent where the reservation made that too (runs/) and it is empty now."""
+    for path in (run_dir, run_dir.parent)[: 2 if parent_too else 1]:
+        try:
+            path.rmdir()
+        except OSError:  # it holds something, or is gone: keep it as it is
+            return
 
 
 def check_writable(run_dir: Path) -> None:
