@@ -325,6 +325,47 @@ def test_bad_field_values_are_one_line(fields):
     assert str(err.value).startswith("t:3: ") and "\n" not in str(err.value)
 
 
+UNKNOWN_OR_UNFOLLOWED = {  # Caffe's parser refuses unknown fields: a typo must not import
+    ("Convolution", "convolution_param { num_output: 4 kernel_size: 3 stirde: 2 }"):
+        r"'stirde' is not a field of Caffe's convolution_param \(did you mean 'stride'\?\)",
+    ("Convolution", "convolution_param { num_output: 4 kernel_size: 3 weight_filler { stdd: 1 } }"):
+        r"'stdd' is not a field of Caffe's weight_filler \(did you mean 'std'\?\)",
+    ("Convolution", "botom: 'x' convolution_param { num_output: 4 kernel_size: 3 }"):
+        r"'botom' is not a field of Caffe's layer \(did you mean 'bottom'\?\)",
+    ("Convolution", "param { lr_mul: 2 } convolution_param { num_output: 4 kernel_size: 3 }"):
+        r"'lr_mul' is not a field of Caffe's param \(did you mean 'lr_mult'\?\)",
+    ("Pooling", "pooling_param { pool: MAX kernel_size: 2 strid: 2 }"):
+        r"'strid' is not a field of Caffe's pooling_param",
+    ("Dropout", "dropout_param { scale_train: false }"): r"scale_train: false scales at test time",
+    ("BatchNorm", "batch_norm_param { use_global_stats: false }"):
+        r"use_global_stats: false normalises with each test batch",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "params"), UNKNOWN_OR_UNFOLLOWED)
+def test_unknown_fields_and_unfollowed_values_are_one_line(kind, params):
+    text = INPUT + _layer("c", kind, ["data"], "c", params)
+    with pytest.raises(ConfigError, match=UNKNOWN_OR_UNFOLLOWED[kind, params]) as err:
+        translate(parse_prototxt(text, "t"), "t")
+    assert str(err.value).startswith("t:") and "\n" not in str(err.value)
+
+
+def test_the_old_syntax_keeps_blobs_lr_and_weight_decay_and_refuses_shared_weights():
+    head = 'input: "data" input_dim: 1 input_dim: 3 input_dim: 9 input_dim: 9\n'
+    conv = ('layers {{ name: "c" type: CONVOLUTION bottom: "data" top: "c" {} '
+            "convolution_param {{ num_output: 4 kernel_size: 3 }} }}\n")  # fmt: skip
+    model = translate(
+        parse_prototxt(
+            head + conv.format("blobs_lr: 1 blobs_lr: 2 weight_decay: 1 weight_decay: 0")
+        )
+    )
+    layer = model["layers"][0]
+    assert layer["lr_mult"] == {"weight": 1.0, "bias": 2.0}
+    assert layer["decay_mult"] == {"weight": 1.0, "bias": 0.0}
+    with pytest.raises(ConfigError, match="shares weights between layers"):
+        translate(parse_prototxt(head + conv.format('param: "w1" param: "b1"')))
+
+
 CAFFE_SIZE_RULES = {  # Caffe's own checks (base_conv_layer.cpp, pooling_layer.cpp)
     ("Convolution", "stride_h: 2"): r"stride_h and stride_w go together",
     ("Convolution", "stride: 2 stride_h: 2 stride_w: 2"): r"give stride or stride_h \+ stride_w",

@@ -24,7 +24,10 @@ def as_integer(here: str, field: str, value: Any) -> Any:
 
 def real(here: str, p: Message, field: str, default: float) -> float:
     """A float field: a number, written with or without a decimal point."""
-    value = p.get(field, default)
+    return as_real(here, field, p.get(field, default))
+
+
+def as_real(here: str, field: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{here}: {field}: expected a number, got {brief(value)}")
     return float(value)
@@ -70,9 +73,19 @@ def learning(here: str, layer: Message, p: Message) -> dict[str, Any]:
     """lr_mult / decay_mult from `param {}` blocks and init from the fillers."""
     out: dict[str, Any] = {}
     params = dict(zip(("weight", "bias"), layer.all("param"), strict=False))
+    shared = [m for m in params.values() if isinstance(m, str)]  # V1: a blob's sharing name
+    require(
+        here,
+        not shared,
+        f"param: {brief(shared[0] if shared else '')} shares weights "
+        "between layers (the old syntax's name), which cnnkit's layers do not",
+    )
     require(here, all(isinstance(m, Message) for m in params.values()), "param is a { ... } block")
+    v1 = {"lr_mult": layer.all("blobs_lr"), "decay_mult": layer.all("weight_decay")}
     for key in ("lr_mult", "decay_mult"):
         mults = {n: real(here, m, key, 1.0) for n, m in params.items()}
+        for n, value in zip(("weight", "bias"), v1[key], strict=False):  # the old syntax's
+            mults[n] = as_real(here, "blobs_lr" if key == "lr_mult" else "weight_decay", value)
         if any(v != 1.0 for v in mults.values()):
             out[key] = mults
     init = {n: filler(here, p.get(f"{n}_filler")) for n in ("weight", "bias")}

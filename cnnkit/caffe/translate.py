@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from cnnkit.caffe.deploy import deployed_layers, layer_type, sole_readers
 from cnnkit.caffe.fields import as_integer, flag, integer, learning, real, require, sizes
+from cnnkit.caffe.schema import check_layer
 from cnnkit.errors import ConfigError, brief, one_line, validation_message
 from cnnkit.nn.expand import reserved_name
 from cnnkit.nn.kinds import KINDS
@@ -107,8 +108,10 @@ class _Translator:
         self._net_level_input()
         caffe_layers = deployed_layers(self.net.all("layer") + self.net.all("layers"), self.source)
         self.folds = sole_readers(caffe_layers)
+        v1 = set(map(id, self.net.all("layers")))  # the old `layers { }` syntax
         for index, layer in enumerate(caffe_layers):
             self.here = f"{self.source}:{layer.line}"
+            check_layer(self.source, layer, id(layer) in v1)
             kind = layer_type(layer)
             handler = getattr(self, f"_{kind.lower()}", None) if kind in SUPPORTED else None
             if handler is None:

@@ -1,0 +1,99 @@
+"""The fields caffe.proto declares for what cnnkit imports, so that a prototxt is read as Caffe
+reads it: a field Caffe does not know is an error naming the one meant (Caffe's text parser
+refuses it too; a typo such as `stirde` must not import as stride 1), and a declared field
+whose value changes the network in a way cnnkit does not follow is refused, not dropped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cnnkit.errors import ConfigError, brief
+from cnnkit.prototxt import Message
+
+_FILLER = {"type", "value", "min", "max", "mean", "std", "sparse", "variance_norm"}
+_ENGINE = {"engine"}
+
+# LayerParameter (and V1LayerParameter for the old `layers { }` syntax); every *_param is a
+# layer's parameter block (forks add their own), checked below where cnnkit reads it
+LAYER_FIELDS = {"name", "type", "bottom", "top", "phase", "loss_weight", "param", "blobs",
+                "propagate_down", "include", "exclude"}  # fmt: skip
+V1_LAYER_FIELDS = {"name", "type", "bottom", "top", "include", "exclude", "blobs", "param",
+                   "blob_share_mode", "blobs_lr", "weight_decay", "loss_weight", "layer"}  # fmt: skip
+
+PARAM_FIELDS: dict[str, set[str]] = {
+    "convolution_param": {"num_output", "bias_term", "pad", "kernel_size", "stride", "dilation",
+                          "pad_h", "pad_w", "kernel_h", "kernel_w", "stride_h", "stride_w",
+                          "group", "weight_filler", "bias_filler", "engine", "axis",
+                          "force_nd_im2col"},
+    "inner_product_param": {"num_output", "bias_term", "weight_filler", "bias_filler", "axis",
+                            "transpose"},
+    "pooling_param": {"pool", "pad", "pad_h", "pad_w", "kernel_size", "kernel_h", "kernel_w",
+                      "stride", "stride_h", "stride_w", "engine", "global_pooling",
+                      "round_mode"},
+    "lrn_param": {"local_size", "alpha", "beta", "norm_region", "k", "engine"},
+    "prelu_param": {"filler", "channel_shared"},
+    "relu_param": {"negative_slope", "engine"},
+    "tanh_param": _ENGINE,
+    "sigmoid_param": _ENGINE,
+    "softmax_param": {"engine", "axis"},
+    "dropout_param": {"dropout_ratio", "scale_train"},  # scale_train: forks' (BVLC: always)
+    "flatten_param": {"axis", "end_axis"},
+    "concat_param": {"axis", "concat_dim"},
+    "eltwise_param": {"operation", "coeff", "stable_prod_grad"},
+    "batch_norm_param": {"use_global_stats", "moving_average_fraction", "eps"},
+    "scale_param": {"axis", "num_axes", "filler", "bias_term", "bias_filler"},
+    "input_param": {"shape"},
+}  # fmt: skip
+SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
+              "shape": {"dim"}}  # fmt: skip
+PARAM_SPEC = {"name", "share_mode", "lr_mult", "decay_mult"}
+
+# declared fields whose value changes what the layer computes in a way cnnkit does not follow:
+# (block, field) -> (the value cnnkit computes with, what the other value would mean)
+FOLLOWED: dict[tuple[str, str], tuple[Any, str]] = {
+    ("dropout_param", "scale_train"): (
+        True, "scale_train: false scales at test time instead; cnnkit's dropout scales in "
+        "training, as BVLC Caffe's"),
+    ("batch_norm_param", "use_global_stats"): (
+        True, "use_global_stats: false normalises with each test batch's own statistics; "
+        "cnnkit uses the stored ones"),
+    ("softmax_param", "axis"): (1, "a softmax over another axis than the channels"),
+}  # fmt: skip
+
+
+def check_layer(source: str, layer: Message, v1: bool) -> None:
+    """ConfigError for a field caffe.proto does not declare in this layer or in one of the
+    parameter blocks cnnkit reads, and for a value cnnkit would not compute as Caffe does."""
+    known = V1_LAYER_FIELDS if v1 else LAYER_FIELDS
+    for name, value, line in layer.fields:
+        if name in PARAM_FIELDS and isinstance(value, Message):
+            _check_block(source, name, value)
+        elif not (name.endswith("_param") or name in known):
+            _unknown(f"{source}:{line}", "layer", name, known)
+    for spec in layer.all("param"):
+        if isinstance(spec, Message):
+            for name, _, line in spec.fields:
+                if name not in PARAM_SPEC:
+                    _unknown(f"{source}:{line}", "param", name, PARAM_SPEC)
+
+
+def _check_block(source: str, block: str, p: Message) -> None:
+    allowed = PARAM_FIELDS[block]
+    for name, value, line in p.fields:
+        if name not in allowed:
+            _unknown(f"{source}:{line}", block, name, allowed)
+        if name in SUB_FIELDS and isinstance(value, Message):
+            for sub, _, sub_line in value.fields:
+                if sub not in SUB_FIELDS[name]:
+                    _unknown(f"{source}:{sub_line}", name, sub, SUB_FIELDS[name])
+        follows = FOLLOWED.get((block, name))
+        if follows is not None and value != follows[0]:
+            shown = str(value).lower() if isinstance(value, bool) else brief(value)
+            raise ConfigError(f"{source}:{line}: {block} {{ {name}: {shown} }}: {follows[1]}")
+
+
+def _unknown(here: str, block: str, name: str, allowed: set[str]) -> None:
+    from cnnkit.nn.spec import suggest
+
+    raise ConfigError(f"{here}: {name!r} is not a field of Caffe's {block}"
+                      f"{suggest(name, sorted(allowed))}")  # fmt: skip
