@@ -279,7 +279,16 @@ def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
         kind = getattr(annotation, "annotation", None)
         section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
     close = difflib.get_close_matches(parts[-1], list(section.model_fields), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    elsewhere = {"": RunConfig, "train.": TrainConfig, "model.": ModelConfig,
+                 "data.": SOURCES.get(data.get("source"), RunConfig)}  # fmt: skip
+    for prefix, other in elsewhere.items():
+        if other is not section and parts[-1] in other.model_fields:
+            where = "at the top level" if not prefix else f"in {prefix[:-1]}"
+            return f" (it belongs {where}: {prefix}{parts[-1]})"
+    return ""
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -306,3 +306,8 @@ def test_a_network_file_declares_how_its_weights_read_images(tmp_path, capsys):
     code, _, err = run_cli(["classify", str(tmp_path / "wide.yaml"), str(tmp_path / "x.png")],
                            capsys)  # fmt: skip
     assert code == 2 and "takes 3 x 8 x 6 inputs" in err and len(err.splitlines()) == 1, err
+
+
+def test_an_empty_image_is_one_error(digits_run):
+    with pytest.raises(CnnkitError, match=r"an empty image \(0 x 8 pixels\)"):
+        Classifier.load(digits_run).predict(np.zeros((0, 8), np.uint8))

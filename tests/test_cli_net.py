@@ -73,3 +73,13 @@ def test_debug_shows_the_traceback(tmp_path, capsys):
 def test_usage_error_exits_2(capsys):
     code, _, err = run_cli(["info"], capsys)
     assert code == 2 and "Missing argument" in err
+
+
+def test_num_classes_for_a_network_that_does_not_size_by_it_is_one_line(tmp_path, capsys):
+    net = tmp_path / "seven.yaml"
+    net.write_text("model:\n  input: [3, 8, 8]\n  layers:\n    - {type: flatten}\n"
+                   "    - {type: linear, out_features: 7}\n")  # fmt: skip
+    code, out, err = run_cli(["info", str(net), "--num-classes", "3"], capsys)
+    assert code == 2 and "no layer of" in err and "(its output is 7)" in err
+    code, out, _ = run_cli(["info", "alexnet", "--num-classes", "3"], capsys)
+    assert code == 0 and "output: 3" in out

@@ -170,6 +170,9 @@ OVERRIDES = [  # (override, a piece of the message)
     ("train.precision=fp8", "train.precision: Input should be"),
     ("train.threads=0", "train.threads: Input should be greater than 0"),
     ("train.lrr=0.1", "train.lrr: unknown field (did you mean 'lr'?)"),
+    ("train.deterministic=true", "train.deterministic: unknown field (it belongs at the top level"),
+    ("train.mixup=0.2", "train.mixup: unknown field (it belongs in data: data.mixup)"),
+    ("train.accumulate=1000", "train.accumulate: 1000 micro-batches of a batch of 64 images"),
     ("trian.lr=0.1", "trian: unknown field (did you mean 'train'?)"),
     ("data.batch_size=0", "data.batch_size: Input should be greater than 0"),
     ("data.batch_size=100000", "data.batch_size: 100000 is larger than the training set"),
@@ -473,3 +476,12 @@ def test_a_background_sweep_runs_side_by_side(tmp_path):
     assert [p.returncode for p in procs] == [0, 0, 0], errors
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 3 and all((r / "summary.json").is_file() for r in runs)
+
+
+def test_a_resume_keeps_an_optimizer_that_can_continue_the_saved_state(digits_run):
+    from cnnkit.train.rundir import resume_config
+
+    state = load_checkpoint(digits_run / "last.pt")  # nesterov's momenta
+    assert resume_config(state, ["train.optimizer=sgd"]).train.optimizer == "sgd"  # the same
+    with pytest.raises(ConfigError, match="train.optimizer=adam cannot continue nesterov's"):
+        resume_config(state, ["train.optimizer=adam"])

@@ -43,4 +43,10 @@ def info(
     from cnnkit.nn.summary import print_layer_table
     from cnnkit.tables import wide_console
 
-    print_layer_table(network_of(net, num_classes), wide_console())
+    network = network_of(net, num_classes)
+    if num_classes is not None and network.num_classes != num_classes:  # no layer sized by it
+        from cnnkit.errors import ConfigError
+
+        raise ConfigError(f"--num-classes {num_classes}: no layer of {net} is sized by "
+                          f"num_classes (its output is {' x '.join(map(str, network.output_shape))})")  # fmt: skip
+    print_layer_table(network, wide_console())

@@ -124,6 +124,8 @@ def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> 
         array = array.transpose(1, 2, 0)  # (C, H, W) -> (H, W, C)
     if array.ndim != 3 or array.shape[2] not in (1, 3, 4):
         raise DataError(f"an image array must be (H, W), (H, W, C) or (C, H, W); got {array.shape}")
+    if 0 in array.shape[:2]:
+        raise DataError(f"an empty image ({array.shape[0]} x {array.shape[1]} pixels)")
     return np.array(array[:, :, :3], order="C")  # a writable copy
 
 

@@ -161,12 +161,17 @@ def check_world_size(state: dict[str, Any], world_size: int) -> None:
 
 
 def check_batch(config: RunConfig, world_size: int) -> None:
-    """The global batch must split evenly over the processes."""
+    """The global batch must split evenly over the processes, and each share into at most as
+    many micro-batches as it has images."""
     if config.data.batch_size % world_size:
         raise ConfigError(
             f"data.batch_size: the global batch {config.data.batch_size} does not divide into "
             f"{world_size} processes (each takes batch_size / world_size)"
         )
+    share, micro = config.data.batch_size // world_size, config.train.accumulate
+    if micro > share:
+        raise ConfigError(f"train.accumulate: {micro} micro-batches of a batch of {share} "
+                          f"images{' per process' if world_size > 1 else ''}: at most {share}")  # fmt: skip
 
 
 def fit(

@@ -93,12 +93,28 @@ def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> 
         apply_override(raw, item)
     if state.get("step"):
         _same_epoch_order(state, raw)
+    _same_optimizer_state(state, raw)
     if not overrides:
         try:
             return validate_run(raw)
         except ConfigError as e:  # nothing of the user's: the checkpoint itself is damaged
             raise CheckpointError(f"last.pt: its run settings do not validate: {e}") from None
     return validate_run(raw)
+
+
+OPTIMIZER_STATE = {"sgd": "momenta", "nesterov": "momenta", "adam": "moments",
+                   "adamw": "moments"}  # fmt: skip
+
+
+def _same_optimizer_state(state: dict[str, Any], raw: dict[str, Any]) -> None:
+    """An optimizer override on resume must continue the saved optimizer's state (SGD and
+    Nesterov share momenta, Adam and AdamW their two moments): ConfigError otherwise."""
+    before = (state["config"].get("train") or {}).get("optimizer", "sgd")
+    after = (raw.get("train") or {}).get("optimizer", "sgd")
+    kinds = OPTIMIZER_STATE.get(before), OPTIMIZER_STATE.get(after)
+    if None not in kinds and kinds[0] != kinds[1]:
+        raise ConfigError(f"--resume: train.optimizer={after} cannot continue {before}'s "
+                          f"{kinds[0]} in last.pt: resume with {before}")  # fmt: skip
 
 
 HARMLESS_DATA = {"workers", "prefetch", "eval_batch_size", "decode"}  # no effect on the order
