@@ -339,6 +339,7 @@ UNKNOWN_OR_UNFOLLOWED = {  # Caffe's parser refuses unknown fields: a typo must 
     ("Dropout", "dropout_param { scale_train: false }"): r"scale_train: false scales at test time",
     ("BatchNorm", "batch_norm_param { use_global_stats: false }"):
         r"use_global_stats: false normalises with each test batch",
+    ("LRN", "lrn_param { local_size: 4 }"): r"LRN local_size 4: Caffe takes odd sizes only",
 }  # fmt: skip
 
 
@@ -437,3 +438,13 @@ def test_layers_named_like_module_attributes_are_renamed(tmp_path, capsys):
     header = (tmp_path / "n.yaml").read_text().split("model:")[0]
     assert "# layer train is train_caffe here: cnnkit or torch holds that name" in header
     assert "layer to is to_caffe" in header and "train_caffe_2" not in header
+
+
+@pytest.mark.parametrize("axis", ["axis: 1", "axis: -3", "concat_dim: 1"])
+def test_concat_along_the_channels_however_caffe_names_the_axis(axis):
+    text = INPUT + _conv("a", "data", 4, 1) + _conv("b", "data", 5, 1)
+    text += _layer("cat", "Concat", ["a", "b"], "cat", f"concat_param {{ {axis} }}")
+    net = build_model(translate(parse_prototxt(text)))
+    assert net.output_shape == (9, 8, 8)
+    with pytest.raises(ConfigError, match="channel axis"):
+        translate(parse_prototxt(text.replace(axis, "axis: -1")))

@@ -274,6 +274,12 @@ class _Translator:
         region = str(p.get("norm_region", "ACROSS_CHANNELS"))
         require(here, region in _LRN_REGIONS, f"LRN {region} is not supported")
         spec = {"type": "lrn", "convention": "caffe", "size": integer(here, p, "local_size", 5)}
+        require(
+            here,
+            spec["size"] % 2 == 1,
+            f"LRN local_size {spec['size']}: Caffe takes odd "
+            "sizes only (a window centred on the channel)",
+        )
         spec.update(alpha=real(here, p, "alpha", 1.0), beta=real(here, p, "beta", 0.75))
         if region == "WITHIN_CHANNEL":  # Caffe ignores k there: 1 + alpha * mean(a^2)
             return self._emit(layer, {**spec, "region": "within_channel", "k": 1.0})
@@ -314,7 +320,14 @@ class _Translator:
     def _concat(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("concat_param"), self.here
         axis = integer(here, p, "axis", integer(here, p, "concat_dim", 1))
-        require(here, axis == 1, "Concat supports the channel axis (1) only")
+        dims = (
+            len(self.shapes[self._bottom(layer.all("bottom")[0])]) + 1 if layer.all("bottom") else 4
+        )
+        require(
+            here,
+            -dims <= axis < dims and axis % dims == 1,
+            "Concat supports the channel axis (1, or -3 of 4) only",
+        )
         self._emit(layer, {"type": "concat"})
 
     def _eltwise(self, layer: Message, last: bool) -> None:
