@@ -143,3 +143,20 @@ def test_crossings_are_the_pairs_of_edges_that_cross():
         ends = [(i, at[b]) for i, a in enumerate(upper) for b in down[a]]
         expected = sum((a1 - a2) * (b1 - b2) < 0 for (a1, b1), (a2, b2) in combinations(ends, 2))
         assert crossings(upper, lower, down) == expected
+
+
+def test_labels_show_both_strides_and_dilations_and_filters_the_first_conv_of_the_file():
+    from cnnkit.infer.show import first_conv
+
+    spec = {"input": [3, 16, 16], "layers": [
+        {"name": "pre.act", "type": "relu"},
+        {"name": "conv0", "type": "conv", "out_channels": 4, "kernel_size": [3, 5],
+         "stride": [2, 1], "dilation": [2, 1]},
+        {"name": "pre.conv", "type": "conv", "out_channels": 2, "kernel_size": 1},
+        {"type": "maxpool", "kernel_size": 2, "stride": [2, 1]}]}  # fmt: skip
+    model = build_model(spec)
+    _, labels = net_layout(model)
+    assert labels["conv0"].splitlines()[1] == "conv 3x5/2x1, 4, dilation 2x1"
+    assert labels["pre.conv"].splitlines()[1] == "conv 1x1/1, 2"
+    assert [text.splitlines()[1] for text in labels.values()][-1] == "maxpool 2x2/2x1"
+    assert first_conv(model)[0] == "conv0"  # not pre.conv, which registers first as `pre`

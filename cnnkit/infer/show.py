@@ -15,6 +15,7 @@ from torch import nn
 from cnnkit.errors import ConfigError
 from cnnkit.infer.layout import Layout, layered_layout
 from cnnkit.nn import Network
+from cnnkit.nn.graph import LayerInfo
 from cnnkit.nn.layers import pair
 
 # layer type -> box colour (Caffe's draw_net: convolutions, pools, the rest)
@@ -42,30 +43,38 @@ def net_graph(model: Network) -> tuple[list[str], list[tuple[str, str]], dict[st
 def net_layout(model: Network) -> tuple[Layout, dict[str, str]]:
     """The layered layout of the network's graph, in inches, and each box's label."""
     nodes, edges, _ = net_graph(model)
-    labels = {name: label(model, name) for name in nodes}
+    rows = {row.name: row for row in model.table}  # a lookup per box, not a search
+    labels = {name: label(model, name, rows) for name in nodes}
     widths = {name: _text_width(text) + 0.24 for name, text in labels.items()}
     return layered_layout(nodes, edges, widths, BOX_HEIGHT, GAP_X, GAP_Y), labels
 
 
-def label(model: Network, name: str) -> str:
-    """Three lines: the layer's name, its type and key hyper-parameters, its output shape."""
+def label(model: Network, name: str, rows: dict[str, LayerInfo]) -> str:
+    """Three lines: the layer's name, its type and key hyper-parameters, its output shape
+    (`rows`: the layer table by name)."""
     if name == "input":
         return "input\ndata\n" + "x".join(map(str, model.input_shape))
-    row = next(r for r in model.table if r.name == name)
+    row = rows[name]
     return f"{name}\n{describe(row.type, model.get_submodule(name))}\n" + "x".join(
         map(str, row.output_shape)
     )
 
 
+def _steps(size: tuple[int, ...]) -> str:
+    """`2` where both axes agree, `2x1` where they do not."""
+    return str(size[0]) if len(set(size)) == 1 else "x".join(map(str, size))
+
+
 def describe(kind: str, layer: nn.Module) -> str:
     """`conv 11x11/4, 96, groups 2` (and dilation > 1), `maxpool 3x3/2`, `linear 4096`, `lrn 5`, `dropout 0.5`."""
     if isinstance(layer, nn.Conv2d):
-        (kh, kw), (s, _) = layer.kernel_size, layer.stride
+        (kh, kw), s = layer.kernel_size, _steps(layer.stride)
         text = f"{kind} {kh}x{kw}/{s}, {layer.out_channels}"
         text += f", groups {layer.groups}" if layer.groups > 1 else ""
-        return text + (f", dilation {layer.dilation[0]}" if layer.dilation[0] > 1 else "")
+        dilated = max(layer.dilation) > 1
+        return text + (f", dilation {_steps(layer.dilation)}" if dilated else "")
     if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)):
-        (kh, kw), (s, _) = pair(layer.kernel_size), pair(layer.stride)
+        (kh, kw), s = pair(layer.kernel_size), _steps(pair(layer.stride))
         return f"{kind} {kh}x{kw}/{s}"
     if isinstance(layer, nn.Linear):
         return f"{kind} {layer.out_features}"
@@ -143,7 +152,10 @@ def _arrow(points: list[tuple[float, float]]):
 
 def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
     """The network's first convolution layer (in file order) and its name."""
-    found = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
+    rows = getattr(model, "table", None)  # a Network: its layers in file order
+    names = [r.name for r in rows] if rows else [n for n, _ in model.named_modules()]
+    convs = ((n, model.get_submodule(n)) for n in names)
+    found = next(((n, m) for n, m in convs if isinstance(m, nn.Conv2d)), None)
     if found is None:
         raise ConfigError("the network has no convolution layer to draw")
     return found
