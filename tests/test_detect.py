@@ -202,3 +202,17 @@ def test_cli_detect_bad_inputs_are_one_line(tmp_path, capsys):
     Image.fromarray(np.zeros((20, 20), np.uint8)).save(tmp_path / "ok.png")
     code, _, err = run_cli([*args, str(tmp_path / "ok.png"), "-o", str(tmp_path / "b.xyz")], capsys)
     assert code == 2 and err.count("\n") == 1 and "use one of" in err
+
+
+@pytest.mark.parametrize("layers,message", [
+    ([{"type": "conv", "out_channels": 4, "kernel_size": 3, "stride": [2, 1]}], "strides or pads"),
+    ([{"type": "conv", "out_channels": 4, "kernel_size": 3}], "need square images"),
+])  # fmt: skip
+def test_networks_detect_cannot_slide_are_one_line(layers, message):
+    from cnnkit.infer.detect import sliding_net
+
+    shape = [1, 12, 12] if message != "need square images" else [1, 12, 10]
+    spec = {"input": shape, "layers": [*layers, {"type": "flatten"},
+                                       {"type": "linear", "out_features": 2}]}  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        sliding_net(build_model(spec))

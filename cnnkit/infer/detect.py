@@ -58,9 +58,14 @@ class SlidingNet:
 
 def sliding_net(model: Network) -> SlidingNet:
     """Turn a chain of conv / pool / activation / linear layers into a fully convolutional net:
-    the first linear becomes a convolution over its whole input, later ones 1x1 convolutions."""
+    the first linear becomes a convolution over its whole input, later ones 1x1 convolutions.
+    A window's score is its classification's, except that a ceil_mode pool's last window,
+    which classification cuts at the patch's edge, reads the pixels beyond it here."""
     modules, stride, offset = [], 1, 0
     current = model.input_shape  # the (C, H, W) the next layer reads
+    if len(current) != 3 or current[1] != current[2]:
+        raise ConfigError(f"detect: the network reads {' x '.join(map(str, current))} inputs; "
+                          "sliding windows need square images")  # fmt: skip
     for i, row in enumerate(model.table):
         if row.inputs != (("input",) if i == 0 else (model.table[i - 1].name,)):
             raise ConfigError(f"detect: layer {row.name!r} branches; detection needs a chain")
@@ -75,11 +80,18 @@ def sliding_net(model: Network) -> SlidingNet:
         elif not isinstance(module, _SPATIAL):
             raise ConfigError(f"detect: layer {row.name!r} ({row.type}) cannot slide over an image")
         elif isinstance(module, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
+            if not (_square(module.stride) and _square(module.padding)):
+                raise ConfigError(f"detect: layer {row.name!r} strides or pads the two axes "
+                                  "differently; sliding windows need the same on both")  # fmt: skip
             offset += _first(module.padding) * stride
             stride *= _first(module.stride)
             current = row.output_shape
         modules.append(module)
     return SlidingNet(nn.Sequential(*modules).eval(), model.input_shape[-1], stride, offset)
+
+
+def _square(value: int | tuple | str) -> bool:
+    return not isinstance(value, tuple) or len(set(value)) == 1
 
 
 def _first(value: int | tuple | str) -> int:
