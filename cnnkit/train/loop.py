@@ -43,12 +43,13 @@ def weights_finite(network: torch.nn.Module) -> bool:
 class EpochStats:
     """The training statistics of the epoch in progress: device tensors added to at every step
     (no host sync), read only when needed (a checkpoint, the end of the epoch). `earlier` holds
-    what sessions before a resume contributed to the same epoch."""
+    what sessions before a resume contributed to the same epoch: the sums go on from it in the
+    same precision, so a resumed epoch's figures are the uninterrupted one's to the bit."""
 
     def __init__(self, device: torch.device, earlier: dict[str, float] | None = None):
         self.earlier = {"loss": 0.0, "correct": 0.0, "seen": 0.0, "seconds": 0.0, **(earlier or {})}
-        self.loss_sum = torch.zeros((), device=device)
-        self.correct = torch.zeros((), device=device, dtype=torch.long)
+        self.loss_sum = torch.tensor(float(self.earlier["loss"]), device=device)  # fp32, as saved
+        self.correct = torch.tensor(int(self.earlier["correct"]), device=device)
         self.seen = 0
         self.started = time.perf_counter()
 
@@ -70,8 +71,8 @@ class EpochStats:
     def read(self) -> dict[str, float]:
         """Totals so far, earlier sessions included (syncs the device)."""
         return {
-            "loss": self.earlier["loss"] + self.loss_sum.item(),
-            "correct": self.earlier["correct"] + self.correct.item(),
+            "loss": self.loss_sum.item(),
+            "correct": self.correct.item(),
             "seen": self.earlier["seen"] + self.seen,
             "seconds": self.earlier["seconds"] + self.seconds,
         }
