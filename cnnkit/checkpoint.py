@@ -115,7 +115,13 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
         os.replace(tmp, path)
     except RuntimeError as e:  # torch's zip writer hides a full disk behind its own error
         if isinstance(e.__context__, OSError):
+            if e.__context__.filename is None:
+                e.__context__.filename = str(path)  # the error line names the checkpoint
             raise e.__context__ from None
+        raise
+    except OSError as e:
+        if e.filename is None or e.filename == str(tmp):
+            e.filename = str(path)
         raise
     finally:
         tmp.unlink(missing_ok=True)

@@ -128,11 +128,12 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     from cnnkit import checkpoint
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r" / "last.pt"))
+        raise OSError(errno.ENOSPC, "No space left on device")  # a write() names no file
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
     code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "r"), *QUICK], capsys)
-    assert "No space left on device" in one_error_line(code, err, (1,))
+    line = one_error_line(code, err, (1,))
+    assert "No space left on device" in line and f"{tmp_path / 'r'}/" in line  # names the file
     assert not list((tmp_path / "r").glob("*.pt")) and not list((tmp_path / "r").glob(".*.tmp"))
 
 
@@ -147,6 +148,7 @@ def test_a_real_full_disk_is_one_line(tmp_path, capsys):
         code, _, err = run_cli(["train", "digits", "--out", str(disk / "r"), *QUICK], capsys)
         line = one_error_line(code, err, (1,))
         assert "No space left on device" in line or "File too large" in line
+        assert f"{disk / 'r'}/" in line  # which file could not be written
         assert not list((disk / "r").glob(".*.tmp"))
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
