@@ -320,7 +320,7 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         sys.executable, "-m", "cnnkit.distributed", "--standalone",
         f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "cnnkit", *argv,
     ]  # fmt: skip
-    env = dict(os.environ)
+    env = dict(os.environ, CNNKIT_NPROC=str(nproc))  # ranks of one config: rank 0 says errors
     # the cores shared among the processes (torchrun would set 1 and print a banner about it)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     return subprocess.call(cmd, env=env)
@@ -333,12 +333,16 @@ def torchrun(args: list[str]) -> int:
     signal is one line."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         main(args)
+    except (SignalException, KeyboardInterrupt):  # Ctrl-C: the ranks have said where they stood
+        print("cnnkit: interrupted", file=sys.stderr)
+        return 130
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode > 0:

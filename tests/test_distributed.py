@@ -317,3 +317,15 @@ def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 1
     assert done.stderr.splitlines() == ["cnnkit: error: rank 0 was killed by SIGKILL"]
+
+
+def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypatch):
+    """RANK alone (a pod or job that exports it) never hides an error line."""
+    from helpers import run_cli
+
+    monkeypatch.setenv("RANK", "1")
+    code, _, err = run_cli(["train", "digits", "train.epochs=-1"], capsys)
+    assert code == 2 and "train.epochs" in err
+    monkeypatch.setenv("CNNKIT_NPROC", "2")  # what --nproc gives its ranks
+    code, _, err = run_cli(["train", "digits", "train.epochs=-1"], capsys)
+    assert code == 2 and err == ""

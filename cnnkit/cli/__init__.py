@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         kind = "" if isinstance(e, Interrupted) else "error: "
-        if not (isinstance(e, ConfigError) and os.environ.get("RANK", "0") != "0"):
-            print(f"cnnkit: {kind}{e}", file=sys.stderr)  # a config error: rank 0's line says it
+        others = os.environ.get("CNNKIT_NPROC") and os.environ.get("RANK", "0") != "0"
+        if not (isinstance(e, ConfigError) and others):  # --nproc's ranks meet the same one:
+            print(f"cnnkit: {kind}{e}", file=sys.stderr)  # rank 0's line says it
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training step
         if debug:
