@@ -211,8 +211,8 @@ def check_input_fits(preprocess: dict[str, Any], model: torch.nn.Module, source:
     """CheckpointError unless the recorded preprocessing makes the network's input: its
     channels and its crop (a tampered or mismatched file, refused on load)."""
     shape = tuple(getattr(model, "input_shape", ()))
-    if len(shape) != 3 or not isinstance(preprocess, dict):
-        return
+    if len(shape) != 3 or shape[0] > 4 or not isinstance(preprocess, dict):
+        return  # vectors and many-channel inputs: no image preprocessing to match
     channels, crop = preprocess.get("channels"), preprocess.get("crop")
     square = shape[1] == shape[2]  # a crop is square: other inputs are fed by other means
     if channels != shape[0] or (square and crop != shape[1]):

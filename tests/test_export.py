@@ -184,3 +184,15 @@ def test_a_full_disk_leaves_no_partial_export(digits_run, tmp_path, capsys, monk
     assert code == 1 and len(err.splitlines()) == 1 and "No space left" in err, err
     assert out.read_bytes() == b"the earlier export"
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+@pytest.mark.parametrize("shape", [[3, 8, 12], [4, 8, 8], [6, 8, 8]])
+def test_safetensors_of_inputs_that_are_not_square_images_load_back(tmp_path, shape):
+    spec = {"input": shape, "layers": [{"type": "conv", "out_channels": 2, "kernel_size": 1},
+                                       {"type": "flatten"}, {"type": "linear", "out_features": 3}]}  # fmt: skip
+    (tmp_path / "net.yaml").write_text(f"model: {json.dumps(spec)}\n")
+    loaded = load_network(str(tmp_path / "net.yaml"))
+    export(loaded, "safetensors", tmp_path / "n.safetensors")
+    back = load_safetensors(tmp_path / "n.safetensors")
+    x = torch.randn(2, *shape)
+    torch.testing.assert_close(back.model(x), loaded.model(x))

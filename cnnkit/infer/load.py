@@ -89,7 +89,10 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
     elif given is not None:
         raise ConfigError(f"{spec}: model: preprocess: only for networks that read square grey "
                           f"or RGB images (this one reads {' x '.join(map(str, shape))})")  # fmt: skip
-    else:  # other inputs (vectors, other channels, not square): the values as given
+    elif len(shape) == 3 and shape[0] <= 4:  # image-like (not square, 2 or 4 channels): 0-1
+        c = shape[0]
+        preprocess = Preprocess(channels=c, crop=shape[-1], mean=[0.0] * c, std=[255.0] * c)
+    else:  # vectors and many-channel inputs: the values as given
         preprocess = Preprocess(channels=1, crop=1, mean=[0.0], std=[1.0])
     classes = [f"class{i}" for i in range(model.num_classes or 0)]
     return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
