@@ -311,3 +311,45 @@ def test_a_network_file_declares_how_its_weights_read_images(tmp_path, capsys):
 def test_an_empty_image_is_one_error(digits_run):
     with pytest.raises(CnnkitError, match=r"an empty image \(0 x 8 pixels\)"):
         Classifier.load(digits_run).predict(np.zeros((0, 8), np.uint8))
+
+
+def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch):
+    """A packed set at another size than the network's images is refused (it would be cropped,
+    not resized); a directory named `packed` is that directory; --tencrop on images stored at
+    the input size names the size only."""
+    from cnnkit.data.pack import pack_folder
+    from cnnkit.data.synth import synth_shapes
+    from cnnkit.train.evaluation import evaluate_checkpoint
+
+    synth_shapes(tmp_path / "src", classes=2, per_class=3, size=16)
+    pack_folder(tmp_path / "src", tmp_path / "packed", size=16, workers=1, progress=False)
+    with pytest.raises(CnnkitError, match="packed at 16 px, but the network was trained on 8 px"):
+        evaluate_checkpoint(digits_run, data=str(tmp_path / "packed"))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["eval", str(digits_run), "--data", "packed"], capsys)
+    assert code == 1 and "packed at 16 px" in err  # the directory, not the source name
+    code, _, err = run_cli(["eval", str(digits_run), "--tencrop"], capsys)
+    assert code == 2 and "use a folder" in err  # digits itself: stored at 8 px
+
+
+def test_classify_reads_a_large_jpeg_as_eval_reads_its_folder(digits_run, tmp_path):
+    """Both decode at the network's size (DCT-scaled where the file is 2x larger or more), so
+    classify's input is eval --data's to the grey level."""
+    from cnnkit.infer.images import crops_of
+    from cnnkit.train.evaluation import eval_data, luma
+
+    images, names = held_out_digits(6)
+    for i, (image, name) in enumerate(zip(images, names, strict=True)):
+        (tmp_path / name).mkdir(exist_ok=True)
+        big = Image.fromarray(image).resize((40, 40), Image.BILINEAR).convert("RGB")
+        big.save(tmp_path / name / f"{i}.jpg", quality=90)
+    classifier = Classifier.load(digits_run)
+    pre = classifier.preprocess
+    cfg = eval_data(str(tmp_path), {}, pre).model_copy(
+        update={"mean": (0.0,) * 3, "std": (1.0,) * 3, "workers": 0}
+    )
+    bundle = cfg.build(torch.device("cpu"))
+    streamed = torch.cat([luma(x) for x, _ in bundle.val])
+    files = sorted(tmp_path.glob("*/*.jpg"), key=lambda p: (p.parent.name, p.name))
+    direct = torch.cat([crops_of(str(f), pre, False).float() for f in files])
+    assert torch.equal(streamed, direct)

@@ -83,3 +83,8 @@ def test_num_classes_for_a_network_that_does_not_size_by_it_is_one_line(tmp_path
     assert code == 2 and "no layer of" in err and "(its output is 7)" in err
     code, out, _ = run_cli(["info", "alexnet", "--num-classes", "3"], capsys)
     assert code == 0 and "output: 3" in out
+    fcn = tmp_path / "fcn.yaml"  # a fully convolutional head sized by num_classes
+    fcn.write_text("model:\n  input: [3, 8, 8]\n  num_classes: 2\n  layers:\n"
+                   "    - {type: conv, out_channels: $num_classes, kernel_size: 1}\n")  # fmt: skip
+    code, out, err = run_cli(["info", str(fcn), "--num-classes", "7"], capsys)
+    assert code == 0 and "output: 7x8x8" in out, err

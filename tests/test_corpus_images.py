@@ -113,7 +113,9 @@ def test_classify_each_file_by_name(corpus, digits_run, capsys):
         else:
             (line,) = err.splitlines()
             assert code == 1 and not out, case.rel
-            assert line.startswith("cnnkit: error: ") and case.named in line, (case.rel, line)
+            # read as a folder is (at the network's 8 px): the bomb decodes at 1/8, then ends
+            named = "truncated JPEG" if case.rel == "odd/bomb.jpg" else case.named
+            assert line.startswith("cnnkit: error: ") and named in line, (case.rel, line)
             assert len(line) <= LONGEST_ERROR + len(str(root)), line
     assert snapshot(root) == before
 

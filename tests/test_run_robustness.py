@@ -487,3 +487,10 @@ def test_a_resume_keeps_an_optimizer_that_can_continue_the_saved_state(digits_ru
     assert resume_config(state, ["train.optimizer=sgd"]).train.optimizer == "sgd"  # the same
     with pytest.raises(ConfigError, match="train.optimizer=adam cannot continue nesterov's"):
         resume_config(state, ["train.optimizer=adam"])
+
+
+def test_a_source_that_is_not_a_name_is_one_line(capsys):
+    code, _, err = run_cli(["train", "digits", "data.source=[a]"], capsys)
+    assert code == 2 and err.strip() == (
+        "cnnkit: error: data.source: a name (digits, faces, synthetic, folder, packed), not ['a']"
+    )

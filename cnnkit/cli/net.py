@@ -44,7 +44,7 @@ def info(
     from cnnkit.tables import wide_console
 
     network = network_of(net, num_classes)
-    if num_classes is not None and network.num_classes != num_classes:  # no layer sized by it
+    if num_classes is not None and not network.heads:  # no layer is sized by it
         from cnnkit.errors import ConfigError
 
         raise ConfigError(f"--num-classes {num_classes}: no layer of {net} is sized by "

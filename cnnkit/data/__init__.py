@@ -17,7 +17,7 @@ from cnnkit.data.bundled import DigitsConfig, FacesConfig
 from cnnkit.data.folder import FolderConfig
 from cnnkit.data.packed import PackedConfig
 from cnnkit.data.synthetic import SyntheticConfig
-from cnnkit.errors import ConfigError, config_error
+from cnnkit.errors import ConfigError, brief, config_error
 
 SOURCES: dict[str, type[DataConfigBase]] = {
     "digits": DigitsConfig,
@@ -38,6 +38,8 @@ def check_source(section: Any) -> Any:
     if not isinstance(section, dict):
         return section  # pydantic says what it expected
     source = section.get("source")
+    if not isinstance(source, str | None):
+        raise ConfigError(f"data.source: a name ({', '.join(SOURCES)}), not {brief(source)}")
     if source not in SOURCES:
         close = difflib.get_close_matches(str(source), SOURCES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else f" (one of: {', '.join(SOURCES)})"

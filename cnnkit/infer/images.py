@@ -157,7 +157,7 @@ def resized(image: ImageInput, pre: Preprocess) -> torch.Tensor:
     check_preprocess(pre)
     size = pre.resize or pre.crop
     mode = pre.resize_mode if pre.resize else "squash"
-    array = to_channels(to_hwc(image, pre.resize, mode), pre.channels)
+    array = to_channels(to_hwc(image, size, mode), pre.channels)  # decoded as a folder's
     return resize_uint8(array, size, mode)
 
 

@@ -34,8 +34,10 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
             raise ConfigError("--data: an export holds no data section: give --data (a folder, "
                               "a packed set, a source name or a data YAML)")  # fmt: skip
         section = dict(trained)
-    elif spec in SOURCES:
-        section = {"source": spec}
+    elif spec in SOURCES and not (spec in ("folder", "packed") and Path(spec).is_dir()):
+        section = {
+            "source": spec
+        }  # (`folder` and `packed` need a path: a directory so named is one)
     elif Path(spec).is_file():
         loaded = yaml.safe_load(Path(spec).read_text())
         section = loaded.get("data", loaded) if isinstance(loaded, dict) else None
@@ -55,7 +57,12 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
             )
     else:
         raise DataError(f"--data {spec}: not a data source ({', '.join(SOURCES)}), file or folder")
-    return data_config(section).evaluated_as(pre, mean_image)
+    cfg = data_config(section)
+    stored, trained = cfg.stored_size(), pre.resize or pre.crop
+    if section.get("source") == "packed" and stored != trained:  # cropped, never resized
+        raise DataError(f"--data {spec}: packed at {stored} px, but the network was trained on "
+                        f"{trained} px images (pack it again with --size {trained})")  # fmt: skip
+    return cfg.evaluated_as(pre, mean_image)
 
 
 def full_images(cfg: DataConfig, crop: int, trained: int | None) -> DataConfig:
@@ -66,8 +73,8 @@ def full_images(cfg: DataConfig, crop: int, trained: int | None) -> DataConfig:
     if stored is None or stored <= crop:
         raise ConfigError(
             f"--tencrop: 10-crop needs a data set stored larger than the network's input "
-            f"({crop}x{crop}); {cfg.source} images are {stored or crop}x{stored or crop} "
-            "(use a folder or packed set)"
+            f"({crop}x{crop}); {cfg.source} images are {stored or crop}x{stored or crop}"
+            + ("" if cfg.source in ("folder", "packed") else " (use a folder or packed set)")
         )
     if trained is not None and stored != trained:
         raise ConfigError(
