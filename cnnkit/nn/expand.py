@@ -86,8 +86,7 @@ class Expander:
         self.later = {str(raw["name"]) for raw in net.layers if "name" in raw}
 
     def run(self) -> tuple[list[Node], int]:
-        """The nodes, and the value the network outputs: the last entry's (an absent last
-        entry stands for its input, which an earlier node computed)."""
+        """The nodes, and the output's value: the last entry's (if absent, its input's)."""
         scope = _Scope(0, "", {"num_classes": self.net.num_classes}, None, 0)
         for index, raw in enumerate(self.net.layers):
             scope.index = index
@@ -391,10 +390,9 @@ def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str
     return merged
 
 
-def parse_spec(model: dict[str, Any],
-               num_classes: int | None = None) -> tuple[NetSpec, list, int]:  # fmt: skip
-    """Validate a `model:` mapping and expand it into nodes and the output's value index (0:
-    the input, k: node k - 1's); `num_classes` overrides the file's."""
+def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[NetSpec, list, int]:
+    """A `model:` mapping validated and expanded: (spec, nodes, the output's value index: 0 the
+    input, k node k - 1's); `num_classes` overrides the file's."""
     try:
         net = NetSpec.model_validate(model)
     except ValidationError as e:

@@ -148,6 +148,18 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
     return network
 
 
+def check_processes(config: RunConfig, world_size: int, device: torch.device,
+                    resume: dict[str, Any] | None) -> None:  # fmt: skip
+    """What the number of processes must fit, before anything is built: the batch split, a
+    mid-epoch checkpoint's own count, SyncBatchNorm's CUDA devices."""
+    check_batch(config, world_size)
+    if resume:
+        check_world_size(resume, world_size)
+    if config.train.sync_bn and world_size > 1 and device.type != "cuda":
+        raise ConfigError("train.sync_bn: SyncBatchNorm runs on CUDA devices only; leave it out "
+                          f"on {device.type} (each process then keeps its own statistics)")  # fmt: skip
+
+
 def check_world_size(state: dict[str, Any], world_size: int) -> None:
     """ConfigError for a mid-epoch resume in another number of processes: each rank skips the
     batches of its own share of the epoch, so another split would train some images twice and
@@ -193,12 +205,7 @@ def fit(
     dist = dist or Local()
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
     device = dist.device(config.train.device)
-    check_batch(config, dist.world_size)
-    if config.train.sync_bn and dist.world_size > 1 and device.type != "cuda":
-        raise ConfigError("train.sync_bn: SyncBatchNorm runs on CUDA devices only; leave it out "
-                          f"on {device.type} (each process then keeps its own statistics)")  # fmt: skip
-    if resume:
-        check_world_size(resume, dist.world_size)
+    check_processes(config, dist.world_size, device, resume)
     if dist.is_main and not dry_run:
         check_writable(run_dir)
     with ExitStack() as stack:
