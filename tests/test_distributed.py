@@ -5,6 +5,7 @@ Every check but the restart shares one torchrun (each costs seconds of imports p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -304,10 +305,11 @@ def test_sync_batchnorm_on_cpus_is_one_line():
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same configuration error: one line (rank 0's), exit status 2, and
     no torchrun failure table; a rank killed by a signal is one line too."""
-    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "model=lenet5", "--nproc", "2",
-           "--out", str(tmp_path / "r")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "model=lenet5", "--nproc", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert done.returncode == 2, done.stderr
+    assert not (tmp_path / "runs").exists()  # the default directory made for it is gone again
     assert done.stderr.splitlines() == [
         "cnnkit: error: model: input [1, 32, 32] does not match the data's images [1, 8, 8]"
     ]

@@ -75,26 +75,21 @@ def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restart
     from cnnkit.errors import ConfigError
     from cnnkit.mining import mining_of
     from cnnkit.train.run import check_batch
-    from cnnkit.train.rundir import forget_run_dir, new_run_dir
+    from cnnkit.train.rundir import claimed_run_dir
 
     argv = ["train", *([run] if run else []), *overrides]
     config = _config(run, overrides, resume)  # checked here, once, not by N processes each
     if mining_of(config) is not None:
         raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
     check_batch(config, nproc)
-    reserved, made_runs = None, False  # a default run directory made here (and runs/):
-    #   removed if the run leaves it empty
+    argv += ["--quiet"] if quiet else []
     if resume is not None:
-        argv += ["--resume", str(resume)]
-    else:
-        made_runs = out is None and not Path("runs").exists()
-        run_dir = new_run_dir(config.name, out, reserve=out is None)
-        reserved = run_dir if out is None else None
-        argv += ["--out", str(run_dir)]
-    code = start_local(nproc, argv + (["--quiet"] if quiet else []), max_restarts)
-    if code and reserved is not None:
-        forget_run_dir(reserved, made_runs)
-    return code
+        return start_local(nproc, [*argv, "--resume", str(resume)], max_restarts)
+    with claimed_run_dir(config.name, out, reserve=out is None) as run_dir:
+        code = start_local(nproc, [*argv, "--out", str(run_dir)], max_restarts)
+        if code:  # a failed run leaves no empty directory of its own behind
+            raise typer.Exit(code)
+    return 0
 
 
 def show_config(

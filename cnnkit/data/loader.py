@@ -65,6 +65,11 @@ class ImageSetConfig(DataConfigBase):
     std: tuple[float, float, float] | None = Field(None, description="per channel, 0-255")
     _mean_image: torch.Tensor | None = PrivateAttr(None)  # a trained run's (evaluated_as)
 
+    @property
+    def trained_mean(self) -> torch.Tensor | None:
+        """The trained run's mean image these images are normalised with (evaluated_as)."""
+        return self._mean_image
+
     def evaluated_as(self, preprocess: Preprocess,
                      mean_image: torch.Tensor | None = None) -> ImageSetConfig:  # fmt: skip
         """Normalised with a trained network's mean image where it has one the size of these

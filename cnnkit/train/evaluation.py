@@ -34,10 +34,9 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
             raise ConfigError("--data: an export holds no data section: give --data (a folder, "
                               "a packed set, a source name or a data YAML)")  # fmt: skip
         section = dict(trained)
+    # `folder` and `packed` alone need a path: a directory so named is one
     elif spec in SOURCES and not (spec in ("folder", "packed") and Path(spec).is_dir()):
-        section = {
-            "source": spec
-        }  # (`folder` and `packed` need a path: a directory so named is one)
+        section = {"source": spec}
     elif Path(spec).is_file():
         loaded = yaml.safe_load(Path(spec).read_text())
         section = loaded.get("data", loaded) if isinstance(loaded, dict) else None
@@ -127,7 +126,7 @@ def evaluate_checkpoint(
     network, meta = load_trained(target, ema=ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
     cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"))
-    if data is not None and uses_mean_image(config) and getattr(cfg, "_mean_image", None) is None:
+    if data is not None and uses_mean_image(config) and getattr(cfg, "trained_mean", None) is None:
         note_mean_image(f"--data {data}")
     grey = None
     if pre.channels == 1 and hasattr(cfg, "normalize"):  # RGB folders / packed sets: to grey

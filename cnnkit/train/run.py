@@ -32,8 +32,8 @@ from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import (
     check_writable,
+    claimed_run_dir,
     clear_orphans,
-    forget_run_dir,
     new_run_dir,
     resume_config,
     run_lock,
@@ -67,29 +67,22 @@ def launch(
     if state is None and run is None:
         raise ConfigError("train: give a run (a zoo name or a run file) or --resume RUN_DIR")
     config = resume_config(state, overrides) if state else load_run(run, overrides)
-    reserved = None  # a default run directory made for this run: removed if it stays empty
-    with distributed.group_for(config.train) as group:
+    with distributed.group_for(config.train) as group, ExitStack() as stack:
         if fresh_in is not None:
             run_dir = fresh_in
         elif state is None:
             tag = distributed.run_id() if group is not None else None
-            reserve = out is None and tag is None and not dry_run
-            made_runs = reserve and not Path("runs").exists()
-            run_dir = new_run_dir(config.name, out, reuse=restarted, tag=tag, reserve=reserve)
-            reserved = run_dir if reserve else None
+            reserve = out is None and tag is None and not dry_run  # a default name: made now
+            run_dir = stack.enter_context(claimed_run_dir(config.name, out, reserve,
+                                                          reuse=restarted, tag=tag))  # fmt: skip
             if restarted:  # the group died: continue from its checkpoint, if it made one
                 state = _restart_state(run_dir, group)
                 config = resume_config(state, overrides) if state else config
         else:
             run_dir = Path(resume)
-        try:
-            return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group,
-                       dry_run=dry_run, callbacks=callbacks,
-                       fresh=state is None and fresh_in is None and not restarted)  # fmt: skip
-        except BaseException:
-            if reserved is not None:
-                forget_run_dir(reserved, made_runs)
-            raise
+        return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group,
+                   dry_run=dry_run, callbacks=callbacks,
+                   fresh=state is None and fresh_in is None and not restarted)  # fmt: skip
 
 
 def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | None:

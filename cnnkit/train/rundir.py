@@ -32,7 +32,7 @@ def new_run_dir(
     elastic restart before the first checkpoint). `tag`: torchrun's job id, so every rank and
     every restart agrees on the default runs/<name>-<tag>. A default runs/<name>-<time> is
     created at once when `reserve`d, so runs started in the same second (a sweep started in
-    the background) each get their own (-2, -3, ...); forget_run_dir removes it if unused."""
+    the background) each get their own (-2, -3, ...); see claimed_run_dir."""
     if out is None and tag is not None:
         out = Path("runs") / f"{name}-{tag[:12]}"
     if out is None:
@@ -62,14 +62,22 @@ def new_run_dir(
     return path
 
 
-def forget_run_dir(run_dir: Path, parent_too: bool = False) -> None:
-    """Remove a reserved run directory that a run left empty (it failed before writing), and
-    its parent where the reservation made that too (runs/) and it is empty now."""
-    for path in (run_dir, run_dir.parent)[: 2 if parent_too else 1]:
-        try:
-            path.rmdir()
-        except OSError:  # it holds something, or is gone: keep it as it is
-            return
+@contextmanager
+def claimed_run_dir(name: str, out: str | Path | None, reserve: bool, reuse: bool = False,
+                    tag: str | None = None) -> Iterator[Path]:  # fmt: skip
+    """new_run_dir for the run inside the block; a directory it `reserve`d (with runs/, if it
+    made that too) is removed again where the block fails and leaves it empty."""
+    made_runs = reserve and not Path("runs").exists()
+    path = new_run_dir(name, out, reuse=reuse, tag=tag, reserve=reserve)
+    try:
+        yield path
+    except BaseException:
+        for empty in (path, path.parent)[: 2 if made_runs else 1] if reserve else ():
+            try:
+                empty.rmdir()
+            except OSError:  # it holds something, or is gone: keep it as it is
+                break
+        raise
 
 
 def check_writable(run_dir: Path) -> None:
