@@ -4,7 +4,9 @@ precision, and a whole tiny run with every file of its run directory."""
 from __future__ import annotations
 
 import copy
+import csv
 import json
+import time
 
 import pytest
 import torch
@@ -169,6 +171,9 @@ def test_run_directory_holds_every_file(tiny_run):
         "val_top5",
     ]
     assert len(rows) == 3
+    header = rows[0].split(",")
+    waits = [float(r.split(",")[header.index("data_wait")]) for r in rows[1:]]
+    assert all(0.0 <= w < 1.0 for w in waits)  # the share of each epoch spent on the loader
     written = json.loads((run_dir / "summary.json").read_text())
     assert written["epochs"] == 2 and 0.0 <= written["val_top1"] <= 1.0
     assert written["val_images"] == 50 and written["val_top1"] == summary["val_top1"]
@@ -201,3 +206,22 @@ def test_cuda_mixed_precision_trains(precision, tmp_path):
     assert summary["device"].startswith("cuda") and summary["precision"] == precision
     assert all(v.dtype != torch.float16 for v in state["model"].values())  # saved as fp32
     assert (precision == "fp16") == bool(state["scaler"])  # GradScaler state only for fp16
+
+
+def test_metrics_record_the_share_of_time_spent_waiting_for_the_loader(tmp_path, monkeypatch):
+    """A loader that takes 0.15 s per batch (the model needs a few ms) makes data_wait most of
+    each epoch."""
+    from cnnkit.data.memory import TensorBatches
+
+    plain = TensorBatches.__iter__
+
+    def slow(self):
+        for batch in plain(self):
+            time.sleep(0.15)
+            yield batch
+
+    monkeypatch.setattr(TensorBatches, "__iter__", slow)
+    cfg = {**TINY, "train": {**TINY["train"], "epochs": 1}}
+    fit(validate_run(cfg), tmp_path / "run", quiet=True)
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert float(rows[0]["data_wait"]) > 0.6

@@ -47,10 +47,12 @@ class EpochStats:
     same precision, so a resumed epoch's figures are the uninterrupted one's to the bit."""
 
     def __init__(self, device: torch.device, earlier: dict[str, float] | None = None):
-        self.earlier = {"loss": 0.0, "correct": 0.0, "seen": 0.0, "seconds": 0.0, **(earlier or {})}
+        self.earlier = {"loss": 0.0, "correct": 0.0, "seen": 0.0, "seconds": 0.0, "waited": 0.0,
+                        **(earlier or {})}  # fmt: skip
         self.loss_sum = torch.tensor(float(self.earlier["loss"]), device=device)  # fp32, as saved
         self.correct = torch.tensor(int(self.earlier["correct"]), device=device)
         self.seen = 0
+        self.waited = 0.0  # seconds this session's part of the epoch waited for batches
         self.started = time.perf_counter()
 
     def finite(self) -> bool:
@@ -75,6 +77,7 @@ class EpochStats:
             "correct": self.correct.item(),
             "seen": self.earlier["seen"] + self.seen,
             "seconds": self.earlier["seconds"] + self.seconds,
+            "waited": self.earlier["waited"] + self.waited,
         }
 
 
@@ -151,11 +154,11 @@ def train_one_epoch(
     batches.set_epoch(progress.epoch, skip_batches=progress.step)
     stats = progress.running = EpochStats(engine.device, progress.partial)
     loss = torch.zeros((), device=engine.device)
-    it, waited = iter(batches), 0.0
+    it = iter(batches)
     while True:
         t0 = time.perf_counter()
         x, y = next(it, (None, None))
-        waited += time.perf_counter() - t0
+        stats.waited += time.perf_counter() - t0
         if x is None:
             break
         at = progress.epoch + progress.step / steps  # where in the schedule this step is
@@ -173,6 +176,6 @@ def train_one_epoch(
         seconds = max(stats.seconds, 1e-9)
         console.step(StepInfo(progress.epoch + 1, schedule.cfg.epochs, progress.step, steps, loss,
                               progress.global_step, schedule.lr(at),
-                              stats.seen * dist.world_size / seconds, waited / seconds, seconds))  # fmt: skip
+                              stats.seen * dist.world_size / seconds, stats.waited / seconds, seconds))  # fmt: skip
         on_step(progress.epoch, progress.step, progress.global_step)
     return stats.read()

@@ -28,6 +28,7 @@ COLUMNS = [
     "lr",
     "images_per_second",
     "seconds",
+    "data_wait",  # share of the epoch's training time spent waiting for the loader
 ]
 
 
@@ -58,7 +59,7 @@ class RunLog:
         write_csv(self.run_dir / "metrics.csv", self.history)
         if self.tb is not None and global_step is not None:
             self.tb.add_scalar("epoch", row["epoch"], global_step)
-            for key in COLUMNS[1:] + [k for k in EMA_COLUMNS if k in row]:
+            for key in (k for k in COLUMNS[1:] + EMA_COLUMNS if k in row):
                 self.tb.add_scalar(key.replace("_", "/", 1), row[key], global_step)
             self.tb.flush()
         if final or time.monotonic() - self._last_plot > PLOT_EVERY:

@@ -32,6 +32,7 @@ def epoch_row(
         "lr": schedule.lr(progress.epoch + 1 - 1 / max(progress.step, 1)),  # the last step's
         "images_per_second": seen / max(stats["seconds"], 1e-9),
         "seconds": stats["seconds"],
+        "data_wait": stats.get("waited", 0.0) / max(stats["seconds"], 1e-9),  # rank 0's share
     }
 
 
