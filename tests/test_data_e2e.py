@@ -72,6 +72,7 @@ def test_bench_loader_json_last_line(tmp_path, capsys):
           "--crop", "16", "--device", "cpu", "--json"])  # fmt: skip
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["images"] == 12 and report["images_per_second"] > 0
+    assert report["warmup"] == 3 + 1 * 2  # the batches 1 worker prefetches while starting: untimed
     assert report["source"] == "packed" and report["input_shape"] == [3, 16, 16]
     with pytest.raises(SystemExit) as done:  # the flags it was given, not data.* settings
         main(["bench", "loader", str(tmp_path / "p"), "--crop", "24"])

@@ -73,10 +73,12 @@ def _endless(stream: Batches) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256, batches: int = 20,
-                 warmup: int = 3, device: torch.device | None = None,
+                 warmup: int | None = None, device: torch.device | None = None,
                  **options: Any) -> dict[str, Any]:  # fmt: skip
-    """Time `batches` training batches after `warmup` untimed ones; returns the figures."""
-    if batches < 1 or batch < 1 or warmup < 0:
+    """Time `batches` training batches after `warmup` untimed ones (None: 3 more than the
+    workers prefetch, so the batches made while they started are not counted); returns the
+    figures."""
+    if batches < 1 or batch < 1 or (warmup is not None and warmup < 0):
         raise ConfigError("bench loader: --batches and --batch must be >= 1")
     device = device or torch.device("cpu")
     cfg = data_config(loader_config(data, workers, batch, **options))
@@ -91,11 +93,14 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
         if cfg.source == "packed"
         else "files"
     )
+    if warmup is None:
+        warmup = 3 + max(stream.workers, 1) * getattr(stream, "prefetch", 0)
     it = _endless(stream)
     for _ in range(warmup + 1):  # the first batch also starts the worker processes
         next(it)
     synchronize(device)
-    images, start, cpu = 0, time.perf_counter(), tree_cpu_seconds()
+    cpu = tree_cpu_seconds()  # (reads /proc: before the clock starts)
+    images, start = 0, time.perf_counter()
     for _ in range(batches):
         x, _ = next(it)
         images += x.shape[0]
@@ -105,7 +110,7 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
     return {
         "data": str(data), "source": cfg.source, "storage": storage, "decode": cfg.decode,
         "mode": stream.mode, "device": machine_name(device), "workers": stream.workers,
-        "batch": batch, "batches": batches, "images": images,
+        "batch": batch, "batches": batches, "warmup": warmup, "images": images,
         "input_shape": list(x.shape[1:]), "train_crop": cfg.train_crop, "seconds": seconds,
         "images_per_second": images / seconds, "cpu_ms_per_image": 1000 * cpu / images,
     }  # fmt: skip
@@ -116,6 +121,7 @@ def print_loader(report: dict[str, Any]) -> None:
     what = f"{report['source']} ({report['storage']}, {report['mode']}, decode {report['decode']})"
     print(f"loader  {what} {report['data']}  on {report['device']}")
     print(f"  workers {report['workers']}, batch {report['batch']}, input {report['input_shape']}"
-          f" ({report['train_crop']} crop), {report['images']} images in {report['seconds']:.2f} s")  # fmt: skip
+          f" ({report['train_crop']} crop), {report['images']} images in {report['seconds']:.2f} s"
+          f" after {report['warmup']} untimed batches")  # fmt: skip
     print(f"  {report['images_per_second']:,.0f} images/s, "
           f"{report['cpu_ms_per_image']:.2f} CPU ms per image (all processes)")  # fmt: skip
