@@ -36,6 +36,31 @@ def test_ema_follows_the_exponential_average_of_the_weights():
     torch.testing.assert_close(engine.ema.module.c1.weight, expected)
 
 
+def test_ema_equals_torchs_averaged_model_to_the_bit_buffers_included():
+    """cnnkit's EMA (no device sync per step) against torch's AveragedModel with
+    get_ema_multi_avg_fn: every weight, BatchNorm statistic and count equal."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from cnnkit.train.recipe import EMA
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                              torch.nn.Flatten(), torch.nn.Linear(144, 5))  # fmt: skip
+    theirs = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ours = EMA(net, 0.9)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(4):
+        net(torch.randn(4, 3, 8, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        theirs.update_parameters(net)
+        ours.update_parameters(net)
+    expected = theirs.state_dict()
+    assert list(ours.state_dict()) == list(expected) and int(ours.n_averaged) == 4
+    for key, value in ours.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_ema_is_evaluated_saved_and_resumed(tmp_path, capsys):
     class StopAfterFirstEpoch:
         def on_epoch_end(self, row):

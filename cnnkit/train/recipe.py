@@ -1,7 +1,8 @@
 """Modern recipe pieces applied to the training batch on its device, after the loader:
 RandAugment / TrivialAugment (torchvision.transforms.v2, one draw per group of 8 images),
 random erasing (per image, one batched op), mixup / cutmix (torchvision.transforms.v2, soft
-labels); and the exponential moving average of the weights (torch.optim.swa_utils).
+labels); and the exponential moving average of the weights (torch.optim.swa_utils'
+AveragedModel, updated without a device sync).
 
 Every random draw comes from torch's generators, whose states checkpoints keep: a resumed
 run repeats its augmentations exactly.
@@ -14,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.optim.swa_utils
 from torch import nn
 
 GROUP = 8  # images sharing one RandAugment / TrivialAugment draw (a v2 call per group)
@@ -90,17 +92,34 @@ def random_erasing(x: torch.Tensor, p: float, scale: tuple[float, float] = (0.02
     return torch.where(mask, torch.randn_like(x), x)
 
 
-def build_ema(network: nn.Module, decay: float) -> nn.Module | None:
-    """torch's exponential moving average of the weights and buffers (None when decay is 0)."""
-    if not decay:
-        return None
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+class EMA(torch.optim.swa_utils.AveragedModel):
+    """torch's AveragedModel with the exponential moving average of the weights and buffers
+    (get_ema_multi_avg_fn's update, to the bit), without its device sync at every step: torch
+    copies the step count (a host tensor) to the device each update, which waits for the step
+    to finish; the count is read on the host here."""
 
-    with warnings.catch_warnings():  # AveragedModel warns about its deep copy's buffers
-        warnings.simplefilter("ignore", UserWarning)
-        return AveragedModel(network, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    def __init__(self, network: nn.Module, decay: float) -> None:
+        with warnings.catch_warnings():  # AveragedModel warns about its deep copy's buffers
+            warnings.simplefilter("ignore", UserWarning)
+            super().__init__(network, use_buffers=True)
+        self.decay = decay
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module) -> None:
+        ours = [*self.module.parameters(), *self.module.buffers()]
+        theirs = [t.detach() for t in (*model.parameters(), *model.buffers())]
+        if int(self.n_averaged) == 0:  # (a host tensor: no sync)
+            torch._foreach_copy_(ours, theirs)
+        else:
+            floats = [(a, b) for a, b in zip(ours, theirs, strict=True) if a.is_floating_point()]
+            if floats:
+                torch._foreach_lerp_([a for a, _ in floats], [b for _, b in floats], 1 - self.decay)
+            for a, b in zip(ours, theirs, strict=True):
+                if not a.is_floating_point():  # e.g. BatchNorm's num_batches_tracked, as torch
+                    a.copy_(a * self.decay + b * (1 - self.decay))
+        self.n_averaged += 1
 
 
-def ema_weights(ema: nn.Module) -> nn.Module:
-    """The averaged network inside an AveragedModel (what evaluation and checkpoints use)."""
-    return ema.module
+def build_ema(network: nn.Module, decay: float) -> EMA | None:
+    """The exponential moving average of the weights and buffers (None when decay is 0)."""
+    return EMA(network, decay) if decay else None
