@@ -60,6 +60,17 @@ def test_the_fastest_wins_reduced_precision_only_when_clearly_faster():
     assert _fastest(times) == ("fp32", False, 2)
 
 
+def test_fp16_only_when_clearly_faster_than_bf16():
+    """On a GPU where bf16 and fp16 run at one rate, timing noise must not pick fp16 (narrower
+    range, loss scaling); it wins only by MARGIN, and still must beat fp32 by MARGIN."""
+    times = {("fp32", True, 1): 2.0, ("bf16", True, 1): 1.0, ("fp16", True, 1): 0.99}
+    assert _fastest(times) == ("bf16", True, 1)
+    times[("fp16", True, 1)] = 1.0 / MARGIN / 1.01
+    assert _fastest(times) == ("fp16", True, 1)
+    times = {("fp32", True, 1): 1.0, ("fp16", True, 1): 0.5}  # a GPU without bf16
+    assert _fastest(times) == ("fp16", True, 1)
+
+
 def test_describe_says_what_and_why():
     s = Settings("bf16", True, 2, "measured", speedup=1.4)
     assert (
