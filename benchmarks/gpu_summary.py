@@ -1,5 +1,6 @@
 """Summarise a benchmarks/gpu.sh run: OUT/summary.json (the headline figures with the settings
-of each) and readable lines on stdout.
+of each) and readable lines on stdout. Each section is read on its own: one that cannot be read
+is None, with the reason in `summary_errors`, and the others are kept.
 
     python benchmarks/gpu_summary.py OUT_DIR
 """
@@ -10,8 +11,13 @@ import csv
 import json
 import os
 import re
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
 
 
 def load(out: Path, name: str) -> dict | None:
@@ -19,22 +25,38 @@ def load(out: Path, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
 def steps(out: Path) -> tuple[dict[str, int], list[str], list[str]]:
-    """{step: exit status} of the steps that ran to their own end or limit, the steps skipped
-    for the budget, and those stopped by the budget (started with less than their limit left)."""
+    """{step: exit status} of the steps that ran to their own end or limit (or were stopped by
+    a signal: rc 143), the steps skipped for the budget, and those stopped by the budget
+    (started with less than their limit left)."""
     done, cut = {}, []
-    for line in (
-        (out / "steps.txt").read_text().splitlines() if (out / "steps.txt").is_file() else []
-    ):
+    for line in text(out / "steps.txt").splitlines():
         found = re.match(r"(\S+): rc=(\d+)", line)
         if found and line.endswith("cut by the budget"):
             cut.append(found.group(1))
         elif found:
             done[found.group(1)] = int(found.group(2))
-    skipped = []
-    if (out / "skipped.txt").is_file():
-        skipped = [line.split(":")[0] for line in (out / "skipped.txt").read_text().splitlines()]
+    skipped = [line.split(":")[0] for line in text(out / "skipped.txt").splitlines()]
     return done, skipped, cut
+
+
+def selected(out: Path) -> list[str] | None:
+    """The steps gpu.sh's STEPS named (from the environment, else from hardware.txt, where
+    gpu.sh wrote them); None: all."""
+    named = os.environ.get("STEPS") or next(
+        (line.split(":", 1)[1] for line in text(out / "hardware.txt").splitlines()
+         if line.startswith("steps selected:")), "")  # fmt: skip
+    return named.split() or None
+
+
+def planned(chosen: list[str] | None) -> list[str]:
+    """The steps gpu.sh runs (its `step NAME LIMIT` lines), in order, as STEPS narrows them."""
+    names = re.findall(r"^\s*step\s+(\w+)\s+\d+", text(HERE / "gpu.sh"), re.MULTILINE)
+    return [n for n in names if chosen is None or n in chosen]
 
 
 def gpu_tests(out: Path, rc: int | None) -> dict | None:
@@ -54,72 +76,139 @@ def gpu_tests(out: Path, rc: int | None) -> dict | None:
     return {"passed": passed, "failed": failed, "skipped": skipped, "rc": rc, "ok": ok}
 
 
-def model_only(out: Path) -> tuple[float | None, dict]:
-    """The best AlexNet-OWT training figure of the bench steps, with its settings."""
-    best, where = None, {}
+def bench_rows(out: Path) -> list[dict]:
+    """Every AlexNet-OWT training figure of the bench steps, with its settings."""
+    rows = []
     for name in ("train_owt_256_explore", "train_owt_1024_bf16", "train_owt_compile"):
         r = load(out, name)
         if r is None:
             continue
-        rows = r.get("explore") or [{k: r[k] for k in ("precision", "channels_last", "threads")}
-                                    | {"images_per_second": r["images_per_second"]}]  # fmt: skip
-        for row in rows:
-            if best is None or row["images_per_second"] > best:
-                best = row["images_per_second"]
-                where = {"step": name, "batch": r["batch"], "compile": r["compile"],
-                         **{k: row[k] for k in ("precision", "channels_last", "threads")}}  # fmt: skip
-    return best, where
+        for row in r.get("explore") or [r]:
+            rows.append({"step": name, "batch": r["batch"], "compile": r["compile"],
+                         **{k: row[k] for k in ("precision", "channels_last", "threads",
+                                                "images_per_second")}})  # fmt: skip
+    return rows
+
+
+def best(rows: list[dict]) -> tuple[float | None, dict]:
+    if not rows:
+        return None, {}
+    top = max(rows, key=lambda r: r["images_per_second"])
+    return top["images_per_second"], {k: v for k, v in top.items() if k != "images_per_second"}
+
+
+def compile_speedup(rows: list[dict]) -> float | None:
+    """torch.compile's step against the same settings uncompiled (the explore run's row)."""
+    on = [r for r in rows if r["step"] == "train_owt_compile" and r["compile"]]
+    off = [r for r in rows if r["step"] == "train_owt_256_explore" and not r["compile"]
+           and on and (r["precision"], r["channels_last"]) == (on[0]["precision"],
+                                                                on[0]["channels_last"])]  # fmt: skip
+    return on[0]["images_per_second"] / off[0]["images_per_second"] if on and off else None
 
 
 def run_figures(out: Path, run: str) -> tuple[float | None, dict]:
-    """Steady-state images/s of a `cnnkit train` run: its best epoch after the first."""
+    """Steady-state images/s of a `cnnkit train` run (its best epoch after the first), with the
+    median of those epochs and their share of time waiting for the loader."""
     folder = out / "runs" / run
     if not (folder / "metrics.csv").is_file():
         return None, {}
     rows = list(csv.DictReader((folder / "metrics.csv").open()))
     later = rows[1:] or rows
-    rate = max(float(r["images_per_second"]) for r in later)
+    rates = [float(r["images_per_second"]) for r in later]
+    waits = [float(r["data_wait"]) for r in later if r.get("data_wait")]
+    settings = {"epochs_counted": len(later), "median_images_per_second": statistics.median(rates),
+                "data_wait_median": statistics.median(waits) if waits else None}  # fmt: skip
+    batch = re.search(r"batch_size: (\d+)", text(out / "runs" / f"{run.split('-')[1]}.yaml"))
+    settings["batch"] = int(batch.group(1)) if batch else None
     if not (folder / "summary.json").is_file():  # stopped by its time limit after an epoch
-        return rate, {"finished": False}
+        return max(rates), {**settings, "finished": False}
     summary = json.loads((folder / "summary.json").read_text())
-    keep = ("precision", "channels_last", "device", "world_size", "epochs", "val_top1")
-    return rate, {k: summary.get(k) for k in keep}
+    keep = ("precision", "channels_last", "device", "world_size", "epochs", "train_images",
+            "val_top1")  # fmt: skip
+    return max(rates), {**settings, **{k: summary.get(k) for k in keep}}
+
+
+def loader(out: Path, name: str) -> dict | None:
+    r = load(out, f"loader_{name}")
+    keep = ("images_per_second", "cpu_ms_per_image", "workers", "batch", "batches", "warmup",
+            "mode", "decode", "input_shape", "train_crop")  # fmt: skip
+    return {k: r.get(k) for k in keep} if r else None
+
+
+def gpu_trace(out: Path) -> dict | None:
+    """The peaks of nvidia-smi's 2-second trace, and the SM clock while the GPU was busy."""
+    path = out / "nvidia-smi-trace.csv"
+    if not path.is_file():
+        return None
+    rows = list(csv.reader(text(path).splitlines()))[1:]
+
+    def col(i: int) -> list[float]:
+        return [float(r[i]) for r in rows if len(r) > i and re.fullmatch(r"\s*[\d.]+\s*", r[i])]
+
+    busy = [float(r[2]) for r in rows if len(r) > 2 and r[1].strip().isdigit()
+            and int(r[1]) >= 50 and re.fullmatch(r"\s*[\d.]+\s*", r[2])]  # fmt: skip
+    throttled = [
+        r[7].strip() for r in rows if len(r) > 7 and r[7].strip() not in ("0x0000000000000000", "")
+    ]
+    return {"samples": len(rows), "memory_used_mib_max": max(col(4), default=None),
+            "power_w_max": max(col(5), default=None), "temperature_c_max": max(col(6), default=None),
+            "sm_clock_mhz_median_busy": statistics.median(busy) if busy else None,
+            "throttle_reasons_seen": sorted(set(throttled))}  # fmt: skip
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    done, skipped, cut = steps(out)
-    train, train_settings = model_only(out)
-    e2e, e2e_settings = run_figures(out, "packed-raw")
-    e2e_jpeg, e2e_jpeg_settings = run_figures(out, "packed-jpeg")
-    explore = load(out, "train_owt_256_explore") or {}
-    tests = gpu_tests(out, done.get("gpu_tests"))
-    loaders = {k: load(out, f"loader_{k}") for k in ("raw", "jpeg_cpu", "jpeg_gpu")}
-    hardware = (
-        (out / "hardware.txt").read_text().strip() if (out / "hardware.txt").is_file() else ""
-    )
+    errors: dict[str, str] = {}
+
+    def section(name: str, read: Callable[[], Any], empty: Any = None) -> Any:
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001 - one unreadable part leaves the others
+            errors[name] = f"{type(e).__name__}: {e}"
+            return empty
+
+    done, skipped, cut = section("steps", lambda: steps(out), ({}, [], []))
+    chosen = section("steps_selected", lambda: selected(out))
+    plan = section("steps_planned", lambda: planned(chosen), [])
+    rows = section("train", lambda: bench_rows(out), [])
+    train, train_settings = best(rows)
+    bf16, bf16_settings = best([r for r in rows if r["precision"] == "bf16"])
+    e2e, e2e_settings = section("e2e", lambda: run_figures(out, "packed-raw"), (None, {}))
+    e2e_jpeg, e2e_jpeg_settings = section("e2e_jpeg", lambda: run_figures(out, "packed-jpeg"),
+                                          (None, {}))  # fmt: skip
+    explore = section("explore", lambda: load(out, "train_owt_256_explore")) or {}
+    tests = section("gpu_tests", lambda: gpu_tests(out, done.get("gpu_tests")))
+    loaders = {k: section(f"loader_{k}", lambda k=k: loader(out, k))
+               for k in ("raw", "jpeg_cpu", "jpeg_gpu")}  # fmt: skip
     summary = {
-        "hardware": hardware,
+        "hardware": text(out / "hardware.txt").strip(),
+        "complete": (out / "complete").is_file(),  # gpu.sh reached its end
         "train_images_per_second": train, "train_settings": train_settings,
+        "train_bf16_images_per_second": bf16, "train_bf16_settings": bf16_settings,
+        "compile_speedup": section("compile", lambda: compile_speedup(rows)),
         "train_e2e_images_per_second": e2e, "train_e2e_settings": e2e_settings,
         "train_e2e_jpeg_gpu_images_per_second": e2e_jpeg, "train_e2e_jpeg_gpu_settings": e2e_jpeg_settings,
         "loader_images_per_second": (loaders["raw"] or {}).get("images_per_second"),
         "loader_jpeg_cpu_images_per_second": (loaders["jpeg_cpu"] or {}).get("images_per_second"),
         "loader_jpeg_gpu_images_per_second": (loaders["jpeg_gpu"] or {}).get("images_per_second"),
-        "loader_settings": {k: {f: (v or {}).get(f) for f in ("workers", "batch", "mode", "decode")}
-                            for k, v in loaders.items()},  # fmt: skip
+        "loader_settings": loaders,
         "speedup_vs_torchvision_plain": explore.get("speedup_vs_baseline"),
         "speedup_vs_torchvision_careful": explore.get("speedup_vs_careful"),
         "peak_fraction": explore.get("peak_fraction"),
         "chosen_settings": explore.get("settings"),
+        "gpu": section("gpu_trace", lambda: gpu_trace(out)),
         "gpu_tests": tests,
         "gpu_tests_passed": tests["ok"] if tests else None,
         "steps_failed": sorted(name for name, rc in done.items() if rc != 0),
         "steps_skipped": skipped,
         "steps_cut_by_budget": cut,
-        "steps_selected": os.environ.get("STEPS", "").split() or "all",  # gpu.sh's STEPS
+        "steps_missing": [n for n in plan if n not in done and n not in skipped and n not in cut],
+        "steps_selected": chosen or "all",  # gpu.sh's STEPS
+        "summary_errors": errors,
     }  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(out / "summary.json")
     for key, value in summary.items():
         if key != "hardware":
             print(f"{key:40s} {json.dumps(value)[:150]}")
