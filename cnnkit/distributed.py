@@ -48,6 +48,9 @@ def resolve_device(name: str | None = "auto", field: str = "--device") -> torch.
             raise ConfigError(f"{field}: {name!r}: this machine has {count} CUDA device(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"{field}: {name!r} asked for, but MPS is not available here")
+    if device.type == "cuda" and device.index is not None:
+        # the current device: what torch.cuda calls that name none use (RNG states, sync)
+        torch.cuda.set_device(device)
     return device
 
 
@@ -178,7 +181,12 @@ class Group:
     def device(self, name: str) -> torch.device:
         """One device per process: cuda:LOCAL_RANK under NCCL, else the CPU."""
         if name.startswith("cuda"):
-            resolve_device(name.split(":")[0], "train.device")  # one clear line if no CUDA
+            if ":" in name:
+                raise ConfigError(
+                    f"train.device: {name!r} names one GPU, but each process of a group takes "
+                    "cuda:LOCAL_RANK: set train.device=cuda (CUDA_VISIBLE_DEVICES chooses GPUs)"
+                )
+            resolve_device(name, "train.device")  # one clear line if no CUDA
         return torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

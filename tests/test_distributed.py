@@ -302,6 +302,19 @@ def test_sync_batchnorm_on_cpus_is_one_line():
         fit(config, Path("/nonexistent/never-written"), quiet=True, dist=TwoOnCpus())
 
 
+def test_a_group_refuses_one_named_gpu_for_every_rank():
+    """Each rank of a group takes cuda:LOCAL_RANK: a device with an index would have been
+    silently ignored."""
+    from types import SimpleNamespace
+
+    from cnnkit.distributed import Group
+    from cnnkit.errors import ConfigError
+
+    rank = SimpleNamespace(use_cuda=True, local_rank=0)
+    with pytest.raises(ConfigError, match="'cuda:1' names one GPU, but each process of a group"):
+        Group.device(rank, "cuda:1")
+
+
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same configuration error: one line (rank 0's), exit status 2, and
     no torchrun failure table; a rank killed by a signal is one line too."""

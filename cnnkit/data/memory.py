@@ -114,11 +114,14 @@ class TensorBatches:
             for start in range(0, len(idx), self.batch_size):
                 yield self._batch(idx[start : start + self.batch_size], None)
             return
+        # drawn on the host (the same order on every device), moved once: a copy per batch
+        # would wait for the device each step
         order = torch.randperm(len(self.images), generator=self._gen(0, "cpu"))
+        order = order.to(self.images.device)
         per_rank = self.batch_size // self.world_size
         for i in range(self.skip, len(self)):
             start = i * self.batch_size + self.rank * per_rank  # rank's slice of global batch i
-            idx = order[start : start + per_rank].to(self.images.device)
+            idx = order[start : start + per_rank]
             yield self._batch(idx, self._gen(i + 1, self.images.device))
 
     def _batch(self, idx: torch.Tensor, gen: torch.Generator | None):

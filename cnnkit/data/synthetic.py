@@ -29,12 +29,13 @@ class SyntheticConfig(DataConfigBase):
         seed: int = 0,
         local_ranks: int = 1,
     ) -> DataBundle:
-        """Generate both sets once (the same on every rank), on the device."""
-        gen = torch.Generator().manual_seed(mix_seed(seed, 12345))
+        """Generate both sets once (the same on every rank), on the device (by its own
+        generator: a GPU draws a 1.6 GB set in milliseconds, the host in seconds)."""
+        gen = torch.Generator(device=device).manual_seed(mix_seed(seed, 12345))
         n = self.train_size + self.val_size
-        images = torch.randint(0, 256, (n, *self.shape), generator=gen, dtype=torch.uint8)
-        labels = torch.randint(0, self.num_classes, (n,), generator=gen)
-        images, labels = images.to(device), labels.to(device)
+        images = torch.randint(0, 256, (n, *self.shape), generator=gen, dtype=torch.uint8,
+                               device=device)  # fmt: skip
+        labels = torch.randint(0, self.num_classes, (n,), generator=gen, device=device)
         c, h, _ = self.shape
         pre = Preprocess(channels=c, crop=h, mean=[127.5] * c, std=[73.9] * c)
         common = dict(preprocess=pre, rank=rank, world_size=world_size, seed=seed)

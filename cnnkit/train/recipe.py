@@ -10,6 +10,7 @@ run repeats its augmentations exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -51,9 +52,7 @@ class BatchRecipe:
         """RandAugment / TrivialAugment on uint8 images: un-normalise, augment, normalise."""
         from torchvision.transforms import v2
 
-        view = (1, -1, 1, 1)
-        mean = torch.tensor(self.mean, device=x.device).view(view)
-        std = torch.tensor(self.std, device=x.device).view(view)
+        mean, std = _column(tuple(self.mean), x.device), _column(tuple(self.std), x.device)
         images = (x * std + mean).round_().clamp_(0, 255).to(torch.uint8)
         op = v2.RandAugment() if self.policy == "randaugment" else v2.TrivialAugmentWide()
         images = torch.cat([op(part) for part in images.split(GROUP)])
@@ -69,6 +68,13 @@ class BatchRecipe:
             ops.append(v2.CutMix(alpha=self.cutmix, num_classes=num_classes))
         op = ops[0] if len(ops) == 1 else v2.RandomChoice(ops)
         return op(x, y)
+
+
+@functools.lru_cache(maxsize=16)
+def _column(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """Per-channel values as a (1, C, 1, 1) tensor on `device`, made once (a host-to-device
+    copy each step would wait for the device)."""
+    return torch.tensor(values, device=device).view(1, -1, 1, 1)
 
 
 def random_erasing(x: torch.Tensor, p: float, scale: tuple[float, float] = (0.02, 1 / 3),

@@ -209,6 +209,7 @@ def _fastest(times: dict[tuple, float]) -> tuple:
     """The fastest candidate; fp16 only if MARGIN faster than bf16's best (its range is far
     narrower and it needs loss scaling: on a GPU where both run at one rate, a coin flip of
     timing noise must not pick it), and a reduced precision only if MARGIN faster than fp32's."""
+
     def best_of(precision: str) -> tuple | None:
         found = [c for c in times if c[0] == precision]
         return min(found, key=times.get) if found else None
