@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         for step in range(args.steps):
             train_step(engine, x, y)
-            group.after_step(engine.network, engine.optimizer, step + 1)
+            group.after_step(engine, step + 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()

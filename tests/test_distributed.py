@@ -344,3 +344,17 @@ def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypa
     monkeypatch.setenv("CNNKIT_NPROC", "2")  # what --nproc gives its ranks
     code, _, err = run_cli(["train", "digits", "train.epochs=-1"], capsys)
     assert code == 2 and err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["ddp", "average"])
+def test_the_scaling_benchmark_runs_under_each_sync(sync, tmp_path):
+    script = Path(__file__).parents[1] / "benchmarks" / "ddp_scaling.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--model", "digitnet", "--batch", "16", "--steps", "3",
+         "--repeats", "1", "--nproc", "1", "--sync", sync, "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["nproc"] == 1 and row["images_per_second"] > 0
