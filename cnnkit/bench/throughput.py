@@ -112,6 +112,7 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
                      cache: Any = True) -> dict[str, Any]:  # fmt: skip
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak."""
     torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as `cnnkit train` runs fp32 on CUDA
     cfg = train_config(device, precision, channels_last, compile, threads)
     model = load_network(net, device, num_classes)
     settings, runs_as = None, "cnnkit train"

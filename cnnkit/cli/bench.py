@@ -44,6 +44,7 @@ def _as_the_command_runs() -> None:
 
     keep_freed_memory()
     torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as `cnnkit train` runs fp32 on CUDA
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:

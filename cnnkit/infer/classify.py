@@ -53,6 +53,15 @@ class Classifier:
         self.mean_image = loaded.mean_image  # (C, S, S) or None: see _mean_residual
         self._residuals: dict[int, torch.Tensor] = {}
         self.channels_last: bool | None = None  # the faster kernels, measured at the first batch
+        self.autocast: torch.dtype | None = None  # a reduced precision a GPU run trained in
+        ran = loaded.ran or {}
+        if self.device.type == "cuda" and ran.get("device") == "cuda":  # as the run's steps ran
+            self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                ran.get("precision")
+            )
+            self.channels_last = bool(ran.get("channels_last"))
+            if self.channels_last:
+                self.model.to(memory_format=torch.channels_last)
 
     @classmethod
     def load(cls, path: str | Path, device: Any = "cpu", ema: bool = False) -> Classifier:
@@ -114,7 +123,8 @@ class Classifier:
             self._choose_format(len(x))
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        probs = self.model(x).float().softmax(dim=1)  # (B * N, K)
+        with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
+            probs = self.model(x).float().softmax(dim=1)  # (B * N, K)
         return probs.view(b, n, -1).mean(dim=1)
 
     def _mean_residual(self, n: int) -> torch.Tensor:

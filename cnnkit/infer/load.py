@@ -37,6 +37,7 @@ class Loaded:
     trained: bool = True  # False: a network description without weights (fresh ones)
     mean_image: torch.Tensor | None = None  # (C, S, S) a normalize: mean_image run subtracted
     mean_averaged: bool = False  # such a run's older checkpoint: only the image's averages
+    ran: dict[str, Any] | None = None  # a checkpoint's settings (precision, channels_last, device)
 
 
 def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = False) -> Loaded:
@@ -62,7 +63,7 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
         image = meta.get("mean_image")
         averaged = image is None and uses_mean_image(meta.get("config", {}))
         return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)),
-                      mean_image=image, mean_averaged=averaged)  # fmt: skip
+                      mean_image=image, mean_averaged=averaged, ran=meta.get("settings"))  # fmt: skip
     return load_network(str(target), device)
 
 
