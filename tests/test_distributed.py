@@ -4,7 +4,9 @@ Every check but the restart shares one torchrun (each costs seconds of imports p
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -117,6 +119,16 @@ try:
 except ConfigError as e:
     result["bad"] = str(e)
 result["averaging"] = averaging()
+from cnnkit.data.memory import TensorBatches
+plain_iter = TensorBatches.__iter__
+def one_empty(self):  # rank 1's second batch of each epoch: every image unreadable
+    for i, (x, y) in enumerate(plain_iter(self)):
+        yield (x[:0], y[:0]) if self.train and group.rank == 1 and i == 1 else (x, y)
+TensorBatches.__iter__ = one_empty
+ddp = validate_run({{**base, "train": {{**base["train"], "checkpoint_every": 0}}}})
+group = distributed.Group(ddp.train)  # (the last scenario's group averages: no DDP)
+result["empty"] = fit(ddp, os.path.join(out, "empty"), quiet=True, dist=group)["epochs"]
+TensorBatches.__iter__ = plain_iter
 json.dump(result, open(os.path.join(out, f"rank{{group.rank}}.json"), "w"))
 group.close()
 """
@@ -208,6 +220,17 @@ def test_a_mid_epoch_checkpoint_resumes_only_in_its_number_of_processes(two_proc
     state = load_checkpoint(two_processes / "mid-epoch.pt")
     with pytest.raises(ConfigError, match=r"saved by 2 process.*--nproc 2"):
         fit(resume_config(state), two_processes / "one-process", resume=state, quiet=True)
+
+
+def test_a_rank_whose_batch_was_all_unreadable_still_steps_with_the_others(two_processes):
+    """Under DDP the other ranks' all-reduces wait for this one: it steps on its last batch
+    weighted 0 rather than skipping (skipping shifted every later all-reduce by one step, and
+    the epoch's end paired an evaluation sum with a gradient bucket)."""
+    ranks = [json.loads((two_processes / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["empty"] for r in ranks] == [2, 2]
+    with open(two_processes / "empty" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(math.isfinite(float(r["train_loss"])) for r in rows)
 
 
 def test_distributed_evaluation_counts_each_image_once(two_processes):

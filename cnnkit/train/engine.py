@@ -107,11 +107,13 @@ def balanced_weights(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 
 def train_step(
-    engine: Engine, x: torch.Tensor, y: torch.Tensor
+    engine: Engine, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on (x, y), split into `accumulate` micro-batches whose gradients add
     up to the whole batch's: each micro-batch's mean loss weighs its share of the batch (of
     its images, or with class weights of its images' weights, as the loss normalises).
+    `scale` multiplies the loss that is backpropagated (0: a step that adds no gradient of its
+    own, but runs DDP's all-reduces with the other ranks).
 
     Returns (the batch's loss, number correct) as device tensors (no host sync).
     """
@@ -136,7 +138,7 @@ def train_step(
                 logits = model(xc)
                 loss = engine.loss_fn(logits.float(), yc)
             share = (weight[yc].sum() if per_image is not None else len(yc)) / total
-            engine.scaler.scale(loss * share).backward()
+            engine.scaler.scale(loss * (share * scale)).backward()
         loss_sum += loss.detach() * share
         hard = yc.argmax(1) if yc.dim() == 2 else yc  # mixed (soft) labels: the larger share
         correct += (logits.argmax(1) == hard).sum()

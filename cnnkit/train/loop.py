@@ -40,6 +40,13 @@ def weights_finite(network: torch.nn.Module) -> bool:
     return bool(torch.stack(flags).all().item()) if flags else True
 
 
+def _stand_in(engine: Engine, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One blank image of the network's input and label 0, for a rank whose first batch was
+    all unreadable (it is weighted 0)."""
+    x = torch.zeros(1, *empty.shape[1:], dtype=empty.dtype, device=empty.device)
+    return x, torch.zeros(1, dtype=torch.long, device=empty.device)
+
+
 class EpochStats:
     """The training statistics of the epoch in progress: device tensors added to at every step
     (no host sync), read only when needed (a checkpoint, the end of the epoch). `earlier` holds
@@ -155,6 +162,7 @@ def train_one_epoch(
     stats = progress.running = EpochStats(engine.device, progress.partial)
     loss = torch.zeros((), device=engine.device)
     it = iter(batches)
+    ddp, kept = hasattr(engine.model, "no_sync"), None
     while True:
         t0 = time.perf_counter()
         x, y = next(it, (None, None))
@@ -168,6 +176,11 @@ def train_one_epoch(
             schedule.apply(engine.optimizer, at)
             loss, hits = train_step(engine, x, y)
             stats.add(loss, hits, len(y))
+            kept = (x, y)
+        elif ddp:  # the other ranks step, and DDP's all-reduces pair across ranks: this one
+            # steps too, on its last batch weighted 0 (its gradient adds nothing to the mean)
+            schedule.apply(engine.optimizer, at)
+            train_step(engine, *(kept or _stand_in(engine, x)), scale=0.0)
         progress.step += 1
         progress.global_step += 1
         if (progress.step % FINITE_EVERY == 0 or progress.step == steps) and not stats.finite():
