@@ -55,9 +55,35 @@ def test_training_on_cuda_validates_evaluates_and_tencrops(shapes, tmp_path):
     assert plain["top1"] == pytest.approx(on_cpu["top1"], abs=2 / 12)  # near-ties may flip
 
 
-def test_slot_ring_is_page_locked_and_cuda_batches_equal_cpu_ones(shapes):
+def _late(monkeypatch) -> None:
+    """Every copy to the GPU starts 25 ms late on the side stream, and every batch is used 25 ms
+    late on the compute stream: a slot released, or a tensor reused, before the copy that reads
+    it is done would show as a wrong batch."""
+    from cnnkit.data.feed import DeviceFeed
+
+    plain = DeviceFeed.overlapped
+
+    def wait_first(prepare):
+        def run():
+            torch.cuda._sleep(50_000_000)  # (cycles, on the side stream: about 25 ms)
+            return prepare()
+
+        return run
+
+    def slow(self, batches):
+        for batch in plain(self, (wait_first(p) for p in batches)):
+            torch.cuda._sleep(50_000_000)
+            yield batch
+
+    monkeypatch.setattr(DeviceFeed, "overlapped", slow)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_slot_ring_is_page_locked_and_cuda_batches_equal_cpu_ones(shapes, late, monkeypatch):
     section = {"source": "packed", "path": str(shapes / "raw"), "batch_size": 4, "crop": 20,
-               "val_fraction": 0.25, "workers": 2}  # fmt: skip
+               "val_fraction": 0.25, "workers": 2, "prefetch": 1}  # fmt: skip
+    if late:
+        _late(monkeypatch)
     cpu, gpu = data_config(section).build(CPU), data_config(section).build(CUDA)
     gpu.train.set_epoch(1)
     cpu.train.mode = "whole"  # the CUDA path's crops: whole images, cut by the device
