@@ -72,7 +72,9 @@ START=$(date +%s)
 cd "$REPO"
 # pydantic, simplejpeg, ...: carried as wheels (gpu_wheels.sh) where the image lacks them; the
 # image's own typing_extensions is kept when it is as new as the carried one
-if ! "$PY" -c 'import pydantic, simplejpeg' 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
+# (FORCE_WHEELS=1: install them even where importable, to rehearse this on a CPU machine)
+if { [[ ${FORCE_WHEELS:-0} == 1 ]] || ! "$PY" -c 'import pydantic, simplejpeg' 2>/dev/null; } &&
+    ls .whl/*.whl > /dev/null 2>&1; then
     wheels=()
     for w in .whl/*.whl; do
         if [[ $(basename "$w") == typing_extensions-* ]]; then
