@@ -7,7 +7,9 @@
 #   JPEG shards; the 2012 AlexNet, inference; a one-process NCCL DDP run and a `sync: average`
 #   run; torch.compile; per-layer times; the CPU/GPU scaling study in fp32 and bf16; the loader
 #   on JPEGs decoded by the CPU; `cnnkit train` from synthetic data. The figures of the floors
-#   come first: a step that would overrun the budget is one of the last.
+#   come first: a step that would overrun the budget is one of the last. Each bench step times
+#   the peak kernels interleaved with its own steps (a second or two each), not one shared
+#   figure: the fraction of peak then compares rates under the same clocks and heat.
 #
 #   bash benchmarks/gpu_wheels.sh            # here, once: the wheels the GPU image lacks -> .whl/
 #   bash benchmarks/gpu.sh OUT_DIR [BACK]    # there; results: OUT_DIR/*.log, *.json, summary.json
