@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -72,6 +73,8 @@ class Processes(Protocol):
 
     def broadcast_object(self, obj: Any) -> Any: ...  # rank 0's obj on every rank
 
+    def any(self, flag: bool) -> bool: ...  # whether any rank's flag is set (a collective)
+
     def synced(self, global_step: int, epoch_end: bool = False) -> bool: ...  # replicas equal
 
     def after_step(self, engine: Any, global_step: int, epoch_end: bool = False) -> None: ...
@@ -98,6 +101,9 @@ class Local:
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
+
+    def any(self, flag: bool) -> bool:
+        return flag
 
     def synced(self, global_step: int, epoch_end: bool = False) -> bool:
         return True
@@ -206,6 +212,13 @@ class Group:
         box = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank's `flag` is set (one small all-reduce and a host sync)."""
+        device = torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
+        t = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP for sync "ddp"; the plain model (replicas kept in step by averaging) otherwise."""
@@ -331,7 +344,14 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     env = dict(os.environ, CNNKIT_NPROC=str(nproc))  # ranks of one config: rank 0 says errors
     # the cores shared among the processes (torchrun would set 1 and print a banner about it)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
-    return subprocess.call(cmd, env=env)
+    # Ctrl-C: torchrun's agent passes it on to the ranks (in sessions of their own), which agree
+    # on a step, save and stop; this process waits for them (SIGINT ignored once it started)
+    agent = subprocess.Popen(cmd, env=env)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return agent.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def torchrun(args: list[str]) -> int:
@@ -345,11 +365,12 @@ def torchrun(args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):  # (each has a level of its own)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         main(args)
     except (SignalException, KeyboardInterrupt):  # Ctrl-C: the ranks have said where they stood
-        print("cnnkit: interrupted", file=sys.stderr)
         return 130
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()

@@ -357,6 +357,32 @@ def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     assert done.stderr.splitlines() == ["cnnkit: error: rank 0 was killed by SIGKILL"]
 
 
+def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group): torchrun's agent passes it on,
+    the ranks agree on a step, save it and stop; one line, exit status 130, resumable."""
+    import signal
+
+    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "2", "--out",
+           str(tmp_path / "run"), "train.epochs=100"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+    try:
+        for line in proc.stdout:  # (not a terminal: a line per epoch)
+            if line.startswith("epoch 2/"):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    (line,) = err.splitlines()
+    assert line.startswith("cnnkit: interrupted at epoch ") and "(saved); resume with" in line
+    state = load_checkpoint(tmp_path / "run" / "last.pt")
+    assert state["epoch"] >= 2 and f"epoch {state['epoch'] + 1} step {state['step']} " in line
+
+
 def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypatch):
     """RANK alone (a pod or job that exports it) never hides an error line."""
     from helpers import run_cli

@@ -49,6 +49,12 @@ def _root(
     """cnnkit: convolutional networks from a file."""
 
 
+def _other_rank() -> bool:
+    """A rank other than 0 of `--nproc`: its ranks meet the same configuration error and the
+    same Ctrl-C, and rank 0's line says it."""
+    return bool(os.environ.get("CNNKIT_NPROC")) and os.environ.get("RANK", "0") != "0"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code.
 
@@ -77,14 +83,14 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         kind = "" if isinstance(e, Interrupted) else "error: "
-        others = os.environ.get("CNNKIT_NPROC") and os.environ.get("RANK", "0") != "0"
-        if not (isinstance(e, ConfigError) and others):  # --nproc's ranks meet the same one:
-            print(f"cnnkit: {kind}{e}", file=sys.stderr)  # rank 0's line says it
+        if not (isinstance(e, (ConfigError, Interrupted)) and _other_rank()):
+            print(f"cnnkit: {kind}{e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training step
         if debug:
             raise
-        print("cnnkit: interrupted", file=sys.stderr)
+        if not _other_rank():
+            print("cnnkit: interrupted", file=sys.stderr)
         sys.exit(130)
     except OSError as e:  # a full disk, a read-only or missing folder: one line
         if debug or (e.errno not in DISK_ERRORS and e.errno not in PATH_ERRORS):

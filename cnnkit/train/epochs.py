@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -57,16 +58,25 @@ class Hooks:
 
 
 class StopRequest:
-    """Set by the first Ctrl-C: the run stops after the step in progress, saved."""
+    """Set by the first Ctrl-C: the run stops after the step in progress (alone) or at the
+    next step where the processes of a group agree (AGREE_EVERY), saved."""
 
     requested = False
+    at = 0.0  # when (time.monotonic)
+
+
+# steps between a group's checks for a Ctrl-C (one tiny all-reduce and a host sync): on a GPU
+# every 16 (a fraction of a second); on CPUs, whose steps are slow, every step (torchrun's agent
+# kills the ranks 30 s after it passes the Ctrl-C on)
+AGREE_EVERY = {"cuda": 16}
 
 
 @contextmanager
 def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
-    """The first Ctrl-C asks the run to stop at the next step boundary (saving last.pt there,
-    so the resumed run is exact); a second one stops at once. Only alone and in the main
-    thread: processes of a group could not agree on a step without a collective per step."""
+    """The first Ctrl-C asks the run to stop at a step boundary (saving last.pt there, so the
+    resumed run is exact); a second one, a second later or more, stops at once (one within a
+    second is the same Ctrl-C: torchrun forwards what the terminal also sent). Only in the
+    main thread, and not in a background job (SIGINT ignored)."""
     stop = StopRequest()
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT)
@@ -76,9 +86,11 @@ def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
 
     def handler(signum, frame) -> None:
         if stop.requested:
+            if time.monotonic() - stop.at < 1.0:
+                return
             signal.signal(signal.SIGINT, previous)
             raise KeyboardInterrupt
-        stop.requested = True
+        stop.requested, stop.at = True, time.monotonic()
 
     signal.signal(signal.SIGINT, handler)
     try:
@@ -113,13 +125,21 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
     recipe = BatchRecipe(config.data.policy, config.data.erasing, config.data.mixup,
                          config.data.cutmix, tuple(pre.mean), tuple(pre.std))  # fmt: skip
 
+    def stopping(step: int) -> bool:
+        """A Ctrl-C: alone at once; in a group where every rank agrees (the same step)."""
+        if dist.world_size == 1:
+            return stop.requested
+        every = AGREE_EVERY.get(engine.device.type, 1)
+        return (step % every == 0 or step == steps) and dist.any(stop.requested)
+
     def after_step(epoch: int, step: int, global_step: int) -> None:
+        stop_now = stopping(step)
         if saves.due(global_step, step, steps, dist.synced(global_step, step == steps)):
             save_mid_epoch(engine, schedule, progress, ctx, writer)
-        elif stop.requested:  # sync: average between two averagings: average early
+        elif stop_now:  # sync: average between two averagings: average early
             dist.average(engine)
             save_mid_epoch(engine, schedule, progress, ctx, writer)
-        if stop.requested:
+        if stop_now:
             writer.wait()
             raise Interrupted(
                 f"interrupted at epoch {epoch + 1} step {step} (saved); resume with "

@@ -233,7 +233,7 @@ def fit(
         _describe(console, ctx, engine, progress)
         writer = CheckpointWriter()
         try:
-            with stop_on_interrupt(dist.world_size == 1) as stop:
+            with stop_on_interrupt(True) as stop:
                 train_epochs(engine, schedule, progress, console, Hooks(on_step, callbacks), ctx,
                              writer, stop)  # fmt: skip
         finally:
