@@ -262,3 +262,21 @@ def test_a_mid_epoch_resume_refuses_what_changes_the_epochs_order(finished_run):
     with pytest.raises(CheckpointError, match="step 1000000 of epoch 2 .* 8 steps an epoch"):
         fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 3}}), finished_run.parent /
             "again", resume=damaged, quiet=True)  # fmt: skip
+
+
+def test_a_resume_asking_for_fewer_epochs_than_done_is_refused_writing_nothing(finished_run,
+                                                                                tmp_path):  # fmt: skip
+    """It said 'all 2 epochs done' and rewrote config.yaml to 2 while last.pt and
+    summary.json held more."""
+    import shutil
+
+    from cnnkit.errors import ConfigError
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    state = {**load_checkpoint(run / "last.pt"), "epoch": 3}  # as if 3 epochs were done
+    with pytest.raises(ConfigError, match=r"train.epochs=2: .*run has done 3 epochs already"):
+        fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 2}}), run, resume=state,
+            quiet=True)  # fmt: skip
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before

@@ -219,6 +219,11 @@ def fit(
         progress = restore(resume, engine, schedule, len(data.train)) if resume else Progress()
         if resume:  # after everything that draws from the generators, before any file is written
             _restore_rank(resume, dist, progress)
+            if progress.epoch > config.train.epochs:  # it would rewrite config.yaml to fewer
+                raise ConfigError(
+                    f"train.epochs={config.train.epochs}: {run_dir} has done {progress.epoch} "
+                    "epochs already (ask for more to go on, or leave it out)"
+                )
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
                             progress)  # fmt: skip
