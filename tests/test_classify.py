@@ -330,6 +330,10 @@ def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch
     assert code == 1 and "packed at 16 px" in err  # the directory, not the source name
     code, _, err = run_cli(["eval", str(digits_run), "--tencrop"], capsys)
     assert code == 2 and "use a folder" in err  # digits itself: stored at 8 px
+    image = str(sorted((tmp_path / "src").rglob("*.JPEG"))[0])
+    code, out, err = run_cli(["classify", str(digits_run), image, "--tencrop"], capsys)
+    assert code == 2 and not out  # 5 copies and 5 mirrors of the 8 px image, not 10 crops
+    assert "--tencrop: 10-crop needs images resized larger than the network's input (8x8)" in err
 
 
 def test_classify_reads_a_large_jpeg_as_eval_reads_its_folder(digits_run, tmp_path):

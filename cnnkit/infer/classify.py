@@ -97,6 +97,12 @@ class Classifier:
         batch_size: int = 64,
     ) -> Iterator[Prediction]:
         """Classify images in batches, in order; an unreadable one yields a Prediction with error."""
+        pre = self.preprocess
+        if tencrop and not (pre.resize and pre.resize > pre.crop):  # 5 copies and 5 mirrors
+            raise ConfigError(
+                f"--tencrop: 10-crop needs images resized larger than the network's input "
+                f"({pre.crop}x{pre.crop}); this network reads them at that size"
+            )
         pending: list[tuple[str, torch.Tensor]] = []
         for index, image in enumerate(images):
             name = image_name(image, index)
