@@ -55,6 +55,17 @@ def resolve_device(name: str | None = "auto", field: str = "--device") -> torch.
     return device
 
 
+def group_device_name(name: str) -> str:
+    """`train.device` for a group, where each process takes cuda:LOCAL_RANK: one named GPU
+    (cuda:N) would be ignored, so it is one clear line."""
+    if name.startswith("cuda") and ":" in name:
+        raise ConfigError(
+            f"train.device: {name!r} names one GPU, but each process of a group takes "
+            "cuda:LOCAL_RANK: set train.device=cuda (CUDA_VISIBLE_DEVICES chooses GPUs)"
+        )
+    return name
+
+
 class Processes(Protocol):
     """The processes training runs in: this one's rank, the collectives, the model wrapper."""
 
@@ -186,12 +197,7 @@ class Group:
 
     def device(self, name: str) -> torch.device:
         """One device per process: cuda:LOCAL_RANK under NCCL, else the CPU."""
-        if name.startswith("cuda"):
-            if ":" in name:
-                raise ConfigError(
-                    f"train.device: {name!r} names one GPU, but each process of a group takes "
-                    "cuda:LOCAL_RANK: set train.device=cuda (CUDA_VISIBLE_DEVICES chooses GPUs)"
-                )
+        if group_device_name(name).startswith("cuda"):
             resolve_device(name, "train.device")  # one clear line if no CUDA
         return torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
 

@@ -41,6 +41,26 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
         (["train", "--resume", "/a/run", "--out", "/b"], 2, "--out /b cannot be given with it"),
         (["train", "digits", "--resume", "/a/run"], 2, "the run digits cannot be given with it"),
         (["train", "digits", "--nproc", "3", "--dry-run"], 2, "does not divide into 3"),
+        # a dry run of N checks what N processes check: mining, SyncBatchNorm's devices, cuda:N
+        (["train", "faces", "--nproc", "2", "--dry-run"], 2, "mining runs in one process"),
+        (
+            [
+                "train",
+                "digits",
+                "train.sync_bn=true",
+                "train.device=cpu",
+                "--nproc",
+                "2",
+                "--dry-run",
+            ],
+            2,
+            "SyncBatchNorm runs on CUDA devices only",
+        ),  # fmt: skip
+        (
+            ["train", "digits", "train.device=cuda:1", "--nproc", "2", "--dry-run"],
+            2,
+            "'cuda:1' names one GPU",
+        ),  # fmt: skip
         (["eval", "/no/such/run"], 1, "no such checkpoint"),
     ],
 )

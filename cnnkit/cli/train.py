@@ -45,12 +45,8 @@ def train(
                           f"{given} cannot be given with it (key=value overrides can)")  # fmt: skip
     if nproc is not None and not dry_run:
         raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
-    if nproc is not None and (
-        run is not None or resume is not None
-    ):  # a dry run of N: the split too
-        from cnnkit.train.run import check_batch
-
-        check_batch(_config(run, overrides, resume), nproc)
+    if nproc is not None and (run is not None or resume is not None):  # a dry run of N
+        _check_group(_config(run, overrides, resume), nproc, resume)
     cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)
 
 
@@ -69,19 +65,32 @@ def _config(run, overrides: list[str], resume):
     return resume_config(state, overrides) if state else load_run(resume / "config.yaml")
 
 
+def _check_group(config, nproc: int, resume) -> None:
+    """What N processes of this run must fit, checked as the ranks would check it (so a dry
+    run of N passes only what N can run)."""
+    import torch
+
+    from cnnkit.distributed import group_device_name
+    from cnnkit.errors import ConfigError
+    from cnnkit.mining import mining_of
+    from cnnkit.train.run import check_processes, resume_state
+
+    if mining_of(config) is not None:
+        raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
+    group_device_name(config.train.device)
+    cuda = config.train.device != "cpu" and torch.cuda.is_available()  # as each rank chooses
+    state = resume_state(resume) if resume is not None else None
+    check_processes(config, nproc, torch.device("cuda" if cuda else "cpu"), state)
+
+
 def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int) -> int:
     """Re-run this command under torchrun with N processes and one agreed run directory."""
     from cnnkit.distributed import start_local
-    from cnnkit.errors import ConfigError
-    from cnnkit.mining import mining_of
-    from cnnkit.train.run import check_batch
     from cnnkit.train.rundir import claimed_run_dir
 
     argv = ["train", *([run] if run else []), *overrides]
-    config = _config(run, overrides, resume)  # checked here, once, not by N processes each
-    if mining_of(config) is not None:
-        raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
-    check_batch(config, nproc)
+    config = _config(run, overrides, resume)
+    _check_group(config, nproc, resume)  # here, once, not by N processes each
     argv += ["--quiet"] if quiet else []
     if resume is not None:
         return start_local(nproc, [*argv, "--resume", str(resume)], max_restarts)
