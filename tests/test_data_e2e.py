@@ -81,14 +81,19 @@ def test_bench_loader_json_last_line(tmp_path, capsys):
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
     for argv, code in [
         (["pack", str(tmp_path / "missing"), str(tmp_path / "p")], 1),
         (["pack", str(tmp_path), str(tmp_path / "p"), "--resize", "stretch"], 2),
         (["synth", "shapes", str(tmp_path / "s"), "--classes", "0"], 2),
+        (["synth", "shapes", str(tmp_path / "mine")], 2),  # not empty: never overwritten
         (["bench", "loader", str(tmp_path / "missing")], 1),
+        (["bench", "loader", str(tmp_path), "--crop", "0"], 2),
     ]:
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == code
         err = capsys.readouterr().err
         assert err.startswith("cnnkit: error: ") and err.count("\n") == 1
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]

@@ -117,6 +117,9 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
         raise ConfigError(f"--classes: must be 1..{limit}, got {classes}")
     if per_class < 1 or size < 8:
         raise ConfigError("--per-class must be >= 1 and --size >= 8")
+    if Path(dst).exists() and (not Path(dst).is_dir() or any(Path(dst).iterdir())):
+        what = "not empty" if Path(dst).is_dir() else "exists and is not a folder"
+        raise ConfigError(f"{dst}: {what} (synth writes a new set: give a new folder)")
     names = class_names(classes)
     jobs = [(str(dst), k, name, per_class, size, seed, quality) for k, name in enumerate(names)]
     workers = min(workers or available_cores(), len(jobs))
