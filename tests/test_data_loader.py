@@ -146,6 +146,29 @@ def test_folder_training_skips_and_reports_bad_images(tmp_path, capfd):
     assert bundle.classes == ["good", "odd"]
 
 
+def test_a_runs_summary_counts_the_held_out_images_it_scored(tmp_path, capfd):
+    """3 of the 14 held-out files are unreadable: the run scores 11, and says 3 skipped."""
+    import json
+    from pathlib import Path
+
+    from cnnkit.config import validate_run
+    from cnnkit.train.run import fit
+
+    write_bad_folder(tmp_path / "val")
+    synth_shapes(tmp_path / "train", classes=2, per_class=8, size=24)
+    for name, folder in zip(("good", "odd"), sorted((tmp_path / "train").iterdir()), strict=True):
+        folder.rename(tmp_path / "train" / name)  # the held-out set's class names
+    net = Path(__file__).parent / "data" / "tiny_alexnet.yaml"
+    run = {"name": "b", "model": str(net),
+           "data": {"source": "folder", "path": str(tmp_path / "train"), "val_path":
+                    str(tmp_path / "val"), "size": 24, "crop": 20, "batch_size": 8, "workers": 0},
+           "train": {"epochs": 1}}  # fmt: skip
+    summary = fit(validate_run(run), tmp_path / "run", quiet=True)
+    assert (summary["val_images"], summary["val_skipped"]) == (11, 3)
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (written["val_images"], written["val_skipped"]) == (11, 3)
+
+
 @pytest.mark.parametrize("train_crop", ["random", "resized"])
 def test_zero_copy_views_augment_like_a_batch_tensor(packed, train_crop):
     stream = streams(packed, train_crop=train_crop).train

@@ -187,7 +187,7 @@ def _evaluate(engine: Engine, progress: Progress, stats: dict[str, float], sched
     row = epoch_row(progress, stats, val, schedule, ctx.dist, engine.device)
     if engine.ema is not None:
         averaged = evaluate(replace(engine, network=engine.ema.module), ctx.data.val, ctx.dist)
-        row.update({f"val_{k}_ema": v for k, v in averaged.items()})
+        row.update({f"val_{k}_ema": averaged[k] for k in ("loss", "top1", "top5")})
     return row
 
 

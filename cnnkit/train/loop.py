@@ -108,7 +108,8 @@ class Progress:
 
 @torch.no_grad()
 def evaluate(engine: Engine, batches: Batches, dist: Processes | None = None) -> dict[str, float]:
-    """Loss, top-1 and top-5 over the whole validation stream (each image once, all ranks)."""
+    """Loss, top-1 and top-5 over the whole validation stream (each image once, all ranks),
+    and how many images were scored (unreadable ones are skipped)."""
     dist = dist or Local()
     model = engine.network.eval()
     totals = torch.zeros(4, device=engine.device, dtype=torch.float64)  # loss, top1, top5, n
@@ -125,6 +126,7 @@ def evaluate(engine: Engine, batches: Batches, dist: Processes | None = None) ->
         "loss": totals[0].item() / n,
         "top1": totals[1].item() / n,
         "top5": totals[2].item() / n,
+        "images": int(totals[3].item()),
     }
 
 

@@ -29,6 +29,7 @@ def epoch_row(
         "val_loss": val["loss"],
         "val_top1": val["top1"],
         "val_top5": val["top5"],
+        "val_images": val["images"],  # scored (not in metrics.csv): unreadable ones skipped
         "lr": schedule.lr(progress.epoch + 1 - 1 / max(progress.step, 1)),  # the last step's
         "images_per_second": seen / max(stats["seconds"], 1e-9),
         "seconds": stats["seconds"],
@@ -43,6 +44,7 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float,
     last = history[-1] if history else {}
     train_seconds = sum(r["seconds"] for r in history)
     images = sum(r["images_per_second"] * r["seconds"] for r in history)
+    scored = int(last.get("val_images", ctx.data.val.num_samples))  # unreadable ones skipped
     summary = {
         "name": config.name,
         "run_dir": str(ctx.run_dir),
@@ -56,7 +58,8 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float,
             (r["val_top1_ema"] for r in history if "val_top1_ema" in r), default=None
         ),  # fmt: skip
         "train_images": ctx.data.train.num_samples,
-        "val_images": ctx.data.val.num_samples,
+        "val_images": scored,
+        "val_skipped": ctx.data.val.num_samples - scored,
         "wall_seconds": round(progress.seconds + seconds, 3),
         "images_per_second": round(images / train_seconds, 1) if train_seconds else None,
         "device": str(engine.device),
@@ -78,8 +81,9 @@ def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bo
         return f"done: no epoch trained -> {run_dir}"
     best = max(history, key=lambda r: r["val_top1"])
     five = f" top-5 {summary['val_top5']:.2%}" if top5 else ""
+    skipped = f", {summary['val_skipped']} unreadable skipped" if summary.get("val_skipped") else ""
     return (
         f"done: held-out top-1 {summary['val_top1']:.2%}{five} at the last epoch "
-        f"({summary['val_images']} images; best {best['val_top1']:.2%} at epoch "
+        f"({summary['val_images']} images{skipped}; best {best['val_top1']:.2%} at epoch "
         f"{int(best['epoch'])}, kept as best.pt), {summary['wall_seconds']:.1f}s -> {run_dir}"
     )
