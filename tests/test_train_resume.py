@@ -257,6 +257,9 @@ def test_a_mid_epoch_resume_refuses_what_changes_the_epochs_order(finished_run):
                                               r"in progress \(epoch 2, 4 steps of it done\)"):  # fmt: skip
             resume_config(state, [override])
     assert resume_config(state, ["data.eval_batch_size=7", "train.epochs=3"]).train.epochs == 3
+    for override in ("model.network=lenet5", "model=digitnet"):  # it said 'model.name: unknown'
+        with pytest.raises(ConfigError, match="cannot change: a resumed run keeps its network"):
+            resume_config(state, [override])
     assert resume_config({**state, "step": 0}, ["data.batch_size=8"]).data.batch_size == 8
     damaged = {**state, "step": 1_000_000, "global_step": 1_000_000}
     with pytest.raises(CheckpointError, match="step 1000000 of epoch 2 .* 8 steps an epoch"):

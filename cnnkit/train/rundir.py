@@ -98,6 +98,11 @@ def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> 
     network is the checkpoint's own (its file may have moved since)."""
     raw = dict(copy.deepcopy(state["config"]), model=state["model_spec"])  # the state unchanged
     for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if key == "model" or key.startswith("model."):  # its weights are the network's
+            raise ConfigError(f"--resume: {key} cannot change: a resumed run keeps its network "
+                              "(to fine-tune it as another run, give a new run model.weights: "
+                              "RUN/best.pt)")  # fmt: skip
         apply_override(raw, item)
     if state.get("step"):
         _same_epoch_order(state, raw)
