@@ -4,6 +4,7 @@ nothing in an existing run directory overwritten."""
 from __future__ import annotations
 
 import pytest
+from helpers import run_cli
 
 from cnnkit.cli import main
 
@@ -41,6 +42,9 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
         (["train", "--resume", "/a/run", "--out", "/b"], 2, "--out /b cannot be given with it"),
         (["train", "digits", "--resume", "/a/run"], 2, "the run digits cannot be given with it"),
         (["train", "digits", "--nproc", "3", "--dry-run"], 2, "does not divide into 3"),
+        (["train", "digits", "--lr", "0.1"], 2, "(settings are key=value overrides: train.lr=...)"),
+        (["train", "digits", "--batch-size", "8"], 2, "overrides: data.batch_size=...)"),
+        (["train", "digits", "--max-restarts", "2"], 2, "--max-restarts: restarts the processes"),
         # a dry run of N checks what N processes check: mining, SyncBatchNorm's devices, cuda:N
         (["train", "faces", "--nproc", "2", "--dry-run"], 2, "mining runs in one process"),
         (
@@ -114,3 +118,10 @@ def test_eval_prints_top5_only_above_five_classes(classes, capsys, monkeypatch):
     assert done.value.code == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(("top-5 100.00%" in x) == (classes > 5) for x in lines)
+
+
+def test_version_and_the_settings_of_a_run_directory(digits_run, capsys):
+    code, out, _ = run_cli(["--version"], capsys)
+    assert code == 0 and out.startswith("cnnkit 0.") and "torch" in out
+    code, out, _ = run_cli(["config", str(digits_run), "--changed"], capsys)
+    assert code == 0 and "train.epochs" in out and "config.yaml" in out  # its own settings

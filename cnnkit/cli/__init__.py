@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 
 import typer
@@ -42,11 +43,46 @@ for area in (net, train, data, infer, bench):
     area.register(app, bench_app)
 
 
+def _version(show: bool) -> None:
+    if show:
+        import torch
+
+        from cnnkit import __version__
+
+        print(f"cnnkit {__version__} (torch {torch.__version__})")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback on errors."),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        "-V",
+        callback=_version,
+        is_eager=True,
+        help="Print the version and exit.",
+    ),  # fmt: skip
 ) -> None:
     """cnnkit: convolutional networks from a file."""
+
+
+def _settings_hint(message: str) -> str:
+    """An unknown --option that names a run setting (--lr, --epochs, --batch-size): settings
+    are key=value overrides, as `epochs=2` already says."""
+    found = re.match(r"No such option: --([\w-]+)", message)
+    if not found:
+        return ""
+    from cnnkit.config import TrainConfig
+    from cnnkit.data.base import DataConfigBase
+
+    name = found.group(1).replace("-", "_")
+    for section, fields in (("train", TrainConfig.model_fields),
+                            ("data", DataConfigBase.model_fields)):  # fmt: skip
+        if name in fields:
+            return f" (settings are key=value overrides: {section}.{name}=...)"
+    return ""
 
 
 def _other_rank() -> bool:
@@ -72,7 +108,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         ctx = getattr(e, "ctx", None)  # usage errors know the command: point at its help
         see = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-        print(f"cnnkit: error: {e.format_message().rstrip('.')}{see}", file=sys.stderr)
+        message = e.format_message().rstrip(".")
+        hint = _settings_hint(message) if see == " (see cnnkit train --help)" else ""
+        if hint:  # not typer's closest option name: what the user meant
+            message, see = re.sub(r" \(Possible options: [^)]*\)", "", message), hint
+        print(f"cnnkit: error: {message}{see}", file=sys.stderr)
         sys.exit(e.exit_code)
     except typer.Abort:  # typer's name for an EOFError inside a command (a peer lost, ...)
         if debug:

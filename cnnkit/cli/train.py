@@ -43,6 +43,10 @@ def train(
         given = f"--out {out}" if out is not None else f"the run {run}"
         raise ConfigError(f"--resume {resume} continues that run in its own directory: "
                           f"{given} cannot be given with it (key=value overrides can)")  # fmt: skip
+    if max_restarts and nproc is None:
+        from cnnkit.errors import ConfigError
+
+        raise ConfigError("--max-restarts: restarts the processes of --nproc N; give --nproc")
     if nproc is not None and not dry_run:
         raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
     if nproc is not None and (run is not None or resume is not None):  # a dry run of N
@@ -102,7 +106,7 @@ def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restart
 
 
 def show_config(
-    run: str = typer.Argument(..., help="A zoo run (digits, faces, ...) or a run file."),
+    run: str = typer.Argument(..., help="A zoo run, a run file or a run directory."),
     overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
     changed: bool = typer.Option(False, "--changed", help="Only the settings off their default."),
 ) -> None:
@@ -113,6 +117,8 @@ def show_config(
     from cnnkit.config import describe_run, load_run
     from cnnkit.tables import wide_console
 
+    if Path(run).is_dir() and (Path(run) / "config.yaml").is_file():  # a run directory's own
+        run = str(Path(run) / "config.yaml")
     config = load_run(run, list(overrides or []))
     table = Table(title=f"{config.name}: {run}", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("key", "value", "default", "description"):
