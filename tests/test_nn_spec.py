@@ -85,6 +85,11 @@ BAD = [
     ),
     (net({"type": "conv", "kernel_size": 3}), "layer 0 (conv0): out_channels: Field required"),
     (net(conv(kernal_size=3)), "layer 0 (conv0): kernal_size: unknown field"),
+    (  # the typo, not the required field it left out, and the field meant
+        net({"type": "conv", "out_channels": 4, "kernal_size": 3}),
+        "layer 0 (conv0): kernal_size: unknown field (did you mean 'kernel_size'?)",
+    ),
+    (net(conv(stirde=2)), "layer 0 (conv0): stirde: unknown field (did you mean 'stride'?)"),
     (
         net(conv(out_channels="four")),
         "layer 0 (conv0): out_channels: Input should be a valid integer",

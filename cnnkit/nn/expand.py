@@ -378,7 +378,11 @@ def _output_shape(label: str, layer: Layer, in_shapes: list[Shape]) -> Shape:
 def _validate(label: str, kind: str, fields: dict[str, Any]) -> Layer:
     try:
         return KINDS[kind].model_validate(fields)
-    except ValidationError as e:
+    except ValidationError as e:  # a mistyped field first: it is why a required one is missing
+        unknown = [str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"]
+        if unknown:
+            meant = suggest(unknown[0], KINDS[kind].model_fields)
+            raise ConfigError(f"{label}: {unknown[0]}: unknown field{meant}") from None
         raise ConfigError(f"{label}: {validation_message(e)}") from None
 
 
