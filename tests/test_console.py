@@ -82,3 +82,17 @@ def test_tensorboards_step_lr_is_the_rate_the_step_used(tmp_path):
     for global_step, lr in points:  # step g ran at (g - 1) / steps of an epoch into the run
         used = schedule.lr((global_step - 1) / per_epoch)
         assert lr == pytest.approx(used, rel=1e-6), global_step
+
+
+def test_the_moving_averages_figures_are_on_the_epoch_and_done_lines(capsys):
+    from cnnkit.train.summary import done_line
+
+    row = {"epoch": 2, "train_loss": 0.5, "train_top1": 0.8, "val_loss": 0.4, "val_top1": 0.9,
+           "val_top5": 1.0, "lr": 0.01, "images_per_second": 100.0, "seconds": 1.0,
+           "val_top1_ema": 0.925}  # fmt: skip
+    Console(every=0.0).end_epoch(row, 5)
+    assert "top-1 90.00% (EMA 92.50%)" in capsys.readouterr().out
+    summary = {"val_top1": 0.9, "val_top5": 1.0, "val_images": 40, "wall_seconds": 2.0,
+               "best_val_top1_ema": 0.95}  # fmt: skip
+    line = done_line(summary, [row], False, "runs/x")
+    assert "; the moving average's best 95.00%, kept as best_ema.pt)" in line

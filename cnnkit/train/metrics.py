@@ -249,9 +249,10 @@ class Console:
             self.progress.stop()
             self.progress = None
         top5 = f" top-5 {row['val_top5']:.2%}" if self.top5 else ""
+        ema = f" (EMA {row['val_top1_ema']:.2%})" if "val_top1_ema" in row else ""
         self.print(
             f"epoch {int(row['epoch'])}/{epochs}  train loss {row['train_loss']:.4f} "
             f"top-1 {row['train_top1']:.2%}  val loss {row['val_loss']:.4f} "
-            f"top-1 {row['val_top1']:.2%}{top5}  lr {row['lr']:.3g}  "
+            f"top-1 {row['val_top1']:.2%}{ema}{top5}  lr {row['lr']:.3g}  "
             f"{row['images_per_second']:.0f} img/s  {row['seconds']:.1f}s"
         )

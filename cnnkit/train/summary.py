@@ -82,8 +82,10 @@ def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bo
     best = max(history, key=lambda r: r["val_top1"])
     five = f" top-5 {summary['val_top5']:.2%}" if top5 else ""
     skipped = f", {summary['val_skipped']} unreadable skipped" if summary.get("val_skipped") else ""
+    ema = (f"; the moving average's best {summary['best_val_top1_ema']:.2%}, kept as best_ema.pt"
+           if summary.get("best_val_top1_ema") is not None else "")  # fmt: skip
     return (
         f"done: held-out top-1 {summary['val_top1']:.2%}{five} at the last epoch "
         f"({summary['val_images']} images{skipped}; best {best['val_top1']:.2%} at epoch "
-        f"{int(best['epoch'])}, kept as best.pt), {summary['wall_seconds']:.1f}s -> {run_dir}"
+        f"{int(best['epoch'])}, kept as best.pt{ema}), {summary['wall_seconds']:.1f}s -> {run_dir}"
     )
