@@ -152,7 +152,11 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
             f"{path}: not a readable checkpoint (truncated or foreign: {one_line(e)})"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a cnnkit checkpoint (expected format {FORMAT!r})")
+        weights = isinstance(state, dict) and state and all(
+            isinstance(v, torch.Tensor) for v in state.values())  # fmt: skip
+        hint = (": a bare state_dict, as torchvision and timm publish: give it as weights: beside "
+                "its network (model: {network: NET, weights: FILE})" if weights else "")  # fmt: skip
+        raise CheckpointError(f"{path}: not a cnnkit checkpoint (expected format {FORMAT!r}){hint}")
     try:
         Saved.model_validate(state)
     except ValidationError as e:

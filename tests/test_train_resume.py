@@ -102,8 +102,12 @@ def test_truncated_and_foreign_checkpoints_are_clear_errors(tmp_path, finished_r
     with pytest.raises(CheckpointError, match="truncated or foreign"):
         load_checkpoint(tmp_path / "cut.pt")
     torch.save({"weights": torch.zeros(3)}, tmp_path / "foreign.pt")
-    with pytest.raises(CheckpointError, match="not a cnnkit checkpoint"):
+    with pytest.raises(CheckpointError, match="not a cnnkit checkpoint .*: a bare state_dict, as "
+                                              "torchvision and timm publish: give it as weights:"):  # fmt: skip
         load_checkpoint(tmp_path / "foreign.pt")
+    torch.save({"epoch": 3}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match=r"not a cnnkit checkpoint \(expected .*/1'\)$"):
+        load_checkpoint(tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="no such run directory"):
         resume_state(tmp_path / "nowhere")
 
