@@ -264,6 +264,9 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
         unknown = next((x for x in e.errors() if x["type"] == "extra_forbidden"), None)
         if unknown is not None and str(error).endswith("unknown field"):
             error = ConfigError(f"{error}{_did_you_mean(unknown['loc'], raw)}")
+        elif str(error) == "data: Field required" and isinstance(raw.get("model"), dict):
+            error = ConfigError(f"{error} (a network file? a run file names it as model: FILE "
+                                "beside data: and train:; `cnnkit info FILE` reads a network)")  # fmt: skip
         raise error from None
 
 

@@ -78,7 +78,10 @@ def test_a_binary_file_or_a_misspelled_model_key_is_named(tmp_path, capsys):
     onnx.write_bytes(b"\x08\x07\x12\x07pytorch\xad\xff")
     blob.write_bytes(bytes(range(128, 256)))
     run.write_text("modell: digitnet\ndata: {source: digits}\n")
+    network = tmp_path / "net.yaml"
+    network.write_text("model:\n  input: [1, 8, 8]\n  layers: [{type: flatten}]\n")
     for argv, words in (
+        (["train", str(network)], "data: Field required (a network file? a run file names it"),
         (["info", str(onnx)], "not a text file: an export, which cnnkit writes but does not read"),
         (["classify", str(blob), str(blob)], "not a text file: give a zoo name, a network or run"),
         (["import-caffe", str(blob), "-o", str(tmp_path / "n.yaml")], "not a text file: a deploy"),
@@ -86,7 +89,7 @@ def test_a_binary_file_or_a_misspelled_model_key_is_named(tmp_path, capsys):
     ):
         code, err = _fails(argv, capsys)
         assert code == 2 and words in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.onnx", "r.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.onnx", "net.yaml", "r.yaml"]
 
 
 def test_failed_starts_overwrite_nothing(tmp_path, capsys):
