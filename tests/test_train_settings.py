@@ -13,6 +13,7 @@ from cnnkit.bench.throughput import bench_throughput
 from cnnkit.config import TrainConfig
 from cnnkit.nn import build_model, tuning
 from cnnkit.nn.onednn import onednn_ready
+from cnnkit.runtime import available_cores
 from cnnkit.train import settings as settings_module
 from cnnkit.train.settings import MARGIN, Settings, _fastest, choose_settings, static_settings
 
@@ -77,6 +78,10 @@ def test_describe_says_what_and_why():
         s.describe() == "bf16 autocast, channels_last, 2 threads: fastest measured, 1.40x fp32 NCHW"
     )
     assert Settings("fp32", False, 1, "rules").describe() == "fp32, 1 thread: static rules"
+    cores = available_cores()  # train.threads above the cores here is said, not silently cut
+    assert f"{cores} threads (64 asked; {cores} cores here)" in Settings(
+        "fp32", False, cores, "set").describe(threads_asked=64)  # fmt: skip
+    assert "asked" not in Settings("fp32", False, 1, "set").describe(threads_asked=1)
 
 
 def test_bench_runs_what_train_would_choose(tmp_path, monkeypatch):

@@ -254,8 +254,9 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
     params = sum(p.numel() for p in engine.network.parameters())
     console.print(
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
-        f"{engine.device} ({engine.settings.describe()}), {data.train.num_samples} train / "
-        f"{data.val.num_samples} held-out images, {len(data.train)} steps an epoch from epoch "
+        f"{engine.device} ({engine.settings.describe(config.train.threads)}), "
+        f"{data.train.num_samples} train / {data.val.num_samples} held-out images, "
+        f"{len(data.train)} steps an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
     return {"dry_run": True, "name": config.name, "run_dir": str(run_dir),
@@ -323,7 +324,7 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     processes = f", {ctx.dist.world_size} processes" if ctx.dist.world_size > 1 else ""
     console.print(
         f"{what} {config.name}{at}: {engine.network.name} on {engine.device}{processes} "
-        f"({engine.settings.describe()}), {data.train.num_samples} train / "
+        f"({engine.settings.describe(config.train.threads)}), {data.train.num_samples} train / "
         f"{data.val.num_samples} held-out images, batch {config.data.batch_size} -> {ctx.run_dir}"
     )
 

@@ -57,9 +57,9 @@ class Settings:
     def __post_init__(self) -> None:  # the cache stores the plan as lists
         object.__setattr__(self, "kernels", tuple((str(n), str(k)) for n, k in self.kernels))
 
-    def describe(self) -> str:
+    def describe(self, threads_asked: int | None = None) -> str:
         """For the start line: "bf16 autocast, channels_last, 2 threads: fastest measured (1.4x
-        fp32 NCHW)"."""
+        fp32 NCHW)" (`threads_asked`: train.threads, where more than the cores here)."""
         what = "fp32" if self.precision == "fp32" else f"{self.precision} autocast"
         parts = [what] + (["channels_last"] if self.channels_last else [])
         if self.kernels:
@@ -69,6 +69,8 @@ class Settings:
             mix = ", ".join(f"{n} {named[k]}" for k, n in counts.items() if n)
             parts.append(f"kernels per layer ({mix})")
         parts.append(f"{self.threads} thread{'s' * (self.threads != 1)}")
+        if threads_asked is not None and threads_asked > self.threads:
+            parts[-1] += f" ({threads_asked} asked; {available_cores()} cores here)"
         why = {"set": "as set", "rules": "static rules", "cached": "fastest measured (cached)",
                "measured": "fastest measured",
                "resumed": "as the run began (kept for an exact resume)"}[self.how]  # fmt: skip
