@@ -395,6 +395,22 @@ def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypa
     assert code == 2 and err == ""
 
 
+def test_a_ctrl_c_typer_caught_is_said(capsys, monkeypatch):
+    """typer returns 130 for a Ctrl-C outside a training step (info, bench, eval, ...): one
+    line, as everywhere else; a rank of --nproc leaves it to rank 0."""
+    from helpers import run_cli
+
+    import cnnkit.cli
+
+    monkeypatch.setattr(cnnkit.cli, "app", lambda **kwargs: 130)
+    code, _, err = run_cli(["info", "alexnet"], capsys)
+    assert code == 130 and err == "cnnkit: interrupted\n"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("CNNKIT_NPROC", "2")
+    code, _, err = run_cli(["info", "alexnet"], capsys)
+    assert code == 130 and err == ""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["ddp", "average"])
 def test_the_scaling_benchmark_runs_under_each_sync(sync, tmp_path):

@@ -139,4 +139,6 @@ def main(argv: list[str] | None = None) -> None:
         kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
         print(f"cnnkit: error: {where}{e.strerror}{kept}", file=sys.stderr)
         sys.exit(1)
+    if code == 130 and not _other_rank():  # typer's own return for a Ctrl-C it caught
+        print("cnnkit: interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(code); commands return None

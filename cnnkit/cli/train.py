@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -48,7 +49,13 @@ def train(
 
         raise ConfigError("--max-restarts: restarts the processes of --nproc N; give --nproc")
     if nproc is not None and not dry_run:
-        raise typer.Exit(_start_processes(run, overrides, out, resume, quiet, nproc, max_restarts))
+        try:
+            code = _start_processes(run, overrides, out, resume, quiet, nproc, max_restarts)
+        except typer.Exit as e:
+            code = e.exit_code
+        if code == 130:  # a Ctrl-C: rank 0 has said where the run stopped
+            sys.exit(130)
+        raise typer.Exit(code)
     if nproc is not None and (run is not None or resume is not None):  # a dry run of N
         _check_group(_config(run, overrides, resume), nproc, resume)
     cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)
