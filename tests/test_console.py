@@ -96,3 +96,15 @@ def test_the_moving_averages_figures_are_on_the_epoch_and_done_lines(capsys):
                "best_val_top1_ema": 0.95}  # fmt: skip
     line = done_line(summary, [row], False, "runs/x")
     assert "; the moving average's best 95.00%, kept as best_ema.pt)" in line
+
+
+def test_the_start_line_says_when_the_data_sets_the_class_count(tmp_path, capsys):
+    """A network file's num_classes is replaced by the data's (fine-tuning's rule): said."""
+    net = {"input": [1, 8, 8], "num_classes": 4, "layers": [{"type": "flatten"},
+                                                             {"type": "linear"}]}  # fmt: skip
+    config = load_run({"name": "n", "model": net, "data": {"source": "digits"},
+                       "train": {"epochs": 1, "precision": "fp32", "channels_last": False,
+                                 "threads": 1}})  # fmt: skip
+    fit(config, tmp_path / "run")
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "10 classes (the network's num_classes 4 set from the data)" in first

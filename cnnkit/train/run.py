@@ -322,10 +322,14 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     what = "resuming" if progress.global_step else "training"
     at = f" from epoch {progress.epoch + 1} step {progress.step}" if progress.global_step else ""
     processes = f", {ctx.dist.world_size} processes" if ctx.dist.world_size > 1 else ""
+    given = config.model.spec().get("num_classes")
+    classes = (f", {len(data.classes)} classes (the network's num_classes {given} set from the "
+               "data)" if given not in (None, len(data.classes)) else "")  # fmt: skip
     console.print(
         f"{what} {config.name}{at}: {engine.network.name} on {engine.device}{processes} "
         f"({engine.settings.describe(config.train.threads)}), {data.train.num_samples} train / "
-        f"{data.val.num_samples} held-out images, batch {config.data.batch_size} -> {ctx.run_dir}"
+        f"{data.val.num_samples} held-out images{classes}, batch {config.data.batch_size} -> "
+        f"{ctx.run_dir}"
     )
 
 
