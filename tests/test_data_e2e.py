@@ -83,11 +83,14 @@ def test_bench_loader_json_last_line(tmp_path, capsys):
 def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
+    (tmp_path / "afile").write_text("keep")
     for argv, code in [
         (["pack", str(tmp_path / "missing"), str(tmp_path / "p")], 1),
         (["pack", str(tmp_path), str(tmp_path / "p"), "--resize", "stretch"], 2),
         (["synth", "shapes", str(tmp_path / "s"), "--classes", "0"], 2),
         (["synth", "shapes", str(tmp_path / "mine")], 2),  # not empty: never overwritten
+        (["synth", "shapes", str(tmp_path / "s"), "--size", "0"], 2),
+        (["pack", str(tmp_path / "mine"), str(tmp_path / "afile")], 2),  # not a folder
         (["bench", "loader", str(tmp_path / "missing")], 1),
         (["bench", "loader", str(tmp_path), "--crop", "0"], 2),
     ]:
@@ -96,4 +99,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert e.value.code == code
         err = capsys.readouterr().err
         assert err.startswith("cnnkit: error: ") and err.count("\n") == 1
+        if "--size" in argv:  # the option given, and only it
+            assert err == "cnnkit: error: --size must be >= 8 (got 0)\n"
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    assert (tmp_path / "afile").read_text() == "keep"

@@ -413,6 +413,8 @@ def test_label_files_with_spaces_a_bom_conflicts_and_absent_images(shapes, tmp_p
         scan_images(flat, tmp_path / "twice.txt")
     (tmp_path / "again.txt").write_text("\n".join(lines[:3] + [lines[1]]))  # the same: fine
     assert len(scan_images(flat, tmp_path / "again.txt").files) == 3
+    with pytest.raises(DataError, match="no image files found at its top .*class subfolders"):
+        scan_images(shapes, tmp_path / "bom.txt")  # a label file for class folders
 
 
 def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path):

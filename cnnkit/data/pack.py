@@ -254,8 +254,11 @@ def _check_options(src: Path, size: int, resize: str, format: str, quality: int,
                    shard_size: int | None) -> None:  # fmt: skip
     if not src.is_dir():
         raise DataError(f"{printable(str(src))}: not a folder")
-    if size < 8 or not 1 <= quality <= 100 or (shard_size or 1) < 1:
-        raise ConfigError("--size must be >= 8, --quality 1..100")
+    for bad, what in ((size < 8, f"--size must be >= 8 (got {size})"),
+                      (not 1 <= quality <= 100, f"--quality must be 1..100 (got {quality})"),
+                      ((shard_size or 1) < 1, f"shard_size must be >= 1 (got {shard_size})")):  # fmt: skip
+        if bad:
+            raise ConfigError(what)
     if size * size > decode.MAX_PIXELS:
         raise ConfigError(f"--size {size}: {size}x{size} images are over the limit of "
                           f"{decode.MAX_PIXELS:,} pixels")  # fmt: skip
@@ -334,6 +337,9 @@ def pack_folder(
     if dst.resolve().is_relative_to(src.resolve()):  # its shards would become a class
         raise ConfigError(f"{printable(str(dst))}: inside the folder being packed "
                           f"({printable(str(src))}); pack into a folder outside it")  # fmt: skip
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(f"{printable(str(dst))}: exists and is not a folder (DST is the "
+                          "folder the pack is written to)")  # fmt: skip
     params = {"source": str(src.resolve()), "size": size, "resize": resize, "storage": format,
               "quality": quality}  # fmt: skip
     created = not dst.exists()

@@ -267,7 +267,10 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
         files, names, scan = flat_with_labels(src, Path(labels_file))
         found = sorted(set(names))
         if not files:
-            raise DataError(f"{printable(str(src))}: no image files found")
+            nested = any(p.is_dir() for p in src.iterdir())
+            why = (" at its top (a label file goes with a flat folder; class subfolders, as "
+                   "here, need none)" if nested else "")  # fmt: skip
+            raise DataError(f"{printable(str(src))}: no image files found{why}")
     else:
         scan = class_folders(src, classes)
         files, found = scan.files, scan.classes

@@ -115,8 +115,10 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
     limit = len(SHAPES) * len(COLOURS)
     if not 1 <= classes <= limit:
         raise ConfigError(f"--classes: must be 1..{limit}, got {classes}")
-    if per_class < 1 or size < 8:
-        raise ConfigError("--per-class must be >= 1 and --size >= 8")
+    if per_class < 1:
+        raise ConfigError(f"--per-class must be >= 1 (got {per_class})")
+    if size < 8:
+        raise ConfigError(f"--size must be >= 8 (got {size})")
     if Path(dst).exists() and (not Path(dst).is_dir() or any(Path(dst).iterdir())):
         what = "not empty" if Path(dst).is_dir() else "exists and is not a folder"
         raise ConfigError(f"{dst}: {what} (synth writes a new set: give a new folder)")
