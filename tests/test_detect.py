@@ -13,6 +13,7 @@ from PIL import Image
 
 from cnnkit import ConfigError, build_model
 from cnnkit.data.base import Preprocess
+from cnnkit.errors import DataError
 from cnnkit.infer.detect import (
     Box,
     detect,
@@ -89,6 +90,9 @@ def test_the_smallest_face_searched_is_one_and_a_half_windows_by_default():
     assert found and all(iou_of(b, (24, 24, 40, 40)) > 0 for b in found)
     small = detect(loaded, image, threshold=0.5, min_face=8)
     assert any((b.x0, b.y0, b.x1, b.y1) == (4, 4, 12, 12) for b in small)
+    with pytest.raises(DataError, match=r"the image \(10x10\) is smaller than the smallest face "
+                                        r"searched \(12 px\): give a smaller --min-size"):  # fmt: skip
+        detect(loaded, image[:10, :10], threshold=0.5)  # not "no face found"
 
 
 def test_unknown_class_and_branching_nets_are_clear_errors():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 from torch import nn
 
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, DataError
 from cnnkit.infer.images import ImageInput, to_channels, to_hwc
 from cnnkit.infer.load import Loaded
 from cnnkit.nn import Network
@@ -172,14 +172,14 @@ def detect(
         raise ConfigError(f"detect: class {label!r} is not one of {loaded.classes}")
     h, w = to_hwc(image).shape[:2]
     window = loaded.model.input_shape[-1]
+    smallest = min_face or round(MIN_FACE * window)
+    scales = pyramid_scales((h, w), window, smallest, step)
+    if not scales:  # no window fits: "no face found" would not say why
+        raise DataError(f"the image ({w}x{h}) is smaller than the smallest face searched "
+                        f"({smallest} px): give a smaller --min-size")  # fmt: skip
     boxes, scores, cut = [], [], log_odds(threshold)
-    for scale, slider, odds in score_maps(
-        loaded,
-        image,
-        pyramid_scales((h, w), window, min_face or round(MIN_FACE * window), step),
-        loaded.classes.index(label),
-        mirror,
-    ):
+    for scale, slider, odds in score_maps(loaded, image, scales, loaded.classes.index(label),
+                                          mirror):  # fmt: skip
         i, j = torch.nonzero(odds >= cut, as_tuple=True)
         y0 = (i * slider.stride - slider.offset) / scale
         x0 = (j * slider.stride - slider.offset) / scale
