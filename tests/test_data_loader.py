@@ -13,6 +13,7 @@ from cnnkit.data.pack import pack_folder
 from cnnkit.data.sampling import EpochBatchSampler
 from cnnkit.data.slots import BufferPool
 from cnnkit.data.synth import synth_shapes
+from cnnkit.errors import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -208,3 +209,55 @@ def test_cuda_stream_equals_cpu_stream(packed, options):
             assert x2.is_cuda and y2.is_cuda
             torch.testing.assert_close(x1, x2.cpu(), rtol=1e-5, atol=1e-4)
             assert torch.equal(y1, y2.cpu())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_grey_batches_are_the_luma_of_the_rgb_ones_normalised(packed, workers):
+    """data.grey: every batch is ITU-R 601 luma (torchvision's Grayscale weights) of the
+    augmented RGB batch, normalised by the luma of the mean and std; the network sees 1 channel."""
+    rgb, grey = streams(packed, workers=workers), streams(packed, workers=workers, grey=True)
+    pre = rgb.preprocess
+    weights = torch.tensor([0.299, 0.587, 0.114])
+    mean, std = float(weights @ torch.tensor(pre.mean)), float(weights @ torch.tensor(pre.std))
+    assert grey.input_shape == (1, 12, 12) and grey.preprocess.channels == 1
+    assert grey.preprocess.mean == pytest.approx([mean]) and grey.preprocess.std == pytest.approx(
+        [std]
+    )
+    for a, b in ((rgb.train, grey.train), (rgb.val, grey.val)):
+        for (x, y), (g, y2) in zip(epoch(a, 1), epoch(b, 1), strict=True):
+            luma = (x * pre_std(pre) + pre_mean(pre)) * weights.view(1, 3, 1, 1)  # 0-255 RGB
+            expected = (luma.sum(1, keepdim=True) - mean) / std
+            assert g.shape[1] == 1 and torch.equal(y, y2)
+            torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-5)
+
+
+def pre_mean(pre):
+    return torch.tensor(pre.mean).view(1, -1, 1, 1)
+
+
+def pre_std(pre):
+    return torch.tensor(pre.std).view(1, -1, 1, 1)
+
+
+def test_a_grey_network_trains_on_rgb_images_and_evaluates_and_classifies_alike(packed, tmp_path):
+    from pathlib import Path
+
+    from cnnkit.config import validate_run
+    from cnnkit.infer.classify import Classifier
+    from cnnkit.train.evaluation import evaluate_checkpoint
+    from cnnkit.train.run import fit
+
+    net = {"input": [1, 12, 12], "layers": [{"type": "conv", "out_channels": 8, "kernel_size": 3},
+                                            {"type": "relu"}, {"type": "global_avgpool"},
+                                            {"type": "linear"}]}  # fmt: skip
+    run = {"name": "g", "model": net,
+           "data": {"source": "packed", "path": str(packed / "p"), "crop": 12, "batch_size": 6,
+                    "workers": 0, "grey": True},
+           "train": {"epochs": 2, "precision": "fp32"}}  # fmt: skip
+    summary = fit(validate_run(run), tmp_path / "run", quiet=True)
+    again = evaluate_checkpoint(tmp_path / "run")
+    assert again["top1"] == pytest.approx(summary["best_val_top1"])
+    image = str(sorted(Path(packed / "src").rglob("*.JPEG"))[0])
+    assert Classifier.load(tmp_path / "run").predict(image).label is not None
+    with pytest.raises(ConfigError, match="grey: takes normalize: channel"):
+        validate_run({**run, "data": {**run["data"], "normalize": "mean_image"}})

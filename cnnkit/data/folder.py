@@ -156,4 +156,6 @@ class FolderConfig(ImageSetConfig):
                                        world_size, seed, local_ranks)  # fmt: skip
         pre = Preprocess(3, self.crop, self.size, self.resize_mode, list(mean), list(std))
         labels = torch.from_numpy(train.labels[train.ids])
-        return DataBundle(train_s, val_s, classes, (3, self.crop, self.crop), pre, labels, image)
+        return self.finish(
+            DataBundle(train_s, val_s, classes, (3, self.crop, self.crop), pre, labels, image)
+        )

@@ -19,6 +19,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -26,7 +27,7 @@ from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr, model_vali
 from torch.utils.data import DataLoader
 
 from cnnkit.data.augment import CropAugment
-from cnnkit.data.base import DataConfigBase, Preprocess
+from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
 from cnnkit.data.batch import BatchDataset, WorkerBatch
 from cnnkit.data.device_decode import decode_batch
 from cnnkit.data.feed import DeviceFeed
@@ -36,6 +37,7 @@ from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import available_cores, torch_threads
 
 Mode = Literal["views", "crops", "whole", "encoded"]
+LUMA = (0.299, 0.587, 0.114)  # ITU-R 601, as Pillow's convert("L") and torchvision's Grayscale
 
 
 class ImageSetConfig(DataConfigBase):
@@ -63,6 +65,8 @@ class ImageSetConfig(DataConfigBase):
         None, description="per channel, 0-255 (None: ImageNet's for folders, the pack's own)"
     )
     std: tuple[float, float, float] | None = Field(None, description="per channel, 0-255")
+    grey: bool = Field(False, description="luma of the RGB images (ITU-R 601, as torchvision's "
+                       "Grayscale): for a network with 1 input channel")  # fmt: skip
     _mean_image: torch.Tensor | None = PrivateAttr(None)  # a trained run's (evaluated_as)
 
     @property
@@ -94,7 +98,25 @@ class ImageSetConfig(DataConfigBase):
     def _check_scale(self) -> ImageSetConfig:
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale: need 0 < min <= max <= 1, got {self.scale}")
+        if self.grey and self.normalize == "mean_image":
+            raise ValueError("grey: takes normalize: channel (a grey mean image is not kept)")
         return self
+
+    def finish(self, bundle: DataBundle) -> DataBundle:
+        """The bundle a source built, made grey where `grey` asks: both streams yield the luma
+        of their normalised RGB batches, normalised by the luma of the mean and std (a linear
+        map, so exactly the luma of the images, normalised), and classification's
+        preprocessing says 1 channel."""
+        if not self.grey:
+            return bundle
+        pre = bundle.preprocess
+        mean = sum(w * m for w, m in zip(LUMA, pre.mean, strict=True))
+        std = sum(w * s for w, s in zip(LUMA, pre.std, strict=True))
+        weights = torch.tensor([w * s / std for w, s in zip(LUMA, pre.std, strict=True)])
+        for stream in (bundle.train, bundle.val):
+            stream.grey = weights.view(1, 3, 1, 1).to(stream.device)
+        grey = Preprocess(1, pre.crop, pre.resize, pre.resize_mode, [mean], [std])
+        return replace(bundle, input_shape=(1, *bundle.input_shape[1:]), preprocess=grey)
 
 
 @functools.cache
@@ -141,6 +163,7 @@ class ImageBatches:
         self._pool = BufferPool() if self.device.type == "cpu" else None
         self._reported: set[str] = set()
         self.validation: ImageBatches | None = None  # its ring comes while this one's lives
+        self.grey: torch.Tensor | None = None  # (1, 3, 1, 1) luma weights (ImageSetConfig.finish)
 
     def _mode(self, decode: str) -> Mode:
         cpu, ds = self.device.type == "cpu", self.dataset
@@ -276,6 +299,10 @@ class ImageBatches:
             yield prepare
 
     def _augment(self, x, position: int, alpha: torch.Tensor | None) -> torch.Tensor:
+        x = self._augment_rgb(x, position, alpha)
+        return x if self.grey is None else (x * self.grey).sum(1, keepdim=True)
+
+    def _augment_rgb(self, x, position: int, alpha: torch.Tensor | None) -> torch.Tensor:
         crop = self.augment.crop
         out = self._pool.take((x.shape[0], x.shape[1], crop, crop)) if self._pool else None
         # while workers decode, main's per-image kernels on many threads only fight them

@@ -243,8 +243,8 @@ class PackedConfig(ImageSetConfig):
         mean, std = self._preprocess_stats(meta, stats)
         pre = Preprocess(3, self.crop, meta["size"], meta["resize"], mean, std)
         labels = torch.from_numpy(train.labels[train.ids])
-        return DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop), pre, labels,
-                          image)  # fmt: skip
+        return self.finish(DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop),
+                                      pre, labels, image))  # fmt: skip
 
     def stored_size(self) -> int:
         """The side the set was packed at."""

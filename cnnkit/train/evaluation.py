@@ -131,7 +131,7 @@ def evaluate_checkpoint(
     grey = None
     if pre.channels == 1 and hasattr(cfg, "normalize"):  # RGB folders / packed sets: to grey
         cfg = cfg.model_copy(update={"normalize": "channel", "mean": (0.0,) * 3,
-                                     "std": (1.0,) * 3})  # fmt: skip
+                                     "std": (1.0,) * 3, "grey": False})  # fmt: skip
         grey = (pre.mean[0], pre.std[0])
     crop = int(network.input_shape[-1])
     if tencrop:

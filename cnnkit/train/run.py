@@ -138,9 +138,11 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
             "out_features left out, after a flatten or global_avgpool)"
         )
     if tuple(network.input_shape) != tuple(data.input_shape):
+        grey = network.input_shape[0] == 1 and data.input_shape[0] == 3
         raise ConfigError(
             f"model: input {list(network.input_shape)} does not match the data's images "
             f"{list(data.input_shape)}"
+            + (" (data.grey: true gives the images' luma)" if grey else "")
         )
     return network
 
