@@ -357,3 +357,29 @@ def test_classify_reads_a_large_jpeg_as_eval_reads_its_folder(digits_run, tmp_pa
     files = sorted(tmp_path.glob("*/*.jpg"), key=lambda p: (p.parent.name, p.name))
     direct = torch.cat([crops_of(str(f), pre, False).float() for f in files])
     assert torch.equal(streamed, direct)
+
+
+def test_eval_reads_a_flat_folder_with_its_label_file(digits_run, digit_pngs, tmp_path, capsys):
+    """ImageNet's validation layout: `--data DIR --labels FILE` scores as the same images in
+    class folders do; --labels without a folder is one line."""
+    import shutil
+
+    paths, truth = digit_pngs
+    lines = []
+    for path, name in zip(paths, truth, strict=True):
+        (tmp_path / "flat").mkdir(exist_ok=True)
+        (tmp_path / "classes" / name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, tmp_path / "flat" / path.name)
+        shutil.copy(path, tmp_path / "classes" / name / path.name)
+        lines.append(f"{path.name} {name}")
+    (tmp_path / "val.txt").write_text("\n".join(lines) + "\n")
+    code, out, _ = run_cli(["eval", str(digits_run), "--data", str(tmp_path / "flat"), "--labels",
+                            str(tmp_path / "val.txt"), "--json"], capsys)  # fmt: skip
+    flat = json.loads(out)
+    code2, out, _ = run_cli(["eval", str(digits_run), "--data", str(tmp_path / "classes"),
+                             "--json"], capsys)  # fmt: skip
+    classes = json.loads(out)
+    assert code == code2 == 0 and flat["images"] == 40 and flat["top1"] > 0.8
+    assert (flat["top1"], flat["loss"]) == (classes["top1"], pytest.approx(classes["loss"]))
+    code, _, err = run_cli(["eval", str(digits_run), "--labels", str(tmp_path / "val.txt")], capsys)
+    assert code == 2 and "--labels: the label file of a flat image folder given as --data" in err

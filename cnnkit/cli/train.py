@@ -148,6 +148,11 @@ def evaluate(
         ..., help="A run directory, checkpoint file or .safetensors export (with --data)."
     ),
     data: str = typer.Option(None, "--data", help="Source name, data YAML or directory."),
+    labels: str = typer.Option(
+        None,
+        "--labels",
+        help="With --data DIR: the label file of a flat folder (FILE CLASS lines).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     batch_size: int = typer.Option(None, "--batch-size", min=1, help="Evaluation batch size."),
@@ -165,7 +170,7 @@ def evaluate(
     from cnnkit.train.evaluation import evaluate_checkpoint
 
     keep_freed_memory()  # batch after batch reuses the same large buffers
-    result = evaluate_checkpoint(target, data, device, batch_size, tencrop, ema)
+    result = evaluate_checkpoint(target, data, device, batch_size, tencrop, ema, labels)
     if as_json:
         print(json.dumps(result, indent=2))
         return

@@ -130,15 +130,12 @@ class FolderConfig(ImageSetConfig):
         if self.crop > self.size:
             raise ConfigError(f"data.crop: {self.crop} is larger than data.size {self.size}")
         root = Path(self.path)
-        files, labels, classes = scan_folder(root)
+        same = self.val_path and Path(self.val_path).resolve() == root.resolve()
+        # one folder evaluated whole (eval --data DIR [--labels FILE]): scanned once
+        files, labels, classes = scan_folder(root, self.val_labels if same else None)
         train_ids, val_ids = holdout_split(labels, 0.0 if self.val_path else self.val_fraction)
         train = FolderImages(root, files, labels, train_ids, self.size, self.resize_mode)
-        same = (
-            self.val_path
-            and not self.val_labels
-            and Path(self.val_path).resolve() == root.resolve()
-        )
-        if self.val_path and same:  # one folder evaluated whole (eval --data DIR): scanned once
+        if same:
             val = FolderImages(root, files, labels, np.arange(len(files)), self.size,
                                self.resize_mode)  # fmt: skip
         elif self.val_path:

@@ -23,12 +23,18 @@ from cnnkit.train.settings import inference_settings
 
 
 def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
-              mean_image: torch.Tensor | None = None) -> DataConfig:  # fmt: skip
+              mean_image: torch.Tensor | None = None,
+              labels: str | None = None) -> DataConfig:  # fmt: skip
     """The data to evaluate on, normalised as the network was trained: the run's own (its
     held-out split) when `spec` is None; a source name; a YAML file with a `data:` mapping; or
     a directory (a packed set if it holds meta.json, else an image folder), all of whose
     images are evaluated as the run saw them (`mean_image`: the one a normalize: mean_image
-    run subtracted, wherever the data is stored at its size)."""
+    run subtracted, wherever the data is stored at its size). `labels`: the label file of a
+    flat folder (ImageNet's validation set)."""
+    if labels is not None and (spec is None or not Path(spec).is_dir()
+                               or (Path(spec) / "meta.json").is_file()):  # fmt: skip
+        raise ConfigError("--labels: the label file of a flat image folder given as --data DIR "
+                          "(a packed set keeps its own labels)")  # fmt: skip
     if spec is None:
         if not trained:
             raise ConfigError("--data: an export holds no data section: give --data (a folder, "
@@ -54,6 +60,8 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
             section.update(
                 source="folder", size=pre.resize or pre.crop, resize_mode=pre.resize_mode
             )
+            if labels is not None:
+                section["val_labels"] = labels
     else:
         raise DataError(f"--data {spec}: not a data source ({', '.join(SOURCES)}), file or folder")
     cfg = data_config(section)
@@ -118,14 +126,16 @@ def evaluate_checkpoint(
     batch_size: int | None = None,
     tencrop: bool = False,
     ema: bool = False,
+    labels: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate a run directory or checkpoint; returns loss, top1, top5, images and where (with
     `tencrop`: the centre crop's figures plus a "tencrop" mapping of the 10-crop ones; `ema`:
-    the moving average of the weights that train.ema kept). On a CPU an fp32 run is evaluated
+    the moving average of the weights that train.ema kept; `labels`: a flat --data folder's
+    label file). On a CPU an fp32 run is evaluated
     with the kernels classification measures as fastest (settings.inference_settings)."""
     network, meta = load_trained(target, ema=ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
-    cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"))
+    cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"), labels)
     if data is not None and uses_mean_image(config) and getattr(cfg, "trained_mean", None) is None:
         note_mean_image(f"--data {data}")
     grey = None
