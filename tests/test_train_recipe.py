@@ -163,7 +163,7 @@ def test_early_stop_ends_a_run_that_stopped_improving(tmp_path, capsys):
     assert (tmp_path / "r" / "curves.png").is_file()  # drawn when the run ends, early or not
 
 
-def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path):
+def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path, capsys):
     class Recorder:
         def __init__(self):
             self.steps, self.rows = 0, []
@@ -178,8 +178,8 @@ def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path):
                 raise cnnkit.StopTraining
 
     seen = Recorder()
-    summary = cnnkit.fit("digits", ["train.epochs=10"], out=tmp_path / "r", quiet=True,
-                         callbacks=[seen])  # fmt: skip
+    summary = cnnkit.fit("digits", ["train.epochs=10"], out=tmp_path / "r", callbacks=[seen])
+    assert "stopped by a callback after epoch 2\n" in capsys.readouterr().out
     assert [r["epoch"] for r in seen.rows] == [1, 2] and seen.steps == 2 * 22 and seen.epoch == 2
     assert summary["epochs"] == 2 and load_checkpoint(tmp_path / "r" / "last.pt")["epoch"] == 2
     assert (tmp_path / "r" / "curves.png").is_file()

@@ -81,8 +81,8 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
     if batches < 1 or batch < 1 or (warmup is not None and warmup < 0):
         raise ConfigError("bench loader: --batches and --batch must be >= 1")
     device = device or torch.device("cpu")
-    cfg = data_config(loader_config(data, workers, batch, **options))
     try:
+        cfg = data_config(loader_config(data, workers, batch, **options))
         stream = cfg.build(device).train
     except ConfigError as e:  # the settings bench loader made from its flags, named as flags
         flags = {"data.crop": "--crop", "data.decode": "--decode", "data.workers": "--workers"}

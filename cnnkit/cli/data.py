@@ -56,7 +56,7 @@ def pack(
         print(f"already packed: {done} in {dst}")
     else:
         resumed = f" ({s.resumed_shards} resumed)" if s.resumed_shards else ""
-        print(f"packed {done} into {s.shards} shards{resumed} -> {dst}")
+        print(f"packed {done} into {s.shards} shard{'s' * (s.shards != 1)}{resumed} -> {dst}")
     if s.converted or s.skipped:
         print(f"converted {s.converted}, skipped {s.skipped} (reasons: {dst / 'bad_images.tsv'})")
     for name in s.empty_classes:

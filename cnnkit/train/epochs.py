@@ -163,7 +163,9 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
             console.end_epoch(row, epochs)
             hooks.epoch(row)
     except StopTraining:
-        console.print(f"stopped by a callback at epoch {progress.epoch + 1} step {progress.step}")
+        where = (f"at epoch {progress.epoch + 1} step {progress.step}" if progress.step
+                 else f"after epoch {progress.epoch}")  # fmt: skip
+        console.print(f"stopped by a callback {where}")
         if progress.step:  # inside an epoch: keep where it stood (sync: average: averaged)
             dist.average(engine)
             save_mid_epoch(engine, schedule, progress, ctx, writer)
