@@ -287,3 +287,15 @@ def test_a_resume_asking_for_fewer_epochs_than_done_is_refused_writing_nothing(f
         fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 2}}), run, resume=state,
             quiet=True)  # fmt: skip
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_resuming_a_finished_run_adds_no_tensorboard_file(finished_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = sorted(p.name for p in run.glob("events.out.tfevents.*"))
+    state = load_checkpoint(run / "last.pt")
+    fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 1}}), run, resume=state,
+        quiet=True)  # fmt: skip
+    assert sorted(p.name for p in run.glob("events.out.tfevents.*")) == before

@@ -42,11 +42,8 @@ class RunLog:
         what a killed session logged after its checkpoint is purged, and nothing before."""
         self.run_dir = run_dir
         self.history = history
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir), purge_step=global_step + 1)
+        self.tb = None  # made at the first scalar: a resume with nothing to do writes no file
+        self._tensorboard, self._purge_step = tensorboard, global_step + 1
         self._last_plot = time.monotonic()
         self._plotted = len(history)  # epochs in curves.png (a resumed run's: drawn before)
 
@@ -57,7 +54,7 @@ class RunLog:
         epoch), redraw curves.png (at the end, and at most every PLOT_EVERY seconds: a drawing
         costs about 0.3 s)."""
         write_csv(self.run_dir / "metrics.csv", self.history)
-        if self.tb is not None and global_step is not None:
+        if global_step is not None and self._writer() is not None:
             self.tb.add_scalar("epoch", row["epoch"], global_step)
             for key in (k for k in COLUMNS[1:] + EMA_COLUMNS if k in row):
                 self.tb.add_scalar(key.replace("_", "/", 1), row[key], global_step)
@@ -73,10 +70,18 @@ class RunLog:
         self, global_step: int, loss: float, lr: float, images_per_second: float
     ) -> None:
         """Per-step scalars for TensorBoard (every LOG_EVERY steps: each one syncs)."""
-        if self.tb is not None:
+        if self._writer() is not None:
             self.tb.add_scalar("step/loss", loss, global_step)
             self.tb.add_scalar("step/lr", lr, global_step)
             self.tb.add_scalar("step/images_per_second", images_per_second, global_step)
+
+    def _writer(self) -> Any:
+        """TensorBoard's writer, made on first use (None without TensorBoard)."""
+        if self.tb is None and self._tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir), purge_step=self._purge_step)
+        return self.tb
 
     def close(self) -> None:
         """Draw the epochs curves.png lacks (a run that stopped early: early_stop, a callback,
