@@ -261,3 +261,25 @@ def test_a_grey_network_trains_on_rgb_images_and_evaluates_and_classifies_alike(
     assert Classifier.load(tmp_path / "run").predict(image).label is not None
     with pytest.raises(ConfigError, match="grey: takes normalize: channel"):
         validate_run({**run, "data": {**run["data"], "normalize": "mean_image"}})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_of_unreadable_images_is_an_empty_step_not_a_missing_one(tmp_path, workers):
+    """Each rank of a group must take as many steps as the others: a batch whose images were
+    all unreadable comes as an empty batch (the loop steps on it), never left out."""
+    from data_images import jpeg_bytes, photo
+
+    for k, name in enumerate(("a", "b")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "good.JPEG").write_bytes(jpeg_bytes(photo(seed=k)))
+        for i in range(3):
+            full = jpeg_bytes(photo(seed=10 + 3 * k + i))
+            (tmp_path / name / f"cut{i}.JPEG").write_bytes(full[: len(full) // 3])
+    section = {"source": "folder", "path": str(tmp_path), "size": 16, "crop": 12,
+               "batch_size": 2, "workers": workers, "val_fraction": 0.0}  # fmt: skip
+    stream = data_config(section).build(CPU).train
+    batches = epoch(stream, 0)
+    assert len(batches) == len(stream) == 4  # 2 good images fill at most 2 of the 4 batches
+    assert sum(len(y) for _, y in batches) == 2
+    empty = [x for x, y in batches if not len(y)]
+    assert len(empty) >= 2 and all(x.shape == (0, 3, 12, 12) for x in empty)

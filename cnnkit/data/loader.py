@@ -234,10 +234,8 @@ class ImageBatches:
                 pixels = self._ring.buffers[batch.slot][: len(batch)]
             else:
                 pixels = batch.pixels
-            if len(batch):
-                yield pixels, batch
-            elif batch.slot is not None:
-                self._ring.release(batch.slot)
+            yield pixels, batch  # empty where every image was unreadable: still a step (the
+            # other ranks of a group take theirs; the position of later batches stays)
 
     def _started(self, loader: DataLoader) -> Iterator[WorkerBatch]:
         """The loader's batches; shared memory running out as its workers start (their queues
@@ -299,6 +297,9 @@ class ImageBatches:
             yield prepare
 
     def _augment(self, x, position: int, alpha: torch.Tensor | None) -> torch.Tensor:
+        if not len(x):  # every image of the batch unreadable (reported): an empty batch
+            crop, channels = self.augment.crop, 1 if self.grey is not None else x.shape[1]
+            return torch.empty((0, channels, crop, crop), device=self.device)
         x = self._augment_rgb(x, position, alpha)
         return x if self.grey is None else (x * self.grey).sum(1, keepdim=True)
 

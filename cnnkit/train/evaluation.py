@@ -100,6 +100,8 @@ def evaluate_ten_crops(engine: Engine, batches: Any, crop: int) -> dict[str, dic
               for name in ("centre", "tencrop")}  # fmt: skip
     batches.set_epoch(0)
     for x, y in batches:
+        if not len(y):  # every image of the batch unreadable (the loader said which)
+            continue
         crops, probs = ten_crop(x, crop), 0.0
         for i in range(10):
             with engine.autocast():

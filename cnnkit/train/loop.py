@@ -41,10 +41,10 @@ def weights_finite(network: torch.nn.Module) -> bool:
 
 
 def _stand_in(engine: Engine, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One blank image of the network's input and label 0, for a rank whose first batch was
-    all unreadable (it is weighted 0)."""
-    x = torch.zeros(1, *empty.shape[1:], dtype=empty.dtype, device=empty.device)
-    return x, torch.zeros(1, dtype=torch.long, device=empty.device)
+    """Two blank images of the network's input and label 0 (two: BatchNorm over a batch of
+    one fails in training), for a rank whose first batch was all unreadable (weighted 0)."""
+    x = torch.zeros(2, *empty.shape[1:], dtype=empty.dtype, device=empty.device)
+    return x, torch.zeros(2, dtype=torch.long, device=empty.device)
 
 
 class EpochStats:
@@ -115,6 +115,8 @@ def evaluate(engine: Engine, batches: Batches, dist: Processes | None = None) ->
     totals = torch.zeros(4, device=engine.device, dtype=torch.float64)  # loss, top1, top5, n
     batches.set_epoch(0)
     for x, y in batches:
+        if not len(y):  # every image of the batch unreadable (the loader said which)
+            continue
         with engine.autocast():
             logits = model(engine.prepare(x)).float()
         totals[:3] += score_logits(logits.log_softmax(1), y)
@@ -178,7 +180,7 @@ def train_one_epoch(
             schedule.apply(engine.optimizer, at)
             loss, hits = train_step(engine, x, y)
             stats.add(loss, hits, len(y))
-            kept = (x, y)
+            kept = (x, y) if ddp else None
         elif ddp:  # the other ranks step, and DDP's all-reduces pair across ranks: this one
             # steps too, on its last batch weighted 0 (its gradient adds nothing to the mean)
             schedule.apply(engine.optimizer, at)
