@@ -84,7 +84,7 @@ class Processes(Protocol):
 
     def broadcast_object(self, obj: Any) -> Any: ...  # rank 0's obj on every rank
 
-    def any(self, flag: bool) -> bool: ...  # whether any rank's flag is set (a collective)
+    def agree(self, flag: bool, every: int) -> tuple[bool, int]: ...  # any flag; fewest steps
 
     def synced(self, global_step: int, epoch_end: bool = False) -> bool: ...  # replicas equal
 
@@ -113,8 +113,8 @@ class Local:
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
-    def any(self, flag: bool) -> bool:
-        return flag
+    def agree(self, flag: bool, every: int) -> tuple[bool, int]:
+        return flag, every
 
     def synced(self, global_step: int, epoch_end: bool = False) -> bool:
         return True
@@ -219,12 +219,14 @@ class Group:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def any(self, flag: bool) -> bool:
-        """Whether any rank's `flag` is set (one small all-reduce and a host sync)."""
+    def agree(self, flag: bool, every: int) -> tuple[bool, int]:
+        """Whether any rank's `flag` is set, and the smallest `every` any rank proposes (one
+        small all-reduce and a host sync)."""
         device = torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
-        t = torch.tensor([float(flag)], device=device)
+        t = torch.tensor([float(flag), -float(every)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        raised, fewest = t.tolist()
+        return raised > 0, int(-fewest)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP for sync "ddp"; the plain model (replicas kept in step by averaging) otherwise."""
@@ -344,7 +346,7 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
 def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """`cnnkit train --nproc N ...`: run torchrun for one machine; returns its exit status."""
     cmd = [
-        sys.executable, "-m", "cnnkit.distributed", "--standalone",
+        sys.executable, "-m", "cnnkit.agent", "--standalone",
         f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "cnnkit", *argv,
     ]  # fmt: skip
     env = dict(os.environ, CNNKIT_NPROC=str(nproc))  # ranks of one config: rank 0 says errors
@@ -352,12 +354,15 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     # Ctrl-C: torchrun's agent passes it on to the ranks (in sessions of their own), which agree
     # on a step, save and stop; this process waits for them (SIGINT ignored once it started)
-    agent = subprocess.Popen(cmd, env=env)
+    # (ignored from before the start: the agent inherits that until cnnkit.agent's first line)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        return agent.wait()
+        code = subprocess.Popen(cmd, env=env).wait()
     finally:
         signal.signal(signal.SIGINT, previous)
+    if code == -signal.SIGINT:  # Ctrl-C while the agent started: no rank ran yet
+        print("cnnkit: interrupted", file=sys.stderr)
+    return 128 - code if code < 0 else code  # a signal's number, as a shell reports it
 
 
 def torchrun(args: list[str]) -> int:
@@ -388,5 +393,5 @@ def torchrun(args: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # start_local runs `python -m cnnkit.distributed` as torchrun
+if __name__ == "__main__":  # torchrun as cnnkit reports it (start_local runs cnnkit.agent)
     sys.exit(torchrun(sys.argv[1:]))

@@ -383,6 +383,42 @@ def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(t
     assert state["epoch"] >= 2 and f"epoch {state['epoch'] + 1} step {state['step']} " in line
 
 
+def test_ctrl_c_while_the_nproc_agent_starts_is_one_line(tmp_path):
+    """Before any rank runs (torchrun's agent importing torch): 'cnnkit: interrupted', 130."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "2", "--out",
+           str(tmp_path / "run")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+
+    def agent_started() -> bool:  # and listening for SIGINT (the SigIgn mask's bit 1 clear)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                line = Path(f"/proc/{pid}/cmdline").read_bytes()
+                status = Path(f"/proc/{pid}/status").read_text()
+                if b"cnnkit.agent" in line and os.getsid(int(pid)) == proc.pid:
+                    ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+                    return not ignored & (1 << (signal.SIGINT - 1))
+            except (OSError, IndexError):
+                continue
+        return False
+
+    try:
+        deadline = time.monotonic() + 60
+        while not agent_started() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1].startswith("cnnkit: interrupted") and "Traceback" not in err
+
+
 def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypatch):
     """RANK alone (a pod or job that exports it) never hides an error line."""
     from helpers import run_cli
@@ -423,3 +459,35 @@ def test_the_scaling_benchmark_runs_under_each_sync(sync, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads((tmp_path / "r.json").read_text())
     assert row["nproc"] == 1 and row["images_per_second"] > 0
+
+
+def test_ranks_check_for_a_ctrl_c_about_every_five_seconds(monkeypatch):
+    """Every step at first, then every K steps with K from the step time (slow steps: each
+    one; fast ones: at most 16 apart), so the agreed step comes well inside torchrun's 30 s."""
+    from cnnkit.train import epochs
+
+    clock = [0.0]
+    monkeypatch.setattr(epochs.time, "perf_counter", lambda: clock[0])
+
+    class Ranks:  # records what this rank proposes
+        def __init__(self):
+            self.calls = []
+
+        def agree(self, flag, every):
+            self.calls.append(every)
+            return flag, every
+
+    def run(seconds_per_step, steps, stop_at=None):
+        agreement, ranks = epochs.Agreement(), Ranks()
+        for step in range(1, steps + 1):
+            clock[0] += seconds_per_step
+            if agreement.stop(ranks, stop_at is not None and step >= stop_at, step, False):
+                return step, ranks.calls
+        return None, ranks.calls
+
+    _, calls = run(2.0, 20)  # 2 s steps: checked every 2 steps (every 4 s)
+    assert calls[1:4] == [2, 2, 2]
+    _, calls = run(0.01, 100)  # 10 ms steps: at most 16 apart
+    assert set(calls[1:]) == {16}
+    stopped, _ = run(10.0, 20, stop_at=5)  # 10 s steps: every step, stopped where asked
+    assert stopped == 5

@@ -59,24 +59,41 @@ class Hooks:
 
 class StopRequest:
     """Set by the first Ctrl-C: the run stops after the step in progress (alone) or at the
-    next step where the processes of a group agree (AGREE_EVERY), saved."""
+    next step where the processes of a group agree (Agreement), saved."""
 
     requested = False
-    at = 0.0  # when (time.monotonic)
 
 
-# steps between a group's checks for a Ctrl-C (one tiny all-reduce and a host sync): on a GPU
-# every 16 (a fraction of a second); on CPUs, whose steps are slow, every step (torchrun's agent
-# kills the ranks 30 s after it passes the Ctrl-C on)
-AGREE_EVERY = {"cuda": 16}
+AGREE_SECONDS = 5.0  # between a group's checks for a Ctrl-C: torchrun's agent kills at 30 s
+AGREE_MOST = 16  # steps between checks at most (each is a tiny all-reduce and a host sync)
+
+
+class Agreement:
+    """When the processes of a group check together for a Ctrl-C: at first every step, then
+    every K steps, K chosen so that checks come about every AGREE_SECONDS (the slowest rank's
+    proposal wins); so the agreed step comes well within torchrun's 30 s of grace however long
+    a step takes, and a GPU's short steps are not synced each."""
+
+    def __init__(self) -> None:
+        self.next, self.last, self.since = 0, 0, time.perf_counter()
+
+    def stop(self, dist: Any, requested: bool, global_step: int, epoch_end: bool) -> bool:
+        if global_step < self.next and not epoch_end:
+            return False
+        now = time.perf_counter()
+        per_step = (now - self.since) / max(global_step - self.last, 1)
+        every = max(1, min(AGREE_MOST, int(AGREE_SECONDS / max(per_step, 1e-6))))
+        stop, every = dist.agree(requested, every)
+        self.next, self.last, self.since = global_step + every, global_step, now
+        return stop
 
 
 @contextmanager
 def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
     """The first Ctrl-C asks the run to stop at a step boundary (saving last.pt there, so the
-    resumed run is exact); a second one, a second later or more, stops at once (one within a
-    second is the same Ctrl-C: torchrun forwards what the terminal also sent). Only in the
-    main thread, and not in a background job (SIGINT ignored)."""
+    resumed run is exact); a second one stops at once. Only in the main thread, and not in a
+    background job (SIGINT ignored). A rank of torchrun gets the Ctrl-C from its agent (ranks
+    run in sessions of their own, away from the terminal's)."""
     stop = StopRequest()
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT)
@@ -86,11 +103,9 @@ def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
 
     def handler(signum, frame) -> None:
         if stop.requested:
-            if time.monotonic() - stop.at < 1.0:
-                return
             signal.signal(signal.SIGINT, previous)
             raise KeyboardInterrupt
-        stop.requested, stop.at = True, time.monotonic()
+        stop.requested = True
 
     signal.signal(signal.SIGINT, handler)
     try:
@@ -125,15 +140,16 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
     recipe = BatchRecipe(config.data.policy, config.data.erasing, config.data.mixup,
                          config.data.cutmix, tuple(pre.mean), tuple(pre.std))  # fmt: skip
 
-    def stopping(step: int) -> bool:
-        """A Ctrl-C: alone at once; in a group where every rank agrees (the same step)."""
+    agreement = Agreement()
+
+    def stopping(step: int, global_step: int) -> bool:
+        """A Ctrl-C: alone at once; in a group at a step every rank agrees on."""
         if dist.world_size == 1:
             return stop.requested
-        every = AGREE_EVERY.get(engine.device.type, 1)
-        return (step % every == 0 or step == steps) and dist.any(stop.requested)
+        return agreement.stop(dist, stop.requested, global_step, step == steps)
 
     def after_step(epoch: int, step: int, global_step: int) -> None:
-        stop_now = stopping(step)
+        stop_now = stopping(step, global_step)
         if saves.due(global_step, step, steps, dist.synced(global_step, step == steps)):
             save_mid_epoch(engine, schedule, progress, ctx, writer)
         elif stop_now:  # sync: average between two averagings: average early
