@@ -299,3 +299,20 @@ def test_resuming_a_finished_run_adds_no_tensorboard_file(finished_run, tmp_path
     fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 1}}), run, resume=state,
         quiet=True)  # fmt: skip
     assert sorted(p.name for p in run.glob("events.out.tfevents.*")) == before
+
+
+def test_a_dry_run_of_nproc_n_takes_a_mid_epoch_checkpoint_of_n(finished_run, tmp_path, capsys):
+    """It ran as one process and refused, asking for the --nproc it was given."""
+    import shutil
+
+    from helpers import run_cli
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    state = load_checkpoint(run / "last.pt")
+    state.update(epoch=0, step=3, global_step=3, rng_ranks=[state["rng"]] * 2)
+    save_checkpoint(state, run / "last.pt")
+    code, out, err = run_cli(["train", "--resume", str(run), "--nproc", "2", "--dry-run"], capsys)
+    assert code == 0 and "2 processes" in out, err
+    code, _, err = run_cli(["train", "--resume", str(run), "--dry-run"], capsys)
+    assert code == 2 and "saved by 2 process(es) in the middle of epoch 1" in err

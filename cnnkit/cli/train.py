@@ -57,7 +57,11 @@ def train(
             sys.exit(130)
         raise typer.Exit(code)
     if nproc is not None and (run is not None or resume is not None):  # a dry run of N
+        from cnnkit.train.run import launch
+
         _check_group(_config(run, overrides, resume), nproc, resume)
+        launch(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=True, processes=nproc)
+        return
     cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)
 
 

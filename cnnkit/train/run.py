@@ -53,9 +53,11 @@ def launch(
     on_step: StepHook | None = None,
     dry_run: bool = False,
     callbacks: Sequence[Any] = (),
+    processes: int | None = None,
 ) -> dict[str, Any]:
     """What `cnnkit train` does, alone or as one torchrun worker: validate, join the process
-    group, pick or resume the run directory (elastic restarts continue from last.pt), fit."""
+    group, pick or resume the run directory (elastic restarts continue from last.pt), fit.
+    `processes`: the process count a dry run stands for (`--nproc N --dry-run`)."""
     restarted = distributed.restart_count() > 0
     state = resume_state(resume) if resume is not None else None
     fresh_in = None  # a run directory to start again in
@@ -82,7 +84,8 @@ def launch(
             run_dir = Path(resume)
         return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group,
                    dry_run=dry_run, callbacks=callbacks,
-                   fresh=state is None and fresh_in is None and not restarted)  # fmt: skip
+                   fresh=state is None and fresh_in is None and not restarted,
+                   processes=processes)  # fmt: skip
 
 
 def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | None:
@@ -195,16 +198,19 @@ def fit(
     dry_run: bool = False,
     callbacks: Sequence[Any] = (),
     fresh: bool = False,
+    processes: int | None = None,
 ) -> dict[str, Any]:
     """Train as `config` says into `run_dir` (resume: a state from `resume_state`); return the
     summary (also written to summary.json). `dry_run`: build everything, stop before the first
     step, write nothing. `callbacks`: see train/epochs.Hooks. `fresh`: `run_dir` was chosen as
-    holding no run, which is checked again once it is locked."""
+    holding no run, which is checked again once it is locked. `processes`: the process count a
+    dry run stands for, whose checks it makes."""
     started = time.perf_counter()
     dist = dist or Local()
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
     device = dist.device(config.train.device)
-    check_processes(config, dist.world_size, device, resume)
+    check_processes(config, processes if dry_run and processes else dist.world_size, device,
+                    resume)  # fmt: skip
     if dist.is_main and not dry_run:
         check_writable(run_dir)
     with ExitStack() as stack:
@@ -228,7 +234,7 @@ def fit(
                 )
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
-                            progress)  # fmt: skip
+                            progress, processes or dist.world_size)  # fmt: skip
         if dist.is_main:
             stack.enter_context(run_lock(run_dir, job=distributed.run_id()))
             if fresh and (run_dir / "last.pt").exists():  # written since it was chosen
@@ -251,12 +257,13 @@ def fit(
 
 
 def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBundle,
-             run_dir: Path, progress: Progress) -> dict[str, Any]:  # fmt: skip
+             run_dir: Path, progress: Progress, processes: int = 1) -> dict[str, Any]:  # fmt: skip
     """Everything built: say what would run, write nothing."""
     params = sum(p.numel() for p in engine.network.parameters())
+    many = f", {processes} processes" if processes > 1 else ""
     console.print(
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
-        f"{engine.device} ({engine.settings.describe(config.train.threads)}), "
+        f"{engine.device}{many} ({engine.settings.describe(config.train.threads)}), "
         f"{data.train.num_samples} train / {data.val.num_samples} held-out images, "
         f"{len(data.train)} steps an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
