@@ -141,3 +141,22 @@ def write_atomic(path: Path, data: bytes) -> None:
     """`data` to `path` through atomic (an existing file stays as it was if this fails)."""
     with atomic(Path(path)) as f:
         f.write(data)
+
+
+def tf32_matmuls(on: bool = True) -> str:
+    """CUDA fp32 matmuls in TF32 (as cuDNN's fp32 convolutions are by default) or not; returns
+    the setting before, for restore_matmuls. torch's fp32_precision settings, never the legacy
+    allow_tf32 flags: once a program has used the former, reading the latter raises."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32" if on else "ieee"
+    return before
+
+
+def restore_matmuls(before: str) -> None:
+    torch.backends.cuda.matmul.fp32_precision = before
+
+
+def in_tf32(setting: str) -> bool:
+    """Whether a backend's fp32_precision means TF32 ('none': the global setting's)."""
+    return setting == "tf32" or (setting == "none" and torch.backends.fp32_precision == "tf32")

@@ -225,3 +225,25 @@ def test_metrics_record_the_share_of_time_spent_waiting_for_the_loader(tmp_path,
     fit(validate_run(cfg), tmp_path / "run", quiet=True)
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     assert float(rows[0]["data_wait"]) > 0.6
+
+
+def test_tf32_settings_use_torchs_new_api_only(monkeypatch):
+    """Once a program has used torch's fp32_precision settings, reading the legacy allow_tf32
+    flags raises: cnnkit reads and writes only the new ones (and on a CPU run neither)."""
+    from cnnkit.bench.peak import math_mode
+    from cnnkit.runtime import restore_matmuls, tf32_matmuls
+    from cnnkit.train.run import deterministic_mode
+
+    before = torch.backends.fp32_precision
+    torch.backends.fp32_precision = "ieee"  # the new API in use, as torch's docs now advise
+    try:
+        with deterministic_mode(False, torch.device("cpu")):
+            pass
+        matmuls = torch.backends.cuda.matmul.fp32_precision
+        old = tf32_matmuls()
+        assert old == matmuls and torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert math_mode(torch.device("cuda"), "fp32").startswith("fp32 (")  # read, not raised
+        restore_matmuls(old)
+        assert torch.backends.cuda.matmul.fp32_precision == matmuls
+    finally:
+        torch.backends.fp32_precision = before

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cnnkit.nn import Network
-from cnnkit.runtime import available_cores, cpu_flags
+from cnnkit.runtime import available_cores, cpu_flags, in_tf32
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # dense tensor-core / vector FLOP/s from NVIDIA's data sheets (no sparsity), by name fragment
@@ -111,7 +111,8 @@ def math_mode(device: torch.device, precision: str) -> str:
     """What fp32 really computes in: on CUDA, convolutions (and maybe matmuls) use TF32."""
     if device.type != "cuda" or precision != "fp32":
         return precision
-    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    conv = in_tf32(torch.backends.cudnn.conv.fp32_precision)
+    matmul = in_tf32(torch.backends.cuda.matmul.fp32_precision)
     if conv and matmul:
         return "fp32 (TF32 convolutions and matmuls)"
     return "fp32 (TF32 convolutions)" if conv else "fp32 (true fp32)"

@@ -29,7 +29,7 @@ from cnnkit.config import TrainConfig
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import set_kernels
 from cnnkit.nn.onednn import freeze
-from cnnkit.runtime import machine_name, torch_threads
+from cnnkit.runtime import machine_name, tf32_matmuls, torch_threads
 from cnnkit.train.engine import Engine, build_engine, train_step
 from cnnkit.train.settings import Settings, candidates, choose_settings, inference_settings
 from cnnkit.train.settings import precisions as hardware_precisions
@@ -112,7 +112,7 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
                      cache: Any = True) -> dict[str, Any]:  # fmt: skip
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak."""
     torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
-    torch.backends.cuda.matmul.allow_tf32 = True  # as `cnnkit train` runs fp32 on CUDA
+    tf32_matmuls()  # as `cnnkit train` runs fp32 on CUDA
     cfg = train_config(device, precision, channels_last, compile, threads)
     model = load_network(net, device, num_classes)
     settings, runs_as = None, "cnnkit train"

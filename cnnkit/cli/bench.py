@@ -40,11 +40,11 @@ def _as_the_command_runs() -> None:
     """What `cnnkit train` starts with, so that a benchmark measures what training runs."""
     import torch
 
-    from cnnkit.runtime import keep_freed_memory
+    from cnnkit.runtime import keep_freed_memory, tf32_matmuls
 
     keep_freed_memory()
     torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
-    torch.backends.cuda.matmul.allow_tf32 = True  # as `cnnkit train` runs fp32 on CUDA
+    tf32_matmuls()  # as `cnnkit train` runs fp32 on CUDA
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:

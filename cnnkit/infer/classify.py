@@ -15,6 +15,7 @@ from cnnkit.data.augment import center_crop, ten_crop
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
 from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
 from cnnkit.infer.load import Loaded, load_for_inference, reads_images
+from cnnkit.runtime import restore_matmuls, tf32_matmuls
 
 
 @dataclass
@@ -129,8 +130,13 @@ class Classifier:
             self._choose_format(len(x))
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
-            probs = self.model(x).float().softmax(dim=1)  # (B * N, K)
+        matmuls = tf32_matmuls() if self.device.type == "cuda" else None  # as training ran
+        try:
+            with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
+                probs = self.model(x).float().softmax(dim=1)  # (B * N, K)
+        finally:
+            if matmuls is not None:
+                restore_matmuls(matmuls)
         return probs.view(b, n, -1).mean(dim=1)
 
     def _mean_residual(self, n: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from cnnkit.data.augment import ten_crop
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.nn.onednn import freeze
+from cnnkit.runtime import restore_matmuls, tf32_matmuls
 from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import check_read, evaluate, score_logits
 from cnnkit.train.settings import inference_settings
@@ -160,11 +161,16 @@ def evaluate_checkpoint(
     )
     freeze(engine.network)  # evaluated, never trained: oneDNN's linear layers pack their weights
     batches = CountedBatches(bundle.val, label_map, grey)
-    if tencrop:
-        both = evaluate_ten_crops(engine, batches, crop)
-        result = {**both["centre"], "tencrop": both["tencrop"]}
-    else:
-        result = evaluate(engine, batches)
+    matmuls = tf32_matmuls() if dev.type == "cuda" else None  # fp32 as training ran it
+    try:
+        if tencrop:
+            both = evaluate_ten_crops(engine, batches, crop)
+            result = {**both["centre"], "tencrop": both["tencrop"]}
+        else:
+            result = evaluate(engine, batches)
+    finally:
+        if matmuls is not None:
+            restore_matmuls(matmuls)
     if not batches.images:  # never a 0% figure for an empty set
         raise DataError(f"{data or 'the run'}: no held-out image to evaluate (give --data)")
     return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,

@@ -21,7 +21,7 @@ from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.nn import Network, build_model
-from cnnkit.runtime import mix_seed, seed_everything, torch_threads
+from cnnkit.runtime import mix_seed, restore_matmuls, seed_everything, tf32_matmuls, torch_threads
 from cnnkit.train.engine import Engine, balanced_weights, build_engine
 from cnnkit.train.epochs import Hooks, stop_on_interrupt, train_epochs
 from cnnkit.train.loop import (
@@ -113,18 +113,19 @@ def deterministic_mode(on: bool, device: torch.device) -> Iterator[None]:
     default leaves them in true fp32: an fp32 run's linear layers 7x slower on an H100).
     All restored afterwards."""
     before = torch.are_deterministic_algorithms_enabled()
-    benchmark, tf32 = torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32
+    benchmark = torch.backends.cudnn.benchmark
     if on != before:  # the call imports torch's compiler stack (3 s): only when it changes
         torch.use_deterministic_algorithms(on, warn_only=device.type != "cpu")
     torch.backends.cudnn.benchmark = not on
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    matmuls = tf32_matmuls() if device.type == "cuda" else None
     try:
         yield
     finally:
         if on != before:
             torch.use_deterministic_algorithms(before)
-        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = benchmark, tf32
+        torch.backends.cudnn.benchmark = benchmark
+        if matmuls is not None:
+            restore_matmuls(matmuls)
 
 
 def build_network(config: RunConfig, data: DataBundle) -> Network:
