@@ -103,3 +103,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
             assert err == "cnnkit: error: --size must be >= 8 (got 0)\n"
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
     assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_the_synthetic_held_out_set_is_the_same_whatever_the_training_set():
+    """Drawn by the host's generator apart from the training set (which the device draws), so
+    eval of a run on another device, or with another train_size, scores the same images."""
+    import torch
+
+    from cnnkit.data import data_config
+
+    def val(train_size):
+        section = {"source": "synthetic", "shape": [1, 8, 8], "num_classes": 3,
+                   "train_size": train_size, "val_size": 10, "batch_size": 8}  # fmt: skip
+        return next(iter(data_config(section).build(torch.device("cpu")).val))
+
+    (a, ya), (b, yb) = val(16), val(64)
+    assert torch.equal(a, b) and torch.equal(ya, yb)

@@ -212,3 +212,10 @@ def test_fp16_with_the_moving_average_resized_crops_and_erasing_then_classify(sh
     for a, b in zip(on_gpu.predict([str(p) for p in images]),
                     on_cpu.predict([str(p) for p in images]), strict=True):  # fmt: skip
         assert a.probs[0] == pytest.approx(b.probs[0], abs=0.05)
+
+
+def test_the_synthetic_held_out_set_is_the_same_on_the_gpu():
+    section = {"source": "synthetic", "shape": [3, 8, 8], "num_classes": 3, "train_size": 16,
+               "val_size": 10, "batch_size": 8}  # fmt: skip
+    (a, ya), (b, yb) = (next(iter(data_config(section).build(d).val)) for d in (CPU, CUDA))
+    assert torch.equal(a, b.cpu()) and torch.equal(ya, yb.cpu())
