@@ -45,6 +45,10 @@ mkdir -p "$OUT" && touch "$OUT/.gpu-sh"
 bring_back() {
     [[ -n $BACK ]] || return 0
     mkdir -p "$BACK"
+    # one at a time (the background prep calls this too); without flock, unlocked
+    local lock
+    exec {lock}>> "$OUT/.gpu-sh"  # (the marker file, as the lock)
+    command -v flock > /dev/null && flock "$lock"
     local tag=$BASHPID f  # (each process's own temporary names)
     (cd "$REPO" && "$PY" benchmarks/gpu_summary.py "$OUT" > "$OUT/summary.txt.$tag" 2>&1) &&
         mv "$OUT/summary.txt.$tag" "$OUT/summary.txt" || rm -f "$OUT/summary.txt.$tag"
@@ -56,8 +60,12 @@ bring_back() {
     (cd "$OUT" && find . "${keep[@]}" -size +4194303c > "$BACK/left_out.txt.$tag")
     if [[ -s $BACK/left_out.txt.$tag ]]; then mv "$BACK/left_out.txt.$tag" "$BACK/left_out.txt"
     else rm -f "$BACK/left_out.txt.$tag" "$BACK/left_out.txt"; fi
-    (cd "$OUT" && find . "${keep[@]}" -size -4194304c | tar czf "$BACK/results.tgz.$tag" -T -) &&
-        mv "$BACK/results.tgz.$tag" "$BACK/results.tgz"
+    # tar says 1 for a file that grew while read (a log, nvidia-smi's trace): still a good copy
+    (cd "$OUT" && find . "${keep[@]}" -size -4194304c |
+        tar czf "$BACK/results.tgz.$tag" --warning=no-file-changed -T -)
+    if (( $? <= 1 )); then mv "$BACK/results.tgz.$tag" "$BACK/results.tgz"
+    else rm -f "$BACK/results.tgz.$tag"; fi
+    exec {lock}>&-
 }
 CURRENT=""  # the step in flight: a run stopped by a signal names it
 on_signal() {

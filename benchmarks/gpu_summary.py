@@ -206,7 +206,7 @@ def main() -> None:
         "steps_selected": chosen or "all",  # gpu.sh's STEPS
         "summary_errors": errors,
     }  # fmt: skip
-    tmp = out / "summary.json.tmp"
+    tmp = out / f"summary.json.{os.getpid()}.tmp"  # (gpu.sh may run two at once)
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     tmp.replace(out / "summary.json")
     for key, value in summary.items():
