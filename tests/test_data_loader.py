@@ -3,6 +3,8 @@ worker processes equal to in-process loading, reused CPU buffers never overwrite
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 import torch
 from data_images import write_bad_folder
@@ -239,7 +241,7 @@ def pre_std(pre):
     return torch.tensor(pre.std).view(1, -1, 1, 1)
 
 
-def test_a_grey_network_trains_on_rgb_images_and_evaluates_and_classifies_alike(packed, tmp_path):
+def test_a_grey_network_trains_on_rgb_images_then_evaluates_as_it_trained(packed, tmp_path):
     from pathlib import Path
 
     from cnnkit.config import validate_run
@@ -255,10 +257,14 @@ def test_a_grey_network_trains_on_rgb_images_and_evaluates_and_classifies_alike(
                     "workers": 0, "grey": True},
            "train": {"epochs": 2, "precision": "fp32"}}  # fmt: skip
     summary = fit(validate_run(run), tmp_path / "run", quiet=True)
-    again = evaluate_checkpoint(tmp_path / "run")
+    again = evaluate_checkpoint(tmp_path / "run")  # best.pt on the run's own data: its luma
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    best = max(rows, key=lambda r: float(r["val_top1"]))
     assert again["top1"] == pytest.approx(summary["best_val_top1"])
+    assert again["loss"] == pytest.approx(float(best["val_loss"]), rel=1e-5)
     image = str(sorted(Path(packed / "src").rglob("*.JPEG"))[0])
-    assert Classifier.load(tmp_path / "run").predict(image).label is not None
+    classifier = Classifier.load(tmp_path / "run")  # reads images as grey (Pillow's "L")
+    assert classifier.preprocess.channels == 1 and len(classifier.predict(image).probs) == 3
     with pytest.raises(ConfigError, match="grey: takes normalize: channel"):
         validate_run({**run, "data": {**run["data"], "normalize": "mean_image"}})
 

@@ -142,9 +142,11 @@ def evaluate_checkpoint(
     if data is not None and uses_mean_image(config) and getattr(cfg, "trained_mean", None) is None:
         note_mean_image(f"--data {data}")
     grey = None
-    if pre.channels == 1 and hasattr(cfg, "normalize"):  # RGB folders / packed sets: to grey
+    # RGB folders / packed sets for a grey network: to grey as classify does (Pillow's "L"),
+    # unless the data section makes its own luma (data.grey: a run's own data, as it trained)
+    if pre.channels == 1 and hasattr(cfg, "normalize") and not getattr(cfg, "grey", False):
         cfg = cfg.model_copy(update={"normalize": "channel", "mean": (0.0,) * 3,
-                                     "std": (1.0,) * 3, "grey": False})  # fmt: skip
+                                     "std": (1.0,) * 3})  # fmt: skip
         grey = (pre.mean[0], pre.std[0])
     crop = int(network.input_shape[-1])
     if tencrop:
