@@ -166,7 +166,11 @@ def train_one_epoch(
     stats = progress.running = EpochStats(engine.device, progress.partial)
     loss = torch.zeros((), device=engine.device)
     it = iter(batches)
-    ddp, kept = hasattr(engine.model, "no_sync"), None
+    # a step with collectives inside (DDP's all-reduces, SyncBatchNorm's): never skipped
+    ddp = hasattr(engine.model, "no_sync") or any(
+        isinstance(m, torch.nn.SyncBatchNorm) for m in engine.network.modules()
+    )
+    kept = None
     while True:
         t0 = time.perf_counter()
         x, y = next(it, (None, None))
