@@ -448,8 +448,9 @@ def test_a_ctrl_c_typer_caught_is_said(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["ddp", "average"])
-def test_the_scaling_benchmark_runs_under_each_sync(sync, tmp_path):
+def test_the_scaling_benchmark_runs_under_averaging(tmp_path):
+    """(It passed the network where after_step takes the engine: a crash under average.)"""
+    sync = "average"
     script = Path(__file__).parents[1] / "benchmarks" / "ddp_scaling.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--model", "digitnet", "--batch", "16", "--steps", "3",
