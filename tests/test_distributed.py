@@ -357,26 +357,37 @@ def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     assert done.stderr.splitlines() == ["cnnkit: error: rank 0 was killed by SIGKILL"]
 
 
-def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(tmp_path):
-    """A terminal's Ctrl-C (SIGINT to the whole process group): torchrun's agent passes it on,
-    the ranks agree on a step, save it and stop; one line, exit status 130, resumable."""
+def _ctrl_c_under_nproc(tmp_path: Path, wait, *overrides: str) -> tuple[int, str]:
+    """`cnnkit train digits --nproc 2` in a session of its own, SIGINT to the whole group (a
+    terminal's Ctrl-C) once `wait(proc)` returns: (exit status, stderr)."""
     import signal
 
     cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "2", "--out",
-           str(tmp_path / "run"), "train.epochs=100"]  # fmt: skip
+           str(tmp_path / "run"), *overrides]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)  # fmt: skip
     try:
-        for line in proc.stdout:  # (not a terminal: a line per epoch)
-            if line.startswith("epoch 2/"):
-                break
+        wait(proc)
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
+    return proc.returncode, err
+
+
+def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(tmp_path):
+    """torchrun's agent passes the Ctrl-C on, the ranks agree on a step, save it and stop; one
+    line, exit status 130, resumable."""
+
+    def second_epoch(proc) -> None:
+        for line in proc.stdout:  # (not a terminal: a line per epoch)
+            if line.startswith("epoch 2/"):
+                return
+
+    code, err = _ctrl_c_under_nproc(tmp_path, second_epoch, "train.epochs=100")
+    assert code == 130, err
     (line,) = err.splitlines()
     assert line.startswith("cnnkit: interrupted at epoch ") and "(saved); resume with" in line
     state = load_checkpoint(tmp_path / "run" / "last.pt")
@@ -388,34 +399,23 @@ def test_ctrl_c_while_the_nproc_agent_starts_is_one_line(tmp_path):
     import signal
     import time
 
-    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "2", "--out",
-           str(tmp_path / "run")]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)  # fmt: skip
-
-    def agent_started() -> bool:  # and listening for SIGINT (the SigIgn mask's bit 1 clear)
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                line = Path(f"/proc/{pid}/cmdline").read_bytes()
-                status = Path(f"/proc/{pid}/status").read_text()
-                if b"cnnkit.agent" in line and os.getsid(int(pid)) == proc.pid:
-                    ignored = int(status.split("SigIgn:")[1].split()[0], 16)
-                    return not ignored & (1 << (signal.SIGINT - 1))
-            except (OSError, IndexError):
-                continue
-        return False
-
-    try:
+    def agent_listening(proc) -> None:  # started, SIGINT no longer ignored (SigIgn's bit 1)
         deadline = time.monotonic() + 60
-        while not agent_started() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    line = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    if b"cnnkit.agent" in line and os.getsid(int(pid)) == proc.pid:
+                        ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+                        if not ignored & (1 << (signal.SIGINT - 1)):
+                            return
+                except (OSError, IndexError):
+                    continue
             time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
+
+    code, err = _ctrl_c_under_nproc(tmp_path, agent_listening)
+    assert code == 130, err
     assert err.splitlines()[-1].startswith("cnnkit: interrupted") and "Traceback" not in err
 
 
