@@ -309,10 +309,10 @@ def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored():
     before = signal.getsignal(signal.SIGINT)
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with stop_on_interrupt(graceful=True):
+        with stop_on_interrupt():
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        with stop_on_interrupt(graceful=True) as stop:
+        with stop_on_interrupt() as stop:
             signal.raise_signal(signal.SIGINT)  # the first Ctrl-C: a request, no exception
             assert stop.requested
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -89,7 +89,7 @@ class Agreement:
 
 
 @contextmanager
-def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
+def stop_on_interrupt() -> Iterator[StopRequest]:
     """The first Ctrl-C asks the run to stop at a step boundary (saving last.pt there, so the
     resumed run is exact); a second one stops at once. Only in the main thread, and not in a
     background job (SIGINT ignored). A rank of torchrun gets the Ctrl-C from its agent (ranks
@@ -97,7 +97,7 @@ def stop_on_interrupt(graceful: bool) -> Iterator[StopRequest]:
     stop = StopRequest()
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT)
-    if not graceful or not in_main or previous is signal.SIG_IGN:  # SIG_IGN: a background job
+    if not in_main or previous is signal.SIG_IGN:  # SIG_IGN: a background job
         yield stop
         return
 

@@ -228,26 +228,19 @@ def fit(
         progress = restore(resume, engine, schedule, len(data.train)) if resume else Progress()
         if resume:  # after everything that draws from the generators, before any file is written
             _restore_rank(resume, dist, progress)
-            if progress.epoch > config.train.epochs:  # it would rewrite config.yaml to fewer
-                raise ConfigError(
-                    f"train.epochs={config.train.epochs}: {run_dir} has done {progress.epoch} "
-                    "epochs already (ask for more to go on, or leave it out)"
-                )
+            _check_epochs_left(config, progress, run_dir)
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
                             progress, processes or dist.world_size)  # fmt: skip
         if dist.is_main:
-            stack.enter_context(run_lock(run_dir, job=distributed.run_id()))
-            if fresh and (run_dir / "last.pt").exists():  # written since it was chosen
-                raise ConfigError(f"{run_dir}: another run wrote there while this one was "
-                                  "starting (give each run its own --out)")  # fmt: skip
+            stack.enter_context(_locked(run_dir, fresh))
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
         ctx = RunContext(config, data, dist, run_dir, log, started)
         console = Console(quiet or not dist.is_main, top5=len(data.classes) > 5, log=log)
         _describe(console, ctx, engine, progress)
         writer = CheckpointWriter()
         try:
-            with stop_on_interrupt(True) as stop:
+            with stop_on_interrupt() as stop:
                 train_epochs(engine, schedule, progress, console, Hooks(on_step, callbacks), ctx,
                              writer, stop)  # fmt: skip
         finally:
@@ -255,6 +248,24 @@ def fit(
             if log is not None:
                 log.close()
         return finish(engine, progress, ctx, time.perf_counter() - started, console)
+
+
+def _check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> None:
+    """A resume asking for fewer epochs than done would rewrite config.yaml to fewer."""
+    if progress.epoch > config.train.epochs:
+        raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} has done "
+                          f"{progress.epoch} epochs already (ask for more to go on, or leave it "
+                          "out)")  # fmt: skip
+
+
+@contextmanager
+def _locked(run_dir: Path, fresh: bool) -> Iterator[None]:
+    """The run directory's lock (rank 0); a `fresh` one must still hold no run once locked."""
+    with run_lock(run_dir, job=distributed.run_id()):
+        if fresh and (run_dir / "last.pt").exists():  # written since it was chosen
+            raise ConfigError(f"{run_dir}: another run wrote there while this one was "
+                              "starting (give each run its own --out)")  # fmt: skip
+        yield
 
 
 def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBundle,
