@@ -40,7 +40,7 @@ def weights_finite(network: torch.nn.Module) -> bool:
     return bool(torch.stack(flags).all().item()) if flags else True
 
 
-def _stand_in(engine: Engine, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _stand_in(empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two blank images of the network's input and label 0 (two: BatchNorm over a batch of
     one fails in training), for a rank whose first batch was all unreadable (weighted 0)."""
     x = torch.zeros(2, *empty.shape[1:], dtype=empty.dtype, device=empty.device)
@@ -188,7 +188,7 @@ def train_one_epoch(
         elif ddp:  # the other ranks step, and DDP's all-reduces pair across ranks: this one
             # steps too, on its last batch weighted 0 (its gradient adds nothing to the mean)
             schedule.apply(engine.optimizer, at)
-            train_step(engine, *(kept or _stand_in(engine, x)), scale=0.0)
+            train_step(engine, *(kept or _stand_in(x)), scale=0.0)
         progress.step += 1
         progress.global_step += 1
         if (progress.step % FINITE_EVERY == 0 or progress.step == steps) and not stats.finite():
