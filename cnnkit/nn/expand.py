@@ -379,11 +379,9 @@ def _validate(label: str, kind: str, fields: dict[str, Any]) -> Layer:
     try:
         return KINDS[kind].model_validate(fields)
     except ValidationError as e:  # a mistyped field first: it is why a required one is missing
-        unknown = [str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"]
-        if unknown:
-            meant = suggest(unknown[0], KINDS[kind].model_fields)
-            raise ConfigError(f"{label}: {unknown[0]}: unknown field{meant}") from None
-        raise ConfigError(f"{label}: {validation_message(e)}") from None
+        typo = next((str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"), None)
+        what = f"{typo}: unknown field{suggest(typo, KINDS[kind].model_fields)}" if typo else None
+        raise ConfigError(f"{label}: {what or validation_message(e)}") from None
 
 
 def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
