@@ -190,6 +190,27 @@ def test_a_link_in_another_class_loses_to_the_real_file(shapes, tmp_path):
     assert ("a/link.jpg", "the same file as b/real.jpg") in scan.skipped
 
 
+def test_a_folder_link_in_another_class_loses_to_the_real_folder(shapes, tmp_path):
+    """a/zlink -> ../b/sub: the real folder b/sub keeps class b, though class a is walked
+    first; a link into a folder outside the tree is still followed."""
+    from cnnkit.data.scan import scan_images
+
+    src, outside = tmp_path / "s", tmp_path / "outside"
+    for folder in (src / "a", src / "b/sub", outside):
+        folder.mkdir(parents=True)
+    one, two, three = sorted((shapes / sorted(os.listdir(shapes))[0]).iterdir())[:3]
+    shutil.copy(one, src / "b/sub/real.jpg")  # all of class b's images
+    shutil.copy(two, src / "a/other.jpg")
+    shutil.copy(three, outside / "far.jpg")
+    os.symlink("../b/sub", src / "a/zlink")
+    os.symlink(outside, src / "b/sub/far")
+    scan = scan_images(src)
+    assert dict(zip(scan.files, scan.labels, strict=True)) == {
+        "a/other.jpg": 0, "b/sub/far/far.jpg": 1, "b/sub/real.jpg": 1}  # fmt: skip
+    assert ("a/zlink", "a folder already scanned (a symlink loop, a second link or another "
+            "class)") in scan.skipped  # fmt: skip
+
+
 def test_folders_that_would_change_the_classes_are_refused_and_nothing_is_written(tmp_path, capsys):
     for name, build, code, words in [
         ("empty class", lambda s: (s / "a").mkdir(), 1, "class folder with no images"),

@@ -2,7 +2,8 @@
 
 Only regular files with an image extension are taken. Symlinks are followed, but each real
 file is taken once and each real folder walked once (both keyed by (st_dev, st_ino)), so a link
-loop (`ln -s . cat/loop`) or a second link to the same photo adds nothing. Everything passed
+loop (`ln -s . cat/loop`) or a second link to the same photo adds nothing, and a file or folder
+is taken as itself before any link to it (a link never moves an image to another class). Everything passed
 over is listed with the reason (hidden names, other file types, FIFOs and devices, broken links,
 duplicates), never dropped silently. A class folder with no images is refused: a silently empty
 class would change the number of outputs of the network.
@@ -21,6 +22,7 @@ from cnnkit.data.decode import file_kind, is_image_name
 from cnnkit.errors import DataError
 
 FileKey = tuple[int, int]  # (st_dev, st_ino): one real file or folder
+Found = tuple[str, FileKey, bool]  # (path under the root, key, is a link)
 REPORTED_LINES = 10  # skipped entries named one per line on stderr; the rest are counted
 ALREADY_SCANNED = "a folder already scanned (a symlink loop, a second link or another class)"
 
@@ -95,8 +97,9 @@ class Walker:
             return "file", key
         return None
 
-    def listing(self, rel: str) -> tuple[list[tuple[str, FileKey, bool]], list[str]]:
-        """The image files (path, key, is a link) and the subfolders right inside folder `rel`."""
+    def listing(self, rel: str) -> tuple[list[Found], list[Found]]:
+        """The image files and the subfolders right inside folder `rel`, each as (path, key,
+        is a link); the subfolders are not claimed yet."""
         where = self.root / rel
         try:
             device = os.stat(where).st_dev
@@ -108,38 +111,49 @@ class Walker:
         for entry in entries:
             path = os.path.join(rel, entry.name)
             found = self.entry(entry, path, device)
-            if found is None:
-                continue
-            if found[0] == "file":
-                files.append((path, found[1], entry.is_symlink()))
-            elif found[1] in self.folders:
-                self.skipped.append((path, ALREADY_SCANNED))
-            else:
-                self.folders.add(found[1])
-                folders.append(path)
+            if found is not None:
+                kind, key = found
+                (files if kind == "file" else folders).append((path, key, entry.is_symlink()))
         return files, folders
 
     def images(self, rel: str, recursive: bool = True) -> list[str]:
         """Image files under folder `rel` not taken before, sorted by (folder, name)."""
-        return self.take([self.found(rel, recursive)])[0]
+        return self.take(self.found([rel], recursive))[0]
 
-    def found(self, rel: str, recursive: bool = True) -> list[tuple[str, FileKey, bool]]:
-        """(path, key, is a link) of every image file under folder `rel`, sorted by (folder,
-        name); nothing taken yet."""
-        found, stack = [], [rel]
-        while stack:
-            files, folders = self.listing(stack.pop())
-            found += files
-            if recursive:
-                stack += reversed(folders)
+    def found(self, roots: list[str], recursive: bool = True) -> list[list[Found]]:
+        """(path, key, is a link) of every image file under each folder of `roots` (one list
+        per root, sorted by (folder, name)); nothing taken yet. Every folder reached without a
+        folder link is walked before any link is followed, so a link (even from another
+        class's folder) never claims a real folder from the class it lies in."""
+        groups: list[list[Found]] = [[] for _ in roots]
+        real = list(enumerate(roots))[::-1]  # a stack: the first root first
+        links: list[tuple[int, str, FileKey]] = []
+        while real or links:
+            if real:
+                k, rel = real.pop()
             else:
-                self.skipped += [
-                    (f, "a folder (a flat folder is not searched below)") for f in folders
-                ]
-        found.sort(key=lambda item: (os.path.dirname(item[0]), os.path.basename(item[0])))
-        return found
+                k, rel, key = links.pop(0)
+                if key in self.folders:
+                    self.skipped.append((rel, ALREADY_SCANNED))
+                    continue
+                self.folders.add(key)
+            files, folders = self.listing(rel)
+            groups[k] += files
+            for path, key, is_link in folders:
+                if not recursive:
+                    self.skipped.append((path, "a folder (a flat folder is not searched below)"))
+                elif key in self.folders:
+                    self.skipped.append((path, ALREADY_SCANNED))
+                elif is_link:
+                    links.append((k, path, key))
+                else:
+                    self.folders.add(key)
+                    real.append((k, path))
+        for found in groups:
+            found.sort(key=lambda item: (os.path.dirname(item[0]), os.path.basename(item[0])))
+        return groups
 
-    def take(self, groups: list[list[tuple[str, FileKey, bool]]]) -> list[list[str]]:
+    def take(self, groups: list[list[Found]]) -> list[list[str]]:
         """The paths each group (a class) takes: each real file once, as the file itself
         rather than a link to it, wherever the link lies (a link in another class folder
         loses to the real file, which keeps its own label); the rest listed as skipped."""
@@ -182,7 +196,7 @@ def class_folders(src: Path, classes: list[str] | None) -> Scan:
             f"{printable(str(src))}: no class subfolders (a flat folder needs a label file)"
         )
     files, labels = [], []
-    taken = walker.take([walker.found(name) for name in names])
+    taken = walker.take(walker.found(names))
     for k, (name, found) in enumerate(zip(names, taken, strict=True)):
         if not found and classes is None:
             raise DataError(_empty_class(src, name, walker.skipped))
