@@ -75,9 +75,9 @@ def test_large_jpeg_is_dct_scaled_for_the_box(tmp_path, monkeypatch):
     path = tmp_path / "big.jpg"
     Image.fromarray(photo(256, 256, seed=5)).save(path, quality=95)
     asked = []
-    real = decode_module.read_image
+    real = decode_module.decode_image
     monkeypatch.setattr(
-        decode_module, "read_image", lambda *a, **k: asked.append(a) or real(*a, **k)
+        decode_module, "decode_image", lambda *a, **k: asked.append(a) or real(*a, **k)
     )
     small = load_box(path, 64, "squash", (0, 0, 64, 64), 32, False)
     large = load_box(path, 64, "squash", (0, 0, 8, 8), 32, False)

@@ -94,6 +94,25 @@ def test_dct_downscaling_never_goes_below_the_size_needed(tmp_path, backend):
     assert small.shape == (480, 640, 3)
 
 
+@pytest.mark.parametrize("mode", ["squash", "shorter"])
+def test_dct_downscaling_keeps_the_geometry_when_sides_are_not_multiples(tmp_path, backend, mode):
+    """258 x 330 at 1/4 is 65 x 83 pixels whose last row and column cover 2 source
+    pixels: resized as a full decode is, not stretched (on 16-pixel squares, the DCT filter
+    alone is a few levels off a full decode; stretched, the squares' edges moved)."""
+    y, x = np.mgrid[:258, :330]
+    stripes = np.where(((x // 16) + (y // 16)) % 2 == 0, 30, 220).astype(np.uint8)
+    path = tmp_path / "stripes.jpg"
+    Image.fromarray(np.stack([stripes] * 3, -1)).save(path, quality=98, subsampling=0)
+    array, _, factor, source = decode.decode_image(path, 64, mode)
+    if mode == "shorter":  # the centre square starts on a decoded pixel's edge: column 36 here
+        assert decode.dct_factor(258, 334, 64, mode) == 2  # column 38: a multiple of 2, not 4
+    assert factor == 4 and array.shape == (65, 83, 3) and source == (258, 330)
+    got = load_resized(path, 64, mode)[0].float()
+    full = resize_uint8(read_image(path)[0], 64, mode).float()
+    error = (got - full).abs()
+    assert error.mean() < 10 and error.max() < 60  # 5-6 and 38 here; 20 and 105 stretched
+
+
 def test_resize_matches_torch_interpolate_and_pil():
     image = photo(60, 80)
     x = torch.from_numpy(image.copy()).permute(2, 0, 1)[None].float()

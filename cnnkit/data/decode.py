@@ -17,7 +17,7 @@ import re
 import stat
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -97,27 +97,38 @@ def _scaled_minimum(h: int, w: int, size: int, mode: ResizeMode) -> tuple[int, i
     """Smallest (h, w) a decoder may return so that resizing to `size` never upsamples."""
     if mode == "squash":
         return min(h, size), min(w, size)
-    scale = min(1.0, size / min(h, w))
-    return int(np.ceil(h * scale)), int(np.ceil(w * scale))
+    side = max(min(h, w), size)  # never upsampled: the size itself when smaller
+    return -(-h * size // side), -(-w * size // side)  # exact: ceil(h * size / side)
 
 
-def _dct_minimum(h: int, w: int, size: int | None, mode: ResizeMode) -> tuple[int, int]:
-    """Decoder minimum (h, w) for DCT-domain downscaling by 2, 4 or 8, or (0, 0) for full size.
+def _centre_offset(h: int, w: int) -> tuple[int, int]:
+    """(top, left) of the centre square of an h x w image (shorter-side resizing)."""
+    side = min(h, w)
+    return (h - side) // 2, (w - side) // 2
+
+
+def dct_factor(h: int, w: int, size: int | None, mode: ResizeMode) -> int:
+    """How many source pixels one decoded pixel may cover: 2, 4 or 8 for DCT-domain downscaling,
+    1 for a full decode.
 
     Only power-of-two factors: libjpeg-turbo's other n/8 scales have no SIMD IDCT and decode
     slower than the full image, so a source less than twice the size needed is decoded whole.
+    For the centre square the factor also divides the square's offset, so the square starts on
+    a decoded pixel's edge.
     """
     if not size:
-        return 0, 0
+        return 1
     need_h, need_w = _scaled_minimum(h, w, size, mode)
+    top, left = _centre_offset(h, w) if mode == "shorter" else (0, 0)
     factor = 8
-    while factor >= 2 and (h // factor < need_h or w // factor < need_w):
+    while factor >= 2 and (h // factor < need_h or w // factor < need_w
+                           or top % factor or left % factor):  # fmt: skip
         factor //= 2
-    return (-(-h // factor), -(-w // factor)) if factor >= 2 else (0, 0)
+    return max(factor, 1)
 
 
-def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -> tuple | None:
-    """Decode an RGB/grey JPEG with simplejpeg: (array, note), or None to let Pillow do it."""
+def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -> Decoded | None:
+    """Decode an RGB/grey JPEG with simplejpeg, or None to let Pillow do it."""
     if simplejpeg is None:
         return None
     try:
@@ -126,12 +137,13 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -
         return None
     if colorspace not in ("RGB", "YCbCr", "Gray"):  # CMYK/YCCK: Pillow knows Adobe's inversion
         return None
-    min_h, min_w = _dct_minimum(h, w, size, mode)
-    check_pixels(min_w or w, min_h or h)  # the DCT-scaled size is what gets allocated
+    factor = dct_factor(h, w, size, mode)
+    min_h, min_w = -(-h // factor), -(-w // factor)  # what libjpeg returns at 1/factor
+    check_pixels(min_w, min_h)  # the DCT-scaled size is what gets allocated
     note = "greyscale -> RGB" if colorspace == "Gray" else None  # as Pillow's path says
     args = {"colorspace": "RGB", "min_height": min_h, "min_width": min_w, "fastupsample": fast}
     try:
-        return simplejpeg.decode_jpeg(data, **args), note
+        return Decoded(simplejpeg.decode_jpeg(data, **args), note, factor, (h, w))
     except ValueError as e:
         reason = _jpeg_reason(str(e))
     if reason == "truncated JPEG":  # libjpeg would fill the rest grey: refused, as Pillow does
@@ -141,7 +153,8 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -
     except ValueError as e:
         raise BadImage(_jpeg_reason(str(e))) from None
     what = reason.removeprefix("corrupt JPEG (").removesuffix(")")
-    return array, "; ".join(filter(None, [note, f"decoded despite libjpeg's warning: {what}"]))
+    note = "; ".join(filter(None, [note, f"decoded despite libjpeg's warning: {what}"]))
+    return Decoded(array, note, factor, (h, w))
 
 
 def _jpeg_reason(message: str) -> str:
@@ -151,8 +164,8 @@ def _jpeg_reason(message: str) -> str:
     return f"corrupt JPEG ({message.strip()})"
 
 
-def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str) -> tuple:
-    """Decode anything Pillow reads; returns (HWC uint8 RGB array, conversion note or None)."""
+def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str) -> Decoded:
+    """Decode anything Pillow reads."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -160,8 +173,11 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str)
             notes = []
             if im.format == "PNG" and suffix in (".jpg", ".jpeg"):
                 notes.append("PNG data in a .JPEG file")
+            source, factor = (im.height, im.width), 1
             if im.format == "JPEG" and size:
-                im.draft("RGB", _scaled_minimum(im.height, im.width, size, mode)[::-1])
+                factor = dct_factor(im.height, im.width, size, mode)
+                drafted = im.draft("RGB", (im.width // factor, im.height // factor))
+                factor = round(source[1] / drafted[1][2]) if drafted else 1  # (0, 0, W/f, H/f)
             check_pixels(im.width, im.height)  # after draft: the size that will be decoded
             sixteen = _has_16_bit_samples(im)
             im.load()
@@ -185,7 +201,8 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str)
         notes.append(f"{_MODE_NAMES.get(im.mode, im.mode)} -> RGB")
     if im.mode != "RGB":
         im = im.convert("RGB")
-    return np.array(im), "; ".join(notes) or None  # writable: torch.from_numpy takes it
+    array = np.array(im)  # writable: torch.from_numpy takes it
+    return Decoded(array, "; ".join(notes) or None, factor, source)
 
 
 def _has_16_bit_samples(im: Image.Image) -> bool:
@@ -229,13 +246,24 @@ def _grey(values: np.ndarray) -> Image.Image:
     return Image.fromarray(values.astype(np.uint8), "L")
 
 
-def read_image(
+class Decoded(NamedTuple):
+    """A decoded image: (h, w, 3) uint8 RGB, the conversion note (greyscale, CMYK, PNG data...)
+    or None, and how it maps onto the source: a JPEG downscaled in the DCT domain by `factor`
+    has ceil(H / factor) x ceil(W / factor) pixels, the last row and column covering only part
+    of a block (its true extent is H / factor x W / factor)."""
+
+    array: np.ndarray
+    note: str | None
+    factor: int
+    source: tuple[int, int]  # the source's (H, W)
+
+
+def decode_image(
     path: str | Path, size: int | None = None, mode: ResizeMode = "squash", fast: bool = False
-) -> tuple[np.ndarray, str | None]:
-    """Decode a file to (H, W, 3) uint8 RGB, at least `size` after resizing (DCT-scaled JPEGs).
+) -> Decoded:
+    """Decode a file to uint8 RGB, at least `size` after resizing (DCT-scaled JPEGs).
 
     fast: libjpeg-turbo's fast chroma upsampling (7% faster; for training, not for packing).
-    Returns (array, note): note says what was converted (greyscale, CMYK, PNG data...) or None.
     Raises BadImage with the reason when the file cannot be used.
     """
     path = Path(path)
@@ -247,6 +275,13 @@ def read_image(
         if decoded is not None:
             return decoded
     return _decode_pillow(data, size, mode, path.suffix.lower())
+
+
+def read_image(
+    path: str | Path, size: int | None = None, mode: ResizeMode = "squash", fast: bool = False
+) -> tuple[np.ndarray, str | None]:
+    """decode_image's (H, W, 3) uint8 RGB array and note."""
+    return decode_image(path, size, mode, fast)[:2]
 
 
 def device_jpeg(path: str | Path) -> bytes | None:
@@ -293,41 +328,54 @@ def encode_jpeg(image_chw: np.ndarray, quality: int) -> bytes:
     return out.getvalue()
 
 
-def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash") -> torch.Tensor:
-    """(H, W, 3) uint8 -> (3, size, size) uint8: squash, or shorter side to size + centre crop.
+def resize_region(x: torch.Tensor, extent: tuple[float, float],
+                  size: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """(N, C, h, w) uint8 -> (N, C, *size): antialiased bilinear resizing of the image whose true
+    extent is `extent` (h, w) pixels, at most one pixel under the array's: a DCT-scaled JPEG's
+    last row and column cover only part of a block, so they are mapped as such, not stretched."""
+    if tuple(x.shape[-2:]) == tuple(extent):
+        if x.shape[-2:] == size:
+            return x
+        return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    scale = (size[0] / extent[0] * (1 + 1e-9), size[1] / extent[1] * (1 + 1e-9))
+    x = F.interpolate(x, scale_factor=scale, mode="bilinear", antialias=True,
+                      align_corners=False, recompute_scale_factor=False)  # fmt: skip
+    return x[..., : size[0], : size[1]]
+
+
+def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash", factor: int = 1,
+                 source: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """(h, w, 3) uint8 -> (3, size, size) uint8: squash, or shorter side to size + centre crop
+    (the centre square of the source, then one resize). A DCT-scaled decode passes its factor
+    and the source's (H, W) (see Decoded), so the resize covers the source's exact extent.
 
     Uses torch's uint8 antialiased bilinear kernel (about 4x faster than Pillow's resize).
     """
-    h, w = image.shape[:2]
-    if mode == "shorter":  # crop the centre square first: the same pixels, less to resize
-        side = min(h, w)
-        top, left = (h - side) // 2, (w - side) // 2
-        image = image[top : top + side, left : left + side]
-        h = w = side
-    x = torch.from_numpy(image).permute(2, 0, 1).unsqueeze(0)  # (1, 3, H, W) channels-last
-    if (h, w) != (size, size):
-        x = F.interpolate(
-            x, size=(size, size), mode="bilinear", antialias=True, align_corners=False
-        )
-    return x[0].contiguous()
+    h, w = source or image.shape[:2]
+    top, left = _centre_offset(h, w) if mode == "shorter" else (0, 0)
+    side_h, side_w = (min(h, w),) * 2 if mode == "shorter" else (h, w)
+    # in decoded pixels: the centre square starts on a pixel's edge (dct_factor sees to it)
+    y0, y1 = top // factor, -(-(top + side_h) // factor)
+    x0, x1 = left // factor, -(-(left + side_w) // factor)
+    x = torch.from_numpy(image[y0:y1, x0:x1]).permute(2, 0, 1).unsqueeze(0)  # channels-last
+    return resize_region(x, (side_h / factor, side_w / factor), (size, size))[0].contiguous()
 
 
 def load_resized(
     path: str | Path, size: int, mode: ResizeMode = "squash", fast: bool = False
 ) -> tuple:
-    """read_image + resize_uint8: ((3, size, size) uint8 tensor, note)."""
-    array, note = read_image(path, size, mode, fast)
-    return resize_uint8(array, size, mode), note
+    """decode_image + resize_uint8: ((3, size, size) uint8 tensor, note)."""
+    array, note, factor, source = decode_image(path, size, mode, fast)
+    return resize_uint8(array, size, mode, factor, source), note
 
 
 def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int,
                mode: ResizeMode) -> tuple[int, int, int, int]:  # fmt: skip
     """Where box (top, left, h, w) of the size x size resized image lies in an (H, W) image."""
     h, w = shape
-    oy = ox = 0
+    oy, ox = _centre_offset(h, w) if mode == "shorter" else (0, 0)
     if mode == "shorter":
-        side = min(h, w)
-        oy, ox, h, w = (h - side) // 2, (w - side) // 2, side, side
+        h = w = min(h, w)
     top, left, bh, bw = box
     y0, x0 = min(round(top * h / size), h - 1), min(round(left * w / size), w - 1)
     y1 = min(max(round((top + bh) * h / size), y0 + 1), h)  # at least a pixel, inside the image
@@ -344,8 +392,13 @@ def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int,
     (3, crop, crop) uint8 tensor (any strides: copy it out). Raises BadImage like read_image.
     """
     need = -(-size * crop // min(box[2], box[3]))  # the box stays >= crop at this size
-    array = read_image(path, need, mode, fast=True)[0]  # a random training crop: 7% faster
-    y0, x0, y1, x1 = box_region(array.shape[:2], box, size, mode)
+    array, _, factor, source = decode_image(path, need, mode, fast=True)  # a training crop
+    y0, x0, y1, x1 = box_region(source, box, size, mode)  # in source pixels
+    if factor > 1:  # in decoded pixels: the nearest edges (under half a pixel of jitter)
+        h, w = array.shape[:2]
+        y0, x0 = min(round(y0 / factor), h - 1), min(round(x0 / factor), w - 1)
+        y1 = min(max(round(y1 / factor), y0 + 1), h)
+        x1 = min(max(round(x1 / factor), x0 + 1), w)
     return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
 
 

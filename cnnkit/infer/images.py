@@ -21,9 +21,10 @@ from cnnkit.data.augment import center_crop, ten_crop
 from cnnkit.data.base import Preprocess
 from cnnkit.data.decode import (
     BadImage,
+    Decoded,
     check_pixels,
+    decode_image,
     is_image_name,
-    read_image,
     resize_uint8,
     to_8bit,
 )
@@ -100,6 +101,15 @@ def check_preprocess(pre: Preprocess) -> None:
                         f"of {decode.MAX_PIXELS:,} pixels") from None  # fmt: skip
 
 
+def decode_file(path: str | Path, size: int | None = None, mode: str = "squash") -> Decoded:
+    """A file decoded as the data pipeline decodes it (`size`, `mode`: its DCT-scaled JPEG
+    hint); DataError when it cannot be."""
+    try:
+        return decode_image(path, size, mode)
+    except BadImage as e:
+        raise DataError(f"{path}: {e}") from None
+
+
 def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> np.ndarray:
     """Any accepted image as (H, W, C) uint8 with C in 1, 3 (raises DataError when unreadable).
 
@@ -107,10 +117,7 @@ def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> 
     Files decode as the data pipeline decodes them (`size`, `mode`: its DCT-scaled JPEG hint).
     """
     if isinstance(image, (str, Path)):
-        try:
-            return read_image(image, size, mode)[0]
-        except BadImage as e:
-            raise DataError(f"{image}: {e}") from None
+        return decode_file(image, size, mode).array
     if isinstance(image, Image.Image):
         image = _pil_array(image)
     array = image.cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
@@ -157,8 +164,11 @@ def resized(image: ImageInput, pre: Preprocess) -> torch.Tensor:
     check_preprocess(pre)
     size = pre.resize or pre.crop
     mode = pre.resize_mode if pre.resize else "squash"
-    array = to_channels(to_hwc(image, size, mode), pre.channels)  # decoded as a folder's
-    return resize_uint8(array, size, mode)
+    if isinstance(image, (str, Path)):  # decoded and resized as a folder's images are
+        array, _, factor, source = decode_file(image, size, mode)
+    else:
+        array, factor, source = to_hwc(image), 1, None
+    return resize_uint8(to_channels(array, pre.channels), size, mode, factor, source)
 
 
 def crops_of(image: ImageInput, pre: Preprocess, tencrop: bool) -> torch.Tensor:
