@@ -229,6 +229,35 @@ def test_optimizer_state_takes_the_resumed_models_memory_format(optimizer):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("before, after", [("sgd", "nesterov"), ("adam", "adamw")])
+def test_a_resume_trains_with_the_overridden_optimizer_settings(finished_run, before, after):
+    """train.weight_decay / momentum / betas / optimizer given on --resume are the ones used
+    (torch's load_state_dict put the saved ones back); the saved moments carry over."""
+    from cnnkit.nn import build_model
+    from cnnkit.train.optim import build_optimizer
+    from cnnkit.train.state import load_optimizer
+
+    def optimizer(kind, **train):
+        cfg = validate_run({**RUN, "train": {**RUN["train"], "optimizer": kind, **train}})
+        torch.manual_seed(0)
+        return build_optimizer(build_model("digitnet", num_classes=4), cfg.train)
+
+    saved = optimizer(before)
+    for p in saved.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    saved.step()
+    resumed = optimizer(after, weight_decay=0.05, momentum=0.5, betas=[0.8, 0.9])
+    load_optimizer(resumed, copy.deepcopy(saved.state_dict()))
+    group = resumed.param_groups[0]
+    assert group["weight_decay"] == 0.05
+    if after == "nesterov":
+        assert group["nesterov"] and group["momentum"] == 0.5
+    else:
+        assert group["betas"] == (0.8, 0.9) and group["decoupled_weight_decay"]
+    p = group["params"][0]
+    assert resumed.state[p].keys() == saved.state[saved.param_groups[0]["params"][0]].keys()
+
+
 def test_a_resume_keeps_the_settings_the_run_began_with(tmp_path, capsys):
     """Another thread count alone changes the weights: a resume (on a machine whose measured
     or cached choice differs) runs with the checkpoint's settings unless it sets them anew."""

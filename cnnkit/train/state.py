@@ -95,6 +95,18 @@ def match_param_layout(optimizer: torch.optim.Optimizer) -> None:
                     state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load the saved momenta or moments, keeping the hyperparameters this run's config gave
+    the optimizer (weight decay, momentum, Nesterov, betas, AdamW's decoupled decay, the fused
+    kernel): torch's load_state_dict would put back the saved ones, so a resume's
+    `train.weight_decay=...` would be written to config.yaml and silently not used."""
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
+    match_param_layout(optimizer)
+
+
 def restore(state: dict[str, Any], engine: Engine, schedule: Schedule,
             steps_per_epoch: int | None = None) -> Progress:  # fmt: skip
     """Load model, optimizer, scaler and schedule from a checkpoint; return where it stood
@@ -106,8 +118,7 @@ def restore(state: dict[str, Any], engine: Engine, schedule: Schedule,
     try:
         engine.network.load_state_dict(state["model"])
         check_finite_weights(state["model"], "last.pt")
-        engine.optimizer.load_state_dict(state["optimizer"])
-        match_param_layout(engine.optimizer)
+        load_optimizer(engine.optimizer, state["optimizer"])
         if engine.scaler.is_enabled() and state.get("scaler"):
             engine.scaler.load_state_dict(state["scaler"])
         schedule.load_state_dict(state["schedule"])
