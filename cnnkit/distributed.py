@@ -349,19 +349,35 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         sys.executable, "-m", "cnnkit.agent", "--standalone",
         f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "cnnkit", *argv,
     ]  # fmt: skip
-    env = dict(os.environ, CNNKIT_NPROC=str(nproc))  # ranks of one config: rank 0 says errors
+    env = dict(os.environ, CNNKIT_NPROC=str(nproc), CNNKIT_PARENT=str(os.getpid()))
     # the cores shared among the processes (torchrun would set 1 and print a banner about it)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
-    # Ctrl-C: torchrun's agent passes it on to the ranks (in sessions of their own), which agree
-    # on a step, save and stop; this process waits for them (SIGINT ignored once it started)
-    # (ignored from before the start: the agent inherits that until cnnkit.agent's first line)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The agent runs in a session of its own and gets each SIGINT and SIGTERM from this process,
+    # whether a terminal's Ctrl-C (the foreground group: this process alone now) or a `kill` of
+    # this pid (a scheduler's): one signal either way. torchrun's agent passes it on to the
+    # ranks: at SIGINT they agree on a step, save and stop; at SIGTERM they end. The agent also
+    # ends with this process (cnnkit.agent), should it be killed outright.
+    # (SIGINT ignored from before the start, which the agent inherits until cnnkit.agent's
+    # first line: a Ctrl-C inside Python's own start-up would be a traceback)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.getsignal(signal.SIGTERM)}  # fmt: skip
     try:
-        code = subprocess.Popen(cmd, env=env).wait()
+        agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+        def forward(signum: int, frame: object) -> None:
+            agent.send_signal(signum)
+
+        for s, handler in previous.items():
+            if handler is not signal.SIG_IGN:  # a background job's SIGINT stays ignored
+                signal.signal(s, forward)
+        code = agent.wait()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if code == -signal.SIGINT:  # Ctrl-C while the agent started: no rank ran yet
         print("cnnkit: interrupted", file=sys.stderr)
+    elif code in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the ranks end without a word
+        print("cnnkit: terminated (SIGTERM)", file=sys.stderr)
     return 128 - code if code < 0 else code  # a signal's number, as a shell reports it
 
 
@@ -381,7 +397,9 @@ def torchrun(args: list[str]) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         main(args)
-    except (SignalException, KeyboardInterrupt):  # Ctrl-C: the ranks have said where they stood
+    except SignalException as e:  # SIGINT: the ranks have said where they stood; SIGTERM
+        return 128 + e.sigval
+    except KeyboardInterrupt:
         return 130
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()

@@ -357,9 +357,11 @@ def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     assert done.stderr.splitlines() == ["cnnkit: error: rank 0 was killed by SIGKILL"]
 
 
-def _ctrl_c_under_nproc(tmp_path: Path, wait, *overrides: str) -> tuple[int, str]:
-    """`cnnkit train digits --nproc 2` in a session of its own, SIGINT to the whole group (a
-    terminal's Ctrl-C) once `wait(proc)` returns: (exit status, stderr)."""
+def _ctrl_c_under_nproc(tmp_path: Path, wait, *overrides: str, to: str = "group",
+                        sig: int = 2) -> tuple[int, str]:  # fmt: skip
+    """`cnnkit train digits --nproc 2` in a session of its own, SIGINT (or `sig`) to the whole
+    group (a terminal's Ctrl-C), or `to="parent"`: to cnnkit's pid alone (`kill -INT PID`, a
+    scheduler), once `wait(proc)` returns: (exit status, stderr)."""
     import signal
 
     cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "2", "--out",
@@ -369,7 +371,7 @@ def _ctrl_c_under_nproc(tmp_path: Path, wait, *overrides: str) -> tuple[int, str
                             env=env, start_new_session=True)  # fmt: skip
     try:
         wait(proc)
-        os.killpg(proc.pid, signal.SIGINT)
+        (os.killpg if to == "group" else os.kill)(proc.pid, sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -377,21 +379,72 @@ def _ctrl_c_under_nproc(tmp_path: Path, wait, *overrides: str) -> tuple[int, str
     return proc.returncode, err
 
 
-def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(tmp_path):
+def _second_epoch(proc) -> None:
+    for line in proc.stdout:  # (not a terminal: a line per epoch)
+        if line.startswith("epoch 2/"):
+            return
+
+
+@pytest.mark.parametrize("to", ["group", "parent"])
+def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(tmp_path, to):
     """torchrun's agent passes the Ctrl-C on, the ranks agree on a step, save it and stop; one
-    line, exit status 130, resumable."""
-
-    def second_epoch(proc) -> None:
-        for line in proc.stdout:  # (not a terminal: a line per epoch)
-            if line.startswith("epoch 2/"):
-                return
-
-    code, err = _ctrl_c_under_nproc(tmp_path, second_epoch, "train.epochs=100")
+    line, exit status 130, resumable. A `kill -INT` of cnnkit's pid alone does the same."""
+    code, err = _ctrl_c_under_nproc(tmp_path, _second_epoch, "train.epochs=100", to=to)
     assert code == 130, err
     (line,) = err.splitlines()
     assert line.startswith("cnnkit: interrupted at epoch ") and "(saved); resume with" in line
     state = load_checkpoint(tmp_path / "run" / "last.pt")
     assert state["epoch"] >= 2 and f"epoch {state['epoch'] + 1} step {state['step']} " in line
+
+
+def test_sigterm_to_cnnkit_under_nproc_ends_every_process(tmp_path):
+    """A scheduler's SIGTERM to cnnkit's pid: the agent and the ranks end with it (they trained
+    on, holding the run folder, when it was not passed on); one line, status 143."""
+    import signal
+
+    ranks: list[int] = []
+
+    def started(proc) -> None:
+        _second_epoch(proc)
+        ranks.extend(p for p in _descendants(proc.pid))
+
+    code, err = _ctrl_c_under_nproc(tmp_path, started, "train.epochs=100", to="parent",
+                                    sig=signal.SIGTERM)  # fmt: skip
+    assert code == 143 and err.splitlines()[-1] == "cnnkit: terminated (SIGTERM)", err
+    assert len(ranks) >= 3  # the agent and two ranks (and their helpers)
+    for pid in ranks:
+        _wait_gone(pid)
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(status.split("PPid:")[1].split()[0]), []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _wait_gone(pid: int, seconds: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state == "Z":  # ended, not yet reaped by its (ended) parent's reaper
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} still runs {seconds} s after the SIGTERM")
 
 
 def test_ctrl_c_while_the_nproc_agent_starts_is_one_line(tmp_path):
@@ -406,7 +459,8 @@ def test_ctrl_c_while_the_nproc_agent_starts_is_one_line(tmp_path):
                 try:
                     line = Path(f"/proc/{pid}/cmdline").read_bytes()
                     status = Path(f"/proc/{pid}/status").read_text()
-                    if b"cnnkit.agent" in line and os.getsid(int(pid)) == proc.pid:
+                    parent = int(status.split("PPid:")[1].split()[0])
+                    if b"cnnkit.agent" in line and parent == proc.pid:
                         ignored = int(status.split("SigIgn:")[1].split()[0], 16)
                         if not ignored & (1 << (signal.SIGINT - 1)):
                             return
