@@ -330,6 +330,14 @@ def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch
     assert code == 1 and "packed at 16 px" in err  # the directory, not the source name
     code, _, err = run_cli(["eval", str(digits_run), "--tencrop"], capsys)
     assert code == 2 and "use a folder" in err  # digits itself: stored at 8 px
+    (tmp_path / "packed/meta.json").rename(tmp_path / "half")  # as an interrupted pack leaves it
+    code, _, err = run_cli(["eval", str(digits_run), "--data", str(tmp_path / "packed")], capsys)
+    assert code == 1 and "(interrupted? run cnnkit pack again to resume)" in err
+    image = sorted((tmp_path / "src").rglob("*.JPEG"))[0]
+    (tmp_path / "dup.yaml").write_text("data: {source: digits}\ndata: {source: faces}\n")
+    for given, words in ((image, "not a text file"), (tmp_path / "dup.yaml", "duplicate key")):
+        code, _, err = run_cli(["eval", str(digits_run), "--data", str(given)], capsys)
+        assert code == 2 and words in err and len(err.splitlines()) == 1, err
     image = str(sorted((tmp_path / "src").rglob("*.JPEG"))[0])
     code, out, err = run_cli(["classify", str(digits_run), image, "--tencrop"], capsys)
     assert code == 2 and not out  # 5 copies and 5 mirrors of the 8 px image, not 10 crops

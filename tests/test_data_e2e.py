@@ -84,6 +84,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     (tmp_path / "afile").write_text("keep")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half/plan.json").write_text("{}")  # an interrupted pack: not an image folder
     for argv, code in [
         (["pack", str(tmp_path / "missing"), str(tmp_path / "p")], 1),
         (["pack", str(tmp_path), str(tmp_path / "p"), "--resize", "stretch"], 2),
@@ -93,6 +95,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["pack", str(tmp_path / "mine"), str(tmp_path / "afile")], 2),  # not a folder
         (["bench", "loader", str(tmp_path / "missing")], 1),
         (["bench", "loader", str(tmp_path), "--crop", "0"], 2),
+        (["bench", "loader", str(tmp_path / "half")], 1),
     ]:
         with pytest.raises(SystemExit) as e:
             main(argv)
@@ -101,6 +104,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert err.startswith("cnnkit: error: ") and err.count("\n") == 1
         if "--size" in argv:  # the option given, and only it
             assert err == "cnnkit: error: --size must be >= 8 (got 0)\n"
+        if "half" in argv[-1]:
+            assert "(interrupted? run cnnkit pack again to resume)" in err
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
     assert (tmp_path / "afile").read_text() == "keep"
 

@@ -17,6 +17,7 @@ import torch
 from cnnkit.bench.timing import synchronize
 from cnnkit.data import data_config
 from cnnkit.data.base import Batches
+from cnnkit.data.packed import is_pack
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import machine_name
 
@@ -24,12 +25,13 @@ from cnnkit.runtime import machine_name
 def loader_config(
     data: str | Path, workers: int | None, batch: int, **options: Any
 ) -> dict[str, Any]:
-    """A `data:` section for DATA: packed if it holds meta.json, else an image folder
+    """A `data:` section for DATA: a packed set (an unfinished one is an error that says so),
+    else an image folder
     (`workers` None: the loader's default for this machine)."""
     path = Path(data)
     if not path.is_dir():
         raise DataError(f"{path}: not a folder (give an image folder or a packed set)")
-    source = "packed" if (path / "meta.json").exists() else "folder"
+    source = "packed" if is_pack(path) else "folder"
     section = {"source": source, "path": str(path), "batch_size": batch, "val_fraction": 0.0,
                **({} if workers is None else {"workers": workers}), **options}  # fmt: skip
     return section

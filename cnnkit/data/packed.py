@@ -28,6 +28,12 @@ from cnnkit.runtime import torch_threads
 PACK_FORMAT = "cnnkit-packed/1"
 
 
+def is_pack(path: str | Path) -> bool:
+    """True for a folder `cnnkit pack` wrote into, finished (meta.json) or not (plan.json): a
+    folder given as data is read as a pack, not as an image folder, if so."""
+    return any((Path(path) / name).is_file() for name in ("meta.json", "plan.json"))
+
+
 def read_meta(path: str | Path, field: str | None = None) -> dict:
     """The meta.json of a packed set (DataError if DST is not a finished pack); `field` names
     the setting that gave the path, for the message."""

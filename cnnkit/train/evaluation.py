@@ -7,16 +7,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from pydantic import ValidationError
 
 from cnnkit.checkpoint import load_trained, note_mean_image, uses_mean_image
 from cnnkit.config import TrainConfig
 from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
+from cnnkit.data.packed import is_pack
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.nn.onednn import freeze
+from cnnkit.nn.yamlio import read_yaml
 from cnnkit.runtime import restore_matmuls, tf32_matmuls
 from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import check_read, evaluate, score_logits
@@ -33,7 +34,7 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
     run subtracted, wherever the data is stored at its size). `labels`: the label file of a
     flat folder (ImageNet's validation set)."""
     if labels is not None and (spec is None or not Path(spec).is_dir()
-                               or (Path(spec) / "meta.json").is_file()):  # fmt: skip
+                               or is_pack(spec)):  # fmt: skip
         raise ConfigError("--labels: the label file of a flat image folder given as --data DIR "
                           "(a packed set keeps its own labels)")  # fmt: skip
     if spec is None:
@@ -45,7 +46,7 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
     elif spec in SOURCES and not (spec in ("folder", "packed") and Path(spec).is_dir()):
         section = {"source": spec}
     elif Path(spec).is_file():
-        loaded = yaml.safe_load(Path(spec).read_text())
+        loaded = read_yaml(spec)  # bounded, duplicate keys refused, errors as one line
         section = loaded.get("data", loaded) if isinstance(loaded, dict) else None
         if not isinstance(section, dict):
             raise ConfigError(f"--data {spec}: the file has no data: mapping")
@@ -55,7 +56,7 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
             section = {"size": pre.resize or pre.crop, "resize_mode": pre.resize_mode, **section}
     elif Path(spec).is_dir():
         section = {"path": spec, "val_path": spec, "crop": pre.crop}
-        if (Path(spec) / "meta.json").is_file():
+        if is_pack(spec):
             section["source"] = "packed"
         else:
             section.update(
