@@ -160,3 +160,41 @@ def test_labels_show_both_strides_and_dilations_and_filters_the_first_conv_of_th
     assert labels["pre.conv"].splitlines()[1] == "conv 1x1/1, 2"
     assert [text.splitlines()[1] for text in labels.values()][-1] == "maxpool 2x2/2x1"
     assert first_conv(model)[0] == "conv0"  # not pre.conv, which registers first as `pre`
+
+
+def test_a_drawing_that_fails_half_way_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
+    """A full disk part-way through `show net`, `show filters` or `detect -o`: the file drawn
+    before is kept as it was, and nothing half-written is left beside it."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    from cnnkit.infer.detect import Box, draw_boxes
+    from cnnkit.infer.show import draw_filters
+
+    def half_then_full(real):
+        def save(self, fp, *args, **kwargs):
+            import io
+
+            whole = io.BytesIO()
+            real(self, whole, *args, **kwargs)
+            if isinstance(fp, (str, Path)):
+                fp = open(fp, "wb")  # noqa: SIM115 (as the libraries write a named file)
+            fp.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+            fp.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        return save
+
+    monkeypatch.setattr(Image.Image, "save", half_then_full(Image.Image.save))
+    monkeypatch.setattr(Figure, "savefig", half_then_full(Figure.savefig))
+    model = build_model("digitnet", num_classes=4)
+    drawings = [(lambda p: draw_net(model, p), "net.svg"), (lambda p: draw_filters(model, p), "f.png"),
+                (lambda p: draw_boxes(np.zeros((16, 16), np.uint8), [Box(1, 1, 9, 9, 0.9)], p),
+                 "boxes.png")]  # fmt: skip
+    for draw, name in drawings:
+        (tmp_path / name).write_bytes(b"the earlier drawing")
+        with pytest.raises(OSError):
+            draw(tmp_path / name)
+        assert (tmp_path / name).read_bytes() == b"the earlier drawing"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["boxes.png", "f.png", "net.svg"]

@@ -18,7 +18,7 @@ from cnnkit.bench.throughput import make_infer_step, make_train_step, train_conf
 from cnnkit.bench.timing import check_precision, measure
 from cnnkit.errors import ConfigError
 from cnnkit.nn import read_spec
-from cnnkit.runtime import machine_name
+from cnnkit.runtime import atomic, machine_name, write_atomic
 
 MODES = ("train", "infer")
 
@@ -204,7 +204,7 @@ def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
     """Write scaling.json and scaling.png into `out` (created if needed)."""
     out = ensure_dir(out)
     json_path, png_path = out / "scaling.json", out / "scaling.png"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode())
     plot_scaling(report, png_path)
     return [json_path, png_path]
 
@@ -232,7 +232,8 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     _plot_speedup(right, report, families, markers)
     fig.suptitle(f"cnnkit scaling study ({report['precision']}): " + ", ".join(report["devices"]))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic(Path(path)) as f:
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
 
 

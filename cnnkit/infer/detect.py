@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 from torch import nn
 
 from cnnkit.errors import ConfigError, DataError
-from cnnkit.infer.images import ImageInput, to_channels, to_hwc
+from cnnkit.infer.images import ImageInput, save_picture, to_channels, to_hwc
 from cnnkit.infer.load import Loaded
 from cnnkit.nn import Network
 from cnnkit.nn.layers import FlatLinear, ScaledTanh
@@ -222,7 +222,7 @@ def draw_boxes(image: ImageInput, boxes: list[Box], path: Path) -> None:
         y = y if y >= 0 else max(box.y0, 0)
         pen.rectangle([x, y, x + right - left + 2 * pad, y + bottom - top + 2 * pad], fill=colour)
         pen.text((x + pad - left, y + pad - top), text, fill=ink, font=text_font)
-    picture.save(path)
+    save_picture(picture, path)
 
 
 def mine_hard_negatives(

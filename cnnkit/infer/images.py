@@ -30,6 +30,7 @@ from cnnkit.data.decode import (
 )
 from cnnkit.data.scan import Walker, printable, skip_reason
 from cnnkit.errors import DataError
+from cnnkit.runtime import atomic
 
 ImageInput = str | Path | Image.Image | np.ndarray | torch.Tensor
 
@@ -180,3 +181,10 @@ def crops_of(image: ImageInput, pre: Preprocess, tencrop: bool) -> torch.Tensor:
 def image_name(image: Any, index: int) -> str:
     """How results name an input: its path, or `<image N>` for in-memory images."""
     return str(image) if isinstance(image, (str, Path)) else f"<image {index}>"
+
+
+def save_picture(picture: Image.Image, path: Path) -> None:
+    """A PIL image to `path` in the format its suffix names, written whole or not at all."""
+    kind = Image.registered_extensions().get(Path(path).suffix.lower())
+    with atomic(Path(path)) as f:
+        picture.save(f, format=kind)

@@ -13,10 +13,12 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
 from cnnkit.errors import ConfigError
+from cnnkit.infer.images import save_picture
 from cnnkit.infer.layout import Layout, layered_layout
 from cnnkit.nn import Network
 from cnnkit.nn.graph import LayerInfo
 from cnnkit.nn.layers import pair
+from cnnkit.runtime import atomic
 
 # layer type -> box colour (Caffe's draw_net: convolutions, pools, the rest)
 COLOURS = {
@@ -127,7 +129,8 @@ def draw_net(model: Network, path: Path) -> Layout:
             ax.text(x, y, labels[name], ha="center", va="center", fontsize=FONT_SIZE,
                     linespacing=1.25)  # fmt: skip
         ax.text(0, margin + title / 2, heading, fontsize=FONT_SIZE + 2, va="center")
-        fig.savefig(path, dpi=100)
+        with atomic(Path(path)) as f:  # an existing drawing stays whole if this fails
+            fig.savefig(f, dpi=100, format=Path(path).suffix[1:].lower())
         plt.close(fig)
     return layout
 
@@ -203,8 +206,7 @@ def draw_filters(model: nn.Module, path: Path) -> tuple[int, ...]:
     how = "colour (RGB)" if i == 3 else f"grey (mean of {i} input channels)" if i > 1 else "grey"
     lines = [f"{getattr(model, 'name', 'net')} {name}: {o} filters of {i}x{kh}x{kw}",
              f"each stretched to its own min-max, {how}"]  # fmt: skip
-    picture = titled(grid, lines)
-    picture.save(path)
+    save_picture(titled(grid, lines), path)
     return tuple(weight.shape)
 
 
