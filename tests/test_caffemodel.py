@@ -278,6 +278,22 @@ def test_caffemodels_the_network_cannot_take_write_nothing(tmp_path, capsys):
     args = ["import-caffe", str(prototxt), str(tmp_path / "good.caffemodel"), "-o", str(out)]
     assert run_cli(args, capsys)[0] == 0
     build_model(str(out))  # loads its weights
+    assert run_cli(args, capsys)[0] == 0  # again: the earlier import's weights are replaced
+
+
+def test_an_import_never_replaces_its_input_or_a_file_not_its_own(tmp_path, capsys):
+    """-o the prototxt itself, a name not .yaml, or NAME.safetensors that another command
+    wrote: one line each, and every file as it was."""
+    prototxt = prototxt_file(tmp_path, TRANSPOSED, "dim: 1 dim: 6")
+    write_caffemodel(tmp_path / "t.caffemodel", {"fc8": [torch.ones(6, 3), torch.zeros(3)]})
+    (tmp_path / "mine.safetensors").write_bytes(b"an export the user keeps")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for out, words in ((prototxt, "is the input"), (tmp_path / "t.onnx", "name it .yaml"),
+                       (tmp_path / "mine.yaml", "not the weights of an earlier import")):  # fmt: skip
+        args = ["import-caffe", str(prototxt), str(tmp_path / "t.caffemodel"), "-o", str(out)]
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and words in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_a_full_disk_leaves_no_half_written_file(tmp_path, capsys, monkeypatch):

@@ -109,6 +109,24 @@ def test_the_format_comes_from_the_name_and_a_mismatch_is_refused(tmp_path, caps
     assert not Path("x.onnx").exists() and not Path("x.pt").exists()
 
 
+def test_an_export_never_replaces_a_checkpoint_or_its_input(digits_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(digits_run, run)
+    (tmp_path / "net.yaml").write_text("model: digitnet\n")
+    kept = {p: p.read_bytes() for p in (run / "best.pt", run / "last.pt", tmp_path / "net.yaml")}
+    for target, argv, words in (
+        (run / "best.pt", ["-f", "safetensors", "-o", str(run / "best.pt")], "is the input"),
+        (run, ["-f", "onnx", "-o", str(run / "last.pt")], "is a checkpoint (a torch.save file)"),
+        (tmp_path / "net.yaml", ["-f", "onnx", "-o", str(tmp_path / "net.yaml")], "is the input"),
+        (run, ["-o", str(tmp_path)], "is a folder"),
+    ):
+        code, _, err = run_cli(["export", str(target), *argv], capsys)
+        assert code == 2 and words in err and len(err.splitlines()) == 1, err
+    assert all(p.read_bytes() == data for p, data in kept.items())
+
+
 def test_torchscript_export_matches(tmp_path, capsys):
     out = tmp_path / "net.pt"
     code, stdout, err = run_cli(

@@ -107,12 +107,16 @@ def export(
     ema: bool = typer.Option(False, "--ema", help=EMA_HELP),
 ) -> None:
     """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
+    from cnnkit.errors import ConfigError
     from cnnkit.infer.export import TOLERANCE, check_export, export_format
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
 
+    _writable(out, target)
     fmt = export_format(out, fmt)
-    _writable(out)
+    if is_checkpoint(out):
+        raise ConfigError(f"-o {out}: is a checkpoint (a torch.save file), which an export "
+                          "would replace: give the export a name of its own")  # fmt: skip
     loaded = load_for_inference(target, ema=ema)
     export_model(loaded, fmt, out)
     typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
@@ -144,11 +148,17 @@ def import_caffe(
     from cnnkit.errors import ConfigError
     from cnnkit.nn import build_model
 
-    _writable(out)
-    if caffemodel is not None and (out is None or out.suffix == ".safetensors"):
+    _writable(out, prototxt, caffemodel)
+    if caffemodel is not None and out is None:
         raise ConfigError(
             "import-caffe with a .caffemodel needs -o NET.yaml: its weights go beside it"
         )
+    if out is not None and out.suffix.lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"-o {out}: import-caffe writes a network file: name it .yaml")
+    weights = out.with_suffix(".safetensors") if out is not None else None
+    if caffemodel is not None and weights.exists() and not _imported_beside(out, weights):
+        raise ConfigError(f"{weights}: exists, and is not the weights of an earlier import to "
+                          f"{out.name}: move it, or give -o another name")  # fmt: skip
     imported = read_caffe(prototxt, caffemodel)  # weights checked against the network
     model, state = imported.model, imported.state
     net = build_model(model, device="meta")  # checks every shape before anything is written
@@ -241,10 +251,14 @@ def detect(
         typer.echo(f"wrote {out}: {len(boxes)} boxes", err=as_json)
 
 
-def _writable(out: Path | None) -> None:
-    """One clear line instead of a traceback when -o points into a missing folder or names one."""
+def _writable(out: Path | None, *inputs: str | Path | None) -> None:
+    """One clear line instead of a traceback when -o points into a missing folder or names one,
+    and instead of overwriting a file the command reads (`inputs`)."""
     from cnnkit.errors import ConfigError
 
+    for given in inputs:
+        if out is not None and given is not None and _same_file(out, Path(given)):
+            raise ConfigError(f"-o {out}: is the input {given}; give the output a name of its own")
     if out is not None and out.is_dir():
         raise ConfigError(
             f"-o {out}: is a folder; give the file to write (e.g. {out / 'model.onnx'})"
@@ -257,3 +271,38 @@ def _writable(out: Path | None) -> None:
         reason = cannot_write(out.parent)
         if reason is not None:
             raise ConfigError(f"-o {out}: cannot write in {out.parent} ({reason})")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and a.samefile(b)
+    except OSError:
+        return False
+
+
+def is_checkpoint(path: Path) -> bool:
+    """True for a torch.save file (a run's checkpoint, a state_dict): a zip archive with a
+    data.pkl, unlike a TorchScript (code/) or torch.export (archive_format) archive."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return any(n.endswith("/data.pkl") for n in names) and not any(
+        "/code/" in n or n.endswith("archive_format") for n in names
+    )
+
+
+def _imported_beside(out: Path, weights: Path) -> bool:
+    """True if network file `out` exists and names `weights` as its weights: an earlier import
+    to the same name, which a new one may replace."""
+    from cnnkit.errors import CnnkitError
+    from cnnkit.nn.yamlio import read_yaml
+
+    try:
+        net = read_yaml(out) if out.is_file() else None
+    except CnnkitError:
+        return False
+    return isinstance(net, dict) and (net.get("model") or net).get("weights") == weights.name
