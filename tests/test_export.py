@@ -63,6 +63,24 @@ def test_the_check_fails_when_the_export_differs(tmp_path):
     assert not result.ok and result.max_diff > 1e-4
 
 
+def test_the_check_fails_an_export_of_zeros_where_the_logits_are_tiny(tmp_path, monkeypatch):
+    """Fresh torchvision-style weights can give logits of 1e-13: a tolerance on the absolute
+    difference alone passed an export that outputs zeros."""
+    import cnnkit.infer.export as export_module
+
+    loaded = load_network("lenet5")
+    with torch.no_grad():
+        for p in loaded.model.parameters():
+            p.mul_(1e-5)  # logits around 1e-6
+    out = tmp_path / "lenet.onnx"
+    export(loaded, "onnx", out)
+    assert check_export(loaded, "onnx", out).ok  # the real export passes
+    monkeypatch.setattr(export_module, "run_exported", lambda fmt, path: lambda x: np.zeros(
+        (x.shape[0], 10), np.float32))  # fmt: skip
+    result = check_export(loaded, "onnx", out)
+    assert not result.ok and result.max_diff < 1e-4, result  # under the old absolute bound
+
+
 def test_safetensors_round_trip_and_classify(digits_run, tmp_path, capsys):
     out = tmp_path / "digits.safetensors"
     code, stdout, err = run_cli(

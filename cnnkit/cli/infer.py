@@ -127,7 +127,7 @@ def export(
         typer.echo(
             f"check ({runtime} vs PyTorch, fp32 logits): max abs diff {r.random_diff:.2e} on random "
             f"inputs (batch 1 and 3), {r.real_diff:.2e} on {r.batch_sizes[-1]} real images; "
-            f"tolerance {TOLERANCE:.0e}: {verdict}"
+            f"tolerance {TOLERANCE:.0e} of the largest logit ({r.scale:.3g}): {verdict}"
         )
         if not r.ok:
             raise CnnkitError(f"{out}: export check failed (max abs diff {r.max_diff:.2e})")
