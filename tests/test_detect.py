@@ -44,7 +44,7 @@ def test_sliding_net_equals_classifying_every_window():
     torch.manual_seed(0)
     model = build_model(PATCH_NET).eval()
     slider = sliding_net(model)
-    assert (slider.window, slider.stride, slider.offset) == (16, 4, 0)
+    assert (slider.window, slider.stride) == (16, 4)
     x = torch.randn(1, 1, 40, 52)
     with torch.no_grad():
         maps = slider.net(x)
@@ -53,12 +53,16 @@ def test_sliding_net_equals_classifying_every_window():
             torch.testing.assert_close(maps[0, :, i, j], model(window)[0], atol=1e-5, rtol=1e-5)
 
 
-def brightness_detector() -> Loaded:
-    """A 'face' classifier that fires on bright 8x8 windows: logit = 40 * (mean - 0.8)."""
-    model = build_model(
-        {"input": [1, 8, 8], "layers": [{"name": "fc", "type": "linear", "out_features": 2}]}
-    )
+def brightness_detector(padded: bool = False) -> Loaded:
+    """A 'face' classifier that fires on bright 8x8 windows: logit = 40 * (mean - 0.8).
+    `padded`: behind a padded 3x3 convolution that passes each pixel on as it is."""
+    conv = {"name": "c", "type": "conv", "out_channels": 1, "kernel_size": 3, "padding": 1}
+    fc = {"name": "fc", "type": "linear", "out_features": 2}
+    model = build_model({"input": [1, 8, 8], "layers": [conv, fc] if padded else [fc]})
     with torch.no_grad():
+        if padded:
+            model.c.weight.zero_()[0, 0, 1, 1] = 1.0
+            model.c.bias.zero_()
         model.fc.weight.zero_()
         model.fc.weight[1].fill_(40 / 64)
         model.fc.bias.copy_(torch.tensor([0.0, -32.0]))
@@ -67,10 +71,13 @@ def brightness_detector() -> Loaded:
     )
 
 
-def test_boxes_land_on_the_bright_square_in_original_pixels(tmp_path):
+@pytest.mark.parametrize("padded", [False, True])
+def test_boxes_land_on_the_bright_square_in_original_pixels(tmp_path, padded):
+    """Padding does not move the windows (it once shifted every box up-left by the padding)."""
     image = np.zeros((32, 32), np.uint8)
     image[8:24, 12:28] = 255  # a 16x16 'face': at scale 0.5 exactly one 8x8 window is all white
-    boxes = detect(brightness_detector(), image, threshold=0.5, iou=0.3, min_face=16, step=1.5)
+    loaded = brightness_detector(padded)
+    boxes = detect(loaded, image, threshold=0.5, iou=0.3, min_face=16, step=1.5)
     assert boxes and [b.score for b in boxes] == sorted((b.score for b in boxes), reverse=True)
     best = boxes[0]
     assert (best.x0, best.y0, best.x1, best.y1) == (12, 8, 28, 24)  # original pixels

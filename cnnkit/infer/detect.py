@@ -48,20 +48,22 @@ class Box:
 @dataclass
 class SlidingNet:
     """A patch classifier as a fully convolutional net: output (i, j) is the window whose
-    top-left corner is (i * stride - offset, j * stride - offset) in its input."""
+    top-left corner is (i * stride, j * stride) in its input. (Padding does not shift it: a
+    padded layer's output k lies over input k * stride in the patch and in the whole image
+    alike; only the pixels it reads past the patch's edge differ: zeros for the patch alone,
+    the neighbours in the image.)"""
 
     net: nn.Sequential
     window: int
     stride: int
-    offset: int
 
 
 def sliding_net(model: Network) -> SlidingNet:
     """Turn a chain of conv / pool / activation / linear layers into a fully convolutional net:
     the first linear becomes a convolution over its whole input, later ones 1x1 convolutions.
-    A window's score is its classification's, except that a ceil_mode pool's last window,
-    which classification cuts at the patch's edge, reads the pixels beyond it here."""
-    modules, stride, offset = [], 1, 0
+    A window's score is its classification's, except where a layer reads past the patch's
+    edge (padding, a ceil_mode pool's last window): there it reads the image's pixels beyond."""
+    modules, stride = [], 1
     current = model.input_shape  # the (C, H, W) the next layer reads
     if len(current) != 3 or current[1] != current[2]:
         raise ConfigError(f"detect: the network reads {' x '.join(map(str, current))} inputs; "
@@ -83,11 +85,10 @@ def sliding_net(model: Network) -> SlidingNet:
             if not (_square(module.stride) and _square(module.padding)):
                 raise ConfigError(f"detect: layer {row.name!r} strides or pads the two axes "
                                   "differently; sliding windows need the same on both")  # fmt: skip
-            offset += _first(module.padding) * stride
             stride *= _first(module.stride)
             current = row.output_shape
         modules.append(module)
-    return SlidingNet(nn.Sequential(*modules).eval(), model.input_shape[-1], stride, offset)
+    return SlidingNet(nn.Sequential(*modules).eval(), model.input_shape[-1], stride)
 
 
 def _square(value: int | tuple | str) -> bool:
@@ -138,7 +139,7 @@ def score_maps(
     for scale in scales:
         size = (round(x.shape[2] * scale), round(x.shape[3] * scale))
         scaled = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
-        width = size[1] - (size[1] + 2 * slider.offset - slider.window) % slider.stride
+        width = size[1] - (size[1] - slider.window) % slider.stride
         scaled = (scaled[..., :width].round().clamp(0, 255) - mean) / std  # whole windows only
         odds = _log_odds(slider.net(scaled), label)
         if mirror:  # the mirrored image's windows line up with these (the width fits the stride)
@@ -181,8 +182,7 @@ def detect(
     for scale, slider, odds in score_maps(loaded, image, scales, loaded.classes.index(label),
                                           mirror):  # fmt: skip
         i, j = torch.nonzero(odds >= cut, as_tuple=True)
-        y0 = (i * slider.stride - slider.offset) / scale
-        x0 = (j * slider.stride - slider.offset) / scale
+        y0, x0 = i * slider.stride / scale, j * slider.stride / scale
         side = window / scale
         boxes.append(torch.stack([x0, y0, x0 + side, y0 + side], 1).float())
         scores.append(odds[i, j].float())
