@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import reprlib
 from collections.abc import Collection
@@ -35,7 +36,17 @@ class Interrupted(CnnkitError):
     exit_code = 130
 
 
-_REPR = reprlib.Repr()
+class _Repr(reprlib.Repr):
+    """reprlib's cut repr, and an integer too long to write out (Python refuses to turn one of
+    over 4,300 digits into text) said by its size."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 1000:  # about 300 digits: never written out
+            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1:,} digits>"
+        return super().repr_int(x, level)
+
+
+_REPR = _Repr()
 _REPR.maxstring = _REPR.maxother = 40
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
 _REPR.maxlevel = 3

@@ -252,3 +252,79 @@ def test_the_readme_example_builds_as_it_says():
     assert not any(n.startswith(("layer1.0.downsample", "layer2.1.downsample")) for n in names)
     assert model.get_submodule("layer2.0.dw").groups == 128  # $in_channels: conv1's 2 x 64
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_expansion_work_is_bounded_even_where_copies_make_no_layers():
+    """Copies of a block whose layers are all absent make no layer, yet cost work: the work
+    itself is bounded, so a file of 4 * 10^8 empty copies is an error line, not an hour's hang."""
+    blocks = {
+        "nothing": {"layers": [{"type": "relu", "if": False}]},
+        "many": {"layers": [{"block": "nothing", "repeat": 2000}]},
+    }
+    with pytest.raises(ConfigError) as e:
+        build_model(
+            net({"name": "x", "block": "many", "repeat": 100}, blocks=blocks), device="meta"
+        )
+    assert "entries" in str(e.value) and "check repeat" in str(e.value)
+    assert str(e.value).startswith("layer 0 (x") and "\n" not in str(e.value)
+
+
+def test_an_inline_block_inside_a_block_names_its_layers_there_as_at_the_top_level():
+    pair = {"layers": [conv("c"), {"name": "r", "type": "relu"}]}
+    outer = {"layers": [{"block": "pair", "inline": True},
+                        {"name": "s", "type": "add", "inputs": ["c", "input"]}]}  # fmt: skip
+    model = build_model(net({"name": "o", "block": "outer"}, blocks={"pair": pair, "outer": outer}))
+    assert [row.name for row in model.table] == ["o.c", "o.r", "o.s"]
+    assert model.table[2].inputs == ("o.c", "input")
+    x = torch.randn(2, 4, 8, 8)
+    torch.testing.assert_close(model(x), model.o.c(x) + x)
+
+
+def test_a_first_block_with_other_parameters_is_named_in_the_error():
+    blocks = {
+        "unit": {"params": {"out": None, "p": 0.0}, "layers": [conv("c", out_channels="$out")]},
+        "down": {"params": {"out": None}, "layers": [conv("c", out_channels="$out", stride=2)]},
+    }
+    line = {"name": "st", "block": "unit", "out": 6, "repeat": 3, "first": {"block": "down"}}
+    with pytest.raises(ConfigError) as e:
+        build_model(net({**line, "p": 0.1}, blocks=blocks), device="meta")
+    assert "first: block 'down' has no parameter 'p' (it takes out; the line's" in str(e.value)
+    assert "'unit'" not in str(e.value)
+    model = build_model(net(line, blocks=blocks), device="meta")
+    assert model.output_shape == (6, 4, 4)
+
+
+def test_and_or_do_not_evaluate_the_side_the_left_decides_as_in_python():
+    guard = {"params": {"g": 0}, "layers": [
+        conv("c", **{"if": "$g == 0 or $in_channels % $g == 0"})]}  # fmt: skip
+    model = build_model(net({"name": "x", "block": "b"}, blocks={"b": guard}), device="meta")
+    assert [row.name for row in model.table] == ["x.c"]
+    model = build_model(
+        net({"name": "x", "block": "b", "g": 3}, blocks={"b": guard}), device="meta"
+    )
+    assert model.table == []  # 4 % 3 != 0: absent
+    from cnnkit.nn.expr import ExprError, evaluate
+
+    params = {"z": 0, "t": True}
+    assert evaluate("$z != 0 and 1 // $z == 1", params) is False
+    assert evaluate("not ($z == 0 or $missing)", params) is False
+    assert evaluate("$t and ($z == 0 or 1 // $z > 0) and not false", params) is True
+    with pytest.raises(ExprError, match="division by zero"):
+        evaluate("$z == 0 and 1 // $z == 1", params)
+    with pytest.raises(ExprError, match="unexpected"):  # the skipped side is still read
+        evaluate("true or 1 2", params)
+
+
+def test_huge_numbers_in_expressions_are_one_line():
+    n = int("9" * 150)
+    product = " * ".join(["$n"] * 33)  # about 5,000 digits: past Python's int-string limit
+    block = {"params": {"n": None}, "layers": [conv(out_channels=product)]}
+    spec = net({"name": "x", "block": "b", "n": n}, blocks={"b": block})
+    with pytest.raises(ConfigError) as e:
+        build_model(spec, device="meta")
+    assert "too large" in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 300
+    block = {"params": {"n": None}, "layers": [conv(out_channels="$n")]}
+    spec = net({"name": "x", "block": "b", "n": 10**5000}, blocks={"b": block})
+    with pytest.raises(ConfigError) as e:
+        build_model(spec, device="meta")
+    assert "an integer of about 5,001 digits" in str(e.value) and len(str(e.value)) < 300

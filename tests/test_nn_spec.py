@@ -193,3 +193,51 @@ def test_the_reserved_names_cover_every_network_attribute():
         k for k in own if not reserved_name(k)
     )
     assert not reserved_name("conv1") and not reserved_name("name", top=False)
+
+
+def test_init_rules_that_cannot_fill_their_tensor_fail_validation_on_meta_too():
+    spec = net(conv("c"), {"name": "bn", "type": "batchnorm", "init": {"weight": "kaiming_normal"}})
+    for device in ("meta", None):  # `cnnkit info` builds on meta and must say what building will
+        with pytest.raises(ConfigError) as e:
+            build_model(spec, device=device)
+        assert str(e.value).startswith("layer 1 (bn): init: ") and "\n" not in str(e.value)
+    fits = net(conv("c", init={"weight": "kaiming_normal"}), {"type": "batchnorm"})
+    assert build_model(fits, device="meta").c.weight.is_meta
+
+
+@pytest.mark.parametrize(
+    "preprocess, message",
+    [
+        ({"mean": [1, 2, 3], "sdt": [1, 1, 1]}, "model: preprocess.sdt: unknown field"),
+        ({"std": [0, 1, 1]}, "model: preprocess.std: must be > 0"),
+        ({"resize": "big"}, "model: preprocess.resize: Input should be a number"),
+    ],
+)
+def test_preprocess_fields_are_validated_by_info(preprocess, message, tmp_path, capsys):
+    """`cnnkit info` checks a network file's preprocess: as classify and export read it."""
+    import yaml
+    from helpers import run_cli
+
+    path = tmp_path / "net.yaml"
+    path.write_text(yaml.safe_dump({"model": net(conv("c"), preprocess=preprocess)}))
+    code, _, err = run_cli(["info", str(path)], capsys)
+    assert code == 2 and f"{path}: {message}" in err and len(err.splitlines()) == 1, err
+    torchvision_like = {"mean": [123.675, 116.28, 103.53], "std": [58.395, 57.12, 57.375],
+                        "resize": 256, "resize_mode": "shorter"}  # fmt: skip
+    path.write_text(yaml.safe_dump({"model": net(conv("c"), preprocess=torchvision_like)}))
+    assert run_cli(["info", str(path)], capsys)[0] == 0
+
+
+def test_init_reads_numbers_yaml_gives_as_strings_as_other_numeric_fields_do():
+    import yaml
+
+    layer = yaml.safe_load("{name: a, type: conv, out_channels: 4, kernel_size: 3, "
+                           "init: {weight: {normal: 1e-2}, bias: 1e-3}}")  # fmt: skip
+    assert layer["init"] == {"weight": {"normal": "1e-2"}, "bias": "1e-3"}  # YAML 1.1: strings
+    torch.manual_seed(0)
+    model = build_model(net(layer))
+    assert torch.all(model.a.bias == 1e-3) and abs(model.a.weight.std().item() - 1e-2) < 3e-3
+    ruled = build_model(net(conv("a", init={"weight": {"normal": {"std": "2e-1", "mean": "1"}}})))
+    assert abs(ruled.a.weight.mean().item() - 1) < 0.1
+    with pytest.raises(ConfigError, match="unknown init 'le-3'"):
+        build_model(net(conv("a", init={"bias": "le-3"})))

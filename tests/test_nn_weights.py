@@ -7,7 +7,7 @@ import torchvision
 import yaml
 from safetensors.torch import save_file
 
-from cnnkit import CheckpointError, build_model
+from cnnkit import CheckpointError, ConfigError, build_model
 from cnnkit.nn.weights import load_weights
 from cnnkit.zoo import net_path
 
@@ -152,3 +152,23 @@ def test_weights_holding_nan_are_refused_naming_the_tensor(tmp_path):
     save_safetensors(loaded, tmp_path / "e.safetensors")
     with pytest.raises(CheckpointError, match=f"e.safetensors: {name} holds nan or inf"):
         load_for_inference(tmp_path / "e.safetensors")
+
+
+@pytest.mark.parametrize(
+    "rule, problem",
+    [
+        ({"match": r"(c)\.(weight)", "to": r"\3"}, "invalid group reference 3"),
+        ({"match": r"(?P<a>c)\.weight", "to": r"\g<b>"}, "unknown group name 'b'"),
+        ({"match": r"c\.weight", "to": r"\q"}, r"bad escape \q"),
+    ],
+)
+def test_a_rename_rule_whose_replacement_does_not_fit_its_match_is_refused(rule, problem):
+    layer = {"name": "c", "type": "conv", "out_channels": 4, "kernel_size": 3}
+    spec = {"input": [3, 8, 8], "weights_keys": [rule], "layers": [layer]}
+    with pytest.raises(ConfigError) as e:
+        build_model(spec, device="meta")
+    message = str(e.value)
+    assert message.startswith("model: weights_keys.0: ") and problem in message
+    assert "\n" not in message
+    fine = {**spec, "weights_keys": [{"match": r"(?P<a>c)\.(w)eight", "to": r"\g<a>.\2eight"}]}
+    assert build_model(fine, device="meta").c.weight.shape == (4, 3, 3, 3)

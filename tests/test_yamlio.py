@@ -60,3 +60,30 @@ def test_files_too_large_or_unreadable(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00\x01")
     with pytest.raises(ConfigError, match="bin.yaml: not a text file: give a zoo name"):
         read_yaml(binary)
+
+
+def test_integers_past_pythons_digit_limit_are_a_yaml_error_line(tmp_path):
+    path = tmp_path / "net.yaml"
+    path.write_text("model:\n  out: " + "7" * 5000 + "\n")
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: not valid YAML (line 2, column 8): an integer of 5,000")
+    assert "\n" not in message and len(message) < 300
+    assert load_yaml("a: " + "7" * 4000) == {"a": int("7" * 4000)}  # under the limit: read
+
+
+def test_aliases_nesting_past_the_depth_bound_are_refused(tmp_path):
+    """Each anchor nests 45 levels (under the bound) and holds the one before: 1,100 levels
+    once expanded, in 2.6 KB, which would overflow the stack of whatever walks it."""
+    lines = ["a0: &a0 " + "[" * 45 + "1" + "]" * 45]
+    lines += [f"a{i}: &a{i} " + "[" * 45 + f"*a{i - 1}" + "]" * 45 for i in range(1, 25)]
+    path = tmp_path / "net.yaml"
+    path.write_text("\n".join(lines) + "\nmodel: {input: [3], layers: [{type: relu, x: *a24}]}\n")
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: not valid YAML (line ")
+    assert f"nested more than {MAX_DEPTH} levels deep once aliases are expanded" in message
+    shallow = "a: &a [[1]]\nb: &b [*a, *a]\nc: [*b, *b]\n"  # 5 levels expanded: fine
+    assert load_yaml(shallow) == yaml.safe_load(shallow)

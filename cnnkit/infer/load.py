@@ -76,8 +76,15 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
     else:
         description = read_spec(spec)
     model = build_model(description, device=device)
-    shape, given = tuple(model.input_shape), description.get("preprocess")
-    if reads_images(shape):  # 0-255 pixels scaled to 0-1, unless the file says otherwise
+    preprocess = network_preprocess(spec, tuple(model.input_shape), description.get("preprocess"))
+    classes = [f"class{i}" for i in range(model.num_classes or 0)]
+    return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
+
+
+def network_preprocess(spec: Any, shape: tuple[int, ...], given: dict | None) -> Preprocess:
+    """The preprocessing of a network file (its `preprocess:`, validated), else its default:
+    0-255 pixels scaled to 0-1 for images, the values as given for anything else."""
+    if reads_images(shape):
         c = shape[0]
         try:
             preprocess = Preprocess.from_dict({"channels": c, "crop": shape[-1], "mean": [0.0] * c,
@@ -87,16 +94,14 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
         if preprocess.channels != c or preprocess.crop != shape[-1]:
             raise ConfigError(f"{spec}: model: preprocess: channels and crop are the input's "
                               f"({c} and {shape[-1]}): leave them out")  # fmt: skip
-    elif given is not None:
+        return preprocess
+    if given is not None:
         raise ConfigError(f"{spec}: model: preprocess: only for networks that read square grey "
                           f"or RGB images (this one reads {' x '.join(map(str, shape))})")  # fmt: skip
-    elif len(shape) == 3 and shape[0] <= 4:  # image-like (not square, 2 or 4 channels): 0-1
+    if len(shape) == 3 and shape[0] <= 4:  # image-like (not square, 2 or 4 channels): 0-1
         c = shape[0]
-        preprocess = Preprocess(channels=c, crop=shape[-1], mean=[0.0] * c, std=[255.0] * c)
-    else:  # vectors and many-channel inputs: the values as given
-        preprocess = Preprocess(channels=1, crop=1, mean=[0.0], std=[1.0])
-    classes = [f"class{i}" for i in range(model.num_classes or 0)]
-    return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
+        return Preprocess(channels=c, crop=shape[-1], mean=[0.0] * c, std=[255.0] * c)
+    return Preprocess(channels=1, crop=1, mean=[0.0], std=[1.0])  # vectors: as given
 
 
 def reads_images(shape: tuple[int, ...]) -> bool:
@@ -148,7 +153,11 @@ def network_of(target: str, num_classes: int | None = None) -> Network:
     elif path.suffix == ".safetensors" and path.is_file():
         spec, saved = _export_spec(path)
         num_classes = num_classes or saved
-    return build_model(spec, num_classes=num_classes, device="meta")
+    network = build_model(spec, num_classes=num_classes, device="meta")
+    if isinstance(spec, (str, dict)):  # a network file: its preprocess: checked as classify would
+        described = read_spec(spec) if isinstance(spec, str) else spec
+        network_preprocess(target, tuple(network.input_shape), described.get("preprocess"))
+    return network
 
 
 def _export_spec(path: Path) -> tuple[dict[str, Any], int | None]:

@@ -4,7 +4,8 @@ It expands blocks (nested, repeated as stages, sequential numbering), evaluates 
 and their arithmetic with `$in_channels` (the shape of what a layer or block reads), drops
 layers whose `if:` is false (an absent layer stands for its first input), applies defaults,
 resolves `inputs` and infers every shape, so each mistake is reported naming its layer.
-Everything here is linear in the number of layers.
+The work grows with the entries expanded (each layer, absent layer and block copy), which is
+bounded by MAX_ENTRIES as the layers made are by MAX_LAYERS.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def reserved_name(part: str, top: bool = True) -> bool:
 MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
 MAX_BLOCK_DEPTH = 16
 MAX_NAME = 200
+# entries expanded, counting absent layers and block copies that make no layer: the bound on
+# the expander's work (copies of an all-absent block would otherwise run for hours unchecked)
+MAX_ENTRIES = 5 * MAX_LAYERS
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class Expander:
         self.taken: set[str] = set()  # module names
         self.holders: dict[str, str] = {}  # each dotted prefix of a module name -> that name
         self.later = {str(raw["name"]) for raw in net.layers if "name" in raw}
+        self.entries = 0  # entries expanded so far (see MAX_ENTRIES)
 
     def run(self) -> tuple[list[Node], int]:
         """The nodes, and the output's value: the last entry's (if absent, its input's)."""
@@ -96,10 +101,14 @@ class Expander:
     # -- entries ----------------------------------------------------------------------------------
 
     def _entry(self, raw: Any, position: int, scope: _Scope) -> None:
-        if not isinstance(raw, dict):
-            where = (
-                _label(scope.index, scope.prefix[:-1]) if scope.prefix else f"layer {scope.index}"
+        where = _label(scope.index, scope.prefix[:-1]) if scope.prefix else f"layer {scope.index}"
+        self.entries += 1
+        if self.entries > MAX_ENTRIES:
+            raise ConfigError(
+                f"{where}: the network expands to more than {MAX_ENTRIES:,} entries (layers, "
+                "absent layers and block copies; check repeat)"
             )
+        if not isinstance(raw, dict):
             raise ConfigError(f"{where}: expected a mapping, got {brief(raw)}")
         raw = dict(raw)
         if "block" in raw:
@@ -173,15 +182,14 @@ class Expander:
         """Expand the copies of a block line in turn; the value the last one outputs."""
         for r in range(stage.repeat):
             number = stage.start + r
-            given, this = dict(raw), block
+            given, this, this_name, where = dict(raw), block, block_name, label
             if r == 0 and stage.first is not None:
                 given.update({k: v for k, v in stage.first.items() if k != "block"})
-                if "block" in stage.first:
-                    this = self._block_def(
-                        label, self._sub(label, "first", stage.first["block"], scope.params)
-                    )
+                if "block" in stage.first:  # errors name it: `layer 0 (st): first: block ...`
+                    this_name = self._sub(label, "first", stage.first["block"], scope.params)
+                    this, where = self._block_def(label, this_name), f"{label}: first"
             env = {**scope.params, **shape_params(self.shapes[value]), "index": number}
-            params = self._block_params(label, block_name, this, given, env)
+            params = self._block_params(where, this_name, this, given, env)
             sized = this.sized_params(given, scope.sized)
             if stage.inline:  # its layers join the enclosing list (and its numbering)
                 inner = _Scope(
@@ -190,6 +198,8 @@ class Expander:
                 )  # fmt: skip
                 value = self._expand(this, inner)
                 scope.counter = inner.counter
+                if scope.local is not None:  # its names are the enclosing block's, as at the top
+                    scope.local.update((k, v) for k, v in inner.local.items() if k != "input")
                 continue
             if stage.numbered_on:  # unnamed in a sequential block: the next number
                 name, scope.counter = str(scope.counter), scope.counter + 1
@@ -292,9 +302,10 @@ class Expander:
         unknown = [k for k in given if k not in block.params]
         if unknown:
             takes = ", ".join(block.params) or "no parameters"
-            raise ConfigError(
-                f"{label}: block {name!r} has no parameter {brief(unknown[0])} (it takes {takes})"
-            )
+            if label.endswith(": first"):
+                takes += "; the line's parameters go to the first copy too"
+            raise ConfigError(f"{label}: block {brief(name)} has no parameter "
+                              f"{brief(unknown[0])} (it takes {takes})")  # fmt: skip
         shape_env = {k: v for k, v in env.items() if k.startswith("in_")}
         params: dict[str, Any] = {"num_classes": self.net.num_classes}
         for key, default in block.params.items():

@@ -1,6 +1,7 @@
 """Parameter expressions of the network file: `$width * 4`, `($k - 1) // 2`,
 `$stride != 1 or $in_channels != $out`. Numbers, booleans, `$names`, + - * / // %, comparisons,
-and / or / not, parentheses; nothing else (no names of Python, no calls, no code).
+and / or / not (short-circuiting, as in Python), parentheses; nothing else (no names of
+Python, no calls, no code).
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import re
 from collections.abc import Collection
 from typing import Any
 
+from cnnkit.errors import brief
+
 MAX_LENGTH = 200
 MAX_NESTING = 20
+MAX_BITS = 64  # an integer result past this is no size of anything (and 4,300 digits, no str)
 
 _TOKEN = re.compile(
     r"\s*(?:(?P<num>\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\.\d+|\d+)"
@@ -86,10 +90,13 @@ def _tokenize(text: str) -> list[tuple[str, str]]:
 
 
 class _Parser:
-    """Recursive descent, one method per precedence level, lowest first."""
+    """Recursive descent, one method per precedence level, lowest first. Where `and` / `or`
+    is decided by its left side, the right side is read with `skipping` set: parsed, not
+    evaluated (values None), so `$g == 0 or $c % $g == 0` is true for g = 0."""
 
     def __init__(self, tokens: list[tuple[str, str]], params: dict[str, Any]):
         self.tokens, self.params, self.pos, self.depth = tokens, params, 0, 0
+        self.skipping = 0
 
     def peek(self) -> str | None:
         return self.tokens[self.pos][1] if self.pos < len(self.tokens) else None
@@ -104,49 +111,65 @@ class _Parser:
         value = self.conjunction()
         while self.peek() == "or":
             self.take()
-            right = self.conjunction()
-            value = _truth(value) or _truth(right)
+            value = self.logical(value, True, self.conjunction)
         return value
 
     def conjunction(self) -> Any:
         value = self.negation()
         while self.peek() == "and":
             self.take()
-            right = self.negation()
-            value = _truth(value) and _truth(right)
+            value = self.logical(value, False, self.negation)
         return value
+
+    def logical(self, left: Any, decides: bool, right: Any) -> Any:
+        """`left or right(...)` (decides: True) or `left and right(...)` (False)."""
+        if self.skipping or _truth(left) == decides:
+            self.skipping += 1
+            right()  # read, not evaluated
+            self.skipping -= 1
+            return left
+        return _truth(right())
 
     def negation(self) -> Any:
         if self.peek() == "not":
             self.take()
-            return not _truth(self.negation())
+            value = self.negation()
+            return None if self.skipping else not _truth(value)
         return self.comparison()
 
     def comparison(self) -> Any:
         value = self.sum()
         if self.peek() in _COMPARE:
             op = self.take()[1]
-            value = _COMPARE[op](_number(value, op), _number(self.sum(), op))
+            right = self.sum()
+            if not self.skipping:
+                value = _COMPARE[op](_number(value, op), _number(right, op))
         return value
 
     def sum(self) -> Any:
         value = self.term()
         while self.peek() in ("+", "-"):
             op = self.take()[1]
-            value = _arith(op, value, self.term())
+            value = self.arith(op, value, self.term())
         return value
 
     def term(self) -> Any:
         value = self.unary()
         while self.peek() in ("*", "/", "//", "%"):
             op = self.take()[1]
-            value = _arith(op, value, self.unary())
+            value = self.arith(op, value, self.unary())
         return value
+
+    def arith(self, op: str, left: Any, right: Any) -> Any:
+        return None if self.skipping else _arith(op, left, right)
 
     def unary(self) -> Any:
         if self.peek() in ("-", "+"):
             op = self.take()[1]
-            value = _number(self.unary(), op)
+            value = self.unary()
+            if self.skipping:
+                return None
+            value = _number(value, op)
             return -value if op == "-" else value
         return self.atom()
 
@@ -155,7 +178,7 @@ class _Parser:
         if kind == "num":
             return float(text) if any(c in text for c in ".eE") else int(text)
         if kind == "name":
-            return _lookup(text, self.params)
+            return None if self.skipping else _lookup(text, self.params)
         if text in ("true", "false"):
             return text == "true"
         if text == "(":
@@ -172,13 +195,13 @@ class _Parser:
 
 def _number(value: Any, op: str) -> int | float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ExprError(f"{op!r} needs numbers, got {type(value).__name__} {value!r}"[:120])
+        raise ExprError(f"{op!r} needs numbers, got {type(value).__name__} {brief(value)}")
     return value
 
 
 def _truth(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ExprError(f"and / or / not need true or false, got {value!r}"[:120])
+        raise ExprError(f"and / or / not need true or false, got {brief(value)}")
     return value
 
 
@@ -187,6 +210,9 @@ def _arith(op: str, left: Any, right: Any) -> int | float:
     if op in ("/", "//", "%") and right == 0:
         raise ExprError("division by zero")
     try:
-        return _ARITH[op](left, right)
+        result = _ARITH[op](left, right)
     except OverflowError:  # e.g. a 400-digit integer divided into a float
         raise ExprError(f"{op!r}: the result is too large") from None
+    if isinstance(result, int) and result.bit_length() > MAX_BITS:
+        raise ExprError(f"{op!r}: the result is too large (over {MAX_BITS} bits)")
+    return result

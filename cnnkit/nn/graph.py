@@ -70,8 +70,9 @@ class Network(nn.Module):
         if scales:  # torchvision's key for a bare scale parameter is the layer's own name
             self.register_state_dict_post_hook(partial(bare_scale_keys, scales))
             self.register_load_state_dict_pre_hook(partial(scale_weight_keys, scales))
-        if device is None or torch.device(device).type != "meta":
-            self._apply_init()  # fresh modules hold PyTorch's default already
+        # on top of PyTorch's default; on meta it fills nothing but still checks that each
+        # rule fits its tensor (kaiming on a 1-D weight), so `cnnkit info` says what build will
+        self._apply_init()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hooked = [g for g in self._groups if g[2]._forward_hooks or g[2]._forward_pre_hooks]

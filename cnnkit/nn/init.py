@@ -1,8 +1,8 @@
 """Weight initialisation named in a network file: `{weight: {normal: 0.01}, bias: 0.1}`.
 
-A rule is a number (constant), a name (`kaiming_normal`, `xavier_uniform`, `zeros`, ...) or a
-one-key mapping from a name to its argument (`{normal: 0.01}`, `{uniform: [-0.1, 0.1]}`,
-`{kaiming_normal: {mode: fan_out, nonlinearity: relu}}`).
+A rule is a number (constant; also `1e-3`, which YAML 1.1 reads as text), a name
+(`kaiming_normal`, `xavier_uniform`, `zeros`, ...) or a one-key mapping from a name to its
+argument (`{normal: 0.01}`, `{uniform: [-0.1, 0.1]}`, `{kaiming_normal: {mode: fan_out}}`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
     out of range (a negative std, a uniform range upside down)."""
     name, kw = _parse_rule(rule)
     for key in NUMBERS & set(kw):
-        if not _is_number(kw[key]):
+        if _number(kw[key]) is None:
             raise ValueError(
                 f"init {brief(name)}: {key} must be a finite number, not {brief(kw[key])}"
             )
+        kw[key] = _number(kw[key])
     if kw.get("std", 0.0) < 0:
         raise ValueError(f"init {brief(name)}: std {kw['std']:g} is negative")
     if name == "uniform" and kw.get("a", 0.0) > kw.get("b", 1.0):
@@ -55,8 +56,8 @@ def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
 def _parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(rule, bool):
         raise ValueError(f"init rule {brief(rule)} is not a number, a name or a one-key mapping")
-    if isinstance(rule, (int, float)):
-        return "constant", {"value": float(rule)}
+    if _number(rule) is not None:
+        return "constant", {"value": _number(rule)}
     if isinstance(rule, str):
         if rule not in _KEYWORDS:
             raise ValueError(f"unknown init {brief(rule)} (known: {', '.join(sorted(_KEYWORDS))})")
@@ -73,16 +74,19 @@ def _parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
                 f"init {brief(name)} takes {sorted(_KEYWORDS[name])}, not {brief(sorted(unknown))}"
             )
         return name, dict(arg)
-    if name in ("normal", "truncated_normal") and _is_number(arg):
-        return name, {"std": float(arg)}
-    if name == "uniform" and _is_number(arg):
-        return name, {"a": -float(arg), "b": float(arg)}
-    if name == "uniform" and isinstance(arg, list) and len(arg) == 2 and all(map(_is_number, arg)):
-        return name, {"a": float(arg[0]), "b": float(arg[1])}
-    if name == "constant" and _is_number(arg):
-        return name, {"value": float(arg)}
-    if name in ("xavier_normal", "xavier_uniform", "orthogonal") and _is_number(arg):
-        return name, {"gain": float(arg)}
+    number = _number(arg)
+    if name in ("normal", "truncated_normal") and number is not None:
+        return name, {"std": number}
+    if name == "uniform" and number is not None:
+        return name, {"a": -number, "b": number}
+    if name == "uniform" and isinstance(arg, list) and len(arg) == 2:
+        a, b = map(_number, arg)
+        if a is not None and b is not None:
+            return name, {"a": a, "b": b}
+    if name == "constant" and number is not None:
+        return name, {"value": number}
+    if name in ("xavier_normal", "xavier_uniform", "orthogonal") and number is not None:
+        return name, {"gain": number}
     raise ValueError(f"init {brief(name)} cannot take {brief(arg)}")
 
 
@@ -130,5 +134,18 @@ def apply_rule(tensor: torch.Tensor, rule: Any) -> None:
         nn.init.orthogonal_(tensor, gain=kw.get("gain", 1.0))
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _number(x: Any) -> float | None:
+    """`x` as a finite float, or None: numbers and numeric text (YAML 1.1 reads `1e-3`, without
+    a dot, as a string; layers' number fields take it, and so does init), never true / false."""
+    if isinstance(x, str):
+        try:
+            x = float(x)
+        except ValueError:
+            return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        x = float(x)
+    except OverflowError:  # an integer too large for a float
+        return None
+    return x if math.isfinite(x) else None

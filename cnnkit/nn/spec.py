@@ -83,7 +83,24 @@ class KeyRule(BaseModel):
                 re.compile(pattern or "")
             except re.error as e:
                 raise ValueError(f"{brief(pattern)}: not a regular expression ({e})") from None
+        if self.match is not None:
+            _check_replacement(re.compile(self.match), self.to or "")
         return self
+
+
+def _check_replacement(pattern: re.Pattern, to: str) -> None:
+    """ValueError unless `to` is a replacement for matches of `pattern`: its \\N and \\g<name>
+    name groups the pattern has. Tried on an empty match of a stand-in with the same groups."""
+    names = {index: name for name, index in pattern.groupindex.items()}
+    groups = "".join(
+        f"(?P<{names[i]}>)" if i in names else "()" for i in range(1, pattern.groups + 1)
+    )
+    try:
+        re.fullmatch(groups, "").expand(to)
+    except (re.error, IndexError) as e:  # IndexError: an unknown group name
+        raise ValueError(
+            f"to: {brief(to)} does not fit match {brief(pattern.pattern)} ({e})"
+        ) from None
 
 
 class NetSpec(BaseModel):

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from yaml.nodes import MappingNode, Node, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from cnnkit.errors import ConfigError, brief, one_line
 
 MAX_BYTES = 16 * 2**20  # a 10,000-layer network file is about 1 MB
-MAX_DEPTH = 50  # a network file nests about 10 deep
+MAX_DEPTH = 50  # a network file nests about 10 deep (aliases expanded too)
 MAX_NODES = 1_000_000  # values after expanding aliases (a "billion laughs" file has 10^9)
 _MERGE = "tag:yaml.org,2002:merge"
 
@@ -46,8 +46,18 @@ class _Loader(yaml.SafeLoader):
     def get_single_node(self) -> Node | None:
         node = super().get_single_node()
         if node is not None:
-            _expanded_size(node, {}, set())
+            _expanded_size(node, {}, set(), 1)
         return node
+
+    def construct_yaml_int(self, node: ScalarNode) -> int:
+        """An integer, or an error at its line: Python turns no text of over 4,300 digits
+        into an int (sys.get_int_max_str_digits), and says so with a ValueError."""
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            digits = sum(c.isdigit() for c in node.value)
+            raise LimitError(None, None, f"an integer of {digits:,} digits is too long to read",
+                             node.start_mark) from None  # fmt: skip
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -66,30 +76,41 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _expanded_size(node: Node, memo: dict[int, int], open_: set[int]) -> int:
-    """How many values `node` holds with every alias expanded (shared nodes counted each time)."""
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
+def _expanded_size(
+    node: Node, memo: dict[int, tuple[int, int]], open_: set[int], level: int
+) -> int:
+    """How many values `node` holds with every alias expanded (shared nodes counted each time),
+    refusing more than MAX_DEPTH levels of nesting through aliases (`node` is at `level`).
+    `memo` holds each node's (size, depth), so a shared node is walked once."""
     key = id(node)
+    size, depth = memo.get(key, (1, 1))
+    if level + depth - 1 > MAX_DEPTH:
+        raise LimitError(None, None, f"nested more than {MAX_DEPTH} levels deep once aliases "
+                         "are expanded", node.start_mark)  # fmt: skip
     if key in memo:
-        return memo[key]
+        return size
     if key in open_:
         raise LimitError(
             None, None, "an alias refers to itself (a recursive structure)", node.start_mark
         )
-    size = 1
     if isinstance(node, (SequenceNode, MappingNode)):
         open_.add(key)
         children = (
             node.value if isinstance(node, SequenceNode) else [n for kv in node.value for n in kv]
         )
         for child in children:
-            size += _expanded_size(child, memo, open_)
+            size += _expanded_size(child, memo, open_, level + 1)
+            depth = max(depth, memo[id(child)][1] + 1)
             if size > MAX_NODES:
                 raise LimitError(
                     None, None, f"more than {MAX_NODES:,} values once aliases are expanded",
                     node.start_mark,
                 )  # fmt: skip
         open_.discard(key)
-    memo[key] = size
+    memo[key] = (size, depth)
     return size
 
 

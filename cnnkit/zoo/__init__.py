@@ -10,7 +10,7 @@ _HERE = Path(__file__).parent
 NETS: dict[str, tuple[str, str]] = {
     "alexnet": (
         "nets/alexnet.yaml",
-        "AlexNet as in the 2012 paper / Caffe bvlc_alexnet (groups, LRN, 227 px)",
+        "AlexNet as in the 2012 paper (groups, the paper's LRN, 227 px)",
     ),
     "caffenet": ("nets/caffenet.yaml", "CaffeNet: AlexNet with pooling before LRN"),
     "alexnet-owt": ("nets/alexnet-owt.yaml", "torchvision's AlexNet ('one weird trick', 224 px)"),
