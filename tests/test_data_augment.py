@@ -77,6 +77,13 @@ def test_ten_crop_matches_torchvision():
     torch.testing.assert_close(center_crop(x, 16), ours[:, 4], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("crop", [224, 225, 227, 229, 231, 255])
+def test_the_centre_crop_is_torchvisions_for_odd_margins_too(crop):
+    """(256 - 225) / 2 = 15.5: torchvision rounds to 16 (half to even), not down to 15."""
+    x = torch.arange(256 * 257, dtype=torch.float32).view(1, 1, 256, 257)
+    assert torch.equal(center_crop(x, crop), TF.center_crop(x, [crop, crop]))
+
+
 def test_resized_crop_identity_box_and_mirror():
     x = batch(b=2, size=16).float()
     full = torch.tensor([[0, 0, 16, 16], [0, 0, 16, 16]])

@@ -85,9 +85,10 @@ def sample_boxes(batch: int, height: int, width: int, scale: tuple[float, float]
 
 
 def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
-    """(B, C, H, W) -> the centre (B, C, size, size) (a view)."""
+    """(B, C, H, W) -> the centre (B, C, size, size) (a view), where torchvision's CenterCrop
+    takes it (its offset rounded half to even, as Python's round)."""
     H, W = x.shape[-2:]
-    top, left = (H - size) // 2, (W - size) // 2
+    top, left = round((H - size) / 2), round((W - size) / 2)
     return x[..., top : top + size, left : left + size]
 
 
