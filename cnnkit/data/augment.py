@@ -1,5 +1,5 @@
 """Batched augmentation ON THE DEVICE of uint8 (B, C, H, W) batches: random crop + mirror as one
-gather, random-resized-crop as one grid_sample, mean-image or per-channel normalisation, the 2012
+gather, random-resized-crop as two batched matmuls (torchvision's antialiased resize), mean-image or per-channel normalisation, the 2012
 paper's PCA lighting; centre crop and 10 crops for evaluation. Random parameters are drawn on the
 CPU from a per-batch generator (tiny tensors), so a resumed epoch repeats them exactly.
 """
@@ -43,19 +43,37 @@ def crop_mirror(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: to
 
 def resized_crop_mirror(x: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor,
                         size: int) -> torch.Tensor:  # fmt: skip
-    """Per-sample crops of boxes (B, 4: top, left, height, width) resized to size: one grid_sample.
+    """Per-sample crops of boxes (B, 4: top, left, height, width) resized to size, mirrored
+    where flip: x float (B, C, H, W) -> float (B, C, size, size), for a whole batch on the
+    device in two batched matmuls.
 
-    x float (B, C, H, W) -> float (B, C, size, size), bilinear, mirrored where flip.
+    torchvision's antialiased bilinear resize (PIL's triangle filter, widened by the scale
+    when shrinking) written as per-sample weight matrices, so a crop shrunk 4x is averaged as
+    the CPU path and torchvision average it, not aliased as a plain bilinear sample would be.
     """
     B, _, H, W = x.shape
-    top, left, h, w = boxes.to(x.dtype).unbind(1)
-    theta = torch.zeros(B, 2, 3, device=x.device, dtype=x.dtype)
-    theta[:, 0, 0] = torch.where(flip, -w / W, w / W)  # mirror = negative x scale
-    theta[:, 0, 2] = (2 * left + w) / W - 1  # box centre in [-1, 1]
-    theta[:, 1, 1] = h / H
-    theta[:, 1, 2] = (2 * top + h) / H - 1
-    grid = F.affine_grid(theta, [B, x.shape[1], size, size], align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    top, left, h, w = boxes.to(device=x.device, dtype=torch.float32).unbind(1)
+    rows = _resize_weights(top, h, size, H)  # (B, size, H)
+    cols = _resize_weights(left, w, size, W, flip.to(x.device))  # (B, size, W)
+    across = torch.matmul(x, cols.to(x.dtype).transpose(1, 2)[:, None])  # (B, C, H, size)
+    return torch.matmul(rows.to(x.dtype)[:, None], across)  # (B, C, size, size)
+
+
+def _resize_weights(start: torch.Tensor, length: torch.Tensor, size: int, extent: int,
+                    flip: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """(B, size, extent) weights resizing [start, start + length) of an axis of `extent` pixels
+    to `size` pixels, as antialiased bilinear interpolation of that crop does (each row sums to
+    1 over the crop's pixels); the rows reversed where flip."""
+    scale = length / size
+    support = scale.clamp(min=1.0)  # the triangle's half-width, in input pixels
+    steps = torch.arange(size, device=start.device, dtype=torch.float32) + 0.5
+    centre = start[:, None] + steps * scale[:, None]  # (B, size), in input pixels
+    pixel = torch.arange(extent, device=start.device, dtype=torch.float32) + 0.5
+    weights = (1 - (pixel - centre[..., None]).abs() / support[:, None, None]).clamp_(min=0)
+    inside = (pixel >= start[:, None]) & (pixel < (start + length)[:, None])  # the crop alone
+    weights = weights * inside[:, None, :]
+    weights = weights / weights.sum(-1, keepdim=True)
+    return weights if flip is None else torch.where(flip[:, None, None], weights.flip(1), weights)
 
 
 def sample_boxes(batch: int, height: int, width: int, scale: tuple[float, float],
