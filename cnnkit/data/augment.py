@@ -1,6 +1,7 @@
 """Batched augmentation ON THE DEVICE of uint8 (B, C, H, W) batches: random crop + mirror as one
-gather, random-resized-crop as two batched matmuls (torchvision's antialiased resize), mean-image or per-channel normalisation, the 2012
-paper's PCA lighting; centre crop and 10 crops for evaluation. Random parameters are drawn on the
+gather, random-resized-crop as two batched matmuls (torchvision's antialiased resize),
+mean-image or per-channel normalisation, the 2012 paper's PCA lighting; centre crop and 10
+crops for evaluation. Random parameters are drawn on the
 CPU from a per-batch generator (tiny tensors), so a resumed epoch repeats them exactly.
 """
 
