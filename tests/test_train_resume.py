@@ -345,3 +345,26 @@ def test_a_dry_run_of_nproc_n_takes_a_mid_epoch_checkpoint_of_n(finished_run, tm
     assert code == 0 and "2 processes" in out, err
     code, _, err = run_cli(["train", "--resume", str(run), "--dry-run"], capsys)
     assert code == 2 and "saved by 2 process(es) in the middle of epoch 1" in err
+
+
+def test_a_resume_on_more_processes_gives_each_rank_a_stream_of_its_own(finished_run):
+    """A 1-process checkpoint resumed by 2 ranks: torch's generator differs between the ranks
+    (mixup, dropout), and each rank's is the same from one resume to the next."""
+    from types import SimpleNamespace
+
+    from cnnkit.train.loop import Progress
+    from cnnkit.train.run import _restore_rank
+
+    state = load_checkpoint(finished_run / "last.pt")
+    assert len(state["rng_ranks"]) == 1
+
+    def first_draws(rank: int, world: int = 2) -> torch.Tensor:
+        _restore_rank(state, SimpleNamespace(rank=rank, world_size=world), Progress())
+        return torch.rand(4)
+
+    zero, one = first_draws(0), first_draws(1)
+    assert not torch.equal(zero, one)
+    assert torch.equal(first_draws(1), one) and torch.equal(first_draws(0), zero)
+    torch.set_rng_state(state["rng"]["torch"])
+    saved = torch.rand(4)
+    assert torch.equal(first_draws(0, world=1), saved)  # one process: exactly the saved one

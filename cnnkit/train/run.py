@@ -355,8 +355,9 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
 
 
 def _restore_rank(state: dict[str, Any], dist: Processes, progress: Progress) -> None:
-    """Set this rank's saved generator states (rank 0's if the world size changed) and its
-    statistics of the epoch in progress (a mid-epoch resume keeps the world size)."""
+    """Set this rank's saved generator states (if the world size changed: rank 0's, and torch's
+    then reseeded from it per rank, so mixup or dropout do not draw alike on every rank) and
+    its statistics of the epoch in progress (a mid-epoch resume keeps the world size)."""
     partials = state.get("partial_ranks") or []
     if len(partials) == dist.world_size:
         progress.partial = dict(partials[dist.rank])
@@ -366,3 +367,6 @@ def _restore_rank(state: dict[str, Any], dist: Processes, progress: Progress) ->
         set_rng_state(mine)
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
         raise CheckpointError(f"last.pt: its random generator states are damaged ({e})") from None
+    if len(ranks) != dist.world_size and dist.world_size > 1:  # each rank a stream of its own
+        drawn = int(torch.randint(2**62, (1,)))  # from rank 0's state: the same on every rank
+        torch.manual_seed(mix_seed(drawn, dist.rank))  # (as a new run seeds each rank's)
