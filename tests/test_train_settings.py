@@ -50,6 +50,13 @@ def test_measured_once_then_cached_per_batch(tmp_path, monkeypatch):
     assert grid == len(settings_module.precisions(CPU)) * 2 * len(
         {1, max(1, torch.get_num_threads() // 2), torch.get_num_threads()}
     )
+    threads = torch.get_num_threads()
+    try:  # a rank of --nproc, with its share of the cores: its own choice, not this one's
+        torch.set_num_threads(max(1, threads // 2) if threads > 1 else 2)
+        share = choose_settings(net, TrainConfig(), CPU, 64, cache=cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert share.how == "measured" and len(json.loads(cache.read_text())) == 3
 
 
 def test_the_fastest_wins_reduced_precision_only_when_clearly_faster():

@@ -227,5 +227,8 @@ def _fastest(times: dict[tuple, float]) -> tuple:
 
 
 def _cache_key(network: Network, cfg: TrainConfig, device: torch.device, batch: int) -> str:
+    """The choice's key: also the threads this process may use, which the candidates come
+    from (under --nproc each rank has its share of the cores: another choice)."""
     fixed = {k: getattr(cfg, k) for k in ("precision", "channels_last", "threads", "compile")}
-    return cache_key(network, device, [METHOD, batch, fixed])
+    budget = torch.get_num_threads() if device.type == "cpu" else None
+    return cache_key(network, device, [METHOD, batch, fixed, budget])
