@@ -13,10 +13,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import yaml
 from helpers import run_cli
 
 import cnnkit.runtime
 from cnnkit import CheckpointError
+from cnnkit.checkpoint import load_checkpoint
 from cnnkit.infer import Classifier
 from cnnkit.infer.export import check_export, export
 from cnnkit.infer.load import load_for_inference, load_network, load_safetensors
@@ -133,12 +135,18 @@ def test_an_export_never_replaces_a_checkpoint_or_its_input(digits_run, tmp_path
     run = tmp_path / "run"
     shutil.copytree(digits_run, run)
     (tmp_path / "net.yaml").write_text("model: digitnet\n")
-    kept = {p: p.read_bytes() for p in (run / "best.pt", run / "last.pt", tmp_path / "net.yaml")}
+    code, _, err = run_cli(["export", str(run), "-o", str(tmp_path / "w.safetensors")], capsys)
+    assert code == 0, err  # weights a network file reads (it must not export over them)
+    spec = {**load_checkpoint(run / "best.pt")["model_spec"], "weights": "w.safetensors"}
+    (tmp_path / "weighted.yaml").write_text(yaml.safe_dump({"model": spec}))
+    kept = {p: p.read_bytes() for p in (run / "best.pt", run / "last.pt", tmp_path / "net.yaml",
+                                        tmp_path / "w.safetensors")}  # fmt: skip
     for target, argv, words in (
         (run / "best.pt", ["-f", "safetensors", "-o", str(run / "best.pt")], "is the input"),
         (run, ["-f", "onnx", "-o", str(run / "last.pt")], "is a checkpoint (a torch.save file)"),
         (tmp_path / "net.yaml", ["-f", "onnx", "-o", str(tmp_path / "net.yaml")], "is the input"),
         (run, ["-o", str(tmp_path)], "is a folder"),
+        (tmp_path / "weighted.yaml", ["-o", str(tmp_path / "w.safetensors")], "is the input"),
     ):
         code, _, err = run_cli(["export", str(target), *argv], capsys)
         assert code == 2 and words in err and len(err.splitlines()) == 1, err

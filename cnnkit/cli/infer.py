@@ -112,7 +112,7 @@ def export(
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
 
-    _writable(out, target)
+    _writable(out, target, _weights_of(target))
     fmt = export_format(out, fmt)
     if is_checkpoint(out):
         raise ConfigError(f"-o {out}: is a checkpoint (a torch.save file), which an export "
@@ -271,6 +271,15 @@ def _writable(out: Path | None, *inputs: str | Path | None) -> None:
         reason = cannot_write(out.parent)
         if reason is not None:
             raise ConfigError(f"-o {out}: cannot write in {out.parent} ({reason})")
+
+
+def _weights_of(target: str) -> str | None:
+    """The weights file a network file names (read when exporting it), else None."""
+    if Path(target).suffix.lower() not in (".yaml", ".yml") or not Path(target).is_file():
+        return None
+    from cnnkit.nn import read_spec
+
+    return read_spec(target).get("weights")
 
 
 def _same_file(a: Path, b: Path) -> bool:
