@@ -23,10 +23,40 @@ def end_with_parent() -> None:
         sys.exit(128 + signal.SIGTERM)
 
 
+def torchrun(args: list[str]) -> int:
+    """torchrun's main (start_local's agent) with its failure report cut down to cnnkit's: the
+    ranks have printed their one error line, so no table of failures and no traceback; the
+    exit status is the first failed rank's (2 for a configuration error), a rank killed by a
+    signal is one line."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):  # (each has a level of its own)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        main(args)
+    except SignalException as e:  # SIGINT: the ranks have said where they stood; SIGTERM
+        return 128 + e.sigval
+    except KeyboardInterrupt:
+        return 130
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode > 0:
+            return failure.exitcode
+        print(f"cnnkit: error: rank {rank} was killed by {failure.signal_name()}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ctrl-C while torch imports: a quiet end
     end_with_parent()
-    from cnnkit.distributed import torchrun
+    import torch.distributed.run  # noqa: F401 (seconds; torchrun's own import is then free)
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(torchrun(sys.argv[1:]))

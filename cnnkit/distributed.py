@@ -379,37 +379,3 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     elif code in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the ranks end without a word
         print("cnnkit: terminated (SIGTERM)", file=sys.stderr)
     return 128 - code if code < 0 else code  # a signal's number, as a shell reports it
-
-
-def torchrun(args: list[str]) -> int:
-    """torchrun's main (start_local's agent) with its failure report cut down to cnnkit's: the
-    ranks have printed their one error line, so no table of failures and no traceback; the
-    exit status is the first failed rank's (2 for a configuration error), a rank killed by a
-    signal is one line."""
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
-
-    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
-        if name.startswith("torch.distributed.elastic"):  # (each has a level of its own)
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    try:
-        main(args)
-    except SignalException as e:  # SIGINT: the ranks have said where they stood; SIGTERM
-        return 128 + e.sigval
-    except KeyboardInterrupt:
-        return 130
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        if failure.exitcode > 0:
-            return failure.exitcode
-        print(f"cnnkit: error: rank {rank} was killed by {failure.signal_name()}",
-              file=sys.stderr)  # fmt: skip
-        return 1
-    return 0
-
-
-if __name__ == "__main__":  # torchrun as cnnkit reports it (start_local runs cnnkit.agent)
-    sys.exit(torchrun(sys.argv[1:]))

@@ -19,8 +19,9 @@ from PIL import Image
 
 from cnnkit.data import decode
 from cnnkit.data.batch import BatchJob
-from cnnkit.data.decode import BadImage, read_image, resize_uint8
+from cnnkit.data.decode import BadImage, read_image
 from cnnkit.data.packed import PackedImages
+from cnnkit.data.resize import resize_uint8
 from cnnkit.data.scan import printable
 from cnnkit.infer.images import to_hwc
 

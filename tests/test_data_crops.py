@@ -14,8 +14,9 @@ from cnnkit.data import data_config
 from cnnkit.data import decode as decode_module
 from cnnkit.data.augment import CropAugment
 from cnnkit.data.batch import BatchJob
-from cnnkit.data.decode import box_region, load_box, resize_uint8
+from cnnkit.data.decode import load_box
 from cnnkit.data.pack import pack_folder
+from cnnkit.data.resize import box_region, resize_uint8
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
 from cnnkit.data.slots import SlotRing
 

@@ -10,7 +10,8 @@ from data_images import jpeg_bytes, photo, write_bad_folder
 from PIL import Image
 
 from cnnkit.data import decode
-from cnnkit.data.decode import BadImage, load_resized, read_image, resize_uint8
+from cnnkit.data.decode import BadImage, load_resized, read_image
+from cnnkit.data.resize import resize_uint8
 
 
 @pytest.fixture(params=["turbo", "pillow"])

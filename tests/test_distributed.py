@@ -350,7 +350,7 @@ def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
         "cnnkit: error: model: input [1, 32, 32] does not match the data's images [1, 8, 8]"
     ]
     (tmp_path / "die.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    cmd = [sys.executable, "-m", "cnnkit.distributed", "--standalone", "--nproc_per_node=1",
+    cmd = [sys.executable, "-m", "cnnkit.agent", "--standalone", "--nproc_per_node=1",
            str(tmp_path / "die.py")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 1

@@ -1,5 +1,5 @@
-"""Image decoding for packing, folder loading and inference: JPEG with DCT-domain downscaling,
-uint8 resize, and the bad-image policy: odd images are converted to 8-bit RGB with a note saying
+"""Image decoding for packing, folder loading and inference: JPEG with DCT-domain downscaling
+(resized by data/resize.py), and the bad-image policy: odd images are converted to 8-bit RGB with a note saying
 how, broken or dangerous ones raise BadImage with the reason.
 
 Every file read goes through `read_file` (regular files only: a FIFO or a device named *.jpg is
@@ -17,19 +17,19 @@ import re
 import stat
 import warnings
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
+
+from cnnkit.data.resize import ResizeMode, box_region, centre_offset, resize_crop, resize_uint8
 
 try:  # libjpeg-turbo with DCT scaling straight into numpy; Pillow's draft is the fallback
     import simplejpeg
 except ImportError:  # pragma: no cover - depends on the environment
     simplejpeg = None
 
-ResizeMode = Literal["squash", "shorter"]
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 MAX_PIXELS = 120_000_000  # the decompression-bomb limit: no image decodes to more pixels
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -101,12 +101,6 @@ def _scaled_minimum(h: int, w: int, size: int, mode: ResizeMode) -> tuple[int, i
     return -(-h * size // side), -(-w * size // side)  # exact: ceil(h * size / side)
 
 
-def _centre_offset(h: int, w: int) -> tuple[int, int]:
-    """(top, left) of the centre square of an h x w image (shorter-side resizing)."""
-    side = min(h, w)
-    return (h - side) // 2, (w - side) // 2
-
-
 def dct_factor(h: int, w: int, size: int | None, mode: ResizeMode) -> int:
     """How many source pixels one decoded pixel may cover: 2, 4 or 8 for DCT-domain downscaling,
     1 for a full decode.
@@ -119,7 +113,7 @@ def dct_factor(h: int, w: int, size: int | None, mode: ResizeMode) -> int:
     if not size:
         return 1
     need_h, need_w = _scaled_minimum(h, w, size, mode)
-    top, left = _centre_offset(h, w) if mode == "shorter" else (0, 0)
+    top, left = centre_offset(h, w) if mode == "shorter" else (0, 0)
     factor = 8
     while factor >= 2 and (h // factor < need_h or w // factor < need_w
                            or top % factor or left % factor):  # fmt: skip
@@ -328,59 +322,12 @@ def encode_jpeg(image_chw: np.ndarray, quality: int) -> bytes:
     return out.getvalue()
 
 
-def resize_region(x: torch.Tensor, extent: tuple[float, float],
-                  size: tuple[int, int]) -> torch.Tensor:  # fmt: skip
-    """(N, C, h, w) uint8 -> (N, C, *size): antialiased bilinear resizing of the image whose true
-    extent is `extent` (h, w) pixels, at most one pixel under the array's: a DCT-scaled JPEG's
-    last row and column cover only part of a block, so they are mapped as such, not stretched."""
-    if tuple(x.shape[-2:]) == tuple(extent):
-        if x.shape[-2:] == size:
-            return x
-        return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
-    scale = (size[0] / extent[0] * (1 + 1e-9), size[1] / extent[1] * (1 + 1e-9))
-    x = F.interpolate(x, scale_factor=scale, mode="bilinear", antialias=True,
-                      align_corners=False, recompute_scale_factor=False)  # fmt: skip
-    return x[..., : size[0], : size[1]]
-
-
-def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash", factor: int = 1,
-                 source: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
-    """(h, w, 3) uint8 -> (3, size, size) uint8: squash, or shorter side to size + centre crop
-    (the centre square of the source, then one resize). A DCT-scaled decode passes its factor
-    and the source's (H, W) (see Decoded), so the resize covers the source's exact extent.
-
-    Uses torch's uint8 antialiased bilinear kernel (about 4x faster than Pillow's resize).
-    """
-    h, w = source or image.shape[:2]
-    top, left = _centre_offset(h, w) if mode == "shorter" else (0, 0)
-    side_h, side_w = (min(h, w),) * 2 if mode == "shorter" else (h, w)
-    # in decoded pixels: the centre square starts on a pixel's edge (dct_factor sees to it)
-    y0, y1 = top // factor, -(-(top + side_h) // factor)
-    x0, x1 = left // factor, -(-(left + side_w) // factor)
-    x = torch.from_numpy(image[y0:y1, x0:x1]).permute(2, 0, 1).unsqueeze(0)  # channels-last
-    return resize_region(x, (side_h / factor, side_w / factor), (size, size))[0].contiguous()
-
-
 def load_resized(
     path: str | Path, size: int, mode: ResizeMode = "squash", fast: bool = False
 ) -> tuple:
     """decode_image + resize_uint8: ((3, size, size) uint8 tensor, note)."""
     array, note, factor, source = decode_image(path, size, mode, fast)
     return resize_uint8(array, size, mode, factor, source), note
-
-
-def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int,
-               mode: ResizeMode) -> tuple[int, int, int, int]:  # fmt: skip
-    """Where box (top, left, h, w) of the size x size resized image lies in an (H, W) image."""
-    h, w = shape
-    oy, ox = _centre_offset(h, w) if mode == "shorter" else (0, 0)
-    if mode == "shorter":
-        h = w = min(h, w)
-    top, left, bh, bw = box
-    y0, x0 = min(round(top * h / size), h - 1), min(round(left * w / size), w - 1)
-    y1 = min(max(round((top + bh) * h / size), y0 + 1), h)  # at least a pixel, inside the image
-    x1 = min(max(round((left + bw) * w / size), x0 + 1), w)  # (a 1-pixel-tall image too)
-    return oy + y0, ox + x0, oy + y1, ox + x1
 
 
 def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int, int, int],
@@ -400,12 +347,3 @@ def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int,
         y1 = min(max(round(y1 / factor), y0 + 1), h)
         x1 = min(max(round(x1 / factor), x0 + 1), w)
     return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
-
-
-def resize_crop(region: torch.Tensor, crop: int, flip: bool) -> torch.Tensor:
-    """(3, h, w) uint8, any memory layout -> (3, crop, crop) by antialiased bilinear resizing,
-    mirrored if flip (torch's flip: a copy 7x faster than numpy's of a reversed view)."""
-    x = region[None]
-    if x.shape[-2:] != (crop, crop):
-        x = F.interpolate(x, size=(crop, crop), mode="bilinear", antialias=True)
-    return x[0].flip(-1) if flip else x[0]

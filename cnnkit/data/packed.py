@@ -19,8 +19,9 @@ from torch.utils.data import Dataset
 from cnnkit.data.augment import lighting_from_cov
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
 from cnnkit.data.batch import BatchJob, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import BadImage, decode_jpeg_bytes, resize_crop
+from cnnkit.data.decode import BadImage, decode_jpeg_bytes
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
+from cnnkit.data.resize import resize_crop
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError, one_line
 from cnnkit.runtime import torch_threads

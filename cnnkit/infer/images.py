@@ -25,9 +25,9 @@ from cnnkit.data.decode import (
     check_pixels,
     decode_image,
     is_image_name,
-    resize_uint8,
     to_8bit,
 )
+from cnnkit.data.resize import resize_uint8
 from cnnkit.data.scan import Walker, printable, skip_reason
 from cnnkit.errors import DataError
 from cnnkit.runtime import atomic

@@ -1,0 +1,75 @@
+"""Resizing decoded uint8 images: squash or shorter side + centre crop, over a DCT-scaled
+decode's true extent, and the boxes of random crops; torch's antialiased bilinear kernel (the
+one torchvision's resize runs) throughout."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ResizeMode = Literal["squash", "shorter"]
+
+
+def centre_offset(h: int, w: int) -> tuple[int, int]:
+    """(top, left) of the centre square of an h x w image (shorter-side resizing)."""
+    side = min(h, w)
+    return (h - side) // 2, (w - side) // 2
+
+
+def resize_region(x: torch.Tensor, extent: tuple[float, float],
+                  size: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """(N, C, h, w) uint8 -> (N, C, *size): antialiased bilinear resizing of the image whose true
+    extent is `extent` (h, w) pixels, at most one pixel under the array's: a DCT-scaled JPEG's
+    last row and column cover only part of a block, so they are mapped as such, not stretched."""
+    if tuple(x.shape[-2:]) == tuple(extent):
+        if x.shape[-2:] == size:
+            return x
+        return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    scale = (size[0] / extent[0] * (1 + 1e-9), size[1] / extent[1] * (1 + 1e-9))
+    x = F.interpolate(x, scale_factor=scale, mode="bilinear", antialias=True,
+                      align_corners=False, recompute_scale_factor=False)  # fmt: skip
+    return x[..., : size[0], : size[1]]
+
+
+def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash", factor: int = 1,
+                 source: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """(h, w, 3) uint8 -> (3, size, size) uint8: squash, or shorter side to size + centre crop
+    (the centre square of the source, then one resize). A DCT-scaled decode passes its factor
+    and the source's (H, W) (see Decoded), so the resize covers the source's exact extent.
+
+    Uses torch's uint8 antialiased bilinear kernel (about 4x faster than Pillow's resize).
+    """
+    h, w = source or image.shape[:2]
+    top, left = centre_offset(h, w) if mode == "shorter" else (0, 0)
+    side_h, side_w = (min(h, w),) * 2 if mode == "shorter" else (h, w)
+    # in decoded pixels: the centre square starts on a pixel's edge (dct_factor sees to it)
+    y0, y1 = top // factor, -(-(top + side_h) // factor)
+    x0, x1 = left // factor, -(-(left + side_w) // factor)
+    x = torch.from_numpy(image[y0:y1, x0:x1]).permute(2, 0, 1).unsqueeze(0)  # channels-last
+    return resize_region(x, (side_h / factor, side_w / factor), (size, size))[0].contiguous()
+
+
+def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int,
+               mode: ResizeMode) -> tuple[int, int, int, int]:  # fmt: skip
+    """Where box (top, left, h, w) of the size x size resized image lies in an (H, W) image."""
+    h, w = shape
+    oy, ox = centre_offset(h, w) if mode == "shorter" else (0, 0)
+    if mode == "shorter":
+        h = w = min(h, w)
+    top, left, bh, bw = box
+    y0, x0 = min(round(top * h / size), h - 1), min(round(left * w / size), w - 1)
+    y1 = min(max(round((top + bh) * h / size), y0 + 1), h)  # at least a pixel, inside the image
+    x1 = min(max(round((left + bw) * w / size), x0 + 1), w)  # (a 1-pixel-tall image too)
+    return oy + y0, ox + x0, oy + y1, ox + x1
+
+
+def resize_crop(region: torch.Tensor, crop: int, flip: bool) -> torch.Tensor:
+    """(3, h, w) uint8, any memory layout -> (3, crop, crop) by antialiased bilinear resizing,
+    mirrored if flip (torch's flip: a copy 7x faster than numpy's of a reversed view)."""
+    x = region[None]
+    if x.shape[-2:] != (crop, crop):
+        x = F.interpolate(x, size=(crop, crop), mode="bilinear", antialias=True)
+    return x[0].flip(-1) if flip else x[0]
