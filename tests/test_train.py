@@ -209,7 +209,7 @@ def test_cuda_mixed_precision_trains(precision, tmp_path):
 
 
 def test_metrics_record_the_share_of_time_spent_waiting_for_the_loader(tmp_path, monkeypatch):
-    """A loader that takes 0.15 s per batch (the model needs a few ms) makes data_wait most of
+    """A loader that takes 0.3 s per batch (the model needs a few ms) makes data_wait most of
     each epoch."""
     from cnnkit.data.memory import TensorBatches
 
@@ -217,7 +217,7 @@ def test_metrics_record_the_share_of_time_spent_waiting_for_the_loader(tmp_path,
 
     def slow(self):
         for batch in plain(self):
-            time.sleep(0.15)
+            time.sleep(0.3)
             yield batch
 
     monkeypatch.setattr(TensorBatches, "__iter__", slow)
