@@ -127,6 +127,21 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """True for a torch.save file (a run's checkpoint, a state_dict): a zip archive with a
+    data.pkl, unlike a TorchScript (code/) or torch.export (archive_format) archive."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return any(n.endswith("/data.pkl") for n in names) and not any(
+        "/code/" in n or n.endswith("archive_format") for n in names
+    )
+
+
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     """Read a cnnkit checkpoint safely; anything missing, truncated, foreign or code-carrying
     raises CheckpointError."""

@@ -114,6 +114,8 @@ def export(
 
     _writable(out, target, _weights_of(target))
     fmt = export_format(out, fmt)
+    from cnnkit.checkpoint import is_checkpoint
+
     if is_checkpoint(out):
         raise ConfigError(f"-o {out}: is a checkpoint (a torch.save file), which an export "
                           "would replace: give the export a name of its own")  # fmt: skip
@@ -287,21 +289,6 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and a.samefile(b)
     except OSError:
         return False
-
-
-def is_checkpoint(path: Path) -> bool:
-    """True for a torch.save file (a run's checkpoint, a state_dict): a zip archive with a
-    data.pkl, unlike a TorchScript (code/) or torch.export (archive_format) archive."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-    except (OSError, zipfile.BadZipFile):
-        return False
-    return any(n.endswith("/data.pkl") for n in names) and not any(
-        "/code/" in n or n.endswith("archive_format") for n in names
-    )
 
 
 def _imported_beside(out: Path, weights: Path) -> bool:

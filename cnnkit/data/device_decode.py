@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cnnkit.data.batch import BatchDataset, WorkerBatch
+from cnnkit.data.resize import centre_offset
 
 
 def decode_images(items: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
@@ -68,7 +69,7 @@ def resize_on_device(image: torch.Tensor, size: int, mode: str) -> torch.Tensor:
     h, w = image.shape[-2:]
     if mode == "shorter":
         side = min(h, w)
-        top, left = (h - side) // 2, (w - side) // 2
+        top, left = centre_offset(h, w)  # the CPU path's centre square
         image = image[:, top : top + side, left : left + side]
     if image.shape[-2:] == (size, size):
         return image
