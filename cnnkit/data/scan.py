@@ -3,9 +3,9 @@
 Only regular files with an image extension are taken. Symlinks are followed, but each real
 file is taken once and each real folder walked once (both keyed by (st_dev, st_ino)), so a link
 loop (`ln -s . cat/loop`) or a second link to the same photo adds nothing, and a file or folder
-is taken as itself before any link to it (a link never moves an image to another class). Everything passed
-over is listed with the reason (hidden names, other file types, FIFOs and devices, broken links,
-duplicates), never dropped silently. A class folder with no images is refused: a silently empty
+is taken as itself before any link to it (a link never moves an image to another class).
+Everything passed over is listed with the reason (hidden names, other file types, FIFOs and
+devices, broken links, duplicates), never dropped silently. A class folder with no images is refused: a silently empty
 class would change the number of outputs of the network.
 """
 
