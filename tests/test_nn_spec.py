@@ -183,8 +183,8 @@ def test_bad_files(tmp_path):
 def test_the_reserved_names_cover_every_network_attribute():
     """A layer named like one of the Network's own attributes would replace it: every
     attribute a built network sets is reserved (graph.Network and expand must agree)."""
-    from cnnkit.nn.expand import reserved_name
     from cnnkit.nn.graph import Network
+    from cnnkit.nn.names import reserved_name
 
     net = Network({"input": [3, 8, 8], "layers": [{"name": "c", "type": "conv", "out_channels": 2,
                                                    "kernel_size": 3}]})  # fmt: skip

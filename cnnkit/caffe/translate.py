@@ -17,9 +17,9 @@ from cnnkit.caffe.deploy import deployed_layers, layer_type, sole_readers
 from cnnkit.caffe.fields import as_integer, flag, integer, learning, real, require, sizes
 from cnnkit.caffe.schema import check_layer
 from cnnkit.errors import ConfigError, brief, one_line, validation_message
-from cnnkit.nn.expand import reserved_name
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
+from cnnkit.nn.names import reserved_name
 from cnnkit.prototxt import Message, parse_prototxt
 
 

@@ -11,40 +11,21 @@ bounded by MAX_ENTRIES as the layers made are by MAX_LAYERS.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from torch import nn
 
 from cnnkit.errors import ConfigError, brief, validation_message
 from cnnkit.nn.expr import ExprError, evaluate, is_expression, reads
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Layer, Linear, Shape, ShapeError, fmt_shape
+from cnnkit.nn.names import check_name
 from cnnkit.nn.spec import BlockDef, NetSpec, suggest
 from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
-RESERVED = {"input", "previous"}
-# A layer is an attribute of the Network (or of a container, for dotted names): names that
-# torch's nn.Module API or the Network's own attributes hold would shadow them (keep in sync
-# with graph.Network; a test checks it).
-NETWORK_ATTRIBUTES = frozenset({"spec", "name", "input_shape", "param_count", "activation_count",
-                                "table", "num_classes", "output_shape", "heads", "multipliers",
-                                "param_groups", "reset_parameters", "_apply_init",
-                                "_forward_hooked", "_groups", "_steps", "_nodes", "_output"})  # fmt: skip
-MODULE_ATTRIBUTES = frozenset(dir(nn.Module()))
-
-
-def reserved_name(part: str, top: bool = True) -> bool:
-    """True where a layer (or the `top` part of a dotted name) may not take this name."""
-    return part in RESERVED or part in MODULE_ATTRIBUTES or (top and part in NETWORK_ATTRIBUTES)
-
-
 MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
 MAX_BLOCK_DEPTH = 16
-MAX_NAME = 200
 # entries expanded, counting absent layers and block copies that make no layer: the bound on
 # the expander's work (copies of an all-absent block would otherwise run for hours unchecked)
 MAX_ENTRIES = 5 * MAX_LAYERS
@@ -143,7 +124,7 @@ class Expander:
         head = any(reads(v, scope.sized) for v in raw.values())  # a classifier
         if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
             layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
-        self._check_name(label, scope.prefix + short, short)
+        check_name(label, scope.prefix + short, short, self.taken, self.holders)
         shape = _output_shape(label, layer, in_shapes)
         self._add(Node(scope.index, scope.prefix + short, layer, tuple(inputs), shape, head))
         self._register(scope, short, len(self.nodes), raw)
@@ -259,29 +240,6 @@ class Expander:
         parts = node.name.split(".")
         for i in range(1, len(parts)):
             self.holders.setdefault(".".join(parts[:i]), node.name)
-
-    def _check_name(self, label: str, name: str, short: str) -> None:
-        """Names are unique and none holds another (`a` and `a.b`): a set lookup per dot."""
-        if len(name) > MAX_NAME or not NAME_RE.match(name) or short in RESERVED:
-            raise ConfigError(
-                f"{label}: name: {brief(short)} is not a usable name (letters, digits, _ and -; "
-                "not 'input' or 'previous')"
-            )
-        parts = name.split(".")
-        clash = next((p for i, p in enumerate(parts) if reserved_name(p, i == 0)), None)
-        if clash is not None:
-            raise ConfigError(f"{label}: name: {brief(clash)} is taken by torch's nn.Module "
-                              "API or the network's own attributes; choose another name")  # fmt: skip
-        if name in self.taken:
-            raise ConfigError(f"{label}: name: {name!r} is used twice")
-        holder = next(
-            (p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in self.taken), None
-        )
-        other = self.holders.get(name) or holder
-        if other:
-            raise ConfigError(
-                f"{label}: name: {name!r} clashes with {other!r} (one would hold the other)"
-            )
 
     def _block_def(self, label: str, name: Any) -> BlockDef:
         if not isinstance(name, str) or name not in self.net.blocks:

@@ -1,0 +1,53 @@
+"""Which names a layer may take: the network file's naming rule, shared by the expander and
+the Caffe importer.
+
+A layer is an attribute of the Network (or of a container, for dotted names), so names that
+torch's nn.Module API or the Network's own attributes hold would shadow them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from cnnkit.errors import ConfigError, brief
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+MAX_NAME = 200
+RESERVED = {"input", "previous"}
+# keep in sync with graph.Network (a test checks it)
+NETWORK_ATTRIBUTES = frozenset({"spec", "name", "input_shape", "param_count", "activation_count",
+                                "table", "num_classes", "output_shape", "heads", "multipliers",
+                                "param_groups", "reset_parameters", "_apply_init",
+                                "_forward_hooked", "_groups", "_steps", "_nodes", "_output"})  # fmt: skip
+MODULE_ATTRIBUTES = frozenset(dir(nn.Module()))
+
+
+def reserved_name(part: str, top: bool = True) -> bool:
+    """True where a layer (or the `top` part of a dotted name) may not take this name."""
+    return part in RESERVED or part in MODULE_ATTRIBUTES or (top and part in NETWORK_ATTRIBUTES)
+
+
+def check_name(label: str, name: str, short: str, taken: set[str], holders: dict[str, str]) -> None:
+    """Raise unless `name` (full, dotted; `short` its last part as written) is usable: unique
+    among `taken`, and neither holding nor held by another (`a` and `a.b`; `holders` maps each
+    dotted prefix of a taken name to that name): a set lookup per dot."""
+    if len(name) > MAX_NAME or not NAME_RE.match(name) or short in RESERVED:
+        raise ConfigError(
+            f"{label}: name: {brief(short)} is not a usable name (letters, digits, _ and -; "
+            "not 'input' or 'previous')"
+        )
+    parts = name.split(".")
+    clash = next((p for i, p in enumerate(parts) if reserved_name(p, i == 0)), None)
+    if clash is not None:
+        raise ConfigError(f"{label}: name: {brief(clash)} is taken by torch's nn.Module "
+                          "API or the network's own attributes; choose another name")  # fmt: skip
+    if name in taken:
+        raise ConfigError(f"{label}: name: {name!r} is used twice")
+    holder = next((p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in taken), None)
+    other = holders.get(name) or holder
+    if other:
+        raise ConfigError(
+            f"{label}: name: {name!r} clashes with {other!r} (one would hold the other)"
+        )
