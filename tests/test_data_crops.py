@@ -138,6 +138,18 @@ def test_jobs_hand_out_free_slots_only():
     assert sorted(fresh[:2]) == [0, 1] and fresh[2:] == [None] * 3
 
 
+def test_a_ring_that_cannot_be_page_locked_says_so(capsys):
+    """Pinning asked for (a CUDA feed) and refused: still correct, one note saying the copies
+    lose their overlap (the first GPU run must show it, not hide it); none when not asked."""
+    ring = SlotRing(2, (1, 3, 8, 8))
+    assert not ring.pinned and capsys.readouterr().err == ""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA can page-lock here")
+    ring = SlotRing(2, (1, 3, 8, 8), pin=True, what="data.workers=2")
+    assert not ring.pinned
+    assert "data.workers=2: CUDA could not page-lock" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("train_crop", ["random", "resized"])
 def test_worker_crops_match_main_process_augmentation(photos, train_crop):
     """The same seeded crops, mirrors and lighting as resizing to `size` and augmenting the

@@ -89,6 +89,31 @@ def test_mid_epoch_resume_repeats_the_rest_of_the_epoch_exactly(packed):
         assert torch.equal(y1, y2)
 
 
+def test_worker_loader_leaves_the_global_random_state_alone(packed):
+    """Starting worker processes draws no global random number: a resumed run (whose persistent
+    workers start once more than an uninterrupted run's) keeps the same dropout and mixup."""
+    section = {"source": "folder", "path": str(packed / "src"), "size": 16, "batch_size": 4,
+               "crop": 12, "workers": 1, "val_fraction": 0.25}  # fmt: skip
+    train = data_config(section).build(CPU, 0, 1, 0).train
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    train.set_epoch(0)
+    assert len(list(train)) == 4
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_batches_reach_a_device_without_a_side_stream(packed):
+    """A device that is neither the CPU nor CUDA (mps; `meta` stands in for it here) gets its
+    batches copied there, pixels and labels, by the plain path."""
+    section = {"source": "folder", "path": str(packed / "src"), "size": 16, "batch_size": 4,
+               "crop": 12, "workers": 0, "val_fraction": 0.25}  # fmt: skip
+    bundle = data_config(section).build(torch.device("meta"), 0, 1, 0)
+    for stream in (bundle.train, bundle.val):
+        stream.set_epoch(0)
+        x, y = next(iter(stream))
+        assert x.device.type == y.device.type == "meta" and x.shape[1:] == (3, 12, 12)
+
+
 def test_held_batches_are_never_overwritten(packed):
     train = streams(packed).train
     train.set_epoch(0)

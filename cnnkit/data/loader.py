@@ -218,10 +218,13 @@ class ImageBatches:
             jobs = JobSampler(self.sampler, self._ring, crops, self.dataset.size,
                               encoded=self.mode == "encoded")  # fmt: skip
             extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.train}
+            # its own generator: starting workers draws a seed (unused: they draw nothing random)
+            # that would otherwise come from the global one and shift a resumed run's dropout
             with _no_worker_count_warning():
                 self._loader = DataLoader(self.dataset, batch_size=None, sampler=jobs,
                                           num_workers=self.workers, pin_memory=False,
                                           worker_init_fn=_one_thread_per_worker,
+                                          generator=torch.Generator(),
                                           **(extra if self.workers else {}))  # fmt: skip
         return self._loader
 
@@ -275,9 +278,9 @@ class ImageBatches:
                 if self.mode == "encoded":
                     pixels, batch = decode_batch(pixels, batch, self.dataset, self.device)
                     self._report(batch.bad)
-                x = self._augment(pixels, position, batch.alpha)
+                x = self._augment(pixels.to(self.device), position, batch.alpha)
                 self.release(batch)  # normalised into a buffer of its own: the slot is read
-                yield x, batch.labels
+                yield x, batch.labels.to(self.device)
 
     def _on_device(self) -> Iterator:
         """For the DeviceFeed: per batch, a function that copies it to the GPU and augments it

@@ -76,6 +76,10 @@ class SlotRing:
         self.free: deque[int] = deque(range(count))
         self.copying: deque[tuple[int, torch.cuda.Event]] = deque()  # slot, copy-done event
         self.pinned = pin and _register(self.buffers)
+        if pin and not self.pinned:
+            print(f"cnnkit: note: {what}: CUDA could not page-lock the loader's shared memory "
+                  "(cudaHostRegister failed): each batch's copy to the GPU is staged and "
+                  "synchronous, so loading overlaps less with training", file=sys.stderr)  # fmt: skip
 
     def take(self) -> int | None:
         """A free slot, or None when every one is in flight."""
