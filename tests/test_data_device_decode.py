@@ -60,27 +60,29 @@ def test_device_decoding_equals_worker_decoding(sets, train_crop, workers):
                 assert (x1 - x2).abs().max() <= 1.01 * LEVEL
 
 
-def test_device_decoding_reports_bad_files_like_the_workers(tmp_path, capfd):
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_device_decoding_reports_bad_files_like_the_workers(tmp_path, capfd, device):
     """Empty, truncated and non-image files skipped and named; grey, CMYK and PNG-in-.JPEG
-    files decoded on the CPU and kept: the same images as the workers' path."""
+    files decoded on the CPU and kept: the same images as the workers' path (on CUDA, nvJPEG's
+    batch refusing one file must not lose the others)."""
     expected = write_bad_folder(tmp_path)
     section = {"source": "folder", "path": str(tmp_path), "size": 16, "crop": 12,
                "batch_size": 7, "workers": 0, "val_fraction": 0.0}  # fmt: skip
     counts = {}
     for decode in ("cpu", "gpu"):
-        stream = data_config({**section, "decode": decode}).build(CPU).train
+        stream = data_config({**section, "decode": decode}).build(torch.device(device)).train
         stream.set_epoch(0)
         counts[decode] = sorted(sum((y.tolist() for _, y in stream), []))
         err = capfd.readouterr().err
         for rel, status in expected.items():
             assert (rel in err) == (status == "skipped"), (decode, rel)
     assert counts["cpu"] == counts["gpu"] and len(counts["gpu"]) == 14 - 3
-
-
-CUDA = pytest.param(
-    "cuda",
-    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
