@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol
@@ -84,7 +84,9 @@ class Processes(Protocol):
 
     def broadcast_object(self, obj: Any) -> Any: ...  # rank 0's obj on every rank
 
-    def agree(self, flag: bool, every: int) -> tuple[bool, int]: ...  # any flag; fewest steps
+    def agree(self, flags: Sequence[bool], every: int = 1) -> tuple[list[bool], int]: ...  # any
+
+    # rank's, flag by flag; the fewest steps any rank proposes
 
     def synced(self, global_step: int, epoch_end: bool = False) -> bool: ...  # replicas equal
 
@@ -113,8 +115,8 @@ class Local:
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
-    def agree(self, flag: bool, every: int) -> tuple[bool, int]:
-        return flag, every
+    def agree(self, flags: Sequence[bool], every: int = 1) -> tuple[list[bool], int]:
+        return list(flags), every
 
     def synced(self, global_step: int, epoch_end: bool = False) -> bool:
         return True
@@ -167,6 +169,12 @@ class Group:
         self.static_graph = train_cfg.accumulate == 1
         self.use_cuda = train_cfg.device != "cpu" and torch.cuda.is_available()
         if self.use_cuda:
+            if self.local_world_size > (gpus := torch.cuda.device_count()):
+                raise ConfigError(
+                    f"{self.local_world_size} processes on this machine but {gpus} GPU"
+                    f"{'s' if gpus != 1 else ''}: one process per GPU (fewer --nproc / "
+                    "--nproc-per-node; train.device=cpu runs a group on the CPU)"
+                )
             torch.cuda.set_device(self.local_rank)
         self.timeout_s = train_cfg.timeout_s
         if not dist.is_initialized():
@@ -219,14 +227,15 @@ class Group:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def agree(self, flag: bool, every: int) -> tuple[bool, int]:
-        """Whether any rank's `flag` is set, and the smallest `every` any rank proposes (one
-        small all-reduce and a host sync)."""
+    def agree(self, flags: Sequence[bool], every: int = 1) -> tuple[list[bool], int]:
+        """Whether any rank set each of `flags`, and the smallest `every` any rank proposes (one
+        small all-reduce and a host sync): what every rank then acts on alike, so that none
+        leaves for a collective the others never reach."""
         device = torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
-        t = torch.tensor([float(flag), -float(every)], device=device)
+        t = torch.tensor([*map(float, flags), -float(every)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        raised, fewest = t.tolist()
-        return raised > 0, int(-fewest)
+        *raised, fewest = t.tolist()
+        return [r > 0 for r in raised], int(-fewest)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP for sync "ddp"; the plain model (replicas kept in step by averaging) otherwise."""
@@ -237,10 +246,13 @@ class Group:
             return model
         device_ids = [self.local_rank] if self.use_cuda else None
         # gradients live in DDP's buckets (train_step zeroes them in place: no copy per step);
-        # the graph is the same every step
+        # the graph is the same every step (static_graph learns which layers get no gradient;
+        # without it, as with accumulate > 1, DDP must look for them)
+        unreached = hasattr(model, "unreached") and bool(model.unreached())
         return nn.parallel.DistributedDataParallel(
             model, device_ids=device_ids, gradient_as_bucket_view=True,
             static_graph=self.static_graph,
+            find_unused_parameters=unreached and not self.static_graph,
         )  # fmt: skip
 
     def synced(self, global_step: int, epoch_end: bool = False) -> bool:
@@ -248,9 +260,17 @@ class Group:
         return self.sync != "average" or epoch_end or global_step % self.every == 0
 
     def after_step(self, engine: Any, global_step: int, epoch_end: bool = False) -> None:
-        """sync "average": every K steps and at the epoch's end, average the replicas."""
+        """sync "average": every K steps and at the epoch's end, average the replicas. sync
+        "ddp": at the epoch's end, average the floating buffers (BatchNorm statistics, of the
+        network and its moving average: DDP hands rank 0's to every forward, each rank then
+        updates them with its own batch), so what is evaluated is the one model that is saved
+        (timm's `dist_bn: reduce`)."""
         if self.sync == "average" and self.synced(global_step, epoch_end):
             self.average(engine)
+        elif self.sync == "ddp" and epoch_end:
+            modules = [engine.network] + ([engine.ema.module] if engine.ema is not None else [])
+            buffers = [b for m in modules for b in m.buffers() if b.is_floating_point()]
+            average_in_place(buffers, self.world_size)
 
     def average(self, engine: Any) -> None:
         """sync "average": average the replicas' weights, floating buffers (the BatchNorm

@@ -32,7 +32,7 @@ BASE = {
     "data": {"source": "synthetic", "shape": [1, 25, 25], "num_classes": 4, "train_size": 64,
              "val_size": 21, "batch_size": 16},
     "train": {"epochs": 2, "lr": 0.05, "precision": "fp32", "channels_last": False,
-              "checkpoint_every": 2},
+              "checkpoint_every": 2, "timeout_s": 60},  # a rank left waiting fails in a minute
     "seed": 5,
     "deterministic": True,
 }  # fmt: skip
@@ -60,6 +60,7 @@ from cnnkit.nn import build_model
 from cnnkit.train.engine import build_engine
 from cnnkit.train.loop import evaluate
 from cnnkit.train.run import fit
+from cnnkit.train.loop import StopTraining
 
 from cnnkit.config import TrainConfig
 from cnnkit.train.engine import train_step
@@ -128,7 +129,56 @@ TensorBatches.__iter__ = one_empty
 ddp = validate_run({{**base, "train": {{**base["train"], "checkpoint_every": 0}}}})
 group = distributed.Group(ddp.train)  # (the last scenario's group averages: no DDP)
 result["empty"] = fit(ddp, os.path.join(out, "empty"), quiet=True, dist=group)["epochs"]
+
+def first_empty(self):  # sync: average, rank 1's very first batch unreadable (no optimizer
+    for i, (x, y) in enumerate(plain_iter(self)):  # state yet: the averaging must still pair)
+        yield (x[:0], y[:0]) if self.train and group.rank == 1 and i == 0 else (x, y)
+TensorBatches.__iter__ = first_empty
+avg = validate_run({{**base, "train": {{**base["train"], "sync": "average", "optimizer": "adam",
+                                        "checkpoint_every": 0}}}})
+result["avg_empty"] = fit(avg, os.path.join(out, "avg_empty"), quiet=True, dist=group)["epochs"]
+
+def nan_on_rank1(self):  # sync: average, rank 1's replica diverges alone
+    for i, (x, y) in enumerate(plain_iter(self)):
+        yield (x.float() * float("nan"), y) if self.train and group.rank == 1 else (x, y)
+TensorBatches.__iter__ = nan_on_rank1
+far = validate_run({{**base, "train": {{**base["train"], "sync": "average", "average_every": 100,
+                                        "checkpoint_every": 0}}}})
+try:
+    fit(far, os.path.join(out, "diverged"), quiet=True, dist=group)
+except Exception as e:
+    result["diverged"] = str(e)
 TensorBatches.__iter__ = plain_iter
+
+class StopOnRank0:  # a callback that stops one rank only (a wall-clock budget, say)
+    def on_step_end(self, epoch, step, global_step):
+        if group.rank == 0 and global_step == 2:
+            raise StopTraining
+group = distributed.Group(ddp.train)
+summary = fit(ddp, os.path.join(out, "stopped"), quiet=True, dist=group, callbacks=[StopOnRank0()])
+group.broadcast_object(None)  # rank 0's save is done before it reads last.pt
+if group.is_main:
+    result["stopped"] = load_checkpoint(os.path.join(out, "stopped", "last.pt"))["global_step"]
+
+# DDP: each rank's BatchNorm statistics (its own batches) averaged at the epoch's end
+engine = build_engine(build_model("digitnet"), ddp.train, torch.device("cpu"), wrap=group.wrap)
+torch.manual_seed(1 + group.rank)
+for step in (1, 2):
+    train_step(engine, torch.randn(8, 1, 8, 8) + group.rank, torch.randint(0, 10, (8,)))
+    group.after_step(engine, step, epoch_end=step == 2)
+result["ddp_bn"] = engine.network.bn1.running_mean[:4].tolist()
+
+# a branch nothing reads, accumulating micro-batches (DDP without static_graph)
+side = {{"input": [1, 8, 8], "layers": [
+    {{"name": "a", "type": "conv", "out_channels": 4, "kernel_size": 3}},
+    {{"name": "side", "type": "conv", "out_channels": 4, "kernel_size": 1}},
+    {{"type": "flatten", "inputs": ["a"]}}, {{"type": "linear", "out_features": 3}}]}}
+acc = validate_run({{**base, "train": {{**base["train"], "accumulate": 2}}}}).train
+group = distributed.Group(acc)
+engine = build_engine(build_model(side), acc, torch.device("cpu"), wrap=group.wrap)
+for step in range(3):
+    train_step(engine, torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,)))
+result["unreached"] = engine.network.a.weight.grad is not None
 json.dump(result, open(os.path.join(out, f"rank{{group.rank}}.json"), "w"))
 group.close()
 """
@@ -146,7 +196,9 @@ def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     script = WORKER.format(root=str(ROOT), base=BASE, scenarios=SCENARIOS, out=str(out))
     proc = _torchrun(out, script)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, "\n".join(
+        line for line in proc.stderr.splitlines() if not line.startswith("[rank0]:   ")
+    )[-4000:]
     return out
 
 
@@ -246,6 +298,26 @@ def test_distributed_evaluation_counts_each_image_once(two_processes):
     assert sum(r["val_len"] for r in ranks) == 2  # 11 + 10 images: one batch each, no padding
 
 
+def test_every_rank_stops_together(two_processes):
+    """A replica diverging alone (sync: average, between averagings), a callback stopping one
+    rank, a first batch unreadable on one rank before any optimizer state exists: every rank
+    acts alike at the same step, none left waiting in a collective the others never reach."""
+    ranks = [json.loads((two_processes / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert "training diverged at epoch 1 step 4" in rank["diverged"]
+        assert rank["avg_empty"] == 2
+    assert 2 <= ranks[0]["stopped"] <= 4  # the agreed step, within the first epoch (of 4)
+
+
+def test_ddp_averages_batchnorm_statistics_and_finds_unreached_layers(two_processes):
+    """Each rank updates its BatchNorm statistics from its own batches; at the epoch's end they
+    are averaged, so evaluation and the checkpoint see one model. A layer whose output nothing
+    reads trains under DDP with accumulate > 1 (no static_graph to learn it)."""
+    ranks = [json.loads((two_processes / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["ddp_bn"] == ranks[1]["ddp_bn"] and ranks[0]["ddp_bn"] != [0.0] * 4
+    assert ranks[0]["unreached"] and ranks[1]["unreached"]
+
+
 def test_bad_world_size_and_batch_is_a_clear_error(two_processes):
     message = json.loads((two_processes / "rank0.json").read_text())["bad"]
     assert "15 does not divide into 2 processes" in message
@@ -336,6 +408,22 @@ def test_a_group_refuses_one_named_gpu_for_every_rank():
     rank = SimpleNamespace(use_cuda=True, local_rank=0)
     with pytest.raises(ConfigError, match="'cuda:1' names one GPU, but each process of a group"):
         Group.device(rank, "cuda:1")
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    """Two processes on a machine with one GPU: every rank says so before touching CUDA (not
+    an "invalid device ordinal" traceback from the second)."""
+    from cnnkit.distributed import Group
+    from cnnkit.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device"))
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="2 processes on this machine but 1 GPU: one process"):
+        Group(validate_run({**BASE, "train": {**BASE["train"], "device": "cuda"}}).train)
 
 
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
@@ -528,15 +616,16 @@ def test_ranks_check_for_a_ctrl_c_about_every_five_seconds(monkeypatch):
         def __init__(self):
             self.calls = []
 
-        def agree(self, flag, every):
+        def agree(self, flags, every=1):
             self.calls.append(every)
-            return flag, every
+            return list(flags), every
 
     def run(seconds_per_step, steps, stop_at=None):
-        agreement, ranks = epochs.Agreement(), Ranks()
+        agreement, ranks, request = epochs.Agreement(), Ranks(), epochs.StopRequest()
         for step in range(1, steps + 1):
             clock[0] += seconds_per_step
-            if agreement.stop(ranks, stop_at is not None and step >= stop_at, step, False):
+            request.requested = stop_at is not None and step >= stop_at
+            if agreement.stop(ranks, request, step, False)[0]:
                 return step, ranks.calls
         return None, ranks.calls
 

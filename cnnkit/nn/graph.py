@@ -74,6 +74,17 @@ class Network(nn.Module):
         # rule fits its tensor (kaiming on a 1-D weight), so `cnnkit info` says what build will
         self._apply_init()
 
+    def unreached(self) -> list[str]:
+        """Layers with parameters whose output never reaches the network's output (a branch
+        nothing reads): they get no gradient, which DDP must be told of (find_unused_parameters)
+        where it cannot learn it once (static_graph)."""
+        needed = {self._output}
+        for i in range(len(self._nodes) - 1, -1, -1):
+            if i + 1 in needed:
+                needed.update(self._nodes[i].inputs)
+        return [node.name for i, node in enumerate(self._nodes)
+                if i + 1 not in needed and any(True for _ in self.get_submodule(node.name).parameters())]  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hooked = [g for g in self._groups if g[2]._forward_hooks or g[2]._forward_pre_hooks]
         if hooked:

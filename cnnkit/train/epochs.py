@@ -59,9 +59,11 @@ class Hooks:
 
 class StopRequest:
     """Set by the first Ctrl-C: the run stops after the step in progress (alone) or at the
-    next step where the processes of a group agree (Agreement), saved."""
+    next step where the processes of a group agree (Agreement), saved. `callback`: a callback
+    raised StopTraining on this rank (in a group, acted on at that same agreed step)."""
 
     requested = False
+    callback = False
 
 
 AGREE_SECONDS = 5.0  # between a group's checks for a Ctrl-C: torchrun's agent kills at 30 s
@@ -69,23 +71,25 @@ AGREE_MOST = 16  # steps between checks at most (each is a tiny all-reduce and a
 
 
 class Agreement:
-    """When the processes of a group check together for a Ctrl-C: at first every step, then
-    every K steps, K chosen so that checks come about every AGREE_SECONDS (the slowest rank's
-    proposal wins); so the agreed step comes well within torchrun's 30 s of grace however long
-    a step takes, and a GPU's short steps are not synced each."""
+    """When the processes of a group check together for a Ctrl-C or a callback's stop: at
+    first every step, then every K steps, K chosen so that checks come about every
+    AGREE_SECONDS (the slowest rank's proposal wins); so the agreed step comes well within
+    torchrun's 30 s of grace however long a step takes, and a GPU's short steps are not synced
+    each. Returns (interrupted, stopped by a callback), the same on every rank."""
 
     def __init__(self) -> None:
         self.next, self.last, self.since = 0, 0, time.perf_counter()
 
-    def stop(self, dist: Any, requested: bool, global_step: int, epoch_end: bool) -> bool:
+    def stop(self, dist: Any, request: StopRequest, global_step: int,
+             epoch_end: bool) -> tuple[bool, bool]:  # fmt: skip
         if global_step < self.next and not epoch_end:
-            return False
+            return False, False
         now = time.perf_counter()
         per_step = (now - self.since) / max(global_step - self.last, 1)
         every = max(1, min(AGREE_MOST, int(AGREE_SECONDS / max(per_step, 1e-6))))
-        stop, every = dist.agree(requested, every)
+        (interrupted, callback), every = dist.agree((request.requested, request.callback), every)
         self.next, self.last, self.since = global_step + every, global_step, now
-        return stop
+        return interrupted, callback
 
 
 @contextmanager
@@ -114,10 +118,12 @@ def stop_on_interrupt() -> Iterator[StopRequest]:
         signal.signal(signal.SIGINT, previous)
 
 
-def check_finite(engine: Engine, progress: Progress) -> None:
-    """Never save a diverged model: the loss and every weight must be finite."""
+def check_finite(engine: Engine, progress: Progress, dist: Any) -> None:
+    """Never save a diverged model: the loss and every weight must be finite (on every rank:
+    all of a group stop together, none left waiting in the save's gather)."""
     stats_ok = progress.running is None or progress.running.finite()
-    if not stats_ok or not weights_finite(engine.network):
+    (bad,), _ = dist.agree((not stats_ok or not weights_finite(engine.network),))
+    if bad:
         raise diverged(progress.epoch, progress.step)
 
 
@@ -142,14 +148,15 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
 
     agreement = Agreement()
 
-    def stopping(step: int, global_step: int) -> bool:
-        """A Ctrl-C: alone at once; in a group at a step every rank agrees on."""
+    def stopping(step: int, global_step: int) -> tuple[bool, bool]:
+        """A Ctrl-C or a callback's stop: alone at once; in a group at a step every rank
+        agrees on."""
         if dist.world_size == 1:
-            return stop.requested
-        return agreement.stop(dist, stop.requested, global_step, step == steps)
+            return stop.requested, stop.callback
+        return agreement.stop(dist, stop, global_step, step == steps)
 
     def after_step(epoch: int, step: int, global_step: int) -> None:
-        stop_now = stopping(step, global_step)
+        stop_now, stopped = stopping(step, global_step)
         if saves.due(global_step, step, steps, dist.synced(global_step, step == steps)):
             save_mid_epoch(engine, schedule, progress, ctx, writer)
         elif stop_now:  # sync: average between two averagings: average early
@@ -161,7 +168,14 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
                 f"interrupted at epoch {epoch + 1} step {step} (saved); resume with "
                 f"`cnnkit train --resume {ctx.run_dir}`"
             )
-        hooks.step(epoch, step, global_step)
+        if stopped:  # a callback raised StopTraining on some rank at an earlier step
+            raise StopTraining
+        try:
+            hooks.step(epoch, step, global_step)
+        except StopTraining:
+            if dist.world_size == 1:
+                raise
+            stop.callback = True  # every rank stops at the next step they agree on
 
     try:
         while progress.epoch < epochs and not _early_stop(
@@ -177,7 +191,12 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
             progress.running = None
             save_epoch(engine, schedule, progress, ctx, row, writer)
             console.end_epoch(row, epochs)
-            hooks.epoch(row)
+            try:
+                hooks.epoch(row)
+            except StopTraining:
+                stop.callback = True
+            if dist.agree((stop.callback,))[0][0]:  # every rank, or none, stops here
+                raise StopTraining
     except StopTraining:
         where = (f"at epoch {progress.epoch + 1} step {progress.step}" if progress.step
                  else f"after epoch {progress.epoch}")  # fmt: skip
@@ -213,7 +232,7 @@ def save_mid_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: 
                    writer: CheckpointWriter) -> None:  # fmt: skip
     """last.pt in the middle of an epoch (every rank's generators and statistics of the epoch
     so far gathered for exact resume)."""
-    check_finite(engine, progress)
+    check_finite(engine, progress, ctx.dist)
     ranks = ctx.dist.gather((rng_state(), progress.epoch_stats()))
     if ctx.dist.is_main:
         writer.save(
@@ -226,7 +245,7 @@ def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunC
     """best.pt (if the epoch is the best), best_ema.pt (if the moving average's is: timm's
     choice), and last.pt, written in the background; then the metrics files (a kill in between
     is harmless: a resumed run rewrites them from last.pt)."""
-    check_finite(engine, progress)
+    check_finite(engine, progress, ctx.dist)
     ranks = ctx.dist.gather((rng_state(), {}))
     if not ctx.dist.is_main:
         return

@@ -185,14 +185,17 @@ def train_one_epoch(
             loss, hits = train_step(engine, x, y)
             stats.add(loss, hits, len(y))
             kept = (x, y) if ddp else None
-        elif ddp:  # the other ranks step, and DDP's all-reduces pair across ranks: this one
+        elif ddp or dist.world_size > 1:  # the other ranks step, and DDP's all-reduces pair
+            # across ranks (sync: average's need the same optimizer state on each): this one
             # steps too, on its last batch weighted 0 (its gradient adds nothing to the mean)
             schedule.apply(engine.optimizer, at)
             train_step(engine, *(kept or _stand_in(x)), scale=0.0)
         progress.step += 1
         progress.global_step += 1
-        if (progress.step % FINITE_EVERY == 0 or progress.step == steps) and not stats.finite():
-            raise diverged(progress.epoch, progress.step)
+        if progress.step % FINITE_EVERY == 0 or progress.step == steps:
+            (bad,), _ = dist.agree((not stats.finite(),))  # one rank's loss: all of them stop
+            if bad:
+                raise diverged(progress.epoch, progress.step)
         dist.after_step(engine, progress.global_step, progress.step == steps)
         seconds = max(stats.seconds, 1e-9)
         console.step(StepInfo(progress.epoch + 1, schedule.cfg.epochs, progress.step, steps, loss,
