@@ -18,7 +18,8 @@
 # the hardware and one results.tgz of every log and figure (no shards, no checkpoints) go there,
 # refreshed after every step and on any exit (a run killed outright keeps what it had).
 # Without pydantic and simplejpeg importable it stops at once (exit 1); without a CUDA device it
-# writes OUT_DIR/skipped.txt, skips every GPU part and exits 0 (exit 2: torch fails to import).
+# writes OUT_DIR/stopped.txt, skips every GPU part and exits 0 (exit 2: torch fails to import);
+# summary.json's `stopped` then says why, and no step counts as missing.
 # Each step has its own time limit and the whole run a budget (BUDGET_S, default 470 s):
 # a step that would not fit is skipped and listed; one started with less than its limit left
 # and stopped at the budget is listed as cut (summary.json: steps_cut_by_budget), not failed;
@@ -52,7 +53,7 @@ bring_back() {
     local tag=$BASHPID f  # (each process's own temporary names)
     (cd "$REPO" && "$PY" benchmarks/gpu_summary.py "$OUT" > "$OUT/summary.txt.$tag" 2>&1) &&
         mv "$OUT/summary.txt.$tag" "$OUT/summary.txt" || rm -f "$OUT/summary.txt.$tag"
-    for f in summary.json summary.txt steps.txt skipped.txt hardware.txt; do
+    for f in summary.json summary.txt steps.txt skipped.txt stopped.txt hardware.txt; do
         [[ -f $OUT/$f ]] && cp "$OUT/$f" "$BACK/$f.$tag" && mv "$BACK/$f.$tag" "$BACK/$f"
     done
     local keep=(-type f \( -name '*.log' -o -name '*.json' -o -name '*.txt' -o -name '*.csv'
@@ -104,7 +105,7 @@ sys.exit(0 if have >= tuple(int(p) for p in '$v'.split('.')[:3]) else 1)" 2>/dev
 fi
 if ! "$PY" -c 'import pydantic, simplejpeg' 2>/dev/null; then  # every step would fail
     echo "gpu.sh: pydantic or simplejpeg missing: run benchmarks/gpu_wheels.sh here and carry .whl" \
-        | tee -a "$OUT/steps.txt" >&2
+        | tee -a "$OUT/stopped.txt" >&2
     exit 1
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -120,11 +121,11 @@ if [[ $DEV == cuda ]]; then
     "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' > "$OUT/cuda_check.log" 2>&1
     rc=$?
     if (( rc == 3 )); then
-        echo "no CUDA device on $(hostname): GPU measurements skipped" | tee "$OUT/skipped.txt"
+        echo "no CUDA device on $(hostname): GPU measurements skipped" | tee "$OUT/stopped.txt"
         exit 0
     elif (( rc != 0 )); then
-        echo "gpu.sh: torch failed to import (cuda_check.log):" | tee -a "$OUT/steps.txt" >&2
-        tail -n 3 "$OUT/cuda_check.log" | tee -a "$OUT/steps.txt" >&2
+        echo "gpu.sh: torch failed to import (cuda_check.log):" | tee -a "$OUT/stopped.txt" >&2
+        tail -n 3 "$OUT/cuda_check.log" | tee -a "$OUT/stopped.txt" >&2
         exit 2
     fi
 fi

@@ -40,7 +40,8 @@ def steps(out: Path) -> tuple[dict[str, int], list[str], list[str]]:
             cut.append(found.group(1))
         elif found:
             done[found.group(1)] = int(found.group(2))
-    skipped = [line.split(":")[0] for line in text(out / "skipped.txt").splitlines()]
+    skipped = [m.group(1) for line in text(out / "skipped.txt").splitlines()
+               if (m := re.match(r"(\S+): skipped", line))]  # fmt: skip
     return done, skipped, cut
 
 
@@ -202,7 +203,10 @@ def main() -> None:
         "steps_failed": sorted(name for name, rc in done.items() if rc != 0),
         "steps_skipped": skipped,
         "steps_cut_by_budget": cut,
-        "steps_missing": [n for n in plan if n not in done and n not in skipped and n not in cut],
+        # gpu.sh ended before its steps, saying why (no CUDA, a missing wheel, torch broken)
+        "stopped": text(out / "stopped.txt").strip() or None,
+        "steps_missing": [] if (out / "stopped.txt").is_file() else
+        [n for n in plan if n not in done and n not in skipped and n not in cut],  # fmt: skip
         "steps_selected": chosen or "all",  # gpu.sh's STEPS
         "summary_errors": errors,
     }  # fmt: skip

@@ -74,6 +74,36 @@ def test_layers_report_every_layer_and_both_totals():
     assert report["measurements_in_sums"] == 5 + 4
 
 
+def test_layers_time_each_call_as_a_training_step_makes_it(monkeypatch):
+    """Every timed forward enters autocast afresh (its weight casts are cached only inside one
+    context: a step pays for them), and every timed backward finds no gradient to add to."""
+    import contextlib
+
+    import cnnkit.bench.layers as layers
+
+    entered, found = [], []
+    plain = layers.autocast
+
+    @contextlib.contextmanager
+    def counted(device, precision):
+        entered.append(precision)
+        with plain(device, precision):
+            yield
+
+    monkeypatch.setattr(layers, "autocast", counted)
+    runner = layers.Runner(CPU, "bf16", warmup=1, repeats=3)
+    linear = torch.nn.Linear(8, 4)
+    linear.weight.register_hook(lambda g: found.append(linear.weight.grad is None))
+    forward, backward = layers.time_layer(linear, [torch.randn(2, 8)], False, runner)
+    assert len(forward.seconds) == 3 and len(entered) >= 4  # warm-up + repeats, each its own
+    assert len(found) >= 4 and all(found)
+    model = build_model(TINY)
+    found.clear()
+    model.fc.weight.register_hook(lambda g: found.append(model.fc.weight.grad is None))
+    layers.time_whole(model, torch.randn(2, 1, 8, 8), torch.tensor([0, 1]), runner)
+    assert len(found) >= 8 and all(found)  # the backward's and the step's timed calls
+
+
 def test_train_throughput_fields_are_consistent():
     r = bench_throughput(TINY, "train", 4, CPU, warmup=1, repeats=2, quick_peak=True)
     assert r["flops_per_image"] == 3 * 2 * TINY_MACS
@@ -128,6 +158,7 @@ def test_bad_device_and_precision_are_config_errors():
         train_config(CPU, "fp16")
     with pytest.raises(ConfigError, match="--devices"):
         parse_devices("cpu,tpu")
+    assert parse_devices("cpu, cpu")[0] == [CPU]  # (gpu.sh's SMOKE run: `cpu,$DEV`) timed once
 
 
 def test_study_families_and_lenet_sizes():
@@ -291,10 +322,12 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
             ["bash", str(script), "out", "back"], capture_output=True, text=True, cwd=tmp_path
         )
         assert proc.returncode == 0, proc.stderr
-        names = ["skipped.txt", "summary.json", "summary.txt"]
+        names = ["stopped.txt", "summary.json", "summary.txt"]
         assert sorted(p.name for p in out.iterdir()) == [".gpu-sh", "cuda_check.log", *names]
         assert sorted(p.name for p in back.iterdir()) == ["results.tgz", *names]
-        assert "no CUDA device" in (out / "skipped.txt").read_text()
+        summary = json.loads((back / "summary.json").read_text())
+        assert summary["stopped"].startswith("no CUDA device on ")  # not a killed run:
+        assert summary["steps_missing"] == summary["steps_skipped"] == []  # nothing went missing
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     proc = subprocess.run(["bash", str(script), str(tmp_path / "mine")], capture_output=True,

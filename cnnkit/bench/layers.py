@@ -62,11 +62,18 @@ def capture_inputs(model: Network, x: torch.Tensor, runner: Runner) -> list[list
 
 
 def time_layer(module: nn.Module, args: list[torch.Tensor], from_input: bool, runner: Runner):
-    """Forward and backward timings of one module on its captured inputs."""
-    with torch.enable_grad(), autocast(runner.device, runner.precision):
-        forward = runner.time(lambda _: module(*args))
+    """Forward and backward timings of one module on its captured inputs, each call as a
+    training step makes it: autocast entered afresh (its cast weights are cached only until
+    the context ends, so a step pays for the casts), and gradients made, not added to."""
+
+    def run(_: Any) -> torch.Tensor:
+        with torch.enable_grad(), autocast(runner.device, runner.precision):
+            return module(*args)
+
+    forward = runner.time(run)
 
     def setup() -> tuple[torch.Tensor, torch.Tensor] | None:
+        module.zero_grad(set_to_none=True)
         # the network input needs no gradient in training; every activation does
         leaves = [a.detach().requires_grad_(not from_input and a.is_floating_point()) for a in args]
         with torch.enable_grad(), autocast(runner.device, runner.precision):
@@ -90,18 +97,24 @@ def time_loss(logits: torch.Tensor, y: torch.Tensor, runner: Runner) -> tuple[Ti
 
 
 def time_whole(model: Network, x: torch.Tensor, y: torch.Tensor, runner: Runner):
-    """Whole forward (with loss), whole backward and whole forward + backward, each as one."""
+    """Whole forward (with loss), whole backward and whole forward + backward, each as one
+    (gradients made afresh, as a training step's zero_grad(set_to_none) leaves them)."""
 
     def forward(_: Any = None) -> torch.Tensor:
         with autocast(runner.device, runner.precision):
             return F.cross_entropy(model(x).float(), y)
 
+    def fresh() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        return forward()
+
     def step(_: Any) -> None:
+        model.zero_grad(set_to_none=True)
         forward().backward()
 
     return (
         runner.time(forward),
-        runner.time(lambda loss: loss.backward(), forward),
+        runner.time(lambda loss: loss.backward(), fresh),
         runner.time(step),
     )
 

@@ -78,6 +78,7 @@ def study(quick: bool = False) -> list[Entry]:
 def parse_devices(text: str | None) -> tuple[list[torch.device], str | None]:
     """Devices to time (default: cpu and cuda when present) and a note when CUDA is absent."""
     names = ["cpu", "cuda"] if not text else [n.strip() for n in text.split(",") if n.strip()]
+    names = list(dict.fromkeys(names))  # each device timed once (`cpu,cpu`: once)
     unknown = [n for n in names if n not in ("cpu", "cuda") and not n.startswith("cuda:")]
     if unknown or not names:
         raise ConfigError(f"--devices: {text!r}: give a comma list of cpu, cuda, cuda:N")

@@ -16,7 +16,7 @@ DEVICE = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N
 PRECISION = typer.Option("auto", "--precision", "-p", help="auto | fp32 | bf16 | fp16")
 JSON = typer.Option(False, "--json", help="End with one line of JSON holding every figure.")
 REPEATS = typer.Option(
-    None, "--repeats", min=1, help="Timed repeats (default: 5 on CPU, 30 on GPU)."
+    None, "--repeats", min=1, help="Timed repeats (default: 5 on CPU, 10 on GPU)."
 )
 WARMUP = typer.Option(None, "--warmup", min=0, help="Untimed warm-up steps first.")
 CLASSES = typer.Option(None, "--num-classes", min=1, help="Override the network's class count.")
