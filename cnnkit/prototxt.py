@@ -3,6 +3,7 @@ their order and line numbers, so errors can name the line."""
 
 from __future__ import annotations
 
+import codecs
 import re
 from typing import Any
 
@@ -104,12 +105,15 @@ def _parse_value(tokens, i: int, source: str, line: int, depth: int) -> tuple[li
         return values, i + 1
     if kind == "punct":
         raise ConfigError(f"{source}:{line}: expected a value, got {text!r}")
-    return [_scalar(kind, text)], i + 1
+    return [_scalar(kind, text, f"{source}:{tokens[i][2]}")], i + 1
 
 
-def _scalar(kind: str, text: str) -> Any:
-    if kind == "string":
-        return text[1:-1].encode("utf-8").decode("unicode_escape")
+def _scalar(kind: str, text: str, here: str) -> Any:
+    if kind == "string":  # C escapes (\n, \x41, \101) over UTF-8 text, as protobuf reads it
+        try:
+            return codecs.escape_decode(text[1:-1].encode("utf-8"))[0].decode("utf-8")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{here}: the string {text[:40]} does not decode ({e})") from None
     if kind == "number":
         text = text.rstrip("fF")
         return float(text) if any(c in text for c in ".eE") else int(text)

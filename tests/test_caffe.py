@@ -415,6 +415,43 @@ def test_bad_layers_and_inputs_are_one_line():
         translate(parse_prototxt(INPUT.replace("input_dim: 3", "input_dim: 3.5") + pool))
 
 
+NOT_BLOCKS = {
+    'input: "data"\ninput_shape: 3\n': r"t:2: input_shape: expected a \{ ... \} block, got 3",
+    INPUT + "layer: 3\n": r"t:3: layer: expected a \{ ... \} block, got 3",
+    'layer { name: "d" type: "Input" top: "data" input_param { shape: 3 } }':
+        r"t:1: shape: expected a \{ ... \} block, got 3",
+    INPUT + _layer("p", "PReLU", ["data"], "p", "prelu_param { filler: 3 }"):
+        r"t:3: filler: expected a \{ ... \} block, got 3",
+    INPUT + _layer("p", "ReLU", ["data"], "p", "param: 3"):
+        r"t:3: param: expected a \{ ... \} block, got 3",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("text", NOT_BLOCKS)
+def test_a_value_where_caffe_declares_a_block_is_one_line(text):
+    with pytest.raises(ConfigError, match=NOT_BLOCKS[text]):
+        translate(parse_prototxt(text, "t"), "t")
+
+
+def test_pooling_round_mode_is_caffes_or_refused():
+    def ceil(mode):
+        p = f"pooling_param {{ pool: MAX kernel_size: 3 stride: 2 round_mode: {mode} }}"
+        layer = translate(parse_prototxt(INPUT + _layer("p", "Pooling", ["data"], "p", p)))
+        return layer["layers"][0]["ceil_mode"]
+
+    assert [ceil(m) for m in ("CEIL", "FLOOR", "0", "1")] == [True, False, True, False]
+    with pytest.raises(ConfigError, match=r":3: pooling_param round_mode: 'CIEL' is not CEIL"):
+        ceil("CIEL")  # a typo must not import as floor: the output would be smaller
+
+
+def test_strings_are_utf8_with_c_escapes():
+    names = [r'"conv_\303\251"', r'"conv_\x41"', '"conv_é"', r'"a\"b"']
+    message = parse_prototxt(" ".join(f"name: {n}" for n in names))
+    assert message.all("name") == ["conv_é", "conv_A", "conv_é", 'a"b']
+    with pytest.raises(ConfigError, match=r"t:2: the string .* does not decode"):
+        parse_prototxt('\nname: "\\xZZ"', "t")
+
+
 def test_booleans_are_protobuf_identifiers_or_0_and_1():
     for value, bias in (("false", False), ("true", True), ("0", False), ("1", True)):
         p = f"convolution_param {{ num_output: 4 kernel_size: 3 bias_term: {value} }}"

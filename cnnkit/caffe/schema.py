@@ -47,6 +47,8 @@ PARAM_FIELDS: dict[str, set[str]] = {
 SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
               "shape": {"dim"}}  # fmt: skip
 PARAM_SPEC = {"name", "share_mode", "lr_mult", "decay_mult"}
+NET_BLOCKS = {"layer", "layers", "input_shape"}  # NetParameter's fields that are messages
+LAYER_BLOCKS = {"include", "exclude", "blobs"}  # and LayerParameter's (with *_param, `param`)
 
 # declared fields whose value changes what the layer computes in a way cnnkit does not follow:
 # (block, field) -> (the value cnnkit computes with, what the other value would mean)
@@ -61,10 +63,21 @@ FOLLOWED: dict[tuple[str, str], tuple[Any, str]] = {
 }  # fmt: skip
 
 
+def expect_blocks(source: str, message: Message, names: set[str]) -> None:
+    """ConfigError for a field of `names` given a value where caffe.proto declares a message
+    (`input_shape: 3`, `layer: 3`): one line naming it, not a crash further on."""
+    for name, value, line in message.fields:
+        if name in names and not isinstance(value, Message):
+            raise ConfigError(f"{source}:{line}: {name}: expected a {{ ... }} block, got "
+                              f"{brief(value)}")  # fmt: skip
+
+
 def check_layer(source: str, layer: Message, v1: bool) -> None:
     """ConfigError for a field caffe.proto does not declare in this layer or in one of the
     parameter blocks cnnkit reads, and for a value cnnkit would not compute as Caffe does."""
     known = V1_LAYER_FIELDS if v1 else LAYER_FIELDS
+    blocks = {n for n, _, _ in layer.fields if n.endswith("_param")} | LAYER_BLOCKS
+    expect_blocks(source, layer, blocks if v1 else blocks | {"param"})  # (V1's param: a name)
     for name, value, line in layer.fields:
         if name in PARAM_FIELDS and isinstance(value, Message):
             _check_block(source, name, value)
@@ -79,6 +92,7 @@ def check_layer(source: str, layer: Message, v1: bool) -> None:
 
 def _check_block(source: str, block: str, p: Message) -> None:
     allowed = PARAM_FIELDS[block]
+    expect_blocks(source, p, set(SUB_FIELDS))
     for name, value, line in p.fields:
         if name not in allowed:
             _unknown(f"{source}:{line}", block, name, allowed)

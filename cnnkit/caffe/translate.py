@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from cnnkit.caffe.deploy import deployed_layers, layer_type, sole_readers
 from cnnkit.caffe.fields import as_integer, flag, integer, learning, real, require, sizes
-from cnnkit.caffe.schema import check_layer
+from cnnkit.caffe.schema import NET_BLOCKS, check_layer, expect_blocks
 from cnnkit.errors import ConfigError, brief, one_line, validation_message
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
@@ -105,6 +105,7 @@ class _Translator:
         self.folds: set[Message] = set()  # the Scale layers that fold into their BatchNorm
 
     def run(self) -> dict[str, Any]:
+        expect_blocks(self.source, self.net, NET_BLOCKS)
         self._net_level_input()
         caffe_layers = deployed_layers(self.net.all("layer") + self.net.all("layers"), self.source)
         self.folds = sole_readers(caffe_layers)
@@ -266,7 +267,10 @@ class _Translator:
             self.here, p, "stride", 1
         )  # Caffe's default is 1, torch's the kernel
         _put(spec, "padding", sizes(self.here, p, "pad", 0), 0)
-        spec["ceil_mode"] = str(p.get("round_mode", "CEIL")) == "CEIL"  # Caffe rounds up
+        mode = p.get("round_mode", "CEIL")  # Caffe rounds up unless told
+        require(self.here, mode in _ROUND_MODES, f"pooling_param round_mode: {brief(mode)} is "
+                "not CEIL or FLOOR")  # fmt: skip
+        spec["ceil_mode"] = _ROUND_MODES[mode]
         self._emit(layer, spec)
 
     def _lrn(self, layer: Message, last: bool) -> None:
@@ -387,6 +391,7 @@ SUPPORTED = (
     "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
 )  # fmt: skip
 _LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
+_ROUND_MODES = {"CEIL": True, "FLOOR": False, 0: True, 1: False}  # (caffe.proto's numbers)
 _ELTWISE = {"SUM": "add", "PROD": "mul", "MAX": "max"}
 
 
