@@ -142,6 +142,17 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     assert not list((tmp_path / "r").glob("*.pt")) and not list((tmp_path / "r").glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("command", [["info"], ["train"], ["config"], ["pack", "{}", "out"]])
+def test_a_name_too_long_or_a_link_loop_is_one_line(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for name in ("a" * 300 + ".yaml", "loop/x.yaml"):
+        args = [a.format(name) for a in command] if len(command) > 1 else [*command, name]
+        code, _, err = run_cli(args, capsys)
+        line = one_error_line(code, err, (1, 2))
+        assert "loop" in line or "File name too long" in line and len(line) < 300, line
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="needs root to mount")
 def test_a_real_full_disk_is_one_line(tmp_path, capsys):
     disk = tmp_path / "small"

@@ -24,7 +24,8 @@ from cnnkit.errors import CnnkitError, ConfigError, Interrupted
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click < 8.2 shows the help itself
-PATH_ERRORS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST)
+PATH_ERRORS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST,
+               errno.ENAMETOOLONG, errno.ELOOP)
 
 app = typer.Typer(
     name="cnnkit",
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:  # a full disk, a read-only or missing folder: one line
         if debug or (e.errno not in DISK_ERRORS and e.errno not in PATH_ERRORS):
             raise
-        where = f"{e.filename}: " if e.filename else ""
+        name = str(e.filename) if e.filename else ""
+        where = f"{name if len(name) <= 120 else name[:60] + '...' + name[-40:]}: " if name else ""
         kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
         print(f"cnnkit: error: {where}{e.strerror}{kept}", file=sys.stderr)
         sys.exit(1)
