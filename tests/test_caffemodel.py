@@ -294,6 +294,15 @@ def test_an_import_never_replaces_its_input_or_a_file_not_its_own(tmp_path, caps
         code, _, err = run_cli(args, capsys)
         assert code == 2 and words in err and err.count("\n") == 1, err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    # the user's own network file naming its own weights (or not a mapping of one): not ours
+    for text in ("model: {input: [3, 6, 6], layers: [], weights: mine.safetensors}\n",
+                 "model: digitnet\n", "- 1\n"):  # fmt: skip
+        (tmp_path / "mine.yaml").write_text(text)
+        args = ["import-caffe", str(prototxt), str(tmp_path / "t.caffemodel"), "-o",
+                str(tmp_path / "mine.yaml")]  # fmt: skip
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and "not the weights of an earlier import" in err, err
+    assert (tmp_path / "mine.safetensors").read_bytes() == before["mine.safetensors"]
 
 
 def test_a_full_disk_leaves_no_half_written_file(tmp_path, capsys, monkeypatch):

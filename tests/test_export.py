@@ -140,12 +140,15 @@ def test_an_export_never_replaces_a_checkpoint_or_its_input(digits_run, tmp_path
     spec = {**load_checkpoint(run / "best.pt")["model_spec"], "weights": "w.safetensors"}
     (tmp_path / "weighted.yaml").write_text(yaml.safe_dump({"model": spec}))
     kept = {p: p.read_bytes() for p in (run / "best.pt", run / "last.pt", tmp_path / "net.yaml",
-                                        tmp_path / "w.safetensors")}  # fmt: skip
+                                        tmp_path / "w.safetensors", run / "config.yaml",
+                                        run / "metrics.csv")}  # fmt: skip
     for target, argv, words in (
         (run / "best.pt", ["-f", "safetensors", "-o", str(run / "best.pt")], "is the input"),
         (run, ["-f", "onnx", "-o", str(run / "last.pt")], "is a checkpoint (a torch.save file)"),
         (tmp_path / "net.yaml", ["-f", "onnx", "-o", str(tmp_path / "net.yaml")], "is the input"),
         (run, ["-o", str(tmp_path)], "is a folder"),
+        (run, ["-f", "onnx", "-o", str(run / "config.yaml")], "is a file of the run in"),
+        (run / "best.pt", ["-f", "onnx", "-o", str(run / "metrics.csv")], "is a file of the run"),
         (tmp_path / "weighted.yaml", ["-o", str(tmp_path / "w.safetensors")], "is the input"),
     ):
         code, _, err = run_cli(["export", str(target), *argv], capsys)

@@ -24,8 +24,16 @@ from cnnkit.errors import CnnkitError, ConfigError, Interrupted
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click < 8.2 shows the help itself
-PATH_ERRORS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST,
-               errno.ENAMETOOLONG, errno.ELOOP)
+PATH_ERRORS = (
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EEXIST,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+)
 
 app = typer.Typer(
     name="cnnkit",

@@ -11,6 +11,7 @@ from cnnkit.errors import CnnkitError
 
 TARGET_HELP = "A run directory, checkpoint (.pt) or .safetensors export."
 EMA_HELP = "The run's moving average of the weights (train.ema), from its best_ema.pt."
+IMPORT_HEADER = "imported by cnnkit import-caffe from"  # a network file's first line
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -119,6 +120,11 @@ def export(
     if is_checkpoint(out):
         raise ConfigError(f"-o {out}: is a checkpoint (a torch.save file), which an export "
                           "would replace: give the export a name of its own")  # fmt: skip
+    from cnnkit.train.rundir import RUN_FILES
+
+    if out.name in RUN_FILES and out.exists() and (out.parent / "config.yaml").is_file():
+        raise ConfigError(f"-o {out}: is a file of the run in {out.parent}, which an export "
+                          "would replace: give the export a name of its own")  # fmt: skip
     loaded = load_for_inference(target, ema=ema)
     export_model(loaded, fmt, out)
     typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
@@ -164,7 +170,7 @@ def import_caffe(
     imported = read_caffe(prototxt, caffemodel)  # weights checked against the network
     model, state = imported.model, imported.state
     net = build_model(model, device="meta")  # checks every shape before anything is written
-    header = f"imported by cnnkit import-caffe from {prototxt.name}"
+    header = f"{IMPORT_HEADER} {prototxt.name}"
     if state is not None:
         model = {**model, "weights": out.with_suffix(".safetensors").name}
         header += f" and {caffemodel.name}"
@@ -292,13 +298,17 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _imported_beside(out: Path, weights: Path) -> bool:
-    """True if network file `out` exists and names `weights` as its weights: an earlier import
-    to the same name, which a new one may replace."""
+    """True if network file `out` was written by an earlier import (its first line says so)
+    and names `weights` as its weights: that import's, which a new one may replace. A network
+    file of the user's own that names NET.safetensors does not make its weights ours."""
     from cnnkit.errors import CnnkitError
     from cnnkit.nn.yamlio import read_yaml
 
     try:
-        net = read_yaml(out) if out.is_file() else None
-    except CnnkitError:
+        with open(out, encoding="utf-8") as f:
+            ours = f.readline().startswith(f"# {IMPORT_HEADER}")
+        net = read_yaml(out) if ours else None
+    except (CnnkitError, OSError, UnicodeDecodeError):
         return False
-    return isinstance(net, dict) and (net.get("model") or net).get("weights") == weights.name
+    model = net.get("model", net) if isinstance(net, dict) else None
+    return isinstance(model, dict) and model.get("weights") == weights.name
