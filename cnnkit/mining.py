@@ -25,7 +25,7 @@ from cnnkit.data.bundled import FacesConfig, HardNegatives, face_free_picture
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, Interrupted
 from cnnkit.infer.detect import detect, log_odds, mine_hard_negatives
 from cnnkit.infer.load import Loaded, load_for_inference
-from cnnkit.runtime import write_atomic
+from cnnkit.runtime import atomic, write_atomic
 from cnnkit.train.metrics import write_summary
 from cnnkit.train.run import fit, resume_state
 from cnnkit.train.rundir import clear_orphans, resume_config, run_lock
@@ -153,8 +153,11 @@ def _finished(run_dir: Path, rows: list[dict], rounds: int) -> dict[str, Any] | 
     path = run_dir / "summary.json"
     if len(rows) < rounds + 1 or not path.is_file():
         return None
-    summary = json.loads(path.read_text())
-    return summary if summary.get("rounds") == rows else None
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError:  # damaged (a kill while it was copied): keeping the best writes it again
+        return None
+    return summary if isinstance(summary, dict) and summary.get("rounds") == rows else None
 
 
 class Rounds:
@@ -333,10 +336,15 @@ def _keep_best(run_dir: Path, rounds: list[dict], seconds: float, quiet: bool) -
                                         (row["val_top1"] or 0.0) >= 0.95,
                                         row["faces_over_clutter"], -row["round"]))  # fmt: skip
     source = run_dir / f"round-{best['round']}"
-    for item in source.iterdir():
-        if item.is_file() and item.name != "config.yaml":
-            shutil.copy2(item, run_dir / item.name)
-    summary = json.loads((source / "summary.json").read_text())
+    try:
+        summary = json.loads((source / "summary.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{source / 'summary.json'}: damaged or missing ({e})") from None
+    for item in source.iterdir():  # each file whole or not at all (a kill mid-copy: a resume
+        if item.is_file() and item.name != "config.yaml":  # copies it again)
+            with open(item, "rb") as f, atomic(run_dir / item.name) as out:
+                shutil.copyfileobj(f, out)
+            shutil.copystat(item, run_dir / item.name)
     summary.update(run_dir=str(run_dir), chosen_round=best["round"], rounds=rounds)
     summary["wall_seconds"] = round(seconds, 3)  # every round's training and mining
     write_summary(run_dir / "summary.json", summary)

@@ -150,6 +150,11 @@ def test_interrupted_mining_run_resumes_to_the_uninterrupted_result(tmp_path, ca
     said = capsys.readouterr().out
     assert f"{run}: all 3 mining rounds done, round {summary['chosen_round']} kept" in said
     assert again == json.loads((run / "summary.json").read_text()) and done_calls[0] == 0
+    (run / "summary.json").write_text('{"rounds": [')  # killed while the best was kept
+    (run / "best.pt").write_bytes(b"half a checkpoint")
+    repaired = cnnkit.fit(resume=run, quiet=True, on_step=done_hook)
+    assert repaired["rounds"] == again["rounds"] and done_calls[0] == 0  # kept again, no training
+    assert same_weights(run / "best.pt", tmp_path / "whole" / "best.pt")
 
 
 def test_finished_mining_run_resumes_with_more_rounds(tmp_path):
