@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol
@@ -201,7 +201,24 @@ class Group:
             is_master=self.rank == 0 and not agent,
             timeout=timeout,
         )
+        self._job_store = store  # unprefixed: the agent's outlives an attempt (job_value)
         return dist.PrefixStore(f"cnnkit/attempt_{restart_count()}", store)
+
+    def job_value(self, key: str, make: Callable[[], str]) -> str:
+        """A value every rank and every elastic restart of this job agrees on: rank 0 reads
+        what an earlier attempt stored in torchrun's agent store (which lives as long as the
+        agent), or makes it now and stores it; every rank then gets rank 0's."""
+        value = None
+        if self.is_main:
+            store = getattr(self, "_job_store", None)
+            key = f"cnnkit/job/{key}"
+            if store is not None and restart_count() > 0 and store.check([key]):
+                value = store.get(key).decode()
+            if value is None:
+                value = make()
+                if store is not None:
+                    store.set(key, value)
+        return self.broadcast_object(value)
 
     def device(self, name: str) -> torch.device:
         """One device per process: cuda:LOCAL_RANK under NCCL, else the CPU."""

@@ -179,6 +179,15 @@ engine = build_engine(build_model(side), acc, torch.device("cpu"), wrap=group.wr
 for step in range(3):
     train_step(engine, torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,)))
 result["unreached"] = engine.network.a.weight.grad is not None
+
+# --resume: each rank read last.pt from its own disk; rank 1's copy is stale
+from cnnkit.train.run import _rank0_state
+own = load_checkpoint(os.path.join(killed, "last.pt"))
+if group.rank == 1:
+    own = {{**own, "global_step": own["global_step"] - 2,
+            "model": {{k: v + 1 for k, v in own["model"].items()}}}}
+same = _rank0_state(own, group)
+result["rank0_state"] = [same["global_step"], float(next(iter(same["model"].values())).sum())]
 json.dump(result, open(os.path.join(out, f"rank{{group.rank}}.json"), "w"))
 group.close()
 """
@@ -318,6 +327,12 @@ def test_ddp_averages_batchnorm_statistics_and_finds_unreached_layers(two_proces
     assert ranks[0]["unreached"] and ranks[1]["unreached"]
 
 
+def test_a_resumed_group_starts_from_rank_0s_checkpoint(two_processes):
+    """A rank whose own copy of last.pt is stale takes rank 0's, not its own."""
+    ranks = [json.loads((two_processes / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["rank0_state"] == ranks[1]["rank0_state"]
+
+
 def test_bad_world_size_and_batch_is_a_clear_error(two_processes):
     message = json.loads((two_processes / "rank0.json").read_text())["bad"]
     assert "15 does not divide into 2 processes" in message
@@ -355,6 +370,30 @@ def test_killed_worker_restarts_and_the_run_finishes(tmp_path):
     alone = _params(tmp_path / "alone" / "last.pt")
     for key in alone:  # the restarted group continued exactly where it left off
         torch.testing.assert_close(state["model"][key], alone[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_static_rendezvous_shares_one_default_run_directory_across_restarts(tmp_path):
+    """torchrun without a job id (--rdzv-backend=static, as multi-machine runs start): every
+    rank writes the run directory rank 0 named, and the restarted group continues in it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({**BASE, "train": {**BASE["train"], "epochs": 3}}))
+    (tmp_path / "worker.py").write_text(ELASTIC.format(root=str(ROOT), run=str(run), out=None))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+           "--node-rank=0", "--monitor-interval=0.2", "--max-restarts=1", "worker.py"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = list((tmp_path / "runs").iterdir())
+    assert len(made) == 1, made  # one directory, not one per rank and attempt
+    rows = (made[0] / "metrics.csv").read_text().strip().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]  # continued, not restarted
+    assert load_checkpoint(made[0] / "last.pt")["global_step"] == 12
 
 
 def test_weight_averaging_keeps_channels_last_and_averages_buffers_and_moments(two_processes):

@@ -75,6 +75,8 @@ def launch(
         elif state is None:
             tag = distributed.run_id() if group is not None else None
             reserve = out is None and tag is None and not dry_run  # a default name: made now
+            if reserve and group is not None:  # no job id (a static rendezvous): rank 0 names
+                out, reserve = _group_run_dir(config.name, group), False  # it for every rank
             run_dir = stack.enter_context(claimed_run_dir(config.name, out, reserve,
                                                           reuse=restarted, tag=tag))  # fmt: skip
             if restarted:  # the group died: continue from its checkpoint, if it made one
@@ -82,10 +84,31 @@ def launch(
                 config = resume_config(state, overrides) if state else config
         else:
             run_dir = Path(resume)
+            if group is not None:  # each rank read its own copy: rank 0's is the one
+                state = _rank0_state(state, group)
+                config = resume_config(state, overrides)
         return fit(config, run_dir, resume=state, quiet=quiet, on_step=on_step, dist=group,
                    dry_run=dry_run, callbacks=callbacks,
                    fresh=state is None and fresh_in is None and not restarted,
                    processes=processes)  # fmt: skip
+
+
+def _group_run_dir(name: str, group: distributed.Group) -> Path:
+    """The default run directory of a group without torchrun's job id: rank 0 makes
+    runs/<name>-<time> and every rank writes there; after an elastic restart, the one the
+    first attempt made (so the run continues from its last.pt, not afresh)."""
+    return Path(group.job_value("run_dir", lambda: str(new_run_dir(name, None, reserve=True))))
+
+
+def _rank0_state(state: dict[str, Any], group: distributed.Group) -> dict[str, Any]:
+    """The checkpoint every rank of a resumed group starts from: rank 0's. Each rank read
+    last.pt from its own disk; a machine holding a stale copy (no shared filesystem, an old
+    rsync) would otherwise train other weights from the first step on, unnoticed. Sent only
+    where some rank's copy differs (the checkpoint is large)."""
+    weights = next(iter(state["model"].values()), None)
+    mark = (state.get("global_step"), float(weights.double().sum()) if weights is not None else 0)
+    (differs,), _ = group.agree((mark != group.broadcast_object(mark),))
+    return group.broadcast_object(state if group.is_main else None) if differs else state
 
 
 def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | None:
