@@ -47,6 +47,18 @@ def test_info_reads_prototxts_runs_checkpoints_and_exports(digits_run, tmp_path,
     assert code == 1 and "holds no best.pt or last.pt" in err and err.count("\n") == 1
 
 
+def test_a_folder_named_like_a_zoo_network_does_not_hide_it(tmp_path, capsys, monkeypatch):
+    """`cnnkit info lenet5` beside a folder lenet5/ of one's own (no checkpoint in it) reads the
+    zoo's network; a folder that holds a run is the run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lenet5").mkdir()
+    code, out, err = run_cli(["info", "lenet5"], capsys)
+    assert code == 0 and "parameters: 61,706" in out, err
+    (tmp_path / "nonzoo").mkdir()
+    code, _, err = run_cli(["info", "nonzoo"], capsys)
+    assert code != 0 and "run directory holds no best.pt" in err
+
+
 def test_kernel_larger_than_input_exits_2_naming_the_layer(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(

@@ -52,12 +52,12 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
             raise ConfigError(f"{target!r} is neither a zoo network ('cnnkit zoo' lists them) nor "
                               f"a run directory{suggest(target, zoo_names())}")  # fmt: skip
         raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network")
-    if ema and not (path.is_dir() or path.suffix in (".pt", ".pth")):
+    if ema and not (run_folder(path) or path.suffix in (".pt", ".pth")):
         raise ConfigError(f"--ema: {target} is not a run directory or checkpoint (only those keep "
                           "a moving average of the weights)")  # fmt: skip
     if path.suffix == ".safetensors":
         return load_safetensors(path, device)
-    if path.is_dir() or path.suffix in (".pt", ".pth"):
+    if run_folder(path) or path.suffix in (".pt", ".pth"):
         model, meta = load_trained(path, device, ema)
         preprocess = Preprocess.from_dict(meta["preprocess"])
         image = meta.get("mean_image")
@@ -139,6 +139,18 @@ def save_safetensors(loaded: Loaded, path: Path) -> None:
     write_atomic(Path(path), save(state, metadata=metadata(loaded)))
 
 
+def run_folder(path: Path) -> bool:
+    """Whether `path` names a run directory: a folder, unless it holds no checkpoint and is
+    also a zoo network's name (a folder `alexnet/` of one's own must not hide the zoo's)."""
+    from cnnkit.zoo import net_path
+
+    if not path.is_dir():
+        return False
+    return net_path(str(path)) is None or any(
+        (path / name).is_file() for name in ("best.pt", "last.pt", "best_ema.pt")
+    )
+
+
 def network_of(target: str, num_classes: int | None = None) -> Network:
     """The network `target` names, built on the meta device (no memory, no weights)."""
     spec: Any = target
@@ -147,7 +159,7 @@ def network_of(target: str, num_classes: int | None = None) -> Network:
         from cnnkit.caffe import import_caffe
 
         spec = import_caffe(path)
-    elif path.is_dir() or (path.suffix in (".pt", ".pth") and path.exists()):
+    elif run_folder(path) or (path.suffix in (".pt", ".pth") and path.exists()):
         state = load_checkpoint(checkpoint_path(path))
         spec, num_classes = state["model_spec"], num_classes or state["num_classes"]
     elif path.suffix == ".safetensors" and path.is_file():
