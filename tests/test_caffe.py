@@ -334,6 +334,8 @@ UNKNOWN_OR_UNFOLLOWED = {  # Caffe's parser refuses unknown fields: a typo must 
         r"'botom' is not a field of Caffe's layer \(did you mean 'bottom'\?\)",
     ("Convolution", "param { lr_mul: 2 } convolution_param { num_output: 4 kernel_size: 3 }"):
         r"'lr_mul' is not a field of Caffe's param \(did you mean 'lr_mult'\?\)",
+    ("Convolution", "param { name: 'w' } convolution_param { num_output: 4 kernel_size: 3 }"):
+        r"param \{ name: 'w' \}: weights shared between layers are not imported",
     ("Pooling", "pooling_param { pool: MAX kernel_size: 2 strid: 2 }"):
         r"'strid' is not a field of Caffe's pooling_param",
     ("Dropout", "dropout_param { scale_train: false }"): r"scale_train: false scales at test time",

@@ -120,7 +120,7 @@ def timer_overhead(device: torch.device, repeats: int = 50) -> float:
 def check_precision(precision: str, device: torch.device) -> str:
     """Validate a precision name for a device (fp16 autocast is for CUDA)."""
     if precision not in PRECISIONS:
-        raise ConfigError(f"--precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+        raise ConfigError(f"--precision: {precision!r} is not one of auto, {', '.join(PRECISIONS)}")
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError("--precision: fp16 needs a CUDA device (use bf16 on the CPU)")
     return precision

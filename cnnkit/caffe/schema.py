@@ -85,9 +85,12 @@ def check_layer(source: str, layer: Message, v1: bool) -> None:
             _unknown(f"{source}:{line}", "layer", name, known)
     for spec in layer.all("param"):
         if isinstance(spec, Message):
-            for name, _, line in spec.fields:
+            for name, value, line in spec.fields:
                 if name not in PARAM_SPEC:
                     _unknown(f"{source}:{line}", "param", name, PARAM_SPEC)
+                if name == "name":  # layers sharing one blob (siamese nets): cnnkit's own each
+                    raise ConfigError(f"{source}:{line}: param {{ name: {brief(value)} }}: "
+                                      "weights shared between layers are not imported")  # fmt: skip
 
 
 def _check_block(source: str, block: str, p: Message) -> None:
