@@ -19,15 +19,24 @@ from typing import IO
 import numpy as np
 import torch
 
+CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+
 
 def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, e.g. under taskset or SLURM)."""
-    import os
-
+    """CPU cores this process may run on: its affinity mask (taskset, SLURM), and no more than
+    its container's CPU quota allows (`docker run --cpus=4` on a 16-core host: 4, rounded up)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        with open(CPU_QUOTA) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):  # no cgroup v2 file (not Linux, cgroup v1): the mask alone
+        pass
+    return cores
 
 
 def machine_name(device: torch.device) -> str:

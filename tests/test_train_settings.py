@@ -20,6 +20,21 @@ from cnnkit.train.settings import MARGIN, Settings, _fastest, choose_settings, s
 CPU = torch.device("cpu")
 
 
+@pytest.mark.parametrize(("quota", "expected"), [("max 100000", None), ("150000 100000", 2),
+                                                 ("50000 100000", 1), ("garbage", None)])  # fmt: skip
+def test_cores_respect_the_containers_cpu_quota(quota, expected, tmp_path, monkeypatch):
+    """`docker run --cpus=1.5` on a bigger host: 2 cores for workers and threads, not the
+    host's; no quota (or none readable): the affinity mask alone."""
+    import os
+
+    from cnnkit import runtime
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    (tmp_path / "cpu.max").write_text(quota + "\n")
+    monkeypatch.setattr(runtime, "CPU_QUOTA", str(tmp_path / "cpu.max"))
+    assert available_cores() == (expected or 16)
+
+
 def test_explicit_settings_win_and_no_measuring_uses_the_rules(tmp_path):
     net = build_model("digitnet")
     cfg = TrainConfig(precision="fp32", channels_last=True, threads=1)
