@@ -1,12 +1,51 @@
-"""The torchrun agent of `cnnkit train --nproc N` (`python -m cnnkit.agent TORCHRUN_ARGS`), in a
-session of its own: its parent passes each SIGINT and SIGTERM on to it. A Ctrl-C while it starts
+"""The torchrun agent of `cnnkit train --nproc N` (`python -m cnnkit.agent TORCHRUN_ARGS`, started
+by start_local), in a session of its own: its parent passes each SIGINT and SIGTERM on to it. A Ctrl-C while it starts
 (torch takes seconds to import) ends it quietly, its parent saying so; after that, torchrun
 passes a Ctrl-C on to the ranks, which agree on a step and save it. It ends with its parent
 (SIGTERM), should the parent be killed outright."""
 
 import os
 import signal
+import subprocess
 import sys
+
+
+def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """`cnnkit train --nproc N ...`: run torchrun for one machine; returns its exit status."""
+    cmd = [
+        sys.executable, "-m", "cnnkit.agent", "--standalone",
+        f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "cnnkit", *argv,
+    ]  # fmt: skip
+    env = dict(os.environ, CNNKIT_NPROC=str(nproc), CNNKIT_PARENT=str(os.getpid()))
+    # the cores shared among the processes (torchrun would set 1 and print a banner about it)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    # The agent runs in a session of its own and gets each SIGINT and SIGTERM from this process,
+    # whether a terminal's Ctrl-C (the foreground group: this process alone now) or a `kill` of
+    # this pid (a scheduler's): one signal either way. torchrun's agent passes it on to the
+    # ranks: at SIGINT they agree on a step, save and stop; at SIGTERM they end. The agent also
+    # ends with this process (cnnkit.agent), should it be killed outright.
+    # (SIGINT ignored from before the start, which the agent inherits until cnnkit.agent's
+    # first line: a Ctrl-C inside Python's own start-up would be a traceback)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.getsignal(signal.SIGTERM)}  # fmt: skip
+    try:
+        agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+        def forward(signum: int, frame: object) -> None:
+            agent.send_signal(signum)
+
+        for s, handler in previous.items():
+            if handler is not signal.SIG_IGN:  # a background job's SIGINT stays ignored
+                signal.signal(s, forward)
+        code = agent.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if code == -signal.SIGINT:  # Ctrl-C while the agent started: no rank ran yet
+        print("cnnkit: interrupted", file=sys.stderr)
+    elif code in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the ranks end without a word
+        print("cnnkit: terminated (SIGTERM)", file=sys.stderr)
+    return 128 - code if code < 0 else code  # a signal's number, as a shell reports it
 
 
 def end_with_parent() -> None:

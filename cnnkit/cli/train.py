@@ -100,7 +100,7 @@ def _check_group(config, nproc: int, resume) -> None:
 
 def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int) -> int:
     """Re-run this command under torchrun with N processes and one agreed run directory."""
-    from cnnkit.distributed import start_local
+    from cnnkit.agent import start_local
     from cnnkit.train.rundir import claimed_run_dir
 
     argv = ["train", *([run] if run else []), *overrides]

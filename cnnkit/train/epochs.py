@@ -191,11 +191,7 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
             progress.running = None
             save_epoch(engine, schedule, progress, ctx, row, writer)
             console.end_epoch(row, epochs)
-            try:
-                hooks.epoch(row)
-            except StopTraining:
-                stop.callback = True
-            if dist.agree((stop.callback,))[0][0]:  # every rank, or none, stops here
+            if _stopped_after_epoch(hooks, row, stop, dist):
                 raise StopTraining
     except StopTraining:
         where = (f"at epoch {progress.epoch + 1} step {progress.step}" if progress.step
@@ -204,6 +200,17 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
         if progress.step:  # inside an epoch: keep where it stood (sync: average: averaged)
             dist.average(engine)
             save_mid_epoch(engine, schedule, progress, ctx, writer)
+
+
+def _stopped_after_epoch(hooks: Hooks, row: dict[str, float], stop: StopRequest,
+                         dist: Any) -> bool:  # fmt: skip
+    """The callbacks hear of the epoch; True where one raised StopTraining on any rank (every
+    rank of a group then stops here, or none)."""
+    try:
+        hooks.epoch(row)
+    except StopTraining:
+        stop.callback = True
+    return dist.agree((stop.callback,))[0][0]
 
 
 def _early_stop(progress: Progress, patience: int, console: Console) -> bool:
