@@ -60,7 +60,7 @@ class Hooks:
 class StopRequest:
     """Set by the first Ctrl-C: the run stops after the step in progress (alone) or at the
     next step where the processes of a group agree (Agreement), saved. `callback`: a callback
-    raised StopTraining on this rank (in a group, acted on at that same agreed step)."""
+    raised StopTraining on this rank (in a group, every rank stops at the next agreed step)."""
 
     requested = False
     callback = False
