@@ -18,7 +18,9 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     ]  # fmt: skip
     env = dict(os.environ, CNNKIT_NPROC=str(nproc), CNNKIT_PARENT=str(os.getpid()))
     # the cores shared among the processes (torchrun would set 1 and print a banner about it)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    from cnnkit.runtime import available_cores  # (here, not at the top: the agent starts light)
+
+    env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // nproc)))
     # The agent runs in a session of its own and gets each SIGINT and SIGTERM from this process,
     # whether a terminal's Ctrl-C (the foreground group: this process alone now) or a `kill` of
     # this pid (a scheduler's): one signal either way. torchrun's agent passes it on to the

@@ -82,8 +82,10 @@ class Network(nn.Module):
         for i in range(len(self._nodes) - 1, -1, -1):
             if i + 1 in needed:
                 needed.update(self._nodes[i].inputs)
-        return [node.name for i, node in enumerate(self._nodes)
-                if i + 1 not in needed and any(True for _ in self.get_submodule(node.name).parameters())]  # fmt: skip
+        dead = [node.name for i, node in enumerate(self._nodes) if i + 1 not in needed]
+        return [
+            name for name in dead if next(self.get_submodule(name).parameters(), None) is not None
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hooked = [g for g in self._groups if g[2]._forward_hooks or g[2]._forward_pre_hooks]
