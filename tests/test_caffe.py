@@ -15,6 +15,7 @@ from torch import nn
 
 from cnnkit import ConfigError, build_model
 from cnnkit.caffe import import_caffe, network_yaml, parse_prototxt, translate
+from cnnkit.caffe.translate import read_caffe
 
 DATA = Path(__file__).parent / "data" / "caffe"
 
@@ -487,3 +488,82 @@ def test_concat_along_the_channels_however_caffe_names_the_axis(axis):
     assert net.output_shape == (9, 8, 8)
     with pytest.raises(ConfigError, match="channel axis"):
         translate(parse_prototxt(text.replace(axis, "axis: -1")))
+
+
+def _mults(net: nn.Module, param: str) -> tuple[float, float]:
+    """The (lr, weight decay) the optimizer gives `param` of a built network (lr 1, decay 1)."""
+    target = net.get_parameter(param)
+    (group,) = [g for g in net.param_groups(1.0, 1.0) if any(p is target for p in g["params"])]
+    return group["lr"], group["weight_decay"]
+
+
+def test_prelu_and_scale_keep_their_learning_rate_and_decay_multipliers():
+    """Caffe's PReLU slopes and the BatchNorm + Scale pair are usually kept out of weight decay
+    (`param { decay_mult: 0 }`): training the imported net from scratch must follow that."""
+    slope = "param { lr_mult: 2 decay_mult: 0 }"
+    frozen = "param { lr_mult: 0 decay_mult: 0 }"
+    text = INPUT + _layer("bn", "BatchNorm", ["data"], "bn", 3 * frozen)  # its blobs: buffers
+    text += _layer("sc", "Scale", ["bn"], "bn", "param { decay_mult: 0 } param { lr_mult: 3 } "
+                   "scale_param { bias_term: true filler { value: 0.5 } }")  # fmt: skip
+    text += _layer("pr", "PReLU", ["bn"], "pr", slope)
+    text += _layer("bn2", "BatchNorm", ["pr"], "bn2")
+    text += _layer("g", "Scale", ["bn2"], "g", "param { lr_mult: 0 }")  # x * gamma: its layer
+    net = build_model(translate(parse_prototxt(text)))
+    assert _mults(net, "bn.weight") == (1.0, 0.0) and _mults(net, "bn.bias") == (3.0, 1.0)
+    assert _mults(net, "pr.weight") == (2.0, 0.0) and _mults(net, "g.weight") == (0.0, 1.0)
+    assert torch.equal(net.bn.weight, torch.full((3,), 0.5))  # the Scale's filler
+    with pytest.raises(ConfigError, match=r":3: 2 param specs for a layer with 1 learned blob"):
+        translate(parse_prototxt(INPUT + _layer("pr", "PReLU", ["data"], "pr", 2 * slope)))
+
+
+def test_a_scale_beside_another_reader_starts_as_the_identity():
+    """BatchNorm + Scale (bias) whose BatchNorm output is also read elsewhere: a depthwise 1x1
+    convolution computes the Scale, starting where Caffe's does (factor 1, bias 0)."""
+    text = INPUT + _layer("bn", "BatchNorm", ["data"], "bn")
+    text += _layer(
+        "sc", "Scale", ["bn"], "sc", "param { lr_mult: 2 } scale_param { bias_term: true }"
+    )
+    text += _layer("sum", "Eltwise", ["bn", "sc"], "sum")
+    net = build_model(translate(parse_prototxt(text))).eval()
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.allclose(net(x), 2 * net.bn(x), atol=1e-6)
+    assert _mults(net, "sc.weight") == (2.0, 1.0)
+
+
+FAN_IN, FAN_OUT = 900, 400  # an InnerProduct from 900 inputs to 400 outputs
+
+
+@pytest.mark.parametrize(
+    ("kind", "norm", "std"),
+    [
+        ("xavier", "", math.sqrt(1 / FAN_IN)),  # U(+-sqrt(3 / n)): std sqrt(1 / n)
+        ("xavier", "variance_norm: FAN_OUT", math.sqrt(1 / FAN_OUT)),
+        ("xavier", "variance_norm: AVERAGE", math.sqrt(2 / (FAN_IN + FAN_OUT))),
+        ("msra", "", math.sqrt(2 / FAN_IN)),  # N(0, sqrt(2 / n))
+        ("msra", "variance_norm: FAN_OUT", math.sqrt(2 / FAN_OUT)),
+        ("msra", "variance_norm: 2", math.sqrt(4 / (FAN_IN + FAN_OUT))),  # AVERAGE's number
+    ],
+)
+def test_xavier_and_msra_fillers_follow_variance_norm(kind, norm, std):
+    p = f"inner_product_param {{ num_output: {FAN_OUT} weight_filler {{ type: '{kind}' {norm} }} }}"
+    head = f'input: "data"\ninput_dim: 1 input_dim: {FAN_IN}\n'
+    torch.manual_seed(0)
+    weight = build_model(
+        translate(parse_prototxt(head + _layer("fc", "InnerProduct", ["data"], "fc", p)))
+    ).fc.weight
+    assert weight.std().item() == pytest.approx(std, rel=0.01)
+    uniform = weight.abs().max().item() <= math.sqrt(3) * std * 1.0001
+    assert uniform == (kind == "xavier")
+
+
+def test_a_sparse_gaussian_filler_is_dense_and_said_so(tmp_path):
+    conv = "convolution_param {{ num_output: 4 kernel_size: 1 weight_filler {{ {} }} }}"
+    prototxt = tmp_path / "n.prototxt"
+    prototxt.write_text(INPUT + _layer("c", "Convolution", ["data"], "c",
+                                       conv.format("type: 'gaussian' std: 0.1 sparse: 2")))  # fmt: skip
+    notes = read_caffe(prototxt).notes
+    assert notes == [f"{prototxt}:3: the gaussian filler's sparse 2 is not followed: dense here"]
+    prototxt.write_text(INPUT + _layer("c", "Convolution", ["data"], "c",
+                                       conv.format("type: 'uniform' sparse: 2")))  # fmt: skip
+    with pytest.raises(ConfigError, match=r":3: filler sparse: 2 \(Caffe takes it for a gaussian"):
+        read_caffe(prototxt)

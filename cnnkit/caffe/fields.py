@@ -5,6 +5,7 @@ learning-rate multipliers, which many layer types share."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from cnnkit.errors import ConfigError, brief
@@ -69,38 +70,56 @@ def require(here: str, ok: bool, what: str) -> None:
         raise ConfigError(f"{here}: {what}")
 
 
-def learning(here: str, layer: Message, p: Message) -> dict[str, Any]:
-    """lr_mult / decay_mult from `param {}` blocks and init from the fillers."""
-    out: dict[str, Any] = {}
-    params = dict(zip(("weight", "bias"), layer.all("param"), strict=False))
-    shared = [m for m in params.values() if isinstance(m, str)]  # V1: a blob's sharing name
-    require(
-        here,
-        not shared,
-        f"param: {brief(shared[0] if shared else '')} shares weights "
-        "between layers (the old syntax's name), which cnnkit's layers do not",
-    )
-    require(here, all(isinstance(m, Message) for m in params.values()), "param is a { ... } block")
-    v1 = {"lr_mult": layer.all("blobs_lr"), "decay_mult": layer.all("weight_decay")}
-    for key in ("lr_mult", "decay_mult"):
-        mults = {n: real(here, m, key, 1.0) for n, m in params.items()}
-        for n, value in zip(("weight", "bias"), v1[key], strict=False):  # the old syntax's
-            mults[n] = as_real(here, "blobs_lr" if key == "lr_mult" else "weight_decay", value)
-        if any(v != 1.0 for v in mults.values()):
-            out[key] = mults
-    init = {n: filler(here, p.get(f"{n}_filler")) for n in ("weight", "bias")}
+def learning(here: str, layer: Message, p: Message, notes: list[str]) -> dict[str, Any]:
+    """lr_mult / decay_mult from `param {}` blocks and init from the fillers (what cnnkit
+    initialises otherwise is added to notes)."""
+    out = multipliers(here, layer, ("weight", "bias"))
+    init = {n: filler(here, p.get(f"{n}_filler"), notes) for n in ("weight", "bias")}
     init = {n: rule for n, rule in init.items() if rule is not None}
     if init:
         out["init"] = init
     return out
 
 
-def filler(here: str, block: Message | None) -> Any:
-    """A Caffe filler block as a cnnkit init rule (None: absent)."""
+def multipliers(here: str, layer: Message, blobs: tuple[str, ...]) -> dict[str, Any]:
+    """lr_mult / decay_mult of the layer's learned blobs, in order (a convolution's weight and
+    bias; a PReLU's slope; a Scale's factor and bias), from its `param {}` blocks or the old
+    syntax's blobs_lr / weight_decay; only those other than 1."""
+    params = layer.all("param")
+    shared = [m for m in params if isinstance(m, str)]  # V1: a blob's sharing name
+    require(
+        here,
+        not shared,
+        f"param: {brief(shared[0] if shared else '')} shares weights "
+        "between layers (the old syntax's name), which cnnkit's layers do not",
+    )
+    require(here, all(isinstance(m, Message) for m in params), "param is a { ... } block")
+    v1 = {"lr_mult": layer.all("blobs_lr"), "decay_mult": layer.all("weight_decay")}
+    given = max(len(params), *(len(v) for v in v1.values()))
+    require(here, given <= len(blobs), f"{given} param specs for a layer with {len(blobs)} "
+            f"learned blob{'s' * (len(blobs) > 1)} ({', '.join(blobs)}), as Caffe refuses")  # fmt: skip
+    out: dict[str, Any] = {}
+    for key in ("lr_mult", "decay_mult"):
+        mults = {n: real(here, m, key, 1.0) for n, m in zip(blobs, params, strict=False)}
+        for n, value in zip(blobs, v1[key], strict=False):  # the old syntax's
+            mults[n] = as_real(here, "blobs_lr" if key == "lr_mult" else "weight_decay", value)
+        if any(v != 1.0 for v in mults.values()):
+            out[key] = mults
+    return out
+
+
+def filler(here: str, block: Message | None, notes: list[str]) -> Any:
+    """A Caffe filler block as a cnnkit init rule (None: absent). A Gaussian's `sparse` mask
+    is not followed: a dense Gaussian, said in notes."""
     if block is None:
         return None
     require(here, isinstance(block, Message), "a filler is a { ... } block")
     kind = str(block.get("type", "constant"))
+    sparse = integer(here, block, "sparse", -1)
+    if sparse != -1:
+        require(here, kind == "gaussian" and sparse >= 0, f"filler sparse: {sparse} (Caffe "
+                "takes it for a gaussian filler only, -1 or more)")  # fmt: skip
+        notes.append(f"{here}: the gaussian filler's sparse {sparse} is not followed: dense here")
     if kind == "constant":
         return real(here, block, "value", 0.0)
     if kind == "gaussian":
@@ -112,8 +131,24 @@ def filler(here: str, block: Message | None) -> Any:
         }
     if kind == "uniform":
         return {"uniform": [real(here, block, "min", 0.0), real(here, block, "max", 1.0)]}
-    if kind == "xavier":  # Caffe's xavier: U(+-sqrt(3 / fan_in))
-        return {"kaiming_uniform": {"nonlinearity": "linear"}}
-    if kind == "msra":  # N(0, sqrt(2 / fan_in))
-        return {"kaiming_normal": {"nonlinearity": "relu"}}
+    if kind in ("xavier", "msra"):
+        return _scaled_filler(here, block, kind)
     raise ConfigError(f"{here}: filler type {brief(kind)} is not supported")
+
+
+# caffe.proto's VarianceNorm (names, or their numbers as protobuf's text format reads them)
+_VARIANCE_NORMS = {"FAN_IN": "fan_in", "FAN_OUT": "fan_out", "AVERAGE": "average",
+                   0: "fan_in", 1: "fan_out", 2: "average"}  # fmt: skip
+
+
+def _scaled_filler(here: str, block: Message, kind: str) -> Any:
+    """Caffe's xavier, U(+-sqrt(3 / n)), and msra, N(0, sqrt(2 / n)), with n the fan-in, the
+    fan-out or their average (variance_norm) as torch's kaiming / xavier rules compute them."""
+    norm = block.get("variance_norm", "FAN_IN")
+    require(here, norm in _VARIANCE_NORMS, f"filler variance_norm: {brief(norm)} is not "
+            "FAN_IN, FAN_OUT or AVERAGE")  # fmt: skip
+    mode = _VARIANCE_NORMS[norm]
+    if mode == "average":  # n = (fan_in + fan_out) / 2: torch's xavier (Glorot) rules
+        return {"xavier_uniform": 1.0} if kind == "xavier" else {"xavier_normal": math.sqrt(2.0)}
+    name, gain = ("kaiming_uniform", "linear") if kind == "xavier" else ("kaiming_normal", "relu")
+    return {name: {"mode": mode, "nonlinearity": gain}}

@@ -14,7 +14,17 @@ import yaml
 from pydantic import ValidationError
 
 from cnnkit.caffe.deploy import deployed_layers, layer_type, sole_readers
-from cnnkit.caffe.fields import as_integer, flag, integer, learning, real, require, sizes
+from cnnkit.caffe.fields import (
+    as_integer,
+    filler,
+    flag,
+    integer,
+    learning,
+    multipliers,
+    real,
+    require,
+    sizes,
+)
 from cnnkit.caffe.schema import NET_BLOCKS, check_layer, expect_blocks
 from cnnkit.errors import ConfigError, brief, one_line, validation_message
 from cnnkit.nn.kinds import KINDS
@@ -235,14 +245,14 @@ class _Translator:
         _put(spec, "dilation", sizes(here, p, "dilation", 1), 1)
         _put(spec, "groups", integer(here, p, "group", 1), 1)
         _put(spec, "bias", flag(here, p, "bias_term", True), True)
-        self._emit(layer, {**spec, **learning(here, layer, p)})
+        self._emit(layer, {**spec, **learning(here, layer, p, self.notes)})
 
     def _innerproduct(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("inner_product_param"), self.here
         require(here, integer(here, p, "axis", 1) == 1, "InnerProduct axis must be 1")
         spec: dict[str, Any] = {"type": "linear", "out_features": integer(here, p, "num_output", 0)}
         _put(spec, "bias", flag(here, p, "bias_term", True), True)
-        name = self._emit(layer, {**spec, **learning(here, layer, p)})
+        name = self._emit(layer, {**spec, **learning(here, layer, p, self.notes)})
         if flag(here, p, "transpose", False):  # Caffe then holds W as (in, out): y = x @ W
             self.sources[name] = [(str(layer.get("name", "")), "linear_t")]
 
@@ -298,7 +308,7 @@ class _Translator:
             constant = str(filler.get("type", "constant")) == "constant"
             require(self.here, constant, "PReLU filler must be constant")
             _put(spec, "init_slope", real(self.here, filler, "value", 0.0), 0.25)
-        self._emit(layer, spec)
+        self._emit(layer, {**spec, **multipliers(self.here, layer, ("weight",))})  # the slope
 
     def _relu(self, layer: Message, last: bool) -> None:
         slope = real(self.here, layer.sub("relu_param"), "negative_slope", 0.0)
@@ -363,11 +373,17 @@ class _Translator:
         count_ok = count == 1 or (count == -1 and dims == 2)  # -1: to the last axis
         require(self.here, per_channel and count_ok, "Scale supports one factor per channel "
                 f"only (axis 1, num_axes 1), not axis {axis}, num_axes {count}")  # fmt: skip
-        if not flag(self.here, p, "bias_term", False):  # x * gamma
-            name = self._emit(layer, {"type": "scale"})
+        bias = flag(self.here, p, "bias_term", False)
+        learned = multipliers(self.here, layer, ("weight", "bias") if bias else ("weight",))
+        init = {n: filler(self.here, p.get(f), self.notes)
+                for n, f in (("weight", "filler"), ("bias", "bias_filler"))}  # fmt: skip
+        init = {n: rule for n, rule in init.items() if rule is not None}  # Caffe's: 1 and 0
+        given = {"init": init} if init else {}
+        if not bias:  # x * gamma
+            name = self._emit(layer, {"type": "scale", **learned, **given})
             self.sources[name] = [(caffe_name, "channel_scale")]
         elif layer in self.folds:
-            norm["affine"] = True
+            norm.update(affine=True, **learned, **given)
             self.sources[held].append((caffe_name, "scale"))
             for top in layer.all("top"):
                 self.blobs[top] = held
@@ -375,7 +391,8 @@ class _Translator:
             shape = self.shapes[held]
             why = "Scale with bias_term beside another reader of its (N, F) BatchNorm output"
             require(self.here, len(shape) == 3, f"{why}: cnnkit cannot express it")
-            conv = {"type": "conv", "out_channels": shape[0], "kernel_size": 1, "groups": shape[0]}
+            conv = {"type": "conv", "out_channels": shape[0], "kernel_size": 1, "groups": shape[0],
+                    "init": {"weight": 1.0, "bias": 0.0, **init}, **learned}  # fmt: skip
             self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
 
     def _split(self, layer: Message, last: bool) -> None:
