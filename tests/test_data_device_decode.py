@@ -215,3 +215,31 @@ def _no_warnings():
         warnings.simplefilter("always")
         yield
     assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision 0.29 on its decoders
+def test_a_bad_jpeg_in_a_big_batch_is_found_by_halves():
+    """A batch that one corrupt file fails is split in halves until the file is found: the
+    other images still decode in batches (a few calls, not one per image), the same pixels."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from cnnkit.data import device_decode
+    from cnnkit.data.decode import encode_jpeg
+
+    calls = []
+
+    def counted(data, mode, device="cpu"):
+        calls.append(len(data) if isinstance(data, list) else 1)
+        return decode_jpeg(data, mode=mode, device=device)
+
+    images = [torch.randint(0, 255, (3, 8, 8 + i % 5), dtype=torch.uint8) for i in range(64)]
+    items = [torch.frombuffer(bytearray(encode_jpeg(im.numpy(), 90)), dtype=torch.uint8)
+             for im in images]  # fmt: skip
+    items[37] = torch.frombuffer(bytearray(b"\xff\xd8\xff\xe0" + bytes(60)), dtype=torch.uint8)
+    out = device_decode._decode_all(items, CPU, counted, ImageReadMode.RGB)
+    assert [i for i, o in enumerate(out) if o is None] == [37]
+    alone = [decode_jpeg(item, mode=ImageReadMode.RGB) for i, item in enumerate(items) if i != 37]
+    assert all(
+        torch.equal(a, b) for a, b in zip(alone, [o for o in out if o is not None], strict=True)
+    )
+    assert len(calls) <= 2 * 6 + 1 and sum(calls) < 3 * 64  # log2(64) = 6 halvings
