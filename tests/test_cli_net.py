@@ -8,6 +8,7 @@ import pytest
 from helpers import run_cli
 
 from cnnkit.cli import main
+from cnnkit.errors import ConfigError
 
 
 def test_zoo_lists_networks(capsys):
@@ -100,3 +101,23 @@ def test_num_classes_for_a_network_that_does_not_size_by_it_is_one_line(tmp_path
                    "    - {type: conv, out_channels: $num_classes, kernel_size: 1}\n")  # fmt: skip
     code, out, err = run_cli(["info", str(fcn), "--num-classes", "7"], capsys)
     assert code == 0 and "output: 7x8x8" in out, err
+
+
+@pytest.mark.parametrize("size", [[1, 1, 16000], [1, 9000, 9000]])
+def test_inputs_larger_than_an_evaluation_image_are_described(tmp_path, capsys, size):
+    """A signal (1 x 16000) or a very large image is a network `info` describes; only classify,
+    which resizes images to at most 8192 px, cannot feed it, and says so in one line."""
+    net = tmp_path / "big.yaml"
+    net.write_text(f"model: {{input: {size}, num_classes: 10, layers: [{{type: conv, "
+                   "out_channels: 4, kernel_size: 1}, {type: global_avgpool}, {type: linear}]}\n")  # fmt: skip
+    code, out, err = run_cli(["info", str(net)], capsys)
+    assert code == 0 and "parameters: 58" in out, err
+    from cnnkit.infer.classify import check_loaded
+    from cnnkit.infer.load import load_network
+
+    with pytest.raises(ConfigError) as e:
+        check_loaded(load_network(str(net)))
+    assert str(e.value) == (
+        f"{net}: classify reads square grey or RGB images of at most 8192 px; this network "
+        f"takes {' x '.join(map(str, size))} inputs"
+    )

@@ -12,6 +12,7 @@ import torch
 
 from cnnkit.checkpoint import note_mean_image
 from cnnkit.data.augment import center_crop, ten_crop
+from cnnkit.data.base import MAX_SIDE
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
 from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
 from cnnkit.infer.load import Loaded, load_for_inference, reads_images
@@ -181,8 +182,9 @@ def check_loaded(loaded: Loaded) -> None:
     preprocessing resize within the pixel limit (checked before any image is read)."""
     shape = tuple(loaded.model.input_shape)
     if not reads_images(shape):
-        raise ConfigError(f"{loaded.source}: classify reads square grey or RGB images; this "
-                          f"network takes {' x '.join(map(str, shape))} inputs")  # fmt: skip
+        raise ConfigError(f"{loaded.source}: classify reads square grey or RGB images of at "
+                          f"most {MAX_SIDE} px; this network takes "
+                          f"{' x '.join(map(str, shape))} inputs")  # fmt: skip
     outputs = loaded.model.num_classes
     if outputs is not None and len(loaded.classes) != outputs:
         raise CheckpointError(

@@ -20,7 +20,7 @@ from cnnkit.checkpoint import (
     read_export,
     uses_mean_image,
 )
-from cnnkit.data.base import Preprocess
+from cnnkit.data.base import MAX_SIDE, Preprocess
 from cnnkit.errors import CheckpointError, ConfigError, validation_message
 from cnnkit.nn import Network, build_model, read_spec
 from cnnkit.runtime import write_atomic
@@ -97,16 +97,18 @@ def network_preprocess(spec: Any, shape: tuple[int, ...], given: dict | None) ->
         return preprocess
     if given is not None:
         raise ConfigError(f"{spec}: model: preprocess: only for networks that read square grey "
-                          f"or RGB images (this one reads {' x '.join(map(str, shape))})")  # fmt: skip
+                          f"or RGB images of at most {MAX_SIDE} px (this one reads "
+                          f"{' x '.join(map(str, shape))})")  # fmt: skip
     if len(shape) == 3 and shape[0] <= 4:  # image-like (not square, 2 or 4 channels): 0-1
-        c = shape[0]
-        return Preprocess(channels=c, crop=shape[-1], mean=[0.0] * c, std=[255.0] * c)
+        c, crop = shape[0], min(shape[-1], MAX_SIDE)  # (crop: unused, nothing crops these)
+        return Preprocess(channels=c, crop=crop, mean=[0.0] * c, std=[255.0] * c)
     return Preprocess(channels=1, crop=1, mean=[0.0], std=[1.0])  # vectors: as given
 
 
 def reads_images(shape: tuple[int, ...]) -> bool:
-    """Whether a network's input is a square grey or RGB image (what classify can feed it)."""
-    return len(shape) == 3 and shape[0] in (1, 3) and shape[1] == shape[2]
+    """Whether a network's input is a square grey or RGB image (what classify can feed it),
+    at most MAX_SIDE pixels a side."""
+    return len(shape) == 3 and shape[0] in (1, 3) and shape[1] == shape[2] <= MAX_SIDE
 
 
 def metadata(loaded: Loaded) -> dict[str, str]:
