@@ -78,6 +78,20 @@ def test_init_rules():
     assert torch.all(model.a.bias == 0.25) and torch.all(model.batchnorm2.weight == 1)
 
 
+def test_kaimings_a_is_torchs_leaky_relu_slope():
+    """`{kaiming_uniform: {a: sqrt(5)}}` is torch's own default for Conv2d written out: the
+    same bound, as nn.init.kaiming_uniform_(w, a=sqrt(5)) gives (its nonlinearity defaults to
+    leaky_relu, whose slope `a` is)."""
+    import math
+
+    spec = net(
+        conv("a", out_channels=64, init={"weight": {"kaiming_uniform": {"a": math.sqrt(5)}}})
+    )
+    weight = build_model(spec).a.weight
+    bound = 1 / math.sqrt(3 * 3 * 3)  # torch's Conv2d default: U(+-1 / sqrt(fan_in))
+    assert bound * 0.9 < weight.abs().max().item() <= bound
+
+
 BAD = [
     (
         net({"type": "convv", "out_channels": 4, "kernel_size": 3}),
@@ -141,6 +155,14 @@ BAD = [
     (
         net(conv("a", init={"weight": {"gaussian": 1}})),
         "layer 0 (a): init: unknown init 'gaussian'",
+    ),
+    (
+        net(conv("a", init={"weight": {"kaiming_normal": {"mode": 5}}})),
+        "layer 0 (a): init: init 'kaiming_normal': mode is fan_in or fan_out, not 5",
+    ),
+    (
+        net(conv("a", init={"weight": {"kaiming_uniform": {"nonlinearity": "gelu"}}})),
+        "layer 0 (a): init: init 'kaiming_uniform': nonlinearity 'gelu' is not one of torch's",
     ),
     (net(conv("a", lr_mult={"bais": 2})), "layer 0 (a): lr_mult: names ['bais']"),
     ({"input": [3, 8], "layers": [conv()]}, "model: input: give [C, H, W]"),

@@ -33,6 +33,8 @@ _KEYWORDS = {
 
 
 NUMBERS = {"mean", "std", "a", "b", "gain", "value"}  # the arguments that are numbers
+NONLINEARITIES = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                  "conv_transpose3d", "sigmoid", "tanh", "relu", "leaky_relu", "selu")  # fmt: skip
 
 
 def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
@@ -47,6 +49,11 @@ def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
         kw[key] = _number(kw[key])
     if kw.get("std", 0.0) < 0:
         raise ValueError(f"init {brief(name)}: std {kw['std']:g} is negative")
+    if kw.get("mode", "fan_in") not in ("fan_in", "fan_out"):
+        raise ValueError(f"init {brief(name)}: mode is fan_in or fan_out, not {brief(kw['mode'])}")
+    if kw.get("nonlinearity", "leaky_relu") not in NONLINEARITIES:
+        raise ValueError(f"init {brief(name)}: nonlinearity {brief(kw['nonlinearity'])} is not "
+                         f"one of torch's ({', '.join(NONLINEARITIES)})")  # fmt: skip
     if name == "uniform" and kw.get("a", 0.0) > kw.get("b", 1.0):
         raise ValueError(f"init 'uniform': the range [{kw.get('a', 0.0):g}, {kw.get('b', 1.0):g}] "
                          "is upside down")  # fmt: skip
@@ -124,7 +131,7 @@ def apply_rule(tensor: torch.Tensor, rule: Any) -> None:
             tensor,
             a=kw.get("a", 0.0),
             mode=kw.get("mode", "fan_in"),
-            nonlinearity=kw.get("nonlinearity", "relu"),
+            nonlinearity=kw.get("nonlinearity", "leaky_relu"),  # torch's: `a` is its slope
         )
     elif name == "xavier_normal":
         nn.init.xavier_normal_(tensor, gain=kw.get("gain", 1.0))
