@@ -122,11 +122,13 @@ def test_files_that_are_not_weights_are_refused(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     torch.save({"lr": 0.1}, tmp_path / "config.pt")
     torch.save({"fc.weight": [1, 2]}, tmp_path / "list.pt")
+    torch.save({0: torch.zeros(2), "fc.bias": torch.zeros(2)}, tmp_path / "numbered.pt")
     cases = {
         "evil.pt": r"refused: it holds a pickled object \(.*print\)",
         "junk.pt": "not a readable weights file",
         "config.pt": "not a state_dict: 'lr' is not a tensor",
         "list.pt": "not a state_dict: 'fc.weight' is not a tensor",
+        "numbered.pt": "not a state_dict: its key '0' is not a name",
         "missing.pt": "no such weights file",
     }
     for name, message in cases.items():

@@ -32,6 +32,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             break
     if not isinstance(state, dict) or not state:
         raise CheckpointError(f"{path}: holds no state_dict (a mapping of names to tensors)")
+    odd = next((k for k in state if not isinstance(k, str)), None)
+    if odd is not None:
+        raise CheckpointError(f"{path}: not a state_dict: its key {str(odd)[:60]!r} is not a name")
     odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
     if odd is not None:
         raise CheckpointError(f"{path}: not a state_dict: {str(odd)[:60]!r} is not a tensor")
