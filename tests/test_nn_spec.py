@@ -263,3 +263,9 @@ def test_init_reads_numbers_yaml_gives_as_strings_as_other_numeric_fields_do():
     assert abs(ruled.a.weight.mean().item() - 1) < 0.1
     with pytest.raises(ConfigError, match="unknown init 'le-3'"):
         build_model(net(conv("a", init={"bias": "le-3"})))
+
+
+@pytest.mark.parametrize("classes", [0, -1, 2.5, True, "10"])
+def test_num_classes_given_to_build_model_is_checked_as_the_files_is(classes):
+    with pytest.raises(ConfigError, match=r"^model: num_classes: Input should be"):
+        build_model(net(conv(), {"type": "linear"}), num_classes=classes)

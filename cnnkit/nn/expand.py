@@ -364,12 +364,12 @@ def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str
 def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[NetSpec, list, int]:
     """A `model:` mapping validated and expanded: (spec, nodes, the output's value index: 0 the
     input, k node k - 1's); `num_classes` overrides the file's."""
+    if num_classes is not None and isinstance(model, dict):  # validated as the file's would be
+        model = {**model, "num_classes": num_classes}
     try:
         net = NetSpec.model_validate(model)
     except ValidationError as e:
         raise ConfigError("model: " + validation_message(e)) from None
-    if num_classes is not None:
-        net = net.model_copy(update={"num_classes": num_classes})
     if len(net.input) == 2:
         raise ConfigError("model: input: give [C, H, W] for images or [F] for vectors")
     return net, *Expander(net).run()
