@@ -165,6 +165,14 @@ BAD = [
         "layer 0 (a): init: init 'kaiming_uniform': nonlinearity 'gelu' is not one of torch's",
     ),
     (net(conv("a", lr_mult={"bais": 2})), "layer 0 (a): lr_mult: names ['bais']"),
+    (  # numbers become float32: a larger one overflowed when the layer was built or run
+        net({"name": "r", "type": "leaky_relu", "negative_slope": 1e300}),
+        "layer 0 (r): negative_slope: 1e+300 is beyond float32's range (+-3.4e38)",
+    ),
+    (
+        net(conv("a", init={"weight": 1e300})),
+        "layer 0 (a): init: init 'constant': value 1e+300 is beyond float32's range",
+    ),
     ({"input": [3, 8], "layers": [conv()]}, "model: input: give [C, H, W]"),
     ({"input": [3, 8, 8], "layers": []}, "model: layers: List should have at least 1 item"),
     ({"input": [3, 8, 8]}, "no 'layers' list"),

@@ -33,6 +33,7 @@ _KEYWORDS = {
 
 
 NUMBERS = {"mean", "std", "a", "b", "gain", "value"}  # the arguments that are numbers
+FLOAT32_MAX = 3.4028234663852886e38  # numbers become float32 tensors and kernel arguments
 NONLINEARITIES = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                   "conv_transpose3d", "sigmoid", "tanh", "relu", "leaky_relu", "selu")  # fmt: skip
 
@@ -47,6 +48,9 @@ def parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
                 f"init {brief(name)}: {key} must be a finite number, not {brief(kw[key])}"
             )
         kw[key] = _number(kw[key])
+        if abs(kw[key]) > FLOAT32_MAX:
+            raise ValueError(f"init {brief(name)}: {key} {kw[key]:g} is beyond float32's range "
+                             "(+-3.4e38)")  # fmt: skip
     if kw.get("std", 0.0) < 0:
         raise ValueError(f"init {brief(name)}: std {kw['std']:g} is negative")
     if kw.get("mode", "fan_in") not in ("fan_in", "fan_out"):

@@ -13,6 +13,7 @@ import math
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -24,6 +25,7 @@ from pydantic import (
 from torch import nn
 
 from cnnkit.errors import brief
+from cnnkit.nn.init import FLOAT32_MAX
 from cnnkit.nn.kernels import Conv2d
 from cnnkit.nn.modules import (
     ChannelLayerNorm,
@@ -44,7 +46,17 @@ def _no_bool(value: Any) -> Any:
 
 Count = Annotated[StrictInt, Field(gt=0, le=MAX_DIM)]
 NonNeg = Annotated[StrictInt, Field(ge=0, le=MAX_DIM)]
-Real = Annotated[float, BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
+
+
+def _float32(value: float) -> float:
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{value:g} is beyond float32's range (+-3.4e38)")
+    return value
+
+
+Real = Annotated[
+    float, BeforeValidator(_no_bool), Field(allow_inf_nan=False), AfterValidator(_float32)
+]
 Flag = StrictBool
 Shape = tuple[int, ...]
 IntPair = Count | tuple[Count, Count]
