@@ -1,10 +1,13 @@
 """The one YAML reader: duplicate keys, alias bombs, deep nesting and huge files are refused in
 one line with the line and column, before anything big is built."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from cnnkit import ConfigError
+from cnnkit.nn import yamlio
 from cnnkit.nn.yamlio import MAX_DEPTH, MAX_NODES, load_yaml, read_yaml
 
 LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
@@ -30,7 +33,12 @@ def test_plain_documents_and_merge_keys_read_as_safe_load_does():
     ],
     ids=["duplicate", "duplicate-flow", "alias-bomb", "deep", "recursive", "syntax"],
 )
-def test_bad_documents_are_one_line_naming_line_and_column(tmp_path, text, problem, line):
+@pytest.mark.parametrize("parser", ["pyyaml", "libyaml"])
+def test_bad_documents_are_one_line_naming_line_and_column(
+    tmp_path, monkeypatch, text, problem, line, parser
+):
+    if parser == "libyaml":  # what a document over FAST_FROM characters is parsed by
+        monkeypatch.setattr(yamlio, "FAST_FROM", 0)
     path = tmp_path / "net.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as e:
@@ -40,6 +48,29 @@ def test_bad_documents_are_one_line_naming_line_and_column(tmp_path, text, probl
     assert "\n" not in message and len(message) < 300
     if line is not None:
         assert f"(line {line}, column" in message
+
+
+@pytest.mark.parametrize("parser", ["pyyaml", "libyaml"])
+def test_values_are_counted_while_reading_not_once_all_is_read(monkeypatch, parser):
+    """A large flat document (no aliases) stops at the bound while it is composed: a 16 MiB
+    one is refused in seconds, not after minutes of building every node."""
+    monkeypatch.setattr(yamlio, "MAX_NODES", 1000)
+    monkeypatch.setattr(yamlio, "FAST_FROM", 0 if parser == "libyaml" else 2**20)
+    with pytest.raises(yamlio.LimitError) as e:
+        load_yaml("model: [" + ", ".join(["0"] * 5000) + "]\n")
+    assert e.value.problem == "more than 1,000 values"  # (not "once aliases are expanded")
+    assert e.value.problem_mark.line == 0 and e.value.problem_mark.column > 1000
+
+
+def test_libyaml_reads_every_zoo_file_as_pyyaml_does(monkeypatch):
+    import cnnkit.zoo
+
+    zoo = Path(cnnkit.zoo.__file__).parent
+    texts = [path.read_text() for path in sorted(zoo.rglob("*.yaml"))]
+    assert len(texts) > 20
+    plain = [load_yaml(text) for text in texts]
+    monkeypatch.setattr(yamlio, "FAST_FROM", 0)
+    assert [load_yaml(text) for text in texts] == plain
 
 
 def test_load_yaml_raises_yaml_errors_so_callers_keep_their_fallbacks():
