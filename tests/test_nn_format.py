@@ -211,6 +211,8 @@ BAD = [
      "layer 0 (s): inline: true or false, and an inline block has no name"),
     (net({"name": "s", "block": "b"}, blocks={"b": {"params": {"in_channels": 3}, "layers": [conv()]}}),
      "model: blocks.b.params: 'in_channels' is set by cnnkit"),
+    (net({"name": "s", "block": "b", "start": 0}, blocks={"b": {"params": {"start": 1}, "layers": [conv()]}}),
+     "model: blocks.b.params: 'start' is a keyword of the line that uses a block"),  # (was copy numbering)
     (net({"name": "x" * 5000, "type": "relu"}), "is not a usable name"),
     (net({"type": "x" * 5000}), "type: unknown type 'xxxxxxxx"),
     (net(conv("a"), conv("b", inputs=["a", "a"])), "layer 1 (b): inputs: a conv layer takes one input"),

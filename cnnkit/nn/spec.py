@@ -30,6 +30,7 @@ from cnnkit.nn.kinds import KINDS
 
 MAX_FILE_HOPS = 8  # a run file may name a network file, which may name another ...
 RESERVED_PARAMS = ("num_classes", "in_channels", "in_height", "in_width", "index")
+BLOCK_LINE_KEYS = ("block", "name", "inputs", "if", "repeat", "start", "first", "inline")
 Dim = Annotated[StrictInt, Field(gt=0, le=2**31 - 1)]
 
 
@@ -61,6 +62,10 @@ class BlockDef(BaseModel):
         taken = [k for k in v if k in RESERVED_PARAMS]
         if taken:
             raise ValueError(f"{taken[0]!r} is set by cnnkit; call the parameter otherwise")
+        line = [k for k in v if k in BLOCK_LINE_KEYS]  # a use's `start: 0` would never reach it
+        if line:
+            raise ValueError(f"{line[0]!r} is a keyword of the line that uses a block; call the "
+                             "parameter otherwise")  # fmt: skip
         return v
 
 
