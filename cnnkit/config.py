@@ -35,8 +35,8 @@ from cnnkit.nn.spec import suggest
 from cnnkit.nn.yamlio import load_yaml, read_yaml
 from cnnkit.runtime import write_atomic
 
-DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
+DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # fullmatch ($ passes "cpu\n")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
 
 class TrainConfig(Section):
@@ -104,7 +104,7 @@ class TrainConfig(Section):
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:
-        if not DEVICE_RE.match(v):
+        if not DEVICE_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not one of auto, cpu, cuda, cuda:N")
         return v
 
@@ -194,7 +194,7 @@ class RunConfig(Section):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, value: str) -> str:
-        if not NAME_RE.match(value):
+        if not NAME_RE.fullmatch(value):
             raise ValueError(
                 "use letters, digits and . _ + - (it names a folder under runs/), "
                 f"got {brief(value)}"
@@ -297,7 +297,7 @@ def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Set `a.b.c=value` in a nested mapping; the value is parsed as YAML (numbers, lists...)."""
     key, sep, text = item.partition("=")
-    if not sep or not key or not re.match(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", key):
+    if not sep or not key or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", key):
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.02")
     try:
         value = load_yaml(text) if text else ""

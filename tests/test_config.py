@@ -93,6 +93,8 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
         ({"train": {"early_stop": 1.0}}, r"train.early_stop: Input should be a whole number"),
         ({"train": {"milestones": [5, "9"]}}, r"train.milestones: Input should be a number"),
         ({"name": True}, "name: Input should be a valid string"),  # not a number field: pydantic's
+        ({"name": "run\n"}, "name: use letters, digits"),  # (a folder named with a newline)
+        ({"train": {"device": "cpu\n"}}, r"train.device: 'cpu\\n' is not one of auto"),
         ({"train": {"optimizer": True}}, "train.optimizer: Input should be 'sgd'"),
     ],
 )

@@ -214,6 +214,7 @@ BAD = [
     (net({"name": "s", "block": "b", "start": 0}, blocks={"b": {"params": {"start": 1}, "layers": [conv()]}}),
      "model: blocks.b.params: 'start' is a keyword of the line that uses a block"),  # (was copy numbering)
     (net({"name": "x" * 5000, "type": "relu"}), "is not a usable name"),
+    (net({"name": "c\n", "type": "relu"}), "is not a usable name"),  # ($ matches before a \n)
     (net({"type": "x" * 5000}), "type: unknown type 'xxxxxxxx"),
     (net(conv("a"), conv("b", inputs=["a", "a"])), "layer 1 (b): inputs: a conv layer takes one input"),
     (net(conv("a"), {"name": "a.b", "type": "relu"}), "layer 1 (a.b): name: 'a.b' clashes with 'a'"),

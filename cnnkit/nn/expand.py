@@ -320,8 +320,10 @@ class Expander:
 
 
 def _label(index: int, name: str) -> str:
-    """`layer 3 (stage.0.conv1)`: how a message names a layer (a long name cut)."""
-    return f"layer {index} ({name if len(name) <= 80 else name[:80] + '...'})"
+    """`layer 3 (stage.0.conv1)`: how a message names a layer (a long name cut, one with a
+    newline or other control character quoted, so the message stays one line)."""
+    shown = name if name.isprintable() else repr(name)
+    return f"layer {index} ({shown if len(shown) <= 80 else shown[:80] + '...'})"
 
 
 def shape_params(shape: Shape) -> dict[str, int]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from cnnkit.errors import ConfigError, brief
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+NAME_RE = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")  # fullmatch: no "a\n"
 MAX_NAME = 200
 RESERVED = {"input", "previous"}
 # keep in sync with graph.Network (a test checks it)
@@ -33,7 +33,7 @@ def check_name(label: str, name: str, short: str, taken: set[str], holders: dict
     """Raise unless `name` (full, dotted; `short` its last part as written) is usable: unique
     among `taken`, and neither holding nor held by another (`a` and `a.b`; `holders` maps each
     dotted prefix of a taken name to that name): a set lookup per dot."""
-    if len(name) > MAX_NAME or not NAME_RE.match(name) or short in RESERVED:
+    if len(name) > MAX_NAME or not NAME_RE.fullmatch(name) or short in RESERVED:
         raise ConfigError(
             f"{label}: name: {brief(short)} is not a usable name (letters, digits, _ and -; "
             "not 'input' or 'previous')"
