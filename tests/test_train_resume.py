@@ -258,6 +258,29 @@ def test_a_resume_trains_with_the_overridden_optimizer_settings(finished_run, be
     assert resumed.state[p].keys() == saved.state[saved.param_groups[0]["params"][0]].keys()
 
 
+@pytest.mark.parametrize("before, after", [(5e-4, 0.0), (0.0, 5e-4)])
+def test_weight_decay_to_or_from_zero_on_resume_keeps_the_groups(before, after):
+    """Groups are one per (lr_mult, decay_mult): a decay of 0 merged `decay_mult: {bias: 0}`'s
+    two groups into one, and a resume with train.weight_decay=0 (or from 0) was refused as a
+    checkpoint that does not match."""
+    from cnnkit.nn import build_model
+    from cnnkit.train.optim import build_optimizer
+    from cnnkit.train.state import load_optimizer
+
+    spec = {"input": [1, 8, 8], "num_classes": 4, "layers": [
+        {"type": "conv", "out_channels": 4, "kernel_size": 3, "decay_mult": {"bias": 0}},
+        {"type": "linear"}]}  # fmt: skip
+
+    def optimizer(decay):
+        cfg = validate_run({**RUN, "train": {**RUN["train"], "weight_decay": decay}})
+        return build_optimizer(build_model(spec), cfg.train)
+
+    saved, resumed = optimizer(before), optimizer(after)
+    load_optimizer(resumed, copy.deepcopy(saved.state_dict()))
+    assert [g["weight_decay"] for g in resumed.param_groups] == [after, 0.0]
+    assert [len(g["params"]) for g in resumed.param_groups] == [3, 1]  # conv0.bias alone
+
+
 def test_a_resume_keeps_the_settings_the_run_began_with(tmp_path, capsys):
     """Another thread count alone changes the weights: a resume (on a machine whose measured
     or cached choice differs) runs with the checkpoint's settings unless it sets them anew."""

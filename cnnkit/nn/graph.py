@@ -159,18 +159,19 @@ class Network(nn.Module):
         return out
 
     def param_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:
-        """Optimizer parameter groups, one per distinct (lr, weight decay) pair."""
+        """Optimizer parameter groups, one per distinct (lr_mult, decay_mult) pair: the same
+        groups whatever the base rates, so a resume may change `train.weight_decay` (to 0 too)
+        and still load the saved momenta group by group."""
         groups: dict[tuple[float, float], list[nn.Parameter]] = {}
         params = dict(self.named_parameters())
-        for pname, (lr_mult, decay_mult) in self.multipliers().items():
+        for pname, mults in self.multipliers().items():
             if params[pname].requires_grad:
-                groups.setdefault((lr * lr_mult, weight_decay * decay_mult), []).append(
-                    params[pname]
-                )
+                groups.setdefault(mults, []).append(params[pname])
         return [
-            {"params": ps, "lr": glr, "weight_decay": gwd, "lr_mult": glr / lr if lr else 1.0}
-            for (glr, gwd), ps in groups.items()
-        ]
+            {"params": ps, "lr": lr * lr_mult, "weight_decay": weight_decay * decay_mult,
+             "lr_mult": lr_mult, "decay_mult": decay_mult}
+            for (lr_mult, decay_mult), ps in groups.items()
+        ]  # fmt: skip
 
 
 def build_model(
