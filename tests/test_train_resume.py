@@ -258,6 +258,19 @@ def test_a_resume_trains_with_the_overridden_optimizer_settings(finished_run, be
     assert resumed.state[p].keys() == saved.state[saved.param_groups[0]["params"][0]].keys()
 
 
+def test_a_resume_with_nothing_left_leaves_config_yaml_as_last_pt_has_it(finished_run, tmp_path):
+    """Nothing is trained, so no checkpoint takes the overrides: config.yaml must not either
+    (the next resume runs with last.pt's config and would quietly write it back)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = (run / "config.yaml").read_text()
+    again = validate_run({**RUN, "train": {**RUN["train"], "epochs": 1, "lr": 0.3}})
+    fit(again, run, resume=resume_state(run), quiet=True)
+    assert (run / "config.yaml").read_text() == before
+
+
 @pytest.mark.parametrize("before, after", [(5e-4, 0.0), (0.0, 5e-4)])
 def test_weight_decay_to_or_from_zero_on_resume_keeps_the_groups(before, after):
     """Groups are one per (lr_mult, decay_mult): a decay of 0 merged `decay_mult: {bias: 0}`'s
