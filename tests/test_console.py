@@ -52,14 +52,16 @@ def test_a_resumed_run_keeps_tensorboards_points_from_before_its_checkpoint(tmp_
     first = RunLog(tmp_path, [{**row, "epoch": 1}])
     for step in (20, 40, 60, 80):
         first.write_step(step, 1.0, 0.1, 100.0)
-    first.write_epoch(first.history[-1], 44)
+    first.log_epoch(first.history[-1], 44)
+    first.write_epoch()
     first.tb.close()  # killed: the checkpoint was at step 70, mid epoch 2
     second = RunLog(tmp_path, [{**row, "epoch": 1}], global_step=70)
-    second.write_epoch(second.history[-1], None, final=True)  # what a resume does first
+    second.write_epoch(final=True)  # what a resume does first
     for step in (80, 100):
         second.write_step(step, 2.0, 0.1, 100.0)
     second.history.append({**row, "epoch": 2})
-    second.write_epoch(second.history[-1], 88, final=True)
+    second.log_epoch(second.history[-1], 88)
+    second.write_epoch(final=True)
     second.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
@@ -67,6 +69,40 @@ def test_a_resumed_run_keeps_tensorboards_points_from_before_its_checkpoint(tmp_
         (20, 1.0), (40, 1.0), (60, 1.0), (80, 2.0), (100, 2.0)]  # fmt: skip
     assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(44, 1.0), (88, 2.0)]
     assert [e.step for e in events.Scalars("val/top1")] == [44, 88]
+
+
+class Killed(BaseException):
+    """A kill (not an error the run handles) right after an epoch's last.pt is written."""
+
+
+def test_a_kill_between_last_pt_and_the_metrics_files_loses_no_tensorboard_epoch(
+    tmp_path, monkeypatch
+):
+    """The epoch's TensorBoard row is logged before its last.pt: a kill after the checkpoint
+    but before metrics.csv cannot leave TensorBoard without that epoch for good."""
+    from cnnkit.config import validate_run
+
+    run = {"name": "tiny", "model": "digitnet", "seed": 1, "train": {"epochs": 3, "lr": 0.05},
+           "data": {"source": "synthetic", "shape": [1, 8, 8], "num_classes": 4,
+                    "train_size": 64, "val_size": 16, "batch_size": 16}}  # fmt: skip
+    write_epoch = RunLog.write_epoch
+
+    def killed_at_epoch_2(self, final=False):
+        if len(self.history) == 2:
+            raise Killed
+        write_epoch(self, final)
+
+    monkeypatch.setattr(RunLog, "write_epoch", killed_at_epoch_2)
+    with pytest.raises(Killed):
+        fit(validate_run(run), tmp_path / "r", quiet=True)
+    monkeypatch.undo()
+    from cnnkit.train.run import resume_state
+
+    fit(validate_run(run), tmp_path / "r", resume=resume_state(tmp_path / "r"), quiet=True)
+    events = EventAccumulator(str(tmp_path / "r"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(4, 1.0), (8, 2.0), (12, 3.0)]
+    assert len((tmp_path / "r" / "metrics.csv").read_text().splitlines()) == 1 + 3
 
 
 def test_tensorboards_step_lr_is_the_rate_the_step_used(tmp_path):

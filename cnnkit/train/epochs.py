@@ -250,8 +250,9 @@ def save_mid_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: 
 def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
                row: dict[str, float], writer: CheckpointWriter) -> None:  # fmt: skip
     """best.pt (if the epoch is the best), best_ema.pt (if the moving average's is: timm's
-    choice), and last.pt, written in the background; then the metrics files (a kill in between
-    is harmless: a resumed run rewrites them from last.pt)."""
+    choice), and last.pt, written in the background, between the epoch's TensorBoard row and
+    the metrics files (a kill in between is harmless: a resumed run purges the one and rewrites
+    the others from last.pt)."""
     check_finite(engine, progress, ctx.dist)
     ranks = ctx.dist.gather((rng_state(), {}))
     if not ctx.dist.is_main:
@@ -266,5 +267,6 @@ def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunC
     if "val_top1_ema" in row and row["val_top1_ema"] > max(earlier, default=-1.0):
         best = {k: v for k, v in state.items() if k not in skip}
         saves.append((best, ctx.run_dir / "best_ema.pt"))
+    ctx.log.log_epoch(row, progress.global_step)
     writer.save(*saves, (state, ctx.run_dir / "last.pt"))
-    ctx.log.write_epoch(row, progress.global_step, final=progress.epoch == ctx.config.train.epochs)
+    ctx.log.write_epoch(final=progress.epoch == ctx.config.train.epochs)

@@ -47,18 +47,21 @@ class RunLog:
         self._last_plot = time.monotonic()
         self._plotted = len(history)  # epochs in curves.png (a resumed run's: drawn before)
 
-    def write_epoch(self, row: dict[str, float], global_step: int | None,
-                    final: bool = False) -> None:  # fmt: skip
-        """Record the epoch `row` (already last in history): rewrite metrics.csv (one row per
-        epoch), log to TensorBoard at `global_step` (None: logged already, a resumed run's last
-        epoch), redraw curves.png (at the end, and at most every PLOT_EVERY seconds: a drawing
-        costs about 0.3 s)."""
-        write_csv(self.run_dir / "metrics.csv", self.history)
-        if global_step is not None and self._writer() is not None:
+    def log_epoch(self, row: dict[str, float], global_step: int) -> None:
+        """The epoch `row` to TensorBoard at `global_step` (its last step). Logged before the
+        epoch's last.pt is written: a kill in between leaves a row that the resumed session's
+        purge (from the checkpoint's step on) drops, never an epoch missing for good."""
+        if self._writer() is not None:
             self.tb.add_scalar("epoch", row["epoch"], global_step)
             for key in (k for k in COLUMNS[1:] + EMA_COLUMNS if k in row):
                 self.tb.add_scalar(key.replace("_", "/", 1), row[key], global_step)
             self.tb.flush()
+
+    def write_epoch(self, final: bool = False) -> None:
+        """Rewrite metrics.csv from history (one row per epoch; a resumed run's drops the rows
+        written after its checkpoint) and redraw curves.png (at the end, and at most every
+        PLOT_EVERY seconds: a drawing costs about 0.3 s)."""
+        write_csv(self.run_dir / "metrics.csv", self.history)
         if final or time.monotonic() - self._last_plot > PLOT_EVERY:
             self._plot()
 

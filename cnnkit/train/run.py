@@ -350,12 +350,10 @@ def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLo
     run_dir.mkdir(parents=True, exist_ok=True)
     clear_orphans(run_dir)
     if progress.epoch < config.train.epochs or not (run_dir / "config.yaml").exists():
-        dump_run(
-            config, run_dir / "config.yaml"
-        )  # all done: as last.pt, unchanged
+        dump_run(config, run_dir / "config.yaml")  # all done: as last.pt, unchanged
     log = RunLog(run_dir, progress.history, global_step=progress.global_step)
     if progress.history:  # resumed: drop rows written after the checkpoint
-        log.write_epoch(progress.history[-1], None, final=True)
+        log.write_epoch(final=True)
     return log
 
 
