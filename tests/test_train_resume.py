@@ -271,6 +271,27 @@ def test_a_resume_with_nothing_left_leaves_config_yaml_as_last_pt_has_it(finishe
     assert (run / "config.yaml").read_text() == before
 
 
+def test_a_resumed_session_that_does_not_finish_leaves_no_stale_summary(finished_run, tmp_path):
+    """summary.json is a finished session's: one that trains on and stops early (Ctrl-C, an
+    error) must not leave the earlier session's figures beside its newer metrics and last.pt."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    assert (run / "summary.json").is_file()
+
+    def fail(epoch, step, global_step):
+        if global_step == 12:
+            raise RuntimeError("stopped")
+
+    more = validate_run({**RUN, "train": {**RUN["train"], "epochs": 2}})
+    with pytest.raises(RuntimeError, match="stopped"):
+        fit(more, run, resume=resume_state(run), quiet=True, on_step=fail)
+    assert not (run / "summary.json").exists()
+    fit(more, run, resume=resume_state(run), quiet=True)
+    assert (run / "summary.json").is_file()
+
+
 @pytest.mark.parametrize("before, after", [(5e-4, 0.0), (0.0, 5e-4)])
 def test_weight_decay_to_or_from_zero_on_resume_keeps_the_groups(before, after):
     """Groups are one per (lr_mult, decay_mult): a decay of 0 merged `decay_mult: {bias: 0}`'s

@@ -351,6 +351,8 @@ def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLo
     clear_orphans(run_dir)
     if progress.epoch < config.train.epochs or not (run_dir / "config.yaml").exists():
         dump_run(config, run_dir / "config.yaml")  # all done: as last.pt, unchanged
+        # a finished session's figures: this one trains on, and writes them when it finishes
+        (run_dir / "summary.json").unlink(missing_ok=True)
     log = RunLog(run_dir, progress.history, global_step=progress.global_step)
     if progress.history:  # resumed: drop rows written after the checkpoint
         log.write_epoch(final=True)
