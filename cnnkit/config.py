@@ -94,7 +94,7 @@ class TrainConfig(Section):
         0, description="also save last.pt every N steps (0: off)"
     )
     checkpoint_minutes: NonNegativeFloat = Field(
-        5.0, description="also save last.pt about every M minutes mid-epoch (0: off)"
+        5.0, le=1e6, description="also save last.pt about every M minutes mid-epoch (0: off)"
     )
     sync: Literal["ddp", "average"] = Field("ddp", description="multi-process: grads or weights")
     average_every: PositiveInt = Field(1, description="sync: average: steps between averaging")
@@ -178,7 +178,9 @@ class RunConfig(Section):
     model: ModelConfig = Field(description="the network (a zoo name, a file or a mapping)")
     data: DataConfig = Field(description="the data: its `source` says which fields it has")
     train: TrainConfig = Field(default_factory=TrainConfig)
-    seed: NonNegativeInt = Field(0, description="seeds weights, data order and augmentation")
+    seed: NonNegativeInt = Field(
+        0, lt=2**63, description="seeds weights, data order and augmentation (63 bits)"
+    )
     deterministic: bool = Field(False, description="bitwise repeatable CPU runs (slower)")
 
     @field_validator("data", mode="before")

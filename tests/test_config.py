@@ -72,6 +72,8 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
         ({"data": {"source": "digits", "val_fraction": 1.5}}, "data.val_fraction"),
         ({"data": {"source": "digits", "colour": 1}}, "data.colour"),
         ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed: Input should be less than 9223372036854775808"),  # torch's bound
+        ({"train": {"checkpoint_minutes": 1e308}}, "train.checkpoint_minutes: Input should be"),
         # YAML's on / off / yes / no are booleans: never read as 1 and 0 where a number goes
         (
             {"train": {"epochs": True}},
