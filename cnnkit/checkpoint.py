@@ -331,8 +331,10 @@ def uses_mean_image(config: dict[str, Any]) -> bool:
     return isinstance(data, dict) and data.get("normalize") == "mean_image"
 
 
-def note_mean_image(what: str) -> None:
-    """One stderr line where such a run is applied to other images (uses_mean_image)."""
+def note_mean_image(what: str, held: bool = False) -> None:
+    """One stderr line where such a run is applied to other images (uses_mean_image) without
+    its mean image: one the checkpoint does not hold, or (`held`) a sliding window's."""
+    why = "each window of a picture" if held else "the checkpoint does not hold it"
     print(f"cnnkit: {what} subtracts the training mean image's per-channel averages, not the "
-          "image itself (the checkpoint does not hold it): figures may differ slightly from "
-          "the run's own", file=sys.stderr)  # fmt: skip
+          f"image itself ({why}): figures may differ slightly from the run's own",
+          file=sys.stderr)  # fmt: skip

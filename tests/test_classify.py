@@ -391,3 +391,19 @@ def test_eval_reads_a_flat_folder_with_its_label_file(digits_run, digit_pngs, tm
     assert (flat["top1"], flat["loss"]) == (classes["top1"], pytest.approx(classes["loss"]))
     code, _, err = run_cli(["eval", str(digits_run), "--labels", str(tmp_path / "val.txt")], capsys)
     assert code == 2 and "--labels: the label file of a flat image folder given as --data" in err
+
+
+def test_a_network_whose_output_is_not_class_scores_is_one_line(tmp_path, capsys):
+    """A trained network file whose last layer is a convolution: its output (4 x 6 x 6) is no
+    vector of class scores, so a softmax over it would classify nothing (it was an IndexError)."""
+    spec = {"input": [1, 8, 8], "layers": [{"type": "conv", "out_channels": 4, "kernel_size": 3}]}
+    torch.save(build_model(spec).state_dict(), tmp_path / "w.pt")
+    (tmp_path / "net.yaml").write_text(json.dumps({"model": {**spec, "weights": "w.pt"}}))
+    Image.new("L", (8, 8)).save(tmp_path / "a.png")
+    code, _, err = run_cli(
+        ["classify", str(tmp_path / "net.yaml"), str(tmp_path / "a.png")], capsys
+    )
+    assert code == 2 and err.splitlines() == [
+        f"cnnkit: error: {tmp_path / 'net.yaml'}: classify needs a network whose output is a "
+        "vector of class scores; this one gives 4 x 6 x 6"
+    ]

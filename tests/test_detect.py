@@ -213,6 +213,8 @@ def test_cli_detect_bad_inputs_are_one_line(tmp_path, capsys):
     Image.fromarray(np.zeros((20, 20), np.uint8)).save(tmp_path / "ok.png")
     code, _, err = run_cli([*args, str(tmp_path / "ok.png"), "-o", str(tmp_path / "b.xyz")], capsys)
     assert code == 2 and err.count("\n") == 1 and "use one of" in err
+    code, _, err = run_cli(["detect", "facenet", str(tmp_path / "ok.png")], capsys)  # fresh weights
+    assert code == 2 and err.count("\n") == 1 and "a network without trained weights" in err
 
 
 @pytest.mark.parametrize("layers,message", [

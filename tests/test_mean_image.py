@@ -45,6 +45,20 @@ def by_hand(network: torch.nn.Module, image: Path, pre: Preprocess, mean: torch.
         return network(x[None]).softmax(1)[0]
 
 
+def test_detect_says_it_subtracts_the_mean_images_averages(mean_run, capsys):
+    """A sliding window has no place in the mean image: detect subtracts its per-channel
+    averages, and says so (classify, which crops as training did, subtracts the image)."""
+    from helpers import run_cli
+
+    image = sorted((mean_run / "shapes").rglob("*.JPEG"))[0]
+    label = image.parent.name
+    code, _, err = run_cli(["detect", str(mean_run / "run"), str(image), "--class", label,
+                            "--threshold", "0", "--min-size", "20"], capsys)  # fmt: skip
+    assert code == 0, err
+    assert "detect subtracts the training mean image's per-channel averages" in err
+    assert "(each window of a picture)" in err
+
+
 def test_the_checkpoint_keeps_the_packs_mean_image(mean_run):
     state = load_checkpoint(mean_run / "run" / "best.pt")
     expected = torch.from_numpy(np.load(mean_run / "packed" / "mean.npy"))

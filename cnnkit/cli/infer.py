@@ -234,10 +234,11 @@ def detect(
     ),
 ) -> None:
     """Find faces: the classifier slid over an image pyramid, then non-maximum suppression."""
+    from cnnkit.checkpoint import note_mean_image
     from cnnkit.infer.detect import detect as find
     from cnnkit.infer.detect import draw_boxes
     from cnnkit.infer.images import to_hwc
-    from cnnkit.infer.load import load_for_inference
+    from cnnkit.infer.load import load_for_inference, require_trained
     from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix
     from cnnkit.runtime import keep_freed_memory
 
@@ -247,6 +248,9 @@ def detect(
         check_suffix(out, IMAGE_SUFFIXES)  # before the search, not after it
     picture = to_hwc(image)
     loaded = load_for_inference(target)
+    require_trained(loaded, target)  # boxes of random weights are noise
+    if loaded.mean_image is not None or loaded.mean_averaged:
+        note_mean_image("detect", held=loaded.mean_image is not None)
     boxes = find(loaded, picture, label, threshold, iou, min_size, step, top, mirror)
     if not boxes:
         typer.echo(f"no {label} found: no window scored {threshold:g} or more", err=True)

@@ -15,7 +15,7 @@ from cnnkit.data.augment import center_crop, ten_crop
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
 from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
-from cnnkit.infer.load import Loaded, load_for_inference, reads_images
+from cnnkit.infer.load import Loaded, load_for_inference, reads_images, require_trained
 from cnnkit.runtime import restore_matmuls, tf32_matmuls
 
 
@@ -71,10 +71,7 @@ class Classifier:
         or a network file that names its trained weights (`weights:`); `ema`: a run's moving
         average of the weights (train.ema) instead."""
         loaded = load_for_inference(path, "cpu", ema)
-        if not loaded.trained:  # its answers would be noise
-            raise ConfigError(f"{path}: a network without trained weights: give a run directory, "
-                              "a .pt checkpoint, a .safetensors export or a network file with "
-                              "weights:")  # fmt: skip
+        require_trained(loaded, path)
         if loaded.mean_averaged:
             note_mean_image("classify")
         return cls(loaded, device)
@@ -185,8 +182,12 @@ def check_loaded(loaded: Loaded) -> None:
         raise ConfigError(f"{loaded.source}: classify reads square grey or RGB images of at "
                           f"most {MAX_SIDE} px; this network takes "
                           f"{' x '.join(map(str, shape))} inputs")  # fmt: skip
-    outputs = loaded.model.num_classes
-    if outputs is not None and len(loaded.classes) != outputs:
+    output = tuple(loaded.model.output_shape)
+    if len(output) != 1:  # a softmax over positions and channels would be no classification
+        raise ConfigError(f"{loaded.source}: classify needs a network whose output is a vector of "
+                          f"class scores; this one gives {' x '.join(map(str, output))}")  # fmt: skip
+    outputs = output[0]
+    if len(loaded.classes) != outputs:
         raise CheckpointError(
             f"{loaded.source}: {len(loaded.classes)} class names for the network's {outputs} "
             "outputs (the labels would be wrong)"

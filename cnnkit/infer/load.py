@@ -77,8 +77,18 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
         description = read_spec(spec)
     model = build_model(description, device=device)
     preprocess = network_preprocess(spec, tuple(model.input_shape), description.get("preprocess"))
-    classes = [f"class{i}" for i in range(model.num_classes or 0)]
+    out = tuple(model.output_shape)  # a vector of scores: one name per output
+    classes = [f"class{i}" for i in range(model.num_classes or (out[0] if len(out) == 1 else 0))]
     return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
+
+
+def require_trained(loaded: Loaded, target: str | Path) -> None:
+    """ConfigError for a network with fresh weights, whose answers would be noise (classify,
+    detect): a run directory, checkpoint, export or network file with `weights:` is needed."""
+    if not loaded.trained:
+        raise ConfigError(f"{target}: a network without trained weights: give a run directory, "
+                          "a .pt checkpoint, a .safetensors export or a network file with "
+                          "weights:")  # fmt: skip
 
 
 def network_preprocess(spec: Any, shape: tuple[int, ...], given: dict | None) -> Preprocess:
