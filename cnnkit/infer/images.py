@@ -161,7 +161,8 @@ def to_channels(array: np.ndarray, channels: int) -> np.ndarray:
 
 def resized(image: ImageInput, pre: Preprocess) -> torch.Tensor:
     """Evaluation's resize: to `pre.resize` (squash or shorter side), or to the crop size when
-    the data was stored crop-sized. Returns uint8 (C, S, S)."""
+    the data was stored crop-sized, then to the network's channels (a colour image made grey
+    after resizing, as evaluation makes a folder's). Returns uint8 (C, S, S)."""
     check_preprocess(pre)
     size = pre.resize or pre.crop
     mode = pre.resize_mode if pre.resize else "squash"
@@ -169,7 +170,11 @@ def resized(image: ImageInput, pre: Preprocess) -> torch.Tensor:
         array, _, factor, source = decode_file(image, size, mode)
     else:
         array, factor, source = to_hwc(image), 1, None
-    return resize_uint8(to_channels(array, pre.channels), size, mode, factor, source)
+    x = resize_uint8(array, size, mode, factor, source)
+    if x.shape[0] == pre.channels:
+        return x
+    hwc = np.ascontiguousarray(x.permute(1, 2, 0).numpy())
+    return torch.from_numpy(to_channels(hwc, pre.channels)).permute(2, 0, 1)
 
 
 def crops_of(image: ImageInput, pre: Preprocess, tencrop: bool) -> torch.Tensor:
