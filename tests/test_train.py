@@ -209,22 +209,22 @@ def test_cuda_mixed_precision_trains(precision, tmp_path):
 
 
 def test_metrics_record_the_share_of_time_spent_waiting_for_the_loader(tmp_path, monkeypatch):
-    """A loader that takes 0.3 s per batch (the model needs a few ms) makes data_wait most of
-    each epoch."""
+    """A loader that takes 0.5 s per batch (the model needs a few ms, some 100 ms on a loaded
+    machine) makes data_wait most of each epoch."""
     from cnnkit.data.memory import TensorBatches
 
     plain = TensorBatches.__iter__
 
     def slow(self):
         for batch in plain(self):
-            time.sleep(0.3)
+            time.sleep(0.5)
             yield batch
 
     monkeypatch.setattr(TensorBatches, "__iter__", slow)
     cfg = {**TINY, "train": {**TINY["train"], "epochs": 1}}
     fit(validate_run(cfg), tmp_path / "run", quiet=True)
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
-    assert float(rows[0]["data_wait"]) > 0.6
+    assert float(rows[0]["data_wait"]) > 0.5
 
 
 def test_tf32_settings_use_torchs_new_api_only(monkeypatch):
