@@ -39,7 +39,7 @@ def one_error_line(code: int, err: str, codes=(1, 2)) -> str:
 @pytest.mark.slow
 def test_two_runs_into_one_directory_one_is_refused(tmp_path):
     out = tmp_path / "same"
-    cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=2", "--quiet"]
+    cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=1", "--quiet"]
     procs = [subprocess.Popen([*cmd, f"seed={s}"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
              for s in (1, 2)]  # fmt: skip
     results = [(p.wait(timeout=240), p.stderr.read()) for p in procs]
