@@ -314,3 +314,29 @@ def test_a_batch_of_unreadable_images_is_an_empty_step_not_a_missing_one(tmp_pat
     assert sum(len(y) for _, y in batches) == 2
     empty = [x for x, y in batches if not len(y)]
     assert len(empty) >= 2 and all(x.shape == (0, 3, 12, 12) for x in empty)
+
+
+def test_a_loader_worker_that_dies_is_one_line(packed, monkeypatch):
+    """A worker killed mid-batch (the OOM killer, a decoder's crash) ends the epoch with a
+    DataError saying what happened, not torch's bare RuntimeError and its traceback."""
+    import os
+    import signal
+
+    from cnnkit.data.folder import FolderImages
+    from cnnkit.errors import DataError
+
+    real = FolderImages.__getitem__
+
+    def dying(self, job):
+        if 5 in list(job.positions):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, job)
+
+    monkeypatch.setattr(FolderImages, "__getitem__", dying)  # (the workers are forks of this)
+    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
+               "batch_size": 4, "workers": 1}  # fmt: skip
+    stream = data_config(section).build(torch.device("cpu")).train
+    stream.set_epoch(0)
+    with pytest.raises(DataError, match=r"data.workers=1: a loader worker process died \("):
+        for _ in stream:
+            pass

@@ -503,6 +503,47 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
     assert s.images == 120 and 0 < s.resumed_shards < s.shards
 
 
+def test_a_pack_worker_that_dies_is_one_line_not_a_hang(shapes, tmp_path):
+    """A worker killed mid-shard (the OOM killer, a decoder's crash): the pool starts another,
+    but the shard never comes back, and the pack waited for it forever; now one line, exit
+    status 1, and the same command resumes."""
+    import sys
+    import textwrap
+
+    (tmp_path / "dying_shards.py").write_text(textwrap.dedent("""
+        import os, signal, cnnkit.data.pack_shard as shard
+        real = shard._write_records
+        def dying(job, out):  # shard 1's worker is killed; the others pack
+            if job.shard == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(job, out)
+        shard._write_records = dying
+    """))  # fmt: skip
+    script = textwrap.dedent(f"""
+        import cnnkit.data.pack as pack, dying_shards
+        chosen = pack._pool_context
+        def with_dying_shards():
+            ctx = chosen()
+            if ctx.get_start_method() == "forkserver":
+                ctx.set_forkserver_preload(["dying_shards", "cnnkit.data.pack"])
+            return ctx
+        pack._pool_context = with_dying_shards
+        real = pack.pack_folder
+        pack.pack_folder = lambda *a, **k: real(*a, shard_size=4, **k)  # 4 shards of 15 images
+        from cnnkit.cli import main
+        main(["pack", {str(shapes)!r}, {str(tmp_path / "p")!r}, "--size", "16", "-j", "2"])
+    """)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=120)  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("cnnkit: error: pack: a worker process died (killed by SIGKILL)")
+    assert "the same command resumes from them" in lines[0]
+    s = pack_folder(shapes, tmp_path / "p", size=16, shard_size=4, progress=False)
+    assert s.images == 15 and 0 < s.resumed_shards < s.shards
+
+
 def test_rgb_covariance_is_within_two_percent_of_every_pixels(shapes, tmp_path):
     """The cross-products come from a seventh of the pixels, centred on each image's exact
     mean: within 2% of numpy's covariance over every stored pixel (the uncentred estimate was

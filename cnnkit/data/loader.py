@@ -33,7 +33,7 @@ from cnnkit.data.device_decode import decode_batch
 from cnnkit.data.feed import DeviceFeed
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
 from cnnkit.data.slots import BufferPool, SlotRing
-from cnnkit.errors import ConfigError, DataError
+from cnnkit.errors import ConfigError, DataError, one_line
 from cnnkit.runtime import available_cores, torch_threads
 
 Mode = Literal["views", "crops", "whole", "encoded"]
@@ -253,7 +253,15 @@ class ImageBatches:
                             f"loader's workers ({e.strerror}): give the container more /dev/shm "
                             "(docker run --shm-size=8g), or lower data.workers, data.prefetch or "
                             "data.batch_size") from None  # fmt: skip
-        yield from batches
+        try:
+            yield from batches
+        except RuntimeError as e:  # torch's words for a worker that died (OOM killer, a crash)
+            if "DataLoader worker" not in str(e):
+                raise
+            raise DataError(f"data.workers={self.workers}: a loader worker process died "
+                            f"({one_line(e, 120)}): out of memory, or a crash decoding an "
+                            "image; lower data.workers or data.prefetch, or give it more "
+                            "memory") from None  # fmt: skip
 
     def release(self, batch: WorkerBatch, copied: torch.cuda.Event | None = None) -> None:
         """The batch's slot is read (or will be once `copied` completes): it may take another."""

@@ -159,12 +159,14 @@ def _run_jobs(jobs: list[PackJob], workers: int, total: int, done: int, show: bo
                 bar.advance(task, pack_shard(job)[1])
         return
     # the workers start before the progress bar's thread does
+    before = set(mp.active_children())
     with _pool_context().Pool(workers, initializer=_init_worker) as pool:
+        started = [p for p in mp.active_children() if p not in before]  # the pool's workers
         finished = pool.imap_unordered(pack_shard, jobs)
         with Progress(*columns, disable=not show, transient=False) as bar:
             task = bar.add_task("packing", total=total, completed=done)
             for _ in jobs:
-                bar.advance(task, _next_finished(finished)[1])
+                bar.advance(task, _next_finished(finished, started)[1])
 
 
 def _pool_context() -> Any:
@@ -182,16 +184,30 @@ def _pool_context() -> Any:
     return ctx
 
 
-def _next_finished(finished: Any) -> tuple[int, int]:
+class WorkerDied(Exception):
+    """A pack worker process ended mid-shard (the OOM killer, a crash in an image decoder): the
+    pool would start another, but that shard would never come back."""
+
+
+def _next_finished(finished: Any, workers: list[Any]) -> tuple[int, int]:
     """The next shard's (shard, images), waited for in 0.25 s slices: Ctrl-C's KeyboardInterrupt
     is raised between two of them, not only once a shard ends (an ImageNet shard takes seconds;
     Python runs the handler in the main thread only, so a signal that the kernel hands to one
-    of the pool's threads would otherwise wait for the next shard)."""
+    of the pool's threads would otherwise wait for the next shard); WorkerDied if one of the
+    pool's `workers` has ended (they live as long as the pool), instead of waiting forever."""
     while True:
         try:
             return finished.next(timeout=0.25)
         except mp.TimeoutError:
-            continue
+            dead = next((w for w in workers if w.exitcode is not None), None)
+            if dead is not None:
+                code = dead.exitcode
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+                raise WorkerDied(how) from None
+
+
+def _shards_done(dst: Path) -> int:
+    return len(list((dst / "shards").glob("[0-9]*.npz"))) if (dst / "shards").is_dir() else 0
 
 
 def _merge_markers(dst: Path, jobs: list[PackJob]) -> tuple[dict, dict, list, list]:
@@ -352,9 +368,14 @@ def pack_folder(
     except OSError as e:
         _tidy(dst, created, discard=not (dst / "plan.json").exists())
         raise _write_error(e, dst) from None
+    except WorkerDied as e:
+        _tidy(dst, created, discard=False)
+        raise DataError(f"pack: a worker process died ({e}): out of memory, or a crash decoding "
+                        f"an image; {_shards_done(dst)} shards done in {printable(str(dst))}, the "
+                        "same command resumes from them") from None  # fmt: skip
     except KeyboardInterrupt:
         _tidy(dst, created, discard=False)
-        done = len(list((dst / "shards").glob("[0-9]*.npz"))) if (dst / "shards").is_dir() else 0
+        done = _shards_done(dst)
         if not (dst / "plan.json").exists():
             raise Interrupted(
                 "pack interrupted before its first shard: nothing was packed"
