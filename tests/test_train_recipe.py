@@ -148,6 +148,33 @@ def test_random_erasing_boxes_per_image():
     assert torch.equal(random_erasing(x, p=0.0), x)
 
 
+def test_random_erasing_redraws_boxes_too_large_as_torchvision_does():
+    """A box as tall or wide as the image is drawn again (up to 10 times, then the image is
+    left alone), never clamped into a full-height or full-width strip."""
+    from torchvision.transforms import RandomErasing
+
+    torch.manual_seed(0)
+    x = torch.zeros(4000, 1, 16, 16)
+    erased = (random_erasing(x, p=1.0) != 0)[:, 0]
+    rows, cols = erased.any(2).sum(1), erased.any(1).sum(1)
+    assert ((rows == 16) | (cols == 16)).sum() == 0  # were about 1% of the boxes
+    ours = erased.flatten(1).float().mean(1).mean()
+    theirs = torch.stack([
+        RandomErasing(p=1.0, value="random")(x[0]).ne(0)[0].float().mean() for _ in range(2000)])  # fmt: skip
+    assert ours == pytest.approx(theirs.mean(), abs=0.01)  # the same boxes on average
+    big = random_erasing(x[:50], p=1.0, scale=(0.9, 1.0), ratio=(3.0, 3.3))
+    assert torch.equal(big, x[:50])  # no box fits: left as they are (as torchvision's)
+
+
+def test_a_policy_with_a_mean_image_is_refused():
+    from cnnkit.data import data_config
+    from cnnkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data: policy: trivialaugment takes normalize: channel"):
+        data_config({"source": "packed", "path": "p", "normalize": "mean_image",
+                     "policy": "trivialaugment"})  # fmt: skip
+
+
 def test_early_stop_ends_a_run_that_stopped_improving(tmp_path, capsys):
     run = {"name": "flat", "model": "digitnet", "seed": 0,
            "data": {"source": "synthetic", "shape": [1, 8, 8], "num_classes": 10,

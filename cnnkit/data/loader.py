@@ -100,6 +100,9 @@ class ImageSetConfig(DataConfigBase):
             raise ValueError(f"scale: need 0 < min <= max <= 1, got {self.scale}")
         if self.grey and self.normalize == "mean_image":
             raise ValueError("grey: takes normalize: channel (a grey mean image is not kept)")
+        if self.policy != "none" and self.normalize == "mean_image":
+            raise ValueError(f"policy: {self.policy} takes normalize: channel (it works on the "
+                             "pixels, which a crop's own part of the mean image hides)")  # fmt: skip
         return self
 
     def finish(self, bundle: DataBundle) -> DataBundle:

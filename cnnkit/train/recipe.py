@@ -77,19 +77,27 @@ def _column(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, device=device).view(1, -1, 1, 1)
 
 
+TRIES = 10  # boxes drawn per image for random erasing (torchvision's and timm's count)
+
+
 def random_erasing(x: torch.Tensor, p: float, scale: tuple[float, float] = (0.02, 1 / 3),
                    ratio: tuple[float, float] = (0.3, 3.3)) -> torch.Tensor:  # fmt: skip
     """Erase one random box per image with probability p, filled with normal noise (as timm's
-    'pixel' mode): boxes drawn per image, applied as one masked write for the batch."""
+    'pixel' mode): boxes drawn per image, applied as one masked write for the batch. As
+    torchvision's and timm's, up to TRIES boxes are drawn for an image and the first smaller
+    than it is erased; none (a large scale or a far aspect): the image is left as it is."""
     B, _, H, W = x.shape
     dev = x.device
-    area = torch.empty(B, device=dev).uniform_(*scale) * H * W
-    aspect = torch.exp(torch.empty(B, device=dev).uniform_(math.log(ratio[0]), math.log(ratio[1])))
-    h = (area * aspect).sqrt().round().clamp(1, H).long()
-    w = (area / aspect).sqrt().round().clamp(1, W).long()
+    area = torch.empty(B, TRIES, device=dev).uniform_(*scale) * H * W
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    aspect = torch.exp(torch.empty(B, TRIES, device=dev).uniform_(*log_ratio))
+    hs, ws = (area * aspect).sqrt().round().long(), (area / aspect).sqrt().round().long()
+    fits = (hs < H) & (ws < W)
+    first = fits.to(torch.uint8).argmax(1, keepdim=True)  # the first that fits (0 if none)
+    h, w = hs.gather(1, first).squeeze(1), ws.gather(1, first).squeeze(1)
     top = (torch.rand(B, device=dev) * (H - h + 1)).long()
     left = (torch.rand(B, device=dev) * (W - w + 1)).long()
-    on = torch.rand(B, device=dev) < p
+    on = (torch.rand(B, device=dev) < p) & fits.any(1)
     rows = torch.arange(H, device=dev).view(1, H, 1)
     cols = torch.arange(W, device=dev).view(1, 1, W)
     inside = (rows >= top.view(B, 1, 1)) & (rows < (top + h).view(B, 1, 1))
