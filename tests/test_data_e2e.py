@@ -92,6 +92,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["synth", "shapes", str(tmp_path / "s"), "--classes", "0"], 2),
         (["synth", "shapes", str(tmp_path / "mine")], 2),  # not empty: never overwritten
         (["synth", "shapes", str(tmp_path / "s"), "--size", "0"], 2),
+        (["synth", "shapes", str(tmp_path / "s"), "--seed", "-1"], 2),  # (was numpy's traceback)
+        (["synth", "shapes", str(tmp_path / "s"), "--size", "100000"], 2),  # no pack would take it
         (["pack", str(tmp_path / "mine"), str(tmp_path / "afile")], 2),  # not a folder
         (["bench", "loader", str(tmp_path / "missing")], 1),
         (["bench", "loader", str(tmp_path), "--crop", "0"], 2),
@@ -102,12 +104,34 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert e.value.code == code
         err = capsys.readouterr().err
         assert err.startswith("cnnkit: error: ") and err.count("\n") == 1
-        if "--size" in argv:  # the option given, and only it
+        if "--size" in argv and "0" in argv:  # the option given, and only it
             assert err == "cnnkit: error: --size must be >= 8 (got 0)\n"
         if "half" in argv[-1]:
             assert "(interrupted? run cnnkit pack again to resume)" in err
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
     assert (tmp_path / "afile").read_text() == "keep"
+    assert not (tmp_path / "s").exists()  # nothing made for a refused set: a retry may use it
+
+
+def test_an_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
+    """The set is written beside DST and renamed into place whole: a Ctrl-C leaves no half set
+    that the same command then refuses as not empty."""
+    from cnnkit.data import synth
+
+    real = synth.draw_example
+
+    def interrupted(rng, k, size):
+        if k == 1:
+            raise KeyboardInterrupt
+        return real(rng, k, size)
+
+    monkeypatch.setattr(synth, "draw_example", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        synth.synth_shapes(tmp_path / "s", classes=3, per_class=2, size=16, workers=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert synth.synth_shapes(tmp_path / "s", classes=3, per_class=2, size=16, workers=1)
+    assert len(list((tmp_path / "s").rglob("*.JPEG"))) == 6
 
 
 def test_the_synthetic_held_out_set_is_the_same_whatever_the_training_set():

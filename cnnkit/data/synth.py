@@ -7,11 +7,14 @@ from __future__ import annotations
 import colorsys
 import math
 import multiprocessing as mp
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
+from cnnkit.data.decode import MAX_PIXELS
 from cnnkit.errors import ConfigError
 from cnnkit.runtime import available_cores
 
@@ -119,16 +122,30 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
         raise ConfigError(f"--per-class must be >= 1 (got {per_class})")
     if size < 8:
         raise ConfigError(f"--size must be >= 8 (got {size})")
-    if Path(dst).exists() and (not Path(dst).is_dir() or any(Path(dst).iterdir())):
-        what = "not empty" if Path(dst).is_dir() else "exists and is not a folder"
+    if size * (size * 4 // 3) > MAX_PIXELS:  # sides up to 4/3 x size: none a pack would refuse
+        raise ConfigError(f"--size {size}: its images would be over the limit of "
+                          f"{MAX_PIXELS:,} pixels")  # fmt: skip
+    if seed < 0:
+        raise ConfigError(f"--seed must be >= 0 (got {seed})")
+    final = Path(dst)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        what = "not empty" if final.is_dir() else "exists and is not a folder"
         raise ConfigError(f"{dst}: {what} (synth writes a new set: give a new folder)")
     names = class_names(classes)
-    jobs = [(str(dst), k, name, per_class, size, seed, quality) for k, name in enumerate(names)]
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = final.parent / f".{final.name}.partial"  # the whole set, or nothing, at DST
+    shutil.rmtree(work, ignore_errors=True)  # an interrupted one's
+    jobs = [(str(work), k, name, per_class, size, seed, quality) for k, name in enumerate(names)]
     workers = min(workers or available_cores(), len(jobs))
-    if workers <= 1 or per_class * classes < 64:  # a pool costs more than it saves
-        for job in jobs:
-            _write_class(job)
-        return names
-    with mp.Pool(workers) as pool:  # the platform default: fork on Linux (no re-import)
-        pool.map(_write_class, jobs)
+    try:
+        if workers <= 1 or per_class * classes < 64:  # a pool costs more than it saves
+            for job in jobs:
+                _write_class(job)
+        else:
+            with mp.Pool(workers) as pool:  # the platform default: fork on Linux (no re-import)
+                pool.map(_write_class, jobs)
+        os.replace(work, final)  # (over DST where it is an empty folder)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     return names
