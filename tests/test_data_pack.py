@@ -135,6 +135,10 @@ def test_flat_val_folder_with_label_file(shapes, tmp_path):
     assert labels.tolist() == [0, 1, 2] and bundle.classes == sorted(
         p.name for p in shapes.iterdir()
     )
+    from cnnkit.data.scan import read_label_file
+
+    (tmp_path / "commas.txt").write_text("img,1.jpg cat\nimg 2.jpg dog\n")  # names, not CSV
+    assert read_label_file(tmp_path / "commas.txt") == {"img,1.jpg": "cat", "img 2.jpg": "dog"}
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\n")  # not text: one line, not a traceback
     with pytest.raises(DataError, match="not a UTF-8 text file"):
         pack_folder(flat, tmp_path / "bad", size=16, labels_file=tmp_path / "binary.txt",

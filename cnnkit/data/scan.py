@@ -217,9 +217,10 @@ def _empty_class(src: Path, name: str, skipped: list[tuple[str, str]]) -> str:
 
 def read_label_file(path: Path) -> dict[str, str]:
     """File name (or stem) -> class name, from `NAME CLASS` lines (the class is the last word,
-    so names may hold spaces) or a `NAME,CLASS ...` CSV (Kaggle's LOC_val_solution.csv: the
-    first word of the second column is the class). A name given two different classes is an
-    error; a UTF-8 byte-order mark is allowed."""
+    so names may hold spaces, and commas) or, in a .csv file or one with Kaggle's `ImageId,`
+    header, `NAME,CLASS ...` rows (LOC_val_solution.csv: the first word of the second column is
+    the class). A name given two different classes is an error; a UTF-8 byte-order mark is
+    allowed."""
     if not path.is_file():
         raise DataError(f"{path}: label file not found")
     try:
@@ -229,10 +230,11 @@ def read_label_file(path: Path) -> dict[str, str]:
                         "'FILENAME CLASS' lines") from None  # fmt: skip
     mapping: dict[str, str] = {}
     lines: dict[str, int] = {}
+    csv = path.suffix.lower() == ".csv" or text.lstrip().startswith("ImageId,")
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("ImageId,"):
             continue
-        if "," in line:
+        if csv:
             name, _, rest = line.partition(",")
             label = rest.split()[0] if rest.split() else ""
         else:
