@@ -83,9 +83,9 @@ class TrainConfig(Section):
         "auto", description="auto: the fastest measured here (fp16 only on CUDA)"
     )
     channels_last: bool | Literal["auto"] | None = Field(
-        None, description="None or auto: the faster one measured"
+        None, description="null or auto: the faster one measured"
     )
-    threads: PositiveInt | None = Field(None, description="CPU threads (None: the faster measured)")
+    threads: PositiveInt | None = Field(None, description="CPU threads (null: the faster measured)")
     calibrate: bool = Field(
         True, description="auto settings by a short timing on this machine, cached (false: rules)"
     )

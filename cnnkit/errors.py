@@ -52,6 +52,13 @@ _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
 _REPR.maxlevel = 3
 
 
+def _as_written(value: object) -> str:
+    """A value echoed back as a YAML file or key=value override spells it: true, false, null."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return brief(value)
+
+
 def brief(value: object, limit: int = 40) -> str:
     """`repr(value)` cut to about `limit` characters, for echoing user input in a message
     (reprlib never walks all of a huge or alias-shared structure)."""
@@ -79,7 +86,7 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
     if "input" in err and err["type"] not in ("extra_forbidden", "missing", "value_error"):
-        msg += f" (got {brief(err['input'])})"
+        msg += f" (got {_as_written(err['input'])})"
     return parts, msg
 
 

@@ -76,11 +76,13 @@ def test_kernel_larger_than_input_exits_2_naming_the_layer(tmp_path):
     ]
 
 
-def test_debug_shows_the_traceback(tmp_path, capsys):
-    from cnnkit import ConfigError
-
-    with pytest.raises(ConfigError):
+def test_debug_shows_the_traceback_and_keeps_the_exit_status(tmp_path, capsys):
+    """--debug adds the traceback; a script sees the status the one line would have had."""
+    with pytest.raises(SystemExit) as e:
         main(["--debug", "info", str(tmp_path / "missing.yaml")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback (most recent call last)" in err
+    assert "ConfigError" in err and "missing.yaml" in err
 
 
 def test_usage_error_exits_2(capsys):

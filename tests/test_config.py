@@ -77,7 +77,7 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
         # YAML's on / off / yes / no are booleans: never read as 1 and 0 where a number goes
         (
             {"train": {"epochs": True}},
-            r"train.epochs: Input should be a number, not true or false \(got True\)",
+            r"train.epochs: Input should be a number, not true or false \(got true\)",  # YAML's
         ),
         ({"train": {"grad_clip": False}}, "train.grad_clip: Input should be a number"),
         ({"train": {"milestones": [5, True]}}, "train.milestones: Input should be a number"),
@@ -91,10 +91,20 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
         ),
         ({"seed": False}, "seed: Input should be a number"),
         # nor text ('3', quoted in YAML) nor, where a whole number goes, a float (lax mode's)
-        ({"train": {"epochs": "3"}}, r"train.epochs: Input should be a number, not text"),
+        (
+            {"train": {"epochs": "3"}},
+            r"train.epochs: Input should be a number, not text \(write it without quotes\)",
+        ),
+        (
+            {"train": {"epochs": "abc"}},
+            r"train.epochs: Input should be a number, not text \(got 'abc'\)",
+        ),  # no quotes to drop
         ({"train": {"early_stop": 1.0}}, r"train.early_stop: Input should be a whole number"),
         ({"train": {"milestones": [5, "9"]}}, r"train.milestones: Input should be a number"),
-        ({"name": True}, "name: Input should be a valid string"),  # not a number field: pydantic's
+        (
+            {"name": True},
+            "name: Input should be a valid string \\(got true\\)",
+        ),  # not a number field: pydantic's
         ({"name": "run\n"}, "name: use letters, digits"),  # (a folder named with a newline)
         ({"train": {"device": "cpu\n"}}, r"train.device: 'cpu\\n' is not one of auto"),
         ({"train": {"optimizer": True}}, "train.optimizer: Input should be 'sgd'"),

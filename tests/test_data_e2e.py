@@ -130,6 +130,10 @@ def test_an_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
         synth.synth_shapes(tmp_path / "s", classes=3, per_class=2, size=16, workers=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     monkeypatch.undo()
+    if Path("/proc/self").exists():  # a folder where nothing can be made: named as given
+        with pytest.raises(OSError) as e:
+            synth.synth_shapes("/proc/cnnkit-x", classes=1, per_class=1, size=8, workers=1)
+        assert str(e.value.filename).startswith("/proc/cnnkit-x")
     assert synth.synth_shapes(tmp_path / "s", classes=3, per_class=2, size=16, workers=1)
     assert len(list((tmp_path / "s").rglob("*.JPEG"))) == 6
 

@@ -11,6 +11,7 @@ import errno
 import os
 import re
 import sys
+import traceback
 
 import typer
 
@@ -100,6 +101,12 @@ def _other_rank() -> bool:
     return bool(os.environ.get("CNNKIT_NPROC")) and os.environ.get("RANK", "0") != "0"
 
 
+def _traceback_exit(code: int) -> None:
+    """--debug: the traceback, then the exit status the one line would have had."""
+    traceback.print_exc()
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code.
 
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except click_errors.ClickException as e:  # a bad option, value or command: one line
         if debug:
-            raise
+            _traceback_exit(e.exit_code)
         ctx = getattr(e, "ctx", None)  # usage errors know the command: point at its help
         see = f" (see {ctx.command_path} --help)" if ctx is not None else ""
         message = e.format_message().rstrip(".")
@@ -125,25 +132,27 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except typer.Abort:  # typer's name for an EOFError inside a command (a peer lost, ...)
         if debug:
-            raise
+            _traceback_exit(1)
         print("cnnkit: error: aborted (end of input: --debug shows where)", file=sys.stderr)
         sys.exit(1)
     except CnnkitError as e:
         if debug:
-            raise
+            _traceback_exit(e.exit_code)
         kind = "" if isinstance(e, Interrupted) else "error: "
         if not (isinstance(e, (ConfigError, Interrupted)) and _other_rank()):
             print(f"cnnkit: {kind}{e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training step
         if debug:
-            raise
+            _traceback_exit(130)
         if not _other_rank():
             print("cnnkit: interrupted", file=sys.stderr)
         sys.exit(130)
     except OSError as e:  # a full disk, a read-only or missing folder: one line
-        if debug or (e.errno not in DISK_ERRORS and e.errno not in PATH_ERRORS):
+        if e.errno not in DISK_ERRORS and e.errno not in PATH_ERRORS:
             raise
+        if debug:
+            _traceback_exit(1)
         name = str(e.filename) if e.filename else ""
         where = f"{name if len(name) <= 120 else name[:60] + '...' + name[-40:]}: " if name else ""
         kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""

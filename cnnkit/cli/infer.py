@@ -45,8 +45,8 @@ def classify(
     """Print the top classes and probabilities of each image; exit status 1 if any image failed.
 
     In folders, files that are not images (by name, type or duplicate link) are skipped and
-    named on stderr, which is no failure; a folder without any image is one, and so is finding
-    no image at all.
+    named on stderr, which is no failure; a folder without any image is a failure, and so is
+    finding no image at all.
     """
     from cnnkit.data.scan import printable, report_skipped
     from cnnkit.distributed import resolve_device

@@ -8,6 +8,7 @@ x = (x - mean) / std with mean and std per channel in 0-255 units.
 from __future__ import annotations
 
 import itertools
+import re
 import types
 import typing
 from collections.abc import Iterator
@@ -64,7 +65,8 @@ def _not_a_number(annotation: Any, value: Any) -> str | None:
     if isinstance(value, bool):
         return "Input should be a number, not true or false"
     if kinds == {int} and isinstance(value, str):  # a float field takes PyYAML's '1e-3'
-        return "Input should be a number, not text (write it without quotes)"
+        quoted = re.fullmatch(r"\s*[-+]?\d+(\.\d*)?([eE][-+]?\d+)?\s*", value)
+        return "Input should be a number, not text" + (" (write it without quotes)" * bool(quoted))
     if kinds == {int} and isinstance(value, float) and value.is_integer():
         return "Input should be a whole number, not a float"  # others: pydantic's message
     return None

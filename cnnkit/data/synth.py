@@ -145,7 +145,10 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
             with mp.Pool(workers) as pool:  # the platform default: fork on Linux (no re-import)
                 pool.map(_write_class, jobs)
         os.replace(work, final)  # (over DST where it is an empty folder)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
+        name = str(getattr(e, "filename", None) or "")
+        if isinstance(e, OSError) and name.startswith(str(work)):  # said of DST, not the scratch
+            raise OSError(e.errno, e.strerror, str(final) + name[len(str(work)) :]) from None
         raise
     return names

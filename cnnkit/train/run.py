@@ -300,7 +300,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
         f"{engine.device}{many} ({engine.settings.describe(config.train.threads)}), "
         f"{data.train.num_samples} train / {data.val.num_samples} held-out images, "
-        f"{len(data.train)} steps an epoch from epoch "
+        f"{len(data.train)} step{'s' * (len(data.train) != 1)} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
     return {"dry_run": True, "name": config.name, "run_dir": str(run_dir),

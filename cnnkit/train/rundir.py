@@ -194,7 +194,7 @@ def in_use(run_dir: Path, job: str | None = None) -> str | None:
     if _stale(holder, job):
         return None
     return (f"{run_dir}: in use by another run (pid {holder.get('pid')} on {holder.get('host')} "
-            f"since {holder.get('since')}); let it finish or use another --out")  # fmt: skip
+            f"since {holder.get('since')}); let it finish (a new run: give another --out)")  # fmt: skip
 
 
 @contextmanager
