@@ -158,10 +158,10 @@ def test_random_erasing_redraws_boxes_too_large_as_torchvision_does():
     erased = (random_erasing(x, p=1.0) != 0)[:, 0]
     rows, cols = erased.any(2).sum(1), erased.any(1).sum(1)
     assert ((rows == 16) | (cols == 16)).sum() == 0  # were about 1% of the boxes
-    ours = erased.flatten(1).float().mean(1).mean()
+    ours = erased.flatten(1).float().mean(1).mean().item()
     theirs = torch.stack([
         RandomErasing(p=1.0, value="random")(x[0]).ne(0)[0].float().mean() for _ in range(2000)])  # fmt: skip
-    assert ours == pytest.approx(theirs.mean(), abs=0.01)  # the same boxes on average
+    assert ours == pytest.approx(theirs.mean().item(), abs=0.01)  # the same boxes on average
     big = random_erasing(x[:50], p=1.0, scale=(0.9, 1.0), ratio=(3.0, 3.3))
     assert torch.equal(big, x[:50])  # no box fits: left as they are (as torchvision's)
 
