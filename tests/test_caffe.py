@@ -507,7 +507,9 @@ def test_prelu_and_scale_keep_their_learning_rate_and_decay_multipliers():
                    "scale_param { bias_term: true filler { value: 0.5 } }")  # fmt: skip
     text += _layer("pr", "PReLU", ["bn"], "pr", slope)
     text += _layer("bn2", "BatchNorm", ["pr"], "bn2")
-    text += _layer("g", "Scale", ["bn2"], "g", "param { lr_mult: 0 }")  # x * gamma: its layer
+    text += _layer(
+        "g", "Scale", ["bn2"], "g", "param { lr_mult: 0 } scale_param { bias_filler { value: 3 } }"
+    )  # x * gamma, its layer (a bias filler unused, as in Caffe)
     net = build_model(translate(parse_prototxt(text)))
     assert _mults(net, "bn.weight") == (1.0, 0.0) and _mults(net, "bn.bias") == (3.0, 1.0)
     assert _mults(net, "pr.weight") == (2.0, 0.0) and _mults(net, "g.weight") == (0.0, 1.0)

@@ -74,11 +74,15 @@ def learning(here: str, layer: Message, p: Message, notes: list[str]) -> dict[st
     """lr_mult / decay_mult from `param {}` blocks and init from the fillers (what cnnkit
     initialises otherwise is added to notes)."""
     out = multipliers(here, layer, ("weight", "bias"))
-    init = {n: filler(here, p.get(f"{n}_filler"), notes) for n in ("weight", "bias")}
+    return {**out, **fillers(here, p, {"weight": "weight_filler", "bias": "bias_filler"}, notes)}
+
+
+def fillers(here: str, p: Message, blocks: dict[str, str], notes: list[str]) -> dict[str, Any]:
+    """`{"init": {param: rule}}` from the filler blocks of `p` named by `blocks` (param ->
+    field), those given only; {} where none is (cnnkit's default init, as Caffe's default)."""
+    init = {n: filler(here, p.get(field), notes) for n, field in blocks.items()}
     init = {n: rule for n, rule in init.items() if rule is not None}
-    if init:
-        out["init"] = init
-    return out
+    return {"init": init} if init else {}
 
 
 def multipliers(here: str, layer: Message, blobs: tuple[str, ...]) -> dict[str, Any]:

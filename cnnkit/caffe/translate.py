@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from cnnkit.caffe.deploy import deployed_layers, layer_type, sole_readers
 from cnnkit.caffe.fields import (
     as_integer,
-    filler,
+    fillers,
     flag,
     integer,
     learning,
@@ -375,10 +375,8 @@ class _Translator:
                 f"only (axis 1, num_axes 1), not axis {axis}, num_axes {count}")  # fmt: skip
         bias = flag(self.here, p, "bias_term", False)
         learned = multipliers(self.here, layer, ("weight", "bias") if bias else ("weight",))
-        init = {n: filler(self.here, p.get(f), self.notes)
-                for n, f in (("weight", "filler"), ("bias", "bias_filler"))}  # fmt: skip
-        init = {n: rule for n, rule in init.items() if rule is not None}  # Caffe's: 1 and 0
-        given = {"init": init} if init else {}
+        blocks = {"weight": "filler", "bias": "bias_filler"} if bias else {"weight": "filler"}
+        given = fillers(self.here, p, blocks, self.notes)  # Caffe's defaults: 1 and 0
         if not bias:  # x * gamma
             name = self._emit(layer, {"type": "scale", **learned, **given})
             self.sources[name] = [(caffe_name, "channel_scale")]
@@ -392,7 +390,7 @@ class _Translator:
             why = "Scale with bias_term beside another reader of its (N, F) BatchNorm output"
             require(self.here, len(shape) == 3, f"{why}: cnnkit cannot express it")
             conv = {"type": "conv", "out_channels": shape[0], "kernel_size": 1, "groups": shape[0],
-                    "init": {"weight": 1.0, "bias": 0.0, **init}, **learned}  # fmt: skip
+                    "init": {"weight": 1.0, "bias": 0.0, **given.get("init", {})}, **learned}  # fmt: skip
             self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
 
     def _split(self, layer: Message, last: bool) -> None:
