@@ -69,6 +69,20 @@ def test_a_resumed_run_keeps_tensorboards_points_from_before_its_checkpoint(tmp_
         (20, 1.0), (40, 1.0), (60, 1.0), (80, 2.0), (100, 2.0)]  # fmt: skip
     assert [(e.step, e.value) for e in events.Scalars("epoch")] == [(44, 1.0), (88, 2.0)]
     assert [e.step for e in events.Scalars("val/top1")] == [44, 88]
+    tags = set(events.Tags()["scalars"])  # the other columns under epoch/, not made-up sections
+    assert {"train/loss", "val/top5", "epoch/lr", "epoch/images_per_second"} <= tags
+    assert not {"images/per_second", "data/wait", "lr"} & tags
+
+
+def test_metrics_csv_keeps_the_moving_averages_columns_after_a_resume_turns_it_off(tmp_path):
+    row = {k: 0.5 for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "lr",
+                            "images_per_second", "seconds", "data_wait")}  # fmt: skip
+    ema = {"val_loss_ema": 0.4, "val_top1_ema": 0.6, "val_top5_ema": 0.9}
+    log = RunLog(tmp_path, [{**row, **ema, "epoch": 1}, {**row, "epoch": 2}], tensorboard=False)
+    log.write_epoch()
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert lines[0].endswith(",val_loss_ema,val_top1_ema,val_top5_ema")
+    assert lines[1].endswith(",0.4,0.6,0.9") and lines[2].endswith(",,,")
 
 
 class Killed(BaseException):

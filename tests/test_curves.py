@@ -39,6 +39,12 @@ def test_every_point_is_drawn_even_at_zero_error():
     assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train", "val"]
 
 
+def test_the_epoch_axis_has_whole_epochs_only():
+    for epochs in (2, 3, 7):
+        for ax in curves_figure(history(epochs)).axes:
+            assert all(float(t).is_integer() for t in ax.get_xticks()), (epochs, ax.get_xticks())
+
+
 def test_curves_png_is_laptop_sized(tmp_path):
     path = tmp_path / "curves.png"
     plot_curves(history(1), path)  # one epoch: no division by zero, no empty axes

@@ -54,7 +54,7 @@ class RunLog:
         if self._writer() is not None:
             self.tb.add_scalar("epoch", row["epoch"], global_step)
             for key in (k for k in COLUMNS[1:] + EMA_COLUMNS if k in row):
-                self.tb.add_scalar(key.replace("_", "/", 1), row[key], global_step)
+                self.tb.add_scalar(tensorboard_tag(key), row[key], global_step)
             self.tb.flush()
 
     def write_epoch(self, final: bool = False) -> None:
@@ -99,10 +99,17 @@ class RunLog:
                 self.tb.close()
 
 
+def tensorboard_tag(key: str) -> str:
+    """An epoch column's TensorBoard tag: train_loss -> train/loss, val_top1_ema ->
+    val/top1_ema; the others under epoch/ (epoch/lr, epoch/images_per_second)."""
+    split, _, rest = key.partition("_")
+    return f"{split}/{rest}" if split in ("train", "val") and rest else f"epoch/{key}"
+
+
 def write_csv(path: Path, rows: list[dict[str, float]]) -> None:
     """All rows, written to a temporary file and renamed (the moving average's columns too,
-    when the run keeps one)."""
-    columns = COLUMNS + [k for k in EMA_COLUMNS if rows and k in rows[-1]]
+    when any epoch has them: a resume that turns the average off keeps the earlier values)."""
+    columns = COLUMNS + [k for k in EMA_COLUMNS if any(k in row for row in rows)]
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
@@ -129,7 +136,7 @@ def curves_figure(history: list[dict[str, float]]):
     in %, so that an epoch at 0% stays in the picture) train vs validation, learning rate.
     The margins are fixed: a layout engine measuring every label doubled the drawing's time."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import PercentFormatter
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
 
     epochs = [r["epoch"] for r in history]
     fig = Figure(figsize=(12, 4))
@@ -150,6 +157,7 @@ def curves_figure(history: list[dict[str, float]]):
     lr.set(ylabel="learning rate", title="learning rate")
     for ax in (loss, error, lr):
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no ticks at half epochs
         ax.grid(alpha=0.3)
     loss.legend()
     error.legend()
