@@ -345,6 +345,10 @@ def _keep_best(run_dir: Path, rounds: list[dict], seconds: float, quiet: bool) -
             with open(item, "rb") as f, atomic(run_dir / item.name) as out:
                 shutil.copyfileobj(f, out)
             shutil.copystat(item, run_dir / item.name)
+    kept = {item.name for item in source.iterdir()}
+    for other in run_dir.glob("round-*/*"):  # what an earlier kept round put there (its own
+        if other.name not in kept and (run_dir / other.name).is_file():  # TensorBoard file,
+            (run_dir / other.name).unlink()  # best_ema.pt): the run's files are one round's
     summary.update(run_dir=str(run_dir), chosen_round=best["round"], rounds=rounds)
     summary["wall_seconds"] = round(seconds, 3)  # every round's training and mining
     write_summary(run_dir / "summary.json", summary)

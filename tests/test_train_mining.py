@@ -226,3 +226,28 @@ def test_mining_run_resumed_on_several_processes_is_refused(tmp_path):
     dump_run(load_run(quick_run()), run / "config.yaml")
     with pytest.raises(ConfigError, match="mining runs in one process"):
         train_command(None, [], None, run, True, 2, 0, False)
+
+
+def test_a_newly_kept_round_leaves_none_of_the_old_rounds_files(tmp_path):
+    """A resume whose best round differs from the one kept before: the run's files are then the
+    new round's only (its TensorBoard file has a name of its own; no stale best_ema.pt)."""
+    for r, files in (
+        (0, ("events.out.tfevents.1.a", "best_ema.pt")),
+        (1, ("events.out.tfevents.2.b",)),
+    ):
+        folder = tmp_path / f"round-{r}"
+        folder.mkdir()
+        for name in (*files, "metrics.csv", "config.yaml"):
+            (folder / name).write_text(f"{r}")
+        (folder / "summary.json").write_text(json.dumps({"round_made": r}))
+    rows = [
+        {"round": r, "val_top1": 0.99, "faces_over_clutter": beat}
+        for r, beat in ((0, 0.9), (1, 0.1))
+    ]
+    mining._keep_best(tmp_path, rows, 1.0, quiet=True)
+    assert (tmp_path / "best_ema.pt").exists() and (tmp_path / "events.out.tfevents.1.a").exists()
+    rows[1]["faces_over_clutter"] = 0.95  # the resumed run's rounds: round 1 now wins
+    summary = mining._keep_best(tmp_path, rows, 2.0, quiet=True)
+    assert summary["chosen_round"] == 1 and (tmp_path / "metrics.csv").read_text() == "1"
+    files = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert files == ["events.out.tfevents.2.b", "metrics.csv", "summary.json"]
