@@ -215,6 +215,13 @@ def test_cli_detect_bad_inputs_are_one_line(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "use one of" in err
     code, _, err = run_cli(["detect", "facenet", str(tmp_path / "ok.png")], capsys)  # fresh weights
     assert code == 2 and err.count("\n") == 1 and "a network without trained weights" in err
+    before = (tmp_path / "ok.png").read_bytes()
+    code, _, err = run_cli(
+        [*args, str(tmp_path / "ok.png"), "-o", str(tmp_path / "ok.png")], capsys
+    )
+    assert code == 2 and "is the input" in err and (tmp_path / "ok.png").read_bytes() == before
+    code, _, err = run_cli([*args, str(tmp_path / "ok.png"), "-o", str(tmp_path)], capsys)
+    assert code == 2 and f"e.g. {tmp_path / 'boxes.png'}" in err
 
 
 @pytest.mark.parametrize("layers,message", [

@@ -113,7 +113,7 @@ def export(
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
 
-    _writable(out, target, _weights_of(target))
+    _writable(out, target, _weights_of(target), example="model.onnx")
     fmt = export_format(out, fmt)
     from cnnkit.checkpoint import is_checkpoint
 
@@ -156,7 +156,7 @@ def import_caffe(
     from cnnkit.errors import ConfigError
     from cnnkit.nn import build_model
 
-    _writable(out, prototxt, caffemodel)
+    _writable(out, prototxt, caffemodel, example="net.yaml")
     if caffemodel is not None and out is None:
         raise ConfigError(
             "import-caffe with a .caffemodel needs -o NET.yaml: its weights go beside it"
@@ -193,7 +193,7 @@ def show_net(
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import NET_SUFFIXES, check_suffix, draw_net
 
-    _writable(out)
+    _writable(out, net, example="net.png")
     check_suffix(out, NET_SUFFIXES)
     loaded = load_for_inference(net)
     draw_net(loaded.model, out)
@@ -208,7 +208,7 @@ def show_filters(
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters
 
-    _writable(out)
+    _writable(out, target, example="filters.png")
     check_suffix(out, IMAGE_SUFFIXES)
     shape = draw_filters(load_for_inference(target).model, out)
     typer.echo(f"wrote {out}: {shape[0]} filters of {shape[1]}x{shape[2]}x{shape[3]}")
@@ -243,7 +243,7 @@ def detect(
     from cnnkit.runtime import keep_freed_memory
 
     keep_freed_memory()  # window batch after window batch: the same large buffers
-    _writable(out)
+    _writable(out, target, image, example="boxes.png")
     if out is not None:
         check_suffix(out, IMAGE_SUFFIXES)  # before the search, not after it
     picture = to_hwc(image)
@@ -263,18 +263,17 @@ def detect(
         typer.echo(f"wrote {out}: {len(boxes)} boxes", err=as_json)
 
 
-def _writable(out: Path | None, *inputs: str | Path | None) -> None:
-    """One clear line instead of a traceback when -o points into a missing folder or names one,
-    and instead of overwriting a file the command reads (`inputs`)."""
+def _writable(out: Path | None, *inputs: str | Path | None, example: str) -> None:
+    """One clear line instead of a traceback when -o points into a missing folder or names one
+    (`example`: a file name to suggest in it), and instead of overwriting a file the command
+    reads (`inputs`)."""
     from cnnkit.errors import ConfigError
 
     for given in inputs:
         if out is not None and given is not None and _same_file(out, Path(given)):
             raise ConfigError(f"-o {out}: is the input {given}; give the output a name of its own")
     if out is not None and out.is_dir():
-        raise ConfigError(
-            f"-o {out}: is a folder; give the file to write (e.g. {out / 'model.onnx'})"
-        )
+        raise ConfigError(f"-o {out}: is a folder; give the file to write (e.g. {out / example})")
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
     if out is not None:  # before any work
