@@ -20,6 +20,7 @@ from cnnkit.infer.detect import (
     draw_boxes,
     iou_of,
     mine_hard_negatives,
+    score_maps,
     sliding_net,
 )
 from cnnkit.infer.load import Loaded, load_for_inference, save_safetensors
@@ -86,6 +87,28 @@ def test_boxes_land_on_the_bright_square_in_original_pixels(tmp_path, padded):
     draw_boxes(image, boxes, tmp_path / "boxes.png")
     drawn = np.asarray(Image.open(tmp_path / "boxes.png"))
     assert drawn.shape == (32, 32, 3) and (drawn[..., 0] > drawn[..., 2]).any()  # red boxes
+
+
+@pytest.mark.parametrize("side", [(102, 102), (101, 97), (64, 120)])
+def test_every_box_lies_inside_the_image_when_pools_round_up(side):
+    """A ceil_mode pool adds a row or column of windows that would reach past the image's edge
+    where its size is not a whole number of strides: those windows are not scored."""
+    torch.manual_seed(0)
+    spec = {"input": [1, 27, 27], "layers": [
+        {"type": "conv", "out_channels": 4, "kernel_size": 3}, {"type": "relu"},
+        {"type": "maxpool", "kernel_size": 3, "stride": 2, "ceil_mode": True},
+        {"type": "conv", "out_channels": 4, "kernel_size": 3},
+        {"type": "maxpool", "kernel_size": 3, "stride": 2, "ceil_mode": True},
+        {"type": "flatten"}, {"type": "linear", "out_features": 2}]}  # fmt: skip
+    loaded = Loaded(build_model(spec).eval(), ["background", "face"],
+                    Preprocess(1, 27, mean=[0.0], std=[255.0]), "test")  # fmt: skip
+    image = np.random.default_rng(0).integers(0, 256, side, dtype=np.uint8)
+    h, w = side
+    for scale, slider, odds in score_maps(loaded, image, [1.0, 0.6], 1):
+        size = (round(h * scale), round(w * scale))
+        assert odds.shape == tuple((n - 27) // slider.stride + 1 for n in size), scale
+    boxes = detect(loaded, image, threshold=0.0, iou=1.0, min_face=27, top=100000)
+    assert boxes and max(b.x1 for b in boxes) <= w + 1e-3 and max(b.y1 for b in boxes) <= h + 1e-3
 
 
 def test_the_smallest_face_searched_is_one_and_a_half_windows_by_default():
