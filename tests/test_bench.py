@@ -210,8 +210,10 @@ def test_cli_cuda_without_gpu_exits_2(capsys):
 
 @pytest.mark.slow
 def test_baseline_is_timed_in_the_same_run_and_compared():
-    r = bench_throughput(TINY, "train", 4, CPU, repeats=2, quick_peak=True, baseline=True)
+    r = bench_throughput(TINY, "train", 4, CPU, repeats=2, quick_peak=True, baseline=True,
+                         threads=1)  # fmt: skip
     b = r["baseline"]
+    assert r["threads"] == b["threads"] == r["careful"]["threads"] == 1  # as cnnkit's side runs
     assert b["name"] == "plain tiny fp32 NCHW" and b["step"]["repeats"] == r["step"]["repeats"]
     assert r["speedup_vs_baseline"] == pytest.approx(b["step_ms"] / r["step_ms"])
     c = r["careful"]

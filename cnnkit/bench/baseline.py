@@ -115,13 +115,15 @@ class PlainProcess:
     """The plain loop in a fresh Python process, as a user's own script runs it: none of the
     process-wide settings the `cnnkit` command starts with (cnnkit.runtime) reach it. Calling
     the object runs one step there and returns when it is done, so it times like a step here.
+    `threads`: the CPU threads of the side it is compared with (a fresh process's default would
+    be the core count, whatever cnnkit's side runs on).
     """
 
     def __init__(self, model: Network, mode: str, batch: int, device: torch.device,
-                 peer: str = "plain", block: int = 1):  # fmt: skip
+                 peer: str = "plain", block: int = 1, threads: int | None = None):  # fmt: skip
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
-        threads = torch.get_num_threads()  # the same CPU threads as the side it is compared with
+        threads = threads or torch.get_num_threads()
         args = (
             child,
             model.spec,
@@ -136,7 +138,7 @@ class PlainProcess:
         self._process = context.Process(target=_serve_plain, args=args, daemon=True)
         self._process.start()
         child.close()  # the child's end lives in the child only: its exit is an EOF here
-        self.name: str = self._answer()
+        self.name, self.threads = self._answer()  # the threads the child runs on
 
     def __call__(self, _: Any = None) -> None:
         """`block` steps there, back to back, synchronised at the end."""
@@ -170,7 +172,7 @@ def _serve_plain(conn, spec: dict, num_classes: int, mode: str, batch: int, devi
     reply is (kind, value); an exception goes back as ("error", its first line)."""
     try:
         name, run = _plain_runner(spec, num_classes, mode, batch, device, threads, peer, block)
-        conn.send(("ok", name))
+        conn.send(("ok", (name, torch.get_num_threads())))
         while conn.recv():
             run()
             conn.send(("ok", None))

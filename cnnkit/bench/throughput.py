@@ -128,7 +128,7 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
         _key(c): _cnnkit_step(net, mode, batch, device, cfg, c, num_classes, block) for c in combos
     }
     peers = (
-        [PlainProcess(model, mode, batch, device, peer, block) for peer in PEERS]
+        [PlainProcess(model, mode, batch, device, peer, block, settings.threads) for peer in PEERS]
         if baseline
         else []
     )
@@ -207,7 +207,7 @@ def _report(model, mode, batch, device, settings: Settings, cfg, timings, block,
     for peer, name in zip(peers, PEERS, strict=False):
         rate, ms = _rate(timings[peer.name], batch, block)
         report["baseline" if name == "plain" else "careful"] = {
-            "name": peer.name, "images_per_second": rate, "step_ms": ms,
+            "name": peer.name, "threads": peer.threads, "images_per_second": rate, "step_ms": ms,
             "step": _per_step(timings[peer.name], block)}  # fmt: skip
         report[f"speedup_vs_{'baseline' if name == 'plain' else 'careful'}"] = ms / step_ms
     if len(combos) > 1:
@@ -261,7 +261,12 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
     for key, label in (("baseline", "speedup_vs_baseline"), ("careful", "speedup_vs_careful")):
         if key in r:
             b = r[key]
-            say(f"  {key} {b['name']}: {b['images_per_second']:.1f} images/s, step median "
+            on = (
+                f", {b['threads']} thread{'s' * (b['threads'] != 1)}"
+                if r["device"] == "cpu"
+                else ""
+            )
+            say(f"  {key} {b['name']}{on}: {b['images_per_second']:.1f} images/s, step median "
                 f"{b['step_ms']:.2f} ms (interleaved) -> cnnkit {r[label]:.2f}x")  # fmt: skip
     for row in r.get("explore", []):
         mark = "  <- chosen" if row["chosen"] else ""
