@@ -202,6 +202,32 @@ def test_cli_bad_batch_exits_2_in_one_line(capsys):
     assert code == 2 and err.strip() == "cnnkit: error: --batch: must be >= 1, got 0"
 
 
+def test_cli_a_batch_that_cannot_fit_is_one_line_before_any_timing(capsys):
+    for command in ("infer", "layers"):
+        code, _, err = run_cli(["bench", command, "lenet5", "-b", str(10**8), "-d", "cpu"], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("cnnkit: error: --batch 100000000: lenet5 needs at least 6.3 TB")
+
+
+@pytest.mark.parametrize("error,size", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                  "memory: you tried to allocate 409600000000 bytes. Error code 12"), "409.6 GB"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                            "capacity of 139.8 GiB"), "20.00 GiB"),
+    (MemoryError(), "an allocation"),
+])  # fmt: skip
+def test_cli_out_of_memory_anywhere_is_one_line(error, size, capsys, monkeypatch):
+    import cnnkit.bench.throughput
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cnnkit.bench.throughput, "bench_throughput", fail)
+    code, _, err = run_cli(["bench", "infer", "lenet5", "-b", "4", "-d", "cpu"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"out of memory: {'a tensor of ' * (size[0] != 'a')}{size} did not fit" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cli_cuda_without_gpu_exits_2(capsys):
     code, _, err = run_cli(["bench", "layers", "lenet5", "--device", "cuda"], capsys)

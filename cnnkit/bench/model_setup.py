@@ -30,6 +30,16 @@ def load_network(
     return model
 
 
+def check_batch(net: str | Path | dict[str, Any], batch: int, device: torch.device,
+                num_classes: int | None = None) -> None:  # fmt: skip
+    """One line before any timing when `batch` images cannot fit on `device` (not a traceback
+    from the allocator minutes later)."""
+    from cnnkit.nn.memory import check_batch_fits
+
+    model = build_model(net, num_classes=num_classes, device="meta")
+    check_batch_fits(model.name, model.param_count, model.activation_count, batch, device)
+
+
 def synthetic_batch(
     model: Network, batch: int, device: torch.device, channels_last: bool = False, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

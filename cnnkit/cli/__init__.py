@@ -107,6 +107,21 @@ def _traceback_exit(code: int) -> None:
     sys.exit(code)
 
 
+def _out_of_memory(e: BaseException) -> str | None:
+    """What an allocation that failed asked for ("a tensor of 409.6 GB"), or None when `e` is
+    not an allocation failure (CPU: torch's allocator or Python's MemoryError; CUDA)."""
+    text = str(e)
+    asked = re.search(r"allocate (?:memory: you tried to allocate )?(\d+) bytes", text)
+    if asked:
+        return f"a tensor of {int(asked[1]) / 1e9:.1f} GB"
+    asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]i?B)", text)
+    if asked and "out of memory" in text.lower():
+        return f"a tensor of {asked[1]}"
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return "an allocation"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code.
 
@@ -148,6 +163,15 @@ def main(argv: list[str] | None = None) -> None:
         if not _other_rank():
             print("cnnkit: interrupted", file=sys.stderr)
         sys.exit(130)
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        size = _out_of_memory(e)
+        if size is None:
+            raise
+        if debug:
+            _traceback_exit(1)
+        print(f"cnnkit: error: out of memory: {size} did not fit (--debug shows where); "
+              "a smaller batch needs less", file=sys.stderr)  # fmt: skip
+        sys.exit(1)
     except OSError as e:  # a full disk, a read-only or missing folder: one line
         if e.errno not in DISK_ERRORS and e.errno not in PATH_ERRORS:
             raise

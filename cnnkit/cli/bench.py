@@ -72,12 +72,14 @@ def layers(
     """
     _as_the_command_runs()
     from cnnkit.bench.layers import bench_layers, print_layers
+    from cnnkit.bench.model_setup import check_batch
     from cnnkit.bench.throughput import settings_for
     from cnnkit.distributed import resolve_device
     from cnnkit.runtime import torch_threads
 
     dev = resolve_device(device)
     _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
+    check_batch(net, batch, dev, num_classes)
     s = settings_for(net, dev, batch, precision, channels_last, threads, num_classes)
     with torch_threads(s.threads):
         report = bench_layers(net, batch, dev, s.precision, s.channels_last, warmup, repeats,
@@ -167,14 +169,16 @@ def _throughput(
     mode: str, net: str, device: str, quick: bool, threads: int | None, as_json: bool, **options
 ) -> None:
     _as_the_command_runs()
+    from cnnkit.bench.model_setup import check_batch
     from cnnkit.bench.throughput import bench_throughput, print_throughput
     from cnnkit.distributed import resolve_device
 
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
     if threads is not None:
         _positive(threads=threads)
-    report = bench_throughput(net, mode, device=resolve_device(device), quick_peak=quick,
-                              threads=threads, **options)  # fmt: skip
+    dev = resolve_device(device)
+    check_batch(net, options["batch"], dev, options["num_classes"])
+    report = bench_throughput(net, mode, device=dev, quick_peak=quick, threads=threads, **options)
     print_throughput(report)
     _emit(report, as_json)
 

@@ -64,3 +64,17 @@ def check_fits(name: str, params: int, activations: int, device: Any) -> None:
         f"{activations:,} activation values per image) but {format_bytes(limit[0])} is "
         f"available ({limit[1]})"
     )
+
+
+def check_batch_fits(name: str, params: int, activations: int, batch: int, device: Any) -> None:
+    """Refuse, in one line, a batch whose activations alone (float32, the forward pass's, from
+    the layer table: a lower bound) with the parameters exceed the memory available."""
+    itemsize = torch.empty(0).element_size()
+    need = (params + batch * activations) * itemsize
+    limit = available(device)
+    if limit is None or need <= limit[0]:
+        return
+    raise ConfigError(
+        f"--batch {batch}: {name} needs at least {format_bytes(need)} ({activations:,} "
+        f"activation values per image) but {format_bytes(limit[0])} is available ({limit[1]})"
+    )
