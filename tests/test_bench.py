@@ -159,6 +159,20 @@ def test_bad_device_and_precision_are_config_errors():
     with pytest.raises(ConfigError, match="--devices"):
         parse_devices("cpu,tpu")
     assert parse_devices("cpu, cpu")[0] == [CPU]  # (gpu.sh's SMOKE run: `cpu,$DEV`) timed once
+    for text in ("cuda:abc", "cpu:1", "cuda:-1"):
+        with pytest.raises(ConfigError, match="give a comma list of cpu, cuda, cuda:N"):
+            parse_devices(text)
+
+
+def test_scaling_devices_are_checked_against_the_gpus_there(monkeypatch):
+    """(CUDA faked: one GPU.) A GPU the machine lacks is refused before minutes of timing, and
+    `cuda` and `cuda:0` name one GPU, timed once."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ConfigError, match="'cuda:5': this machine has 1 CUDA device"):
+        parse_devices("cpu,cuda:5")
+    assert parse_devices("cuda,cuda:0,cpu") == ([torch.device("cuda"), CPU], None)
 
 
 def test_study_families_and_lenet_sizes():

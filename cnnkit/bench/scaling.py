@@ -78,12 +78,26 @@ def study(quick: bool = False) -> list[Entry]:
 def parse_devices(text: str | None) -> tuple[list[torch.device], str | None]:
     """Devices to time (default: cpu and cuda when present) and a note when CUDA is absent."""
     names = ["cpu", "cuda"] if not text else [n.strip() for n in text.split(",") if n.strip()]
-    names = list(dict.fromkeys(names))  # each device timed once (`cpu,cpu`: once)
-    unknown = [n for n in names if n not in ("cpu", "cuda") and not n.startswith("cuda:")]
-    if unknown or not names:
+    try:
+        parsed = [torch.device(n) for n in names]
+    except (RuntimeError, TypeError):
+        parsed = []
+    if not parsed or any(
+        d.type not in ("cpu", "cuda") or d.type == "cpu" and d.index for d in parsed
+    ):
         raise ConfigError(f"--devices: {text!r}: give a comma list of cpu, cuda, cuda:N")
     has_cuda = torch.cuda.is_available()
-    devices = [torch.device(n) for n in names if n == "cpu" or has_cuda]
+    count = torch.cuda.device_count() if has_cuda else 0
+    for name, d in zip(names, parsed, strict=True):
+        if d.type == "cuda" and has_cuda and (d.index or 0) >= count:
+            raise ConfigError(f"--devices: {name!r}: this machine has {count} CUDA device(s)")
+    current = torch.cuda.current_device() if has_cuda else 0  # what a bare `cuda` means
+    unique: dict[tuple, torch.device] = {}  # each device timed once (`cuda,cuda:0`: once)
+    for d in parsed:
+        unique.setdefault(
+            (d.type, (current if d.index is None else d.index) if d.type == "cuda" else None), d
+        )
+    devices = [d for d in unique.values() if d.type == "cpu" or has_cuda]
     note = None
     if not has_cuda and any(n != "cpu" for n in names):
         note = "no CUDA device on this machine: timing the CPU half only (no speed-ups)"
