@@ -200,6 +200,13 @@ def test_scaling_writes_json_and_png(tmp_path):
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_scaling_refuses_what_it_cannot_do_before_any_timing(capsys):
+    code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "--out", "/proc"], capsys)
+    assert code == 2 and not out and err.startswith("cnnkit: error: --out: cannot write in /proc")
+    code, _, err = run_cli(["bench", "scaling", "--devices", "cpu", "-p", "auto"], capsys)
+    assert code == 2 and "'auto' is not one of fp32, bf16, fp16" in err
+
+
 def test_cli_train_json_is_the_last_line(tmp_path, capsys):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump({"model": TINY}))

@@ -18,7 +18,7 @@ from cnnkit.bench.throughput import make_infer_step, make_train_step, train_conf
 from cnnkit.bench.timing import check_precision, measure
 from cnnkit.errors import ConfigError
 from cnnkit.nn import read_spec
-from cnnkit.runtime import atomic, machine_name, write_atomic
+from cnnkit.runtime import atomic, cannot_write, machine_name, write_atomic
 
 MODES = ("train", "infer")
 
@@ -137,7 +137,7 @@ def run_scaling(
     """Time every network of the study on every device; a JSON-ready report with speed-ups."""
     device_list, note = devices
     for device in device_list:
-        check_precision(precision, device)
+        check_precision(precision, device, auto=False)
     entries = entries if entries is not None else study(quick)
     rows = []
     for entry in entries:
@@ -212,6 +212,9 @@ def ensure_dir(out: str | Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out: cannot create {out}: {e.strerror}") from None
+    reason = cannot_write(out)
+    if reason is not None:  # an existing folder that refuses files: before the timing too
+        raise ConfigError(f"--out: cannot write in {out} ({reason})")
     return out
 
 
@@ -219,8 +222,8 @@ def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
     """Write scaling.json and scaling.png into `out` (created if needed)."""
     out = ensure_dir(out)
     json_path, png_path = out / "scaling.json", out / "scaling.png"
+    plot_scaling(report, png_path)  # first: a failed drawing leaves the last run's pair whole
     write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode())
-    plot_scaling(report, png_path)
     return [json_path, png_path]
 
 

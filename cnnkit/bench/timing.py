@@ -117,10 +117,12 @@ def timer_overhead(device: torch.device, repeats: int = 50) -> float:
     return measure(lambda _: None, device, warmup=3, repeats=repeats).median
 
 
-def check_precision(precision: str, device: torch.device) -> str:
-    """Validate a precision name for a device (fp16 autocast is for CUDA)."""
+def check_precision(precision: str, device: torch.device, auto: bool = True) -> str:
+    """Validate a precision name for a device (fp16 autocast is for CUDA); `auto`: whether the
+    caller takes 'auto' too (then it is handled before this check)."""
     if precision not in PRECISIONS:
-        raise ConfigError(f"--precision: {precision!r} is not one of auto, {', '.join(PRECISIONS)}")
+        names = ", ".join(("auto",) * auto + PRECISIONS)
+        raise ConfigError(f"--precision: {precision!r} is not one of {names}")
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError("--precision: fp16 needs a CUDA device (use bf16 on the CPU)")
     return precision

@@ -154,7 +154,7 @@ def scaling(
 
     chosen = parse_devices(devices)
     for dev in chosen[0]:
-        check_precision(precision, dev)
+        check_precision(precision, dev, auto=False)
     out = ensure_dir(out)  # fail before minutes of timing, not after
     if chosen[1]:
         print(chosen[1])  # CPU only: say so before the run, not after
