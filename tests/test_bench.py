@@ -140,6 +140,28 @@ def test_a_cpu_estimate_under_the_measured_peak_says_why(ratio):
     assert ("above the clock the OS reports" in line) == (ratio < 1)
 
 
+@pytest.mark.parametrize("name,sheet", [
+    ("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", None),
+    ("NVIDIA L40", None),
+])  # fmt: skip
+def test_a_gpus_data_sheet_is_matched_by_whole_words(name, sheet):
+    from cnnkit.bench.peak import data_sheet
+
+    found = data_sheet(name)
+    assert (found and found[0]) == sheet
+
+
+def test_zen4s_avx512_counts_at_half_the_rate_of_512_bit_units():
+    from cnnkit.bench.peak import _cpu_flops_per_cycle
+
+    flags = {"avx2", "fma", "avx512f", "avx512_bf16"}
+    assert _cpu_flops_per_cycle(flags, "fp32")[0] == 64
+    assert _cpu_flops_per_cycle(flags, "fp32", half_width=True)[0] == 32
+    assert _cpu_flops_per_cycle(flags, "bf16", half_width=True) == (
+        64, "AVX-512 BF16 dot products on 256-bit units, 2 units")  # fmt: skip
+
+
 def test_train_step_is_a_real_sgd_step_of_the_engine():
     model = build_model(TINY)
     x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,))

@@ -21,11 +21,12 @@ from cnnkit.runtime import available_cores, cpu_flags, in_tf32
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # dense tensor-core / vector FLOP/s from NVIDIA's data sheets (no sparsity), by name fragment
-DATA_SHEETS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
+DATA_SHEETS = {  # the words of the device's name each needs (the more specific first)
+    ("H200",): {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    ("H100", "PCIe"): {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
+    ("H100",): {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    ("A100",): {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    ("L4",): {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
 }
 
 
@@ -121,17 +122,14 @@ def math_mode(device: torch.device, precision: str) -> str:
 def theoretical_peak(device: torch.device, precision: str) -> tuple[float, str] | None:
     """(FLOP/s, where the figure comes from) on paper, or None where it cannot be known."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, sheet in DATA_SHEETS.items():
-            if key in name:
-                kind = (
-                    "tf32" if math_mode(device, precision).startswith("fp32 (TF32") else precision
-                )
-                return sheet[kind], f"{key} data sheet, dense {kind}"
-        return None
+        sheet = data_sheet(torch.cuda.get_device_name(device))
+        if sheet is None:
+            return None
+        kind = "tf32" if math_mode(device, precision).startswith("fp32 (TF32") else precision
+        return sheet[1][kind], f"{sheet[0]} data sheet, dense {kind}"
     if device.type != "cpu":
         return None
-    per_cycle, units = _cpu_flops_per_cycle(cpu_flags(), precision)
+    per_cycle, units = _cpu_flops_per_cycle(cpu_flags(), precision, _half_width_avx512())
     mhz = _cpu_mhz()
     if not per_cycle or not mhz:
         return None
@@ -140,14 +138,40 @@ def theoretical_peak(device: torch.device, precision: str) -> tuple[float, str] 
     return per_cycle * cores * mhz * 1e6, note
 
 
-def _cpu_flops_per_cycle(flags: set[str], precision: str) -> tuple[int, str]:
-    """FLOPs per cycle per core of the widest units the flags show (two FMA pipes assumed)."""
+def data_sheet(name: str) -> tuple[str, dict[str, float]] | None:
+    """(the data sheet's name, its dense FLOP/s by precision) of a CUDA device's name, matched
+    by whole words (an L40S is not an L4, an H100 PCIe not an H100 SXM); None if unknown."""
+    words = set(re.findall(r"[A-Za-z0-9]+", name))
+    for key, sheet in DATA_SHEETS.items():
+        if words.issuperset(key):
+            return " ".join(key), sheet
+    return None
+
+
+def _half_width_avx512() -> bool:
+    """Whether the CPU runs AVX-512 on 256-bit units (AMD's Zen 4: family 25), at half the
+    per-cycle rate of Intel's and Zen 5's 512-bit ones."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
+    family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.M)
+    return bool(vendor and family and vendor[1] == "AuthenticAMD" and int(family[1]) == 25)
+
+
+def _cpu_flops_per_cycle(
+    flags: set[str], precision: str, half_width: bool = False
+) -> tuple[int, str]:
+    """FLOPs per cycle per core of the widest units the flags show (two FMA pipes assumed;
+    `half_width`: AVX-512 on 256-bit units)."""
     if precision == "bf16" and "amx_bf16" in flags:
         return 1024, "AMX bf16 tiles"
+    half = (2 if half_width else 1, " on 256-bit units" if half_width else "")
     if precision == "bf16" and "avx512_bf16" in flags:
-        return 128, "AVX-512 BF16 dot products, 2 units"
+        return 128 // half[0], f"AVX-512 BF16 dot products{half[1]}, 2 units"
     if "avx512f" in flags:
-        return 64, "AVX-512 FMA, 2 units (fp32 rate)"
+        return 64 // half[0], f"AVX-512 FMA{half[1]}, 2 units (fp32 rate)"
     if "avx2" in flags and "fma" in flags:
         return 32, "AVX2 FMA, 2 units (fp32 rate)"
     return 0, ""
