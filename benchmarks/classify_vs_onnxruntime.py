@@ -36,17 +36,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="0: the libraries' defaults")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.batch < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 0:
+        parser.error("--batch and --repeats must be >= 1, --warmup and --threads >= 0")
+    return args
 
 
 def time_interleaved(runners: dict, x: torch.Tensor, warmup: int, repeats: int) -> dict:
-    """Seconds per call of each runner, alternating runners every repeat."""
+    """Seconds per call of each runner, alternating runners every repeat (the order reversed
+    every other repeat: neither always runs right after the other)."""
     for run in runners.values():
         for _ in range(warmup):
             run(x)
     seconds: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(repeats):
-        for name, run in runners.items():
+    for repeat in range(repeats):
+        order = list(runners.items())
+        for name, run in order[::-1] if repeat % 2 else order:
             start = time.perf_counter()
             run(x)
             seconds[name].append(time.perf_counter() - start)

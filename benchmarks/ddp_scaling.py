@@ -103,8 +103,11 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    results = [launch(args, n) for n in args.nproc]
-    base = results[0]["images_per_second"] / results[0]["nproc"]
+    if min(args.nproc + [args.batch, args.steps, args.repeats]) < 1:
+        parser.error("--nproc, --batch, --steps and --repeats must be >= 1")
+    nprocs = sorted(set(args.nproc) | {1})  # efficiency is against 1 process: always timed
+    results = [launch(args, n) for n in nprocs]
+    base = results[0]["images_per_second"]  # 1 process
     print(f"{args.model}, {args.batch} images per process, {args.device}, sync {args.sync}")
     print(f"{'processes':>9} {'images/s':>10} {'per process':>12} {'efficiency':>10}")
     for r in results:
@@ -112,7 +115,9 @@ def main() -> None:
         print(f"{r['nproc']:>9} {r['images_per_second']:>10.0f} "
               f"{r['images_per_second'] / r['nproc']:>12.0f} {r['efficiency']:>10.0%}")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        tmp = args.json.with_name(args.json.name + ".tmp")  # whole or not at all
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        tmp.replace(args.json)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,11 @@ PHOTO_DIR = Path(skdata.__file__).parent  # bundled with scikit-image: no downlo
 
 
 def build_photo_folder(root: Path, images: int, seed: int = 0) -> Path:
-    """Write `images` distinct ~500x375 JPEGs under root/<photo>/ (skipped if already there)."""
-    if root.is_dir() and sum(1 for _ in root.glob("*/*.jpg")) >= images:
+    """Write `images` distinct ~500x375 JPEGs under root/<photo>/ (kept if exactly those are
+    there already: the same seed makes the same files; another count is made afresh)."""
+    if root.is_dir() and sum(1 for _ in root.glob("*/*.jpg")) == images:
         return root
+    shutil.rmtree(root, ignore_errors=True)
     rng = np.random.default_rng(seed)
     sources = [Image.open(PHOTO_DIR / name).convert("RGB") for name in PHOTOS]
     for i in range(images):
@@ -110,6 +112,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/cnnkit-loader-bench"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    if min(args.workers + 1, args.batch, args.batches, args.warmup + 1, args.rounds) < 1:
+        parser.error("--batch, --batches and --rounds must be >= 1, --workers and --warmup >= 0")
+    if args.images < args.batch:  # torchvision's loader (drop_last) would yield no batch
+        parser.error(f"--images {args.images}: fewer than one --batch ({args.batch})")
 
     from cnnkit.data.pack import pack_folder
 
@@ -119,14 +125,14 @@ def main() -> None:
     start = time.perf_counter()
     pack_folder(photos, args.work / "packed", size=256, progress=False, workers=args.workers)
     pack_seconds = time.perf_counter() - start
-    if not (args.work / "jpeg" / "meta.json").is_file():
-        pack_folder(photos, args.work / "jpeg", size=256, format="jpeg", progress=False,
-                    workers=args.workers)  # fmt: skip
-    rounds = [one_round(args, photos, device) for _ in range(args.rounds)]
+    jpeg = args.work / f"jpeg-{args.images}"  # the same images as the other variants
+    if not (jpeg / "meta.json").is_file():
+        pack_folder(photos, jpeg, size=256, format="jpeg", progress=False, workers=args.workers)
+    rounds = [one_round(args, photos, jpeg, device) for _ in range(args.rounds)]
     report(args, rounds, pack_seconds)
 
 
-def one_round(args: argparse.Namespace, photos: Path, device: torch.device) -> dict:
+def one_round(args: argparse.Namespace, photos: Path, jpeg: Path, device: torch.device) -> dict:
     """{name: (images/s, CPU ms per image)} of torchvision and each cnnkit variant."""
     common = {"workers": args.workers, "batch": args.batch, "batches": args.batches,
               "warmup": args.warmup, "device": device}  # fmt: skip
@@ -136,13 +142,13 @@ def one_round(args: argparse.Namespace, photos: Path, device: torch.device) -> d
     runs = {
         "cnnkit_packed_rrc224": (args.work / "packed", rrc),
         "cnnkit_packed_crop227": (args.work / "packed", {}),
-        "cnnkit_jpegshards_rrc224": (args.work / "jpeg", rrc),
-        "cnnkit_jpegshards_crop227": (args.work / "jpeg", {}),
+        "cnnkit_jpegshards_rrc224": (jpeg, rrc),
+        "cnnkit_jpegshards_crop227": (jpeg, {}),
         "cnnkit_folder_rrc224": (photos, rrc),
         "cnnkit_folder_crop227": (photos, {}),
     }
     if device.type == "cuda":  # nvJPEG: the workers only read bytes
-        runs["cnnkit_jpegshards_gpu_decode_rrc224"] = (args.work / "jpeg", {**rrc, "decode": "gpu"})
+        runs["cnnkit_jpegshards_gpu_decode_rrc224"] = (jpeg, {**rrc, "decode": "gpu"})
         runs["cnnkit_folder_gpu_decode_rrc224"] = (photos, {**rrc, "decode": "gpu"})
     for name, (path, options) in runs.items():
         r = bench_loader(path, **common, **options)
