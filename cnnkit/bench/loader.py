@@ -81,7 +81,7 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
     workers prefetch, so the batches made while they started are not counted); returns the
     figures."""
     if batches < 1 or batch < 1 or (warmup is not None and warmup < 0):
-        raise ConfigError("bench loader: --batches and --batch must be >= 1")
+        raise ConfigError("bench loader: --batches and --batch must be >= 1, --warmup >= 0")
     device = device or torch.device("cpu")
     try:
         cfg = data_config(loader_config(data, workers, batch, **options))
@@ -102,17 +102,18 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
         next(it)
     synchronize(device)
     cpu = tree_cpu_seconds()  # (reads /proc: before the clock starts)
-    images, start = 0, time.perf_counter()
+    images, largest, start = 0, 0, time.perf_counter()
     for _ in range(batches):
         x, _ = next(it)
-        images += x.shape[0]
+        images, largest = images + x.shape[0], max(largest, x.shape[0])
     synchronize(device)
     seconds, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu
     del it  # stops the workers
     return {
         "data": str(data), "source": cfg.source, "storage": storage, "decode": cfg.decode,
         "mode": stream.mode, "device": machine_name(device), "workers": stream.workers,
-        "batch": batch, "batches": batches, "warmup": warmup, "images": images,
+        "batch": batch, "largest_batch": largest, "batches": batches, "warmup": warmup,
+        "images": images, "cpu_seconds": cpu,
         "input_shape": list(x.shape[1:]), "train_crop": cfg.train_crop, "seconds": seconds,
         "images_per_second": images / seconds, "cpu_ms_per_image": 1000 * cpu / images,
     }  # fmt: skip
@@ -122,8 +123,12 @@ def print_loader(report: dict[str, Any]) -> None:
     """One human line per figure."""
     what = f"{report['source']} ({report['storage']}, {report['mode']}, decode {report['decode']})"
     print(f"loader  {what} {report['data']}  on {report['device']}")
-    print(f"  workers {report['workers']}, batch {report['batch']}, input {report['input_shape']}"
+    batch = report["batch"]
+    if report["largest_batch"] < batch:  # a set smaller than one batch
+        batch = f"{batch} (of {report['largest_batch']} images: the set is smaller)"
+    print(f"  workers {report['workers']}, batch {batch}, input {report['input_shape']}"
           f" ({report['train_crop']} crop), {report['images']} images in {report['seconds']:.2f} s"
           f" after {report['warmup']} untimed batches")  # fmt: skip
+    coarse = ", coarse: under 0.2 CPU s measured" if report["cpu_seconds"] < 0.2 else ""
     print(f"  {report['images_per_second']:,.0f} images/s, "
-          f"{report['cpu_ms_per_image']:.2f} CPU ms per image (all processes)")  # fmt: skip
+          f"{report['cpu_ms_per_image']:.2f} CPU ms per image (all processes{coarse})")  # fmt: skip

@@ -1,6 +1,7 @@
 """Careful timing: warm-up first, device synchronised around every measurement, median of repeats.
 
-Everything in cnnkit.bench times through `measure`, so all figures share one method.
+Every model figure in cnnkit.bench times through `measure`, so they share one method; the
+loader's (bench/loader.py) is one window of batches after warm-up, as a stream is timed.
 """
 
 from __future__ import annotations
