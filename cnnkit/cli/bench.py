@@ -16,9 +16,17 @@ DEVICE = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N
 PRECISION = typer.Option("auto", "--precision", "-p", help="auto | fp32 | bf16 | fp16")
 JSON = typer.Option(False, "--json", help="End with one line of JSON holding every figure.")
 REPEATS = typer.Option(
-    None, "--repeats", min=1, help="Timed repeats (default: 5 on CPU, 10 on GPU)."
+    None,
+    "--repeats",
+    min=1,
+    help="Timed repeats (default: 5 on CPU, 10 on GPU, where each is a block of 10 steps).",
 )
-WARMUP = typer.Option(None, "--warmup", min=0, help="Untimed warm-up steps first.")
+WARMUP = typer.Option(
+    None,
+    "--warmup",
+    min=0,
+    help="Untimed warm-ups first (GPU: blocks of 10 steps; at least 2 with --compile).",
+)
 CLASSES = typer.Option(None, "--num-classes", min=1, help="Override the network's class count.")
 THREADS = typer.Option(
     None, "--threads", min=1, help="CPU threads (default: as cnnkit train picks)."
@@ -30,7 +38,9 @@ BASELINE = typer.Option(
     "PyTorch loop and in a careful one (autocast + channels_last), each in its own process, "
     "interleaved in the same run; report both speed-ups.",
 )
-QUICK = typer.Option(False, "--quick", help="Small peak kernels (a smoke run, not a figure).")
+QUICK = typer.Option(
+    False, "--quick", help="Small CPU peak kernels (a smoke run, not a figure; GPU: no change)."
+)
 EXPLORE = typer.Option(
     False, "--explore", help="Also time every precision / format / threads combination."
 )
