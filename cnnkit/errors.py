@@ -36,6 +36,14 @@ class Interrupted(CnnkitError):
     exit_code = 130
 
 
+class StoppedWithGroup(Interrupted):
+    """A rank that stopped, saved, because a Ctrl-C reached another process of its group (on
+    another machine: this one's torchrun was not interrupted). Exit status 0: with a failure,
+    that torchrun would restart its ranks and wait for machines that have gone."""
+
+    exit_code = 0
+
+
 class _Repr(reprlib.Repr):
     """reprlib's cut repr, and an integer too long to write out (Python refuses to turn one of
     over 4,300 digits into text) said by its size."""

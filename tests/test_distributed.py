@@ -47,7 +47,7 @@ SCENARIOS = {
 }
 
 WORKER = """
-import json, os, shutil, sys
+import json, os, shutil, signal, sys
 sys.path.insert(0, {root!r})
 import torch
 from cnnkit import distributed
@@ -159,6 +159,16 @@ summary = fit(ddp, os.path.join(out, "stopped"), quiet=True, dist=group, callbac
 group.broadcast_object(None)  # rank 0's save is done before it reads last.pt
 if group.is_main:
     result["stopped"] = load_checkpoint(os.path.join(out, "stopped", "last.pt"))["global_step"]
+
+class CtrlCOnRank0:  # a Ctrl-C that reaches rank 0's machine only
+    def on_step_end(self, epoch, step, global_step):
+        if group.rank == 0 and global_step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+from cnnkit.errors import Interrupted
+try:
+    fit(ddp, os.path.join(out, "ctrl-c"), quiet=True, dist=group, callbacks=[CtrlCOnRank0()])
+except Interrupted as e:
+    result["ctrl_c"] = [type(e).__name__, e.exit_code, str(e)]
 
 # DDP: each rank's BatchNorm statistics (its own batches) averaged at the epoch's end
 engine = build_engine(build_model("digitnet"), ddp.train, torch.device("cpu"), wrap=group.wrap)
@@ -316,6 +326,11 @@ def test_every_rank_stops_together(two_processes):
         assert "training diverged at epoch 1 step 4" in rank["diverged"]
         assert rank["avg_empty"] == 2
     assert 2 <= ranks[0]["stopped"] <= 4  # the agreed step, within the first epoch (of 4)
+    # a Ctrl-C on one machine: its ranks exit 130; the others 0 (their torchrun, not
+    # interrupted, would otherwise restart them and wait for machines that have gone)
+    assert ranks[0]["ctrl_c"][:2] == ["Interrupted", 130]
+    assert ranks[1]["ctrl_c"][:2] == ["StoppedWithGroup", 0]
+    assert "stopped with the group's interrupted processes at epoch 1" in ranks[1]["ctrl_c"][2]
 
 
 def test_ddp_averages_batchnorm_statistics_and_finds_unreached_layers(two_processes):

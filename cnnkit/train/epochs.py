@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cnnkit.checkpoint import rng_state
-from cnnkit.errors import Interrupted
+from cnnkit.errors import Interrupted, StoppedWithGroup
 from cnnkit.train.engine import Engine
 from cnnkit.train.loop import (
     Progress,
@@ -164,10 +164,12 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
             save_mid_epoch(engine, schedule, progress, ctx, writer)
         if stop_now:
             writer.wait()
-            raise Interrupted(
-                f"interrupted at epoch {epoch + 1} step {step} (saved); resume with "
-                f"`cnnkit train --resume {ctx.run_dir}`"
-            )
+            where = f"at epoch {epoch + 1} step {step} (saved); resume with "
+            resume = f"`cnnkit train --resume {ctx.run_dir}`"
+            if not stop.requested:  # the Ctrl-C reached another process of the group only
+                raise StoppedWithGroup(f"stopped with the group's interrupted processes {where}"
+                                       f"{resume}")  # fmt: skip
+            raise Interrupted(f"interrupted {where}{resume}")
         if stopped:  # a callback raised StopTraining on some rank at an earlier step
             raise StopTraining
         try:
