@@ -79,6 +79,7 @@ class Saved(Section):
     rng_ranks: list[dict[str, Any]] | None = None
     ema: dict[str, torch.Tensor] | None = None  # train.ema's moving average of the weights
     ema_count: NonNegativeInt = 0
+    ema_buffer_ranks: list[dict[str, torch.Tensor]] | None = None  # DDP, mid-epoch: each rank's
     settings: RunSettings | None = None  # what the steps ran with: a resume keeps them
     mean_image: torch.Tensor | None = None  # (C, S, S): normalize: mean_image subtracted it
 

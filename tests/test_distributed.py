@@ -111,6 +111,22 @@ if group.is_main:
     shutil.copy(os.path.join(killed, "last.pt"), os.path.join(out, "mid-epoch.pt"))
 state = group.broadcast_object(load_checkpoint(os.path.join(killed, "last.pt")) if group.is_main else None)
 fit(resume_config(state), killed, resume=state, quiet=True, dist=group)
+
+# DDP + moving average + BatchNorm: each rank's average follows its own batches' statistics
+bn_cfg = validate_run({{**base, "model": "digitnet",
+                       "data": {{**base["data"], "shape": [1, 8, 8], "num_classes": 10}},
+                       "train": {{**base["train"], "ema": 0.9}}}})
+bn_group = distributed.Group(bn_cfg.train)
+fit(bn_cfg, os.path.join(out, "ddpema"), quiet=True, dist=bn_group)
+bn_killed = os.path.join(out, "ddpema-killed")
+try:
+    fit(bn_cfg, bn_killed, quiet=True, dist=bn_group, on_step=kill_at_7)
+except Killed:
+    pass
+bn_group.broadcast_object(None)
+bn_state = bn_group.broadcast_object(
+    load_checkpoint(os.path.join(bn_killed, "last.pt")) if bn_group.is_main else None)
+fit(resume_config(bn_state), bn_killed, resume=bn_state, quiet=True, dist=bn_group)
 torch.manual_seed(0)
 data = data_config(base["data"]).build(torch.device("cpu"), group.rank, 2, 0)
 engine = build_engine(build_model("facenet", num_classes=4), cfg.train, torch.device("cpu"))
@@ -282,6 +298,19 @@ def test_a_mid_epoch_resume_under_averaging_ends_as_the_straight_run(two_process
     for a, b in zip(straight["history"], resumed["history"], strict=True):
         for key in ("train_loss", "train_top1", "val_loss", "val_top1", "val_loss_ema"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), key
+
+
+def test_a_mid_epoch_resume_under_ddp_keeps_each_ranks_moving_average(two_processes):
+    """Under DDP each rank's moving average takes its BatchNorm statistics from the rank's own
+    batches until the epoch's end averages them: a mid-epoch checkpoint keeps every rank's, and
+    the resumed run ends bitwise as the straight one (it took rank 0's for every rank)."""
+    straight = load_checkpoint(two_processes / "ddpema" / "last.pt")
+    resumed = load_checkpoint(two_processes / "ddpema-killed" / "last.pt")
+    assert any("running_var" in k for k in straight["ema"])
+    for weights in ("model", "ema"):
+        for key, value in straight[weights].items():
+            torch.testing.assert_close(resumed[weights][key], value, rtol=0, atol=0)
+    assert resumed["history"][-1]["val_loss_ema"] == straight["history"][-1]["val_loss_ema"]
 
 
 def test_a_mid_epoch_checkpoint_resumes_only_in_its_number_of_processes(two_processes):

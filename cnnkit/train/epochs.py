@@ -31,7 +31,7 @@ from cnnkit.train.metrics import Console
 from cnnkit.train.optim import Schedule
 from cnnkit.train.recipe import BatchRecipe
 from cnnkit.train.saver import CheckpointWriter, MidEpochSaves
-from cnnkit.train.state import RunContext, training_state
+from cnnkit.train.state import RunContext, ema_buffers, training_state
 from cnnkit.train.summary import epoch_row
 
 
@@ -240,9 +240,10 @@ def _evaluate(engine: Engine, progress: Progress, stats: dict[str, float], sched
 def save_mid_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
                    writer: CheckpointWriter) -> None:  # fmt: skip
     """last.pt in the middle of an epoch (every rank's generators and statistics of the epoch
-    so far gathered for exact resume)."""
+    so far gathered for exact resume; under DDP, each rank's moving average's buffers too: its
+    BatchNorm statistics follow the rank's own batches until the epoch's end averages them)."""
     check_finite(engine, progress, ctx.dist)
-    ranks = ctx.dist.gather((rng_state(), progress.epoch_stats()))
+    ranks = ctx.dist.gather((rng_state(), progress.epoch_stats(), ema_buffers(engine)))
     if ctx.dist.is_main:
         writer.save(
             (training_state(engine, schedule, progress, ctx, ranks), ctx.run_dir / "last.pt")

@@ -40,7 +40,7 @@ from cnnkit.train.rundir import (
 )
 from cnnkit.train.saver import CheckpointWriter
 from cnnkit.train.settings import Settings, choose_settings
-from cnnkit.train.state import RunContext, restore
+from cnnkit.train.state import RunContext, load_ema_buffers, restore
 from cnnkit.train.summary import finish
 
 
@@ -250,7 +250,7 @@ def fit(
         schedule = Schedule(config.train)
         progress = restore(resume, engine, schedule, len(data.train)) if resume else Progress()
         if resume:  # after everything that draws from the generators, before any file is written
-            _restore_rank(resume, dist, progress)
+            _restore_rank(resume, dist, progress, engine)
             _check_epochs_left(config, progress, run_dir)
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
@@ -380,13 +380,18 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     )
 
 
-def _restore_rank(state: dict[str, Any], dist: Processes, progress: Progress) -> None:
+def _restore_rank(state: dict[str, Any], dist: Processes, progress: Progress,
+                  engine: Engine) -> None:  # fmt: skip
     """Set this rank's saved generator states (if the world size changed: rank 0's, and torch's
-    then reseeded from it per rank, so mixup or dropout do not draw alike on every rank) and
-    its statistics of the epoch in progress (a mid-epoch resume keeps the world size)."""
+    then reseeded from it per rank, so mixup or dropout do not draw alike on every rank), its
+    statistics of the epoch in progress and its moving average's buffers (a mid-epoch resume
+    keeps the world size)."""
     partials = state.get("partial_ranks") or []
     if len(partials) == dist.world_size:
         progress.partial = dict(partials[dist.rank])
+    buffers = state.get("ema_buffer_ranks") or []
+    if engine.ema is not None and len(buffers) == dist.world_size:
+        load_ema_buffers(engine, buffers[dist.rank])
     ranks = state.get("rng_ranks") or [state.get("rng")]
     mine = ranks[dist.rank] if len(ranks) == dist.world_size else state.get("rng")
     try:

@@ -36,18 +36,22 @@ class RunContext:
 
 def training_state(
     engine: Engine, schedule: Schedule, progress: Progress, ctx: RunContext,
-    ranks: list[tuple[dict, dict]] | None = None,
+    ranks: list[tuple] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Everything a checkpoint holds: the inference contract plus the exact training state
-    (`ranks`: each rank's generator states and statistics of the epoch so far, rank 0 first)."""
+    (`ranks`: each rank's generator states, statistics of the epoch so far and, mid-epoch, its
+    moving average's floating buffers; rank 0 first)."""
     ranks = ranks or [(rng_state(), progress.epoch_stats())]
-    rngs = [rng for rng, _ in ranks]
+    rngs = [rank[0] for rank in ranks]
     averaged = {}
     if ctx.data.mean_image is not None:  # normalize: mean_image: classify subtracts it too
         averaged["mean_image"] = ctx.data.mean_image.detach().to("cpu", torch.float32)
     if engine.ema is not None:  # the moving average beside the raw weights
         averaged |= {"ema": plain_state_dict(engine.ema.module),
                     "ema_count": int(engine.ema.n_averaged.item())}  # fmt: skip
+        buffers = [rank[2] for rank in ranks if len(rank) > 2 and rank[2]]
+        if len(ranks) > 1 and len(buffers) == len(ranks):
+            averaged["ema_buffer_ranks"] = buffers
     return averaged | {
         "model_spec": engine.network.spec,
         "num_classes": engine.network.num_classes,
@@ -65,11 +69,30 @@ def training_state(
         "seconds": progress.seconds + time.perf_counter() - ctx.started,
         "history": list(progress.history),
         "partial": progress.epoch_stats(),
-        "partial_ranks": [partial for _, partial in ranks],
+        "partial_ranks": [rank[1] for rank in ranks],
         "rng": rngs[0],
         "rng_ranks": rngs,
         "settings": {**asdict(engine.settings), "device": engine.device.type},
     }
+
+
+def ema_buffers(engine: Engine) -> dict[str, torch.Tensor]:
+    """The moving average's floating buffers (BatchNorm statistics) on the CPU; {} without."""
+    if engine.ema is None:
+        return {}
+    return {k: v.detach().float().cpu() for k, v in engine.ema.module.named_buffers()
+            if v.is_floating_point()}  # fmt: skip
+
+
+def load_ema_buffers(engine: Engine, saved: dict[str, torch.Tensor]) -> None:
+    """Put one rank's saved moving-average buffers back (see ema_buffers)."""
+    own = dict(engine.ema.module.named_buffers())
+    if set(saved) - set(own):
+        raise CheckpointError(f"last.pt: moving-average buffers {sorted(set(saved) - set(own))} "
+                              "are not this network's")  # fmt: skip
+    with torch.no_grad():
+        for name, value in saved.items():
+            own[name].copy_(value)
 
 
 def plain_state_dict(network: torch.nn.Module) -> dict[str, torch.Tensor]:
