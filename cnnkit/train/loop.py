@@ -5,7 +5,8 @@ running statistics of an epoch (`EpochStats`). `train/run.py` wires them into a 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,20 @@ def weights_finite(network: torch.nn.Module) -> bool:
     """Whether every parameter is finite (one sync)."""
     flags = [torch.isfinite(p).all() for p in network.parameters()]
     return bool(torch.stack(flags).all().item()) if flags else True
+
+
+@contextmanager
+def _buffers_kept(*modules: torch.nn.Module | None) -> Iterator[None]:
+    """The modules' buffers (BatchNorm's running statistics and batch count; the moving
+    average's too) as they were before the body: a step weighted 0 runs its forward pass in
+    training mode. (The moving average's weights still take the step, as the network's do.)"""
+    saved = [(b, b.clone()) for m in modules if m is not None for b in m.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def _stand_in(empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +204,9 @@ def train_one_epoch(
             # across ranks (sync: average's need the same optimizer state on each): this one
             # steps too, on its last batch weighted 0 (its gradient adds nothing to the mean)
             schedule.apply(engine.optimizer, at)
-            train_step(engine, *(kept or _stand_in(x)), scale=0.0)
+            average = engine.ema.module if engine.ema is not None else None
+            with _buffers_kept(engine.network, average):  # nor moves BatchNorm's statistics
+                train_step(engine, *(kept or _stand_in(x)), scale=0.0)
         progress.step += 1
         progress.global_step += 1
         if progress.step % FINITE_EVERY == 0 or progress.step == steps:
