@@ -135,6 +135,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def is_rank0() -> bool:
+    """Whether this process is rank 0 of its torchrun group, or alone (before the group is
+    joined: for what only one process should say)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def run_id() -> str | None:
     """torchrun's id of this job (the same on every rank and across restarts)."""
     value = os.environ.get("TORCHELASTIC_RUN_ID")

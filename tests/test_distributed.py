@@ -508,6 +508,18 @@ def test_a_step_on_an_all_unreadable_batch_leaves_batchnorms_statistics_alone():
         torch.testing.assert_close(value, ema_before[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_nproc_with_a_cuda_device_there_is_not_is_refused_before_any_rank_starts(capsys):
+    """Checked once by cnnkit, not by every rank and again at each of --max-restarts."""
+    from helpers import run_cli
+
+    args = ["train", "digits", "--nproc", "2", "--max-restarts", "2", "train.device=cuda"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and err == (
+        "cnnkit: error: train.device: 'cuda' asked for, but no CUDA device is available\n"
+    )
+
+
 def test_a_group_refuses_one_named_gpu_for_every_rank():
     """Each rank of a group takes cuda:LOCAL_RANK: a device with an index would have been
     silently ignored."""

@@ -425,3 +425,21 @@ def test_a_resume_on_more_processes_gives_each_rank_a_stream_of_its_own(finished
     torch.set_rng_state(state["rng"]["torch"])
     saved = torch.rand(4)
     assert torch.equal(first_draws(0, world=1), saved)  # one process: exactly the saved one
+
+
+@pytest.mark.parametrize("rank,said", [("0", True), ("1", False)])
+def test_the_no_checkpoint_yet_notice_is_rank_0s_alone(finished_run, tmp_path, capsys,
+                                                       monkeypatch, rank, said):  # fmt: skip
+    """A run that died before its first checkpoint starts over: said once, by rank 0 (under
+    --nproc every rank reads the same run directory)."""
+    import shutil
+
+    from helpers import run_cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(finished_run / "config.yaml", run / "config.yaml")
+    monkeypatch.setenv("RANK", rank)  # (no WORLD_SIZE: not a torchrun worker, only its rank)
+    code, _, err = run_cli(["train", "--resume", str(run), "--dry-run"], capsys)
+    assert code == 0, err
+    assert ("no checkpoint yet: the run starts again from the beginning" in err) == said

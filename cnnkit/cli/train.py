@@ -85,7 +85,7 @@ def _check_group(config, nproc: int, resume) -> None:
     run of N passes only what N can run)."""
     import torch
 
-    from cnnkit.distributed import group_device_name
+    from cnnkit.distributed import group_device_name, resolve_device
     from cnnkit.errors import ConfigError
     from cnnkit.mining import mining_of
     from cnnkit.train.run import check_processes, resume_state
@@ -93,6 +93,8 @@ def _check_group(config, nproc: int, resume) -> None:
     if mining_of(config) is not None:
         raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
     group_device_name(config.train.device)
+    if config.train.device != "auto":  # `cuda` without a GPU: here once, not by each restart
+        resolve_device(config.train.device, "train.device")
     cuda = config.train.device != "cpu" and torch.cuda.is_available()  # as each rank chooses
     state = resume_state(resume) if resume is not None else None
     check_processes(config, nproc, torch.device("cuda" if cuda else "cpu"), state)

@@ -63,7 +63,7 @@ def launch(
     fresh_in = None  # a run directory to start again in
     if resume is not None and state is None:  # it died before its first checkpoint: start over
         run, fresh_in = Path(resume) / "config.yaml", Path(resume)
-        if not quiet:
+        if not quiet and distributed.is_rank0():
             print(f"{resume}: no checkpoint yet: the run starts again from the beginning",
                   file=sys.stderr)  # fmt: skip
     if state is None and run is None:
