@@ -33,7 +33,10 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     try:
         agent = subprocess.Popen(cmd, env=env, start_new_session=True)
 
+        interrupts = []
+
         def forward(signum: int, frame: object) -> None:
+            interrupts.extend([signum] if signum == signal.SIGINT else [])
             agent.send_signal(signum)
 
         for s, handler in previous.items():
@@ -45,6 +48,9 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
             signal.signal(s, handler)
     if code == -signal.SIGINT:  # Ctrl-C while the agent started: no rank ran yet
         print("cnnkit: interrupted", file=sys.stderr)
+    elif code == 130 and len(interrupts) > 1:  # a second Ctrl-C ends the ranks before they speak
+        print("cnnkit: interrupted again: the processes stopped at once (`cnnkit train --resume "
+              "RUN_DIR` continues from the last checkpoint saved)", file=sys.stderr)  # fmt: skip
     elif code in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the ranks end without a word
         print("cnnkit: terminated (SIGTERM)", file=sys.stderr)
     return 128 - code if code < 0 else code  # a signal's number, as a shell reports it

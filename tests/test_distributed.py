@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -662,6 +663,30 @@ def _wait_gone(pid: int, seconds: float = 30) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"process {pid} still runs {seconds} s after the SIGTERM")
+
+
+def test_a_second_ctrl_c_under_nproc_is_said(monkeypatch, capsys):
+    """The second Ctrl-C stops the ranks at once, before rank 0 can say where the run stands:
+    cnnkit says it (it printed nothing, exit 130). One Ctrl-C is rank 0's to report."""
+    import cnnkit.agent
+
+    class Agent:  # torchrun's agent: gets the forwarded signals, ends as torchrun does (130)
+        def __init__(self, cmd, env, start_new_session):
+            self.got = []
+
+        def send_signal(self, signum):
+            self.got.append(signum)
+
+        def wait(self):
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C, to cnnkit
+            return 130
+
+    monkeypatch.setattr(cnnkit.agent.subprocess, "Popen", Agent)
+    for presses, said in ((1, ""), (2, "cnnkit: interrupted again: the processes stopped at once")):
+        assert cnnkit.agent.start_local(2, ["train", "digits"]) == 130
+        err = capsys.readouterr().err
+        assert err.startswith(said) and (err == "") == (presses == 1), err
 
 
 def test_ctrl_c_while_the_nproc_agent_starts_is_one_line(tmp_path):
