@@ -53,20 +53,24 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
               "RUN_DIR` continues from the last checkpoint saved)", file=sys.stderr)  # fmt: skip
     elif code in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the ranks end without a word
         print("cnnkit: terminated (SIGTERM)", file=sys.stderr)
+    elif code < 0:  # the agent killed outright (the OOM killer's SIGKILL): its ranks end with it
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+        print(f"cnnkit: error: torchrun's agent was killed by {name}; its processes ended with it",
+              file=sys.stderr)  # fmt: skip
     return 128 - code if code < 0 else code  # a signal's number, as a shell reports it
 
 
-def end_with_parent() -> None:
+def end_with_parent(parent: int = 0) -> None:
     """SIGTERM to this process when its parent dies (Linux; elsewhere nothing); exit now if
-    the parent is gone already."""
-    parent = int(os.environ.get("CNNKIT_PARENT", "0"))
+    the parent (`parent`'s pid where known) is gone already. The agent calls it, and so does
+    each rank of --nproc (a killed agent would leave them training on, orphaned)."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError, TypeError):
         return
-    if parent and os.getppid() != parent:
+    if (parent and os.getppid() != parent) or os.getppid() == 1:
         sys.exit(128 + signal.SIGTERM)
 
 
@@ -102,7 +106,7 @@ def torchrun(args: list[str]) -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ctrl-C while torch imports: a quiet end
-    end_with_parent()
+    end_with_parent(int(os.environ.get("CNNKIT_PARENT", "0")))
     import torch.distributed.run  # noqa: F401 (seconds; torchrun's own import is then free)
 
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -687,6 +688,33 @@ def test_a_second_ctrl_c_under_nproc_is_said(monkeypatch, capsys):
         assert cnnkit.agent.start_local(2, ["train", "digits"]) == 130
         err = capsys.readouterr().err
         assert err.startswith(said) and (err == "") == (presses == 1), err
+
+
+def test_a_rank_of_nproc_ends_with_its_agent(tmp_path):
+    """The agent killed outright (SIGKILL: the OOM killer's): its ranks do not train on,
+    orphaned, writing the run directory."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CNNKIT_NPROC": "2", "LOCAL_RANK": "0"}
+    rank = (f"{sys.executable} -m cnnkit train digits train.epochs=1000 --quiet "
+            f"--out {tmp_path / 'run'}")  # fmt: skip
+    agent = subprocess.Popen(["sh", "-c", f"{rank} & echo $! ; wait"], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    pid = int(agent.stdout.readline())
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "config.yaml").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # training has started
+    agent.kill()
+    agent.wait()
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            break  # ended, not yet reaped
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the rank trained on after its agent was killed")
 
 
 def test_ctrl_c_while_the_nproc_agent_starts_is_one_line(tmp_path):

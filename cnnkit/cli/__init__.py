@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     `--debug` (anywhere on the line, before or after the subcommand) shows the traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("CNNKIT_NPROC") and "LOCAL_RANK" in os.environ:
+        from cnnkit.agent import end_with_parent
+
+        end_with_parent()  # a rank of --nproc: it ends with its agent, however that ends
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     try:
