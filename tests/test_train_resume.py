@@ -443,3 +443,24 @@ def test_the_no_checkpoint_yet_notice_is_rank_0s_alone(finished_run, tmp_path, c
     code, _, err = run_cli(["train", "--resume", str(run), "--dry-run"], capsys)
     assert code == 0, err
     assert ("no checkpoint yet: the run starts again from the beginning" in err) == said
+
+
+def test_a_dry_run_of_nproc_n_chooses_settings_for_one_of_n_ranks(monkeypatch, capsys):
+    """Each rank takes its share of the batch and of the cores: the dry run measures (and
+    caches) the choice for that, not for one process with the whole batch and every core."""
+    from helpers import run_cli
+
+    import cnnkit.train.run as run_module
+    from cnnkit.train.settings import Settings
+
+    asked = []
+
+    def spy(network, cfg, device, batch, *args, **kwargs):
+        asked.append((batch, torch.get_num_threads()))
+        return Settings("fp32", False, torch.get_num_threads(), "set")
+
+    monkeypatch.setattr(run_module, "choose_settings", spy)
+    monkeypatch.setattr(run_module, "available_cores", lambda: 4)
+    code, out, err = run_cli(["train", "digits", "--nproc", "2", "--dry-run"], capsys)
+    assert code == 0, err
+    assert asked == [(32, 2)] and "2 processes" in out

@@ -21,7 +21,14 @@ from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.nn import Network, build_model
-from cnnkit.runtime import mix_seed, restore_matmuls, seed_everything, tf32_matmuls, torch_threads
+from cnnkit.runtime import (
+    available_cores,
+    mix_seed,
+    restore_matmuls,
+    seed_everything,
+    tf32_matmuls,
+    torch_threads,
+)
 from cnnkit.train.engine import Engine, balanced_weights, build_engine
 from cnnkit.train.epochs import Hooks, stop_on_interrupt, train_epochs
 from cnnkit.train.loop import (
@@ -243,7 +250,9 @@ def fit(
         data = config.data.build(
             device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
         )
-        engine = _engine(config, data, device, dist, Console(quiet or not dist.is_main), resume)
+        ranks = processes if dry_run and processes else dist.world_size  # a dry run's: its N
+        engine = _engine(config, data, device, dist, Console(quiet or not dist.is_main), resume,
+                         ranks)  # fmt: skip
         if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
             torch.manual_seed(mix_seed(config.seed, dist.rank))
         stack.enter_context(torch_threads(engine.settings.threads))
@@ -326,17 +335,23 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
 
 
 def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Processes,
-            console: Console, resume: dict[str, Any] | None = None) -> Engine:  # fmt: skip
+            console: Console, resume: dict[str, Any] | None = None,
+            ranks: int = 1) -> Engine:  # fmt: skip
     """The network built and put on the device with the settings chosen for it (rank 0's
     choice on every rank: one precision and format for the whole group); a resumed run keeps
-    the settings it began with (resumed_settings)."""
+    the settings it began with (resumed_settings). `ranks`: the processes the choice is for
+    (each takes its share of the batch and, from --nproc, of the cores: a dry run of N
+    chooses what N ranks will run)."""
     network = build_network(config, data)
-    per_rank = config.data.batch_size // dist.world_size
+    per_rank = config.data.batch_size // ranks
     chosen = None
     if dist.is_main:
-        chosen = resumed_settings(resume, config, device) or choose_settings(
-            network, config.train, device, per_rank, config.deterministic, notify=console.print
-        )
+        cores = torch.get_num_threads() if ranks == dist.world_size else max(
+            1, available_cores() // ranks)  # fmt: skip
+        with torch_threads(cores):
+            chosen = resumed_settings(resume, config, device) or choose_settings(
+                network, config.train, device, per_rank, config.deterministic,
+                notify=console.print)  # fmt: skip
     settings = dist.broadcast_object(chosen)
     weights = None
     if config.train.class_weights == "balanced":
