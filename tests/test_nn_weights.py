@@ -174,3 +174,19 @@ def test_a_rename_rule_whose_replacement_does_not_fit_its_match_is_refused(rule,
     assert "\n" not in message
     fine = {**spec, "weights_keys": [{"match": r"(?P<a>c)\.(w)eight", "to": r"\g<a>.\2eight"}]}
     assert build_model(fine, device="meta").c.weight.shape == (4, 3, 3, 3)
+
+
+@pytest.mark.parametrize("key,hint", [
+    ("weigths", "(did you mean 'weights'?)"),
+    ("preprocess", "(preprocess: goes in the network file, beside its layers)"),
+])  # fmt: skip
+def test_a_run_files_model_mapping_refuses_what_it_does_not_take(tmp_path, capsys, key, hint):
+    """As `cnnkit train` does: `info` and `export` used to drop the key silently (an export of
+    fresh weights, exit 0, for a mistyped `weights`)."""
+    from helpers import run_cli
+
+    (tmp_path / "run.yaml").write_text(f"model: {{network: lenet5, {key}: x.pth}}\n")
+    for args in (["info"], ["export", "-o", str(tmp_path / "m.safetensors")]):
+        code, _, err = run_cli([args[0], str(tmp_path / "run.yaml"), *args[1:]], capsys)
+        assert code == 2 and f"model.{key}: unknown field" in err and hint in err, err
+    assert not (tmp_path / "m.safetensors").exists()
