@@ -60,11 +60,20 @@ def test_alexnet_caffemodel_imports_with_the_logits_of_its_weights(tmp_path, cap
     args = ["import-caffe", str(DATA / "alexnet.prototxt"), str(caffemodel), "-o", str(out)]
     code, printed, _ = run_cli(args, capsys)
     assert code == 0 and "alexnet.safetensors: 22 layers, 60,965,224 parameters" in printed
-    assert "weights: alexnet.safetensors" in out.read_text()
+    text = out.read_text()
+    assert "weights: alexnet.safetensors" in text and "conv1: input channels reversed" in text
     imported = build_model(str(out)).eval()  # the network file loads its weights
     x = torch.randn(2, 3, 227, 227) * 50
-    with torch.no_grad():
-        assert (imported(x) - source(x)).abs().max().item() <= 1e-5
+    with torch.no_grad():  # cnnkit's RGB is Caffe's BGR reversed
+        assert (imported(x) - source(x.flip(1))).abs().max().item() <= 1e-5
+    from cnnkit.infer.load import load_for_inference
+
+    preprocess = load_for_inference(str(out)).preprocess  # Caffe's 0-255 scale, ImageNet's mean
+    assert preprocess.std == [1.0] * 3 and preprocess.mean == [122.68, 116.67, 104.01]
+    code, printed, _ = run_cli([*args, "--keep-bgr"], capsys)
+    assert code == 0 and "preprocess" not in out.read_text()
+    with torch.no_grad():  # a net trained on RGB: its weights as they were
+        assert (build_model(str(out)).eval()(x) - source(x)).abs().max().item() <= 1e-5
 
 
 def test_v1_layers_and_legacy_blob_shapes(tmp_path):
@@ -134,7 +143,7 @@ def test_batchnorm_scale_prelu_and_within_channel_lrn_weights(tmp_path):
     net = build_model(model).eval()
     net.load_state_dict(state)
     x = torch.randn(2, 3, 7, 7, generator=g)
-    y = F.conv2d(x, w, b, padding=1)
+    y = F.conv2d(x.flip(1), w, b, padding=1)  # the imported net reads RGB, Caffe's read BGR
     y = (y - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + 1e-3).sqrt()
     y = F.prelu(y * gamma.view(1, -1, 1, 1) + beta.view(1, -1, 1, 1), slope)
     expected = F.linear(within_channel(y, 3, 0.5, 0.75).flatten(1), fc_w, fc_b)

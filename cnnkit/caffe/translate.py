@@ -43,8 +43,17 @@ class CaffeImport:
     notes: list[str] = field(default_factory=list)
 
 
-def read_caffe(path: str | Path, caffemodel: str | Path | None = None) -> CaffeImport:
-    """A Caffe deploy prototxt (and its trained .caffemodel) as a cnnkit network."""
+CAFFE_IMAGENET_MEAN = [122.68, 116.67, 104.01]  # ilsvrc_2012_mean.binaryproto per channel, RGB
+
+
+def read_caffe(path: str | Path, caffemodel: str | Path | None = None,
+               keep_bgr: bool = False) -> CaffeImport:  # fmt: skip
+    """A Caffe deploy prototxt (and its trained .caffemodel) as a cnnkit network. Caffe's
+    colour nets read BGR images (OpenCV's order) of 0-255 pixels less the mean: the trained
+    weights of the layers reading a 3-channel input get their input channels reversed, so the
+    network reads RGB as every cnnkit and torchvision path gives it, and the network file a
+    `preprocess:` of Caffe's scale and ImageNet's mean (`keep_bgr`: neither, for a net that
+    was trained on RGB)."""
     from cnnkit.caffe.weights import caffe_state_dict, read_caffemodel
 
     translator = _translator(path)
@@ -52,7 +61,30 @@ def read_caffe(path: str | Path, caffemodel: str | Path | None = None) -> CaffeI
     state = None
     if caffemodel is not None:
         state = caffe_state_dict(model, translator.sources, read_caffemodel(caffemodel))
+        if not keep_bgr and model["input"][0] == 3:
+            translator.notes += _bgr_to_rgb(model, state)
     return CaffeImport(model, state, translator.notes)
+
+
+def _bgr_to_rgb(model: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    """Reverse the input channels of the weights of every layer reading the network's input
+    (convolutions, as Caffe's colour nets begin), in place; the notes for the header."""
+    readers = [layer for i, layer in enumerate(model["layers"])
+               if "input" in layer.get("inputs", ["input"] if i == 0 else [])]  # fmt: skip
+    convs = [r for r in readers if r["type"] == "conv" and r.get("groups", 1) == 1
+             and f"{r['name']}.weight" in state]  # fmt: skip
+    if not readers or len(convs) != len(readers):
+        return ["the input is read by layers other than plain convolutions: their weights keep "
+                "Caffe's BGR channel order (feed images accordingly)"]  # fmt: skip
+    for conv in convs:
+        key = f"{conv['name']}.weight"
+        state[key] = state[key].flip(1).contiguous()
+    model["preprocess"] = {"mean": list(CAFFE_IMAGENET_MEAN), "std": [1.0, 1.0, 1.0]}
+    names = ", ".join(c["name"] for c in convs)
+    return [f"{names}: input channels reversed from Caffe's BGR to RGB (import-caffe "
+            "--keep-bgr: not, for a net trained on RGB images)",
+            "preprocess: Caffe's 0-255 pixels less ImageNet's mean (ilsvrc_2012_mean, per "
+            "channel, RGB): set mean to your training set's if it was not ImageNet"]  # fmt: skip
 
 
 def import_caffe(path: str | Path) -> dict[str, Any]:
@@ -86,7 +118,7 @@ def translate(net: Message, source: str = "prototxt") -> dict[str, Any]:
 def network_yaml(model: dict[str, Any], header: str = "") -> str:
     """A network file for `model`, one layer per line like the zoo's files."""
     lines = [f"# {line}" for line in header.splitlines()] + ["model:"]
-    for key in ("name", "input", "weights"):
+    for key in ("name", "input", "weights", "preprocess"):
         if key in model:
             lines.append(f"  {key}: {_flow(model[key])}")
     lines.append("  layers:")

@@ -149,6 +149,12 @@ def import_caffe(
     out: Path = typer.Option(
         None, "-o", "--out", help="Write the network file here (default: print it)."
     ),
+    keep_bgr: bool = typer.Option(
+        False,
+        "--keep-bgr",
+        help="Keep the first convolution reading Caffe's BGR order, with no preprocess: for a "
+        "net trained on RGB images (by default its input channels are reversed to RGB).",
+    ),
 ) -> None:
     """Translate a Caffe prototxt (and its .caffemodel weights) into a cnnkit network file."""
     from cnnkit.caffe import network_yaml, read_caffe
@@ -167,7 +173,7 @@ def import_caffe(
     if caffemodel is not None and weights.exists() and not _imported_beside(out, weights):
         raise ConfigError(f"{weights}: exists, and is not the weights of an earlier import to "
                           f"{out.name}: move it, or give -o another name")  # fmt: skip
-    imported = read_caffe(prototxt, caffemodel)  # weights checked against the network
+    imported = read_caffe(prototxt, caffemodel, keep_bgr)  # weights checked against the network
     model, state = imported.model, imported.state
     net = build_model(model, device="meta")  # checks every shape before anything is written
     header = f"{IMPORT_HEADER} {prototxt.name}"
