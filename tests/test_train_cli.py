@@ -128,3 +128,25 @@ def test_version_and_the_settings_of_a_run_directory(digits_run, capsys):
     assert code == 0 and out.startswith("cnnkit 0.") and "torch" in out
     code, out, _ = run_cli(["config", str(digits_run), "--changed"], capsys)
     assert code == 0 and "train.epochs" in out and "config.yaml" in out  # its own settings
+
+
+def test_a_run_whose_stdout_reader_goes_trains_on(tmp_path):
+    """`cnnkit train ... | head -1`: the run does not die of its log (it ended with exit 1 and
+    no word, mid-run); it says so once on stderr and finishes, its files whole."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "train.epochs=2",
+           "--out", str(tmp_path / "run")]  # fmt: skip
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert run.stdout.readline()  # the first line (a measuring note or the start line)
+    run.stdout.close()  # the reader goes, as `head -1` does
+    err = run.stderr.read()
+    assert run.wait(timeout=240) == 0, err
+    assert "stdout's reader has gone: training goes on" in err and "Traceback" not in err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 2

@@ -107,6 +107,49 @@ def _traceback_exit(code: int) -> None:
     sys.exit(code)
 
 
+class _TrainingOutput:
+    """stdout of `cnnkit train`: when its reader goes (`| head`, a `| tee` whose terminal
+    closed), the run trains on, its log dropped (metrics.csv and TensorBoard keep it), said
+    once on stderr; a run does not die of its log."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        self._gone = True
+        _stdout_to_devnull()  # what is left in the buffer goes nowhere, quietly, at exit
+        try:
+            print("cnnkit: stdout's reader has gone: training goes on without printing its log "
+                  "(metrics.csv and TensorBoard keep it)", file=sys.stderr, flush=True)  # fmt: skip
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno())
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def _out_of_memory(e: BaseException) -> str | None:
     """What an allocation that failed asked for ("a tensor of 409.6 GB"), or None when `e` is
     not an allocation failure (CPU: torch's allocator or Python's MemoryError; CUDA)."""
@@ -134,6 +177,17 @@ def main(argv: list[str] | None = None) -> None:
         end_with_parent()  # a rank of --nproc: it ends with its agent, however that ends
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    if argv[:1] == ["train"] and not isinstance(sys.stdout, _TrainingOutput):
+        stdout, sys.stdout = sys.stdout, _TrainingOutput(sys.stdout)
+        try:
+            _main(argv, debug)
+        finally:
+            sys.stdout = stdout
+        return
+    _main(argv, debug)
+
+
+def _main(argv: list[str], debug: bool) -> None:
     try:
         code = app(args=argv, prog_name="cnnkit", standalone_mode=False)
     except NO_ARGS as e:  # `cnnkit` or `cnnkit bench` alone: typer has shown the help
@@ -176,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"cnnkit: error: out of memory: {size} did not fit (--debug shows where); "
               "a smaller batch needs less", file=sys.stderr)  # fmt: skip
         sys.exit(1)
+    except BrokenPipeError:  # stdout's reader has gone (`| head`): stop quietly, as Unix tools
+        _stdout_to_devnull()
+        sys.exit(128 + 13)  # (SIGPIPE's status)
     except OSError as e:  # a full disk, a read-only or missing folder: one line
         if e.errno not in DISK_ERRORS and e.errno not in PATH_ERRORS:
             raise
