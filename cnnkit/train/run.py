@@ -269,7 +269,7 @@ def fit(
         ctx = RunContext(config, data, dist, run_dir, log, started)
         console = Console(quiet or not dist.is_main, top5=len(data.classes) > 5, log=log)
         _describe(console, ctx, engine, progress)
-        writer = CheckpointWriter()
+        writer, done_before = CheckpointWriter(), progress.global_step
         try:
             with stop_on_interrupt() as stop:
                 train_epochs(engine, schedule, progress, console, Hooks(on_step, callbacks), ctx,
@@ -278,7 +278,9 @@ def fit(
             writer.wait()  # every checkpoint on disk before the run reports anything
             if log is not None:
                 log.close()
-        return finish(engine, progress, ctx, time.perf_counter() - started, console)
+        # a session that trained nothing (all epochs done) adds nothing to the run's wall time
+        spent = 0.0 if progress.global_step == done_before else time.perf_counter() - started
+        return finish(engine, progress, ctx, spent, console)
 
 
 def _check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> None:
