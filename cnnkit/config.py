@@ -269,6 +269,9 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
         elif str(error) == "data: Field required" and isinstance(raw.get("model"), dict):
             error = ConfigError(f"{error} (a network file? a run file names it as model: FILE "
                                 "beside data: and train:; `cnnkit info FILE` reads a network)")  # fmt: skip
+        elif str(error) == "data: Field required":
+            error = ConfigError(f"{error} (a run file's data: names its source: one of "
+                                f"{', '.join(SOURCES)})")  # fmt: skip
         raise error from None
 
 
@@ -293,6 +296,10 @@ def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
         if other is not section and parts[-1] in other.model_fields:
             where = "at the top level" if not prefix else f"in {prefix[:-1]}"
             return f" (it belongs {where}: {prefix}{parts[-1]})"
+    owners = [name for name, kind in SOURCES.items() if parts[-1] in kind.model_fields]
+    if parts[:1] == ["data"] and owners and data.get("source") in SOURCES:
+        return (f" (a setting of data.source {' / '.join(owners)}, not {data['source']}: start "
+                f"from a run file written for {data['source']} data)")  # fmt: skip
     return ""
 
 

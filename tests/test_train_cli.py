@@ -66,6 +66,12 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
             "'cuda:1' names one GPU",
         ),  # fmt: skip
         (["eval", "/no/such/run"], 1, "no such checkpoint"),
+        # the setting that fixes it, named
+        (
+            ["train", "digits", "data.source=synthetic", "--dry-run"],
+            2,
+            "data.shift: unknown field (a setting of data.source digits / faces, not synthetic",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, code, words, capsys):
@@ -150,3 +156,25 @@ def test_a_run_whose_stdout_reader_goes_trains_on(tmp_path):
     assert run.wait(timeout=240) == 0, err
     assert "stdout's reader has gone: training goes on" in err and "Traceback" not in err
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 2
+
+
+@pytest.mark.parametrize("data,hint", [
+    ("{source: synthetic}", "(set data.shape=[3, 32, 32])"),
+    ("{source: folder, path: FOLDER, val_fraction: 0.5}", "(set data.crop=32, and data.size the side images are"),
+    (None, "data: Field required (a run file's data: names its source: one of digits, faces"),
+])  # fmt: skip
+def test_a_mismatch_of_network_and_data_names_the_setting(tmp_path, capsys, data, hint):
+    for name in ("a", "b"):  # an image folder of two classes
+        (tmp_path / "images" / name).mkdir(parents=True)
+        from PIL import Image
+
+        for i in range(5):
+            Image.new("RGB", (40, 40), name == "a" and "red" or "blue").save(
+                tmp_path / "images" / name / f"{i}.png"
+            )
+    text = "name: r\nmodel: inception-small\n"
+    if data:
+        text += f"data: {data.replace('FOLDER', str(tmp_path / 'images'))}\n"
+    (tmp_path / "run.yaml").write_text(text)
+    got, err = _fails(["train", str(tmp_path / "run.yaml"), "--dry-run"], capsys)
+    assert got == 2 and hint in err, err

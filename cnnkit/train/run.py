@@ -172,13 +172,28 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
             "out_features left out, after a flatten or global_avgpool)"
         )
     if tuple(network.input_shape) != tuple(data.input_shape):
-        grey = network.input_shape[0] == 1 and data.input_shape[0] == 3
         raise ConfigError(
             f"model: input {list(network.input_shape)} does not match the data's images "
-            f"{list(data.input_shape)}"
-            + (" (data.grey: true gives the images' luma)" if grey else "")
+            f"{list(data.input_shape)}{_shape_hint(config, network.input_shape, data.input_shape)}"
         )
     return network
+
+
+def _shape_hint(config: RunConfig, want: tuple[int, ...], have: tuple[int, ...]) -> str:
+    """The data setting that gives a network's input: the grey images, the crop, the shape."""
+    if want[0] == 1 and have[0] == 3:
+        return " (data.grey: true gives the images' luma)"
+    if config.data.source == "synthetic":
+        return f" (set data.shape={list(want)})"
+    if (
+        len(want) == 3
+        and want[0] == have[0]
+        and want[1] == want[2]
+        and hasattr(config.data, "crop")
+    ):
+        size = ", and data.size the side images are resized to first" * hasattr(config.data, "size")
+        return f" (set data.crop={want[1]}{size})"
+    return ""
 
 
 def check_processes(config: RunConfig, world_size: int, device: torch.device,
