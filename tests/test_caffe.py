@@ -238,6 +238,15 @@ def test_googlenet_builds_with_its_true_size():
     assert pool4.output_shape == (832, 7, 7)  # Caffe's ceil rounding (floor would give 6)
 
 
+@pytest.mark.parametrize("kind", ["Data", "Accuracy", "SoftmaxWithLoss"])
+def test_a_train_val_prototxt_points_at_the_deploy_one(tmp_path, kind):
+    prototxt = tmp_path / "train_val.prototxt"
+    prototxt.write_text(f'layer {{ name: "x" type: "{kind}" top: "x" }}\n')
+    with pytest.raises(ConfigError, match=r"'x' has type '\w+', which cnnkit cannot import \(a "
+                                          r"train_val prototxt\? give the deploy.prototxt"):  # fmt: skip
+        import_caffe(prototxt)
+
+
 def test_unsupported_type_names_type_and_line():
     with pytest.raises(ConfigError) as err:
         import_caffe(DATA / "unsupported.prototxt")

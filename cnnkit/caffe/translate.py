@@ -43,6 +43,16 @@ class CaffeImport:
     notes: list[str] = field(default_factory=list)
 
 
+TRAIN_VAL_LAYERS = {
+    "Data",
+    "ImageData",
+    "HDF5Data",
+    "MemoryData",
+    "WindowData",
+    "DummyData",
+    "Python",
+    "Accuracy",
+}  # a train_val net's, which deploy nets replace or drop
 CAFFE_IMAGENET_MEAN = [122.68, 116.67, 104.01]  # ilsvrc_2012_mean.binaryproto per channel, RGB
 
 
@@ -158,9 +168,13 @@ class _Translator:
             kind = layer_type(layer)
             handler = getattr(self, f"_{kind.lower()}", None) if kind in SUPPORTED else None
             if handler is None:
+                trainval = kind in TRAIN_VAL_LAYERS or kind.endswith("Loss")
+                hint = (" (a train_val prototxt? give the deploy.prototxt: an Input layer in place "
+                        "of the data layers, no loss or accuracy)") if trainval else (
+                        f" (supported: {', '.join(SUPPORTED)})")  # fmt: skip
                 raise ConfigError(
-                    f"{self.here}: layer {brief(layer.get('name', '?'))} has type {brief(kind)}, which "
-                    f"cnnkit cannot import (supported: {', '.join(SUPPORTED)})"
+                    f"{self.here}: layer {brief(layer.get('name', '?'))} has type {brief(kind)}, "
+                    f"which cnnkit cannot import{hint}"
                 )
             handler(layer, last=index == len(caffe_layers) - 1)
         return self._result()
