@@ -80,10 +80,18 @@ _TYPE_TAG = re.compile(r"^(function-|literal\[|constrained-|(int|float|str|bool|
                        r"(tuple|list|dict|set|frozenset)\[)")  # fmt: skip
 
 
+def _field(err: dict) -> list[str]:
+    """A pydantic error's location without the tags of a union's members."""
+    return [str(p) for p in err["loc"] if not _TYPE_TAG.match(str(p))]
+
+
 def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     """(location parts, `message (got value)`) of a pydantic ValidationError's first problem."""
     errors = error.errors()  # a missing field first: it is why the others look wrong
     err = next((e for e in errors if e["type"] == "missing"), errors[0])
+    if isinstance(err.get("input"), str):  # a word where a union takes numbers or words: the
+        same = [e for e in errors if _field(e) == _field(err) and e["type"] == "literal_error"]
+        err = same[0] if same else err  # words it takes ('same' or 'valid'), not "an integer"
     parts = [str(p)[:40] for p in err["loc"]]
     field = (err.get("ctx") or {}).get("field")  # a model-level check names its field there
     if field is not None:

@@ -277,3 +277,13 @@ def test_init_reads_numbers_yaml_gives_as_strings_as_other_numeric_fields_do():
 def test_num_classes_given_to_build_model_is_checked_as_the_files_is(classes):
     with pytest.raises(ConfigError, match=r"^model: num_classes: Input should be"):
         build_model(net(conv(), {"type": "linear"}), num_classes=classes)
+
+
+def test_a_word_a_field_does_not_take_lists_the_words_it_does():
+    """padding takes numbers or 'same' / 'valid': a wrong word is told those, not 'integer'."""
+    spec = {"input": [3, 8, 8],
+            "layers": [{"type": "conv", "out_channels": 4, "kernel_size": 3, "padding": "full"}]}  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"padding: Input should be 'same' or 'valid' \(got 'full'\)"
+    ):
+        build_model(spec, device="meta")
