@@ -247,6 +247,17 @@ def test_a_train_val_prototxt_points_at_the_deploy_one(tmp_path, kind):
         import_caffe(prototxt)
 
 
+def test_eltwise_coefficients_are_refused_saying_so(tmp_path):
+    prototxt = tmp_path / "el.prototxt"
+    prototxt.write_text(
+        'layer { name: "d" type: "Input" top: "d" input_param { shape { dim: 1 dim: 3 dim: 4 '
+        'dim: 4 } } }\nlayer { name: "e" type: "Eltwise" bottom: "d" bottom: "d" top: "e" '
+        "eltwise_param { coeff: 1 coeff: -1 } }\n"
+    )
+    with pytest.raises(ConfigError, match="coeff other than 1 is not imported"):
+        import_caffe(prototxt)
+
+
 def test_unsupported_type_names_type_and_line():
     with pytest.raises(ConfigError) as err:
         import_caffe(DATA / "unsupported.prototxt")

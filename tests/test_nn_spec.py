@@ -287,3 +287,11 @@ def test_a_word_a_field_does_not_take_lists_the_words_it_does():
         ConfigError, match=r"padding: Input should be 'same' or 'valid' \(got 'full'\)"
     ):
         build_model(spec, device="meta")
+
+
+def test_a_convolution_after_global_avgpool_is_told_what_keeps_the_map():
+    """A squeeze-and-excitation gate written with global_avgpool (a vector)."""
+    spec = {"input": [16, 8, 8], "layers": [{"type": "global_avgpool"},
+            {"type": "conv", "out_channels": 16, "kernel_size": 1}]}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"adaptive_avgpool, output_size: 1, keeps \(C, 1, 1\)"):
+        build_model(spec, device="meta")

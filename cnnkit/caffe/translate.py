@@ -395,7 +395,11 @@ class _Translator:
         op = str(p.get("operation", "SUM"))
         require(self.here, op in _ELTWISE, f"Eltwise operation {brief(op)}: SUM, PROD or MAX")
         coeffs = p.all("coeff")
-        require(self.here, all(c == 1 for c in coeffs), "Eltwise coeff other than 1")
+        require(
+            self.here,
+            all(c == 1 for c in coeffs),
+            "Eltwise coeff other than 1 is not imported (cnnkit's add sums its inputs as they are)",
+        )
         self._emit(layer, {"type": _ELTWISE[op]})
 
     def _batchnorm(self, layer: Message, last: bool) -> None:

@@ -78,7 +78,9 @@ def pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 def need_image(shape: Shape) -> tuple[int, int, int]:
     if len(shape) != 3:
-        raise ShapeError("inputs", f"needs a (C, H, W) input, got {fmt_shape(shape)}")
+        flat = (" (global_avgpool and flatten give vectors: adaptive_avgpool, output_size: 1, "
+                "keeps (C, 1, 1))") if len(shape) == 1 else ""  # fmt: skip
+        raise ShapeError("inputs", f"needs a (C, H, W) input, got {fmt_shape(shape)}{flat}")
     return shape  # type: ignore[return-value]
 
 
