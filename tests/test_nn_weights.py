@@ -190,3 +190,31 @@ def test_a_run_files_model_mapping_refuses_what_it_does_not_take(tmp_path, capsy
         code, _, err = run_cli([args[0], str(tmp_path / "run.yaml"), *args[1:]], capsys)
         assert code == 2 and f"model.{key}: unknown field" in err and hint in err, err
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_torchvision_weights_are_classified_as_torchvision_transforms_them(tmp_path):
+    """A zoo network of torchvision's with its weights reads images as those weights were
+    trained: Resize(256), CenterCrop(224), ImageNet's mean and std (it was 0-1 pixels,
+    squashed to 224: other probabilities, silently)."""
+    import numpy as np
+    import torchvision.transforms as T
+    from PIL import Image
+    from skimage import data as skdata
+
+    from cnnkit.infer.classify import Classifier
+
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18().eval()
+    with torch.no_grad():
+        reference.fc.weight.mul_(30)  # confident logits: a wrong input moves them visibly
+    torch.save(reference.state_dict(), tmp_path / "r18.pth")
+    (tmp_path / "run.yaml").write_text("model: {network: resnet18, weights: r18.pth}\n")
+    photo = Image.fromarray(np.asarray(skdata.coffee())).resize((600, 400))
+    transform = T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(),
+                           T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])  # fmt: skip
+    with torch.no_grad():
+        expected = reference(transform(photo)[None]).softmax(1)[0]
+    got = Classifier.load(tmp_path / "run.yaml").predict(photo, top=3)
+    assert int(got.labels[0].removeprefix("class")) == int(expected.argmax())
+    top = expected.topk(3).values.tolist()
+    assert got.probs == pytest.approx(top, abs=0.01)
