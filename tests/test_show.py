@@ -111,6 +111,21 @@ def test_filter_grid_stretches_each_filter():
     assert (framed[3:5, 3:5] == framed[3, 3]).all()  # nearest neighbour: a pixel becomes 2x2
 
 
+def test_a_constant_filter_is_mid_grey_and_a_grouped_first_conv_is_not_drawn_as_rgb(
+    tmp_path, capsys
+):
+    flat = filter_grid(torch.full((1, 1, 2, 2), 0.3), cell=2, gap=1)
+    assert (flat[1:3, 1:3] == 128).all()  # not black: nothing to stretch
+    spec = tmp_path / "g6.yaml"  # 6 input channels in 2 groups: each filter reads 3, not R, G, B
+    spec.write_text("model:\n  input: [6, 16, 16]\n  layers:\n    - {type: conv, out_channels: 4,"
+                    " kernel_size: 3, groups: 2}\n    - {type: flatten}\n"
+                    "    - {type: linear, out_features: 2}\n")  # fmt: skip
+    code, out, err = run_cli(["show", "filters", str(spec), "-o", str(tmp_path / "g.png")], capsys)
+    assert code == 0, err
+    image = np.asarray(Image.open(tmp_path / "g.png").convert("RGB")).astype(int)
+    assert (image[..., 0] == image[..., 1]).all() and (image[..., 1] == image[..., 2]).all()
+
+
 def test_show_filters_of_a_trained_run(digits_run, tmp_path, capsys):
     out = tmp_path / "filters.png"
     code, stdout, err = run_cli(["show", "filters", str(digits_run), "-o", str(out)], capsys)

@@ -165,17 +165,21 @@ def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
 
 
 def filter_grid(
-    weight: torch.Tensor, cell: int = 32, gap: int = 2, frame: int | None = None
-) -> np.ndarray:
+    weight: torch.Tensor, cell: int = 32, gap: int = 2, frame: int | None = None,
+    colour: bool | None = None,
+) -> np.ndarray:  # fmt: skip
     """(O, I, kh, kw) filters -> one uint8 image: a grid of cells `gap` white pixels apart
     (with a 1-pixel frame of grey `frame` around each), each filter stretched to 0-255 on its
-    own and enlarged by repeating pixels (nearest neighbour) to about `cell` pixels, in colour
-    when I == 3 and grey otherwise (mean over I)."""
+    own (a constant one mid-grey) and enlarged by repeating pixels (nearest neighbour) to about
+    `cell` pixels, in colour when `colour` (default: I == 3) and grey otherwise (mean over I)."""
     w = weight.detach().float().cpu()
-    w = w if w.shape[1] == 3 else w.mean(dim=1, keepdim=True)
+    colour = w.shape[1] == 3 if colour is None else colour
+    w = w if colour else w.mean(dim=1, keepdim=True)
     lo = w.amin(dim=(1, 2, 3), keepdim=True)
     hi = w.amax(dim=(1, 2, 3), keepdim=True)
-    w = ((w - lo) / (hi - lo).clamp_min(1e-12) * 255).round().to(torch.uint8)
+    flat = hi - lo <= 1e-12  # nothing to stretch: mid-grey, not black
+    w = ((w - lo) / (hi - lo).clamp_min(1e-12) * 255).masked_fill(flat, 127.5)
+    w = w.round().to(torch.uint8)
     scale = max(1, cell // max(w.shape[-2:]))
     w = w.repeat_interleave(scale, -2).repeat_interleave(scale, -1)  # nearest upscaling
     n, c, h, wd = w.shape
@@ -202,8 +206,12 @@ def draw_filters(model: nn.Module, path: Path) -> tuple[int, ...]:
     name, conv = first_conv(model)
     weight = conv.weight
     o, i, kh, kw = weight.shape
-    grid = Image.fromarray(filter_grid(weight, filter_cell(o), gap=6, frame=80)).convert("RGB")
-    how = "colour (RGB)" if i == 3 else f"grey (mean of {i} input channels)" if i > 1 else "grey"
+    rgb = i == 3 and conv.groups == 1 and conv.in_channels == 3  # it reads the RGB image
+    grid = filter_grid(weight, filter_cell(o), gap=6, frame=80, colour=rgb)
+    grid = Image.fromarray(grid).convert("RGB")
+    how = "colour (RGB)" if rgb else f"grey (mean of {i} input channels)" if i > 1 else "grey"
+    if conv.groups > 1:
+        how += f", {conv.groups} groups of {conv.in_channels // conv.groups} input channels"
     lines = [f"{getattr(model, 'name', 'net')} {name}: {o} filters of {i}x{kh}x{kw}",
              f"each stretched to its own min-max, {how}"]  # fmt: skip
     save_picture(titled(grid, lines), path)
