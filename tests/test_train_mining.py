@@ -251,3 +251,15 @@ def test_a_newly_kept_round_leaves_none_of_the_old_rounds_files(tmp_path):
     assert summary["chosen_round"] == 1 and (tmp_path / "metrics.csv").read_text() == "1"
     files = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert files == ["events.out.tfevents.2.b", "metrics.csv", "summary.json"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"held_out": ["brick"]}, "'brick' is mined too"),
+    ({"held_out": []}, "mining rounds need held-out face-free pictures"),
+])  # fmt: skip
+def test_held_out_pictures_are_apart_from_the_mined_ones_and_needed(change, message):
+    """A held-out picture also mined would have its false positives trained away and then
+    score the round; without any, every round scored 0 and round 0 was always kept."""
+    with pytest.raises(ConfigError, match=message):
+        load_run(small_run(**change))
+    load_run(small_run(held_out=[], rounds=0))  # no rounds: nothing to choose between

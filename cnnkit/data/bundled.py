@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, Section, holdout_split
 from cnnkit.data.memory import Jitter, TensorBatches
@@ -174,6 +174,17 @@ class HardNegatives(Section, extra="forbid"):
             if name not in FACE_FREE:
                 raise ValueError(f"{name!r} is not a face-free picture; use {', '.join(FACE_FREE)}")
         return names
+
+    @model_validator(mode="after")
+    def _held_out_apart(self) -> HardNegatives:
+        both = [name for name in self.held_out if name in self.images]
+        if both:  # its false positives would be trained away, then score the round: inflated
+            raise ValueError(f"held_out: {both[0]!r} is mined too (images): a held-out picture "
+                             "is only for choosing the round")  # fmt: skip
+        if self.rounds and not self.held_out:  # every round would score 0: round 0 kept, always
+            raise ValueError("held_out: mining rounds need held-out face-free pictures to choose "
+                             f"the best round by (one or more of {', '.join(FACE_FREE)})")  # fmt: skip
+        return self
 
 
 def face_free_picture(name: str, max_side: int) -> np.ndarray:
