@@ -423,3 +423,24 @@ def test_a_network_whose_output_is_not_class_scores_is_one_line(tmp_path, capsys
         f"cnnkit: error: {tmp_path / 'net.yaml'}: classify needs a network whose output is a "
         "vector of class scores; this one gives 4 x 6 x 6"
     ]
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("suffix", [".png", ".jpg"])
+def test_a_photos_exif_orientation_is_applied_as_viewers_show_it(tmp_path, orientation, suffix):
+    """A phone stores the pixels as the sensor saw them and an orientation tag: classify and
+    detect read the picture as every viewer shows it (PIL's exif_transpose)."""
+    from PIL import ImageOps
+
+    from cnnkit.infer.images import to_hwc
+
+    rng = np.random.default_rng(orientation)
+    pixels = np.kron(rng.integers(0, 256, (6, 10, 3)), np.ones((8, 8, 1))).astype(np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / f"photo{suffix}"
+    Image.fromarray(pixels).save(path, exif=exif, **({"quality": 95} if suffix == ".jpg" else {}))
+    expected = np.asarray(ImageOps.exif_transpose(Image.open(path)).convert("RGB"))
+    got = to_hwc(path)
+    assert got.shape == expected.shape
+    assert np.abs(got.astype(int) - expected).max() <= (0 if suffix == ".png" else 2)

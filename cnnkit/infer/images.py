@@ -102,13 +102,41 @@ def check_preprocess(pre: Preprocess) -> None:
                         f"of {decode.MAX_PIXELS:,} pixels") from None  # fmt: skip
 
 
+# EXIF orientation -> the turn that shows the picture upright, as PIL's exif_transpose does
+UPRIGHT = {
+    2: lambda a: a[:, ::-1],
+    3: lambda a: a[::-1, ::-1],
+    4: lambda a: a[::-1],
+    5: lambda a: a.swapaxes(0, 1),
+    6: lambda a: np.rot90(a, -1),
+    7: lambda a: np.rot90(a, 2).swapaxes(0, 1),
+    8: lambda a: np.rot90(a, 1),
+}
+
+
 def decode_file(path: str | Path, size: int | None = None, mode: str = "squash") -> Decoded:
     """A file decoded as the data pipeline decodes it (`size`, `mode`: its DCT-scaled JPEG
-    hint); DataError when it cannot be."""
+    hint), turned upright by its EXIF orientation (a phone's photo: what a viewer shows, and
+    where detect's boxes land); DataError when it cannot be."""
     try:
-        return decode_image(path, size, mode)
+        decoded = decode_image(path, size, mode)
     except BadImage as e:
         raise DataError(f"{path}: {e}") from None
+    turn = UPRIGHT.get(_orientation(path))
+    if turn is None:
+        return decoded
+    array = np.ascontiguousarray(turn(decoded.array))
+    source = decoded.source[::-1] if array.shape[:2] != decoded.array.shape[:2] else decoded.source
+    return Decoded(array, decoded.note, decoded.factor, tuple(source))
+
+
+def _orientation(path: str | Path) -> int:
+    """The EXIF orientation tag (1: upright), read from the header alone."""
+    try:
+        with Image.open(path) as image:
+            return int(image.getexif().get(0x0112, 1))
+    except Exception:  # noqa: BLE001 - no EXIF, or none PIL can read: as stored
+        return 1
 
 
 def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> np.ndarray:
