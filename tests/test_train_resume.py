@@ -418,7 +418,8 @@ def test_a_resume_on_more_processes_gives_each_rank_a_stream_of_its_own(finished
     assert len(state["rng_ranks"]) == 1
 
     def first_draws(rank: int, world: int = 2) -> torch.Tensor:
-        _restore_rank(state, SimpleNamespace(rank=rank, world_size=world), Progress())
+        _restore_rank(state, SimpleNamespace(rank=rank, world_size=world), Progress(),
+                      SimpleNamespace(ema=None))  # fmt: skip
         return torch.rand(4)
 
     zero, one = first_draws(0), first_draws(1)
