@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr, model_validator
@@ -261,10 +261,21 @@ class ImageBatches:
         except RuntimeError as e:  # torch's words for a worker that died (OOM killer, a crash)
             if "DataLoader worker" not in str(e):
                 raise
+            self._end_workers(batches)
             raise DataError(f"data.workers={self.workers}: a loader worker process died "
                             f"({one_line(e, 120)}): out of memory, or a crash decoding an "
                             "image; lower data.workers or data.prefetch, or give it more "
                             "memory") from None  # fmt: skip
+
+    def _end_workers(self, batches: Any) -> None:
+        """Stop the other workers of a loader one of whose died, and take their pids out of
+        torch's SIGCHLD watch (left there, any later child process's end in this process
+        raised "DataLoader worker ... is killed" wherever the program then was)."""
+        try:
+            batches._shutdown_workers()  # torch's own clean-up of the iterator
+        except Exception:  # noqa: BLE001 - best effort: the DataError says what happened
+            pass
+        self._loader = None  # a next epoch starts workers afresh
 
     def release(self, batch: WorkerBatch, copied: torch.cuda.Event | None = None) -> None:
         """The batch's slot is read (or will be once `copied` completes): it may take another."""
