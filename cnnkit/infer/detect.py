@@ -140,8 +140,8 @@ def score_maps(
         size = (round(x.shape[2] * scale), round(x.shape[3] * scale))
         scaled = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
         rows, cols = ((n - slider.window) // slider.stride + 1 for n in size)  # whole windows
-        height, width = ((n - 1) * slider.stride + slider.window for n in (rows, cols))
-        scaled = (scaled[..., :height, :width].round().clamp(0, 255) - mean) / std
+        width = (cols - 1) * slider.stride + slider.window  # (the mirror's windows line up)
+        scaled = (scaled[..., :width].round().clamp(0, 255) - mean) / std
         odds = _log_odds(slider.net(scaled), label)[:rows, :cols]  # pools that round up
         if mirror:  # the mirrored image's windows line up with these (the width fits the stride)
             mirrored = _log_odds(slider.net(scaled.flip(-1)), label)[:rows, :cols].flip(-1)
@@ -191,8 +191,6 @@ def detect(
     if not boxes:
         return []
     all_boxes, all_scores = torch.cat(boxes), torch.cat(scores)
-    all_boxes[:, 0::2].clamp_(0, w)  # a scale's rounded size: up to half a pixel past the edge
-    all_boxes[:, 1::2].clamp_(0, h)
     keep = nms(all_boxes, all_scores, iou)[:top]  # sorted by log-odds, best first
     probs = all_scores[keep].double().sigmoid().tolist()
     return [Box(*all_boxes[k].tolist(), p) for k, p in zip(keep.tolist(), probs, strict=True)]
