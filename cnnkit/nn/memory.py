@@ -54,27 +54,32 @@ def _host_available() -> tuple[int, str] | None:
 def check_fits(name: str, params: int, activations: int, device: Any) -> None:
     """Refuse, in one line, a network whose parameters plus one image's activations (float32
     values counted from the layer table) exceed the memory available where it is built."""
-    itemsize = torch.empty(0).element_size()
-    need = (params + activations) * itemsize
-    limit = available(device)
-    if limit is None or need <= limit[0]:
-        return
-    raise ConfigError(
-        f"model: {name} needs {format_bytes(need)} ({params:,} parameters and "
-        f"{activations:,} activation values per image) but {format_bytes(limit[0])} is "
-        f"available ({limit[1]})"
-    )
+    short = _shortfall(params + activations, device)
+    if short is not None:
+        raise ConfigError(
+            f"model: {name} needs {format_bytes(short[0])} ({params:,} parameters and "
+            f"{activations:,} activation values per image) but {format_bytes(short[1])} is "
+            f"available ({short[2]})"
+        )
 
 
 def check_batch_fits(name: str, params: int, activations: int, batch: int, device: Any) -> None:
     """Refuse, in one line, a batch whose activations alone (float32, the forward pass's, from
     the layer table: a lower bound) with the parameters exceed the memory available."""
-    itemsize = torch.empty(0).element_size()
-    need = (params + batch * activations) * itemsize
+    short = _shortfall(params + batch * activations, device)
+    if short is not None:
+        raise ConfigError(
+            f"--batch {batch}: {name} needs at least {format_bytes(short[0])} ({activations:,} "
+            f"activation values per image) but {format_bytes(short[1])} is available "
+            f"({short[2]})"
+        )
+
+
+def _shortfall(values: int, device: Any) -> tuple[int, int, str] | None:
+    """(bytes `values` float32 numbers need, bytes available, where that figure is from) when
+    they exceed the memory available on `device`; None when they fit or it is unknown."""
+    need = values * torch.empty(0).element_size()
     limit = available(device)
     if limit is None or need <= limit[0]:
-        return
-    raise ConfigError(
-        f"--batch {batch}: {name} needs at least {format_bytes(need)} ({activations:,} "
-        f"activation values per image) but {format_bytes(limit[0])} is available ({limit[1]})"
-    )
+        return None
+    return need, limit[0], limit[1]
