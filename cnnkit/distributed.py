@@ -381,3 +381,21 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
         raise
     finally:
         group.close(ok)
+
+
+def on_rank0(dist: Processes, check: Callable[[], Any]) -> None:
+    """`check` on rank 0 only (the run directory is rank 0's), its ConfigError raised on every
+    rank at once: the others stop there too, quietly (not with "lost a peer process" when
+    rank 0 ends), and none goes on into a collective that rank 0 never reaches."""
+    error = None
+    if dist.is_main:
+        try:
+            check()
+        except ConfigError as e:
+            error = e
+    if dist.world_size > 1:
+        message = dist.broadcast_object(None if error is None else str(error))
+        if message is not None and error is None:
+            error = ConfigError(message)
+    if error is not None:
+        raise error

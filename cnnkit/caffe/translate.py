@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from cnnkit.caffe.colour import bgr_to_rgb
 from cnnkit.caffe.deploy import deployed_layers, layer_type, sole_readers
 from cnnkit.caffe.fields import (
     as_integer,
@@ -53,7 +54,6 @@ TRAIN_VAL_LAYERS = {
     "Python",
     "Accuracy",
 }  # a train_val net's, which deploy nets replace or drop
-CAFFE_IMAGENET_MEAN = [122.68, 116.67, 104.01]  # ilsvrc_2012_mean.binaryproto per channel, RGB
 
 
 def read_caffe(path: str | Path, caffemodel: str | Path | None = None,
@@ -72,29 +72,8 @@ def read_caffe(path: str | Path, caffemodel: str | Path | None = None,
     if caffemodel is not None:
         state = caffe_state_dict(model, translator.sources, read_caffemodel(caffemodel))
         if not keep_bgr and model["input"][0] == 3:
-            translator.notes += _bgr_to_rgb(model, state)
+            translator.notes += bgr_to_rgb(model, state)
     return CaffeImport(model, state, translator.notes)
-
-
-def _bgr_to_rgb(model: dict[str, Any], state: dict[str, Any]) -> list[str]:
-    """Reverse the input channels of the weights of every layer reading the network's input
-    (convolutions, as Caffe's colour nets begin), in place; the notes for the header."""
-    readers = [layer for i, layer in enumerate(model["layers"])
-               if "input" in layer.get("inputs", ["input"] if i == 0 else [])]  # fmt: skip
-    convs = [r for r in readers if r["type"] == "conv" and r.get("groups", 1) == 1
-             and f"{r['name']}.weight" in state]  # fmt: skip
-    if not readers or len(convs) != len(readers):
-        return ["the input is read by layers other than plain convolutions: their weights keep "
-                "Caffe's BGR channel order (feed images accordingly)"]  # fmt: skip
-    for conv in convs:
-        key = f"{conv['name']}.weight"
-        state[key] = state[key].flip(1).contiguous()
-    model["preprocess"] = {"mean": list(CAFFE_IMAGENET_MEAN), "std": [1.0, 1.0, 1.0]}
-    names = ", ".join(c["name"] for c in convs)
-    return [f"{names}: input channels reversed from Caffe's BGR to RGB (import-caffe "
-            "--keep-bgr: not, for a net trained on RGB images)",
-            "preprocess: Caffe's 0-255 pixels less ImageNet's mean (ilsvrc_2012_mean, per "
-            "channel, RGB): set mean to your training set's if it was not ImageNet"]  # fmt: skip
 
 
 def import_caffe(path: str | Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -258,16 +258,15 @@ def fit(
     check_processes(config, processes if dry_run and processes else dist.world_size, device,
                     resume)  # fmt: skip
     if not dry_run:
-        _on_rank0(dist, lambda: check_writable(run_dir))
+        distributed.on_rank0(dist, lambda: check_writable(run_dir))
     with ExitStack() as stack:
         stack.enter_context(deterministic_mode(config.deterministic, device))
         seed_everything(config.seed)
         data = config.data.build(
             device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
         )
-        ranks = processes if dry_run and processes else dist.world_size  # a dry run's: its N
         engine = _engine(config, data, device, dist, Console(quiet or not dist.is_main), resume,
-                         ranks)  # fmt: skip
+                         processes if dry_run and processes else dist.world_size)  # fmt: skip
         if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
             torch.manual_seed(mix_seed(config.seed, dist.rank))
         stack.enter_context(torch_threads(engine.settings.threads))
@@ -279,7 +278,7 @@ def fit(
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
                             progress, processes or dist.world_size)  # fmt: skip
-        _on_rank0(dist, lambda: stack.enter_context(_locked(run_dir, fresh)))
+        distributed.on_rank0(dist, lambda: stack.enter_context(_locked(run_dir, fresh)))
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
         ctx = RunContext(config, data, dist, run_dir, log, started)
         console = Console(quiet or not dist.is_main, top5=len(data.classes) > 5, log=log)
@@ -304,24 +303,6 @@ def _check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> 
         raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} has done "
                           f"{progress.epoch} epochs already (ask for more to go on, or leave it "
                           "out)")  # fmt: skip
-
-
-def _on_rank0(dist: Processes, check: Callable[[], Any]) -> None:
-    """`check` on rank 0 only (the run directory is rank 0's), its ConfigError raised on every
-    rank at once: the others stop there too, quietly (not with "lost a peer process" when
-    rank 0 ends), and none goes on into a collective that rank 0 never reaches."""
-    error = None
-    if dist.is_main:
-        try:
-            check()
-        except ConfigError as e:
-            error = e
-    if dist.world_size > 1:
-        message = dist.broadcast_object(None if error is None else str(error))
-        if message is not None and error is None:
-            error = ConfigError(message)
-    if error is not None:
-        raise error
 
 
 @contextmanager
