@@ -54,7 +54,10 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     elif code in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the ranks end without a word
         print("cnnkit: terminated (SIGTERM)", file=sys.stderr)
     elif code < 0:  # the agent killed outright (the OOM killer's SIGKILL): its ranks end with it
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a real-time signal: its number
+            name = f"signal {-code}"
         print(f"cnnkit: error: torchrun's agent was killed by {name}; its processes ended with it",
               file=sys.stderr)  # fmt: skip
     return 128 - code if code < 0 else code  # a signal's number, as a shell reports it

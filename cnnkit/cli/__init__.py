@@ -145,7 +145,11 @@ class _TrainingOutput:
 
 def _stdout_to_devnull() -> None:
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.__stdout__.fileno())
+        finally:
+            os.close(devnull)  # fd 1 keeps its own copy
     except (OSError, AttributeError, ValueError):
         pass
 
