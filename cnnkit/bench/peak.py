@@ -151,10 +151,7 @@ def data_sheet(name: str) -> tuple[str, dict[str, float]] | None:
 def _half_width_avx512() -> bool:
     """Whether the CPU runs AVX-512 on 256-bit units (AMD's Zen 4: family 25), at half the
     per-cycle rate of Intel's and Zen 5's 512-bit ones."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
+    text = _cpuinfo()
     vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
     family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.M)
     return bool(vendor and family and vendor[1] == "AuthenticAMD" and int(family[1]) == 25)
@@ -177,10 +174,15 @@ def _cpu_flops_per_cycle(
     return 0, ""
 
 
-def _cpu_mhz() -> float:
+def _cpuinfo() -> str:
+    """/proc/cpuinfo's text ('' where there is none)."""
     try:
-        text = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            return f.read()
     except OSError:
-        return 0.0
-    found = re.findall(r"^cpu MHz\s*:\s*([\d.]+)", text, re.M)
+        return ""
+
+
+def _cpu_mhz() -> float:
+    found = re.findall(r"^cpu MHz\s*:\s*([\d.]+)", _cpuinfo(), re.M)
     return max((float(v) for v in found), default=0.0)
