@@ -11,6 +11,7 @@ from cnnkit.data import data_config
 from cnnkit.data.base import Preprocess, holdout_split
 from cnnkit.data.bundled import DigitsConfig
 from cnnkit.data.memory import Jitter, TensorBatches
+from cnnkit.errors import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -23,6 +24,17 @@ def test_digits_are_uint8_with_a_fixed_stratified_split():
     assert np.array_equal(holdout_split(labels, 0.2, 0)[1], val)  # fixed, independent of run
     counts = np.bincount(labels[val])
     assert counts.min() >= 35 and counts.max() <= 37 and classes == list("0123456789")
+
+
+def test_a_held_out_split_never_takes_a_class_s_last_image():
+    for labels, fraction in [([0, 1, 1, 1, 1, 1], 0.5), ([0, 1, 1, 2], 0.25), ([0, 1, 2, 2, 2, 2], 0.25),
+                             ([0, 0, 1, 1, 2, 2], 0.5)]:  # fmt: skip
+        labels = np.array(labels)
+        train, val = holdout_split(labels, fraction)
+        assert set(labels[train]) == set(labels) and len(val) >= 1, (labels, fraction)
+        assert not set(train) & set(val) and len(train) + len(val) == len(labels)
+    with pytest.raises(ConfigError, match="empty split"):  # one image per class: none to spare
+        holdout_split(np.array([0, 1, 2]), 0.25)
 
 
 def test_digits_are_scikit_learns_read_from_its_file(monkeypatch):

@@ -142,6 +142,11 @@ def test_an_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
         assert str(e.value.filename).startswith("/proc/cnnkit-x")
     assert synth.synth_shapes(tmp_path / "s", classes=3, per_class=2, size=16, workers=1)
     assert len(list((tmp_path / "s").rglob("*.JPEG"))) == 6
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")  # "." cannot be renamed over: class by class
+    assert synth.synth_shapes(".", classes=2, per_class=1, size=16, workers=1)
+    assert len(list(Path(".").rglob("*.JPEG"))) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "s"]  # no scratch left
 
 
 def test_the_synthetic_held_out_set_is_the_same_whatever_the_training_set():

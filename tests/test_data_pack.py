@@ -100,6 +100,38 @@ def test_pack_resumes_after_an_interrupt(shapes, tmp_path, monkeypatch):
         )
 
 
+@pytest.mark.parametrize("format", ["raw", "jpeg"])
+def test_a_shard_whose_every_image_was_skipped_reads_as_empty(shapes, tmp_path, format):
+    """Broken files last in the sorted order leave the last shard with no record (a 0-byte
+    file, which mmap refuses): the set still reads, every good image in its place."""
+    src = tmp_path / "src"
+    shutil.copytree(shapes, src)
+    last = sorted(src.iterdir())[-1]
+    for i in range(4):
+        (last / f"zz{i}.JPEG").write_text("<html>404</html>")
+    s = pack_folder(src, tmp_path / "p", size=16, format=format, workers=1, shard_size=4,
+                    progress=False)  # fmt: skip
+    assert (s.images, s.shards, s.skipped) == (15, 5, 4)
+    assert (tmp_path / f"p/shards/00004.{'u8' if format == 'raw' else 'jpg'}").stat().st_size == 0
+    pack_folder(shapes, tmp_path / "clean", size=16, format=format, workers=1, progress=False)
+    torch.testing.assert_close(all_images(tmp_path / "p"), all_images(tmp_path / "clean"))
+
+
+def test_a_pack_resumes_where_its_shards_folder_was_removed(shapes, tmp_path, monkeypatch):
+    import cnnkit.data.pack as pack
+
+    used, real = [], pack._run_jobs
+    monkeypatch.setattr(pack, "available_cores", lambda: 1)  # the default: this process's cores
+    monkeypatch.setattr(pack, "_run_jobs", lambda todo, n, *a: (used.append(n), real(todo, n, *a)))
+    pack_folder(shapes, tmp_path / "p", size=16, shard_size=4, progress=False)
+    assert used == [1]
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "p/shards")  # the plan stays: a resume must make the folder again
+    (tmp_path / "p/meta.json").unlink()
+    s = pack_folder(shapes, tmp_path / "p", size=16, workers=1, progress=False)
+    assert s.images == 15 and len(all_images(tmp_path / "p")[1]) == 15
+
+
 def test_bad_images_reported_converted_and_skipped(tmp_path):
     expected = write_bad_folder(tmp_path / "src")
     s = pack_folder(tmp_path / "src", tmp_path / "p", size=16, workers=2, progress=False)

@@ -34,7 +34,7 @@ def pack(
     ),
     quality: int = typer.Option(90, "--quality", help="JPEG quality for --format jpeg."),
     workers: int = typer.Option(
-        None, "--workers", "-j", min=1, help="Processes (default: all cores)."
+        None, "--workers", "-j", min=1, help="Processes (default: the cores this process may use)."
     ),
     labels: Path = typer.Option(
         None, "--labels", help="Label file for a flat folder (NAME CLASS)."

@@ -208,16 +208,18 @@ def holdout_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """A stratified (train, held-out) split of range(len(labels)) that depends only on `seed`:
     round(N * fraction) images held out in all, each class contributing its share (largest
-    remainders get the odd ones), sorted index arrays."""
+    remainders get the odd ones) but keeping at least one image to train on, sorted index
+    arrays."""
     labels = np.asarray(labels)
     if not fraction:
         return np.arange(len(labels)), np.zeros(0, np.int64)
     rng = np.random.default_rng(seed)
     classes, counts = np.unique(labels, return_counts=True)
     quota = counts * fraction
-    take = np.floor(quota).astype(np.int64)
+    take = np.minimum(np.floor(quota).astype(np.int64), counts - 1)
     extra = int(round(len(labels) * fraction)) - int(take.sum())
-    take[np.argsort(-(quota - take), kind="stable")[: max(extra, 0)]] += 1
+    room = np.flatnonzero(take < counts - 1)  # an odd one never takes a class's last image
+    take[room[np.argsort(-(quota - take)[room], kind="stable")][: max(extra, 0)]] += 1
     if take.sum() == 0 or take.sum() == len(labels):
         raise ConfigError(
             f"data.val_fraction: {fraction} of {len(labels)} images leaves an empty split"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import json
 import multiprocessing as mp
-import os
 import re
 import signal
 import threading
@@ -41,7 +40,7 @@ from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard
 from cnnkit.data.packed import PACK_FORMAT
 from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError, Interrupted
-from cnnkit.runtime import atomic
+from cnnkit.runtime import atomic, available_cores
 
 SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
 
@@ -289,10 +288,11 @@ def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
     """Plan (or reload the plan), pack the shards not done yet, finalize."""
     plan = _plan(src, dst, params, labels_file, shard_size)
     jobs = _jobs(plan, src, dst)
+    (dst / "shards").mkdir(parents=True, exist_ok=True)  # (also where a resumed pack lost it)
     todo = [j for j in jobs if not (dst / "shards" / f"{j.shard:05d}.npz").exists()]
     done_images = sum(len(j.files) for j in jobs if j not in todo)
     if todo or not (dst / "meta.json").exists():
-        workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
+        workers = max(1, min(workers or available_cores(), len(todo) or 1))
         _run_jobs(todo, workers, len(plan["files"]), done_images, progress)
         meta = _finalize(plan, dst, jobs)
     else:

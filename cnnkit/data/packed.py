@@ -121,8 +121,7 @@ class PackedImages(Dataset):
         """The shard files, memory-mapped read-only (page cache shared by all processes)."""
         if self._shards is None:
             folder = self.path / "shards"
-            # copy-on-write mapping: read-only in effect (nothing writes), writable for torch
-            self._shards = [np.memmap(folder / name, np.uint8, "c") for name in self.meta["shards"]]
+            self._shards = [_mapped(folder / name) for name in self.meta["shards"]]
         return self._shards
 
     def _record(self, i: int) -> np.ndarray:
@@ -262,3 +261,11 @@ class PackedConfig(ImageSetConfig):
         if self.normalize == "mean_image":
             return stats["mean_image"].mean(dim=(1, 2)).tolist(), [1.0, 1.0, 1.0]
         return list(stats["mean"]), list(stats["std"])
+
+
+def _mapped(path: Path) -> np.ndarray:
+    """A shard file memory-mapped copy-on-write (read-only in effect, writable for torch); an
+    empty array for an empty file (a shard all of whose images were skipped: mmap refuses it)."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, np.uint8)
+    return np.memmap(path, np.uint8, "c")

@@ -127,7 +127,7 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
                           f"{MAX_PIXELS:,} pixels")  # fmt: skip
     if seed < 0:
         raise ConfigError(f"--seed must be >= 0 (got {seed})")
-    final = Path(dst)
+    final = Path(dst).resolve()  # (".": a named folder beside it for the scratch set)
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
         what = "not empty" if final.is_dir() else "exists and is not a folder"
         raise ConfigError(f"{dst}: {what} (synth writes a new set: give a new folder)")
@@ -144,7 +144,7 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
         else:
             with mp.Pool(workers) as pool:  # the platform default: fork on Linux (no re-import)
                 pool.map(_write_class, jobs)
-        os.replace(work, final)  # (over DST where it is an empty folder)
+        _publish(work, final)
     except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
         name = str(getattr(e, "filename", None) or "")
@@ -152,3 +152,22 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
             raise OSError(e.errno, e.strerror, str(final) + name[len(str(work)) :]) from None
         raise
     return names
+
+
+def _publish(work: Path, final: Path) -> None:
+    """The finished set at `final`: one rename of the scratch folder, or, where `final` is an
+    empty folder already (the current directory of a shell, say, which a rename over it would
+    leave deleted), one rename per class folder, moved back if any fails."""
+    if not final.exists():
+        os.replace(work, final)
+        return
+    moved = []
+    try:
+        for part in sorted(work.iterdir()):
+            os.replace(part, final / part.name)
+            moved.append(part)
+    except BaseException:
+        for part in moved:
+            os.replace(final / part.name, part)
+        raise
+    work.rmdir()
