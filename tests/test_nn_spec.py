@@ -295,3 +295,110 @@ def test_a_convolution_after_global_avgpool_is_told_what_keeps_the_map():
             {"type": "conv", "out_channels": 16, "kernel_size": 1}]}  # fmt: skip
     with pytest.raises(ConfigError, match=r"adaptive_avgpool, output_size: 1, keeps \(C, 1, 1\)"):
         build_model(spec, device="meta")
+
+
+def _net(tmp_path, text: str, name: str = "net.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+TINY = (
+    "  input: [4, 4, 4]\n  layers:\n    - {type: conv, name: c, out_channels: 2, kernel_size: 1}\n"
+)
+
+
+def test_a_network_field_beside_model_is_refused_not_dropped(tmp_path):
+    """A mis-indented `weights:` would train from scratch without a word."""
+    stray = _net(tmp_path, "model:\n" + TINY + "weights: pretrained.safetensors\n")
+    with pytest.raises(ConfigError, match=r"net.yaml: weights: a network field beside model: "
+                       r"\(indent it under model:\)"):  # fmt: skip
+        build_model(str(stray))
+    typo = _net(tmp_path, "model:\n" + TINY + "trian: {epochs: 1}\n")
+    with pytest.raises(ConfigError, match=r"trian: unknown key .*\(did you mean 'train'\?\)"):
+        build_model(str(typo))
+    run = _net(tmp_path, "name: r\nmodel:\n" + TINY + "data: {source: digits}\nseed: 1\n")
+    assert build_model(str(run)).c.out_channels == 2  # a run file's own keys are fine
+
+
+def test_run_keys_are_run_configs_fields():
+    from cnnkit.config import RunConfig
+    from cnnkit.nn.spec import RUN_KEYS
+
+    assert set(RUN_KEYS) == set(RunConfig.model_fields)
+
+
+def test_defaults_fields_are_checked_where_written(tmp_path):
+    spec = {"input": [1, 8, 8], "defaults": {"conv": {"bais": False}},
+            "layers": [{"type": "relu"}, {"type": "conv", "out_channels": 4, "kernel_size": 3}]}  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"defaults: conv.bais: unknown field \(did you mean 'bias'"
+    ):
+        build_model(spec)
+    spec["defaults"] = {"maxpool": {"kernal_size": 2}}  # no maxpool layer: still a mistake
+    with pytest.raises(ConfigError, match=r"maxpool.kernal_size: unknown field"):
+        build_model(spec)
+
+
+def test_a_head_sized_through_defaults_is_a_head(tmp_path):
+    spec = {"input": [4], "num_classes": 5, "defaults": {"linear": {"out_features": "$num_classes"}},
+            "layers": [{"type": "linear", "name": "fc"}]}  # fmt: skip
+    assert build_model(spec).heads == ("fc",)
+    torch.save(build_model(spec).state_dict(), tmp_path / "h5.pth")
+    tuned = build_model(spec, num_classes=3, weights=tmp_path / "h5.pth")  # a fresh 3-way head
+    assert tuned.fc.out_features == 3
+    nested = {"input": [2, 6, 6], "num_classes": 3,
+              "layers": [{"type": "conv", "name": "k", "out_channels": 2,
+                          "kernel_size": ["$num_classes", 1]}]}  # fmt: skip
+    assert build_model(nested).heads == ("k",)
+
+
+def test_default_names_never_take_a_name_the_file_gives(tmp_path):
+    conv = {"type": "conv", "out_channels": 2, "kernel_size": 1}
+    model = build_model(
+        {"input": [2, 4, 4], "layers": [conv, conv, {"type": "relu"}, {**conv, "name": "conv1"}]}
+    )
+    assert [row.name for row in model.table] == ["conv0", "conv1_1", "relu2", "conv1"]
+    model = build_model(
+        {"input": [2, 4, 4], "layers": [{**conv, "name": "relu1"}, {"type": "relu"}]}
+    )
+    assert [row.name for row in model.table] == ["relu1", "relu1_1"]
+
+
+def test_errors_name_the_network_file_a_run_file_names(tmp_path):
+    _net(
+        tmp_path,
+        "model:\n  input: [1, 8, 8]\n  layers:\n    - {type: conv, out_channels: 2, kernel_size: 30}\n",
+        "bad.yaml",
+    )
+    run = _net(tmp_path, "model: bad.yaml\ndata: {source: digits}\n", "run.yaml")
+    with pytest.raises(
+        ConfigError, match=r"^\S*bad.yaml: layer 0 \(conv0\): kernel_size: kernel 30"
+    ):
+        build_model(str(run))
+    with pytest.raises(ConfigError, match=r"^\S*bad.yaml: layer 0"):  # one prefix, not two
+        build_model(str(tmp_path / "bad.yaml"))
+    with pytest.raises(ConfigError, match=r"^lenet5: model: num_classes"):  # a zoo net: its name
+        build_model("lenet5", num_classes=2**40)
+
+
+def test_missing_num_classes_and_contradicting_init_are_said(tmp_path):
+    spec = {
+        "input": [2, 4, 4],
+        "layers": [
+            {"type": "conv", "name": "cls", "out_channels": "$num_classes", "kernel_size": 1}
+        ],
+    }
+    with pytest.raises(ConfigError, match=r"\$num_classes: the network has no num_classes"):
+        build_model(spec)
+    own = {"type": "conv", "out_channels": 2, "kernel_size": 1, "bias": False, "init": {"bias": 0}}
+    with pytest.raises(ConfigError, match=r"init: bias: this layer has no bias \(bias: false\)"):
+        build_model({"input": [2, 4, 4], "layers": [own]})
+    bn = {"type": "batchnorm", "affine": False, "init": {"weight": 1}}
+    with pytest.raises(
+        ConfigError, match=r"init: weight: this layer has no weight \(affine: false\)"
+    ):
+        build_model({"input": [2, 4, 4], "layers": [bn]})
+    shared = {"input": [2, 4, 4], "defaults": {"conv": {"init": {"bias": 0}}},  # from defaults: fine
+              "layers": [{k: v for k, v in own.items() if k != "init"}]}  # fmt: skip
+    assert build_model(shared).conv0.bias is None

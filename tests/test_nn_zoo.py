@@ -177,7 +177,7 @@ def test_every_zoo_net_builds_and_runs():
     assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
-def test_alexnet_init_and_multipliers_follow_the_paper():
+def test_alexnet_init_and_multipliers_follow_caffes_bvlc_alexnet():
     torch.manual_seed(0)
     model = build_model("alexnet")
     assert torch.all(model.conv1.bias == 0) and torch.all(model.conv2.bias == 0.1)

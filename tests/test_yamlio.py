@@ -88,7 +88,7 @@ def test_files_too_large_or_unreadable(tmp_path):
     with pytest.raises(ConfigError, match="larger than 16 MiB"):
         read_yaml(big)
     binary = tmp_path / "bin.yaml"
-    binary.write_bytes(b"\xff\xfe\x00\x01")
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff")
     with pytest.raises(ConfigError, match="bin.yaml: not a text file: give a zoo name"):
         read_yaml(binary)
 
@@ -118,3 +118,29 @@ def test_aliases_nesting_past_the_depth_bound_are_refused(tmp_path):
     assert f"nested more than {MAX_DEPTH} levels deep once aliases are expanded" in message
     shallow = "a: &a [[1]]\nb: &b [*a, *a]\nc: [*b, *b]\n"  # 5 levels expanded: fine
     assert load_yaml(shallow) == yaml.safe_load(shallow)
+
+
+@pytest.mark.parametrize("value, read", [("032", 26), ("-064", -52), ("1:0", 60), ("0b10", 2)])
+def test_yaml_1_1_integers_that_are_not_what_they_look_are_refused(tmp_path, value, read):
+    path = tmp_path / "net.yaml"
+    path.write_text(f"model:\n  input: [3, {value}, 8]\n")
+    with pytest.raises(
+        ConfigError, match=rf"line 2, .*{value} is read by YAML 1.1 as {read}, not as"
+    ):
+        read_yaml(path)
+    path.write_text("a: [0, -0, 10, 0x10, 1_000, '032']\n")
+    assert read_yaml(path) == {"a": [0, 0, 10, 16, 1000, "032"]}
+
+
+def test_utf16_files_read_and_other_encodings_are_named(tmp_path):
+    path = tmp_path / "net.yaml"
+    path.write_bytes("# réseau\na: [1, 2]\n".encode("utf-16"))  # Notepad's "Unicode"
+    assert read_yaml(path) == {"a": [1, 2]}
+    path.write_bytes("# réseau\na: 1\n".encode("latin-1"))
+    with pytest.raises(
+        ConfigError, match=r"net.yaml: not UTF-8 text \(byte 0xe9 at line 1, column 4\)"
+    ):
+        read_yaml(path)
+    path.write_bytes(b"\xff\xfe garbage\n")  # a UTF-16 mark on what is not UTF-16
+    with pytest.raises(ConfigError, match="not a text file"):
+        read_yaml(path)

@@ -201,6 +201,7 @@ def print_layers(report: dict[str, Any], console: Any = None) -> None:
     """The per-layer table, then per-layer sums against the whole passes timed as a whole."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     from cnnkit.tables import wide_console
 
@@ -210,7 +211,7 @@ def print_layers(report: dict[str, Any], console: Any = None) -> None:
         f"{report['memory_format']}  "
         f"median of {report['repeats']}"
     )
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("#", "name", "type", "output"):
         table.add_column(column)
     for column in ("forward ms", "backward ms", "% of sum"):

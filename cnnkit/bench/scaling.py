@@ -178,6 +178,7 @@ def print_scaling(report: dict[str, Any], console: Any = None) -> None:
     """The study's table: time per image on each device and the GPU/CPU speed-up per network."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     from cnnkit.tables import wide_console
 
@@ -185,7 +186,7 @@ def print_scaling(report: dict[str, Any], console: Any = None) -> None:
     devices = list(report["devices"])
     hardware = "; ".join(f"{d}: {name}" for d, name in report["devices"].items())
     title = f"scaling study, {report['precision']}, ms per image  ({hardware})"
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("family", "network", "mult-adds"):
         table.add_column(column, justify="right" if column == "mult-adds" else "left")
     for d in devices:

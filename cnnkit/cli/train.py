@@ -126,6 +126,7 @@ def show_config(
     """Every setting of a run: its value, its default and what it does."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     from cnnkit.config import describe_run, load_run
     from cnnkit.tables import wide_console
@@ -133,14 +134,15 @@ def show_config(
     if Path(run).is_dir() and (Path(run) / "config.yaml").is_file():  # a run directory's own
         run = str(Path(run) / "config.yaml")
     config = load_run(run, list(overrides or []))
-    table = Table(title=f"{config.name}: {run}", title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title=Text(f"{config.name}: {run}"), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("key", "value", "default", "description"):
         table.add_column(column, overflow="fold")
     for key, value, default, description in describe_run(config):
         if changed and value == default:
             continue
         mark = "" if value == default else "bold"
-        table.add_row(key, _short(value), _short(default), description, style=mark)
+        table.add_row(*(Text(c) for c in (key, _short(value), _short(default), description)),
+                      style=mark)  # fmt: skip
     wide_console().print(table)
 
 

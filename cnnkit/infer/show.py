@@ -127,8 +127,10 @@ def draw_net(model: Network, path: Path) -> Layout:
             ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, "round,pad=0,rounding_size=0.06",
                                         fc=colour, ec="#333333", lw=0.8))  # fmt: skip
             ax.text(x, y, labels[name], ha="center", va="center", fontsize=FONT_SIZE,
-                    linespacing=1.25)  # fmt: skip
-        ax.text(0, margin + title / 2, heading, fontsize=FONT_SIZE + 2, va="center")
+                    linespacing=1.25, parse_math=False)  # fmt: skip
+        ax.text(
+            0, margin + title / 2, heading, fontsize=FONT_SIZE + 2, va="center", parse_math=False
+        )  # a name with $ in it is words, not mathtext
         with atomic(Path(path)) as f:  # an existing drawing stays whole if this fails
             fig.savefig(f, dpi=100, format=Path(path).suffix[1:].lower())
         plt.close(fig)

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from cnnkit.errors import ConfigError, brief, validation_message
 from cnnkit.nn.expr import ExprError, evaluate, is_expression, reads
 from cnnkit.nn.kinds import KINDS
-from cnnkit.nn.layers import Layer, Linear, Shape, ShapeError, fmt_shape
+from cnnkit.nn.layers import Layer, Linear, ParamLayer, Shape, ShapeError, fmt_shape
 from cnnkit.nn.names import check_name
 from cnnkit.nn.spec import BlockDef, NetSpec, suggest
 from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
@@ -108,6 +108,7 @@ class Expander:
             what = f"unknown type {brief(kind)}{suggest(kind, KINDS)}" if kind else "missing"
             raise ConfigError(f"{label}: type: {what}")
         fields = _with_defaults(raw, self.net.defaults.get(kind, {}))
+        head = any(reads(v, scope.sized) for v in fields.values())  # a classifier (or defaults')
         names = self._sub(label, "inputs", fields.pop("inputs", None), scope.params)
         names = [names] if isinstance(names, str) else names
         if names is not None and not (isinstance(names, list) and names):
@@ -121,7 +122,7 @@ class Expander:
             return self._alias(scope, short, inputs[0])
         fields = self._sub(label, None, {**fields, "type": kind}, env)
         layer = _validate(label, kind, {**fields, "name": scope.prefix + short, "inputs": names})
-        head = any(reads(v, scope.sized) for v in raw.values())  # a classifier
+        _check_own_init(label, raw.get("init"), layer)
         if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
             layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
         check_name(label, scope.prefix + short, short, self.taken, self.holders)
@@ -210,7 +211,12 @@ class Expander:
             if isinstance(name, bool) or not isinstance(name, (str, int)):
                 raise ConfigError(f"layer {scope.index}: name: not a name: {brief(name)}")
             return str(name)
-        return str(scope.counter) if scope.sequential else default
+        if scope.sequential:
+            return str(scope.counter)
+        name, k = default, 1
+        while (not scope.prefix and name in self.later) or scope.prefix + name in self.taken:
+            name, k = f"{default}_{k}", k + 1  # never a name the file gives another layer
+        return name
 
     def _register(self, scope: _Scope, short: str, value: int, raw: dict[str, Any]) -> None:
         """`short` now names `value`; it is what the next entry reads as `previous`."""
@@ -353,6 +359,16 @@ def _validate(label: str, kind: str, fields: dict[str, Any]) -> Layer:
         typo = next((str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"), None)
         what = f"{typo}: unknown field{suggest(typo, KINDS[kind].model_fields)}" if typo else None
         raise ConfigError(f"{label}: {what or validation_message(e)}") from None
+
+
+def _check_own_init(label: str, init: Any, layer: Layer) -> None:
+    """An `init:` rule written on the layer itself for a parameter it is configured without
+    (`bias: false`) is a contradiction; one that comes from `defaults:` is not."""
+    if isinstance(init, dict) and isinstance(layer, ParamLayer):
+        absent = sorted(set(init) & layer.absent_params(), key=str)
+        if absent:
+            why = "affine: false" if getattr(layer, "affine", True) is False else "bias: false"
+            raise ConfigError(f"{label}: init: {absent[0]}: this layer has no {absent[0]} ({why})")
 
 
 def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,12 @@ def is_expression(value: Any) -> bool:
 
 
 def reads(value: Any, names: Collection[str]) -> bool:
-    """Whether `value` is an expression reading one of the parameters `names`."""
+    """Whether `value` is (or holds, in a list or mapping) an expression reading one of the
+    parameters `names`."""
+    if isinstance(value, (list, tuple)):
+        return any(reads(v, names) for v in value)
+    if isinstance(value, dict):
+        return any(reads(v, names) for v in value.values())
     return isinstance(value, str) and any(m in names for m in PARAM.findall(value))
 
 
@@ -72,6 +77,9 @@ def evaluate(text: str, params: dict[str, Any]) -> Any:
 
 
 def _lookup(name: str, params: dict[str, Any]) -> Any:
+    if name == "num_classes" and params.get(name, 0) is None:
+        raise ExprError("$num_classes: the network has no num_classes (set model.num_classes; "
+                        "training takes it from the data set)")  # fmt: skip
     if name not in params or params[name] is None:
         known = ", ".join(sorted(k for k, v in params.items() if v is not None))
         raise ExprError(f"${name[:40]} is not a parameter here (known: {known[:120]})")

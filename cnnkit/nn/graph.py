@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,41 +39,44 @@ class Network(nn.Module):
 
     def __init__(self, spec: dict[str, Any], num_classes: int | None = None, device: Any = None):
         super().__init__()
-        net, nodes, self._output = parse_spec(spec, num_classes)
-        # the file's `model:` mapping, enough to rebuild this network (weights come separately)
-        self.spec = {k: v for k, v in spec.items() if k != "weights"}
-        self.name = net.name or "net"
-        self.input_shape: Shape = tuple(net.input)
-        shapes: list[Shape] = [self.input_shape, *(node.shape for node in nodes)]
-        self.param_count = sum(n.layer.param_count([shapes[i] for i in n.inputs]) for n in nodes)
-        self.activation_count = sum(math.prod(shape) for shape in shapes)  # per image
-        check_fits(self.name, self.param_count, self.activation_count, device)
-        self.table: list[LayerInfo] = []
-        with torch.device(device) if device is not None else nullcontext():
-            for node in nodes:
-                in_shapes = [shapes[i] for i in node.inputs]
-                module = node.layer.build(in_shapes)
-                _set_submodule(self, node.name, module)
-                self.table.append(_describe(node, in_shapes, module, nodes))
-        out = shapes[self._output]
-        self.num_classes = out[0] if len(out) == 1 else None
-        self.output_shape: Shape = out
-        self.heads = tuple(node.name for node in nodes if node.head)  # sized by num_classes
-        frees = _last_reads(nodes, self._output)
-        # (module name, input value indices, values to drop after it); modules are looked up by
-        # name at run time, so replacing one (SyncBatchNorm, quantised, ...) takes effect.
-        self._steps = tuple(
-            (tuple(node.name.split(".")), node.inputs, frees[i]) for i, node in enumerate(nodes)
-        )
-        self._nodes = nodes
-        self._groups = _groups(self, nodes)  # (first step, last step, Group): for their hooks
-        scales = tuple(node.name for node in nodes if node.layer.type == "scale")
-        if scales:  # torchvision's key for a bare scale parameter is the layer's own name
-            self.register_state_dict_post_hook(partial(bare_scale_keys, scales))
-            self.register_load_state_dict_pre_hook(partial(scale_weight_keys, scales))
-        # on top of PyTorch's default; on meta it fills nothing but still checks that each
-        # rule fits its tensor (kaiming on a 1-D weight), so `cnnkit info` says what build will
-        self._apply_init()
+        with _naming(getattr(spec, "source", None)):  # its errors name its file
+            net, nodes, self._output = parse_spec(spec, num_classes)
+            # the file's `model:` mapping, enough to rebuild this network (weights come separately)
+            self.spec = {k: v for k, v in spec.items() if k != "weights"}
+            self.name = net.name or "net"
+            self.input_shape: Shape = tuple(net.input)
+            shapes: list[Shape] = [self.input_shape, *(node.shape for node in nodes)]
+            self.param_count = sum(
+                n.layer.param_count([shapes[i] for i in n.inputs]) for n in nodes
+            )
+            self.activation_count = sum(math.prod(shape) for shape in shapes)  # per image
+            check_fits(self.name, self.param_count, self.activation_count, device)
+            self.table: list[LayerInfo] = []
+            with torch.device(device) if device is not None else nullcontext():
+                for node in nodes:
+                    in_shapes = [shapes[i] for i in node.inputs]
+                    module = node.layer.build(in_shapes)
+                    _set_submodule(self, node.name, module)
+                    self.table.append(_describe(node, in_shapes, module, nodes))
+            out = shapes[self._output]
+            self.num_classes = out[0] if len(out) == 1 else None
+            self.output_shape: Shape = out
+            self.heads = tuple(node.name for node in nodes if node.head)  # sized by num_classes
+            frees = _last_reads(nodes, self._output)
+            # (module name, input value indices, values to drop after it); modules are looked up by
+            # name at run time, so replacing one (SyncBatchNorm, quantised, ...) takes effect.
+            self._steps = tuple(
+                (tuple(node.name.split(".")), node.inputs, frees[i]) for i, node in enumerate(nodes)
+            )
+            self._nodes = nodes
+            self._groups = _groups(self, nodes)  # (first step, last step, Group): for their hooks
+            scales = tuple(node.name for node in nodes if node.layer.type == "scale")
+            if scales:  # torchvision's key for a bare scale parameter is the layer's own name
+                self.register_state_dict_post_hook(partial(bare_scale_keys, scales))
+                self.register_load_state_dict_pre_hook(partial(scale_weight_keys, scales))
+            # on top of PyTorch's default; on meta it fills nothing but still checks that each
+            # rule fits its tensor (kaiming on a 1-D weight), so `cnnkit info` says what build will
+            self._apply_init()
 
     def unreached(self) -> list[str]:
         """Layers with parameters whose output never reaches the network's output (a branch
@@ -192,6 +196,18 @@ def build_model(
 
         load_weights(network, weights)
     return network
+
+
+@contextmanager
+def _naming(source: str | None) -> Iterator[None]:
+    """Errors in a network read from a file (or the zoo) name it: a run file may name a network
+    file that names another."""
+    try:
+        yield
+    except ConfigError as e:
+        if source is None or str(e).startswith(f"{source}: "):
+            raise
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def _describe(

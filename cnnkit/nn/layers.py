@@ -142,6 +142,13 @@ class ParamLayer(Layer):
     lr_mult: Mult | None = None
     decay_mult: Mult | None = None
 
+    def absent_params(self) -> set[str]:
+        """Parameters of `param_names` this layer is configured without (bias: false, affine:
+        false)."""
+        if getattr(self, "affine", True) is False:
+            return set(self.param_names)
+        return {"bias"} if getattr(self, "bias", True) is False else set()
+
     @field_validator("init")
     @classmethod
     def _check_init(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -32,6 +32,14 @@ MAX_FILE_HOPS = 8  # a run file may name a network file, which may name another 
 RESERVED_PARAMS = ("num_classes", "in_channels", "in_height", "in_width", "index")
 BLOCK_LINE_KEYS = ("block", "name", "inputs", "if", "repeat", "start", "first", "inline")
 Dim = Annotated[StrictInt, Field(gt=0, le=2**31 - 1)]
+RUN_KEYS = ("name", "model", "data", "train", "seed", "deterministic")  # a run file's (RunConfig)
+
+
+class Described(dict):
+    """A network's `model:` mapping that knows which file (or zoo name) it was read from, so
+    that its layer errors can name it."""
+
+    source: str | None = None
 
 
 class BlockDef(BaseModel):
@@ -132,9 +140,15 @@ class NetSpec(BaseModel):
     @field_validator("defaults")
     @classmethod
     def _known_types(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        for kind in v:
+        for kind, fields in v.items():
             if kind not in KINDS:
                 raise ValueError(f"unknown type {brief(kind)}{suggest(kind, KINDS)}")
+            known = [f for f in KINDS[kind].model_fields if f not in ("type", "name")]
+            unknown = next((f for f in fields if f not in known), None)
+            if unknown is not None:  # never blamed on a layer, nor ignored where none is a `kind`
+                raise ValueError(
+                    f"{kind}.{str(unknown)[:40]}: unknown field{suggest(unknown, known)}"
+                )
         return v
 
 
@@ -148,6 +162,8 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
         raise ConfigError(
             f"{source or 'spec'}: expected a mapping with 'layers' (or 'model'), got {type(data).__name__}"
         )
+    if "model" in data:
+        _check_run_keys(data, source)
     model = data.get("model", data)
     if isinstance(model, dict) and "network" in model and "layers" not in model:
         return _run_model(model, source, _hops)  # a run file's {network:, weights:}
@@ -163,11 +179,26 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
         raise ConfigError(
             f"{source or 'spec'}: no 'layers' list (a network file has model: {{input, layers}})"
         )
-    model = copy.deepcopy(model)
+    shown = getattr(model, "source", None) or (spec if source else None)
+    model = Described(copy.deepcopy(model))
+    model.source = str(shown) if shown is not None else None
     weights = model.get("weights")
     if source and isinstance(weights, str) and not Path(weights).is_absolute():
         model["weights"] = str(Path(source).parent / weights)  # beside the network file
     return model
+
+
+def _check_run_keys(data: dict[str, Any], source: str | None) -> None:
+    """A file with `model:` holds a run's keys only: a network field written beside `model:`
+    (a mis-indented `weights:`) is refused, never dropped."""
+    unknown = next((k for k in data if k not in RUN_KEYS), None)
+    if unknown is None:
+        return
+    where, key = f"{source}: " if source else "", str(unknown)[:40]
+    if unknown in NetSpec.model_fields:
+        raise ConfigError(f"{where}{key}: a network field beside model: (indent it under model:)")
+    raise ConfigError(f"{where}{key}: unknown key (a file with model: takes "
+                      f"{', '.join(RUN_KEYS)}){suggest(unknown, RUN_KEYS)}")  # fmt: skip
 
 
 def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str, Any]:

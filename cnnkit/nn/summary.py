@@ -6,6 +6,7 @@ import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from cnnkit.nn.graph import Network
 from cnnkit.nn.memory import format_bytes
@@ -14,7 +15,7 @@ from cnnkit.nn.memory import format_bytes
 def print_layer_table(model: Network, console: Console) -> None:
     """Print name, type, inputs, output shape, parameters and multiply-adds of every layer."""
     title = f"{model.name}  input {_shape(model.input_shape)}"
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("#", "name", "type", "inputs", "output"):
         table.add_column(column)
     table.add_column("params", justify="right")

@@ -10,6 +10,7 @@ problem into a ConfigError naming the file, line and column.
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from yaml.scanner import Scanner
 from cnnkit.errors import ConfigError, brief, one_line
 
 MAX_BYTES = 16 * 2**20  # a 10,000-layer network file is about 1 MB
+EXPORT_SUFFIXES = (".onnx", ".pt2", ".torchscript")  # binary files cnnkit writes, never reads
 MAX_DEPTH = 50  # a network file nests about 10 deep (aliases expanded too)
 MAX_NODES = 1_000_000  # values after expanding aliases (a "billion laughs" file has 10^9)
 FAST_FROM = 2**20  # characters: larger documents are parsed by libyaml
@@ -68,7 +70,16 @@ class _Bounded(Composer, SafeConstructor, Resolver):
 
     def construct_yaml_int(self, node: ScalarNode) -> int:
         """An integer, or an error at its line: Python turns no text of over 4,300 digits
-        into an int (sys.get_int_max_str_digits), and says so with a ValueError."""
+        into an int (sys.get_int_max_str_digits), and says so with a ValueError. YAML 1.1's
+        octal (032 is 26), base-60 (1:0 is 60) and binary forms are refused, never read as a
+        number other than the one written."""
+        text = node.value.replace("_", "").lstrip("+-")
+        if ":" in text or text.startswith("0b") or (len(text) > 1 and text[0] == "0" and
+                                                     text[1].isdigit()):  # fmt: skip
+            value = super().construct_yaml_int(node)
+            raise LimitError(None, None, f"{node.value[:40]} is read by YAML 1.1 as {value}, "
+                             "not as written: write it without a leading 0 or ':', or quote "
+                             "it", node.start_mark)  # fmt: skip
         try:
             return super().construct_yaml_int(node)
         except ValueError:
@@ -172,18 +183,42 @@ def read_yaml(path: str | Path) -> Any:
             raise ConfigError(
                 f"{path}: larger than {MAX_BYTES // 2**20} MiB: not a network or run file"
             )
-        return load_yaml(path.read_text())
+        data = path.read_bytes()
+        return load_yaml(_text(data))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML{_where(e)}: {_problem(e)}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file: {_binary_hint(path)}") from None
+    except UnicodeDecodeError as e:
+        binary = not _mostly_ascii(data[:8192]) or path.suffix.lower() in EXPORT_SUFFIXES
+        if binary or e.encoding != "utf-8":  # (a UTF-16 mark on what is no UTF-16 text)
+            raise ConfigError(f"{path}: not a text file: {_binary_hint(path)}") from None
+        at = e.start + 3 * data.startswith(codecs.BOM_UTF8)  # (utf-8-sig counts after the mark)
+        line, column = data.count(b"\n", 0, at) + 1, at - data.rfind(b"\n", 0, at)
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[at]:02x} at line {line}, "
+                          f"column {column}): save it as UTF-8") from None  # fmt: skip
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or one_line(e, 160)}") from None
 
 
+def _text(data: bytes) -> str:
+    """A file's text: UTF-8, or UTF-16 / UTF-32 where a byte-order mark says so (as YAML
+    allows); UnicodeDecodeError otherwise."""
+    for mark, codec in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+                        (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):  # fmt: skip
+        if data.startswith(mark):
+            return data.decode(codec)
+    return data.decode("utf-8-sig")
+
+
+def _mostly_ascii(sample: bytes) -> bool:
+    """Whether bytes look like text in some 8-bit encoding (Latin-1, cp1252): no NUL, and at
+    least 70% printable ASCII or line breaks."""
+    plain = sum(32 <= b < 127 or b in (9, 10, 13) for b in sample)
+    return b"\0" not in sample and plain >= 0.7 * len(sample)
+
+
 def _binary_hint(path: Path) -> str:
     """What a binary file given for a network or run file may be, and what to give instead."""
-    if path.suffix.lower() in (".onnx", ".pt2", ".torchscript"):
+    if path.suffix.lower() in EXPORT_SUFFIXES:
         return ("an export, which cnnkit writes but does not read back: give the run directory, "
                 ".pt checkpoint or .safetensors export it came from")  # fmt: skip
     return "give a zoo name, a network or run file (YAML), a Caffe .prototxt or a trained model"
