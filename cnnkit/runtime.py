@@ -131,10 +131,12 @@ def cannot_write(folder: Path) -> str | None:
 
 
 @contextmanager
-def atomic(path: Path) -> Iterator[IO[bytes]]:
+def atomic(path: Path, private: bool = False) -> Iterator[IO[bytes]]:
     """A file written as PATH.tmp and renamed to PATH once complete; removed if writing fails
-    (the error then names PATH, which a failed write() alone does not)."""
-    tmp = path.with_name(path.name + ".tmp")
+    (the error then names PATH, which a failed write() alone does not). `private`: as
+    .PATH.<pid>.tmp, for a file the user names (-o), where PATH.tmp may be the user's own and
+    two commands may write the same PATH at once."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if private else f"{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
             yield f
@@ -146,9 +148,9 @@ def atomic(path: Path) -> Iterator[IO[bytes]]:
         raise
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, private: bool = False) -> None:
     """`data` to `path` through atomic (an existing file stays as it was if this fails)."""
-    with atomic(Path(path)) as f:
+    with atomic(Path(path), private) as f:
         f.write(data)
 
 

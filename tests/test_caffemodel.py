@@ -349,3 +349,41 @@ def test_layer_renamed_from_a_module_attribute_keeps_its_weights(tmp_path):
     net.load_state_dict(state)
     assert net.table[0].name == "eval_caffe"
     torch.testing.assert_close(net.eval_caffe.weight.detach(), w.T)
+
+
+INPUT_NAMED = """layer { name: "input_proj" type: "Convolution" bottom: "data" top: "input_proj"
+        convolution_param { num_output: 4 kernel_size: 1 } }
+layer { name: "branch_a" type: "Convolution" bottom: "input_proj" top: "branch_a"
+        convolution_param { num_output: 4 kernel_size: 1 } }
+layer { name: "branch_b" type: "Convolution" bottom: "input_proj" top: "branch_b"
+        convolution_param { num_output: 4 kernel_size: 1 } }
+layer { name: "sum" type: "Eltwise" bottom: "branch_a" bottom: "branch_b" top: "sum" }
+layer { name: "pool" type: "Pooling" bottom: "sum" top: "pool"
+        pooling_param { pool: 1 global_pooling: true } }
+layer { name: "prob" type: "Softmax" bottom: "pool" top: "prob" }
+"""  # pool: 1 is AVE by number; SqueezeNet's end: (C, 1, 1) scores through Softmax
+
+
+@pytest.mark.parametrize("side", [8, 224])
+def test_only_the_input_readers_turn_rgb_and_a_squeezenet_end_is_a_vector(tmp_path, side):
+    prototxt = prototxt_file(tmp_path, INPUT_NAMED, f"dim: 1 dim: 3 dim: {side} dim: {side}")
+    g = torch.Generator().manual_seed(0)
+    blobs = {n: [torch.randn(4, c, 1, 1, generator=g), torch.randn(4, generator=g)]
+             for n, c in (("input_proj", 3), ("branch_a", 4), ("branch_b", 4))}  # fmt: skip
+    write_caffemodel(tmp_path / "n.caffemodel", blobs)
+    from cnnkit.caffe import read_caffe
+
+    imported = read_caffe(prototxt, tmp_path / "n.caffemodel")
+    assert imported.state["input_proj.weight"].equal(blobs["input_proj"][0].flip(1))
+    for name in ("branch_a", "branch_b"):  # they read input_proj, not the image: as Caffe's
+        assert imported.state[f"{name}.weight"].equal(blobs[name][0]), name
+    net = build_model(imported.model).eval()
+    net.load_state_dict(imported.state)
+    assert net.output_shape == (4,) and net.table[-1].type == "flatten"
+    x = torch.rand(2, 3, side, side) * 255
+    with torch.no_grad():
+        a = F.conv2d(x.flip(1), blobs["input_proj"][0], blobs["input_proj"][1])
+        caffe = sum(F.conv2d(a, *blobs[n]) for n in ("branch_a", "branch_b")).mean((2, 3))
+        torch.testing.assert_close(net(x), caffe, rtol=1e-5, atol=1e-4)
+    resize = imported.model["preprocess"].get("resize")
+    assert resize == (256 if side == 224 else None)  # Caffe's ImageNet images: 256, cropped

@@ -3,7 +3,9 @@ preprocessing, every accepted image form, 10 crops, bad files and the CLI."""
 
 from __future__ import annotations
 
+import io
 import json
+import struct
 import subprocess
 from pathlib import Path
 
@@ -127,6 +129,27 @@ def test_cli_folder_with_a_corrupt_file(digits_run, digit_pngs, tmp_path):
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert done.returncode == 0 and len(rows) == 5
     assert all(len(r["top"]) == 2 and r["label"] == r["top"][0]["class"] for r in rows)
+
+
+def _tiff_with_tags_past_its_end() -> bytes:
+    """A TIFF whose width tag claims 1000 values stored past the end of the file: Pillow warns
+    (UserWarning, 'Tag data larger than file') and then cannot read it."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buffer, "TIFF")
+    data = bytearray(buffer.getvalue())
+    ifd = struct.unpack_from("<I", data, 4)[0]
+    for k in range(struct.unpack_from("<H", data, ifd)[0]):
+        if struct.unpack_from("<H", data, ifd + 2 + 12 * k)[0] == 256:
+            struct.pack_into("<II", data, ifd + 2 + 12 * k + 4, 1000, 10**6)
+    return bytes(data)
+
+
+def test_a_damaged_tiff_is_one_line_without_pillows_warnings(digits_run, tmp_path):
+    (tmp_path / "tags.tif").write_bytes(_tiff_with_tags_past_its_end())
+    done = subprocess.run([*CLI, "classify", str(digits_run), str(tmp_path / "tags.tif")],
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 1 and done.stderr.startswith("cnnkit: error:"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
 def test_cli_missing_inputs_are_one_line_errors(digits_run, tmp_path, capsys):

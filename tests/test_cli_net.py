@@ -124,3 +124,14 @@ def test_inputs_larger_than_an_evaluation_image_are_described(tmp_path, capsys, 
         f"{net}: classify reads square grey or RGB images of at most 8192 px; this network "
         f"takes {' x '.join(map(str, size))} inputs"
     )
+
+
+def test_a_network_name_with_markup_or_dollars_is_shown_as_written(tmp_path, capsys):
+    """rich reads [..] as markup and matplotlib $..$ as mathtext: a name is plain text."""
+    spec = tmp_path / "n.yaml"
+    spec.write_text('model:\n  name: "cost $\\\\frac$ [red]net[/]"\n  input: [1, 8, 8]\n'
+                    "  layers:\n    - {type: conv, out_channels: 2, kernel_size: 3}\n")  # fmt: skip
+    code, out, err = run_cli(["info", str(spec)], capsys)
+    assert code == 0 and out.splitlines()[0].startswith("cost $\\frac$ [red]net[/]  input"), err
+    code, out, err = run_cli(["show", "net", str(spec), "-o", str(tmp_path / "n.svg")], capsys)
+    assert code == 0 and (tmp_path / "n.svg").stat().st_size > 0, err

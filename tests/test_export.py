@@ -231,6 +231,10 @@ def test_a_full_disk_leaves_no_partial_export(digits_run, tmp_path, capsys, monk
     assert code == 1 and len(err.splitlines()) == 1 and "No space left" in err, err
     assert out.read_bytes() == b"the earlier export"
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    (tmp_path / f"{out.name}.tmp").write_text("the user's own notes")  # never the scratch file
+    code, _, err = run_cli(["export", str(digits_run), "-f", fmt, "-o", str(out)], capsys)
+    assert code == 0 and (tmp_path / f"{out.name}.tmp").read_text() == "the user's own notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name, f"{out.name}.tmp"]
 
 
 @pytest.mark.parametrize("shape", [[3, 8, 12], [4, 8, 8], [6, 8, 8]])

@@ -224,7 +224,7 @@ def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
     out = ensure_dir(out)
     json_path, png_path = out / "scaling.json", out / "scaling.png"
     plot_scaling(report, png_path)  # first: a failed drawing leaves the last run's pair whole
-    write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode())
+    write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), private=True)
     return [json_path, png_path]
 
 
@@ -251,7 +251,7 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     _plot_speedup(right, report, families, markers)
     fig.suptitle(f"cnnkit scaling study ({report['precision']}): " + ", ".join(report["devices"]))
     fig.tight_layout()
-    with atomic(Path(path)) as f:
+    with atomic(Path(path), private=True) as f:
         fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
 

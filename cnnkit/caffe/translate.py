@@ -171,6 +171,11 @@ class _Translator:
                 f"{self.source}: several outputs ({', '.join(unread)} and "
                 f"{self.layers[-1]['name']}); a cnnkit network has one"
             )
+        last = self.layers[-1]["name"]
+        if len(self.shapes[last]) == 3 and self.shapes[last][1:] == (1, 1):  # SqueezeNet, NIN
+            name = self._unique_name("flatten")  # Caffe's Softmax over (C, 1, 1): the class scores
+            self.layers.append({"name": name, "type": "flatten"})
+            self.shapes[name] = self.shapes[last][:1]
         model: dict[str, Any] = {"input": self.input, "layers": self.layers}
         return {"name": _clean(self.net.get("name")), **model} if self.net.get("name") else model
 
@@ -283,7 +288,7 @@ class _Translator:
 
     def _pooling(self, layer: Message, last: bool) -> None:
         p = layer.sub("pooling_param")
-        method = str(p.get("pool", "MAX"))
+        method = _enum(p.get("pool", "MAX"), _POOL_METHODS)
         require(self.here, method in ("MAX", "AVE"), f"Pooling {method} is not supported")
         if flag(self.here, p, "global_pooling", False):
             shape = self.shapes[self._bottom(layer.get("bottom"))]
@@ -310,7 +315,7 @@ class _Translator:
 
     def _lrn(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("lrn_param"), self.here
-        region = str(p.get("norm_region", "ACROSS_CHANNELS"))
+        region = _enum(p.get("norm_region", "ACROSS_CHANNELS"), _LRN_REGIONS)
         require(here, region in _LRN_REGIONS, f"LRN {region} is not supported")
         spec = {"type": "lrn", "convention": "caffe", "size": integer(here, p, "local_size", 5)}
         require(
@@ -371,7 +376,7 @@ class _Translator:
 
     def _eltwise(self, layer: Message, last: bool) -> None:
         p = layer.sub("eltwise_param")
-        op = str(p.get("operation", "SUM"))
+        op = _enum(p.get("operation", "SUM"), tuple(_ELTWISE))
         require(self.here, op in _ELTWISE, f"Eltwise operation {brief(op)}: SUM, PROD or MAX")
         coeffs = p.all("coeff")
         require(
@@ -434,9 +439,18 @@ SUPPORTED = (
     "Input", "Convolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid", "InnerProduct",
     "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
 )  # fmt: skip
+# caffe.proto's enums in the order of their numbers (the text format takes either)
+_POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")
 _LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
-_ROUND_MODES = {"CEIL": True, "FLOOR": False, 0: True, 1: False}  # (caffe.proto's numbers)
-_ELTWISE = {"SUM": "add", "PROD": "mul", "MAX": "max"}
+_ROUND_MODES = {"CEIL": True, "FLOOR": False, 0: True, 1: False}
+_ELTWISE = {"PROD": "mul", "SUM": "add", "MAX": "max"}
+
+
+def _enum(value: Any, names: tuple[str, ...]) -> str:
+    """An enum field's name, given by name or by its number in caffe.proto."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(names):
+        return names[value]
+    return str(value)
 
 
 def _put(spec: dict[str, Any], key: str, value: Any, default: Any) -> None:

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 
 import typer
 
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         end_with_parent()  # a rank of --nproc: it ends with its agent, however that ends
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    if not debug:  # a damaged file's header (TIFF tags past its end): the file is noted instead
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
     if argv[:1] == ["train"] and not isinstance(sys.stdout, _TrainingOutput):
         stdout, sys.stdout = sys.stdout, _TrainingOutput(sys.stdout)
         try:

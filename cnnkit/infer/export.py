@@ -90,7 +90,7 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
             extra = {"cnnkit.json": json.dumps(metadata(loaded))}
             buffer = io.BytesIO()
             torch.jit.save(traced, buffer, _extra_files=extra)
-            write_atomic(path, buffer.getvalue())
+            write_atomic(path, buffer.getvalue(), private=True)
     else:
         export_onnx(loaded, path)
 
@@ -107,7 +107,7 @@ def export_program(loaded: Loaded, path: Path) -> None:
     extra = {"cnnkit.json": json.dumps(metadata(loaded))}
     buffer = io.BytesIO()  # written whole, then renamed: torch's writer aborts on a full disk
     torch.export.save(program, buffer, extra_files=extra)
-    write_atomic(path, buffer.getvalue())
+    write_atomic(path, buffer.getvalue(), private=True)
 
 
 def _need(module: str):
@@ -156,7 +156,7 @@ def export_onnx(loaded: Loaded, path: Path) -> None:
         proto.metadata_props.add(key=key, value=value)
     buffer = io.BytesIO()
     onnx.save(proto, buffer)
-    write_atomic(path, buffer.getvalue())
+    write_atomic(path, buffer.getvalue(), private=True)
 
 
 def run_exported(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:

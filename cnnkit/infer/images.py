@@ -219,5 +219,5 @@ def image_name(image: Any, index: int) -> str:
 def save_picture(picture: Image.Image, path: Path) -> None:
     """A PIL image to `path` in the format its suffix names, written whole or not at all."""
     kind = Image.registered_extensions().get(Path(path).suffix.lower())
-    with atomic(Path(path)) as f:
+    with atomic(Path(path), private=True) as f:
         picture.save(f, format=kind)

@@ -148,7 +148,7 @@ def save_safetensors(loaded: Loaded, path: Path) -> None:
     state = {k: v.detach().to("cpu").contiguous() for k, v in loaded.model.state_dict().items()}
     if loaded.mean_image is not None:  # classify from the export subtracts it as the run did
         state[MEAN_IMAGE_KEY] = loaded.mean_image.detach().to("cpu", torch.float32).contiguous()
-    write_atomic(Path(path), save(state, metadata=metadata(loaded)))
+    write_atomic(Path(path), save(state, metadata=metadata(loaded)), private=True)
 
 
 def run_folder(path: Path) -> bool:

@@ -131,7 +131,7 @@ def draw_net(model: Network, path: Path) -> Layout:
         ax.text(
             0, margin + title / 2, heading, fontsize=FONT_SIZE + 2, va="center", parse_math=False
         )  # a name with $ in it is words, not mathtext
-        with atomic(Path(path)) as f:  # an existing drawing stays whole if this fails
+        with atomic(Path(path), private=True) as f:  # an existing drawing stays whole if this fails
             fig.savefig(f, dpi=100, format=Path(path).suffix[1:].lower())
         plt.close(fig)
     return layout
