@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -130,6 +131,21 @@ class TrainConfig(Section):
         return self
 
 
+def schedule_notes(train: TrainConfig) -> list[str]:
+    """Schedule settings this many epochs never reach (a forgotten override, or a short trial of
+    a long recipe): said, not refused."""
+    notes, epochs = [], train.epochs
+    if train.warmup_epochs >= epochs:
+        notes.append(f"train.warmup_epochs {train.warmup_epochs:g} of {epochs} epochs: the lr "
+                     f"never reaches train.lr {train.lr:g}")  # fmt: skip
+    if train.schedule == "step" and train.step_size >= epochs:
+        notes.append(f"train.step_size {train.step_size} of {epochs} epochs: the lr never drops")
+    late = [m for m in train.milestones if m >= epochs] if train.schedule == "multistep" else []
+    if late:
+        notes.append(f"train.milestones {late} at or past the last epoch ({epochs}): no drop there")
+    return notes
+
+
 class ModelConfig(Section):
     """The `model:` section: which network, and optionally weights to start from.
 
@@ -214,6 +230,7 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         apply_override(raw, item)
     if base is not None:
         _relative_to(raw, base)
+    _absolute_data(raw)
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
     config = validate_run(raw)
@@ -244,16 +261,30 @@ def describe_run(config: RunConfig) -> list[tuple[str, Any, Any, str]]:
 
 
 def _relative_to(raw: dict[str, Any], base: Path) -> None:
-    """Files a run file names (its network, its weights) are relative to the run file."""
+    """Files a run file names (its network, its weights) are relative to the run file; made
+    absolute, so the run's config.yaml names them from any directory (--resume, config)."""
     model = raw.get("model")
     if isinstance(model, str) and (base / model).is_file():
-        raw["model"] = str(base / model)
+        raw["model"] = os.path.abspath(base / model)
     elif isinstance(model, dict) and isinstance(model.get("network"), str):
         if (base / model["network"]).is_file():
-            model["network"] = str(base / model["network"])
+            model["network"] = os.path.abspath(base / model["network"])
     if isinstance(model, dict) and isinstance(model.get("weights"), str):
         if (base / model["weights"]).is_file():
-            model["weights"] = str(base / model["weights"])
+            model["weights"] = os.path.abspath(base / model["weights"])
+
+
+DATA_FILES = ("path", "val_path", "val_labels")  # a data section's folders and files
+
+
+def _absolute_data(raw: dict[str, Any]) -> None:
+    """The data's folders and files (relative to the working directory, as given) made
+    absolute: config.yaml is the resolved run, read again from anywhere."""
+    data = raw.get("data")
+    if isinstance(data, dict):
+        for key in DATA_FILES:
+            if isinstance(data.get(key), str) and data[key]:
+                data[key] = os.path.abspath(data[key])
 
 
 def validate_run(raw: dict[str, Any]) -> RunConfig:

@@ -510,3 +510,156 @@ def test_a_source_that_is_not_a_name_is_one_line(capsys):
     assert code == 2 and err.strip() == (
         "cnnkit: error: data.source: a name (digits, faces, synthetic, folder, packed), not ['a']"
     )
+
+
+def _slow_holder(run_dir, said):  # (forked) a run whose lock text takes a second to make
+    import cnnkit.train.rundir as rundir
+
+    class Slow:
+        loads = staticmethod(json.loads)
+
+        @staticmethod
+        def dumps(obj):
+            time.sleep(1.0)
+            return json.dumps(obj)
+
+        @staticmethod
+        def dump(obj, f):
+            time.sleep(1.0)
+            json.dump(obj, f)
+
+    rundir.json = Slow
+    try:
+        with rundir.run_lock(run_dir):
+            said.put("A holds")
+            time.sleep(1.5)
+    except ConfigError:
+        said.put("A refused")
+
+
+def test_a_lock_being_written_is_never_taken_for_a_dead_runs(tmp_path):
+    """A lock file appears with its owner in it: a second run that meets it while the first is
+    still writing it must not read it as empty, call it stale and take it too."""
+    import multiprocessing as mp
+
+    from cnnkit.train.rundir import run_lock
+
+    said = mp.get_context("fork").Queue()
+    first = mp.get_context("fork").Process(target=_slow_holder, args=(tmp_path, said))
+    first.start()
+    time.sleep(0.3)
+    try:
+        with run_lock(tmp_path):
+            said.put("B holds")
+            time.sleep(1.5)
+    except ConfigError:
+        said.put("B refused")
+    first.join(10)
+    events = sorted(said.get(timeout=5) for _ in range(2))
+    assert len([e for e in events if e.endswith("holds")]) == 1, events
+    assert not list(tmp_path.glob(".lock*")), list(tmp_path.iterdir())
+
+
+def test_a_batch_of_one_through_a_vector_batchnorm_is_one_line(tmp_path, capsys):
+    net = tmp_path / "bn.yaml"
+    net.write_text("model:\n  input: [1, 8, 8]\n  layers:\n    - {type: flatten}\n"
+                   "    - {type: linear, out_features: 8}\n    - {name: bn, type: batchnorm}\n"
+                   "    - {type: linear}\n")  # fmt: skip
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {net}\ndata: {{source: digits, batch_size: 4}}\n"
+                   "train: {epochs: 1, calibrate: false}\n")  # fmt: skip
+    for override, field in (
+        ("train.accumulate=4", "train.accumulate"),
+        ("data.batch_size=1", "data.batch_size"),
+    ):
+        code, _, err = run_cli(
+            ["train", str(run), override, "--out", str(tmp_path / "r"), "--quiet"], capsys
+        )
+        assert code == 2 and err.startswith(f"cnnkit: error: {field}: micro-batches of 1 image"), (
+            err
+        )
+        assert "BatchNorm layer bn (8)" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_config_yaml_names_its_files_from_anywhere(tmp_path, monkeypatch, capsys):
+    """A network file relative to the run file, and data folders relative to where training
+    started, are written absolute: --resume and `cnnkit config` work from another directory."""
+    (tmp_path / "sub").mkdir()
+    shutil.copy(ROOT / "cnnkit/zoo/nets/digitnet.yaml", tmp_path / "sub/net.yaml")
+    (tmp_path / "sub/run.yaml").write_text("model: net.yaml\ndata: {source: digits}\n"
+                                           "train: {epochs: 1, calibrate: false}\n")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    config = load_run("sub/run.yaml", ["train.epochs=1"])
+    assert config.model.network == str(tmp_path / "sub/net.yaml")
+    folder = load_run(
+        {"model": "lenet5", "data": {"source": "folder", "path": "imgs", "val_path": "v"}}
+    )
+    assert (folder.data.path, folder.data.val_path) == (str(tmp_path / "imgs"), str(tmp_path / "v"))
+
+
+@pytest.mark.parametrize("ending", ["error", "callback"])
+def test_the_progress_bar_stops_however_the_epoch_ends(tmp_path, monkeypatch, ending):
+    """The bar's refresh thread and hidden cursor never outlive the run: an error, Ctrl-C or a
+    callback's stop mid-epoch ends them before anything else is said."""
+    import cnnkit.train.run as run_module
+    from cnnkit.train.epochs import StopTraining
+    from cnnkit.train.metrics import Console
+
+    started = []
+
+    class OnATerminal(Console):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.terminal = True
+
+        def start_epoch(self, *args):
+            super().start_epoch(*args)
+            started.append(self)
+
+    def stop(epoch, step, global_step):
+        if step == 3:
+            raise RuntimeError("boom") if ending == "error" else StopTraining
+
+    monkeypatch.setattr(run_module, "Console", OnATerminal)
+    config = load_run("digits", ["train.epochs=1", "train.calibrate=false"])
+    if ending == "error":
+        with pytest.raises(RuntimeError, match="boom"):
+            fit(config, tmp_path / "r", on_step=stop)
+    else:
+        fit(config, tmp_path / "r", on_step=stop)
+    assert started and all(console.progress is None for console in started)
+
+
+def test_schedules_this_run_never_reaches_are_said(tmp_path, capsys):
+    code, out, err = run_cli(["train", "digits", "train.warmup_epochs=30", "train.schedule=multistep",
+                              "train.milestones=[2,25]", "train.calibrate=false", "--dry-run"], capsys)  # fmt: skip
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert code == 0 and notes == [
+        "note: train.warmup_epochs 30 of 25 epochs: the lr never reaches train.lr 0.05",
+        "note: train.milestones [25] at or past the last epoch (25): no drop there",
+    ], out + err
+    code, out, _ = run_cli(["train", "digits", "train.calibrate=false", "--dry-run"], capsys)
+    assert code == 0 and "note:" not in out
+
+
+def test_a_resume_cannot_end_inside_the_epoch_in_progress(tmp_path, capsys):
+    from cnnkit.train.epochs import StopTraining
+
+    def stop(epoch, step, global_step):
+        if epoch == 1 and step == 5:
+            raise StopTraining
+
+    fit(
+        load_run("digits", ["train.epochs=2", "train.calibrate=false"]),
+        tmp_path / "r",
+        quiet=True,
+        on_step=stop,
+    )
+    assert load_checkpoint(tmp_path / "r/last.pt")["step"] == 5
+    code, _, err = run_cli(
+        ["train", "--resume", str(tmp_path / "r"), "train.epochs=1", "--quiet"], capsys
+    )
+    assert "is in the middle of epoch 2 (5 steps done): ask for at least 2" in one_error_line(
+        code, err, (2,)
+    )

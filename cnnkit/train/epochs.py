@@ -196,6 +196,7 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
             if _stopped_after_epoch(hooks, row, stop, dist):
                 raise StopTraining
     except StopTraining:
+        console.close()
         where = (f"at epoch {progress.epoch + 1} step {progress.step}" if progress.step
                  else f"after epoch {progress.epoch}")  # fmt: skip
         console.print(f"stopped by a callback {where}")

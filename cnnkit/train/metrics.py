@@ -260,10 +260,15 @@ class Console:
             f"data wait {info.data_wait:.0%}  epoch eta {_clock(left)}"
         )
 
-    def end_epoch(self, row: dict[str, float], epochs: int) -> None:
+    def close(self) -> None:
+        """Stop the bar (its refresh thread, the hidden cursor) wherever the epoch ended:
+        Ctrl-C, divergence, a callback's stop, an error."""
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+    def end_epoch(self, row: dict[str, float], epochs: int) -> None:
+        self.close()
         top5 = f" top-5 {row['val_top5']:.2%}" if self.top5 else ""
         ema = f" (EMA {row['val_top1_ema']:.2%})" if "val_top1_ema" in row else ""
         self.print(

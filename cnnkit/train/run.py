@@ -5,6 +5,7 @@ trains epoch by epoch, saving last.pt every epoch and every N steps, best.pt and
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -16,7 +17,7 @@ import torch
 
 import cnnkit.distributed as distributed
 from cnnkit.checkpoint import load_checkpoint, set_rng_state
-from cnnkit.config import RunConfig, dump_run, load_run
+from cnnkit.config import RunConfig, dump_run, load_run, schedule_notes
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError
@@ -234,6 +235,17 @@ def check_batch(config: RunConfig, world_size: int) -> None:
                           f"images{' per process' if world_size > 1 else ''}: at most {share}")  # fmt: skip
 
 
+def check_batchnorm(network: Network, micro: int, accumulating: bool) -> None:
+    """ConfigError where a BatchNorm layer would see one value per channel in a training
+    micro-batch (batch 1 through a BatchNorm on vectors or 1x1 maps): torch refuses it."""
+    for row in network.table:
+        if row.type == "batchnorm" and micro * math.prod(row.output_shape[1:]) < 2:
+            field = "train.accumulate" if accumulating else "data.batch_size"
+            raise ConfigError(f"{field}: micro-batches of {micro} image(s), and BatchNorm layer "
+                              f"{row.name} ({'x'.join(map(str, row.output_shape))}) needs at "
+                              "least 2 values per channel to train: use larger batches")  # fmt: skip
+
+
 def fit(
     config: RunConfig,
     run_dir: str | Path | None = None,
@@ -289,6 +301,7 @@ def fit(
                 train_epochs(engine, schedule, progress, console, Hooks(on_step, callbacks), ctx,
                              writer, stop)  # fmt: skip
         finally:
+            console.close()  # the bar gone before any line of how the run ended
             writer.wait()  # every checkpoint on disk before the run reports anything
             if log is not None:
                 log.close()
@@ -298,11 +311,16 @@ def fit(
 
 
 def _check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> None:
-    """A resume asking for fewer epochs than done would rewrite config.yaml to fewer."""
+    """A resume asking for fewer epochs than done would rewrite config.yaml to fewer; one that
+    ends where an epoch is in progress would leave it half-trained."""
     if progress.epoch > config.train.epochs:
         raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} has done "
                           f"{progress.epoch} epochs already (ask for more to go on, or leave it "
                           "out)")  # fmt: skip
+    if progress.step and progress.epoch >= config.train.epochs:
+        raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} is in the middle of "
+                          f"epoch {progress.epoch + 1} ({progress.step} steps done): ask for at "
+                          f"least {progress.epoch + 1} to finish it")  # fmt: skip
 
 
 @contextmanager
@@ -327,6 +345,8 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
         f"{len(data.train)} step{'s' * (len(data.train) != 1)} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
+    for note in schedule_notes(config.train):
+        console.print(f"note: {note}")
     return {"dry_run": True, "name": config.name, "run_dir": str(run_dir),
             "settings": engine.settings.describe(), "train_images": data.train.num_samples,
             "val_images": data.val.num_samples, "parameters": params}  # fmt: skip
@@ -342,6 +362,7 @@ def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Pro
     chooses what N ranks will run)."""
     network = build_network(config, data)
     per_rank = config.data.batch_size // ranks
+    check_batchnorm(network, per_rank // config.train.accumulate, config.train.accumulate > 1)
     chosen = None
     if dist.is_main:
         cores = torch.get_num_threads() if ranks == dist.world_size else max(
@@ -408,6 +429,8 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
         f"{data.val.num_samples} held-out images{classes}, batch {config.data.batch_size} -> "
         f"{ctx.run_dir}"
     )
+    for note in schedule_notes(config.train):
+        console.print(f"note: {note}")
 
 
 def _restore_rank(state: dict[str, Any], dist: Processes, progress: Progress,

@@ -197,6 +197,27 @@ def in_use(run_dir: Path, job: str | None = None) -> str | None:
             f"since {holder.get('since')}); let it finish (a new run: give another --out)")  # fmt: skip
 
 
+def _create_whole(path: Path, text: str) -> None:
+    """Create `path` holding `text`, appearing with it whole (FileExistsError if it exists): a
+    file written beside it, then hard-linked into place, so no other run ever reads it empty
+    and takes it for a dead run's. Where links are not supported, created then written."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links (some FUSE and SMB mounts)
+            pass
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 @contextmanager
 def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
     """Hold run_dir/.lock (owner pid, host, start time) while a run writes there: a second
@@ -207,15 +228,13 @@ def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
           "job": job, "since": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            _create_whole(path, json.dumps(me))
         except FileExistsError:
             busy = in_use(run_dir, job)
             if busy:
                 raise ConfigError(busy) from None
             path.unlink(missing_ok=True)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
         break
     else:
         raise ConfigError(f"{run_dir}: could not take its lock ({path})")
