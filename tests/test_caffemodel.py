@@ -387,3 +387,34 @@ def test_only_the_input_readers_turn_rgb_and_a_squeezenet_end_is_a_vector(tmp_pa
         torch.testing.assert_close(net(x), caffe, rtol=1e-5, atol=1e-4)
     resize = imported.model["preprocess"].get("resize")
     assert resize == (256 if side == 224 else None)  # Caffe's ImageNet images: 256, cropped
+
+
+DECONV = """layer { name: "up" type: "Deconvolution" bottom: "data" top: "up"
+        param { lr_mult: 0 } convolution_param { num_output: 2 group: 2 kernel_size: 4 stride: 2
+        pad: 1 bias_term: false weight_filler { type: "bilinear" } } }
+layer { name: "score" type: "Deconvolution" bottom: "up" top: "score"
+        convolution_param { num_output: 3 kernel_size: [2, 3] stride: 2 } }
+"""  # FCN's upsampling (a fixed bilinear kernel per channel), then a learned one
+
+
+def test_deconvolution_is_conv_transpose_with_caffes_weights_and_bilinear_filler(tmp_path):
+    prototxt = prototxt_file(tmp_path, DECONV, "dim: 1 dim: 2 dim: 5 dim: 5")
+    model = import_caffe(prototxt)
+    up, score = model["layers"]
+    assert up["type"] == "conv_transpose" and up["init"] == {"weight": "bilinear"}
+    assert up["lr_mult"] == {"weight": 0.0} and score["kernel_size"] == [2, 3]
+    net = build_model(model)
+    assert net.output_shape == (3, 20, 21)  # 5 -> 10 (k 4, s 2, p 1) -> 20 x 21 (k 2 x 3, s 2)
+    k = torch.tensor([0.25, 0.75, 0.75, 0.25])  # Caffe's bilinear, f = 2, c = 0.75
+    torch.testing.assert_close(net.up.weight, torch.outer(k, k).expand(2, 1, 4, 4))
+    g = torch.Generator().manual_seed(0)
+    blobs = {"up": [torch.randn(2, 1, 4, 4, generator=g)],  # Caffe's (in, out / group, kh, kw)
+             "score": [torch.randn(2, 3, 2, 3, generator=g), torch.randn(3, generator=g)]}  # fmt: skip
+    write_caffemodel(tmp_path / "d.caffemodel", blobs)
+    model, state = import_caffe_weights(prototxt, tmp_path / "d.caffemodel")
+    net = build_model(model).eval()
+    net.load_state_dict(state)
+    x = torch.randn(2, 2, 5, 5, generator=g)
+    with torch.no_grad():
+        a = F.conv_transpose2d(x, blobs["up"][0], stride=2, padding=1, groups=2)
+        torch.testing.assert_close(net(x), F.conv_transpose2d(a, *blobs["score"], stride=2))

@@ -45,10 +45,47 @@ CASES = [
     ({"type": "layernorm", "eps": 1e-6}, LayerNorm2d(6, eps=1e-6)),
     ({"type": "linear", "out_features": 5, "flatten": False}, ChannelsLast(nn.Linear(6, 5))),
     ({"type": "stochastic_depth", "p": 0.3}, torchvision.ops.StochasticDepth(0.3, "row")),
+    ({"type": "groupnorm", "num_groups": 3}, nn.GroupNorm(3, 6)),
+    ({"type": "instancenorm", "affine": True}, nn.InstanceNorm2d(6, affine=True)),
+    ({"type": "elu", "alpha": 0.5}, nn.ELU(0.5)),
+    ({"type": "softplus", "beta": 2.0}, nn.Softplus(2.0)),
+    ({"type": "mish"}, nn.Mish()),
+    ({"type": "softmax"}, nn.Softmax(dim=1)),
+    ({"type": "pad", "padding": [1, 2, 0, 3]}, nn.ConstantPad2d((1, 2, 0, 3), 0.0)),
+    ({"type": "pad", "padding": 2, "mode": "reflect"}, nn.ReflectionPad2d(2)),
+    (
+        {"type": "upsample", "scale_factor": 2, "mode": "bilinear"},
+        nn.Upsample(scale_factor=2, mode="bilinear"),
+    ),
+    ({"type": "upsample", "size": [9, 4]}, nn.Upsample(size=(9, 4))),
+    (
+        {
+            "type": "conv_transpose",
+            "out_channels": 4,
+            "kernel_size": 3,
+            "stride": 2,
+            "padding": 1,
+            "output_padding": 1,
+        },
+        nn.ConvTranspose2d(6, 4, 3, 2, 1, 1),
+    ),
+    (
+        {
+            "type": "conv_transpose",
+            "out_channels": 4,
+            "kernel_size": [2, 3],
+            "groups": 2,
+            "dilation": 2,
+        },
+        nn.ConvTranspose2d(6, 4, (2, 3), groups=2, dilation=2),
+    ),
+    ({"type": "maxpool", "kernel_size": 3, "stride": 1, "dilation": 2}, nn.MaxPool2d(3, 1, 0, 2)),
 ]
 
 
-@pytest.mark.parametrize("layer, ref", CASES, ids=[c[0]["type"] for c in CASES])
+@pytest.mark.parametrize(
+    "layer, ref", CASES, ids=[f"{c[0]['type']}-{i}" for i, c in enumerate(CASES)]
+)
 def test_layer_matches_torch(layer, ref):
     torch.manual_seed(0)
     model = one_layer(layer, [6, 5, 7])
@@ -160,6 +197,9 @@ EXAMPLES = {  # one layer of every kind that has parameters, with a (C, H, W) or
     "layernorm": ({"affine": False}, [4]),
     "prelu": ({}, [4, 3, 3]),
     "scale": ({}, [4, 3, 3]),
+    "conv_transpose": ({"out_channels": 6, "kernel_size": [3, 2], "groups": 2}, [4, 3, 3]),
+    "groupnorm": ({"num_groups": 2}, [4, 3, 3]),
+    "instancenorm": ({"affine": True}, [4, 3, 3]),
 }
 
 
@@ -172,6 +212,8 @@ def test_parameter_counts_from_the_file_match_the_modules(kind):
     fields = {**fields, "kernel_size": 2} if kind in ("maxpool", "avgpool") else fields
     fields = {**fields, "output_size": 2} if kind == "adaptive_avgpool" else fields
     fields = {**fields, "p": 0.1} if kind == "stochastic_depth" else fields
+    fields = {**fields, "scale_factor": 2} if kind == "upsample" else fields
+    fields = {**fields, "padding": 1} if kind == "pad" else fields
     layers = [{"name": "x", "type": kind, **fields}]
     if KINDS[kind].many_inputs:
         layers = [
@@ -186,3 +228,79 @@ def test_parameter_counts_from_the_file_match_the_modules(kind):
     )
     if kind in EXAMPLES and EXAMPLES[kind][0].get("affine") is not False:
         assert model.param_count > 0
+
+
+def test_transposed_conv_shapes_and_refusals_are_torchs():
+    """Every combination of a small grid: cnnkit's declared shape is what torch gives, and a
+    layer torch cannot make (or makes empty) is refused before anything is built."""
+    from cnnkit import ConfigError
+
+    checked = 0
+    for size in (1, 2, 5):
+        for k in (1, 2, 3):
+            for s in (1, 2, 3):
+                for pad in (0, 1, 2):
+                    for op in (0, 1, 2):
+                        for d in (1, 2):
+                            layer = {"type": "conv_transpose", "out_channels": 2, "kernel_size": k,
+                                     "stride": s, "padding": pad, "output_padding": op, "dilation": d}  # fmt: skip
+                            try:
+                                ref = nn.ConvTranspose2d(3, 2, k, s, pad, op, dilation=d)
+                                want = tuple(ref(torch.zeros(1, 3, size, size)).shape[1:])
+                            except RuntimeError:
+                                want = None
+                            if want is not None and min(want) < 1:
+                                want = None
+                            try:
+                                got = one_layer(layer, [3, size, size]).output_shape
+                            except ConfigError:
+                                got = None
+                            assert got == want, (size, layer)
+                            checked += 1
+    assert checked == 486
+
+
+def test_a_decoder_of_the_new_kinds_exports_to_onnx_as_it_computes(tmp_path):
+    from cnnkit.infer.export import check_export, export
+    from cnnkit.infer.load import load_network
+
+    spec = tmp_path / "decoder.yaml"
+    spec.write_text("""model:
+  input: [3, 16, 16]
+  num_classes: 4
+  layers:
+    - {name: pad, type: pad, padding: [0, 1, 0, 1]}
+    - {name: down, type: conv, out_channels: 8, kernel_size: 3, stride: 2}
+    - {name: gn, type: groupnorm, num_groups: 4}
+    - {type: elu}
+    - {name: up, type: conv_transpose, out_channels: 4, kernel_size: 2, stride: 2}
+    - {name: inorm, type: instancenorm, affine: true}
+    - {type: mish}
+    - {name: big, type: upsample, scale_factor: 2, mode: bilinear}
+    - {name: pool, type: maxpool, kernel_size: 3, stride: 2, dilation: 2}
+    - {type: global_avgpool}
+    - {name: fc, type: linear}
+""")
+    loaded = load_network(str(spec))
+    assert loaded.model.output_shape == (4,)
+    out = tmp_path / "decoder.onnx"
+    export(loaded, "onnx", out)
+    result = check_export(loaded, "onnx", out)
+    assert result.ok, result
+
+
+def test_a_bilinear_conv_transpose_upsamples_as_bilinear_interpolation():
+    """FCN's upsampling: kernel 4, stride 2, padding 1, one channel a group, Caffe's bilinear
+    kernel; inside the border it is torch's bilinear interpolation by 2."""
+    layer = {"type": "conv_transpose", "out_channels": 3, "kernel_size": 4, "stride": 2, "padding": 1,
+             "groups": 3, "bias": False, "init": {"weight": "bilinear"}}  # fmt: skip
+    model = one_layer(layer, [3, 6, 7])
+    x = torch.randn(2, 3, 6, 7)
+    with torch.no_grad():
+        y = model(x)
+    reference = nn.functional.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+    torch.testing.assert_close(y[..., 1:-1, 1:-1], reference[..., 1:-1, 1:-1], rtol=1e-5, atol=1e-5)
+    from cnnkit import ConfigError
+
+    with pytest.raises(ConfigError, match="init: .*bilinear.*2-D kernels"):
+        one_layer({**layer, "bias": True, "init": {"bias": "bilinear"}}, [3, 6, 7])

@@ -137,6 +137,8 @@ def filler(here: str, block: Message | None, notes: list[str]) -> Any:
         return {"uniform": [real(here, block, "min", 0.0), real(here, block, "max", 1.0)]}
     if kind in ("xavier", "msra"):
         return _scaled_filler(here, block, kind)
+    if kind == "bilinear":  # FCN's upsampling Deconvolution
+        return "bilinear"
     raise ConfigError(f"{here}: filler type {brief(kind)} is not supported")
 
 

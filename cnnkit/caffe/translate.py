@@ -221,7 +221,7 @@ class _Translator:
         self.read.update(inputs)
         for top in layer.all("top"):
             self.blobs[top] = name
-        if spec["type"] in ("conv", "linear", "batchnorm", "prelu"):
+        if spec["type"] in ("conv", "conv_transpose", "linear", "batchnorm", "prelu"):
             self.sources[name] = [(str(layer.get("name", "")), spec["type"])]
         return name
 
@@ -264,18 +264,24 @@ class _Translator:
 
     # -- layer types ------------------------------------------------------------------------------
 
-    def _convolution(self, layer: Message, last: bool) -> None:
+    def _convolution(self, layer: Message, last: bool, kind: str = "conv") -> None:
         p, here = layer.sub("convolution_param"), self.here
-        require(here, integer(here, p, "axis", 1) == 1, "Convolution axis must be 1")
-        spec: dict[str, Any] = {"type": "conv", "out_channels": integer(here, p, "num_output", 0)}
+        what = "Convolution" if kind == "conv" else "Deconvolution"
+        require(here, integer(here, p, "axis", 1) == 1, f"{what} axis must be 1")
+        spec: dict[str, Any] = {"type": kind, "out_channels": integer(here, p, "num_output", 0)}
         spec["kernel_size"] = sizes(here, p, "kernel", None)
-        require(here, spec["kernel_size"] is not None, "Convolution needs kernel_size")
+        require(here, spec["kernel_size"] is not None, f"{what} needs kernel_size")
         _put(spec, "stride", sizes(here, p, "stride", 1), 1)
         _put(spec, "padding", sizes(here, p, "pad", 0, alone=True), 0)  # Caffe: pad_w 0
         _put(spec, "dilation", sizes(here, p, "dilation", 1), 1)
         _put(spec, "groups", integer(here, p, "group", 1), 1)
         _put(spec, "bias", flag(here, p, "bias_term", True), True)
         self._emit(layer, {**spec, **learning(here, layer, p, self.notes)})
+
+    def _deconvolution(self, layer: Message, last: bool) -> None:
+        """Caffe's Deconvolution: torch's ConvTranspose2d with no output_padding; its weight
+        blob is (in, out / group, kh, kw) as torch's."""
+        self._convolution(layer, last, kind="conv_transpose")
 
     def _innerproduct(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("inner_product_param"), self.here
@@ -436,8 +442,8 @@ class _Translator:
 
 
 SUPPORTED = (
-    "Input", "Convolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid", "InnerProduct",
-    "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
+    "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
+    "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")

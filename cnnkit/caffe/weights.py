@@ -134,7 +134,7 @@ def caffe_state_dict(
 
 # role -> the parameters its Caffe blobs hold, in Caffe's order
 _KEYS = {
-    "conv": ("weight", "bias"), "linear": ("weight", "bias"), "linear_t": ("weight", "bias"),
+    "conv": ("weight", "bias"), "conv_transpose": ("weight", "bias"), "linear": ("weight", "bias"), "linear_t": ("weight", "bias"),
     "prelu": ("weight",), "scale": ("weight", "bias"),  # a Scale folded into its BatchNorm
     "scale_conv": ("weight", "bias"),  # a Scale with bias as a depthwise 1x1 convolution
     "channel_scale": ("weight",),  # a Scale without bias as cnnkit's `scale` layer

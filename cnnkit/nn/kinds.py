@@ -1,7 +1,18 @@
 """The layer kinds a network file may use, by `type`: the one table to read or extend."""
 
-from cnnkit.nn.layers import BatchNorm, Conv, Layer, LayerNorm, Linear, PReLU, Scale
+from cnnkit.nn.layers import (
+    BatchNorm,
+    Conv,
+    GroupNorm,
+    InstanceNorm,
+    Layer,
+    LayerNorm,
+    Linear,
+    PReLU,
+    Scale,
+)
 from cnnkit.nn.pointwise import (
+    ELU,
     GELU,
     Add,
     ChannelShuffle,
@@ -14,27 +25,36 @@ from cnnkit.nn.pointwise import (
     Identity,
     LeakyReLU,
     Max,
+    Mish,
     Mul,
     ReLU,
     ReLU6,
     Sigmoid,
     SiLU,
+    Softmax,
+    Softplus,
     StochasticDepth,
     Tanh,
 )
+from cnnkit.nn.resample import ConvTranspose, Pad, Upsample
 from cnnkit.nn.windows import LRN, AdaptiveAvgPool, AvgPool, GlobalAvgPool, MaxPool
 
 KINDS: dict[str, type[Layer]] = {
     "conv": Conv,
+    "conv_transpose": ConvTranspose,
     "linear": Linear,
     "batchnorm": BatchNorm,
     "layernorm": LayerNorm,
+    "groupnorm": GroupNorm,
+    "instancenorm": InstanceNorm,
     "prelu": PReLU,
     "scale": Scale,
     "maxpool": MaxPool,
     "avgpool": AvgPool,
     "adaptive_avgpool": AdaptiveAvgPool,
     "global_avgpool": GlobalAvgPool,
+    "upsample": Upsample,
+    "pad": Pad,
     "lrn": LRN,
     "relu": ReLU,
     "relu6": ReLU6,
@@ -45,6 +65,10 @@ KINDS: dict[str, type[Layer]] = {
     "hardswish": Hardswish,
     "gelu": GELU,
     "silu": SiLU,
+    "mish": Mish,
+    "elu": ELU,
+    "softplus": Softplus,
+    "softmax": Softmax,
     "dropout": Dropout,
     "stochastic_depth": StochasticDepth,
     "identity": Identity,

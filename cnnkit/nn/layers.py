@@ -308,6 +308,50 @@ class LayerNorm(ParamLayer):
         return 2 * shapes[0][0] * self.affine
 
 
+class GroupNorm(ParamLayer):
+    """torch's GroupNorm over (C, H, W): `num_groups` must divide the channels."""
+
+    type: Literal["groupnorm"]
+    num_groups: Count
+    eps: Real = Field(1e-5, gt=0)
+    affine: Flag = True
+    param_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
+
+    def output_shape(self, shapes: list[Shape]) -> Shape:
+        c, _, _ = need_image(shapes[0])
+        if c % self.num_groups:
+            raise ShapeError("num_groups", f"{self.num_groups} does not divide {c} channels")
+        return shapes[0]
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return nn.GroupNorm(self.num_groups, shapes[0][0], self.eps, self.affine)
+
+    def param_count(self, shapes: list[Shape]) -> int:
+        return 2 * shapes[0][0] * self.affine
+
+
+class InstanceNorm(ParamLayer):
+    """torch's InstanceNorm2d: each sample's channel over its own H x W (no running
+    statistics; `affine: true` learns a scale and shift per channel)."""
+
+    type: Literal["instancenorm"]
+    eps: Real = Field(1e-5, gt=0)
+    affine: Flag = False
+    param_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
+
+    def output_shape(self, shapes: list[Shape]) -> Shape:
+        _, h, w = need_image(shapes[0])
+        if h * w < 2:
+            raise ShapeError("inputs", "needs more than one value per channel (a 1 x 1 map)")
+        return shapes[0]
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return nn.InstanceNorm2d(shapes[0][0], self.eps, affine=self.affine)
+
+    def param_count(self, shapes: list[Shape]) -> int:
+        return 2 * shapes[0][0] * self.affine
+
+
 class PReLU(ParamLayer):
     type: Literal["prelu"]
     channelwise: Flag = True

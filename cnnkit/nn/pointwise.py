@@ -72,6 +72,38 @@ class SiLU(_Plain):
     module: ClassVar[type[nn.Module]] = nn.SiLU
 
 
+class Mish(_Plain):
+    type: Literal["mish"]
+    module: ClassVar[type[nn.Module]] = nn.Mish
+
+
+class ELU(Layer):
+    type: Literal["elu"]
+    alpha: Real = 1.0
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return nn.ELU(self.alpha)
+
+
+class Softplus(Layer):
+    type: Literal["softplus"]
+    beta: Real = Field(1.0, gt=0)
+    threshold: Real = 20.0
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return nn.Softplus(self.beta, self.threshold)
+
+
+class Softmax(_Plain):
+    """Softmax over the channels (features) at each position: an attention map or a gate.
+    Not for a classifier's end: training's loss takes the logits."""
+
+    type: Literal["softmax"]
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return nn.Softmax(dim=1)
+
+
 class Identity(_Plain):
     type: Literal["identity"]
     module: ClassVar[type[nn.Module]] = nn.Identity

@@ -36,18 +36,18 @@ class _Pool(Layer):
         sh, sw = pair(self.stride or self.kernel_size)
         if ph > kh // 2 or pw > kw // 2:
             raise ShapeError("padding", "must be at most half of kernel_size")
-        ceil = self.ceil_mode
-        return (c, window_out(h, kh, sh, ph, 1, ceil), window_out(w, kw, sw, pw, 1, ceil))
+        ceil, (dh, dw) = self.ceil_mode, pair(getattr(self, "dilation", 1))
+        return (c, window_out(h, kh, sh, ph, dh, ceil), window_out(w, kw, sw, pw, dw, ceil))
 
 
 class MaxPool(_Pool):
     type: Literal["maxpool"]
+    dilation: IntPair = 1
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         stride = pair(self.stride or self.kernel_size)
-        return nn.MaxPool2d(
-            pair(self.kernel_size), stride, pair(self.padding), ceil_mode=self.ceil_mode
-        )
+        return nn.MaxPool2d(pair(self.kernel_size), stride, pair(self.padding),
+                            pair(self.dilation), ceil_mode=self.ceil_mode)  # fmt: skip
 
 
 class AvgPool(_Pool):
