@@ -331,3 +331,67 @@ def test_huge_numbers_in_expressions_are_one_line():
     with pytest.raises(ConfigError) as e:
         build_model(spec, device="meta")
     assert "an integer of about 5,001 digits" in str(e.value) and len(str(e.value)) < 300
+
+
+UP = {  # a U-Net decoder step: upsample the path, concatenate the encoder's skip, convolve
+    "inputs": ["input", "skip"],
+    "params": {"out": None},
+    "layers": [
+        {"name": "up", "type": "conv_transpose", "out_channels": "$out", "kernel_size": 2, "stride": 2},
+        {"name": "cat", "type": "concat", "inputs": ["up", "skip"]},
+        {"name": "conv", "type": "conv", "out_channels": "$out", "kernel_size": 3, "padding": 1},
+    ],
+}  # fmt: skip
+
+
+def test_a_block_with_a_skip_input_computes_the_decoder_it_describes():
+    model = build_model(net(
+        conv("e1", out_channels=6), {"name": "p1", "type": "maxpool", "kernel_size": 2},
+        conv("e2", out_channels=8), {"name": "p2", "type": "maxpool", "kernel_size": 2},
+        conv("mid", out_channels=8),
+        {"name": "d2", "block": "up", "inputs": ["mid", "e2"], "out": 8},
+        {"name": "d1", "block": "up", "inputs": ["d2", "e1"], "out": 4},
+        blocks={"up": UP})).eval()  # fmt: skip
+    assert model.output_shape == (4, 8, 8)
+    assert [r.name for r in model.table][-6:] == [
+        "d2.up",
+        "d2.cat",
+        "d2.conv",
+        "d1.up",
+        "d1.cat",
+        "d1.conv",
+    ]
+    m = model
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        e1 = m.e1(x)
+        e2 = m.e2(m.p1(e1))
+        d2 = m.d2.conv(torch.cat([m.d2.up(m.mid(m.p2(e2))), e2], 1))
+        d1 = m.d1.conv(torch.cat([m.d1.up(d2), e1], 1))
+        torch.testing.assert_close(model(x), d1)
+
+
+def test_repeated_copies_chain_the_first_input_and_share_the_others():
+    add = {
+        "inputs": ["input", "bias"],
+        "layers": [{"name": "s", "type": "add", "inputs": ["input", "bias"]}],
+    }
+    model = build_model(net(conv("b"), {"name": "r", "block": "add", "inputs": ["b", "b"], "repeat": 3},
+                            blocks={"add": add})).eval()  # fmt: skip
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.b(x) * 4)  # ((b + b) + b) + b
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"name": "d", "block": "up", "out": 4}, r"layer 1 \(d\): inputs: block 'up' takes 2 input\(s\) \(input, skip\), got 1"),
+    ({"name": "d", "block": "up", "inputs": ["c", "c", "c"], "out": 4}, r"takes 2 input\(s\) \(input, skip\), got 3"),
+])  # fmt: skip
+def test_a_block_given_the_wrong_number_of_inputs_is_one_line(line, message):
+    with pytest.raises(ConfigError, match=message):
+        build_model(net(conv("c"), line, blocks={"up": UP}))
+    clash = {**UP, "layers": [*UP["layers"], {"name": "skip", "type": "relu"}]}
+    with pytest.raises(ConfigError, match="'skip' names an input and a layer"):
+        build_model(
+            net(conv("c"), {"block": "up", "inputs": ["c", "c"], "out": 4}, blocks={"up": clash})
+        )

@@ -138,7 +138,7 @@ class Expander:
         label = _label(scope.index, scope.prefix + short)
         block = self._block_def(label, block_name)
         ref = self._sub(label, "inputs", raw.pop("inputs", None), scope.params)
-        value = self._block_input(label, short, ref, scope)
+        value, *others = self._block_inputs(label, short, ref, scope, block_name, block)
         env = {**scope.params, **shape_params(self.shapes[value])}
         for key in ("repeat", "start", "first", "inline"):  # these may be $parameters too
             if key in raw:
@@ -151,7 +151,7 @@ class Expander:
                 f"{label}: block: blocks nest more than {MAX_BLOCK_DEPTH} deep "
                 f"(does {brief(block_name)} hold itself?)"
             )
-        value = self._copies(label, short, block_name, block, raw, stage, scope, value)
+        value = self._copies(label, short, block_name, block, raw, stage, scope, value, others)
         if stage.inline or stage.numbered_on:
             scope.last = value
         else:
@@ -159,9 +159,10 @@ class Expander:
 
     def _copies(
         self, label: str, short: str, block_name: str, block: BlockDef, raw: dict[str, Any],
-        stage: Stage, scope: _Scope, value: int,
+        stage: Stage, scope: _Scope, value: int, others: list[int],
     ) -> int:  # fmt: skip
-        """Expand the copies of a block line in turn; the value the last one outputs."""
+        """Expand the copies of a block line in turn (each takes the one before's output as
+        its first input, the `others` as given); the value the last one outputs."""
         for r in range(stage.repeat):
             number = stage.start + r
             given, this, this_name, where = dict(raw), block, block_name, label
@@ -173,22 +174,29 @@ class Expander:
             env = {**scope.params, **shape_params(self.shapes[value]), "index": number}
             params = self._block_params(where, this_name, this, given, env)
             sized = this.sized_params(given, scope.sized)
+            if len(this.inputs) != 1 + len(others):
+                raise ConfigError(f"{where}: block {brief(this_name)} takes {len(this.inputs)} "
+                                  f"input(s) ({', '.join(this.inputs)}), the line gives "
+                                  f"{1 + len(others)}")  # fmt: skip
+            local = dict(zip(this.inputs, [value, *others], strict=True))
             if stage.inline:  # its layers join the enclosing list (and its numbering)
                 inner = _Scope(
-                    scope.index, scope.prefix, params, {"input": value}, value,
+                    scope.index, scope.prefix, params, local, value,
                     scope.sequential, scope.counter, scope.depth + 1, sized,
                 )  # fmt: skip
                 value = self._expand(this, inner)
                 scope.counter = inner.counter
                 if scope.local is not None:  # its names are the enclosing block's, as at the top
-                    scope.local.update((k, v) for k, v in inner.local.items() if k != "input")
+                    scope.local.update(
+                        (k, v) for k, v in inner.local.items() if k not in this.inputs
+                    )
                 continue
             if stage.numbered_on:  # unnamed in a sequential block: the next number
                 name, scope.counter = str(scope.counter), scope.counter + 1
             else:
                 name = stage.copy_name(short, number)
             inner = _Scope(
-                scope.index, f"{scope.prefix}{name}.", params, {"input": value}, value,
+                scope.index, f"{scope.prefix}{name}.", params, local, value,
                 this.sequential, 0, scope.depth + 1, sized,
             )  # fmt: skip
             value = self._expand(this, inner)
@@ -253,14 +261,16 @@ class Expander:
             raise ConfigError(f"{label}: block: unknown block {brief(name)}{hint}")
         return self.net.blocks[name]
 
-    def _block_input(self, label: str, short: str, ref: Any, scope: _Scope) -> int:
-        if ref is None:
-            return scope.last
-        if isinstance(ref, list) and len(ref) == 1:
-            ref = ref[0]
-        if not isinstance(ref, str):
-            raise ConfigError(f"{label}: inputs: a block takes one input, got {brief(ref)}")
-        return self._resolve(label, short, [ref], scope)[0]
+    def _block_inputs(self, label: str, short: str, ref: Any, scope: _Scope, name: str,
+                      block: BlockDef) -> list[int]:  # fmt: skip
+        """The values a block line gives its block's inputs (none given: `previous`)."""
+        refs = ["previous"] if ref is None else [ref] if isinstance(ref, str) else ref
+        if not isinstance(refs, list) or not refs:
+            raise ConfigError(f"{label}: inputs: a layer name or a list of them, got {brief(ref)}")
+        if len(refs) != len(block.inputs):
+            raise ConfigError(f"{label}: inputs: block {brief(name)} takes {len(block.inputs)} "
+                              f"input(s) ({', '.join(block.inputs)}), got {len(refs)}")  # fmt: skip
+        return self._resolve(label, short, refs, scope)
 
     def _block_params(self, label: str, name: str, block: BlockDef, given: dict, env: dict) -> dict:
         unknown = [k for k in given if k not in block.params]

@@ -52,7 +52,31 @@ class BlockDef(BaseModel):
     sequential: StrictBool = Field(
         False, description="unnamed layers are named 0, 1, 2 ... as in torch's nn.Sequential"
     )
+    inputs: list[str] = Field(
+        default_factory=lambda: ["input"], min_length=1, max_length=16,
+        description="the names its layers read its inputs by; the first is `previous` at its "
+        "start and what each repeated copy takes from the one before (a decoder's skip: "
+        "[input, skip])",
+    )  # fmt: skip
     layers: list[dict[str, Any]] = Field(min_length=1)
+
+    @field_validator("inputs")
+    @classmethod
+    def _input_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", name) or name == "previous":
+                raise ValueError(f"{brief(name)} is not a usable input name")
+        if len(set(v)) != len(v):
+            raise ValueError(f"names an input twice: {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _inputs_not_layers(self) -> BlockDef:
+        clash = next((n for n in self.inputs if any(raw.get("name") == n for raw in self.layers
+                                                    if isinstance(raw, dict))), None)  # fmt: skip
+        if clash is not None:
+            raise ValueError(f"{clash!r} names an input and a layer; call the layer otherwise")
+        return self
 
     def sized_params(self, given: dict[str, Any], outer: Collection[str]) -> frozenset[str]:
         """The parameters num_classes sizes in a use of this block: given as an expression
