@@ -102,6 +102,13 @@ def window_out(size: int, kernel: int, stride: int, pad: int, dilation: int, cei
     return out
 
 
+def check_groups(in_channels: int, out_channels: int, groups: int) -> None:
+    """A grouped (or transposed) convolution's groups must divide both channel counts."""
+    if in_channels % groups or out_channels % groups:
+        raise ShapeError("groups", f"groups={groups} must divide both in_channels={in_channels} "
+                         f"and out_channels={out_channels}")  # fmt: skip
+
+
 def fmt_shape(shape: Shape) -> str:
     return "(" + ", ".join(map(str, shape)) + ")"
 
@@ -191,11 +198,7 @@ class Conv(ParamLayer):
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         c, h, w = need_image(shapes[0])
-        if c % self.groups or self.out_channels % self.groups:
-            raise ShapeError(
-                "groups",
-                f"groups={self.groups} must divide both in_channels={c} and out_channels={self.out_channels}",
-            )
+        check_groups(c, self.out_channels, self.groups)
         (kh, kw), (sh, sw), (dh, dw) = (
             pair(self.kernel_size),
             pair(self.stride),

@@ -21,6 +21,7 @@ from cnnkit.nn.layers import (
     Real,
     Shape,
     ShapeError,
+    check_groups,
     need_image,
     pair,
 )
@@ -44,9 +45,7 @@ class ConvTranspose(ParamLayer):
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         c, h, w = need_image(shapes[0])
-        if c % self.groups or self.out_channels % self.groups:
-            raise ShapeError("groups", f"groups={self.groups} must divide both in_channels={c} "
-                             f"and out_channels={self.out_channels}")  # fmt: skip
+        check_groups(c, self.out_channels, self.groups)
         sides = []
         for size, k, s, p, op, d in zip((h, w), pair(self.kernel_size), pair(self.stride),
                                         pair(self.padding), pair(self.output_padding),
