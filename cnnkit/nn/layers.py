@@ -185,16 +185,21 @@ class ParamLayer(Layer):
         return float(value.get(param, 1.0)) if isinstance(value, dict) else float(value)
 
 
-class Conv(ParamLayer):
-    type: Literal["conv"]
+class ConvFields(ParamLayer):
+    """What a convolution and a transposed one share (torch's names)."""
+
     out_channels: Count
     kernel_size: IntPair
     stride: IntPair = 1
-    padding: NonNegPair | Literal["same", "valid"] = 0
     dilation: IntPair = 1
     groups: Count = 1
     bias: Flag = True
     param_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
+
+
+class Conv(ConvFields):
+    type: Literal["conv"]
+    padding: NonNegPair | Literal["same", "valid"] = 0
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         c, h, w = need_image(shapes[0])

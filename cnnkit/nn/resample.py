@@ -11,13 +11,12 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from cnnkit.nn.layers import (
-    Count,
+    ConvFields,
     Flag,
     IntPair,
     Layer,
     NonNeg,
     NonNegPair,
-    ParamLayer,
     Real,
     Shape,
     ShapeError,
@@ -27,21 +26,14 @@ from cnnkit.nn.layers import (
 )
 
 
-class ConvTranspose(ParamLayer):
+class ConvTranspose(ConvFields):
     """torch's ConvTranspose2d: each output side is (in - 1) * stride - 2 * padding +
     dilation * (kernel - 1) + output_padding + 1; Caffe's Deconvolution is this with no
     output_padding."""
 
     type: Literal["conv_transpose"]
-    out_channels: Count
-    kernel_size: IntPair
-    stride: IntPair = 1
     padding: NonNegPair = 0
     output_padding: NonNegPair = 0
-    dilation: IntPair = 1
-    groups: Count = 1
-    bias: Flag = True
-    param_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         c, h, w = need_image(shapes[0])
