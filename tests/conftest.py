@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 from helpers import CLI, ROOT
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as at a terminal, in this process and each xdist worker: a suite started in the
+    background of a script (`pytest &`) inherits SIGINT ignored, which the tests that press
+    Ctrl-C (in process, or in the cnnkit processes they start, which inherit it) would not see."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,9 @@ CLI = [sys.executable, "-m", "cnnkit"]
 
 def sigint_default() -> None:
     """preexec_fn for a subprocess a test sends Ctrl-C to: SIGINT at its default, as a shell
-    starts a program. The test process hands down SIGINT ignored at times (4 of 9 suite runs:
-    SIGINT and SIGQUIT both, as C's system() sets them while it runs in some thread), and cnnkit
-    keeps an inherited SIG_IGN, as POSIX programs do."""
+    starts a program. A suite started in the background of a script (`pytest &`) has SIGINT
+    and SIGQUIT ignored, as POSIX shells start background jobs (conftest sets SIGINT back), and
+    cnnkit keeps an inherited SIG_IGN, as POSIX programs do."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

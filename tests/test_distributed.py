@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import sigint_default
 
 from cnnkit.checkpoint import load_checkpoint
 from cnnkit.config import TrainConfig, validate_run
@@ -588,7 +587,7 @@ def _ctrl_c_under_nproc(tmp_path: Path, wait, *overrides: str, to: str = "group"
            str(tmp_path / "run"), *overrides]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True, preexec_fn=sigint_default)  # fmt: skip
+                            env=env, start_new_session=True)  # fmt: skip
     try:
         wait(proc)
         (os.killpg if to == "group" else os.kill)(proc.pid, sig)
@@ -680,8 +679,8 @@ def test_a_second_ctrl_c_under_nproc_is_said(monkeypatch, capsys):
             self.got.append(signum)
 
         def wait(self):
-            for _ in range(presses):  # the terminal's Ctrl-C, to cnnkit (the handler called
-                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # as the signal would)
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C, to cnnkit
             return 130
 
     monkeypatch.setattr(cnnkit.agent.subprocess, "Popen", Agent)
