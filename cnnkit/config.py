@@ -228,9 +228,8 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
     for item in overrides or []:
         apply_override(raw, item)
-    if base is not None:
-        _relative_to(raw, base)
-    _absolute_data(raw)
+    _relative_to(raw, base)
+    absolute_data(raw)
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
     config = validate_run(raw)
@@ -260,24 +259,31 @@ def describe_run(config: RunConfig) -> list[tuple[str, Any, Any, str]]:
     return rows
 
 
-def _relative_to(raw: dict[str, Any], base: Path) -> None:
+def _relative_to(raw: dict[str, Any], base: Path | None) -> None:
     """Files a run file names (its network, its weights) are relative to the run file; made
     absolute, so the run's config.yaml names them from any directory (--resume, config)."""
     model = raw.get("model")
-    if isinstance(model, str) and (base / model).is_file():
-        raw["model"] = os.path.abspath(base / model)
-    elif isinstance(model, dict) and isinstance(model.get("network"), str):
-        if (base / model["network"]).is_file():
-            model["network"] = os.path.abspath(base / model["network"])
-    if isinstance(model, dict) and isinstance(model.get("weights"), str):
-        if (base / model["weights"]).is_file():
-            model["weights"] = os.path.abspath(base / model["weights"])
+    if isinstance(model, str):
+        raw["model"] = _file_at(model, base)
+    elif isinstance(model, dict):
+        for key in ("network", "weights"):
+            if isinstance(model.get(key), str):
+                model[key] = _file_at(model[key], base)
 
 
-DATA_FILES = ("path", "val_path", "val_labels")  # a data section's folders and files
+def _file_at(name: str, base: Path | None) -> str:
+    """`name` made absolute where it is a file beside the run file (`base`), else in the
+    working directory; as it is otherwise (a zoo name)."""
+    for place in ([base] if base is not None else []) + [Path.cwd()]:
+        if (place / name).is_file():
+            return os.path.abspath(place / name)
+    return name
 
 
-def _absolute_data(raw: dict[str, Any]) -> None:
+DATA_FILES = ("path", "val_path", "val_labels", "negatives")  # a data section's files
+
+
+def absolute_data(raw: dict[str, Any]) -> None:
     """The data's folders and files (relative to the working directory, as given) made
     absolute: config.yaml is the resolved run, read again from anywhere."""
     data = raw.get("data")

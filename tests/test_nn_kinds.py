@@ -304,3 +304,16 @@ def test_a_bilinear_conv_transpose_upsamples_as_bilinear_interpolation():
 
     with pytest.raises(ConfigError, match="init: .*bilinear.*2-D kernels"):
         one_layer({**layer, "bias": True, "init": {"bias": "bilinear"}}, [3, 6, 7])
+
+
+@pytest.mark.parametrize("k, axis", [(3, [0.5, 1, 0.5]), (4, [0.25, 0.75, 0.75, 0.25]), (2, [0.5, 0.5]),
+                                     (7, [0.25, 0.5, 0.75, 1, 0.75, 0.5, 0.25])])  # fmt: skip
+def test_the_bilinear_init_is_caffes_and_fcns_kernel(k, axis):
+    from cnnkit.nn.init import bilinear_kernel
+
+    axis = torch.tensor(axis)
+    torch.testing.assert_close(bilinear_kernel((k, k)), torch.outer(axis, axis))
+    from cnnkit import ConfigError
+
+    with pytest.raises(ConfigError, match="bilinear.*2-D kernels"):  # not a linear's matrix
+        one_layer({"type": "linear", "out_features": 4, "init": {"weight": "bilinear"}}, [4])

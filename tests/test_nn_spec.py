@@ -402,3 +402,26 @@ def test_missing_num_classes_and_contradicting_init_are_said(tmp_path):
     shared = {"input": [2, 4, 4], "defaults": {"conv": {"init": {"bias": 0}}},  # from defaults: fine
               "layers": [{k: v for k, v in own.items() if k != "init"}]}  # fmt: skip
     assert build_model(shared).conv0.bias is None
+
+
+def test_a_blocks_init_beside_a_bias_parameter_that_is_false_is_skipped():
+    block = {"params": {"bias": True}, "layers": [
+        {"name": "conv", "type": "conv", "out_channels": 2, "kernel_size": 1, "bias": "$bias",
+         "init": {"weight": "kaiming_normal", "bias": 0}}]}  # fmt: skip
+    model = build_model({"input": [2, 4, 4], "blocks": {"b": block},
+                         "layers": [{"name": "a", "block": "b"}, {"name": "n", "block": "b", "bias": False}]})  # fmt: skip
+    assert model.a.conv.bias is not None and model.n.conv.bias is None
+
+
+def test_default_names_in_a_block_avoid_its_given_names_and_inputs():
+    conv = {"type": "conv", "out_channels": 2, "kernel_size": 1}
+    block = {"layers": [conv, {**conv, "name": "conv0"}]}
+    model = build_model(
+        {"input": [2, 4, 4], "blocks": {"b": block}, "layers": [{"name": "s", "block": "b"}]}
+    )
+    assert [r.name for r in model.table] == ["s.conv0_1", "s.conv0"]
+    skip = {"inputs": ["input", "relu1"], "layers": [conv, {"type": "relu"}, {"name": "sum", "type": "add", "inputs": ["previous", "relu1"]}]}  # fmt: skip
+    model = build_model({"input": [2, 4, 4], "blocks": {"b": skip},
+                         "layers": [{"name": "x", **conv}, {"name": "s", "block": "b", "inputs": ["x", "x"]}]})  # fmt: skip
+    assert [r.name for r in model.table] == ["x", "s.conv0", "s.relu1_1", "s.sum"]
+    assert model.table[-1].inputs == ("s.relu1_1", "x")  # the block's input, not its own relu

@@ -568,13 +568,22 @@ def test_a_batch_of_one_through_a_vector_batchnorm_is_one_line(tmp_path, capsys)
     run = tmp_path / "run.yaml"
     run.write_text(f"model: {net}\ndata: {{source: digits, batch_size: 4}}\n"
                    "train: {epochs: 1, calibrate: false}\n")  # fmt: skip
+    from cnnkit.train.run import smallest_chunk
+
+    assert [smallest_chunk(b, a) for b, a in ((10, 4), (8, 4), (7, 3), (9, 4), (5, 1))] == [
+        1,
+        2,
+        1,
+        3,
+        5,
+    ]
     for override, field in (
         ("train.accumulate=4", "train.accumulate"),
         ("data.batch_size=1", "data.batch_size"),
-    ):
-        code, _, err = run_cli(
-            ["train", str(run), override, "--out", str(tmp_path / "r"), "--quiet"], capsys
-        )
+        ("data.batch_size=10 train.accumulate=4", "train.accumulate"),
+    ):  # 3, 3, 3, 1
+        argv = ["train", str(run), *override.split(), "--out", str(tmp_path / "r"), "--quiet"]
+        code, _, err = run_cli(argv, capsys)
         assert code == 2 and err.startswith(f"cnnkit: error: {field}: micro-batches of 1 image"), (
             err
         )
@@ -596,6 +605,25 @@ def test_config_yaml_names_its_files_from_anywhere(tmp_path, monkeypatch, capsys
         {"model": "lenet5", "data": {"source": "folder", "path": "imgs", "val_path": "v"}}
     )
     assert (folder.data.path, folder.data.val_path) == (str(tmp_path / "imgs"), str(tmp_path / "v"))
+    shutil.copy(tmp_path / "sub/net.yaml", tmp_path / "here.yaml")  # in the working directory
+    assert load_run("digits", ["model=here.yaml"]).model.network == str(tmp_path / "here.yaml")
+    faces = load_run("faces", ["data.negatives=neg.npy"])
+    assert faces.data.negatives == str(tmp_path / "neg.npy")
+
+
+def test_a_resume_makes_its_overrides_absolute_and_takes_an_older_runs_relative_folder(
+    tmp_path, monkeypatch
+):
+    from cnnkit.train.rundir import resume_config
+
+    monkeypatch.chdir(tmp_path)
+    config = {"name": "r", "model": "lenet5", "data": {"source": "folder", "path": "imgs"}}
+    state = {"config": config, "model_spec": "lenet5", "epoch": 1, "step": 0}  # an older run's
+    resumed = resume_config(state, ["data.val_path=val", "train.epochs=9"])
+    assert resumed.data.path == str(tmp_path / "imgs")
+    assert resumed.data.val_path == str(tmp_path / "val")
+    resumed = resume_config({**state, "step": 3}, ["train.epochs=9"])  # mid-epoch: the same folder
+    assert resumed.data.path == str(tmp_path / "imgs")
 
 
 @pytest.mark.parametrize("ending", ["error", "callback"])

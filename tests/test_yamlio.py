@@ -144,3 +144,10 @@ def test_utf16_files_read_and_other_encodings_are_named(tmp_path):
     path.write_bytes(b"\xff\xfe garbage\n")  # a UTF-16 mark on what is not UTF-16
     with pytest.raises(ConfigError, match="not a text file"):
         read_yaml(path)
+
+
+def test_yaml_1_1_base_60_floats_are_refused(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1:30.5\n")
+    with pytest.raises(ConfigError, match=r"1:30.5 is read by YAML 1.1 as 90.5, not as written"):
+        read_yaml(path)

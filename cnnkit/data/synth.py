@@ -128,12 +128,13 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
     if seed < 0:
         raise ConfigError(f"--seed must be >= 0 (got {seed})")
     final = Path(dst).resolve()  # (".": a named folder beside it for the scratch set)
-    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+    if final.exists() and (not final.is_dir() or any(p.name != SCRATCH for p in final.iterdir())):
         what = "not empty" if final.is_dir() else "exists and is not a folder"
         raise ConfigError(f"{dst}: {what} (synth writes a new set: give a new folder)")
     names = class_names(classes)
     final.parent.mkdir(parents=True, exist_ok=True)
-    work = final.parent / f".{final.name}.partial"  # the whole set, or nothing, at DST
+    # the whole set, or nothing, at DST: made beside it, or inside it where it is a folder already
+    work = final / SCRATCH if final.exists() else final.parent / f".{final.name}.partial"
     shutil.rmtree(work, ignore_errors=True)  # an interrupted one's
     jobs = [(str(work), k, name, per_class, size, seed, quality) for k, name in enumerate(names)]
     workers = min(workers or available_cores(), len(jobs))
@@ -152,6 +153,9 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
             raise OSError(e.errno, e.strerror, str(final) + name[len(str(work)) :]) from None
         raise
     return names
+
+
+SCRATCH = ".partial"  # the set being made, inside a DST folder that exists already
 
 
 def _publish(work: Path, final: Path) -> None:

@@ -56,6 +56,7 @@ class _Scope:
     counter: int = 0  # the next number of a sequential block
     depth: int = 0
     sized: frozenset[str] = frozenset({"num_classes"})  # the params num_classes sizes
+    named: frozenset[str] = frozenset()  # names the file gives entries here (no default takes one)
 
 
 class Expander:
@@ -73,7 +74,8 @@ class Expander:
 
     def run(self) -> tuple[list[Node], int]:
         """The nodes, and the output's value: the last entry's (if absent, its input's)."""
-        scope = _Scope(0, "", {"num_classes": self.net.num_classes}, None, 0)
+        scope = _Scope(0, "", {"num_classes": self.net.num_classes}, None, 0,
+                       named=frozenset(self.later))  # fmt: skip
         for index, raw in enumerate(self.net.layers):
             scope.index = index
             self._entry(raw, index, scope)
@@ -122,7 +124,7 @@ class Expander:
             return self._alias(scope, short, inputs[0])
         fields = self._sub(label, None, {**fields, "type": kind}, env)
         layer = _validate(label, kind, {**fields, "name": scope.prefix + short, "inputs": names})
-        _check_own_init(label, raw.get("init"), layer)
+        _check_own_init(label, raw, layer)
         if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
             layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
         check_name(label, scope.prefix + short, short, self.taken, self.holders)
@@ -183,6 +185,7 @@ class Expander:
                 inner = _Scope(
                     scope.index, scope.prefix, params, local, value,
                     scope.sequential, scope.counter, scope.depth + 1, sized,
+                    scope.named | _given_names(this),
                 )  # fmt: skip
                 value = self._expand(this, inner)
                 scope.counter = inner.counter
@@ -197,7 +200,7 @@ class Expander:
                 name = stage.copy_name(short, number)
             inner = _Scope(
                 scope.index, f"{scope.prefix}{name}.", params, local, value,
-                this.sequential, 0, scope.depth + 1, sized,
+                this.sequential, 0, scope.depth + 1, sized, _given_names(this),
             )  # fmt: skip
             value = self._expand(this, inner)
             self.value_of[scope.prefix + name] = value
@@ -222,7 +225,9 @@ class Expander:
         if scope.sequential:
             return str(scope.counter)
         name, k = default, 1
-        while (not scope.prefix and name in self.later) or scope.prefix + name in self.taken:
+        while (
+            name in scope.named or name in (scope.local or {}) or scope.prefix + name in self.taken
+        ):
             name, k = f"{default}_{k}", k + 1  # never a name the file gives another layer
         return name
 
@@ -371,13 +376,21 @@ def _validate(label: str, kind: str, fields: dict[str, Any]) -> Layer:
         raise ConfigError(f"{label}: {what or validation_message(e)}") from None
 
 
-def _check_own_init(label: str, init: Any, layer: Layer) -> None:
-    """An `init:` rule written on the layer itself for a parameter it is configured without
-    (`bias: false`) is a contradiction; one that comes from `defaults:` is not."""
-    if isinstance(init, dict) and isinstance(layer, ParamLayer):
+def _given_names(block: BlockDef) -> frozenset[str]:
+    """The names a block's lines give (literal ones), which no default name may take."""
+    return frozenset(str(r["name"]) for r in block.layers
+                     if isinstance(r, dict) and isinstance(r.get("name"), (str, int)))  # fmt: skip
+
+
+def _check_own_init(label: str, raw: dict[str, Any], layer: Layer) -> None:
+    """An `init:` rule written on a line that itself says `bias: false` (or `affine: false`)
+    is a contradiction; one from `defaults:`, or beside a `$parameter` that is false in this
+    use of a block, is skipped (as a layer without the parameter skips it)."""
+    init, literal = raw.get("init"), raw.get("affine") is False or raw.get("bias") is False
+    if literal and isinstance(init, dict) and isinstance(layer, ParamLayer):
         absent = sorted(set(init) & layer.absent_params(), key=str)
         if absent:
-            why = "affine: false" if getattr(layer, "affine", True) is False else "bias: false"
+            why = "affine: false" if raw.get("affine") is False else "bias: false"
             raise ConfigError(f"{label}: init: {absent[0]}: this layer has no {absent[0]} ({why})")
 
 

@@ -103,17 +103,15 @@ def _parse_rule(rule: Any) -> tuple[str, dict[str, Any]]:
 
 
 def bilinear_kernel(size: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """Caffe's bilinear filler (FCN's upsampling by a conv_transpose of kernel 2f - f % 2,
-    stride f): (1 - |x / f - c|)(1 - |y / f - c|), f = ceil(k / 2), c = (2f - 1 - f % 2) / 2f,
-    for each axis its own f and c; (kh, kw)."""
+    """Caffe's bilinear filler, as FCN's upsample_filt (upsampling by a conv_transpose of
+    kernel 2f - f % 2, stride f): (1 - |x / f - c|)(1 - |y / f - c|), f = ceil(k / 2),
+    c = (k - 1) / 2f, each axis its own f and c; (kh, kw)."""
 
     def axis(k: int) -> torch.Tensor:
         f = math.ceil(k / 2)
-        c = (2 * f - 1 - f % 2) / (2 * f)
+        c = (k - 1) / (2 * f)
         return 1 - (torch.arange(k, dtype=torch.float64) / f - c).abs()
 
-    if len(size) != 2:
-        raise ValueError("init 'bilinear': for a (conv or conv_transpose) weight of 2-D kernels")
     return torch.outer(axis(int(size[0])), axis(int(size[1]))).float()
 
 
@@ -146,6 +144,10 @@ def apply_rule(tensor: torch.Tensor, rule: Any) -> None:
     elif name in ("zeros", "ones"):
         nn.init.constant_(tensor, 0.0 if name == "zeros" else 1.0)
     elif name == "bilinear":
+        if tensor.dim() != 4:
+            raise ValueError(
+                "init 'bilinear': for a (conv or conv_transpose) weight of 2-D kernels"
+            )
         tensor.copy_(bilinear_kernel(tensor.shape[-2:]).expand_as(tensor))
     elif name.startswith("kaiming"):
         fill = nn.init.kaiming_normal_ if name == "kaiming_normal" else nn.init.kaiming_uniform_

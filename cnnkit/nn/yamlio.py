@@ -87,6 +87,14 @@ class _Bounded(Composer, SafeConstructor, Resolver):
             raise LimitError(None, None, f"an integer of {digits:,} digits is too long to read",
                              node.start_mark) from None  # fmt: skip
 
+    def construct_yaml_float(self, node: ScalarNode) -> float:
+        """A float, but not YAML 1.1's base-60 form (1:30.5 is 90.5)."""
+        if ":" in node.value:
+            value = super().construct_yaml_float(node)
+            raise LimitError(None, None, f"{node.value[:40]} is read by YAML 1.1 as {value:g}, "
+                             "not as written: quote it", node.start_mark)  # fmt: skip
+        return super().construct_yaml_float(node)
+
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
@@ -105,6 +113,7 @@ class _Bounded(Composer, SafeConstructor, Resolver):
 
 
 _Bounded.add_constructor("tag:yaml.org,2002:int", _Bounded.construct_yaml_int)
+_Bounded.add_constructor("tag:yaml.org,2002:float", _Bounded.construct_yaml_float)
 
 
 class _Loader(Reader, Scanner, Parser, _Bounded):

@@ -235,6 +235,13 @@ def check_batch(config: RunConfig, world_size: int) -> None:
                           f"images{' per process' if world_size > 1 else ''}: at most {share}")  # fmt: skip
 
 
+def smallest_chunk(images: int, parts: int) -> int:
+    """The smallest of torch.chunk(batch of `images`, `parts`): what the last micro-batch of an
+    accumulated step holds (chunks of ceil(images / parts), the last the remainder)."""
+    size = -(-images // parts)
+    return images - size * (-(-images // size) - 1)
+
+
 def check_batchnorm(network: Network, micro: int, accumulating: bool) -> None:
     """ConfigError where a BatchNorm layer would see one value per channel in a training
     micro-batch (batch 1 through a BatchNorm on vectors or 1x1 maps): torch refuses it."""
@@ -362,7 +369,10 @@ def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Pro
     chooses what N ranks will run)."""
     network = build_network(config, data)
     per_rank = config.data.batch_size // ranks
-    check_batchnorm(network, per_rank // config.train.accumulate, config.train.accumulate > 1)
+    if not (config.train.sync_bn and ranks > 1):  # (SyncBatchNorm counts every rank's values)
+        images = min(per_rank, len(data.train_labels) // ranks)  # (a set smaller than a batch)
+        check_batchnorm(network, smallest_chunk(images, config.train.accumulate),
+                        config.train.accumulate > 1)  # fmt: skip
     chosen = None
     if dist.is_main:
         cores = torch.get_num_threads() if ranks == dist.world_size else max(

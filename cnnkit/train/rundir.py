@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cnnkit.config import RunConfig, apply_override, validate_run
+from cnnkit.config import RunConfig, absolute_data, apply_override, validate_run
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.runtime import cannot_write
 
@@ -104,6 +104,7 @@ def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> 
                               "(to fine-tune it as another run, give a new run model.weights: "
                               "RUN/best.pt)")  # fmt: skip
         apply_override(raw, item)
+    absolute_data(raw)  # (an older run's relative paths too: read from here, as before)
     if state.get("step"):
         _same_epoch_order(state, raw)
     _same_optimizer_state(state, raw)
@@ -139,7 +140,8 @@ def _same_epoch_order(state: dict[str, Any], raw: dict[str, Any]) -> None:
     images, or train some twice. ConfigError naming it."""
     before, after = state["config"], raw
     changed = ["seed"] if before.get("seed") != after.get("seed") else []
-    old, new = before.get("data") or {}, after.get("data") or {}
+    old, new = dict(before.get("data") or {}), after.get("data") or {}
+    absolute_data({"data": old})  # an older run's relative folder is the same folder
     changed += [f"data.{k}" for k in sorted(old.keys() | new.keys())
                 if k not in HARMLESS_DATA and old.get(k) != new.get(k)]  # fmt: skip
     if changed:
@@ -246,7 +248,9 @@ def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
 
 
 # the temporary names a run's writers use (.last.pt.PID.tmp, metrics.csv.tmp, .curves.png.tmp)
-ORPHAN = re.compile(rf"\.?({'|'.join(map(re.escape, (*RUN_FILES, 'curves.png')))})(\.\d+)?\.tmp")
+ORPHAN = re.compile(
+    rf"\.?({'|'.join(map(re.escape, (*RUN_FILES, 'curves.png', 'lock')))})(\.\d+)?\.tmp"
+)
 
 
 def clear_orphans(run_dir: Path) -> None:
