@@ -568,7 +568,7 @@ def test_a_batch_of_one_through_a_vector_batchnorm_is_one_line(tmp_path, capsys)
     run = tmp_path / "run.yaml"
     run.write_text(f"model: {net}\ndata: {{source: digits, batch_size: 4}}\n"
                    "train: {epochs: 1, calibrate: false}\n")  # fmt: skip
-    from cnnkit.train.run import smallest_chunk
+    from cnnkit.train.checks import smallest_chunk
 
     assert [smallest_chunk(b, a) for b, a in ((10, 4), (8, 4), (7, 3), (9, 4), (5, 1))] == [
         1,

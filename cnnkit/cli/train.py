@@ -88,7 +88,8 @@ def _check_group(config, nproc: int, resume) -> None:
     from cnnkit.distributed import group_device_name, resolve_device
     from cnnkit.errors import ConfigError
     from cnnkit.mining import mining_of
-    from cnnkit.train.run import check_processes, resume_state
+    from cnnkit.train.checks import check_processes
+    from cnnkit.train.run import resume_state
 
     if mining_of(config) is not None:
         raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")

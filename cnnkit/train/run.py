@@ -5,7 +5,6 @@ trains epoch by epoch, saving last.pt every epoch and every N steps, best.pt and
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -29,6 +28,12 @@ from cnnkit.runtime import (
     seed_everything,
     tf32_matmuls,
     torch_threads,
+)
+from cnnkit.train.checks import (
+    check_batchnorm,
+    check_epochs_left,
+    check_processes,
+    smallest_chunk,
 )
 from cnnkit.train.engine import Engine, balanced_weights, build_engine
 from cnnkit.train.epochs import Hooks, stop_on_interrupt, train_epochs
@@ -197,62 +202,6 @@ def _shape_hint(config: RunConfig, want: tuple[int, ...], have: tuple[int, ...])
     return ""
 
 
-def check_processes(config: RunConfig, world_size: int, device: torch.device,
-                    resume: dict[str, Any] | None) -> None:  # fmt: skip
-    """What the number of processes must fit, before anything is built: the batch split, a
-    mid-epoch checkpoint's own count, SyncBatchNorm's CUDA devices."""
-    check_batch(config, world_size)
-    if resume:
-        check_world_size(resume, world_size)
-    if config.train.sync_bn and world_size > 1 and device.type != "cuda":
-        raise ConfigError("train.sync_bn: SyncBatchNorm runs on CUDA devices only; leave it out "
-                          f"on {device.type} (each process then keeps its own statistics)")  # fmt: skip
-
-
-def check_world_size(state: dict[str, Any], world_size: int) -> None:
-    """ConfigError for a mid-epoch resume in another number of processes: each rank skips the
-    batches of its own share of the epoch, so another split would train some images twice and
-    others not at all."""
-    saved = len(state.get("rng_ranks") or [None])
-    if state["step"] and saved != world_size:
-        raise ConfigError(f"--resume: last.pt was saved by {saved} process(es) in the middle of "
-                          f"epoch {state['epoch'] + 1} ({state['step']} steps done): resume it "
-                          f"with {saved} (--nproc {saved}); the number can change at an "
-                          "epoch's end")  # fmt: skip
-
-
-def check_batch(config: RunConfig, world_size: int) -> None:
-    """The global batch must split evenly over the processes, and each share into at most as
-    many micro-batches as it has images."""
-    if config.data.batch_size % world_size:
-        raise ConfigError(
-            f"data.batch_size: the global batch {config.data.batch_size} does not divide into "
-            f"{world_size} processes (each takes batch_size / world_size)"
-        )
-    share, micro = config.data.batch_size // world_size, config.train.accumulate
-    if micro > share:
-        raise ConfigError(f"train.accumulate: {micro} micro-batches of a batch of {share} "
-                          f"images{' per process' if world_size > 1 else ''}: at most {share}")  # fmt: skip
-
-
-def smallest_chunk(images: int, parts: int) -> int:
-    """The smallest of torch.chunk(batch of `images`, `parts`): what the last micro-batch of an
-    accumulated step holds (chunks of ceil(images / parts), the last the remainder)."""
-    size = -(-images // parts)
-    return images - size * (-(-images // size) - 1)
-
-
-def check_batchnorm(network: Network, micro: int, accumulating: bool) -> None:
-    """ConfigError where a BatchNorm layer would see one value per channel in a training
-    micro-batch (batch 1 through a BatchNorm on vectors or 1x1 maps): torch refuses it."""
-    for row in network.table:
-        if row.type == "batchnorm" and micro * math.prod(row.output_shape[1:]) < 2:
-            field = "train.accumulate" if accumulating else "data.batch_size"
-            raise ConfigError(f"{field}: micro-batches of {micro} image(s), and BatchNorm layer "
-                              f"{row.name} ({'x'.join(map(str, row.output_shape))}) needs at "
-                              "least 2 values per channel to train: use larger batches")  # fmt: skip
-
-
 def fit(
     config: RunConfig,
     run_dir: str | Path | None = None,
@@ -293,7 +242,7 @@ def fit(
         progress = restore(resume, engine, schedule, len(data.train)) if resume else Progress()
         if resume:  # after everything that draws from the generators, before any file is written
             _restore_rank(resume, dist, progress, engine)
-            _check_epochs_left(config, progress, run_dir)
+            check_epochs_left(config, progress, run_dir)
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
                             progress, processes or dist.world_size)  # fmt: skip
@@ -315,19 +264,6 @@ def fit(
         # a session that trained nothing (all epochs done) adds nothing to the run's wall time
         spent = 0.0 if progress.global_step == done_before else time.perf_counter() - started
         return finish(engine, progress, ctx, spent, console)
-
-
-def _check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> None:
-    """A resume asking for fewer epochs than done would rewrite config.yaml to fewer; one that
-    ends where an epoch is in progress would leave it half-trained."""
-    if progress.epoch > config.train.epochs:
-        raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} has done "
-                          f"{progress.epoch} epochs already (ask for more to go on, or leave it "
-                          "out)")  # fmt: skip
-    if progress.step and progress.epoch >= config.train.epochs:
-        raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} is in the middle of "
-                          f"epoch {progress.epoch + 1} ({progress.step} steps done): ask for at "
-                          f"least {progress.epoch + 1} to finish it")  # fmt: skip
 
 
 @contextmanager
