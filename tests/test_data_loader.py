@@ -4,6 +4,7 @@ worker processes equal to in-process loading, reused CPU buffers never overwrite
 from __future__ import annotations
 
 import csv
+import sys
 
 import pytest
 import torch
@@ -316,23 +317,29 @@ def test_a_batch_of_unreadable_images_is_an_empty_step_not_a_missing_one(tmp_pat
     assert len(empty) >= 2 and all(x.shape == (0, 3, 12, 12) for x in empty)
 
 
-def test_a_loader_worker_that_dies_is_one_line(packed, monkeypatch):
-    """A worker killed mid-batch (the OOM killer, a decoder's crash) ends the epoch with a
-    DataError saying what happened, not torch's bare RuntimeError and its traceback."""
+def _dying_worker(monkeypatch, position: int = 5) -> None:
+    """Loader workers (forks of this process) kill themselves on the batch with `position`."""
     import os
     import signal
 
     from cnnkit.data.folder import FolderImages
-    from cnnkit.errors import DataError
 
     real = FolderImages.__getitem__
 
     def dying(self, job):
-        if 5 in list(job.positions):
+        if position in list(job.positions):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, job)
 
-    monkeypatch.setattr(FolderImages, "__getitem__", dying)  # (the workers are forks of this)
+    monkeypatch.setattr(FolderImages, "__getitem__", dying)
+
+
+def test_a_loader_worker_that_dies_is_one_line(packed, monkeypatch):
+    """A worker killed mid-batch (the OOM killer, a decoder's crash) ends the epoch with a
+    DataError saying what happened, not torch's bare RuntimeError and its traceback."""
+    from cnnkit.errors import DataError
+
+    _dying_worker(monkeypatch)
     section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
                "batch_size": 4, "workers": 1}  # fmt: skip
     stream = data_config(section).build(torch.device("cpu")).train
@@ -345,3 +352,87 @@ def test_a_loader_worker_that_dies_is_one_line(packed, monkeypatch):
 
     subprocess.run(["true"], check=True)  # a later child's end (SIGCHLD): torch's handler
     time.sleep(0.2)  # raised for the dead worker still on its watch list, anywhere after
+
+
+def _no_fork(memory: torch.Tensor) -> None:
+    """madvise(MADV_DONTFORK) over a tensor's pages, as a driver may do to the memory it
+    page-locks: a forked child then has no mapping there."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = memory.data_ptr() - memory.data_ptr() % mmap.PAGESIZE
+    length = memory.data_ptr() + memory.numel() - start
+    if libc.madvise(start, length, 10) != 0:  # MADV_DONTFORK
+        pytest.skip(f"madvise(MADV_DONTFORK): errno {ctypes.get_errno()}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's")
+@pytest.mark.parametrize("source", ["folder", "packed"])
+def test_workers_map_the_ring_themselves(packed, monkeypatch, source):
+    """Workers write batches into the ring even when the parent's mapping of it is not
+    inherited by a fork (page-locked memory marked MADV_DONTFORK): each maps it anew."""
+    from cnnkit.data.slots import SlotRing
+
+    made = SlotRing.__init__
+
+    def dontfork(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        _no_fork(self.buffers)
+
+    section = {"source": source, "crop": 12, "workers": 2}
+    if source == "folder":
+        section.update(path=str(packed / "src"), size=16)
+    else:  # (a plain crop of raw shards is cut in-process on the CPU: no ring)
+        section.update(train_crop="resized")
+    expected = epoch(streams(packed, **section).train, 0)
+    monkeypatch.setattr(SlotRing, "__init__", dontfork)
+    got = epoch(streams(packed, **section).train, 0)
+    assert len(got) == len(expected) > 0
+    for (x1, y1), (x2, y2) in zip(got, expected, strict=True):
+        assert torch.equal(y1, y2)
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+
+
+def test_a_worker_that_dies_while_the_step_runs_is_one_line(packed, monkeypatch):
+    """A worker that dies while the main process is busy elsewhere (its training step) is
+    found where the next batch is awaited: the stream's DataError, not torch's RuntimeError
+    raised by its SIGCHLD handler in the middle of the step."""
+    import time
+
+    from cnnkit.errors import DataError
+
+    _dying_worker(monkeypatch)
+    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
+               "batch_size": 4, "workers": 1}  # fmt: skip
+    stream = data_config(section).build(torch.device("cpu")).train
+    stream.set_epoch(0)
+    with pytest.raises(DataError, match=r"data.workers=1: a loader worker process died \("):
+        for _ in stream:
+            time.sleep(1.5)  # the step: the worker prefetches the next batch and dies meanwhile
+
+
+def test_a_batch_lost_with_its_worker_is_one_line(packed, monkeypatch):
+    """A batch whose shared memory cannot be fetched because its worker has gone (the
+    connection to it reset) ends the epoch with the same DataError; an exception a worker
+    raised itself is not mistaken for its death."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    from cnnkit.errors import DataError
+
+    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
+               "batch_size": 4, "workers": 1}  # fmt: skip
+    for error, expected in ((ConnectionResetError(104, "Connection reset by peer"), DataError),
+                            (EOFError("Caught EOFError in DataLoader worker process 0."), EOFError)):  # fmt: skip
+
+        def lost(self, error=error):
+            raise error
+
+        monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_next_data", lost)
+        stream = data_config(section).build(torch.device("cpu")).train
+        stream.set_epoch(0)
+        with pytest.raises(expected) as caught:
+            next(iter(stream))
+        if expected is DataError:
+            assert "a loader worker process died (" in str(caught.value)

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr, model_validator
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, get_worker_info
 
 from cnnkit.data.augment import CropAugment
 from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
@@ -32,7 +32,7 @@ from cnnkit.data.batch import BatchDataset, WorkerBatch
 from cnnkit.data.device_decode import decode_batch
 from cnnkit.data.feed import DeviceFeed
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
-from cnnkit.data.slots import BufferPool, SlotRing
+from cnnkit.data.slots import BufferPool, SlotRing, mapped_afresh
 from cnnkit.errors import ConfigError, DataError, one_line
 from cnnkit.runtime import available_cores, torch_threads
 
@@ -143,8 +143,38 @@ def _say_more_workers_than_cores(workers: int, cores: int) -> None:
           "they take turns (the default is one fewer than the cores)", file=sys.stderr)  # fmt: skip
 
 
-def _one_thread_per_worker(worker_id: int) -> None:
-    torch.set_num_threads(1)  # each worker is one core's worth of decoding
+def _start_worker(worker_id: int) -> None:
+    """A loader worker: one torch thread (one core's worth of decoding), and the ring of slots
+    mapped by the worker itself (slots.mapped_afresh: a page-locked parent mapping may not
+    survive the fork)."""
+    torch.set_num_threads(1)
+    dataset = get_worker_info().dataset
+    if getattr(dataset, "slots", None) is not None:
+        dataset.slots = mapped_afresh(dataset.slots)
+
+
+def _worker_died(e: BaseException) -> bool:
+    """Whether an error out of a DataLoader's iterator says a worker process ended (the OOM
+    killer, a crash): torch's words for it, or a batch's shared memory that could not be
+    fetched from a worker gone; not an exception a worker raised that torch raises again."""
+    text = str(e)
+    if "in DataLoader worker process" in text:  # "Caught ValueError in DataLoader worker ..."
+        return False
+    return isinstance(e, (ConnectionError, EOFError)) or "DataLoader worker" in text
+
+
+def _deaths_found_here(batches: Any) -> None:
+    """torch's SIGCHLD handler raises a dead worker's RuntimeError wherever the main process
+    happens to be (most often in the training step, past this stream's one-line DataError).
+    With the workers' pids off its list, torch finds the death where a batch is awaited
+    (within seconds: it polls the workers while waiting), inside the stream. A private torch
+    list: where it is missing, the handler stays as it is."""
+    try:
+        if getattr(batches, "_worker_pids_set", False):
+            torch.utils.data._utils.signal_handling._remove_worker_pids(id(batches))
+            batches._worker_pids_set = False
+    except (AttributeError, RuntimeError, ValueError):
+        pass
 
 
 class ImageBatches:
@@ -226,7 +256,7 @@ class ImageBatches:
             with _no_worker_count_warning():
                 self._loader = DataLoader(self.dataset, batch_size=None, sampler=jobs,
                                           num_workers=self.workers, pin_memory=False,
-                                          worker_init_fn=_one_thread_per_worker,
+                                          worker_init_fn=_start_worker,
                                           generator=torch.Generator(),
                                           **(extra if self.workers else {}))  # fmt: skip
         return self._loader
@@ -256,10 +286,11 @@ class ImageBatches:
                             f"loader's workers ({e.strerror}): give the container more /dev/shm "
                             "(docker run --shm-size=8g), or lower data.workers, data.prefetch or "
                             "data.batch_size") from None  # fmt: skip
+        _deaths_found_here(batches)
         try:
             yield from batches
-        except RuntimeError as e:  # torch's words for a worker that died (OOM killer, a crash)
-            if "DataLoader worker" not in str(e):
+        except (RuntimeError, ConnectionError, EOFError) as e:
+            if not _worker_died(e):
                 raise
             self._end_workers(batches)
             raise DataError(f"data.workers={self.workers}: a loader worker process died "

@@ -14,6 +14,7 @@ import sys
 from collections import deque
 
 import torch
+from torch.multiprocessing import get_sharing_strategy
 from torch.utils.data import get_worker_info
 
 from cnnkit.errors import DataError
@@ -25,6 +26,28 @@ def shared(shape: tuple[int, ...]) -> torch.Tensor:
     """An empty uint8 tensor in shared memory (other processes map it; nothing is copied)."""
     storage = torch.UntypedStorage._new_shared(math.prod(shape))
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+def mapped_afresh(memory: torch.Tensor) -> torch.Tensor:
+    """`memory` (made by `shared`) mapped anew in this process, from the file behind it.
+
+    A forked loader worker inherits the parent's mapping of the ring, unless the parent's
+    mapping was page-locked by a driver that marks such memory MADV_DONTFORK (ROCm's did;
+    whether NVIDIA's does is not documented): then the child has no mapping there and dies on
+    its first write. The shared-memory file itself is always inherited. Where this torch
+    lacks the (private) calls, the inherited mapping is kept.
+    """
+    storage = memory.untyped_storage()
+    try:
+        if get_sharing_strategy() == "file_system":  # the strategy `shared` made it with
+            manager, name, size = storage._share_filename_cpu_()
+            fresh = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
+        else:
+            fd, size = storage._share_fd_cpu_()
+            fresh = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+    except (AttributeError, RuntimeError, TypeError):
+        return memory
+    return torch.empty(0, dtype=memory.dtype).set_(fresh).view(memory.shape)
 
 
 def new_batch(n: int, size: int, channels: int = 3) -> torch.Tensor:
