@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 
 def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
@@ -91,6 +92,7 @@ def torchrun(args: list[str]) -> int:
     for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
         if name.startswith("torch.distributed.elastic"):  # (each has a level of its own)
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    _ranks_start_with_interrupts_held()
     try:
         main(args)
     except SignalException as e:  # SIGINT: the ranks have said where they stood; SIGTERM
@@ -105,6 +107,33 @@ def torchrun(args: list[str]) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     return 0
+
+
+def _ranks_start_with_interrupts_held() -> None:
+    """Start each rank with SIGINT blocked: a Ctrl-C passed on while a rank's Python starts
+    (its site import, cnnkit's import) waits, pending, until cnnkit's main unblocks it and
+    says "interrupted" in one line, instead of two tracebacks and "Fatal Python error". The
+    mask is inherited through fork and exec. Where this torch spawns its ranks otherwise (a
+    private method), they start as torch starts them."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            subprocess_handler as handler,
+        )
+
+        popen = handler.SubprocessHandler._popen
+    except (ImportError, AttributeError):
+        return
+    if not hasattr(signal, "pthread_sigmask"):  # (Windows)
+        return
+
+    def held(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return popen(self, *args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a Ctrl-C meanwhile: now)
+
+    handler.SubprocessHandler._popen = held
 
 
 if __name__ == "__main__":

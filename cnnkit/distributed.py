@@ -141,6 +141,16 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def resume_command(run_dir: Any, world_size: int) -> str:
+    """How to continue a run stopped mid-epoch: in as many processes as it had (a mid-epoch
+    checkpoint of N processes resumes in N only)."""
+    if world_size == 1:
+        return f"`cnnkit train --resume {run_dir}`"
+    if os.environ.get("CNNKIT_NPROC"):  # started by `cnnkit train --nproc N` (cnnkit.agent)
+        return f"`cnnkit train --resume {run_dir} --nproc {world_size}`"
+    return f"`cnnkit train --resume {run_dir}` under the same torchrun ({world_size} processes)"
+
+
 def run_id() -> str | None:
     """torchrun's id of this job (the same on every rank and across restarts)."""
     value = os.environ.get("TORCHELASTIC_RUN_ID")

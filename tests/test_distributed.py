@@ -612,6 +612,7 @@ def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(t
     assert code == 130, err
     (line,) = err.splitlines()
     assert line.startswith("cnnkit: interrupted at epoch ") and "(saved); resume with" in line
+    assert line.endswith(f"`cnnkit train --resume {tmp_path / 'run'} --nproc 2`")
     state = load_checkpoint(tmp_path / "run" / "last.pt")
     assert state["epoch"] >= 2 and f"epoch {state['epoch'] + 1} step {state['step']} " in line
 
@@ -743,6 +744,46 @@ def test_ctrl_c_while_the_nproc_agent_starts_is_one_line(tmp_path):
     assert err.splitlines()[-1].startswith("cnnkit: interrupted") and "Traceback" not in err
 
 
+def test_nproc_ranks_start_with_ctrl_c_held(tmp_path, monkeypatch):
+    """torchrun's agent (cnnkit.agent) starts each rank with SIGINT blocked, so a Ctrl-C during
+    the rank's Python start-up is not a traceback (it waits for cnnkit's main)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handler,
+    )
+
+    from cnnkit.agent import _ranks_start_with_interrupts_held
+
+    monkeypatch.setattr(handler.SubprocessHandler, "_popen", handler.SubprocessHandler._popen)
+    _ranks_start_with_interrupts_held()
+    probe = "import signal; print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))"
+    out = tmp_path / "rank.out"
+    rank = handler.SubprocessHandler(sys.executable, ("-c", probe), {}, str(out), None, 0, None)
+    assert rank.proc.wait(timeout=60) == 0
+    assert out.read_text().strip() == "True"
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the agent hears it
+
+
+def test_a_ctrl_c_held_while_a_rank_started_is_one_line(tmp_path):
+    """A rank whose start-up got a Ctrl-C (pending, SIGINT held) ends with 'interrupted' and 130
+    as soon as cnnkit's main runs, instead of carrying on with the run."""
+    script = (
+        "import os, signal\n"
+        "os.kill(os.getpid(), signal.SIGINT)  # held: pending until cnnkit unblocks it\n"
+        "from cnnkit.cli import main\n"
+        "main(['zoo'])\n"
+    )
+    env = dict(os.environ, CNNKIT_NPROC="2", LOCAL_RANK="0", RANK="0")
+
+    def held() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, preexec_fn=held)  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == "cnnkit: interrupted" and proc.stdout == ""
+
+
 def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypatch):
     """RANK alone (a pod or job that exports it) never hides an error line."""
     from helpers import run_cli
@@ -817,3 +858,14 @@ def test_ranks_check_for_a_ctrl_c_about_every_five_seconds(monkeypatch):
     assert set(calls[1:]) == {16}
     stopped, _ = run(10.0, 20, stop_at=5)  # 10 s steps: every step, stopped where asked
     assert stopped == 5
+
+
+def test_the_resume_hint_names_the_process_count(monkeypatch, tmp_path):
+    """A mid-epoch checkpoint of N processes resumes in N only: the hint says how."""
+    from cnnkit.distributed import resume_command
+
+    monkeypatch.delenv("CNNKIT_NPROC", raising=False)
+    assert resume_command(tmp_path, 1) == f"`cnnkit train --resume {tmp_path}`"
+    assert resume_command(tmp_path, 4).endswith("under the same torchrun (4 processes)")
+    monkeypatch.setenv("CNNKIT_NPROC", "4")
+    assert resume_command(tmp_path, 4) == f"`cnnkit train --resume {tmp_path} --nproc 4`"

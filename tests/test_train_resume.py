@@ -336,6 +336,12 @@ def test_a_resume_keeps_the_settings_the_run_began_with(tmp_path, capsys):
     fit(again, run, resume=resume_state(run), on_step=lambda *a: threads.append(
         torch.get_num_threads()))  # fmt: skip
     assert "2 threads: static rules" in capsys.readouterr().out and threads[-1] == 2
+    # in another number of processes (--nproc 2 of a one-process run): chosen afresh
+    from cnnkit.train.run import resumed_settings
+
+    state, cpu = load_checkpoint(run / "last.pt"), torch.device("cpu")
+    assert resumed_settings(state, again, cpu, ranks=1).threads == 2
+    assert resumed_settings(state, again, cpu, ranks=2) is None
 
 
 def test_a_mid_epoch_resume_refuses_what_changes_the_epochs_order(finished_run):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import sys
 import traceback
 import warnings
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     `--debug` (anywhere on the line, before or after the subcommand) shows the traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if os.environ.get("CNNKIT_NPROC") and "LOCAL_RANK" in os.environ:
+    if _rank_of_nproc():
         from cnnkit.agent import end_with_parent
 
         end_with_parent()  # a rank of --nproc: it ends with its agent, however that ends
@@ -194,8 +195,17 @@ def main(argv: list[str] | None = None) -> None:
     _main(argv, debug)
 
 
+def _rank_of_nproc() -> bool:
+    """Whether this process is a rank started by `cnnkit train --nproc N` (cnnkit.agent)."""
+    return bool(os.environ.get("CNNKIT_NPROC")) and "LOCAL_RANK" in os.environ
+
+
 def _main(argv: list[str], debug: bool) -> None:
     try:
+        if _rank_of_nproc() and hasattr(signal, "pthread_sigmask"):
+            # a rank of --nproc starts with SIGINT held (cnnkit.agent): a Ctrl-C during its
+            # start-up comes now, as KeyboardInterrupt, and is the one line below
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         code = app(args=argv, prog_name="cnnkit", standalone_mode=False)
     except NO_ARGS as e:  # `cnnkit` or `cnnkit bench` alone: typer has shown the help
         sys.exit(e.exit_code)

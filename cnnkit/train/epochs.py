@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cnnkit.checkpoint import rng_state
+from cnnkit.distributed import resume_command
 from cnnkit.errors import Interrupted, StoppedWithGroup
 from cnnkit.train.engine import Engine
 from cnnkit.train.loop import (
@@ -165,7 +166,7 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
         if stop_now:
             writer.wait()
             where = f"at epoch {epoch + 1} step {step} (saved); resume with "
-            resume = f"`cnnkit train --resume {ctx.run_dir}`"
+            resume = resume_command(ctx.run_dir, dist.world_size)
             if not stop.requested:  # the Ctrl-C reached another process of the group only
                 raise StoppedWithGroup(f"stopped with the group's interrupted processes {where}"
                                        f"{resume}")  # fmt: skip

@@ -314,7 +314,7 @@ def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Pro
         cores = torch.get_num_threads() if ranks == dist.world_size else max(
             1, available_cores() // ranks)  # fmt: skip
         with torch_threads(cores):
-            chosen = resumed_settings(resume, config, device) or choose_settings(
+            chosen = resumed_settings(resume, config, device, ranks) or choose_settings(
                 network, config.train, device, per_rank, config.deterministic,
                 notify=console.print)  # fmt: skip
     settings = dist.broadcast_object(chosen)
@@ -328,13 +328,17 @@ def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Pro
 SETTING_FIELDS = ("precision", "channels_last", "threads", "compile")
 
 
-def resumed_settings(resume: dict[str, Any] | None, config: RunConfig,
-                     device: torch.device) -> Settings | None:  # fmt: skip
+def resumed_settings(resume: dict[str, Any] | None, config: RunConfig, device: torch.device,
+                     ranks: int = 1) -> Settings | None:  # fmt: skip
     """The settings a resumed run's steps ran with, so it continues bitwise as it began
     (another thread count or kernel alone changes the weights), unless the resume sets them
-    anew (train.precision=..., train.threads=...) or runs on another kind of device."""
+    anew (train.precision=..., train.threads=...), runs on another kind of device, or in
+    another number of processes `ranks` (the split changes anyway, and threads chosen for
+    one process each would oversubscribe the cores of two)."""
     saved = (resume or {}).get("settings")
     if not saved or saved["device"] != device.type:
+        return None
+    if len(resume.get("rng_ranks") or [None]) != ranks:
         return None
     before = resume["config"].get("train") or {}  # a dict: the checkpoint is validated
     if any(before.get(k) != getattr(config.train, k) for k in SETTING_FIELDS):
