@@ -691,3 +691,28 @@ def test_a_resume_cannot_end_inside_the_epoch_in_progress(tmp_path, capsys):
     assert "is in the middle of epoch 2 (5 steps done): ask for at least 2" in one_error_line(
         code, err, (2,)
     )
+
+
+def test_a_single_class_folder_is_refused_not_trained_to_100_percent(tmp_path, capsys):
+    """data.path at one class folder (not the folder above): a one-output network scores 100%
+    whatever it learns, so training refuses it in one line; pack notes it."""
+    import numpy as np
+    from PIL import Image
+
+    for i in range(6):
+        Image.fromarray(np.full((12, 12, 3), 40 * i, np.uint8)).save(tmp_path / f"cat{i}.png")
+    folder = tmp_path / "one"
+    (folder / "cat").mkdir(parents=True)
+    for path in tmp_path.glob("cat*.png"):
+        path.rename(folder / "cat" / path.name)
+    run = tmp_path / "run.yaml"
+    run.write_text(f"name: one\nmodel: lenet5\ndata: {{source: folder, path: {folder}, "
+                   "batch_size: 2, size: 36, crop: 32, grey: true}\ntrain: {epochs: 1}\n")  # fmt: skip
+    code, _, err = run_cli(["train", str(run), "--out", str(tmp_path / "r")], capsys)
+    assert one_error_line(code, err) == (
+        f"cnnkit: error: data: 1 class (cat) in {folder}: a classifier needs at least 2 "
+        "(is data.path the folder above the class folders?)"
+    )
+    assert not (tmp_path / "r" / "last.pt").exists()
+    code, out, _ = run_cli(["pack", str(folder), str(tmp_path / "p"), "--size", "16"], capsys)
+    assert code == 0 and "6 images of 1 class " in out and "note: one class only" in out

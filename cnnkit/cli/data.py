@@ -51,12 +51,15 @@ def pack(
     if resize not in RESIZE:
         raise ConfigError(f"--resize: {resize!r} is not squash or shorter-side-crop")
     s = pack_folder(src, dst, size, RESIZE[resize], format, quality, workers, labels)
-    done = f"{s.images} images of {s.classes} classes"
+    done = f"{s.images} image{'s' * (s.images != 1)} of {s.classes} class{'es' * (s.classes != 1)}"
     if s.resumed_shards == s.shards:
         print(f"already packed: {done} in {dst}")
     else:
         resumed = f" ({s.resumed_shards} resumed)" if s.resumed_shards else ""
         print(f"packed {done} into {s.shards} shard{'s' * (s.shards != 1)}{resumed} -> {dst}")
+    if s.classes == 1:
+        print(f"note: one class only: training needs at least 2 (is {src} the folder above the "
+              "class folders?)")  # fmt: skip
     if s.converted or s.skipped:
         print(f"converted {s.converted}, skipped {s.skipped} (reasons: {dst / 'bad_images.tsv'})")
     for name in s.empty_classes:

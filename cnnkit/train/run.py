@@ -19,7 +19,7 @@ from cnnkit.checkpoint import load_checkpoint, set_rng_state
 from cnnkit.config import RunConfig, dump_run, load_run, schedule_notes
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
-from cnnkit.errors import CheckpointError, ConfigError
+from cnnkit.errors import CheckpointError, ConfigError, DataError
 from cnnkit.nn import Network, build_model
 from cnnkit.runtime import (
     available_cores,
@@ -168,6 +168,12 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
     """The run's network with the data's class count, checked against the data's image shape,
     starting from `model.weights` when given (a classifier of another class count starts
     fresh); a resumed run's own checkpoint replaces them."""
+    if len(data.classes) < 2:  # one output: a softmax of 1, loss 0 and "100%" whatever it learns
+        path = getattr(config.data, "path", None)
+        where = f" in {path}" if path else ""
+        hint = " (is data.path the folder above the class folders?)" if path else ""
+        raise DataError(f"data: {len(data.classes)} class ({', '.join(data.classes)}){where}: a "
+                        f"classifier needs at least 2{hint}")  # fmt: skip
     network = build_model(config.model.spec(), num_classes=len(data.classes),
                           weights=config.model.weights)  # fmt: skip
     last = network.table[-1]

@@ -84,8 +84,9 @@ def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bo
     skipped = f", {summary['val_skipped']} unreadable skipped" if summary.get("val_skipped") else ""
     ema = (f"; the moving average's best {summary['best_val_top1_ema']:.2%}, kept as best_ema.pt"
            if summary.get("best_val_top1_ema") is not None else "")  # fmt: skip
+    images = summary["val_images"]
     return (
         f"done: held-out top-1 {summary['val_top1']:.2%}{five} at the last epoch "
-        f"({summary['val_images']} images{skipped}; best {best['val_top1']:.2%} at epoch "
+        f"({images} image{'s' * (images != 1)}{skipped}; best {best['val_top1']:.2%} at epoch "
         f"{int(best['epoch'])}, kept as best.pt{ema}), {summary['wall_seconds']:.1f}s -> {run_dir}"
     )
