@@ -180,6 +180,18 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     return state
 
 
+def dated_run_hint(target: str | Path) -> str:
+    """For a path that does not exist: ' (did you mean ...?)' naming the newest dated run
+    beside it (`cnnkit train NAME` writes runs/NAME-YYYYMMDD-HHMMSS), else ''."""
+    path = Path(target)
+    stamp = re.compile(re.escape(path.name) + r"-\d{8}-\d{6}(-\d+)?")
+    try:
+        runs = sorted(p for p in path.parent.iterdir() if stamp.fullmatch(p.name) and p.is_dir())
+    except OSError:
+        return ""
+    return f" (did you mean {runs[-1]}, the newest dated run of that name?)" if runs else ""
+
+
 def checkpoint_path(target: str | Path, ema: bool = False) -> Path:
     """A checkpoint file, or a run directory's best.pt (else last.pt); with `ema`, the
     checkpoint of the moving average's best epoch (best_ema.pt) first."""
@@ -190,7 +202,9 @@ def checkpoint_path(target: str | Path, ema: bool = False) -> Path:
                 return target / name
         raise CheckpointError(f"{target}: run directory holds no best.pt or last.pt")
     if not target.exists():
-        raise CheckpointError(f"{target}: no such checkpoint file or run directory")
+        raise CheckpointError(
+            f"{target}: no such checkpoint file or run directory{dated_run_hint(target)}"
+        )
     return target
 
 

@@ -716,3 +716,21 @@ def test_a_single_class_folder_is_refused_not_trained_to_100_percent(tmp_path, c
     assert not (tmp_path / "r" / "last.pt").exists()
     code, out, _ = run_cli(["pack", str(folder), str(tmp_path / "p"), "--size", "16"], capsys)
     assert code == 0 and "6 images of 1 class " in out and "note: one class only" in out
+
+
+def test_a_missing_run_name_points_to_its_newest_dated_run(tmp_path):
+    """`cnnkit train digits` writes runs/digits-DATE-TIME: given runs/digits, the error names
+    the newest of those (not one of another name)."""
+    from cnnkit.errors import CheckpointError
+    from cnnkit.infer.load import load_for_inference
+    from cnnkit.train.run import resume_state
+
+    for name in ("digits-20261203-101010", "digits-20261203-121010", "digitsx-20261203-131010"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    newest = tmp_path / "runs" / "digits-20261203-121010"
+    for call in (load_for_inference, resume_state):
+        with pytest.raises(CheckpointError, match=f"did you mean {newest}, the newest dated run"):
+            call(tmp_path / "runs" / "digits")
+    with pytest.raises(CheckpointError) as caught:
+        load_for_inference(tmp_path / "runs" / "faces")
+    assert "did you mean" not in str(caught.value)

@@ -15,6 +15,7 @@ from cnnkit.checkpoint import (
     EXPORT_FORMAT,
     MEAN_IMAGE_KEY,
     checkpoint_path,
+    dated_run_hint,
     load_checkpoint,
     load_trained,
     read_export,
@@ -51,7 +52,8 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
         if "/" not in str(target) and not path.suffix:  # a name, not a path: as `info` says it
             raise ConfigError(f"{target!r} is neither a zoo network ('cnnkit zoo' lists them) nor "
                               f"a run directory{suggest(target, zoo_names())}")  # fmt: skip
-        raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network")
+        raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network"
+                              f"{dated_run_hint(target)}")  # fmt: skip
     if ema and not (run_folder(path) or path.suffix in (".pt", ".pth")):
         raise ConfigError(f"--ema: {target} is not a run directory or checkpoint (only those keep "
                           "a moving average of the weights)")  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import cnnkit.distributed as distributed
-from cnnkit.checkpoint import load_checkpoint, set_rng_state
+from cnnkit.checkpoint import dated_run_hint, load_checkpoint, set_rng_state
 from cnnkit.config import RunConfig, dump_run, load_run, schedule_notes
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
@@ -136,7 +136,7 @@ def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
     None for a run that stopped after writing config.yaml but before its first checkpoint."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise CheckpointError(f"--resume {run_dir}: no such run directory")
+        raise CheckpointError(f"--resume {run_dir}: no such run directory{dated_run_hint(run_dir)}")
     if not (run_dir / "last.pt").exists() and (run_dir / "config.yaml").is_file():
         return None
     return load_checkpoint(run_dir / "last.pt")
