@@ -123,9 +123,11 @@ def test_files_that_are_not_weights_are_refused(tmp_path):
     torch.save({"lr": 0.1}, tmp_path / "config.pt")
     torch.save({"fc.weight": [1, 2]}, tmp_path / "list.pt")
     torch.save({0: torch.zeros(2), "fc.bias": torch.zeros(2)}, tmp_path / "numbered.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "config.pt").read_bytes()[:-40])
     cases = {
         "evil.pt": r"refused: it holds a pickled object \(.*print\)",
-        "junk.pt": "not a readable weights file",
+        "junk.pt": r"junk.pt: not a weights file \(neither safetensors nor a torch.save file\)$",
+        "cut.pt": "not a readable weights file",  # a torch.save file cut short
         "config.pt": "not a state_dict: 'lr' is not a tensor",
         "list.pt": "not a state_dict: 'fc.weight' is not a tensor",
         "numbered.pt": "not a state_dict: its key '0' is not a name",

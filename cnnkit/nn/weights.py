@@ -54,6 +54,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_pt(path: Path) -> object:
+    if not _torch_save_file(path):  # (torch.load's message would be about weights_only)
+        raise CheckpointError(f"{path}: not a weights file (neither safetensors nor a "
+                              "torch.save file)")  # fmt: skip
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -67,6 +70,17 @@ def _read_pt(path: Path) -> object:
     except Exception as e:  # torch.load raises many kinds on a truncated or foreign file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path}: not a readable weights file ({first[:100]})") from None
+
+
+def _torch_save_file(path: Path) -> bool:
+    """Whether a file starts as torch.save writes (a file cut short still does): a zip
+    archive's first entry, or (the legacy format, and a plain pickle) a pickle's protocol."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        return head == b"PK\x03\x04" or head[:1] == b"\x80"
+    except OSError:
+        return True  # torch.load says what is wrong with reading it
 
 
 def check_finite_weights(weights: Mapping[str, Any], source: Any) -> None:
