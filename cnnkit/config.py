@@ -303,6 +303,12 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
         unknown = next((x for x in e.errors() if x["type"] == "extra_forbidden"), None)
         if unknown is not None and str(error).endswith("unknown field"):
             error = ConfigError(f"{error}{_did_you_mean(unknown['loc'], raw)}")
+        elif str(error).startswith("data.") and (foreign := _other_sources_fields(raw)):
+            source, are = raw["data"]["source"], "is not a setting" if len(foreign) == 1 else (
+                "are not settings")  # fmt: skip
+            error = ConfigError(f"{error} (this data: section was written for another source: "
+                                f"{', '.join(foreign)} {are} of {source}; start from a run file "
+                                f"written for {source} data)")  # fmt: skip
         elif str(error) == "data: Field required" and isinstance(raw.get("model"), dict):
             error = ConfigError(f"{error} (a network file? a run file names it as model: FILE "
                                 "beside data: and train:; `cnnkit info FILE` reads a network)")  # fmt: skip
@@ -310,6 +316,17 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
             error = ConfigError(f"{error} (a run file's data: names its source: one of "
                                 f"{', '.join(SOURCES)})")  # fmt: skip
         raise error from None
+
+
+def _other_sources_fields(raw: dict[str, Any]) -> list[str]:
+    """The fields of a run's data: section that its source lacks and another source has
+    (data.source=packed given to a run written for digits: shift, rotate), as data.NAME."""
+    data = raw.get("data")
+    kind = SOURCES.get(data.get("source")) if isinstance(data, dict) else None
+    if kind is None:
+        return []
+    others = {f for name, other in SOURCES.items() if other is not kind for f in other.model_fields}
+    return [f"data.{k}" for k in data if k not in kind.model_fields and k in others]
 
 
 def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:

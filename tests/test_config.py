@@ -172,3 +172,24 @@ def test_whole_numbers_go_where_floats_do():
     assert cfg.train.lr == 1.0 and cfg.train.epochs == 2
     raw["train"]["lr"] = "1e-3"  # PyYAML reads 1e-3 (no dot) as text: still a learning rate
     assert validate_run(raw).train.lr == 1e-3
+
+
+def test_another_sources_data_section_says_so():
+    """data.source=packed over a run written for digits: digits' scale (a zoom) is not packed's
+    (an area range); the type error says the section was written for another source, and
+    the unknown fields say whose they are."""
+    with pytest.raises(ConfigError) as caught:
+        load_run("digits", ["data.source=packed", "data.path=p"])
+    assert str(caught.value) == (
+        "data.scale: Input should be a valid tuple (got 0.1) (this data: section was written "
+        "for another source: data.shift, data.rotate are not settings of packed; start from a "
+        "run file written for packed data)"
+    )
+    with pytest.raises(ConfigError, match=r"data.shift: unknown field \(a setting of data.source"):
+        load_run("digits", ["data.source=packed", "data.path=p", "data.scale=[0.5, 1]"])
+    packed = {"name": "p", "model": "alexnet", "data": {"source": "packed", "path": "p",
+                                                        "scale": 0.1}}  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"^data.scale: Input should be a valid tuple \(got 0.1\)$"
+    ):
+        validate_run(packed)  # its own mistake: no word of other sources
