@@ -303,14 +303,16 @@ def test_an_import_never_replaces_its_input_or_a_file_not_its_own(tmp_path, caps
         code, _, err = run_cli(args, capsys)
         assert code == 2 and words in err and err.count("\n") == 1, err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    # the user's own network file naming its own weights (or not a mapping of one): not ours
+    # the user's own network file (naming its own weights, or not a mapping of one), with or
+    # without weights to import: never replaced
     for text in ("model: {input: [3, 6, 6], layers: [], weights: mine.safetensors}\n",
                  "model: digitnet\n", "- 1\n"):  # fmt: skip
         (tmp_path / "mine.yaml").write_text(text)
-        args = ["import-caffe", str(prototxt), str(tmp_path / "t.caffemodel"), "-o",
-                str(tmp_path / "mine.yaml")]  # fmt: skip
-        code, _, err = run_cli(args, capsys)
-        assert code == 2 and "not the weights of an earlier import" in err, err
+        for weights in ([str(tmp_path / "t.caffemodel")], []):
+            args = ["import-caffe", str(prototxt), *weights, "-o", str(tmp_path / "mine.yaml")]
+            code, _, err = run_cli(args, capsys)
+            assert code == 2 and "is not the network file of an earlier import" in err, err
+            assert (tmp_path / "mine.yaml").read_text() == text
     assert (tmp_path / "mine.safetensors").read_bytes() == before["mine.safetensors"]
 
 
@@ -318,7 +320,7 @@ def test_a_full_disk_leaves_no_half_written_file(tmp_path, capsys, monkeypatch):
     prototxt = prototxt_file(tmp_path, TRANSPOSED, "dim: 1 dim: 6")
     write_caffemodel(tmp_path / "t.caffemodel", {"fc8": [torch.ones(6, 3), torch.zeros(3)]})
     out = tmp_path / "net.yaml"
-    out.write_text("the previous import\n")
+    out.write_text("# imported by cnnkit import-caffe from an older net\n")
     real_write = Path.write_bytes
 
     def fill_the_disk(path: Path, data: bytes) -> int:
@@ -337,7 +339,7 @@ def test_a_full_disk_leaves_no_half_written_file(tmp_path, capsys, monkeypatch):
         "net.yaml",
         "t.caffemodel",
     ]
-    assert out.read_text() == "the previous import\n"
+    assert out.read_text() == "# imported by cnnkit import-caffe from an older net\n"
 
 
 def test_layer_renamed_from_a_module_attribute_keeps_its_weights(tmp_path):

@@ -127,6 +127,11 @@ def test_the_format_comes_from_the_name_and_a_mismatch_is_refused(tmp_path, caps
         code, _, err = run_cli(["export", "lenet5", *argv], capsys)
         assert code == 2 and why in err and len(err.splitlines()) == 1, err
     assert not Path("x.onnx").exists() and not Path("x.pt").exists()
+    (tmp_path / "run.yaml").write_text("name: mine\n")  # not an export: never replaced
+    code, _, err = run_cli(["export", "lenet5", "-f", "onnx", "-o", str(tmp_path / "run.yaml")],
+                           capsys)  # fmt: skip
+    assert code == 2 and "exists, and a .yaml file is not an export" in err, err
+    assert (tmp_path / "run.yaml").read_text() == "name: mine\n"
 
 
 def test_an_export_never_replaces_a_checkpoint_or_its_input(digits_run, tmp_path, capsys):

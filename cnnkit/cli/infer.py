@@ -109,7 +109,7 @@ def export(
 ) -> None:
     """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
     from cnnkit.errors import ConfigError
-    from cnnkit.infer.export import TOLERANCE, check_export, export_format
+    from cnnkit.infer.export import TOLERANCE, check_export, check_replaceable, export_format
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
 
@@ -125,6 +125,7 @@ def export(
     if out.name in RUN_FILES and out.exists() and (out.parent / "config.yaml").is_file():
         raise ConfigError(f"-o {out}: is a file of the run in {out.parent}, which an export "
                           "would replace: give the export a name of its own")  # fmt: skip
+    check_replaceable(out, fmt)
     loaded = load_for_inference(target, ema=ema)
     export_model(loaded, fmt, out)
     typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
@@ -169,6 +170,9 @@ def import_caffe(
         )
     if out is not None and out.suffix.lower() not in (".yaml", ".yml"):
         raise ConfigError(f"-o {out}: import-caffe writes a network file: name it .yaml")
+    if out is not None and out.exists() and not _written_by_import(out):
+        raise ConfigError(f"-o {out}: exists, and is not the network file of an earlier "
+                          "import (its first line says so): move it, or give -o another name")  # fmt: skip
     weights = out.with_suffix(".safetensors") if out is not None else None
     if caffemodel is not None and weights.exists() and not _imported_beside(out, weights):
         raise ConfigError(f"{weights}: exists, and is not the weights of an earlier import to "
@@ -306,6 +310,15 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _written_by_import(path: Path) -> bool:
+    """Whether a network file was written by import-caffe (its first line says so)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().startswith(f"# {IMPORT_HEADER}")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _imported_beside(out: Path, weights: Path) -> bool:
     """True if network file `out` was written by an earlier import (its first line says so)
     and names `weights` as its weights: that import's, which a new one may replace. A network
@@ -314,9 +327,7 @@ def _imported_beside(out: Path, weights: Path) -> bool:
     from cnnkit.nn.yamlio import read_yaml
 
     try:
-        with open(out, encoding="utf-8") as f:
-            ours = f.readline().startswith(f"# {IMPORT_HEADER}")
-        net = read_yaml(out) if ours else None
+        net = read_yaml(out) if _written_by_import(out) else None
     except (CnnkitError, OSError, UnicodeDecodeError):
         return False
     model = net.get("model", net) if isinstance(net, dict) else None

@@ -26,6 +26,9 @@ Format = Literal["onnx", "torch-export", "torchscript", "safetensors"]
 FORMATS: tuple[str, ...] = ("onnx", "torch-export", "torchscript", "safetensors")
 SUFFIXES = {".onnx": "onnx", ".pt2": "torch-export", ".safetensors": "safetensors",
             ".torchscript": "torchscript"}  # fmt: skip
+# the user's own files that `-o NAME --format F` must not replace with an export
+NOT_EXPORTS = {".yaml", ".yml", ".json", ".txt", ".md", ".py", ".prototxt", ".caffemodel",
+               ".csv", ".tsv", ".toml", ".cfg", ".ini", ".png", ".jpg", ".jpeg"}  # fmt: skip
 MAX_BATCH = 1 << 16  # the dynamic batch dimension's upper bound
 TOLERANCE = 1e-4  # max abs difference of fp32 logits, relative to the largest logit
 
@@ -52,6 +55,10 @@ class CheckResult:
         return self.max_diff <= self.tolerance
 
 
+def _suffix_of(fmt: str) -> str:
+    return next(suffix for suffix, name in SUFFIXES.items() if name == fmt)
+
+
 def export_format(path: Path, fmt: str | None) -> str:
     """The format to write `path` in: `fmt` (--format), else the one its suffix names. A name
     that says another format than `fmt` is refused (a .pt2 holding ONNX would fail when read)."""
@@ -67,6 +74,14 @@ def export_format(path: Path, fmt: str | None) -> str:
         raise ConfigError(f"-o {path}: a {path.suffix} name for a {fmt} export (that name "
                           f"is --format {implied}'s)")  # fmt: skip
     return fmt
+
+
+def check_replaceable(path: Path, fmt: str) -> None:
+    """ConfigError for an existing file of the user's that an export would replace (a name
+    that says no export format: run.yaml, notes.txt)."""
+    if path.suffix.lower() in NOT_EXPORTS and path.exists():
+        raise ConfigError(f"-o {path}: exists, and a {path.suffix} file is not an export: give "
+                          f"a new name, or one ending in {_suffix_of(fmt)}")  # fmt: skip
 
 
 def export(loaded: Loaded, fmt: str, path: Path) -> None:
