@@ -106,6 +106,12 @@ def test_failed_starts_overwrite_nothing(tmp_path, capsys):
         (run / name).write_bytes(content)
     code, err = _fails(["train", "digits", "--out", str(run)], capsys)
     assert code == 2 and "already holds a run" in err
+    data = tmp_path / "shapes"  # not a run: a data set's class folders, which a run would mix into
+    (data / "cat").mkdir(parents=True)
+    (data / ".hidden").write_text("")
+    code, err = _fails(["train", "digits", "--out", str(data)], capsys)
+    assert code == 2 and "holds files that are not a run's (cat): give a new or empty" in err
+    assert sorted(p.name for p in data.iterdir()) == [".hidden", "cat"]
     code, err = _fails(["train", "--resume", str(run)], capsys)
     assert code == 1 and "last.pt" in err
     code, err = _fails(["train", "digits", "train.lr=-1", "--out", str(tmp_path / "new")], capsys)
