@@ -734,3 +734,21 @@ def test_a_missing_run_name_points_to_its_newest_dated_run(tmp_path):
     with pytest.raises(CheckpointError) as caught:
         load_for_inference(tmp_path / "runs" / "faces")
     assert "did you mean" not in str(caught.value)
+
+
+def test_a_data_set_of_unreadable_images_stops_within_16_batches(tmp_path, capsys):
+    """Every image unreadable (text named .jpg): one line after the first 16 batches read
+    nothing, not a whole epoch of empty steps before validation says so."""
+    for label in ("a", "b"):
+        (tmp_path / "bad" / label).mkdir(parents=True)
+        for i in range(30):
+            (tmp_path / "bad" / label / f"{i}.jpg").write_text("not a picture")
+    run = tmp_path / "run.yaml"
+    run.write_text(f"name: bad\nmodel: lenet5\ndata: {{source: folder, path: {tmp_path / 'bad'}, "
+                   "batch_size: 2, size: 36, crop: 32, grey: true, workers: 0}\n"
+                   "train: {epochs: 1}\n")  # fmt: skip
+    code, _, err = run_cli(["train", str(run), "--out", str(tmp_path / "r")], capsys)
+    assert code == 1 and err.splitlines()[-1] == (
+        "cnnkit: error: no training image of the first 16 batches of epoch 1 could be read "
+        "(each was skipped, as said above): is the data set readable?"
+    ), err

@@ -210,9 +210,14 @@ def train_one_epoch(
         progress.step += 1
         progress.global_step += 1
         if progress.step % FINITE_EVERY == 0 or progress.step == steps:
-            (bad,), _ = dist.agree((not stats.finite(),))  # one rank's loss: all of them stop
+            read = stats.seen + stats.earlier["seen"] > 0
+            (bad, anyone_read), _ = dist.agree((not stats.finite(), read))  # one rank's: all
             if bad:
                 raise diverged(progress.epoch, progress.step)
+            if not anyone_read:  # every image unreadable (HEIC named .jpg, a damaged copy)
+                raise DataError(f"no training image of the first {progress.step} batches of "
+                                f"epoch {progress.epoch + 1} could be read (each was skipped, "
+                                "as said above): is the data set readable?")  # fmt: skip
         dist.after_step(engine, progress.global_step, progress.step == steps)
         seconds = max(stats.seconds, 1e-9)
         console.step(StepInfo(progress.epoch + 1, schedule.cfg.epochs, progress.step, steps, loss,
