@@ -30,11 +30,12 @@ from cnnkit.runtime import keep_freed_memory, machine_name
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--net", default="alexnet")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--net", default="alexnet", help="zoo network or network file")
+    parser.add_argument("--batch", type=int, default=16, help="images per forward pass")
+    parser.add_argument("--repeats", type=int, default=10, help="timed passes (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed passes first")
     parser.add_argument("--threads", type=int, default=0, help="0: the libraries' defaults")
     args = parser.parse_args()
     if args.batch < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 0:

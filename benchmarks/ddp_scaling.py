@@ -86,17 +86,18 @@ def launch(args: argparse.Namespace, nproc: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     parser.add_argument("--model", default="digitnet", help="zoo network or network file")
     parser.add_argument("--batch", type=int, default=64, help="images per process per step")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
     parser.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="process counts")
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    parser.add_argument("--sync", default="ddp", choices=["ddp", "average"])
+    parser.add_argument("--sync", default="ddp", choices=["ddp", "average"], help="train.sync")
     parser.add_argument("--threads", type=int, default=None, help="OMP threads per process")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
-    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

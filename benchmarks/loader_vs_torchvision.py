@@ -102,15 +102,18 @@ def torchvision_images_per_second(root: Path, workers: int, batch: int, batches:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=3000)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--batches", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3, help="median over rounds")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/cnnkit-loader-bench"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--images", type=int, default=3000, help="JPEGs made for the test")
+    parser.add_argument("--workers", type=int, default=2, help="loader workers, both sides")
+    parser.add_argument("--batch", type=int, default=128, help="images per batch")
+    parser.add_argument("--batches", type=int, default=20, help="timed batches per pipeline")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches first")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; the median is reported")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/cnnkit-loader-bench"),
+                        help="where the images and packs are made (kept for the next run)")  # fmt: skip
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where batches go (cuda when there is one)")  # fmt: skip
     args = parser.parse_args()
     if min(args.workers + 1, args.batch, args.batches, args.warmup + 1, args.rounds) < 1:
         parser.error("--batch, --batches and --rounds must be >= 1, --workers and --warmup >= 0")

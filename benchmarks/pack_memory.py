@@ -68,7 +68,8 @@ def measure_pack(src: Path, dst: Path, workers: int, fmt: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     parser.add_argument("--images", type=int, default=10000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--format", default="raw", choices=["raw", "jpeg"])

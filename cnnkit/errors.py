@@ -92,6 +92,14 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     if isinstance(err.get("input"), str):  # a word where a union takes numbers or words: the
         same = [e for e in errors if _field(e) == _field(err) and e["type"] == "literal_error"]
         err = same[0] if same else err  # words it takes ('same' or 'valid'), not "an integer"
+    elif isinstance(err.get("input"), (list, tuple)):  # a list where a union takes a number or
+        same = [
+            e
+            for e in errors
+            if _field(e) == _field(err)  # a tuple: what is wrong with
+            and any(str(p).startswith("tuple[") for p in e["loc"])
+        ]  # it as a tuple
+        err = same[0] if same else err
     parts = [str(p)[:40] for p in err["loc"]]
     field = (err.get("ctx") or {}).get("field")  # a model-level check names its field there
     if field is not None:

@@ -220,6 +220,16 @@ def test_scaling_writes_json_and_png(tmp_path):
     assert cpu["train_ms_per_image"] > 0 and cpu["infer_ms_per_image"] > 0
     assert all(n["speedup"] is None for n in data["networks"])
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["quick"] is True  # a smoke run says so, in the file and its table's title
+    from io import StringIO
+
+    from rich.console import Console
+
+    from cnnkit.bench.scaling import print_scaling
+
+    console = Console(file=StringIO(), width=200)
+    print_scaling(report, console)
+    assert "QUICK: a smoke run, not figures" in console.file.getvalue()
 
 
 def test_cli_scaling_refuses_what_it_cannot_do_before_any_timing(capsys):

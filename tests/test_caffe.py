@@ -467,6 +467,19 @@ def test_pooling_round_mode_is_caffes_or_refused():
         ceil("CIEL")  # a typo must not import as floor: the output would be smaller
 
 
+def test_a_mistyped_pooling_or_layer_type_is_named_with_the_one_meant():
+    def pooling(method, kind="Pooling"):
+        p = f"pooling_param {{ pool: {method} kernel_size: 3 stride: 2 }}"
+        translate(parse_prototxt(INPUT + _layer("p", kind, ["data"], "p", p)))
+
+    with pytest.raises(ConfigError, match=r":3: pool: MAXX is not MAX or AVE$"):
+        pooling("MAXX")
+    with pytest.raises(ConfigError, match=r"is not MAX or AVE \(stochastic pooling is not imp"):
+        pooling("STOCHASTIC")
+    with pytest.raises(ConfigError, match=r"type 'Poolng', .* \(did you mean 'Pooling'\?\)$"):
+        pooling("MAX", kind="Poolng")
+
+
 def test_strings_are_utf8_with_c_escapes():
     names = [r'"conv_\303\251"', r'"conv_\x41"', '"conv_é"', r'"a\"b"']
     message = parse_prototxt(" ".join(f"name: {n}" for n in names))

@@ -269,6 +269,11 @@ def test_folders_that_would_change_the_classes_are_refused_and_nothing_is_writte
     code, _, err = run_cli(["pack", str(tmp_path / "empty class"), str(tmp_path / "dst"),
                             "--size", "20000"], capsys)  # fmt: skip
     assert code == 2 and "over the limit" in err and not (tmp_path / "dst").exists()
+    for option, words in ((["--format", "png"], "--format: 'png' is not raw or jpeg"),
+                          (["--resize", "fit"], "--resize: 'fit' is not squash or shorter")):  # fmt: skip
+        code, _, err = run_cli(["pack", str(tmp_path / "empty class"), str(tmp_path / "dst"),
+                                *option], capsys)  # fmt: skip
+        assert code == 2 and words in err and not (tmp_path / "dst").exists(), err
 
 
 def _fails_on_third_shard(monkeypatch):

@@ -104,6 +104,12 @@ BAD = [
         "layer 0 (conv0): kernal_size: unknown field (did you mean 'kernel_size'?)",
     ),
     (net(conv(stirde=2)), "layer 0 (conv0): stirde: unknown field (did you mean 'stride'?)"),
+    (net(conv(), num_clases=3), "model: num_clases: unknown field (did you mean 'num_classes'?)"),
+    (  # a list where a number or a pair goes: what is wrong with it as a pair
+        net(conv(padding=[1, 2, 3])),
+        "layer 0 (conv0): padding: Tuple should have at most 2 items after validation, not 3 "
+        "(got [1, 2, 3])",
+    ),
     (
         net(conv(out_channels="four")),
         "layer 0 (conv0): out_channels: Input should be a valid integer",

@@ -731,6 +731,8 @@ def test_a_missing_run_name_points_to_its_newest_dated_run(tmp_path):
     for call in (load_for_inference, resume_state):
         with pytest.raises(CheckpointError, match=f"did you mean {newest}, the newest dated run"):
             call(tmp_path / "runs" / "digits")
+    with pytest.raises(CheckpointError, match=r"not a run directory \(no last.pt or config.yaml"):
+        resume_state(tmp_path / "runs")  # a folder, but not a run's
     with pytest.raises(CheckpointError) as caught:
         load_for_inference(tmp_path / "runs" / "faces")
     assert "did you mean" not in str(caught.value)

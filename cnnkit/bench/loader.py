@@ -80,8 +80,11 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
     """Time `batches` training batches after `warmup` untimed ones (None: 3 more than the
     workers prefetch, so the batches made while they started are not counted); returns the
     figures."""
-    if batches < 1 or batch < 1 or (warmup is not None and warmup < 0):
-        raise ConfigError("bench loader: --batches and --batch must be >= 1, --warmup >= 0")
+    if batches < 1 or batch < 1:
+        raise ConfigError(f"bench loader: --batches and --batch must be >= 1 (got {batches}, "
+                          f"{batch})")  # fmt: skip
+    if warmup is not None and warmup < 0:
+        raise ConfigError(f"bench loader: warmup must be >= 0 (got {warmup})")
     device = device or torch.device("cpu")
     try:
         cfg = data_config(loader_config(data, workers, batch, **options))

@@ -161,6 +161,7 @@ def run_scaling(
         "devices": {str(d): machine_name(d) for d in device_list},
         "note": note,
         "torch": torch.__version__,
+        "quick": quick,  # a smoke run: few networks, 3 repeats of 0.2 s at most, not figures
         "networks": rows,
     }
 
@@ -185,7 +186,8 @@ def print_scaling(report: dict[str, Any], console: Any = None) -> None:
     console = console or wide_console()
     devices = list(report["devices"])
     hardware = "; ".join(f"{d}: {name}" for d, name in report["devices"].items())
-    title = f"scaling study, {report['precision']}, ms per image  ({hardware})"
+    smoke = "  QUICK: a smoke run, not figures" if report.get("quick") else ""
+    title = f"scaling study, {report['precision']}, ms per image  ({hardware}){smoke}"
     table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("family", "network", "mult-adds"):
         table.add_column(column, justify="right" if column == "mult-adds" else "left")

@@ -31,6 +31,7 @@ from cnnkit.errors import ConfigError, brief, one_line, validation_message
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
 from cnnkit.nn.names import reserved_name
+from cnnkit.nn.spec import suggest
 from cnnkit.prototxt import Message, parse_prototxt
 
 
@@ -150,7 +151,7 @@ class _Translator:
                 trainval = kind in TRAIN_VAL_LAYERS or kind.endswith("Loss")
                 hint = (" (a train_val prototxt? give the deploy.prototxt: an Input layer in place "
                         "of the data layers, no loss or accuracy)") if trainval else (
-                        f" (supported: {', '.join(SUPPORTED)})")  # fmt: skip
+                        suggest(kind, SUPPORTED) or f" (supported: {', '.join(SUPPORTED)})")  # fmt: skip
                 raise ConfigError(
                     f"{self.here}: layer {brief(layer.get('name', '?'))} has type {brief(kind)}, "
                     f"which cnnkit cannot import{hint}"
@@ -295,7 +296,8 @@ class _Translator:
     def _pooling(self, layer: Message, last: bool) -> None:
         p = layer.sub("pooling_param")
         method = _enum(p.get("pool", "MAX"), _POOL_METHODS)
-        require(self.here, method in ("MAX", "AVE"), f"Pooling {method} is not supported")
+        why = " (stochastic pooling is not imported)" if method == "STOCHASTIC" else ""
+        require(self.here, method in ("MAX", "AVE"), f"pool: {method} is not MAX or AVE{why}")
         if flag(self.here, p, "global_pooling", False):
             shape = self.shapes[self._bottom(layer.get("bottom"))]
             require(

@@ -13,6 +13,10 @@ import typer
 NET = typer.Argument(..., help="A zoo name or a network / run file.")
 BATCH = typer.Option(64, "--batch", "-b", help="Images per step.")
 DEVICE = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N")
+CHANNELS_LAST = typer.Option(
+    None, "--channels-last/--no-channels-last",
+    help="NHWC memory format on or off (default: as cnnkit train chooses).",
+)  # fmt: skip
 PRECISION = typer.Option("auto", "--precision", "-p", help="auto | fp32 | bf16 | fp16")
 JSON = typer.Option(False, "--json", help="End with one line of JSON holding every figure.")
 REPEATS = typer.Option(
@@ -69,7 +73,7 @@ def layers(
     batch: int = BATCH,
     device: str = DEVICE,
     precision: str = PRECISION,
-    channels_last: bool = typer.Option(None, "--channels-last/--no-channels-last"),
+    channels_last: bool = CHANNELS_LAST,
     repeats: int = typer.Option(5, "--repeats", min=1, help="Timed repeats per measurement."),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Untimed calls before each measurement."),
     num_classes: int = CLASSES,
@@ -104,7 +108,7 @@ def train(
     batch: int = BATCH,
     device: str = DEVICE,
     precision: str = PRECISION,
-    channels_last: bool = typer.Option(None, "--channels-last/--no-channels-last"),
+    channels_last: bool = CHANNELS_LAST,
     compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the model."),
     repeats: int = REPEATS,
     warmup: int = WARMUP,
@@ -125,7 +129,7 @@ def infer(
     batch: int = BATCH,
     device: str = DEVICE,
     precision: str = PRECISION,
-    channels_last: bool = typer.Option(None, "--channels-last/--no-channels-last"),
+    channels_last: bool = CHANNELS_LAST,
     compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the model."),
     repeats: int = REPEATS,
     warmup: int = WARMUP,

@@ -38,8 +38,12 @@ def classify(
         help="Average 10 crops (corners + centre, mirrored): for nets trained with crops and mirrors.",
     ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per image."),
-    batch_size: int = typer.Option(64, "--batch-size", min=1),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, mps, or auto."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Images per forward pass."),
+    device: str = typer.Option(
+        "cpu",
+        "--device",
+        help="cpu (the default: a few images need no GPU start-up), cuda, cuda:1, mps, or auto.",
+    ),  # fmt: skip
     ema: bool = typer.Option(False, "--ema", help=EMA_HELP),
 ) -> None:
     """Print the top classes and probabilities of each image; exit status 1 if any image failed.

@@ -277,10 +277,10 @@ def _check_options(src: Path, size: int, resize: str, format: str, quality: int,
     if size * size > decode.MAX_PIXELS:
         raise ConfigError(f"--size {size}: {size}x{size} images are over the limit of "
                           f"{decode.MAX_PIXELS:,} pixels")  # fmt: skip
-    if resize not in ("squash", "shorter") or format not in SHARD_SUFFIX:
-        raise ConfigError(
-            f"--resize squash|shorter-side-crop, --format raw|jpeg (got {resize}, {format})"
-        )
+    if resize not in ("squash", "shorter"):
+        raise ConfigError(f"--resize: {resize!r} is not squash or shorter-side-crop")
+    if format not in SHARD_SUFFIX:
+        raise ConfigError(f"--format: {format!r} is not {' or '.join(SHARD_SUFFIX)}")
 
 
 def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,

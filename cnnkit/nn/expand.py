@@ -410,6 +410,11 @@ def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[N
     try:
         net = NetSpec.model_validate(model)
     except ValidationError as e:
+        top = [x for x in e.errors() if x["type"] == "extra_forbidden" and len(x["loc"]) == 1]
+        if top:  # a mistyped key of model: itself (num_clases), with the one meant
+            typo = str(top[0]["loc"][0])
+            raise ConfigError(f"model: {typo[:40]}: unknown field"
+                              f"{suggest(typo, NetSpec.model_fields)}") from None  # fmt: skip
         raise ConfigError("model: " + validation_message(e)) from None
     if len(net.input) == 2:
         raise ConfigError("model: input: give [C, H, W] for images or [F] for vectors")

@@ -139,6 +139,9 @@ def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
         raise CheckpointError(f"--resume {run_dir}: no such run directory{dated_run_hint(run_dir)}")
     if not (run_dir / "last.pt").exists() and (run_dir / "config.yaml").is_file():
         return None
+    if not (run_dir / "last.pt").exists():
+        raise CheckpointError(f"--resume {run_dir}: not a run directory (no last.pt or "
+                              "config.yaml in it)")  # fmt: skip
     return load_checkpoint(run_dir / "last.pt")
 
 
