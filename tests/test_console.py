@@ -158,3 +158,24 @@ def test_the_start_line_says_when_the_data_sets_the_class_count(tmp_path, capsys
     fit(config, tmp_path / "run")
     first = capsys.readouterr().out.splitlines()[0]
     assert "10 classes (the network's num_classes 4 set from the data)" in first
+
+
+def test_without_tensorboard_the_loss_is_not_read_every_20_steps(tmp_path):
+    """Reading the loss (a device tensor) syncs the GPU: a quiet run without TensorBoard never
+    reads it for the per-step scalars it does not write."""
+    class Loss:
+        reads = 0
+
+        def __float__(self):
+            Loss.reads += 1
+            return 1.0
+
+    console = Console(quiet=True, log=RunLog(tmp_path, [], tensorboard=False))
+    for step in range(1, 61):
+        console.step(StepInfo(1, 1, step, 60, Loss(), step, 0.1, 100.0, 0.0, 1.0))
+    assert Loss.reads == 0
+    console = Console(quiet=True, log=RunLog(tmp_path / "tb", [], tensorboard=True))
+    for step in range(1, 61):
+        console.step(StepInfo(1, 1, step, 60, Loss(), step, 0.1, 100.0, 0.0, 1.0))
+    console.log.close()
+    assert Loss.reads == 3  # steps 20, 40, 60

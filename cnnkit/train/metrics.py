@@ -69,12 +69,11 @@ class RunLog:
         plot_curves(self.history, self.run_dir / "curves.png")
         self._last_plot, self._plotted = time.monotonic(), len(self.history)
 
-    def write_step(
-        self, global_step: int, loss: float, lr: float, images_per_second: float
-    ) -> None:
-        """Per-step scalars for TensorBoard (every LOG_EVERY steps: each one syncs)."""
+    def write_step(self, global_step: int, loss: Any, lr: float, images_per_second: float) -> None:
+        """Per-step scalars for TensorBoard (every LOG_EVERY steps; reading the loss, a device
+        tensor, syncs: only where TensorBoard writes)."""
         if self._writer() is not None:
-            self.tb.add_scalar("step/loss", loss, global_step)
+            self.tb.add_scalar("step/loss", float(loss), global_step)
             self.tb.add_scalar("step/lr", lr, global_step)
             self.tb.add_scalar("step/images_per_second", images_per_second, global_step)
 
@@ -242,7 +241,7 @@ class Console:
         """Refresh the bar at most 10 times a second, or print a line every `every` seconds
         (reading the loss syncs the device, so neither happens at every step)."""
         if self.log is not None and info.global_step % LOG_EVERY == 0:
-            self.log.write_step(info.global_step, float(info.loss), info.lr, info.images_per_second)
+            self.log.write_step(info.global_step, info.loss, info.lr, info.images_per_second)
         if self.quiet:
             return
         now = time.monotonic()
