@@ -51,7 +51,8 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         print("cnnkit: interrupted", file=sys.stderr)
     elif code == 130 and len(interrupts) > 1:  # a second Ctrl-C ends the ranks before they speak
         print("cnnkit: interrupted again: the processes stopped at once (`cnnkit train --resume "
-              "RUN_DIR` continues from the last checkpoint saved)", file=sys.stderr)  # fmt: skip
+              f"RUN_DIR --nproc {nproc}` continues from the last checkpoint saved)",
+              file=sys.stderr)  # fmt: skip
     elif code in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the ranks end without a word
         print("cnnkit: terminated (SIGTERM)", file=sys.stderr)
     elif code < 0:  # the agent killed outright (the OOM killer's SIGKILL): its ranks end with it

@@ -689,6 +689,7 @@ def test_a_second_ctrl_c_under_nproc_is_said(monkeypatch, capsys):
         assert cnnkit.agent.start_local(2, ["train", "digits"]) == 130
         err = capsys.readouterr().err
         assert err.startswith(said) and (err == "") == (presses == 1), err
+        assert presses == 1 or "`cnnkit train --resume RUN_DIR --nproc 2` continues" in err
 
 
 def test_a_rank_of_nproc_ends_with_its_agent(tmp_path):
