@@ -163,6 +163,7 @@ def test_the_start_line_says_when_the_data_sets_the_class_count(tmp_path, capsys
 def test_without_tensorboard_the_loss_is_not_read_every_20_steps(tmp_path):
     """Reading the loss (a device tensor) syncs the GPU: a quiet run without TensorBoard never
     reads it for the per-step scalars it does not write."""
+
     class Loss:
         reads = 0
 
