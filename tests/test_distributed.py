@@ -483,8 +483,8 @@ def test_a_step_on_an_all_unreadable_batch_leaves_batchnorms_statistics_alone():
     class TwoRanks(Local):  # collectives as no-ops, world_size 2
         world_size = 2
 
-        def agree(self, flags, every=1):
-            return list(flags), every
+        def agree(self, flags, every=1):  # the other rank: its loss finite, its batch read
+            return [a or b for a, b in zip(flags, (False, True), strict=True)], every
 
     class OneEmpty:  # this rank's only batch: every image unreadable
         num_samples = 8
