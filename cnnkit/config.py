@@ -62,7 +62,11 @@ class TrainConfig(Section):
     patience: NonNegativeInt = Field(2, description="plateau: epochs without val-error gain")
     threshold: NonNegativeFloat = Field(1e-4, description="plateau: relative improvement needed")
     min_lr: NonNegativeFloat = Field(0.0, description="cosine / plateau floor")
-    warmup_epochs: NonNegativeFloat = Field(0.0, description="linear warm-up length (epochs)")
+    warmup_epochs: NonNegativeFloat = Field(
+        0.0,
+        description="linear warm-up length (epochs); it multiplies the schedule's lr, set "
+        "every step (timm's shape: cosine spans all epochs, warm-up included)",
+    )
     warmup_start: float = Field(0.1, gt=0.0, le=1.0, description="warm-up starts at lr * this")
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="target smoothing (0.1 usual)")
     class_weights: Literal["none", "balanced"] = Field(
@@ -73,7 +77,8 @@ class TrainConfig(Section):
         0.0,
         ge=0.0,
         lt=1.0,
-        description="decay of an average of the weights, evaluated and saved too (0: off)",
+        description="decay of an average of the weights at every optimizer step (timm's "
+        "meaning, not torchvision's rescaled one), evaluated and saved too (0: off)",
     )
     early_stop: NonNegativeInt = Field(
         0, description="stop after this many epochs without a held-out top-1 gain (0: off)"

@@ -201,6 +201,17 @@ def test_lrn_conventions_differ_in_zoo_alexnets():
     assert order == ["conv", "relu", "maxpool", "lrn"]  # CaffeNet pools before LRN
 
 
+def test_initial_biases_are_each_caffe_models_own():
+    """bvlc_reference_caffenet's train_val (and the 2012 paper) start conv2/4/5, fc6 and fc7 at
+    bias 1; bvlc_alexnet at 0.1; the other layers at 0."""
+    ones = {"conv2", "conv4", "conv5", "fc6", "fc7"}
+    for name, value in (("caffenet", 1.0), ("alexnet", 0.1)):
+        model = build_model(name)
+        for layer in ("conv1", "conv2", "conv3", "conv4", "conv5", "fc6", "fc7", "fc8"):
+            bias = model.get_submodule(layer).bias.detach()
+            assert torch.all(bias == (value if layer in ones else 0.0)), (name, layer)
+
+
 def test_copies_trace_and_channels_last_behave_like_the_original():
     import copy
 

@@ -95,7 +95,8 @@ def sample_boxes(batch: int, height: int, width: int, scale: tuple[float, float]
     first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((batch,), -1))
     pick = first.clamp(min=0)[:, None]
     h, w = h.gather(1, pick)[:, 0], w.gather(1, pick)[:, 0]
-    side = min(height, width)  # fallback (no try fit): the centre square, like torchvision's
+    side = min(height, width)  # fallback (no try fit): a square (torchvision's for the square
+    # frames cnnkit crops from; it clamps a non-square one's aspect to `ratio` and centres it)
     h = torch.where(first >= 0, h, torch.full_like(h, side))
     w = torch.where(first >= 0, w, torch.full_like(w, side))
     top = (torch.rand(batch, generator=generator) * (height - h + 1)).long()

@@ -45,7 +45,9 @@ class ImageSetConfig(DataConfigBase):
 
     crop: PositiveInt = Field(227, description="network input side (227 of 256 like the seeds)")
     train_crop: Literal["random", "resized"] = Field(
-        "random", description="random: random crop; resized: random-resized-crop (torchvision's)"
+        "random",
+        description="random: random crop; resized: random-resized-crop (torchvision's box "
+        "rule, drawn in the size x size image)",
     )
     scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
     mirror: bool = Field(True, description="random horizontal mirror in training")

@@ -80,7 +80,7 @@ RUNS: dict[str, tuple[str, str]] = {
     "faces": ("runs/faces.yaml", "facenet on scikit-image's 25x25 face / non-face patches"),
     "alexnet-imagenet": (
         "runs/alexnet-imagenet.yaml",
-        "AlexNet on packed ImageNet with the 2012 / first-seed recipe (needs the data)",
+        "AlexNet on packed ImageNet with the first seed's recipe (needs the data)",
     ),
 }
 
