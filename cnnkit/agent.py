@@ -132,7 +132,7 @@ def _ranks_start_with_interrupts_held() -> None:
         try:
             return popen(self, *args, **kwargs)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a Ctrl-C meanwhile: now)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a Ctrl-C held meanwhile comes)
 
     handler.SubprocessHandler._popen = held
 

@@ -186,9 +186,10 @@ def dated_run_hint(target: str | Path) -> str:
     path = Path(target)
     stamp = re.compile(re.escape(path.name) + r"-\d{8}-\d{6}(-\d+)?")
     try:
-        runs = sorted(p for p in path.parent.iterdir() if stamp.fullmatch(p.name) and p.is_dir())
+        runs = [p for p in path.parent.iterdir() if stamp.fullmatch(p.name) and p.is_dir()]
     except OSError:
         return ""
+    runs.sort(key=lambda p: (p.name[len(path.name) + 1 :][:15], len(p.name), p.name))  # -10 > -2
     return f" (did you mean {runs[-1]}, the newest dated run of that name?)" if runs else ""
 
 

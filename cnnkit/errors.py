@@ -93,12 +93,9 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
         same = [e for e in errors if _field(e) == _field(err) and e["type"] == "literal_error"]
         err = same[0] if same else err  # words it takes ('same' or 'valid'), not "an integer"
     elif isinstance(err.get("input"), (list, tuple)):  # a list where a union takes a number or
-        same = [
-            e
-            for e in errors
-            if _field(e) == _field(err)  # a tuple: what is wrong with
-            and any(str(p).startswith("tuple[") for p in e["loc"])
-        ]  # it as a tuple
+        here = _field(err)  # a tuple: what is wrong with it as a tuple (or with an item of it)
+        same = [e for e in errors if _field(e)[: len(here)] == here
+                and any(str(p).startswith("tuple[") for p in e["loc"])]  # fmt: skip
         err = same[0] if same else err
     parts = [str(p)[:40] for p in err["loc"]]
     field = (err.get("ctx") or {}).get("field")  # a model-level check names its field there

@@ -423,8 +423,12 @@ def test_a_batch_lost_with_its_worker_is_one_line(packed, monkeypatch):
 
     section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
                "batch_size": 4, "workers": 1}  # fmt: skip
+    full = RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback"
+                        " ...\nRuntimeError: unable to write to file </torch_1_2>: No space left "
+                        "on device (28)")  # fmt: skip
     for error, expected in ((ConnectionResetError(104, "Connection reset by peer"), DataError),
-                            (EOFError("Caught EOFError in DataLoader worker process 0."), EOFError)):  # fmt: skip
+                            (EOFError("Caught EOFError in DataLoader worker process 0."), EOFError),
+                            (full, DataError)):  # fmt: skip
 
         def lost(self, error=error):
             raise error
@@ -434,5 +438,42 @@ def test_a_batch_lost_with_its_worker_is_one_line(packed, monkeypatch):
         stream.set_epoch(0)
         with pytest.raises(expected) as caught:
             next(iter(stream))
-        if expected is DataError:
+        if error is full:  # a worker's full /dev/shm: said as such, with what to do
+            assert "shared memory ran out in a worker (No space left on device): give the " in (
+                str(caught.value))  # fmt: skip
+        elif expected is DataError:
             assert "a loader worker process died (" in str(caught.value)
+
+
+def test_a_worker_that_died_between_epochs_is_one_line(packed):
+    """Training workers persist across epochs: one killed after an epoch is found as the
+    next epoch resumes them (inside torch's iter()), and said in one line."""
+    import os
+    import signal
+
+    from cnnkit.errors import DataError
+
+    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
+               "batch_size": 4, "workers": 1}  # fmt: skip
+    stream = data_config(section).build(torch.device("cpu")).train
+    assert len(epoch(stream, 0)) > 0
+    (worker,) = stream._loader._iterator._workers
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(30)
+    with pytest.raises(DataError, match=r"data.workers=1: a loader worker process died \("):
+        epoch(stream, 1)
+    assert len(epoch(stream, 2)) > 0  # the next epoch starts workers afresh
+
+
+def test_workers_keep_the_inherited_ring_under_the_file_system_strategy(monkeypatch):
+    """Under torch's file_system sharing a mapping made anew would keep the shared file alive
+    after the process: the ring is used as inherited."""
+    import torch.multiprocessing as mp
+
+    from cnnkit.data.slots import mapped_afresh, shared
+
+    ring = shared((2, 3, 4, 4))
+    assert mapped_afresh(ring).data_ptr() != ring.data_ptr()  # file_descriptor: mapped anew
+    monkeypatch.setattr("cnnkit.data.slots.get_sharing_strategy", lambda: "file_system")
+    assert mapped_afresh(ring) is ring
+    assert mp.get_sharing_strategy() == "file_descriptor"

@@ -110,6 +110,10 @@ BAD = [
         "layer 0 (conv0): padding: Tuple should have at most 2 items after validation, not 3 "
         "(got [1, 2, 3])",
     ),
+    (  # or with an item of it
+        net(conv(stride=[0, 1])),
+        "layer 0 (conv0): stride.0: Input should be greater than 0 (got 0)",
+    ),
     (
         net(conv(out_channels="four")),
         "layer 0 (conv0): out_channels: Input should be a valid integer",

@@ -725,9 +725,10 @@ def test_a_missing_run_name_points_to_its_newest_dated_run(tmp_path):
     from cnnkit.infer.load import load_for_inference
     from cnnkit.train.run import resume_state
 
-    for name in ("digits-20261203-101010", "digits-20261203-121010", "digitsx-20261203-131010"):
+    for name in ("digits-20261203-101010", "digits-20261203-121010", "digits-20261203-121010-2",
+                 "digits-20261203-121010-10", "digitsx-20261203-131010"):  # fmt: skip
         (tmp_path / "runs" / name).mkdir(parents=True)
-    newest = tmp_path / "runs" / "digits-20261203-121010"
+    newest = tmp_path / "runs" / "digits-20261203-121010-10"  # (after -2: started later)
     for call in (load_for_inference, resume_state):
         with pytest.raises(CheckpointError, match=f"did you mean {newest}, the newest dated run"):
             call(tmp_path / "runs" / "digits")

@@ -112,6 +112,10 @@ def test_failed_starts_overwrite_nothing(tmp_path, capsys):
     code, err = _fails(["train", "digits", "--out", str(data)], capsys)
     assert code == 2 and "holds files that are not a run's (cat): give a new or empty" in err
     assert sorted(p.name for p in data.iterdir()) == [".hidden", "cat"]
+    killed = tmp_path / "killed"  # a first attempt killed as it wrote config.yaml: still ours
+    killed.mkdir()
+    (killed / "config.yaml.tmp").write_text("name: digits\n")
+    assert run_cli(["train", "digits", "--out", str(killed), "--dry-run"], capsys)[0] == 0
     code, err = _fails(["train", "--resume", str(run)], capsys)
     assert code == 1 and "last.pt" in err
     code, err = _fails(["train", "digits", "train.lr=-1", "--out", str(tmp_path / "new")], capsys)

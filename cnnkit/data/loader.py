@@ -276,36 +276,51 @@ class ImageBatches:
             # other ranks of a group take theirs; the position of later batches stays)
 
     def _started(self, loader: DataLoader) -> Iterator[WorkerBatch]:
-        """The loader's batches; shared memory running out as its workers start (their queues
-        and semaphores live in /dev/shm too) is one line saying so."""
+        """The loader's batches; shared memory running out (as its workers start: their queues
+        and semaphores live in /dev/shm too, or in a worker) and a worker that died (found as
+        an epoch's workers resume, or while a batch is awaited) are one line each."""
         try:
             with _no_worker_count_warning():
-                batches = iter(loader)
+                batches = iter(loader)  # (persistent workers: torch checks them here)
+        except (RuntimeError, ConnectionError, EOFError) as e:
+            raise self._failed(e, getattr(loader, "_iterator", None)) from None
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
-            raise DataError(f"data.workers={self.workers}: shared memory ran out starting the "
-                            f"loader's workers ({e.strerror}): give the container more /dev/shm "
-                            "(docker run --shm-size=8g), or lower data.workers, data.prefetch or "
-                            "data.batch_size") from None  # fmt: skip
+            raise self._no_shared_memory(e.strerror, "starting the loader's workers") from None
         _deaths_found_here(batches)
         try:
             yield from batches
         except (RuntimeError, ConnectionError, EOFError) as e:
-            if not _worker_died(e):
-                raise
-            self._end_workers(batches)
-            raise DataError(f"data.workers={self.workers}: a loader worker process died "
-                            f"({one_line(e, 120)}): out of memory, or a crash decoding an "
-                            "image; lower data.workers or data.prefetch, or give it more "
-                            "memory") from None  # fmt: skip
+            raise self._failed(e, batches) from None
+
+    def _failed(self, e: Exception, batches: Any) -> Exception:
+        """The DataError of an error out of the DataLoader (a worker died, a worker ran out of
+        shared memory), else `e` itself (a worker's own exception, raised again as torch does)."""
+        text = str(e)
+        if "in DataLoader worker process" in text and (
+            "No space left on device" in text or "unable to write to file" in text
+        ):  # torch's words for a worker's full /dev/shm
+            return self._no_shared_memory("No space left on device", "in a worker")
+        if not _worker_died(e):
+            return e
+        self._end_workers(batches)
+        return DataError(f"data.workers={self.workers}: a loader worker process died "
+                         f"({one_line(e, 120)}): out of memory, or a crash decoding an "
+                         "image; lower data.workers or data.prefetch, or give it more "
+                         "memory")  # fmt: skip
+
+    def _no_shared_memory(self, reason: str, where: str) -> DataError:
+        return DataError(f"data.workers={self.workers}: shared memory ran out {where} ({reason}): "
+                         "give the container more /dev/shm (docker run --shm-size=8g), or lower "
+                         "data.workers, data.prefetch or data.batch_size")  # fmt: skip
 
     def _end_workers(self, batches: Any) -> None:
-        """Stop the other workers of a loader one of whose died, and take their pids out of
-        torch's SIGCHLD watch (left there, any later child process's end in this process
-        raised "DataLoader worker ... is killed" wherever the program then was)."""
+        """Stop the other workers of a loader one of whose died (torch's own clean-up of the
+        iterator: `batches`, None where there is none), so that the next epoch starts afresh."""
         try:
-            batches._shutdown_workers()  # torch's own clean-up of the iterator
+            if batches is not None:
+                batches._shutdown_workers()
         except Exception:  # noqa: BLE001 - best effort: the DataError says what happened
             pass
         self._loader = None  # a next epoch starts workers afresh

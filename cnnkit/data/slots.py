@@ -34,17 +34,15 @@ def mapped_afresh(memory: torch.Tensor) -> torch.Tensor:
     A forked loader worker inherits the parent's mapping of the ring, unless the parent's
     mapping was page-locked by a driver that marks such memory MADV_DONTFORK (ROCm's did;
     whether NVIDIA's does is not documented): then the child has no mapping there and dies on
-    its first write. The shared-memory file itself is always inherited. Where this torch
-    lacks the (private) calls, the inherited mapping is kept.
+    its first write. The shared-memory file (its descriptor) is always inherited. Under the
+    file_system sharing strategy, or where this torch lacks the (private) calls, the inherited
+    mapping is kept.
     """
-    storage = memory.untyped_storage()
+    if get_sharing_strategy() != "file_descriptor":  # (file_system: a mapping made anew would
+        return memory  # count as a user of the file, which would then outlive the process)
     try:
-        if get_sharing_strategy() == "file_system":  # the strategy `shared` made it with
-            manager, name, size = storage._share_filename_cpu_()
-            fresh = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
-        else:
-            fd, size = storage._share_fd_cpu_()
-            fresh = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+        fd, size = memory.untyped_storage()._share_fd_cpu_()
+        fresh = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
     except (AttributeError, RuntimeError, TypeError):
         return memory
     return torch.empty(0, dtype=memory.dtype).set_(fresh).view(memory.shape)

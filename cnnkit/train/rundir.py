@@ -59,8 +59,8 @@ def new_run_dir(
         busy = in_use(path)  # a live run first: resuming it would be refused as well
         raise ConfigError(busy or f"--out {path}: already holds a run (continue it with "
                           f"--resume {path})")  # fmt: skip
-    others = sorted(p.name for p in path.iterdir() if not p.name.startswith(".")) if (
-        not reuse and path.is_dir()) else []  # fmt: skip
+    others = sorted(p.name for p in path.iterdir() if not p.name.startswith(".")
+                    and not ORPHAN.fullmatch(p.name)) if not reuse and path.is_dir() else []  # fmt: skip
     if others:  # a data set's class folders, a project: a run's files would mix with them
         more = f" and {len(others) - 1} more" if len(others) > 1 else ""
         raise ConfigError(f"--out {path}: holds files that are not a run's ({others[0]}{more}): "
