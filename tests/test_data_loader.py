@@ -317,6 +317,16 @@ def test_a_batch_of_unreadable_images_is_an_empty_step_not_a_missing_one(tmp_pat
     assert len(empty) >= 2 and all(x.shape == (0, 3, 12, 12) for x in empty)
 
 
+DIED = r"data.workers=1: a loader worker process died \("
+
+
+def _one_worker_train(packed):
+    """The training stream of the shapes folder, read by one loader worker."""
+    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
+               "batch_size": 4, "workers": 1}  # fmt: skip
+    return data_config(section).build(torch.device("cpu")).train
+
+
 def _dying_worker(monkeypatch, position: int = 5) -> None:
     """Loader workers (forks of this process) kill themselves on the batch with `position`."""
     import os
@@ -340,11 +350,9 @@ def test_a_loader_worker_that_dies_is_one_line(packed, monkeypatch):
     from cnnkit.errors import DataError
 
     _dying_worker(monkeypatch)
-    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
-               "batch_size": 4, "workers": 1}  # fmt: skip
-    stream = data_config(section).build(torch.device("cpu")).train
+    stream = _one_worker_train(packed)
     stream.set_epoch(0)
-    with pytest.raises(DataError, match=r"data.workers=1: a loader worker process died \("):
+    with pytest.raises(DataError, match=DIED):
         for _ in stream:
             pass
     import subprocess
@@ -404,11 +412,9 @@ def test_a_worker_that_dies_while_the_step_runs_is_one_line(packed, monkeypatch)
     from cnnkit.errors import DataError
 
     _dying_worker(monkeypatch)
-    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
-               "batch_size": 4, "workers": 1}  # fmt: skip
-    stream = data_config(section).build(torch.device("cpu")).train
+    stream = _one_worker_train(packed)
     stream.set_epoch(0)
-    with pytest.raises(DataError, match=r"data.workers=1: a loader worker process died \("):
+    with pytest.raises(DataError, match=DIED):
         for _ in stream:
             time.sleep(1.5)  # the step: the worker prefetches the next batch and dies meanwhile
 
@@ -421,8 +427,6 @@ def test_a_batch_lost_with_its_worker_is_one_line(packed, monkeypatch):
 
     from cnnkit.errors import DataError
 
-    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
-               "batch_size": 4, "workers": 1}  # fmt: skip
     full = RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback"
                         " ...\nRuntimeError: unable to write to file </torch_1_2>: No space left "
                         "on device (28)")  # fmt: skip
@@ -434,7 +438,7 @@ def test_a_batch_lost_with_its_worker_is_one_line(packed, monkeypatch):
             raise error
 
         monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_next_data", lost)
-        stream = data_config(section).build(torch.device("cpu")).train
+        stream = _one_worker_train(packed)
         stream.set_epoch(0)
         with pytest.raises(expected) as caught:
             next(iter(stream))
@@ -453,14 +457,12 @@ def test_a_worker_that_died_between_epochs_is_one_line(packed):
 
     from cnnkit.errors import DataError
 
-    section = {"source": "folder", "path": str(packed / "src"), "size": 20, "crop": 16,
-               "batch_size": 4, "workers": 1}  # fmt: skip
-    stream = data_config(section).build(torch.device("cpu")).train
+    stream = _one_worker_train(packed)
     assert len(epoch(stream, 0)) > 0
     (worker,) = stream._loader._iterator._workers
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(30)
-    with pytest.raises(DataError, match=r"data.workers=1: a loader worker process died \("):
+    with pytest.raises(DataError, match=DIED):
         epoch(stream, 1)
     assert len(epoch(stream, 2)) > 0  # the next epoch starts workers afresh
 
