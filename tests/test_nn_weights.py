@@ -220,3 +220,17 @@ def test_torchvision_weights_are_classified_as_torchvision_transforms_them(tmp_p
     assert int(got.labels[0].removeprefix("class")) == int(expected.argmax())
     top = expected.topk(3).values.tolist()
     assert got.probs == pytest.approx(top, abs=0.01)
+
+
+def test_no_decay_on_norms_and_biases_as_the_readme_writes_it():
+    """timm's default (torchvision's --norm-weight-decay 0 --bias-weight-decay 0) through
+    defaults: only the conv and linear weights decay."""
+    spec = {"input": [3, 8, 8],
+            "defaults": {"batchnorm": {"decay_mult": 0}, "conv": {"decay_mult": {"bias": 0}},
+                         "linear": {"decay_mult": {"bias": 0}}},
+            "layers": [{"type": "conv", "out_channels": 4, "kernel_size": 3},
+                       {"type": "batchnorm"}, {"type": "relu"}, {"type": "global_avgpool"},
+                       {"type": "linear", "out_features": 3}]}  # fmt: skip
+    groups = build_model(spec).param_groups(0.1, 5e-4)
+    decays = {g["weight_decay"]: sorted(tuple(p.shape) for p in g["params"]) for g in groups}
+    assert decays == {5e-4: [(3, 4), (4, 3, 3, 3)], 0.0: [(3,), (4,), (4,), (4,)]}
