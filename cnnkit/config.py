@@ -398,6 +398,16 @@ def dump_run(config: RunConfig, path: Path | None = None) -> str:
     return text
 
 
+def _yaml_files_beside(path: Path) -> list[str]:
+    """The YAML files in the folder `path` names (as `path` would be written), for a
+    did-you-mean; none where the folder cannot be read."""
+    try:
+        return [str(path.parent / p.name) if str(path.parent) != "." else p.name
+                for p in path.parent.iterdir() if p.suffix.lower() in (".yaml", ".yml")][:1000]  # fmt: skip
+    except OSError:
+        return []
+
+
 def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
     if isinstance(run, dict):
         return run, None
@@ -411,8 +421,9 @@ def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | 
             raise ConfigError(f"{str(run)!r} is a zoo network, not a run: give a run file "
                               f"with model: {run}{also}")  # fmt: skip
         if str(run) not in RUNS:
+            files = _yaml_files_beside(path) if path.suffix.lower() in (".yaml", ".yml") else []
             raise ConfigError(f"{brief(str(run), 80)} is neither a zoo run ('cnnkit zoo' lists "
-                              f"them) nor a run file{suggest(str(run), [*RUNS, *NETS])}")  # fmt: skip
+                              f"them) nor a run file{suggest(str(run), [*RUNS, *NETS, *files])}")  # fmt: skip
         path = net_path(str(run))
     data = read_yaml(path)
     if not isinstance(data, dict) or "model" not in data:

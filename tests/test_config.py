@@ -125,9 +125,12 @@ def test_a_new_run_needs_held_out_images(tmp_path):
     validate_run({"model": "digitnet", "data": section})
 
 
-def test_missing_run_file_or_zoo_name():
+def test_missing_run_file_or_zoo_name(tmp_path):
     with pytest.raises(ConfigError, match="neither a zoo run"):
         load_run("no-such-run")
+    (tmp_path / "run.yaml").write_text("name: x\nmodel: digitnet\n")
+    with pytest.raises(ConfigError, match=f"did you mean '{tmp_path / 'run.yaml'}'"):
+        load_run(tmp_path / "runs.yaml")  # a file mistyped: the file beside it meant
 
 
 def test_run_file_weights_start_the_network_from_a_state_dict(tmp_path):
