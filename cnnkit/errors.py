@@ -11,9 +11,12 @@ from typing import Any
 
 
 class CnnkitError(Exception):
-    """A problem the user can fix; the CLI prints its message and exits with `exit_code`."""
+    """A problem the user can fix; the CLI prints its message and exits with `exit_code`.
+    `agreed`: every rank of a group raises it alike, after agreeing on it (a diverged loss, no
+    readable image), so rank 0's line says it for all."""
 
     exit_code = 1
+    agreed = False
 
 
 class ConfigError(CnnkitError):

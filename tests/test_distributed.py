@@ -797,6 +797,20 @@ def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypa
     assert code == 2 and err == ""
 
 
+def test_an_error_every_rank_agreed_on_is_said_by_rank_0_only(tmp_path, capsys, monkeypatch):
+    """A diverged loss (or no readable image) ends every rank of --nproc alike: one line, rank
+    0's, not one per rank."""
+    from helpers import run_cli
+
+    argv = ["train", "digits", "train.lr=1e30", "train.epochs=1", "train.warmup_epochs=0"]
+    monkeypatch.setenv("CNNKIT_NPROC", "2")  # what --nproc gives its ranks
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        code, _, err = run_cli([*argv, "--out", str(tmp_path / rank)], capsys)
+        assert code == 1 and ("training diverged at epoch 1" in err) == said, err
+        assert said or err == ""
+
+
 def test_a_ctrl_c_typer_caught_is_said(capsys, monkeypatch):
     """typer returns 130 for a Ctrl-C outside a training step (info, bench, eval, ...): one
     line, as everywhere else; a rank of --nproc leaves it to rank 0."""

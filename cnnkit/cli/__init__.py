@@ -229,7 +229,7 @@ def _main(argv: list[str], debug: bool) -> None:
         if debug:
             _traceback_exit(e.exit_code)
         kind = "" if isinstance(e, Interrupted) else "error: "
-        if not (isinstance(e, (ConfigError, Interrupted)) and _other_rank()):
+        if not ((isinstance(e, (ConfigError, Interrupted)) or e.agreed) and _other_rank()):
             print(f"cnnkit: {kind}{e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training step

@@ -29,10 +29,12 @@ class StopTraining(Exception):  # noqa: N818 - a request, not an error
 
 
 def diverged(epoch: int, step: int) -> CnnkitError:
-    return CnnkitError(
+    error = CnnkitError(
         f"training diverged at epoch {epoch + 1} step {step}: the loss is not finite (lower "
         "train.lr or set train.grad_clip); checkpoints saved before it are kept as they were"
     )
+    error.agreed = True  # (every rank: they agree on it)
+    return error
 
 
 def weights_finite(network: torch.nn.Module) -> bool:
@@ -215,9 +217,11 @@ def train_one_epoch(
             if bad:
                 raise diverged(progress.epoch, progress.step)
             if not anyone_read:  # every image unreadable (HEIC named .jpg, a damaged copy)
-                raise DataError(f"no training image of the first {progress.step} batches of "
-                                f"epoch {progress.epoch + 1} could be read (each was skipped, "
-                                "as said above): is the data set readable?")  # fmt: skip
+                error = DataError(f"no training image of the first {progress.step} batches of "
+                                  f"epoch {progress.epoch + 1} could be read (each was skipped, "
+                                  "as said above): is the data set readable?")  # fmt: skip
+                error.agreed = True  # (every rank: they agree on it)
+                raise error
         dist.after_step(engine, progress.global_step, progress.step == steps)
         seconds = max(stats.seconds, 1e-9)
         console.step(StepInfo(progress.epoch + 1, schedule.cfg.epochs, progress.step, steps, loss,
