@@ -13,6 +13,7 @@ from data_images import write_bad_folder
 
 from cnnkit.data import data_config
 from cnnkit.data import loader as loader_module
+from cnnkit.data import workers as workers_module
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.synth import synth_shapes
 from cnnkit.errors import ConfigError, DataError
@@ -195,7 +196,7 @@ def test_validation_workers_live_only_while_validating(sets):
 def test_gpu_decoding_on_a_cpu_and_too_many_workers_are_said_once(sets, monkeypatch, capfd):
     """No silent fallback and no wall of torch warnings: one line each, once a process."""
     loader_module._say_decoded_in_process.cache_clear()
-    loader_module._say_more_workers_than_cores.cache_clear()
+    workers_module.say_more_workers_than_cores.cache_clear()
     monkeypatch.setattr(loader_module, "available_cores", lambda: 1)
     with _no_warnings():  # torch's own advice on the worker count is not shown
         bundle = data_config({**sections(sets)[1], "decode": "gpu", "workers": 2}).build(CPU)

@@ -16,15 +16,14 @@ import errno
 import functools
 import math
 import sys
-import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr, model_validator
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import DataLoader
 
 from cnnkit.data.augment import CropAugment
 from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
@@ -32,7 +31,14 @@ from cnnkit.data.batch import BatchDataset, WorkerBatch
 from cnnkit.data.device_decode import decode_batch
 from cnnkit.data.feed import DeviceFeed
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
-from cnnkit.data.slots import BufferPool, SlotRing, mapped_afresh
+from cnnkit.data.slots import BufferPool, SlotRing
+from cnnkit.data.workers import (
+    deaths_found_here,
+    no_worker_count_warning,
+    say_more_workers_than_cores,
+    start_worker,
+    worker_died,
+)
 from cnnkit.errors import ConfigError, DataError, one_line
 from cnnkit.runtime import available_cores, torch_threads
 
@@ -130,55 +136,6 @@ def _say_decoded_in_process(device: str) -> None:
           "JPEGs there (libjpeg-turbo; the workers only read bytes)", file=sys.stderr)  # fmt: skip
 
 
-@contextmanager
-def _no_worker_count_warning() -> Iterator[None]:
-    """torch's advice on the worker count (a multi-line warning, printed at every start) hidden;
-    ImageBatches says it once, in a line (_say_more_workers_than_cores)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*suggested max number of worker")
-        yield
-
-
-@functools.cache
-def _say_more_workers_than_cores(workers: int, cores: int) -> None:
-    print(f"cnnkit: data.workers={workers} is more than the {cores} cores this process may use: "
-          "they take turns (the default is one fewer than the cores)", file=sys.stderr)  # fmt: skip
-
-
-def _start_worker(worker_id: int) -> None:
-    """A loader worker: one torch thread (one core's worth of decoding), and the ring of slots
-    mapped by the worker itself (slots.mapped_afresh: a page-locked parent mapping may not
-    survive the fork)."""
-    torch.set_num_threads(1)
-    dataset = get_worker_info().dataset
-    if getattr(dataset, "slots", None) is not None:
-        dataset.slots = mapped_afresh(dataset.slots)
-
-
-def _worker_died(e: BaseException) -> bool:
-    """Whether an error out of a DataLoader's iterator says a worker process ended (the OOM
-    killer, a crash): torch's words for it, or a batch's shared memory that could not be
-    fetched from a worker gone; not an exception a worker raised that torch raises again."""
-    text = str(e)
-    if "in DataLoader worker process" in text:  # "Caught ValueError in DataLoader worker ..."
-        return False
-    return isinstance(e, (ConnectionError, EOFError)) or "DataLoader worker" in text
-
-
-def _deaths_found_here(batches: Any) -> None:
-    """torch's SIGCHLD handler raises a dead worker's RuntimeError wherever the main process
-    happens to be (most often in the training step, past this stream's one-line DataError).
-    With the workers' pids off its list, torch finds the death where a batch is awaited
-    (within seconds: it polls the workers while waiting), inside the stream. A private torch
-    list: where it is missing, the handler stays as it is."""
-    try:
-        if getattr(batches, "_worker_pids_set", False):
-            torch.utils.data._utils.signal_handling._remove_worker_pids(id(batches))
-            batches._worker_pids_set = False
-    except (AttributeError, RuntimeError, ValueError):
-        pass
-
-
 class ImageBatches:
     """A `Batches` stream: uint8 batches from worker processes, augmented on the device."""
 
@@ -190,7 +147,7 @@ class ImageBatches:
         self.augment = augment.to(self.device)
         self.workers, self.prefetch, self.num_samples = workers, prefetch, num_samples
         if workers > (cores := available_cores()):
-            _say_more_workers_than_cores(workers, cores)
+            say_more_workers_than_cores(workers, cores)
         self.mode: Mode = self._mode(decode)
         self._loader: DataLoader | None = None
         self._ring: SlotRing | None = None
@@ -255,10 +212,10 @@ class ImageBatches:
             extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.train}
             # its own generator: starting workers draws a seed (unused: they draw nothing random)
             # that would otherwise come from the global one and shift a resumed run's dropout
-            with _no_worker_count_warning():
+            with no_worker_count_warning():
                 self._loader = DataLoader(self.dataset, batch_size=None, sampler=jobs,
                                           num_workers=self.workers, pin_memory=False,
-                                          worker_init_fn=_start_worker,
+                                          worker_init_fn=start_worker,
                                           generator=torch.Generator(),
                                           **(extra if self.workers else {}))  # fmt: skip
         return self._loader
@@ -280,7 +237,7 @@ class ImageBatches:
         and semaphores live in /dev/shm too, or in a worker) and a worker that died (found as
         an epoch's workers resume, or while a batch is awaited) are one line each."""
         try:
-            with _no_worker_count_warning():
+            with no_worker_count_warning():
                 batches = iter(loader)  # (persistent workers: torch checks them here)
         except (RuntimeError, ConnectionError, EOFError) as e:
             raise self._failed(e, getattr(loader, "_iterator", None)) from None
@@ -288,7 +245,7 @@ class ImageBatches:
             if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
             raise self._no_shared_memory(e.strerror, "starting the loader's workers") from None
-        _deaths_found_here(batches)
+        deaths_found_here(batches)
         try:
             yield from batches
         except (RuntimeError, ConnectionError, EOFError) as e:
@@ -302,7 +259,7 @@ class ImageBatches:
             "No space left on device" in text or "unable to write to file" in text
         ):  # torch's words for a worker's full /dev/shm
             return self._no_shared_memory("No space left on device", "in a worker")
-        if not _worker_died(e):
+        if not worker_died(e):
             return e
         self._end_workers(batches)
         return DataError(f"data.workers={self.workers}: a loader worker process died "
