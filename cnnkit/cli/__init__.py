@@ -200,12 +200,16 @@ def _rank_of_nproc() -> bool:
     return bool(os.environ.get("CNNKIT_NPROC")) and "LOCAL_RANK" in os.environ
 
 
+def _hear_ctrl_c() -> None:
+    """A rank of --nproc starts with SIGINT held (cnnkit.agent): a Ctrl-C during its start-up
+    comes now, inside _main's handling, as KeyboardInterrupt: one line."""
+    if _rank_of_nproc() and hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _main(argv: list[str], debug: bool) -> None:
     try:
-        if _rank_of_nproc() and hasattr(signal, "pthread_sigmask"):
-            # a rank of --nproc starts with SIGINT held (cnnkit.agent): a Ctrl-C during its
-            # start-up comes now, as KeyboardInterrupt, and is the one line below
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        _hear_ctrl_c()
         code = app(args=argv, prog_name="cnnkit", standalone_mode=False)
     except NO_ARGS as e:  # `cnnkit` or `cnnkit bench` alone: typer has shown the help
         sys.exit(e.exit_code)

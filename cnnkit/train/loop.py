@@ -166,6 +166,22 @@ def score_logits(log_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(1).sum().double()])
 
 
+def check_progress(stats: EpochStats, progress: Progress, dist: Processes) -> None:
+    """What the ranks agree on every FINITE_EVERY steps (each check syncs): the loss is still
+    finite on every rank, and some rank has read an image this epoch (not all unreadable:
+    HEIC files named .jpg, a damaged copy). Either failing ends every rank alike."""
+    read = stats.seen + stats.earlier["seen"] > 0
+    (bad, anyone_read), _ = dist.agree((not stats.finite(), read))
+    if bad:
+        raise diverged(progress.epoch, progress.step)
+    if not anyone_read:
+        error = DataError(f"no training image of the first {progress.step} batches of epoch "
+                          f"{progress.epoch + 1} could be read (each was skipped, as said "
+                          "above): is the data set readable?")  # fmt: skip
+        error.agreed = True
+        raise error
+
+
 def train_one_epoch(
     engine: Engine,
     batches: Batches,
@@ -212,16 +228,7 @@ def train_one_epoch(
         progress.step += 1
         progress.global_step += 1
         if progress.step % FINITE_EVERY == 0 or progress.step == steps:
-            read = stats.seen + stats.earlier["seen"] > 0
-            (bad, anyone_read), _ = dist.agree((not stats.finite(), read))  # one rank's: all
-            if bad:
-                raise diverged(progress.epoch, progress.step)
-            if not anyone_read:  # every image unreadable (HEIC named .jpg, a damaged copy)
-                error = DataError(f"no training image of the first {progress.step} batches of "
-                                  f"epoch {progress.epoch + 1} could be read (each was skipped, "
-                                  "as said above): is the data set readable?")  # fmt: skip
-                error.agreed = True  # (every rank: they agree on it)
-                raise error
+            check_progress(stats, progress, dist)
         dist.after_step(engine, progress.global_step, progress.step == steps)
         seconds = max(stats.seconds, 1e-9)
         console.step(StepInfo(progress.epoch + 1, schedule.cfg.epochs, progress.step, steps, loss,
