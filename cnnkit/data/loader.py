@@ -31,7 +31,7 @@ from cnnkit.data.batch import BatchDataset, WorkerBatch
 from cnnkit.data.device_decode import decode_batch
 from cnnkit.data.feed import DeviceFeed
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
-from cnnkit.data.slots import BufferPool, SlotRing
+from cnnkit.data.slots import SHM_ADVICE, BufferPool, SlotRing
 from cnnkit.data.workers import (
     deaths_found_here,
     no_worker_count_warning,
@@ -269,8 +269,7 @@ class ImageBatches:
 
     def _no_shared_memory(self, reason: str, where: str) -> DataError:
         return DataError(f"data.workers={self.workers}: shared memory ran out {where} ({reason}): "
-                         "give the container more /dev/shm (docker run --shm-size=8g), or lower "
-                         "data.workers, data.prefetch or data.batch_size")  # fmt: skip
+                         f"{SHM_ADVICE}")  # fmt: skip
 
     def _end_workers(self, batches: Any) -> None:
         """Stop the other workers of a loader one of whose died (torch's own clean-up of the

@@ -55,6 +55,8 @@ def new_batch(n: int, size: int, channels: int = 3) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8) if get_worker_info() is None else shared(shape)
 
 
+SHM_ADVICE = ("give the container more /dev/shm (docker run --shm-size=8g), or lower "
+              "data.workers, data.prefetch or data.batch_size")  # fmt: skip
 SHM_MARGIN = 4 * 2**20  # the DataLoader's own use: semaphores, each batch's labels
 
 
@@ -69,8 +71,7 @@ def check_shared_memory(needed: int, what: str, path: str = SHM) -> None:
     if needed + SHM_MARGIN > free:
         raise DataError(
             f"{what} needs {_mib(needed + SHM_MARGIN)} of shared memory but {path} has "
-            f"{_mib(free)} free: give the container more (docker run --shm-size=8g), "
-            "or lower data.workers, data.prefetch or data.batch_size"
+            f"{_mib(free)} free: {SHM_ADVICE}"
         )
 
 
