@@ -13,9 +13,12 @@ from cnnkit.data.augment import (
     CropAugment,
     center_crop,
     crop_mirror,
+    draw_boxes,
+    frame_boxes,
     imagenet_lighting,
     lighting_from_cov,
     resized_crop_mirror,
+    rrc_boxes,
     sample_boxes,
     ten_crop,
 )
@@ -122,6 +125,59 @@ def test_sample_boxes_follow_torchvisions_rule():
     tv_area = torch.tensor([b[2] * b[3] / (64 * 48) for b in tv])
     assert abs(area.mean() - tv_area.mean()) < 0.03
     assert abs(area.std() - tv_area.std()) < 0.03
+
+
+@pytest.mark.parametrize("shape", [(100, 20), (20, 100), (50, 60)])
+def test_when_no_try_fits_the_box_is_torchvisions_fallback(shape):
+    """No try fits (the whole area, a photo far from square): torchvision's centred box of the
+    whole image, its aspect clamped to the ratio range; the old rule gave a random square."""
+    H, W = shape
+    draws = draw_boxes(5, (1.0, 1.0), (3 / 4, 4 / 3), torch.Generator().manual_seed(0))
+    draws[:, 10:20] = torch.log(torch.tensor(1.3 if H < W else 0.8))  # never the photo's aspect
+    ours = rrc_boxes(draws, H, W, (3 / 4, 4 / 3))
+    tv = T.RandomResizedCrop.get_params(torch.zeros(1, H, W), [1.0, 1.0], [3 / 4, 4 / 3])
+    if (H, W) == (50, 60):  # 1.2 fits the range: tries of aspect 0.8 don't fit, nor does tv's
+        tv = (0, 0, 50, 60)
+    assert ours.tolist() == [list(tv)] * 5
+
+
+def test_boxes_on_photos_have_torchvisions_aspects_in_the_square():
+    """Photos squashed into a square (their sizes known): boxes are drawn on each photo, as
+    torchvision draws them, then mapped into the square. In the photo's pixels their aspects
+    and areas follow torchvision's on that photo; in the square's they are the photo's aspect
+    off (what squashing did), so that resizing the box undoes the squash."""
+    n, size, (H, W) = 3000, 256, (300, 600)
+    aug = CropAugment(224, "resized", scale=(0.08, 1.0))
+    sources = torch.tensor([[H, W]] * n)
+    p = aug.sample(n, size, size, torch.Generator().manual_seed(0), sources)
+    top, left, h, w = p["boxes"].double().unbind(1)
+    assert (top >= 0).all() and (left >= 0).all()
+    assert (top + h <= size).all() and (left + w <= size).all()
+    aspect = (w * W / size) / (h * H / size)  # in the photo's pixels
+    area = (h * H / size) * (w * W / size) / (H * W)
+    torch.manual_seed(0)
+    tv = [T.RandomResizedCrop.get_params(torch.zeros(1, H, W), [0.08, 1.0], [3 / 4, 4 / 3])
+          for _ in range(n)]  # fmt: skip
+    tv_aspect = torch.tensor([b[3] / b[2] for b in tv], dtype=torch.float64)
+    tv_area = torch.tensor([b[2] * b[3] / (H * W) for b in tv], dtype=torch.float64)
+    assert abs(aspect.log().mean() - tv_aspect.log().mean()) < 0.02  # ~0 for both
+    assert abs(aspect.log().std() - tv_aspect.log().std()) < 0.02
+    assert abs(area.mean() - tv_area.mean()) < 0.02
+    square = (w / h).log()  # in the square: shifted by the squash, log(300 / 600)
+    assert abs(square.mean() - (tv_aspect.log().mean() + torch.tensor(H / W).log())) < 0.03
+    # without sizes, boxes are drawn in the square itself (the photo's aspect lost)
+    plain = aug.sample(n, size, size, torch.Generator().manual_seed(0))["boxes"].double()
+    assert abs((plain[:, 3] / plain[:, 2]).log().mean()) < 0.02
+
+
+def test_frame_boxes_map_photo_boxes_into_the_square():
+    sources = torch.tensor([[375, 500], [375, 500], [1, 3000], [64, 64]])
+    boxes = torch.tensor([[0, 0, 375, 500], [100, 250, 150, 100], [0, 2999, 1, 1], [7, 9, 20, 30]])
+    got = frame_boxes(boxes, sources, 256).tolist()
+    assert got[0] == [0, 0, 256, 256]  # the whole photo: the whole square
+    assert got[1] == [68, 128, 103, 51]  # edges 100 and 250 of 375 rows: 68.3 and 170.7
+    assert got[2] == [0, 255, 256, 1]  # at least a pixel, inside the square
+    assert got[3] == [28, 36, 80, 120]  # exact at 4x
 
 
 def test_the_cpu_and_device_resized_crops_agree():

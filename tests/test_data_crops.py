@@ -16,6 +16,7 @@ from cnnkit.data.augment import CropAugment
 from cnnkit.data.batch import BatchJob
 from cnnkit.data.decode import load_box
 from cnnkit.data.pack import pack_folder
+from cnnkit.data.packed import PackedImages
 from cnnkit.data.resize import box_region, resize_uint8
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
 from cnnkit.data.slots import SlotRing
@@ -76,14 +77,22 @@ def test_large_jpeg_is_dct_scaled_for_the_box(tmp_path, monkeypatch):
     path = tmp_path / "big.jpg"
     Image.fromarray(photo(256, 256, seed=5)).save(path, quality=95)
     asked = []
-    real = decode_module.decode_image
+    real = decode_module.decode_data
     monkeypatch.setattr(
-        decode_module, "decode_image", lambda *a, **k: asked.append(a) or real(*a, **k)
+        decode_module, "decode_data", lambda *a, **k: asked.append(k["factor"]) or real(*a, **k)
     )
     small = load_box(path, 64, "squash", (0, 0, 64, 64), 32, False)
     large = load_box(path, 64, "squash", (0, 0, 8, 8), 32, False)
-    assert asked[0][1] == 32 and asked[1][1] == 256  # the decoder may shrink 8x, then not at all
+    assert asked == [8, 1]  # the whole 256 px photo decoded at 1/8 for 32 px; a 32 px box whole
     assert small.shape == large.shape == (3, 32, 32)
+    whole = real(path.read_bytes()).array
+    ref = torch.nn.functional.interpolate(
+        torch.from_numpy(whole).permute(2, 0, 1)[None].float(),
+        size=(32, 32),
+        mode="bilinear",
+        antialias=True,
+    )[0]
+    assert (small.float() - ref).abs().mean() < 2  # 1/8 in the DCT domain: a few levels off
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +168,11 @@ def test_worker_crops_match_main_process_augmentation(photos, train_crop):
     for position, (batch, (x, y)) in enumerate(zip(stream.sampler, stream, strict=True)):
         whole = stream.dataset[BatchJob(batch)]
         raw, y_ref = whole.pixels, whole.labels
+        assert whole.sources.tolist() == [list(Image.open(p).size[::-1]) for p in
+                                          [stream.dataset.root / stream.dataset.files[i]
+                                           for i in stream.dataset.ids[batch]]]  # fmt: skip
         params = stream.augment.sample(
-            len(batch), 24, 24, batch_generator(stream.sampler, position)
+            len(batch), 24, 24, batch_generator(stream.sampler, position), whole.sources
         )
         ref = stream.augment.train(raw, params)
         assert torch.equal(y, y_ref)
@@ -184,3 +196,51 @@ def test_packed_worker_crops_equal_main_process_crops(photos, tmp_path, storage)
         # the same crops; only float rounding of the normalisation (fused there, two steps here)
         torch.testing.assert_close(x1, x2, rtol=0, atol=1e-5)
         assert torch.equal(y1, y2)
+
+
+def photo_sizes(root, rels) -> list[list[int]]:
+    return [list(Image.open(root / rel).size[::-1]) for rel in rels]  # (H, W)
+
+
+def test_a_pack_records_each_photos_size_for_the_boxes(photos, tmp_path):
+    """Squashed packs know each photo's (H, W); the packs of centre squares (whose boxes stay
+    in the square) and packs written before the sizes were recorded give None, and train."""
+    pack_folder(photos, tmp_path / "sq", size=24, progress=False, workers=1)
+    files = (tmp_path / "sq/files.txt").read_text().split()
+    ds = PackedImages(tmp_path / "sq")
+    assert ds.sources(np.arange(len(ds))).tolist() == photo_sizes(photos, files)
+    batch = ds[BatchJob([4, 0, 9])]
+    assert batch.sources.tolist() == photo_sizes(photos, [files[i] for i in (4, 0, 9)])
+    pack_folder(photos, tmp_path / "short", size=24, resize="shorter", progress=False, workers=1)
+    assert PackedImages(tmp_path / "short").sources(np.arange(3)) is None
+    with np.load(tmp_path / "sq/index.npz") as z:  # as an older cnnkit wrote it
+        older = {k: z[k] for k in z.files if k != "source"}
+    np.savez(tmp_path / "sq/index.npz", **older)
+    assert PackedImages(tmp_path / "sq").sources(np.arange(3)) is None
+    section = {"source": "packed", "path": str(tmp_path / "sq"), "batch_size": 4, "crop": 20,
+               "train_crop": "resized", "val_fraction": 0.0, "workers": 0}  # fmt: skip
+    x, _ = next(iter(data_config(section).build(CPU, seed=3).train))
+    assert x.shape == (4, 3, 20, 20)
+
+
+@pytest.mark.parametrize("storage", ["raw", "jpeg"])
+def test_packs_and_folders_draw_the_same_boxes_on_the_photos(photos, tmp_path, storage):
+    """The same seeded random-resized crops from a squashed pack (boxes on the photos, mapped
+    into the stored squares) as straight from the folder (boxes on the photos, cut from the
+    files): the pictures agree up to the pack's one extra resample, as they could not if
+    either drew its boxes in the square."""
+    pack_folder(photos, tmp_path / "p", size=24, format=storage, quality=95, progress=False)
+    common = {"batch_size": 4, "crop": 20, "train_crop": "resized", "val_fraction": 0.0,
+              "workers": 0, "mirror": False}  # fmt: skip
+    packed = data_config({"source": "packed", "path": str(tmp_path / "p"), **common})
+    packed = packed.build(CPU, seed=7).train  # folder()'s seed
+    plain = folder(photos, **common, lighting=0.0).train
+    files = (tmp_path / "p/files.txt").read_text().split()
+    assert [plain.dataset.files[i] for i in plain.dataset.ids] == files  # the same order
+    packed.augment.mean, packed.augment.std = plain.augment.mean, plain.augment.std
+    close = far = 0
+    for (x1, y1), (x2, y2) in zip(epoch(packed, 1), epoch(plain, 1), strict=True):
+        assert torch.equal(y1, y2)
+        close += (x1 - x2).abs().mean().item()
+        far += (x1 - x2.flip(0)).abs().mean().item()
+    assert close / 4.5 < 0.15 < far / 4.5  # normalised units (std 1 is ~58 levels)

@@ -131,7 +131,7 @@ def test_resize_matches_torch_interpolate_and_pil():
 def test_load_resized_same_result_for_jpeg_backends(tmp_path, monkeypatch):
     path = tmp_path / "a.jpg"
     path.write_bytes(jpeg_bytes(photo(64, 96)))
-    turbo, _ = load_resized(path, 48, "shorter")
+    turbo = load_resized(path, 48, "shorter").image
     monkeypatch.setattr(decode, "simplejpeg", None)
-    pillow, _ = load_resized(path, 48, "shorter")
+    pillow = load_resized(path, 48, "shorter").image
     assert (turbo.int() - pillow.int()).abs().float().mean() < 2  # same libjpeg-turbo inside

@@ -9,11 +9,13 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from data_images import write_bad_folder
+from data_images import photo, write_bad_folder
+from PIL import Image
 
 from cnnkit.data import data_config
 from cnnkit.data import loader as loader_module
 from cnnkit.data import workers as workers_module
+from cnnkit.data.batch import Encoded
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.synth import synth_shapes
 from cnnkit.errors import ConfigError, DataError
@@ -100,6 +102,35 @@ def test_a_batch_of_only_corrupt_jpegs_is_empty_on_the_device(device):
     pixels, kept = decode_batch(None, batch, Set(), torch.device(device))
     assert pixels.shape == (0, 3, 16, 16) and pixels.device.type == device
     assert len(kept) == 0 and [name for name, _ in kept.bad] == ["a", "b"]
+
+
+def test_jpegs_for_the_device_keep_their_photos_sizes(tmp_path):
+    """Random-resized crops of JPEGs decoded on the device are drawn on the photos too: the
+    workers hand back each kept photo's (H, W), and a JPEG the decoder refuses drops its own."""
+    from cnnkit.data.batch import BatchJob
+    from cnnkit.data.device_decode import decode_batch
+
+    for k, (h, w) in enumerate([(30, 50), (48, 20), (25, 25)]):
+        (tmp_path / "c" / f"{k}").parent.mkdir(exist_ok=True)
+        Image.fromarray(photo(h, w, seed=k)).save(tmp_path / "c" / f"{k}.jpg", quality=90)
+    (tmp_path / "d").mkdir()
+    Image.fromarray(photo(10, 10, seed=9)).save(tmp_path / "d" / "x.png")  # decoded by a worker
+    section = {"source": "folder", "path": str(tmp_path), "size": 16, "crop": 12,
+               "val_fraction": 0.0, "decode": "gpu", "train_crop": "resized"}  # fmt: skip
+    ds = data_config(section).build(CPU).train.dataset
+    names = [ds.files[i] for i in ds.ids]
+    batch = ds[BatchJob(list(range(len(names))), encoded=True)]
+    want = {"c/0.jpg": [30, 50], "c/1.jpg": [48, 20], "c/2.jpg": [25, 25], "d/x.png": [10, 10]}
+    assert batch.sources.tolist() == [want[n] for n in names]
+    coded = [i for i, n in enumerate(names) if n.endswith(".jpg")]
+    junk = coded[1]  # its bytes replaced by a JPEG no decoder reads
+    items = batch.encoded.items()
+    items[coded.index(junk)] = torch.frombuffer(bytearray(b"\xff\xd8\xff\xdb" + bytes(40)),
+                                                dtype=torch.uint8)  # fmt: skip
+    batch.encoded = Encoded.join([t.numpy() for t in items])
+    pixels, kept = decode_batch(None, batch, ds, CPU)
+    assert len(pixels) == len(kept) == 3
+    assert kept.sources.tolist() == [want[n] for i, n in enumerate(names) if i != junk]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision 0.29 on its decoders

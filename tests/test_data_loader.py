@@ -205,7 +205,7 @@ def test_zero_copy_views_augment_like_a_batch_tensor(packed, train_crop):
     positions = [0, 3, 5, 7]
     batch = ds[BatchJob(positions)]
     x, y = batch.pixels, batch.labels
-    views, y2 = ds.views(positions)
+    views, y2, _ = ds.views(positions)
     assert torch.equal(y, y2) and views.shape == x.shape
     p = aug.sample(4, 16, 16, torch.Generator().manual_seed(0))
     torch.testing.assert_close(aug.train(views, p, torch.empty(4, 3, 12, 12)), aug.train(x, p))

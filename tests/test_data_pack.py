@@ -48,7 +48,7 @@ def test_raw_pack_holds_every_image_resized_once(shapes, tmp_path, workers):
     files = (tmp_path / "p/files.txt").read_text().split()
     x, y = all_images(tmp_path / "p")
     for i, rel in enumerate(files):
-        expected, _ = load_resized(shapes / rel, 16, "squash")
+        expected = load_resized(shapes / rel, 16, "squash").image
         torch.testing.assert_close(x[i], expected, rtol=0, atol=0)
         assert meta["classes"][int(y[i])] == rel.split("/")[0]
     pixels = x.double().permute(1, 0, 2, 3).reshape(3, -1)

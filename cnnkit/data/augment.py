@@ -77,31 +77,78 @@ def _resize_weights(start: torch.Tensor, length: torch.Tensor, size: int, extent
     return weights if flip is None else torch.where(flip[:, None, None], weights.flip(1), weights)
 
 
-def sample_boxes(batch: int, height: int, width: int, scale: tuple[float, float],
-                 ratio: tuple[float, float], generator: torch.Generator) -> torch.Tensor:  # fmt: skip
-    """torchvision's RandomResizedCrop box rule, vectorised: 10 tries per image, else the centre.
+TRIES = 10  # torchvision's RandomResizedCrop: tries per image before its fallback
+DRAWS = 2 * TRIES + 2  # per image: each try's area and log aspect, then the box's place
 
-    Returns (B, 4) int64 top, left, height, width.
-    """
-    tries = 10
-    area = height * width * torch.empty(batch, tries).uniform_(*scale, generator=generator)
-    log_r = torch.empty(batch, tries).uniform_(
+
+def draw_boxes(batch: int, scale: tuple[float, float], ratio: tuple[float, float],
+               generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """The random numbers of torchvision's RandomResizedCrop for a batch, drawn before any
+    image's size is known: (B, DRAWS) float32, per image TRIES area fractions (uniform in
+    `scale`), TRIES log aspects (uniform in log `ratio`) and where the box goes (two uniforms
+    in [0, 1)). The same numbers whatever the sizes, so a resumed epoch repeats them."""
+    area = torch.empty(batch, TRIES).uniform_(*scale, generator=generator)
+    log_r = torch.empty(batch, TRIES).uniform_(
         math.log(ratio[0]), math.log(ratio[1]), generator=generator
     )
-    aspect = torch.exp(log_r)
+    place = torch.rand(2, batch, generator=generator).T
+    return torch.cat([area, log_r, place], 1)
+
+
+def rrc_boxes(draws: torch.Tensor, height: torch.Tensor | int, width: torch.Tensor | int,
+              ratio: tuple[float, float]) -> torch.Tensor:  # fmt: skip
+    """torchvision's RandomResizedCrop box rule on images of `height` x `width` pixels (each
+    image its own, or one for all), from `draw_boxes`' numbers: the first of the tries whose box
+    fits, placed anywhere in the image; if none fits, the centred box of the whole image, its
+    aspect clamped to `ratio` (torchvision's fallback). Returns (B, 4) int64 top, left, height,
+    width in those images' pixels."""
+    B = draws.shape[0]
+    H = torch.as_tensor(height, dtype=torch.int64).expand(B)
+    W = torch.as_tensor(width, dtype=torch.int64).expand(B)
+    area = (H * W)[:, None] * draws[:, :TRIES]
+    aspect = torch.exp(draws[:, TRIES : 2 * TRIES])
     w = torch.sqrt(area * aspect).round().long()
     h = torch.sqrt(area / aspect).round().long()
-    ok = (w > 0) & (h > 0) & (w <= width) & (h <= height)
-    first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((batch,), -1))
-    pick = first.clamp(min=0)[:, None]
-    h, w = h.gather(1, pick)[:, 0], w.gather(1, pick)[:, 0]
-    side = min(height, width)  # fallback (no try fit): a square (torchvision's for the square
-    # frames cnnkit crops from; it clamps a non-square one's aspect to `ratio` and centres it)
-    h = torch.where(first >= 0, h, torch.full_like(h, side))
-    w = torch.where(first >= 0, w, torch.full_like(w, side))
-    top = (torch.rand(batch, generator=generator) * (height - h + 1)).long()
-    left = (torch.rand(batch, generator=generator) * (width - w + 1)).long()
+    ok = (w > 0) & (h > 0) & (w <= W[:, None]) & (h <= H[:, None])
+    pick = ok.float().argmax(1, keepdim=True)  # the first try that fits
+    h, w, fits = h.gather(1, pick)[:, 0], w.gather(1, pick)[:, 0], ok.any(1)
+    fall_h, fall_w = _fallback_box(H, W, ratio)
+    h, w = torch.where(fits, h, fall_h), torch.where(fits, w, fall_w)
+    place = draws[:, 2 * TRIES :]
+    top = torch.where(fits, (place[:, 0] * (H - h + 1)).long(), (H - h) // 2)
+    left = torch.where(fits, (place[:, 1] * (W - w + 1)).long(), (W - w) // 2)
     return torch.stack([top, left, h, w], 1)
+
+
+def _fallback_box(H: torch.Tensor, W: torch.Tensor,
+                  ratio: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """torchvision's box when no try fits: the whole image, its aspect clamped to `ratio`."""
+    in_ratio = W / H
+    narrow, wide = in_ratio < min(ratio), in_ratio > max(ratio)
+    h = torch.where(narrow, (W / min(ratio)).round().long(), H)
+    w = torch.where(wide, (H * max(ratio)).round().long(), W)
+    return h, w
+
+
+def frame_boxes(boxes: torch.Tensor, sources: torch.Tensor, size: int) -> torch.Tensor:
+    """Boxes (B, 4: top, left, height, width) in each source's pixels ((B, 2): H, W) as boxes
+    of the size x size square the source was squashed into: each edge to the nearest pixel,
+    at least one pixel, inside the square."""
+    H, W = sources[:, 0:1].double(), sources[:, 1:2].double()
+    top, left, h, w = boxes.double().split(1, 1)
+    y = torch.cat([top, top + h], 1).mul_(size / H).round_().long()
+    x = torch.cat([left, left + w], 1).mul_(size / W).round_().long()
+    y0, x0 = y[:, 0].clamp(max=size - 1), x[:, 0].clamp(max=size - 1)
+    y1 = torch.maximum(y[:, 1], y0 + 1).clamp(max=size)
+    x1 = torch.maximum(x[:, 1], x0 + 1).clamp(max=size)
+    return torch.stack([y0, x0, y1 - y0, x1 - x0], 1)
+
+
+def sample_boxes(batch: int, height: int, width: int, scale: tuple[float, float],
+                 ratio: tuple[float, float], generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """torchvision's RandomResizedCrop boxes on `batch` images of height x width pixels:
+    (B, 4) int64 top, left, height, width."""
+    return rrc_boxes(draw_boxes(batch, scale, ratio, generator), height, width, ratio)
 
 
 def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -158,8 +205,15 @@ class CropAugment:
                        std.view(-1, 1, 1).to(device), scale=self.scale, ratio=self.ratio,
                        **lighting)  # fmt: skip
 
-    def sample(self, batch: int, height: int, width: int, generator: torch.Generator) -> dict:
-        """Random parameters of one training batch (CPU tensors)."""
+    def sample(self, batch: int, height: int, width: int, generator: torch.Generator,
+               sources: torch.Tensor | None = None) -> dict:  # fmt: skip
+        """Random parameters of one training batch (CPU tensors) of height x width images.
+
+        sources: (B, 2) each image's own (H, W) where it was squashed into that square (a
+        photo): random-resized-crop boxes are then drawn on the photo, as torchvision draws
+        them, and mapped into the square (else drawn in the square itself). "draws" keeps the
+        numbers they came from (for workers that learn the sizes as they read the files).
+        """
         g = generator
         flip = torch.rand(batch, generator=g) < 0.5
         p = {
@@ -167,7 +221,12 @@ class CropAugment:
             "alpha": torch.randn(batch, 3, generator=g) * self.lighting,
         }
         if self.train_crop == "resized":
-            p["boxes"] = sample_boxes(batch, height, width, self.scale, self.ratio, g)
+            p["draws"] = draw_boxes(batch, self.scale, self.ratio, g)
+            if sources is None or height != width:
+                p["boxes"] = rrc_boxes(p["draws"], height, width, self.ratio)
+            else:
+                boxes = rrc_boxes(p["draws"], sources[:, 0], sources[:, 1], self.ratio)
+                p["boxes"] = frame_boxes(boxes, sources, height)
         else:
             p["top"] = torch.randint(0, height - self.crop + 1, (batch,), generator=g)
             p["left"] = torch.randint(0, width - self.crop + 1, (batch,), generator=g)

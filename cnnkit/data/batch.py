@@ -14,16 +14,31 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from cnnkit.data.augment import rrc_boxes
+
 
 @dataclass
 class Crops:
     """The random crops a worker cuts (CPU training): boxes of the size x size image, mirrors,
-    and the lighting draws handed back with the batch (the main process adds the lighting)."""
+    and the lighting draws handed back with the batch (the main process adds the lighting).
+
+    Random-resized crops also carry their draws: a worker that knows each image's own size
+    (a photo squashed into the square) draws the boxes on the photos instead (`on_sources`).
+    """
 
     boxes: torch.Tensor  # (B, 4) int64: top, left, height, width
     flip: torch.Tensor  # (B,) bool
     alpha: torch.Tensor  # (B, 3) lighting draws
     side: int  # output side (the network's input)
+    draws: torch.Tensor | None = None  # (B, DRAWS) random-resized-crop draws (augment.py)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)  # their aspect range
+
+    def on_sources(self, sources: torch.Tensor) -> torch.Tensor | None:
+        """The boxes drawn on images of these (B, 2) sizes (H, W), in their pixels: None for
+        crops that keep their boxes (random crops)."""
+        if self.draws is None:
+            return None
+        return rrc_boxes(self.draws, sources[:, 0], sources[:, 1], self.ratio)
 
 
 @dataclass
@@ -75,6 +90,8 @@ class WorkerBatch:
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)  # others, decoded here
     names: list[str] = field(default_factory=list)  # each kept image's file (encoded jobs)
     alpha: torch.Tensor | None = None  # (B, 3) lighting draws when the worker cropped
+    sources: torch.Tensor | None = None  # (B, 2) int64 each photo's own (H, W) where it was
+    # squashed into the stored square (random-resized crops are drawn on it); None: unknown
     bad: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) skipped
 
     def __len__(self) -> int:
@@ -110,4 +127,6 @@ class BatchDataset(Protocol):
 
     def __getitem__(self, job: BatchJob) -> WorkerBatch: ...
 
-    def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor]: ...
+    def views(
+        self, positions: list[int]
+    ) -> tuple[ImageList, torch.Tensor, torch.Tensor | None]: ...  # + WorkerBatch.sources

@@ -121,8 +121,10 @@ def dct_factor(h: int, w: int, size: int | None, mode: ResizeMode) -> int:
     return max(factor, 1)
 
 
-def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -> Decoded | None:
-    """Decode an RGB/grey JPEG with simplejpeg, or None to let Pillow do it."""
+def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool,
+                  factor: int | None) -> Decoded | None:  # fmt: skip
+    """Decode an RGB/grey JPEG with simplejpeg (DCT-scaled by `factor`, else as `size` allows),
+    or None to let Pillow do it."""
     if simplejpeg is None:
         return None
     try:
@@ -131,7 +133,7 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool) -
         return None
     if colorspace not in ("RGB", "YCbCr", "Gray"):  # CMYK/YCCK: Pillow knows Adobe's inversion
         return None
-    factor = dct_factor(h, w, size, mode)
+    factor = dct_factor(h, w, size, mode) if factor is None else factor
     min_h, min_w = -(-h // factor), -(-w // factor)  # what libjpeg returns at 1/factor
     check_pixels(min_w, min_h)  # the DCT-scaled size is what gets allocated
     note = "greyscale -> RGB" if colorspace == "Gray" else None  # as Pillow's path says
@@ -158,8 +160,9 @@ def _jpeg_reason(message: str) -> str:
     return f"corrupt JPEG ({message.strip()})"
 
 
-def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str) -> Decoded:
-    """Decode anything Pillow reads."""
+def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str,
+                   factor: int | None) -> Decoded:  # fmt: skip
+    """Decode anything Pillow reads (a JPEG DCT-scaled as _decode_turbo does)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -167,9 +170,12 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str)
             notes = []
             if im.format == "PNG" and suffix in (".jpg", ".jpeg"):
                 notes.append("PNG data in a .JPEG file")
-            source, factor = (im.height, im.width), 1
-            if im.format == "JPEG" and size:
+            source = (im.height, im.width)
+            if factor is None:
                 factor = dct_factor(im.height, im.width, size, mode)
+            if im.format != "JPEG":
+                factor = 1
+            elif factor > 1:
                 drafted = im.draft("RGB", (im.width // factor, im.height // factor))
                 factor = round(source[1] / drafted[1][2]) if drafted else 1  # (0, 0, W/f, H/f)
             check_pixels(im.width, im.height)  # after draft: the size that will be decoded
@@ -261,14 +267,56 @@ def decode_image(
     Raises BadImage with the reason when the file cannot be used.
     """
     path = Path(path)
-    data = read_file(path)
+    return decode_data(read_file(path), size, mode, fast, path.suffix.lower())
+
+
+def decode_data(data: bytes, size: int | None = None, mode: ResizeMode = "squash",
+                fast: bool = False, suffix: str = "", factor: int | None = None) -> Decoded:  # fmt: skip
+    """decode_image of a file's bytes (`suffix`: its name's, for notes); `factor`: the DCT
+    scaling to decode a JPEG at, instead of the one `size` allows."""
     if not data:
         raise BadImage("empty file")
     if data.startswith(_JPEG_MAGIC):
-        decoded = _decode_turbo(data, size, mode, fast)
+        decoded = _decode_turbo(data, size, mode, fast, factor)
         if decoded is not None:
             return decoded
-    return _decode_pillow(data, size, mode, path.suffix.lower())
+    return _decode_pillow(data, size, mode, suffix, factor)
+
+
+class ImageFile(NamedTuple):
+    """A file's bytes, its name's suffix and its image's (H, W), read from its header."""
+
+    data: bytes
+    suffix: str
+    shape: tuple[int, int]
+
+
+def open_image(path: str | Path) -> ImageFile:
+    """Read a file and the size of its image from the header (the pixels are not decoded);
+    BadImage as decode_image would raise it."""
+    path = Path(path)
+    data, suffix = read_file(path), path.suffix.lower()
+    shape = image_shape(data)
+    if shape is None:  # no header that says: decoding says why (or finds the size after all)
+        shape = decode_data(data, suffix=suffix).source
+    return ImageFile(data, suffix, shape)
+
+
+def image_shape(data: bytes) -> tuple[int, int] | None:
+    """(H, W) from an image's header, None where it cannot be read."""
+    if data.startswith(_JPEG_MAGIC) and simplejpeg is not None:
+        try:
+            h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+            return h, w
+        except ValueError:
+            pass
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                return im.height, im.width
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None  # (UnidentifiedImageError is an OSError)
 
 
 def read_image(
@@ -322,28 +370,54 @@ def encode_jpeg(image_chw: np.ndarray, quality: int) -> bytes:
     return out.getvalue()
 
 
+class Resized(NamedTuple):
+    """An image resized to size x size: (3, size, size) uint8, the conversion note (Decoded's)
+    and the source's (H, W)."""
+
+    image: torch.Tensor
+    note: str | None
+    source: tuple[int, int]
+
+
 def load_resized(
     path: str | Path, size: int, mode: ResizeMode = "squash", fast: bool = False
-) -> tuple:
-    """decode_image + resize_uint8: ((3, size, size) uint8 tensor, note)."""
+) -> Resized:
+    """decode_image + resize_uint8."""
     array, note, factor, source = decode_image(path, size, mode, fast)
-    return resize_uint8(array, size, mode, factor, source), note
+    return Resized(resize_uint8(array, size, mode, factor, source), note, source)
 
 
-def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int, int, int],
-             crop: int, flip: bool) -> np.ndarray:  # fmt: skip
-    """Box (top, left, h, w) of the image resized to size x size, itself resized to crop x crop
-    (mirrored if flip), straight from the file: one resize, DCT-scaled as far as the box allows.
+def region_factor(region: tuple[int, int, int, int], crop: int) -> int:
+    """The DCT scaling (8, 4, 2 or 1) at which a JPEG's region (y0, x0, y1, x1) still has at
+    least crop x crop pixels: resizing it to the crop never upsamples what a full decode would
+    not."""
+    h, w = region[2] - region[0], region[3] - region[1]
+    factor = 8
+    while factor >= 2 and (h // factor < crop or w // factor < crop):
+        factor //= 2
+    return max(factor, 1)
 
-    Close to resize_uint8 then cropping and resizing the box, for half the work. Returns a
-    (3, crop, crop) uint8 tensor (any strides: copy it out). Raises BadImage like read_image.
-    """
-    need = -(-size * crop // min(box[2], box[3]))  # the box stays >= crop at this size
-    array, _, factor, source = decode_image(path, need, mode, fast=True)  # a training crop
-    y0, x0, y1, x1 = box_region(source, box, size, mode)  # in source pixels
+
+def load_region(image: ImageFile, region: tuple[int, int, int, int], crop: int,
+                flip: bool) -> torch.Tensor:  # fmt: skip
+    """Region (y0, x0, y1, x1) of an image, in its own pixels, resized to crop x crop (mirrored
+    if flip): one decode, DCT-scaled as far as the region allows, one resize. Returns a
+    (3, crop, crop) uint8 tensor (any strides: copy it out). Raises BadImage like read_image."""
+    factor = region_factor(region, crop)
+    array, _, factor, _ = decode_data(image.data, fast=True, suffix=image.suffix, factor=factor)
+    y0, x0, y1, x1 = region
     if factor > 1:  # in decoded pixels: the nearest edges (under half a pixel of jitter)
         h, w = array.shape[:2]
         y0, x0 = min(round(y0 / factor), h - 1), min(round(x0 / factor), w - 1)
         y1 = min(max(round(y1 / factor), y0 + 1), h)
         x1 = min(max(round(x1 / factor), x0 + 1), w)
     return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
+
+
+def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int, int, int],
+             crop: int, flip: bool) -> torch.Tensor:  # fmt: skip
+    """Box (top, left, h, w) of the image resized to size x size, itself resized to crop x crop
+    (mirrored if flip), straight from the file (load_region of the box's place in the image):
+    close to resize_uint8 then cropping and resizing the box, for half the work."""
+    image = open_image(path)
+    return load_region(image, box_region(image.shape, box, size, mode), crop, flip)

@@ -99,5 +99,6 @@ def decode_batch(pixels: torch.Tensor | None, batch: WorkerBatch, dataset: Batch
     out = torch.stack(parts) if parts else empty
     if len(keep) < n:
         bad = [(batch.names[i], "corrupt JPEG (device decoder)") for i in range(n) if i not in keep]
-        batch = WorkerBatch(batch.labels[keep], bad=bad)
+        sources = None if batch.sources is None else batch.sources[keep]
+        batch = WorkerBatch(batch.labels[keep], bad=bad, sources=sources)
     return out, batch

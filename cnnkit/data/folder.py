@@ -6,6 +6,7 @@ bad images are reported and skipped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -16,9 +17,19 @@ from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
-from cnnkit.data.batch import BatchJob, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import MAX_PIXELS, BadImage, device_jpeg, load_box, load_resized
+from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
+from cnnkit.data.decode import (
+    MAX_PIXELS,
+    BadImage,
+    ImageFile,
+    device_jpeg,
+    image_shape,
+    load_region,
+    load_resized,
+    open_image,
+)
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
+from cnnkit.data.resize import box_region
 from cnnkit.data.scan import scan_folder
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError
@@ -52,50 +63,86 @@ class FolderImages(Dataset):
     def _decoded(self, job: BatchJob) -> WorkerBatch:
         """Decode each image into the batch: whole (resized) or its crop."""
         ids = self.ids[job.positions]
+        paths = [self.root / self.files[i] for i in ids]
         side = job.crops.side if job.crops else self.size
         x = new_batch(len(ids), side) if job.slot is None else self.slots[job.slot]
-        kept, bad = [], []
-        for k, i in enumerate(ids):
-            path = self.root / self.files[i]
+        cut = self._crops(paths, job.crops) if job.crops else None
+        kept, bad, sources = [], [], []
+        for k, path in enumerate(paths):
             try:  # odd images are converted
-                x[len(kept)].copy_(self._decode(path, job, k))
-                kept.append(k)
+                if cut is None:
+                    image, _, source = load_resized(path, self.size, self.resize_mode)
+                else:
+                    image, source = cut(k)
+                x[len(kept)].copy_(image)
             except BadImage as e:
                 bad.append((str(path), str(e)))
+                continue
+            kept.append(k)
+            sources.append(source)
         labels = torch.from_numpy(self.labels[ids[kept]])
         alpha = job.crops.alpha[kept] if job.crops else None
         pixels = x[: len(kept)] if job.slot is None else None
-        return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad)
+        return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad,
+                           sources=self._sources(sources))  # fmt: skip
 
-    def _decode(self, path: Path, job: BatchJob, k: int) -> torch.Tensor:
-        if job.crops is None:
-            return load_resized(path, self.size, self.resize_mode)[0]
-        c = job.crops
-        return load_box(path, self.size, self.resize_mode, c.boxes[k].tolist(), c.side,
-                        bool(c.flip[k]))  # fmt: skip
+    def _crops(self, paths: list[Path], c: Crops) -> Callable[[int], tuple]:
+        """Image k's crop and size, for k in the batch: every file read (and its size from the
+        header) first, so that the boxes of photos squashed whole are drawn on the photos, all
+        at once, as the main process draws them."""
+        files: list[ImageFile | BadImage] = []
+        for path in paths:
+            try:
+                files.append(open_image(path))
+            except BadImage as e:
+                files.append(e)
+        shapes = [f.shape if isinstance(f, ImageFile) else (1, 1) for f in files]
+        on_photos = c.on_sources(torch.tensor(shapes)) if self.resize_mode == "squash" else None
+
+        def cut(k: int) -> tuple[torch.Tensor, tuple[int, int]]:
+            image = files[k]
+            if isinstance(image, BadImage):
+                raise image
+            if on_photos is None:
+                region = box_region(image.shape, c.boxes[k].tolist(), self.size, self.resize_mode)
+            else:
+                top, left, h, w = on_photos[k].tolist()
+                region = (top, left, top + h, left + w)
+            return load_region(image, region, c.side, bool(c.flip[k])), image.shape
+
+        return cut
+
+    def _sources(self, shapes: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The batch's photo sizes where each was squashed whole (see WorkerBatch.sources)."""
+        if self.resize_mode != "squash":
+            return None
+        return torch.tensor(shapes, dtype=torch.int64).reshape(-1, 2)
 
     def _encoded(self, job: BatchJob) -> WorkerBatch:
         """JPEG bytes for the device; other images decoded here; broken ones reported."""
         ids = self.ids[job.positions]
-        coded, decoded, kept, names, bad = [], {}, [], [], []
+        coded, decoded, kept, names, bad, sources = [], {}, [], [], [], []
         for i in ids:
             path = self.root / self.files[i]
             try:
                 data = device_jpeg(path)
                 if data is None:  # not a JPEG the device decoders take: decode it here
-                    decoded[len(kept)] = load_resized(path, self.size, self.resize_mode)[0]
+                    image, _, source = load_resized(path, self.size, self.resize_mode)
+                    decoded[len(kept)] = image
                 else:
                     coded.append(data)
+                    source = image_shape(data)
             except BadImage as e:
                 bad.append((str(path), str(e)))
                 continue
             kept.append(i)
             names.append(str(path))
+            sources.append(source)
         labels = torch.from_numpy(self.labels[np.asarray(kept, np.int64)])
         return WorkerBatch(labels, encoded=Encoded.join(coded), decoded=decoded, names=names,
-                           bad=bad)  # fmt: skip
+                           bad=bad, sources=self._sources(sources))  # fmt: skip
 
-    def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor]:
+    def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor, None]:
         raise TypeError("folder images are decoded, never viewed in place (direct is False)")
 
 

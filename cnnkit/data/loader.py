@@ -53,7 +53,7 @@ class ImageSetConfig(DataConfigBase):
     train_crop: Literal["random", "resized"] = Field(
         "random",
         description="random: random crop; resized: random-resized-crop (torchvision's box "
-        "rule, drawn in the size x size image)",
+        "rule, drawn on each photo at its own size)",
     )
     scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
     mirror: bool = Field(True, description="random horizontal mirror in training")
@@ -295,8 +295,8 @@ class ImageBatches:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.mode == "views":
             for position, batch in enumerate(self.sampler, self.sampler.skip):
-                x, y = self.dataset.views(batch)
-                yield self._augment(x, position, None), y
+                x, y, sources = self.dataset.views(batch)
+                yield self._augment(x, position, None, sources), y
         elif self._feed is not None:
             yield from self._feed.overlapped(self._on_device())
         else:
@@ -304,7 +304,7 @@ class ImageBatches:
                 if self.mode == "encoded":
                     pixels, batch = decode_batch(pixels, batch, self.dataset, self.device)
                     self._report(batch.bad)
-                x = self._augment(pixels.to(self.device), position, batch.alpha)
+                x = self._augment(pixels.to(self.device), position, batch.alpha, batch.sources)
                 self.release(batch)  # normalised into a buffer of its own: the slot is read
                 yield x, batch.labels.to(self.device)
 
@@ -321,18 +321,20 @@ class ImageBatches:
                     x = pixels.to(self.device, non_blocking=True)
                     self.release(batch, torch.cuda.current_stream(self.device).record_event())
                 y = batch.labels.to(self.device, non_blocking=True)
-                return self._augment(x, position, batch.alpha), y
+                return self._augment(x, position, batch.alpha, batch.sources), y
 
             yield prepare
 
-    def _augment(self, x, position: int, alpha: torch.Tensor | None) -> torch.Tensor:
+    def _augment(self, x, position: int, alpha: torch.Tensor | None,
+                 sources: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if not len(x):  # every image of the batch unreadable (reported): an empty batch
             crop, channels = self.augment.crop, 1 if self.grey is not None else x.shape[1]
             return torch.empty((0, channels, crop, crop), device=self.device)
-        x = self._augment_rgb(x, position, alpha)
+        x = self._augment_rgb(x, position, alpha, sources)
         return x if self.grey is None else (x * self.grey).sum(1, keepdim=True)
 
-    def _augment_rgb(self, x, position: int, alpha: torch.Tensor | None) -> torch.Tensor:
+    def _augment_rgb(self, x, position: int, alpha: torch.Tensor | None,
+                     sources: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         crop = self.augment.crop
         out = self._pool.take((x.shape[0], x.shape[1], crop, crop)) if self._pool else None
         # while workers decode, main's per-image kernels on many threads only fight them
@@ -343,7 +345,7 @@ class ImageBatches:
             if alpha is not None:  # cropped by the workers: normalise only
                 return self.augment.finish(x, alpha, out)
             g = batch_generator(self.sampler, position)
-            params = self.augment.sample(x.shape[0], x.shape[2], x.shape[3], g)
+            params = self.augment.sample(x.shape[0], x.shape[2], x.shape[3], g, sources)
             return self.augment.train(x, params, out)
 
 

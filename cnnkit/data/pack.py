@@ -7,7 +7,7 @@ process), and a shard is finished by an atomic marker, so an interrupted pack re
 image, per-channel mean/std and RGB covariance (for PCA lighting) are computed alongside.
 
     DST/meta.json          format, size, resize, classes, counts, stats (written last)
-    DST/index.npz          labels, shard, offset, length per packed image
+    DST/index.npz          labels, shard, offset, length, source (H, W) per packed image
     DST/mean.npy           (3, S, S) float32 mean image
     DST/files.txt          source path of each packed image, in index order
     DST/bad_images.tsv     path, skipped|converted, reason (non-image files and duplicates too)
@@ -213,7 +213,7 @@ def _merge_markers(dst: Path, jobs: list[PackJob]) -> tuple[dict, dict, list, li
     """The shard markers summed and joined: (stat totals, index arrays, files, report lines)."""
     size = jobs[0].size
     total = {"image": np.zeros((3, size, size)), "channel": np.zeros(3), "xxt": np.zeros((3, 3))}
-    index = {"labels": [], "shard": [], "offset": [], "length": []}
+    index = {"labels": [], "shard": [], "offset": [], "length": [], "source": []}
     files, report = [], []
     for job in jobs:
         with np.load(dst / "shards" / f"{job.shard:05d}.npz") as z:
@@ -223,8 +223,12 @@ def _merge_markers(dst: Path, jobs: list[PackJob]) -> tuple[dict, dict, list, li
             index["shard"].append(np.full(len(z["labels"]), job.shard, np.int32))
             index["offset"].append(z["offsets"])
             index["length"].append(z["lengths"])
+            # (None from a marker an older cnnkit wrote, when resuming its pack: left out)
+            index["source"].append(z["sources"] if "sources" in z.files else None)
             files += [job.files[k] for k in z["kept"]]
             report += list(z["report"])
+    if any(part is None for part in index["source"]):
+        del index["source"]
     return total, {k: np.concatenate(v) for k, v in index.items()}, files, report
 
 

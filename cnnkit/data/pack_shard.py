@@ -73,11 +73,11 @@ def _write_records(job: PackJob, out: IO[bytes]) -> dict[str, np.ndarray]:
     """Write the shard's images to `out`; returns what its done marker holds."""
     size = job.size
     sums = {"image": np.zeros((3, size, size)), "channel": np.zeros(3), "xxt": np.zeros((3, 3))}
-    kept, labels, offsets, lengths, report = [], [], [], [], []
+    kept, labels, offsets, lengths, sources, report = [], [], [], [], [], []
     offset = 0
     for i, (rel, label) in enumerate(zip(job.files, job.labels, strict=True)):
         try:
-            image, note = load_resized(Path(job.root) / rel, size, job.resize)
+            image, note, source = load_resized(Path(job.root) / rel, size, job.resize)
         except BadImage as e:
             report.append(f"{printable(rel)}\tskipped\t{e}")
             continue
@@ -87,6 +87,7 @@ def _write_records(job: PackJob, out: IO[bytes]) -> dict[str, np.ndarray]:
         record = pixels.tobytes() if job.format == "raw" else encode_jpeg(pixels, job.quality)
         out.write(record)
         kept.append(i), labels.append(label), offsets.append(offset), lengths.append(len(record))
+        sources.append(source)
         offset += len(record)
         sums["image"] += pixels
         channel, xxt = _image_stats(image, len(kept))
@@ -94,4 +95,5 @@ def _write_records(job: PackJob, out: IO[bytes]) -> dict[str, np.ndarray]:
         sums["xxt"] += xxt
     return {"kept": np.array(kept, np.int64), "labels": np.array(labels, np.int64),
             "offsets": np.array(offsets, np.int64), "lengths": np.array(lengths, np.int64),
+            "sources": np.array(sources, np.int64).reshape(-1, 2),
             "report": np.array(report, dtype=str), **sums}  # fmt: skip

@@ -16,9 +16,9 @@ import torch
 from pydantic import Field
 from torch.utils.data import Dataset
 
-from cnnkit.data.augment import lighting_from_cov
+from cnnkit.data.augment import frame_boxes, lighting_from_cov
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
-from cnnkit.data.batch import BatchJob, Encoded, ImageList, WorkerBatch
+from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
 from cnnkit.data.resize import resize_crop
@@ -66,11 +66,16 @@ def read_index(path: Path, meta: dict) -> dict[str, np.ndarray]:
     try:
         with np.load(path / "index.npz") as z:
             index = {k: z[k] for k in ("labels", "shard", "offset", "length")}
+            if "source" in z.files:  # each photo's size (an older pack has none)
+                index["source"] = z["source"]
         shards = list(meta["shards"])
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         raise DataError(
             f"{path}/index.npz: unreadable ({one_line(e, 80)}); pack the set again"
         ) from None
+    if "source" in index and index["source"].shape != (len(index["labels"]), 2):
+        raise DataError(f"{path}/index.npz: damaged (source sizes of shape "
+                        f"{index['source'].shape}); pack the set again")  # fmt: skip
     ends = index["offset"] + index["length"]
     need = np.zeros(len(shards), np.int64)
     np.maximum.at(need, index["shard"], ends)
@@ -102,6 +107,8 @@ class PackedImages(Dataset):
         self.size, self.resize_mode = self.meta["size"], self.meta["resize"]
         self.direct = self.meta["storage"] == "raw"  # a CPU device crops from the page cache
         self.jpeg = self.meta["storage"] == "jpeg"
+        # each photo's own (H, W), where it was squashed whole into the square
+        self._source_hw = self.index.get("source") if self.resize_mode == "squash" else None
         self._shards: list[np.memmap] | None = None  # opened lazily in each process
         self._files: list[str] | None = None  # files.txt, read at the first damaged record
 
@@ -156,12 +163,17 @@ class PackedImages(Dataset):
                 self._files = []
         return self._files[i] if i < len(self._files) else "?"
 
+    def sources(self, ids: np.ndarray) -> torch.Tensor | None:
+        """(B, 2) int64 the (H, W) of the photos images `ids` were squashed from, None where
+        the set does not say (packed shorter-side, or by an older cnnkit)."""
+        return None if self._source_hw is None else torch.from_numpy(self._source_hw[ids])
+
     def __getitem__(self, job: BatchJob) -> WorkerBatch:
         ids = self.ids[job.positions]
         labels = torch.from_numpy(self.labels[ids])
         if job.encoded:
             return WorkerBatch(labels, encoded=Encoded.join([self._record(i) for i in ids]),
-                               names=[self.name(i) for i in ids])  # fmt: skip
+                               names=[self.name(i) for i in ids], sources=self.sources(ids))  # fmt: skip
         side = job.crops.side if job.crops else self.size
         x = new_batch(len(ids), side) if job.slot is None else self.slots[job.slot]
         with torch_threads(1):  # per-image resizes (already so in a worker process)
@@ -170,13 +182,15 @@ class PackedImages(Dataset):
             labels = labels[kept]
         alpha = job.crops.alpha[kept] if job.crops else None
         pixels = x[: len(kept)] if job.slot is None else None
-        return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad)
+        return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad,
+                           sources=self.sources(ids[kept]))  # fmt: skip
 
     def _fill(self, out: torch.Tensor, ids: np.ndarray, job: BatchJob) -> tuple[list, list]:
         """Every image of the batch into `out`, in order: whole (one memcpy from the page cache,
         or a decode) or its crop, resized and mirrored. Returns (positions kept, (name, reason)
         of the damaged JPEG records left out)."""
         kept, bad, c = [], [], job.crops
+        boxes = None if c is None else self._boxes(c, ids)
         for k, i in enumerate(ids):
             slot = out[len(kept)]
             try:
@@ -185,7 +199,7 @@ class PackedImages(Dataset):
                 elif c is None:
                     slot.copy_(self._image(i))
                 else:
-                    top, left, h, w = c.boxes[k].tolist()
+                    top, left, h, w = boxes[k].tolist()
                     region = self._image(i)[:, top : top + h, left : left + w]
                     slot.copy_(resize_crop(region, c.side, bool(c.flip[k])))
             except BadImage as e:
@@ -194,11 +208,19 @@ class PackedImages(Dataset):
             kept.append(k)
         return kept, bad
 
-    def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor]:
-        """(images as views of the mapped shards, labels): the zero-copy batch of a CPU device."""
+    def _boxes(self, crops: Crops, ids: np.ndarray) -> torch.Tensor:
+        """The crops' boxes in the stored squares: drawn on the photos where the set knows
+        their sizes (as the main process draws them), else as the crops came."""
+        sources = self.sources(ids)
+        on_photos = None if sources is None else crops.on_sources(sources)
+        return crops.boxes if on_photos is None else frame_boxes(on_photos, sources, self.size)
+
+    def views(self, positions: list[int]) -> tuple[ImageList, torch.Tensor, torch.Tensor | None]:
+        """(images as views of the mapped shards, labels, their photos' sizes (`sources`)): the
+        zero-copy batch of a CPU device."""
         ids, s = self.ids[positions], self.size
         views = [self._record(i).reshape(3, s, s) for i in ids]
-        return ImageList(views), torch.from_numpy(self.labels[ids])
+        return ImageList(views), torch.from_numpy(self.labels[ids]), self.sources(ids)
 
 
 def _val_label_map(train_classes: list[str], val_classes: list[str], where: str) -> np.ndarray:

@@ -96,6 +96,7 @@ class JobSampler(Sampler[BatchJob]):
             if self.augment is not None:
                 g = batch_generator(self.sampler, position)
                 p = self.augment.sample(len(batch), self.size, self.size, g)
-                crops = Crops(self.augment.boxes(p), p["flip"], p["alpha"], self.augment.crop)
+                crops = Crops(self.augment.boxes(p), p["flip"], p["alpha"], self.augment.crop,
+                              p.get("draws"), self.augment.ratio)  # fmt: skip
             slot = self.ring.take() if self.ring is not None else None
             yield BatchJob(batch, slot, crops, self.encoded)
