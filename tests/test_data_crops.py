@@ -14,7 +14,7 @@ from cnnkit.data import data_config
 from cnnkit.data import decode as decode_module
 from cnnkit.data.augment import CropAugment
 from cnnkit.data.batch import BatchJob
-from cnnkit.data.decode import load_box
+from cnnkit.data.decode import load_region, open_image
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
 from cnnkit.data.resize import box_region, resize_uint8
@@ -22,6 +22,13 @@ from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
 from cnnkit.data.slots import SlotRing
 
 CPU = torch.device("cpu")
+
+
+def load_box(path, size, mode, box, crop, flip) -> torch.Tensor:
+    """Box (top, left, h, w) of the image resized to size x size, resized to crop x crop from
+    the file: the folder workers' way (the box's region of the photo, then load_region)."""
+    image = open_image(path)
+    return load_region(image, box_region(image.shape, box, size, mode), crop, flip)
 
 
 def two_step(path, size, mode, box, crop, flip) -> torch.Tensor:

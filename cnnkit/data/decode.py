@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from cnnkit.data.resize import ResizeMode, box_region, centre_offset, resize_crop, resize_uint8
+from cnnkit.data.resize import ResizeMode, centre_offset, resize_crop, resize_uint8
 
 try:  # libjpeg-turbo with DCT scaling straight into numpy; Pillow's draft is the fallback
     import simplejpeg
@@ -412,12 +412,3 @@ def load_region(image: ImageFile, region: tuple[int, int, int, int], crop: int,
         y1 = min(max(round(y1 / factor), y0 + 1), h)
         x1 = min(max(round(x1 / factor), x0 + 1), w)
     return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
-
-
-def load_box(path: str | Path, size: int, mode: ResizeMode, box: tuple[int, int, int, int],
-             crop: int, flip: bool) -> torch.Tensor:  # fmt: skip
-    """Box (top, left, h, w) of the image resized to size x size, itself resized to crop x crop
-    (mirrored if flip), straight from the file (load_region of the box's place in the image):
-    close to resize_uint8 then cropping and resizing the box, for half the work."""
-    image = open_image(path)
-    return load_region(image, box_region(image.shape, box, size, mode), crop, flip)
