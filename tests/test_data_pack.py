@@ -387,6 +387,21 @@ def test_a_failed_pack_keeps_the_users_own_files(tmp_path, capsys):
     assert left == ["draft.tmp", "readme.txt", "shards", "shards/12.u8", "shards/notes.txt"]
 
 
+def test_a_folder_holding_a_packs_file_names_is_refused_untouched(shapes, tmp_path, capsys):
+    """A folder of the user's with a files.txt or meta.json (not a pack): a pack would have
+    overwritten them, and a failed one deleted them; a plan.json not of a pack is one line."""
+    for name, text in [("files.txt", "my list"), ("meta.json", "{}"), ("plan.json", '{"a": 1}'),
+                       ("plan.json", "[1, 2]")]:  # fmt: skip
+        dst = tmp_path / f"mine-{len(list(tmp_path.iterdir()))}"
+        dst.mkdir()
+        (dst / name).write_text(text)
+        code, _, err = run_cli(["pack", str(shapes), str(dst), "--size", "16"], capsys)
+        (line,) = err.splitlines()
+        assert code in (1, 2) and line.startswith("cnnkit: error: "), err
+        assert ("not a pack" in line) if name != "plan.json" else ("not a cnnkit pack's" in line)
+        assert [p.name for p in dst.iterdir()] == [name] and (dst / name).read_text() == text
+
+
 def test_a_pack_rerun_on_a_changed_folder_or_label_file_is_refused(shapes, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(shapes, src)

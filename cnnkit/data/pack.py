@@ -84,6 +84,9 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
             plan = json.loads(plan_path.read_text())
         except (ValueError, UnicodeDecodeError):
             raise DataError(f"{plan_path}: unreadable; delete {dst} and pack again") from None
+        if not _is_plan(plan):
+            raise DataError(f"{printable(str(plan_path))}: not a cnnkit pack's plan; pack into "
+                            "another folder (this one is not a pack)")  # fmt: skip
         if plan["params"] != params:
             diff = [f"{_OPTION.get(k, k)} {_shown(k, v)} here, {_shown(k, plan['params'].get(k))} "
                     "there" for k, v in params.items() if plan["params"].get(k) != v]  # fmt: skip
@@ -100,6 +103,12 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
     (dst / "shards").mkdir(parents=True, exist_ok=True)
     write_text(plan_path, json.dumps(plan))
     return plan
+
+
+def _is_plan(plan: Any) -> bool:
+    """True for what _plan writes: a dict of the params, files, labels, classes and shard size."""
+    kinds = {"params": dict, "files": list, "labels": list, "classes": list, "shard_size": int}
+    return isinstance(plan, dict) and all(isinstance(plan.get(k), t) for k, t in kinds.items())
 
 
 def _check_unchanged(plan: dict, scan: Scan, src: Path, dst: Path) -> None:
@@ -309,6 +318,19 @@ def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
 OWN_FILES = ("plan.json", "index.npz", "mean.npy", "files.txt", "bad_images.tsv", "meta.json")
 
 
+def _check_no_clash(dst: Path) -> None:
+    """ConfigError where DST, not a pack (no plan.json), holds files of the names a pack writes:
+    the pack would overwrite them, and remove them if it failed."""
+    if (dst / "plan.json").exists():
+        return
+    names = [n for n in OWN_FILES if (dst / n).exists()]
+    names += [f"shards/{p.name}" for p in _listing(dst / "shards") if SHARD_NAME.fullmatch(p.name)]
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(f"{printable(str(dst))}: holds {shown}, which a pack writes, but is not "
+                          "a pack (no plan.json); pack into an empty or new folder")  # fmt: skip
+
+
 def _tidy(dst: Path, created: bool, discard: bool) -> None:
     """After a failure: remove this pack's .tmp files; with `discard`, everything this pack wrote
     too. Only its own names: a folder the user made keeps anything else it holds, even under
@@ -362,6 +384,7 @@ def pack_folder(
                           "folder the pack is written to)")  # fmt: skip
     params = {"source": str(src.resolve()), "size": size, "resize": resize, "storage": format,
               "quality": quality}  # fmt: skip
+    _check_no_clash(dst)
     created = not dst.exists()
     labels = Path(labels_file) if labels_file else None
     try:
