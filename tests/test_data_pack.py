@@ -387,6 +387,17 @@ def test_a_failed_pack_keeps_the_users_own_files(tmp_path, capsys):
     assert left == ["draft.tmp", "readme.txt", "shards", "shards/12.u8", "shards/notes.txt"]
 
 
+def test_bench_loader_on_a_folder_of_unreadable_images_is_one_line(tmp_path, capsys):
+    for cls in ("a", "b"):
+        (tmp_path / "bad" / cls).mkdir(parents=True)
+        (tmp_path / "bad" / cls / "x.jpg").write_bytes(b"not an image")
+    for workers in ("0", "1"):
+        code, _, err = run_cli(["bench", "loader", str(tmp_path / "bad"), "--crop", "16",
+                                "--workers", workers, "--batches", "2"], capsys)  # fmt: skip
+        assert code == 1 and "Traceback" not in err, err
+        assert err.splitlines()[-1].startswith("cnnkit: error: bench loader: an epoch"), err
+
+
 def test_a_folder_holding_a_packs_file_names_is_refused_untouched(shapes, tmp_path, capsys):
     """A folder of the user's with a files.txt or meta.json (not a pack): a pack would have
     overwritten them, and a failed one deleted them; a plan.json not of a pack is one line."""

@@ -65,12 +65,13 @@ def _endless(stream: Batches) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     epoch = 0
     while True:
         stream.set_epoch(epoch)
-        count = 0
+        images = 0
         for item in stream:
-            count += 1
+            images += len(item[0])
             yield item
-        if count == 0:
-            raise DataError("bench loader: the data set yields no batches (too few images?)")
+        if images == 0:  # no batch, or only batches of unreadable images (each said above)
+            raise DataError("bench loader: an epoch of the data set yields no image (too few "
+                            "images, or none readable)")  # fmt: skip
         epoch += 1
 
 
@@ -112,6 +113,9 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
     synchronize(device)
     seconds, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu
     del it  # stops the workers
+    if images == 0:
+        raise DataError(f"bench loader: the {batches} timed batches held no readable image; time "
+                        "more of them (--batches)")  # fmt: skip
     return {
         "data": str(data), "source": cfg.source, "storage": storage, "decode": cfg.decode,
         "mode": stream.mode, "device": machine_name(device), "workers": stream.workers,
