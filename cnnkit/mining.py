@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import shutil
 import time
@@ -23,7 +24,7 @@ import torch
 from cnnkit.config import RunConfig, dump_run, load_run
 from cnnkit.data.bundled import FacesConfig, HardNegatives, face_free_picture
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, Interrupted
-from cnnkit.infer.detect import detect, log_odds, mine_hard_negatives
+from cnnkit.infer.detect import MIN_FACE, detect, log_odds, mine_hard_negatives
 from cnnkit.infer.load import Loaded, load_for_inference
 from cnnkit.runtime import atomic, write_atomic
 from cnnkit.train.metrics import write_summary
@@ -73,9 +74,10 @@ def fit_rounds(
     run_dir = Path(run_dir)
     if mining_of(config) is None:
         raise ConfigError("data.hard_negatives: no mining rounds in this run")
+    rounds = Rounds(config, run_dir, quiet, on_step, callbacks, resumed=False)  # (checks first)
     with run_lock(run_dir):
         _open(run_dir, config)
-        return Rounds(config, run_dir, quiet, on_step, callbacks, resumed=False).run([], 0.0)
+        return rounds.run([], 0.0)
 
 
 def resume_rounds(
@@ -95,9 +97,9 @@ def resume_rounds(
                 print(f"{run_dir}: all {len(rows)} mining rounds done, round "
                       f"{done['chosen_round']} kept (data.hard_negatives.rounds=N for more)")  # fmt: skip
             return done
-        _open(run_dir, config)
         rounds = Rounds(config, run_dir, quiet, on_step, callbacks, resumed=True,
                         overrides=overrides or [])  # fmt: skip
+        _open(run_dir, config)
         return rounds.run(rows, seconds)
 
 
@@ -177,6 +179,20 @@ class Rounds:
         self.held_out = [face_free_picture(name, self.hn.max_side) for name in self.hn.held_out]
         self.faces = held_out_faces(config)
         self.side = self.faces.shape[-1]
+        self._check_pictures()
+
+    def _check_pictures(self) -> None:
+        """ConfigError, before any round, for a picture shrunk under the smallest face the
+        detector searches (no window of it would be scored, nor a random one cut)."""
+        smallest = round(MIN_FACE * self.side)
+        names = self.hn.images + self.hn.held_out
+        for name, picture in zip(names, self.pictures + self.held_out, strict=True):
+            h, w = picture.shape
+            if min(h, w) < smallest:
+                need = math.ceil(smallest * max(h, w) / min(h, w))
+                raise ConfigError(f"data.hard_negatives.max_side: {self.hn.max_side} shrinks {name} "
+                                  f"to {w}x{h}, under the smallest face searched ({smallest} px: "
+                                  f"{MIN_FACE} windows of {self.side}); give {need} or more")  # fmt: skip
 
     def run(self, rows: list[dict[str, Any]], seconds_before: float) -> dict[str, Any]:
         """Every round not in rows, then keep the best of all."""

@@ -263,3 +263,16 @@ def test_held_out_pictures_are_apart_from_the_mined_ones_and_needed(change, mess
     with pytest.raises(ConfigError, match=message):
         load_run(small_run(**change))
     load_run(small_run(held_out=[], rounds=0))  # no rounds: nothing to choose between
+
+
+@pytest.mark.parametrize("mining_options", [{}, {"random_per_image": 3}])
+def test_pictures_shrunk_under_the_smallest_face_are_refused_before_training(tmp_path,
+                                                                             mining_options):  # fmt: skip
+    """max_side too small for the detector's smallest face: one ConfigError before round 0
+    trains (it had trained, then failed with detect's advice; random windows: numpy's
+    ValueError), and no run folder."""
+    config = load_run(small_run(max_side=30, **mining_options))
+    with pytest.raises(ConfigError, match=r"max_side: 30 shrinks brick to 30x30, under the "
+                       r"smallest face searched \(38 px: 1.5 windows of 25\); give 38"):  # fmt: skip
+        fit_rounds(config, tmp_path / "run", quiet=True)
+    assert not (tmp_path / "run").exists()
