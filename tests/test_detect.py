@@ -108,8 +108,9 @@ def test_every_box_lies_inside_the_image_when_pools_round_up(side):
         size = (round(h * scale), round(w * scale))
         assert odds.shape == tuple((n - 27) // slider.stride + 1 for n in size), scale
     boxes = detect(loaded, image, threshold=0.0, iou=1.0, min_face=27, top=100000)
-    # inside, but for a scale's rounded size: half a scaled pixel (2 here, the smallest scale)
-    assert boxes and max(b.x1 for b in boxes) <= w + 2 and max(b.y1 for b in boxes) <= h + 2
+    # inside (a scale's rounded size reached half a scaled pixel past the edge: clipped)
+    assert boxes and max(b.x1 for b in boxes) <= w and max(b.y1 for b in boxes) <= h
+    assert min(b.x0 for b in boxes) >= 0 and min(b.y0 for b in boxes) >= 0
 
 
 def test_the_smallest_face_searched_is_one_and_a_half_windows_by_default():
@@ -124,6 +125,17 @@ def test_the_smallest_face_searched_is_one_and_a_half_windows_by_default():
     with pytest.raises(DataError, match=r"the image \(10x10\) is smaller than the smallest face "
                                         r"searched \(12 px\): give a smaller --min-size"):  # fmt: skip
         detect(loaded, image[:10, :10], threshold=0.5)  # not "no face found"
+
+
+def test_a_pyramid_level_over_the_pixel_limit_is_one_line_not_an_oom():
+    """--min-size 1 scaled a 512 px image 8x (an 8 px window) to 16.8 M pixels: fine; 2048 px
+    to 268 M pixels: refused with the --min-size that fits, before any memory is taken."""
+    loaded = brightness_detector()
+    detect(loaded, np.zeros((64, 64), np.uint8), threshold=0.5, min_face=1)
+    with pytest.raises(DataError, match=r"the smallest face searched \(1 px\) scales the "
+                       r"2048x2048 image 8x, to 268,435,456 pixels, over the limit of "
+                       r"120,000,000: give --min-size 2 or more"):  # fmt: skip
+        detect(loaded, np.zeros((2048, 2048), np.uint8), threshold=0.5, min_face=1)
 
 
 def test_unknown_class_and_branching_nets_are_clear_errors():

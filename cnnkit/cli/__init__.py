@@ -248,8 +248,9 @@ def _main(argv: list[str], debug: bool) -> None:
             raise
         if debug:
             _traceback_exit(1)
+        less = "a larger --min-size" if "detect" in argv[:1] else "a smaller batch"
         print(f"cnnkit: error: out of memory: {size} did not fit (--debug shows where); "
-              "a smaller batch needs less", file=sys.stderr)  # fmt: skip
+              f"{less} needs less", file=sys.stderr)  # fmt: skip
         sys.exit(1)
     except BrokenPipeError:  # stdout's reader has gone (`| head`): stop quietly, as Unix tools
         _stdout_to_devnull()

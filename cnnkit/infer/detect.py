@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 from torch import nn
 
+from cnnkit.data.decode import MAX_PIXELS
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.infer.images import ImageInput, save_picture, to_channels, to_hwc
 from cnnkit.infer.load import Loaded
@@ -165,10 +166,12 @@ def detect(
     step: float = 1.2,
     top: int = 50,
     mirror: bool = True,
+    clip: bool = True,
 ) -> list[Box]:
     """Boxes where the classifier says `label` with probability >= threshold, after NMS
     (`mirror`: the probability averaged in log-odds with the mirrored window's), for faces of
-    `min_face` pixels (default MIN_FACE windows) up to the whole image."""
+    `min_face` pixels (default MIN_FACE windows) up to the whole image; `clip`: boxes cut to
+    the image (else each is its window's whole extent)."""
     from torchvision.ops import nms
 
     if label not in loaded.classes:
@@ -180,6 +183,7 @@ def detect(
     if not scales:  # no window fits: "no face found" would not say why
         raise DataError(f"the image ({w}x{h}) is smaller than the smallest face searched "
                         f"({smallest} px): give a smaller --min-size")  # fmt: skip
+    _check_level_pixels(h, w, scales[0], window, smallest)
     boxes, scores, cut = [], [], log_odds(threshold)
     for scale, slider, odds in score_maps(loaded, image, scales, loaded.classes.index(label),
                                           mirror):  # fmt: skip
@@ -193,7 +197,22 @@ def detect(
     all_boxes, all_scores = torch.cat(boxes), torch.cat(scores)
     keep = nms(all_boxes, all_scores, iou)[:top]  # sorted by log-odds, best first
     probs = all_scores[keep].double().sigmoid().tolist()
-    return [Box(*all_boxes[k].tolist(), p) for k, p in zip(keep.tolist(), probs, strict=True)]
+    kept = all_boxes[keep]
+    if clip:  # a scale's rounded size can reach half a scaled pixel past the image's edge
+        kept = torch.minimum(kept.clamp(min=0), torch.tensor([w, h, w, h], dtype=kept.dtype))
+    return [Box(*box, p) for box, p in zip(kept.tolist(), probs, strict=True)]
+
+
+def _check_level_pixels(h: int, w: int, scale: float, window: int, smallest: int) -> None:
+    """DataError where the pyramid's largest level (the image scaled so that the smallest face
+    fills a window) is over the pixel limit images are decoded under: it would not fit in
+    memory (the network's activations take hundreds of bytes a pixel)."""
+    level = round(h * scale) * round(w * scale)
+    if level > MAX_PIXELS:
+        need = math.ceil(window * math.sqrt(h * w / MAX_PIXELS))
+        raise DataError(f"the smallest face searched ({smallest} px) scales the {w}x{h} image "
+                        f"{scale:.2g}x, to {level:,} pixels, over the limit of {MAX_PIXELS:,}: "
+                        f"give --min-size {need} or more")  # fmt: skip
 
 
 def log_odds(p: float) -> float:
@@ -238,7 +257,8 @@ def mine_hard_negatives(
     for image in images:
         hwc = to_channels(to_hwc(image), loaded.preprocess.channels)
         # every window size, the smallest too: its false positives are non-faces all the same
-        for box in detect(loaded, hwc, label, threshold, 0.5, window, step, per_image):
+        for box in detect(loaded, hwc, label, threshold, 0.5, window, step, per_image,
+                          clip=False):  # fmt: skip
             crop = Image.fromarray(hwc.squeeze(-1) if hwc.shape[2] == 1 else hwc).crop(
                 (round(box.x0), round(box.y0), round(box.x1), round(box.y1))
             )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import stat
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,8 +134,10 @@ def decode_file(path: str | Path, size: int | None = None, mode: str = "squash")
 def _orientation(path: str | Path) -> int:
     """The EXIF orientation tag (1: upright), read from the header alone."""
     try:
-        with Image.open(path) as image:
-            return int(image.getexif().get(0x0112, 1))
+        with warnings.catch_warnings():  # a big image's DecompressionBombWarning: the decode
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checks its size
+            with Image.open(path) as image:
+                return int(image.getexif().get(0x0112, 1))
     except Exception:  # noqa: BLE001 - no EXIF, or none PIL can read: as stored
         return 1
 
