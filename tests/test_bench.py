@@ -239,6 +239,36 @@ def test_cli_scaling_refuses_what_it_cannot_do_before_any_timing(capsys):
     assert code == 2 and "'auto' is not one of fp32, bf16, fp16" in err
 
 
+def test_bench_of_a_run_takes_its_train_settings(tmp_path, capsys):
+    """The faces run sets fp32: `bench train faces` times fp32, as `cnnkit train faces` runs
+    (it timed bf16 where that was faster, and said `cnnkit train` chose it); -p still wins."""
+    from cnnkit.cli.bench import _as_the_run_sets
+
+    assert _as_the_run_sets("faces", "auto", None, None) == ("fp32", None, None)
+    assert _as_the_run_sets("faces", "bf16", True, 2) == ("bf16", True, 2)  # options win
+    assert _as_the_run_sets("lenet5", "auto", None, None) == ("auto", None, None)  # a network
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits"},
+                                   "train": {"channels_last": False, "threads": 1}}))  # fmt: skip
+    assert _as_the_run_sets(str(run), "auto", None, None) == ("auto", False, 1)
+    args = ["bench", "train", "faces", "--batch", "4", "--repeats", "2", "--quick", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["precision"] == "fp32"
+    if "bf16" in precisions(torch.device("cpu")):
+        code, out, _ = run_cli([*args, "-p", "bf16"], capsys)
+        assert code == 0 and json.loads(out.strip().splitlines()[-1])["precision"] == "bf16"
+
+
+def test_a_quick_scaling_run_never_replaces_a_full_study(tmp_path, capsys):
+    study = json.dumps({"quick": False, "networks": [{}] * 15})
+    (tmp_path / "scaling.json").write_text(study)
+    code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "--quick", "-o",
+                              str(tmp_path)], capsys)  # fmt: skip
+    assert code == 2 and not out and "holds a full study (15 networks)" in err, err
+    assert (tmp_path / "scaling.json").read_text() == study
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scaling.json"]
+
+
 def test_cli_train_json_is_the_last_line(tmp_path, capsys):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump({"model": TINY}))

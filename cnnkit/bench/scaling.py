@@ -221,6 +221,20 @@ def ensure_dir(out: str | Path) -> Path:
     return out
 
 
+def check_not_replacing(out: Path, quick: bool) -> None:
+    """ConfigError where a --quick run (a smoke test) would replace a full study's results in
+    `out`: those took tens of minutes of timing."""
+    try:
+        there = json.loads((Path(out) / "scaling.json").read_text())
+    except (OSError, ValueError):
+        return  # none there (or not a study's): written over as any output file
+    if quick and isinstance(there, dict) and there.get("quick") is False:
+        count = len(there.get("networks", []))
+        raise ConfigError(f"--out: {Path(out) / 'scaling.json'} holds a full study ({count} "
+                          "networks); a --quick run would replace it: give --out another "
+                          "folder")  # fmt: skip
+
+
 def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
     """Write scaling.json and scaling.png into `out` (created if needed)."""
     out = ensure_dir(out)

@@ -94,6 +94,7 @@ def layers(
     dev = resolve_device(device)
     _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
     check_batch(net, batch, dev, num_classes)
+    precision, channels_last, threads = _as_the_run_sets(net, precision, channels_last, threads)
     s = settings_for(net, dev, batch, precision, channels_last, threads, num_classes)
     with torch_threads(s.threads):
         report = bench_layers(net, batch, dev, s.precision, s.channels_last, warmup, repeats,
@@ -158,6 +159,7 @@ def scaling(
     """The CPU-vs-GPU study of Strigl et al. 2010: growing networks timed on every device, with speed-ups."""
     _as_the_command_runs()
     from cnnkit.bench.scaling import (
+        check_not_replacing,
         ensure_dir,
         parse_devices,
         print_scaling,
@@ -170,6 +172,7 @@ def scaling(
     for dev in chosen[0]:
         check_precision(precision, dev, auto=False)
     out = ensure_dir(out)  # fail before minutes of timing, not after
+    check_not_replacing(out, quick)
     if chosen[1]:
         print(chosen[1])  # CPU only: say so before the run, not after
     report = run_scaling(chosen, precision, quick=quick)
@@ -192,9 +195,35 @@ def _throughput(
         _positive(threads=threads)
     dev = resolve_device(device)
     check_batch(net, options["batch"], dev, options["num_classes"])
+    if mode == "train":
+        o = options
+        o["precision"], o["channels_last"], threads = _as_the_run_sets(
+            net, o["precision"], o["channels_last"], threads
+        )
     report = bench_throughput(net, mode, device=dev, quick_peak=quick, threads=threads, **options)
     print_throughput(report)
     _emit(report, as_json)
+
+
+def _as_the_run_sets(net: str, precision: str, channels_last: bool | None,
+                     threads: int | None) -> tuple[str, bool | None, int | None]:  # fmt: skip
+    """(precision, channels_last, threads): where NET is a run (a zoo run or run file) whose
+    `train:` sets them, as it sets them (options given here win), as `cnnkit train` runs it."""
+    from cnnkit.config import load_run
+    from cnnkit.errors import CnnkitError
+    from cnnkit.zoo import NETS
+
+    if net in NETS:
+        return precision, channels_last, threads
+    try:
+        train = load_run(net).train
+    except (CnnkitError, OSError):  # a network file (or one `build_model` will say is wrong)
+        return precision, channels_last, threads
+    if precision == "auto":
+        precision = train.precision
+    if channels_last is None:
+        channels_last = train.channels_last
+    return precision, channels_last, threads if threads is not None else train.threads
 
 
 def _say(text: str) -> None:
