@@ -44,12 +44,32 @@ PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "hubble_de
 PHOTO_DIR = Path(skdata.__file__).parent  # bundled with scikit-image: no download
 
 
+MARK = ".made-by-cnnkit-benchmarks"  # in each folder these scripts make, and may remove
+
+
+def clear_own(folder: Path) -> None:
+    """Remove a folder a benchmark made (it holds MARK); one that it did not make is never
+    removed: SystemExit naming it."""
+    if not folder.exists() and not folder.is_symlink():
+        return
+    if not (folder / MARK).is_file():
+        raise SystemExit(f"{folder}: exists and was not made by cnnkit's benchmarks (no {MARK}); "
+                         "give another --work (nothing was removed)")  # fmt: skip
+    shutil.rmtree(folder)
+
+
+def mark_own(folder: Path) -> None:
+    (folder / MARK).write_text(
+        "made by cnnkit's benchmarks/, which remove it when they remake it\n"
+    )
+
+
 def build_photo_folder(root: Path, images: int, seed: int = 0) -> Path:
     """Write `images` distinct ~500x375 JPEGs under root/<photo>/ (kept if exactly those are
     there already: the same seed makes the same files; another count is made afresh)."""
-    if root.is_dir() and sum(1 for _ in root.glob("*/*.jpg")) == images:
+    if (root / MARK).is_file() and sum(1 for _ in root.glob("*/*.jpg")) == images:
         return root
-    shutil.rmtree(root, ignore_errors=True)
+    clear_own(root)
     rng = np.random.default_rng(seed)
     sources = [Image.open(PHOTO_DIR / name).convert("RGB") for name in PHOTOS]
     for i in range(images):
@@ -69,6 +89,7 @@ def build_photo_folder(root: Path, images: int, seed: int = 0) -> Path:
         folder = root / PHOTOS[k].split(".")[0]
         folder.mkdir(parents=True, exist_ok=True)
         im.save(folder / f"{i:06d}.jpg", quality=int(rng.integers(85, 96)))
+    mark_own(root)
     return root
 
 
@@ -111,7 +132,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches first")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the median is reported")
     parser.add_argument("--work", type=Path, default=Path("/tmp/cnnkit-loader-bench"),
-                        help="where the images and packs are made (kept for the next run)")  # fmt: skip
+                        help="where the images and packs are made (kept for the next run; "
+                        "folders of the same names not made here are refused)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where batches go (cuda when there is one)")  # fmt: skip
     args = parser.parse_args()
@@ -124,13 +146,16 @@ def main() -> None:
 
     device = torch.device(args.device)
     photos = build_photo_folder(args.work / "photos", args.images)
-    shutil.rmtree(args.work / "packed", ignore_errors=True)  # pack afresh: its time is reported
+    clear_own(args.work / "packed")  # pack afresh: its time is reported
     start = time.perf_counter()
     pack_folder(photos, args.work / "packed", size=256, progress=False, workers=args.workers)
     pack_seconds = time.perf_counter() - start
+    mark_own(args.work / "packed")
     jpeg = args.work / f"jpeg-{args.images}"  # the same images as the other variants
-    if not (jpeg / "meta.json").is_file():
+    if not (jpeg / MARK).is_file():
+        clear_own(jpeg)
         pack_folder(photos, jpeg, size=256, format="jpeg", progress=False, workers=args.workers)
+        mark_own(jpeg)
     rounds = [one_round(args, photos, jpeg, device) for _ in range(args.rounds)]
     report(args, rounds, pack_seconds)
 

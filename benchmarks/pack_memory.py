@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loader_vs_torchvision import build_photo_folder  # noqa: E402
+from loader_vs_torchvision import build_photo_folder, clear_own, mark_own  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +49,7 @@ def _memory_kb(pid: int) -> tuple[int, int]:
 
 def measure_pack(src: Path, dst: Path, workers: int, fmt: str) -> dict:
     """Run cnnkit pack in a child process; peak PSS/RSS sums over its process tree."""
-    shutil.rmtree(dst, ignore_errors=True)
+    clear_own(dst)
     cmd = [sys.executable, "-m", "cnnkit", "pack", str(src), str(dst), "--size", "256",
            "--workers", str(workers), "--format", fmt]  # fmt: skip
     start = time.perf_counter()
@@ -63,6 +62,7 @@ def measure_pack(src: Path, dst: Path, workers: int, fmt: str) -> dict:
     output = proc.stdout.read().decode()
     if proc.returncode:
         raise SystemExit(f"pack failed:\n{output}")
+    mark_own(dst)
     return {"seconds": time.perf_counter() - start, "peak_pss_mb": peak_pss / 1024,
             "peak_rss_mb": peak_rss / 1024, "output": output.strip().splitlines()[-1]}  # fmt: skip
 
