@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -81,7 +82,12 @@ def launch(args: argparse.Namespace, nproc: int) -> dict:
             **os.environ,
             "OMP_NUM_THREADS": str(args.threads or max(1, os.cpu_count() // nproc)),
         }
-        subprocess.run(cmd, check=True, env=env, capture_output=not args.verbose)
+        done = subprocess.run(cmd, env=env, capture_output=not args.verbose, text=True)
+        if done.returncode:  # the ranks' own error, not torchrun's CalledProcessError
+            said = [re.sub(r"^\[rank\d+\]: ", "", line) for line in (done.stderr or "").splitlines()
+                    if re.match(r"(\[rank\d+\]: )?\w[\w.]*(Error|Exception): ", line)]  # fmt: skip
+            raise SystemExit(f"{nproc} processes failed (exit {done.returncode}): "
+                             f"{said[0] if said else 'run with --verbose to see why'}")  # fmt: skip
         return json.loads(result.read_text())
 
 
@@ -106,6 +112,8 @@ def main() -> None:
         return
     if min(args.nproc + [args.batch, args.steps, args.repeats]) < 1:
         parser.error("--nproc, --batch, --steps and --repeats must be >= 1")
+    if args.json and not args.json.parent.is_dir():  # before the run, not after
+        parser.error(f"--json {args.json}: no folder {args.json.parent}")
     nprocs = sorted(set(args.nproc) | {1})  # efficiency is against 1 process: always timed
     results = [launch(args, n) for n in nprocs]
     base = results[0]["images_per_second"]  # 1 process

@@ -158,6 +158,9 @@ def gpu_trace(out: Path) -> dict | None:
 
 
 def main() -> None:
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        raise SystemExit(f"usage: {Path(__file__).name} OUT (the folder gpu.sh wrote; "
+                         f"{' '.join(sys.argv[1:]) or 'none'} given is not one)")  # fmt: skip
     out = Path(sys.argv[1])
     errors: dict[str, str] = {}
 
