@@ -309,6 +309,19 @@ def test_cli_out_of_memory_anywhere_is_one_line(error, size, capsys, monkeypatch
     code, _, err = run_cli(["bench", "infer", "lenet5", "-b", "4", "-d", "cpu"], capsys)
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert f"out of memory: {'a tensor of ' * (size[0] != 'a')}{size} did not fit" in err
+    assert err.rstrip().endswith("a smaller batch needs less")
+
+
+def test_cli_detect_out_of_memory_advises_its_own_option(tmp_path, capsys, monkeypatch):
+    import cnnkit.infer.images
+
+    def fail(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(cnnkit.infer.images, "to_hwc", fail)  # detect has no batch to shrink
+    code, _, err = run_cli(["detect", "faces", str(tmp_path / "any.png")], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.rstrip().endswith("a larger --min-size needs less"), err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
@@ -362,6 +375,7 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
     code, out, _ = run_cli(args, capsys)
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and "per-layer sum" in out and "whole pass" in out
+    assert report["settings"] in out and " thread" in report["settings"]  # the table says how
     assert [layer["name"] for layer in report["layers"]][-1] == "loss"
     assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
 

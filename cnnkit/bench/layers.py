@@ -211,6 +211,8 @@ def print_layers(report: dict[str, Any], console: Any = None) -> None:
         f"{report['memory_format']}  "
         f"median of {report['repeats']}"
     )
+    if report.get("settings"):  # threads and kernels: the figures depend on them
+        title += f"\n{report['settings']}"
     table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("#", "name", "type", "output"):
         table.add_column(column)
