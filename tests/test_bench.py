@@ -375,7 +375,8 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
     code, out, _ = run_cli(args, capsys)
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and "per-layer sum" in out and "whole pass" in out
-    assert report["settings"] in out and " thread" in report["settings"]  # the table says how
+    table = " ".join(out.strip().rsplit("\n", 1)[0].split())  # the human part, unwrapped
+    assert " ".join(report["settings"].split()) in table and " thread" in report["settings"]
     assert [layer["name"] for layer in report["layers"]][-1] == "loss"
     assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
 
