@@ -276,3 +276,10 @@ def test_pictures_shrunk_under_the_smallest_face_are_refused_before_training(tmp
                        r"smallest face searched \(38 px: 1.5 windows of 25\); give 38"):  # fmt: skip
         fit_rounds(config, tmp_path / "run", quiet=True)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mining_runs_dry_run_says_the_rounds(tmp_path, capsys):
+    cnnkit.fit(small_run(), out=tmp_path / "run", dry_run=True)
+    out = capsys.readouterr().out
+    assert "note: that is round 0 of 2: each later round first scans 2 face-free pictures" in out
+    assert "1 held-out picture chooses the round kept" in out and not (tmp_path / "run").exists()
