@@ -7,6 +7,7 @@ by cnnkit.distributed.resolve_device: a process's device is part of its place in
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import sys
@@ -137,6 +138,8 @@ def atomic(path: Path, private: bool = False) -> Iterator[IO[bytes]]:
     .PATH.<pid>.tmp, for a file the user names (-o), where PATH.tmp may be the user's own and
     two commands may write the same PATH at once."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if private else f"{path.name}.tmp")
+    if path.exists() and not path.is_file():  # a device or FIFO: never replaced by a file
+        raise OSError(errno.EEXIST, "exists and is not a regular file", str(path))
     try:
         with open(tmp, "wb") as f:
             yield f

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from cnnkit.checkpoint import load_checkpoint
 from cnnkit.infer import Classifier
 from cnnkit.infer.export import check_export, export
 from cnnkit.infer.load import load_for_inference, load_network, load_safetensors
+from cnnkit.runtime import write_atomic
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 
@@ -144,21 +147,35 @@ def test_an_export_never_replaces_a_checkpoint_or_its_input(digits_run, tmp_path
     assert code == 0, err  # weights a network file reads (it must not export over them)
     spec = {**load_checkpoint(run / "best.pt")["model_spec"], "weights": "w.safetensors"}
     (tmp_path / "weighted.yaml").write_text(yaml.safe_dump({"model": spec}))
+    shutil.copy(run / "last.pt", tmp_path / "ck.pt")
     kept = {p: p.read_bytes() for p in (run / "best.pt", run / "last.pt", tmp_path / "net.yaml",
                                         tmp_path / "w.safetensors", run / "config.yaml",
+                                        tmp_path / "ck.pt",
                                         run / "metrics.csv")}  # fmt: skip
     for target, argv, words in (
         (run / "best.pt", ["-f", "safetensors", "-o", str(run / "best.pt")], "is the input"),
-        (run, ["-f", "onnx", "-o", str(run / "last.pt")], "is a checkpoint (a torch.save file)"),
+        (run, ["-f", "onnx", "-o", str(tmp_path / "ck.pt")], "is a checkpoint (a torch.save file)"),
+        (run, ["-f", "onnx", "-o", str(run / "last.pt")], "is a file of the run in"),
         (tmp_path / "net.yaml", ["-f", "onnx", "-o", str(tmp_path / "net.yaml")], "is the input"),
         (run, ["-o", str(tmp_path)], "is a folder"),
         (run, ["-f", "onnx", "-o", str(run / "config.yaml")], "is a file of the run in"),
         (run / "best.pt", ["-f", "onnx", "-o", str(run / "metrics.csv")], "is a file of the run"),
         (tmp_path / "weighted.yaml", ["-o", str(tmp_path / "w.safetensors")], "is the input"),
+        (run, ["-f", "onnx", "-o", str(tmp_path / "pipe.onnx")], "is a FIFO, not a file"),
     ):
+        if "pipe" in argv[-1]:  # read as a checkpoint, it hung; renamed over, a device was lost
+            os.mkfifo(argv[-1])
         code, _, err = run_cli(["export", str(target), *argv], capsys)
         assert code == 2 and words in err and len(err.splitlines()) == 1, err
     assert all(p.read_bytes() == data for p, data in kept.items())
+    (run / "curves.png").write_bytes(b"the run's")
+    for argv in (["show", "net", str(run)], ["show", "filters", str(run)]):
+        code, _, err = run_cli([*argv, "-o", str(run / "curves.png")], capsys)
+        assert code == 2 and "is a file of the run in" in err, err
+    assert (run / "curves.png").read_bytes() == b"the run's"
+    with pytest.raises(OSError, match="not a regular file"):  # and below the commands too
+        write_atomic(tmp_path / "pipe.onnx", b"x")
+    assert stat.S_ISFIFO(os.stat(tmp_path / "pipe.onnx").st_mode)
 
 
 def test_torchscript_export_matches(tmp_path, capsys):

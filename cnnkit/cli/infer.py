@@ -124,11 +124,6 @@ def export(
     if is_checkpoint(out):
         raise ConfigError(f"-o {out}: is a checkpoint (a torch.save file), which an export "
                           "would replace: give the export a name of its own")  # fmt: skip
-    from cnnkit.train.rundir import RUN_FILES
-
-    if out.name in RUN_FILES and out.exists() and (out.parent / "config.yaml").is_file():
-        raise ConfigError(f"-o {out}: is a file of the run in {out.parent}, which an export "
-                          "would replace: give the export a name of its own")  # fmt: skip
     check_replaceable(out, fmt)
     loaded = load_for_inference(target, ema=ema)
     export_model(loaded, fmt, out)
@@ -288,6 +283,22 @@ def _writable(out: Path | None, *inputs: str | Path | None, example: str) -> Non
             raise ConfigError(f"-o {out}: is the input {given}; give the output a name of its own")
     if out is not None and out.is_dir():
         raise ConfigError(f"-o {out}: is a folder; give the file to write (e.g. {out / example})")
+    if out is not None and out.exists() and not out.is_file():  # never read, nor renamed over
+        from cnnkit.data.decode import file_kind
+
+        raise ConfigError(f"-o {out}: is {file_kind(out.stat().st_mode)}, not a file to write; "
+                          "give a file name")  # fmt: skip
+    from cnnkit.train.rundir import RUN_FILES
+
+    own = (*RUN_FILES, "curves.png")
+    if (
+        out is not None
+        and out.name in own
+        and out.exists()
+        and (out.parent / "config.yaml").is_file()
+    ):
+        raise ConfigError(f"-o {out}: is a file of the run in {out.parent}, which this would "
+                          "replace: give the output a name of its own")  # fmt: skip
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
     if out is not None:  # before any work
