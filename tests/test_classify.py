@@ -332,7 +332,9 @@ def test_a_network_file_declares_how_its_weights_read_images(tmp_path, capsys):
         expected = net(x).softmax(1)[0].topk(3).values
     assert prediction.probs == pytest.approx(expected.tolist(), abs=1e-5)
     for bad, message in (({"mean": [1.0, 2.0]}, "preprocess.mean"),
-                         ({"crop": 4}, "channels and crop are the input's")):  # fmt: skip
+                         ({"crop": 4}, "channels and crop are the input's"),
+                         ({"resize": 6}, "preprocess.resize: 6 is smaller than the input (8 px)"),
+                         ):  # fmt: skip
         (tmp_path / "bad.yaml").write_text(f"model: {json.dumps({**spec, 'preprocess': bad})}\n")
         code, _, err = run_cli(["classify", str(tmp_path / "bad.yaml"), str(tmp_path / "x.png")],
                                capsys)  # fmt: skip

@@ -155,6 +155,8 @@ def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
     """(B, C, H, W) -> the centre (B, C, size, size) (a view), where torchvision's CenterCrop
     takes it (its offset rounded half to even, as Python's round)."""
     H, W = x.shape[-2:]
+    if size > min(H, W):  # (a negative offset would slice a corner instead)
+        raise ValueError(f"center_crop: crop {size} larger than the image {H}x{W}")
     top, left = round((H - size) / 2), round((W - size) / 2)
     return x[..., top : top + size, left : left + size]
 

@@ -170,6 +170,9 @@ class Preprocess(Section):
                 raise ValueError(f"{name}: one value or one per channel ({self.channels})")
         if min(self.std) <= 0:
             raise ValueError("std: must be > 0")
+        if self.resize is not None and self.resize < self.crop:  # a crop past the image's edge
+            raise ValueError(f"resize: {self.resize} is smaller than the input ({self.crop} px), "
+                             "which is cropped from the resized image")  # fmt: skip
         return self
 
     def to_dict(self) -> dict[str, Any]:
