@@ -363,6 +363,10 @@ UNKNOWN_OR_UNFOLLOWED = {  # Caffe's parser refuses unknown fields: a typo must 
     ("BatchNorm", "batch_norm_param { use_global_stats: false }"):
         r"use_global_stats: false normalises with each test batch",
     ("LRN", "lrn_param { local_size: 4 }"): r"LRN local_size 4: Caffe takes odd sizes only",
+    ("LRN", "lnr_param { local_size: 3 alpha: 0.5 }"):  # had imported Caffe's defaults
+        r"'lnr_param' is not a field of Caffe's layer \(did you mean 'lrn_param'\?\)",
+    ("ReLU", "rleu_param { negative_slope: 0.1 }"):  # had lost the leaky slope
+        r"'rleu_param' is not a field of Caffe's layer \(did you mean 'relu_param'\?\)",
 }  # fmt: skip
 
 
@@ -372,6 +376,18 @@ def test_unknown_fields_and_unfollowed_values_are_one_line(kind, params):
     with pytest.raises(ConfigError, match=UNKNOWN_OR_UNFOLLOWED[kind, params]) as err:
         translate(parse_prototxt(text, "t"), "t")
     assert str(err.value).startswith("t:") and "\n" not in str(err.value)
+
+
+def test_a_misspelled_top_level_field_is_refused_not_dropped():
+    """`layr { }` had imported without the layer (a ReLU gone), exit 0."""
+    relu = _layer("r", "ReLU", ["data"], "r").replace("layer {", "layr {", 1)
+    with pytest.raises(ConfigError, match=r"'layr' is not a field of Caffe's NetParameter "
+                       r"\(did you mean 'layer'\?\)"):  # fmt: skip
+        translate(parse_prototxt(INPUT + relu, "t"), "t")
+    with pytest.raises(ConfigError, match=r"'inptu_dim' is not a field"):
+        translate(parse_prototxt(INPUT.replace("input_dim", "inptu_dim", 1) + relu, "t"), "t")
+    fork = _layer("c", "ReLU", ["data"], "c", "my_fork_param { x: 1 }")  # a fork's own block
+    assert translate(parse_prototxt(INPUT + fork, "t"), "t")["layers"][0]["type"] == "relu"
 
 
 def test_the_old_syntax_keeps_blobs_lr_and_weight_decay_and_refuses_shared_weights():

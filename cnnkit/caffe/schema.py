@@ -5,6 +5,7 @@ whose value changes the network in a way cnnkit does not follow is refused, not 
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from cnnkit.errors import ConfigError, brief
@@ -48,6 +49,17 @@ SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLE
               "shape": {"dim"}}  # fmt: skip
 PARAM_SPEC = {"name", "share_mode", "lr_mult", "decay_mult"}
 NET_BLOCKS = {"layer", "layers", "input_shape"}  # NetParameter's fields that are messages
+NET_FIELDS = NET_BLOCKS | {"name", "input", "input_dim", "force_backward", "state", "debug_info"}
+# the parameter blocks caffe.proto's LayerParameter declares: a *_param near one of these but
+# not it is a typo (`lnr_param`), refused as Caffe refuses it; others are a fork's own
+CAFFE_PARAMS = {f"{name}_param" for name in (
+    "accuracy", "argmax", "batch_norm", "bias", "clip", "concat", "contrastive_loss",
+    "convolution", "crop", "data", "dropout", "dummy_data", "eltwise", "elu", "embed", "exp",
+    "flatten", "hdf5_data", "hdf5_output", "hinge_loss", "image_data", "infogain_loss",
+    "inner_product", "input", "log", "loss", "lrn", "memory_data", "mvn", "parameter",
+    "pooling", "power", "prelu", "python", "recurrent", "reduction", "relu", "reshape", "scale",
+    "sigmoid", "slice", "softmax", "spp", "swish", "tanh", "threshold", "tile", "transform",
+    "window_data")}  # fmt: skip
 LAYER_BLOCKS = {"include", "exclude", "blobs"}  # and LayerParameter's (with *_param, `param`)
 
 # declared fields whose value changes what the layer computes in a way cnnkit does not follow:
@@ -61,6 +73,15 @@ FOLLOWED: dict[tuple[str, str], tuple[Any, str]] = {
         "cnnkit uses the stored ones"),
     ("softmax_param", "axis"): (1, "a softmax over another axis than the channels"),
 }  # fmt: skip
+
+
+def check_net(source: str, net: Message) -> None:
+    """ConfigError for a top-level field NetParameter does not declare (`layr { }`: the layer
+    would vanish), and for a value where it declares a block."""
+    for name, _, line in net.fields:
+        if name not in NET_FIELDS:
+            _unknown(f"{source}:{line}", "NetParameter", name, NET_FIELDS)
+    expect_blocks(source, net, NET_BLOCKS)
 
 
 def expect_blocks(source: str, message: Message, names: set[str]) -> None:
@@ -81,6 +102,9 @@ def check_layer(source: str, layer: Message, v1: bool) -> None:
     for name, value, line in layer.fields:
         if name in PARAM_FIELDS and isinstance(value, Message):
             _check_block(source, name, value)
+        elif name.endswith("_param") and name not in CAFFE_PARAMS:
+            if difflib.get_close_matches(name, CAFFE_PARAMS, n=1, cutoff=0.8):
+                _unknown(f"{source}:{line}", "layer", name, CAFFE_PARAMS)
         elif not (name.endswith("_param") or name in known):
             _unknown(f"{source}:{line}", "layer", name, known)
     for spec in layer.all("param"):

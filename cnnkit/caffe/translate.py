@@ -26,7 +26,7 @@ from cnnkit.caffe.fields import (
     require,
     sizes,
 )
-from cnnkit.caffe.schema import NET_BLOCKS, check_layer, expect_blocks
+from cnnkit.caffe.schema import check_layer, check_net
 from cnnkit.errors import ConfigError, brief, one_line, validation_message
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
@@ -137,7 +137,7 @@ class _Translator:
         self.folds: set[Message] = set()  # the Scale layers that fold into their BatchNorm
 
     def run(self) -> dict[str, Any]:
-        expect_blocks(self.source, self.net, NET_BLOCKS)
+        check_net(self.source, self.net)
         self._net_level_input()
         caffe_layers = deployed_layers(self.net.all("layer") + self.net.all("layers"), self.source)
         self.folds = sole_readers(caffe_layers)
