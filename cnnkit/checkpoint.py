@@ -164,6 +164,12 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
             "and plain data"
         ) from None
     except Exception as e:
+        if "TorchScript" in str(e):  # torch's advice to unpickle it unsafely: not ours to give
+            raise CheckpointError(f"{path}: a TorchScript export, which cnnkit writes but does "
+                                  "not read back: give the run or checkpoint it came from, or "
+                                  "load it with torch.jit.load") from None  # fmt: skip
+        if isinstance(e, PermissionError):
+            raise CheckpointError(f"{path}: cannot read it (permission denied)") from None
         raise CheckpointError(
             f"{path}: not a readable checkpoint (truncated or foreign: {one_line(e)})"
         ) from None

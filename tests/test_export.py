@@ -186,6 +186,9 @@ def test_torchscript_export_matches(tmp_path, capsys):
     assert code == 0 and "passed" in stdout, err
     code, _, err = run_cli(["export", "lenet5", "-f", "keras", "-o", str(out)], capsys)
     assert code == 2 and "keras" in err
+    code, _, err = run_cli(["info", str(out)], capsys)  # torch's weights_only advice: not ours
+    assert code != 0 and "a TorchScript export, which cnnkit writes but does not read" in err, err
+    assert "weights_only" not in err
 
 
 def test_torch_export_of_the_digits_run(digits_run, tmp_path, capsys):
