@@ -254,7 +254,11 @@ class Linear(ParamLayer):
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
         if self.out_features is None:
-            raise ShapeError("out_features", "is not set and the network has no num_classes")
+            raise ShapeError(
+                "out_features",
+                "is not set and the network has no num_classes "
+                "(training takes it from the data; info takes --num-classes N)",
+            )
         return (self.out_features,) if self.flatten else (self.out_features, *shapes[0][1:])
 
     def _in_features(self, shape: Shape) -> int:
