@@ -376,7 +376,8 @@ def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch
     assert code == 1 and "(interrupted? run cnnkit pack again to resume)" in err
     image = sorted((tmp_path / "src").rglob("*.JPEG"))[0]
     (tmp_path / "dup.yaml").write_text("data: {source: digits}\ndata: {source: faces}\n")
-    for given, words in ((image, "not a text file"), (tmp_path / "dup.yaml", "duplicate key")):
+    for given, words in ((image, "an image; eval takes a folder"),
+                         (tmp_path / "dup.yaml", "duplicate key")):  # fmt: skip
         code, _, err = run_cli(["eval", str(digits_run), "--data", str(given)], capsys)
         assert code == 2 and words in err and len(err.splitlines()) == 1, err
     image = str(sorted((tmp_path / "src").rglob("*.JPEG"))[0])

@@ -13,6 +13,7 @@ from cnnkit.checkpoint import load_trained, note_mean_image, uses_mean_image
 from cnnkit.config import TrainConfig
 from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
+from cnnkit.data.decode import is_image_name
 from cnnkit.data.packed import is_pack
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
@@ -46,6 +47,9 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
     elif spec in SOURCES and not (spec in ("folder", "packed") and Path(spec).is_dir()):
         section = {"source": spec}
     elif Path(spec).is_file():
+        if is_image_name(Path(spec).name):
+            raise ConfigError(f"--data {spec}: an image; eval takes a folder, a packed set, a "
+                              "source name or a data YAML (`cnnkit classify` takes images)")  # fmt: skip
         loaded = read_yaml(spec)  # bounded, duplicate keys refused, errors as one line
         section = loaded.get("data", loaded) if isinstance(loaded, dict) else None
         if not isinstance(section, dict):
