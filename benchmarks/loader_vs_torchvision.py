@@ -42,34 +42,35 @@ from cnnkit.bench.loader import bench_loader, tree_cpu_seconds  # noqa: E402
 PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "hubble_deep_field.jpg",
           "ihc.png", "retina.jpg", "motorcycle_left.png", "motorcycle_right.png")  # fmt: skip
 PHOTO_DIR = Path(skdata.__file__).parent  # bundled with scikit-image: no download
+WORK = Path("/tmp/cnnkit-loader-bench")
 
 
-MARK = ".made-by-cnnkit-benchmarks"  # in each folder these scripts make, and may remove
+MARK = ".made-by-cnnkit-benchmarks"  # in a --work folder these scripts own
 
 
-def clear_own(folder: Path) -> None:
-    """Remove a folder a benchmark made (it holds MARK); one that it did not make is never
-    removed: SystemExit naming it."""
-    if not folder.exists() and not folder.is_symlink():
+def claim_work(work: Path, default: Path) -> None:
+    """Own `work` (MARK in it), where these scripts then remake their folders (photos/,
+    packed*/, jpeg-N/) at will: marked before anything is made, so an interrupted run's folders
+    are theirs too; the default --work is always theirs. SystemExit for a folder of the user's
+    that holds folders of those names: they are never removed."""
+    if (work / MARK).is_file():
         return
-    if not (folder / MARK).is_file():
-        raise SystemExit(f"{folder}: exists and was not made by cnnkit's benchmarks (no {MARK}); "
-                         "give another --work (nothing was removed)")  # fmt: skip
-    shutil.rmtree(folder)
-
-
-def mark_own(folder: Path) -> None:
-    (folder / MARK).write_text(
-        "made by cnnkit's benchmarks/, which remove it when they remake it\n"
-    )
+    if work.is_dir() and work.resolve() != default.resolve():
+        theirs = sorted(p.name for p in work.iterdir()
+                        if p.name == "photos" or p.name.startswith(("packed", "jpeg-")))  # fmt: skip
+        if theirs:
+            raise SystemExit(f"--work {work}: holds {', '.join(theirs)}, not made by cnnkit's "
+                             "benchmarks; give another --work (nothing was removed)")  # fmt: skip
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARK).write_text("cnnkit's benchmarks/ remake the folders they made here at will\n")
 
 
 def build_photo_folder(root: Path, images: int, seed: int = 0) -> Path:
     """Write `images` distinct ~500x375 JPEGs under root/<photo>/ (kept if exactly those are
     there already: the same seed makes the same files; another count is made afresh)."""
-    if (root / MARK).is_file() and sum(1 for _ in root.glob("*/*.jpg")) == images:
+    if root.is_dir() and sum(1 for _ in root.glob("*/*.jpg")) == images:
         return root
-    clear_own(root)
+    shutil.rmtree(root, ignore_errors=True)  # (in a --work claim_work owns)
     rng = np.random.default_rng(seed)
     sources = [Image.open(PHOTO_DIR / name).convert("RGB") for name in PHOTOS]
     for i in range(images):
@@ -89,7 +90,6 @@ def build_photo_folder(root: Path, images: int, seed: int = 0) -> Path:
         folder = root / PHOTOS[k].split(".")[0]
         folder.mkdir(parents=True, exist_ok=True)
         im.save(folder / f"{i:06d}.jpg", quality=int(rng.integers(85, 96)))
-    mark_own(root)
     return root
 
 
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20, help="timed batches per pipeline")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches first")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the median is reported")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/cnnkit-loader-bench"),
+    parser.add_argument("--work", type=Path, default=WORK,
                         help="where the images and packs are made (kept for the next run; "
                         "folders of the same names not made here are refused)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -145,17 +145,16 @@ def main() -> None:
     from cnnkit.data.pack import pack_folder
 
     device = torch.device(args.device)
+    claim_work(args.work, WORK)
     photos = build_photo_folder(args.work / "photos", args.images)
-    clear_own(args.work / "packed")  # pack afresh: its time is reported
+    shutil.rmtree(args.work / "packed", ignore_errors=True)  # pack afresh: its time is reported
     start = time.perf_counter()
     pack_folder(photos, args.work / "packed", size=256, progress=False, workers=args.workers)
     pack_seconds = time.perf_counter() - start
-    mark_own(args.work / "packed")
     jpeg = args.work / f"jpeg-{args.images}"  # the same images as the other variants
-    if not (jpeg / MARK).is_file():
-        clear_own(jpeg)
+    if not (jpeg / "meta.json").is_file():
+        shutil.rmtree(jpeg, ignore_errors=True)  # (an interrupted pack of other photos)
         pack_folder(photos, jpeg, size=256, format="jpeg", progress=False, workers=args.workers)
-        mark_own(jpeg)
     rounds = [one_round(args, photos, jpeg, device) for _ in range(args.rounds)]
     report(args, rounds, pack_seconds)
 

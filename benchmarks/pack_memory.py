@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loader_vs_torchvision import build_photo_folder, clear_own, mark_own  # noqa: E402
+from loader_vs_torchvision import build_photo_folder, claim_work  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+WORK = Path("/tmp/cnnkit-pack-bench")
 
 
 def _tree(pid: int) -> list[int]:
@@ -49,7 +51,7 @@ def _memory_kb(pid: int) -> tuple[int, int]:
 
 def measure_pack(src: Path, dst: Path, workers: int, fmt: str) -> dict:
     """Run cnnkit pack in a child process; peak PSS/RSS sums over its process tree."""
-    clear_own(dst)
+    shutil.rmtree(dst, ignore_errors=True)  # (in a --work claim_work owns)
     cmd = [sys.executable, "-m", "cnnkit", "pack", str(src), str(dst), "--size", "256",
            "--workers", str(workers), "--format", fmt]  # fmt: skip
     start = time.perf_counter()
@@ -62,7 +64,6 @@ def measure_pack(src: Path, dst: Path, workers: int, fmt: str) -> dict:
     output = proc.stdout.read().decode()
     if proc.returncode:
         raise SystemExit(f"pack failed:\n{output}")
-    mark_own(dst)
     return {"seconds": time.perf_counter() - start, "peak_pss_mb": peak_pss / 1024,
             "peak_rss_mb": peak_rss / 1024, "output": output.strip().splitlines()[-1]}  # fmt: skip
 
@@ -73,8 +74,9 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=10000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--format", default="raw", choices=["raw", "jpeg"])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/cnnkit-pack-bench"))
+    parser.add_argument("--work", type=Path, default=WORK)
     args = parser.parse_args()
+    claim_work(args.work, WORK)
     photos = build_photo_folder(args.work / "photos", args.images)
     result = measure_pack(photos, args.work / "packed", args.workers, args.format)
     print(f"pack of {args.images} images at 256 px ({args.format}, {args.workers} workers): "
