@@ -14,7 +14,7 @@ from cnnkit.data import data_config
 from cnnkit.data import decode as decode_module
 from cnnkit.data.augment import CropAugment
 from cnnkit.data.batch import BatchJob
-from cnnkit.data.decode import load_region, open_image
+from cnnkit.data.decode import load_region, open_image, region_factor
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
 from cnnkit.data.resize import box_region, resize_uint8
@@ -90,7 +90,7 @@ def test_large_jpeg_is_dct_scaled_for_the_box(tmp_path, monkeypatch):
     )
     small = load_box(path, 64, "squash", (0, 0, 64, 64), 32, False)
     large = load_box(path, 64, "squash", (0, 0, 8, 8), 32, False)
-    assert asked == [8, 1]  # the whole 256 px photo decoded at 1/8 for 32 px; a 32 px box whole
+    assert asked == [4, 1]  # 256 px for 32: 1/4 (1/8 would leave no pixel to spare); 32 whole
     assert small.shape == large.shape == (3, 32, 32)
     whole = real(path.read_bytes()).array
     ref = torch.nn.functional.interpolate(
@@ -251,3 +251,16 @@ def test_packs_and_folders_draw_the_same_boxes_on_the_photos(photos, tmp_path, s
         close += (x1 - x2).abs().mean().item()
         far += (x1 - x2.flip(0)).abs().mean().item()
     assert close / 4.5 < 0.15 < far / 4.5  # normalised units (std 1 is ~58 levels)
+
+
+def test_a_dct_scaled_region_never_has_fewer_pixels_than_the_crop():
+    """Its edges are rounded to the decoded pixels: a 264 px region at 1/8 had 32 px for a 33
+    px crop (a full decode had 264 to shrink from)."""
+    assert region_factor((12, 12, 276, 276), 33) == 4
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        y0, crop = int(rng.integers(0, 64)), int(rng.integers(8, 64))
+        y1 = y0 + int(rng.integers(crop, 10 * crop))
+        f = region_factor((y0, y0, y1, y1), crop)
+        if f > 1:
+            assert round(y1 / f) - round(y0 / f) >= crop, (y0, y1, crop, f)

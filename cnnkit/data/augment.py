@@ -105,8 +105,10 @@ def rrc_boxes(draws: torch.Tensor, height: torch.Tensor | int, width: torch.Tens
     B = draws.shape[0]
     H = torch.as_tensor(height, dtype=torch.int64).expand(B)
     W = torch.as_tensor(width, dtype=torch.int64).expand(B)
-    area = (H * W)[:, None] * draws[:, :TRIES]
-    aspect = torch.exp(draws[:, TRIES : 2 * TRIES])
+    # in float64 from the float32 draws, as torchvision computes (its exp in float32, then
+    # Python floats): float32 products put a box a pixel off now and then
+    area = (H * W).double()[:, None] * draws[:, :TRIES].double()
+    aspect = torch.exp(draws[:, TRIES : 2 * TRIES]).double()
     w = torch.sqrt(area * aspect).round().long()
     h = torch.sqrt(area / aspect).round().long()
     ok = (w > 0) & (h > 0) & (w <= W[:, None]) & (h <= H[:, None])
@@ -114,7 +116,7 @@ def rrc_boxes(draws: torch.Tensor, height: torch.Tensor | int, width: torch.Tens
     h, w, fits = h.gather(1, pick)[:, 0], w.gather(1, pick)[:, 0], ok.any(1)
     fall_h, fall_w = _fallback_box(H, W, ratio)
     h, w = torch.where(fits, h, fall_h), torch.where(fits, w, fall_w)
-    place = draws[:, 2 * TRIES :]
+    place = draws[:, 2 * TRIES :].double()
     top = torch.where(fits, (place[:, 0] * (H - h + 1)).long(), (H - h) // 2)
     left = torch.where(fits, (place[:, 1] * (W - w + 1)).long(), (W - w) // 2)
     return torch.stack([top, left, h, w], 1)
@@ -123,10 +125,10 @@ def rrc_boxes(draws: torch.Tensor, height: torch.Tensor | int, width: torch.Tens
 def _fallback_box(H: torch.Tensor, W: torch.Tensor,
                   ratio: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """torchvision's box when no try fits: the whole image, its aspect clamped to `ratio`."""
-    in_ratio = W / H
+    in_ratio = W.double() / H.double()
     narrow, wide = in_ratio < min(ratio), in_ratio > max(ratio)
-    h = torch.where(narrow, (W / min(ratio)).round().long(), H)
-    w = torch.where(wide, (H * max(ratio)).round().long(), W)
+    h = torch.where(narrow, (W.double() / min(ratio)).round().long(), H)
+    w = torch.where(wide, (H.double() * max(ratio)).round().long(), W)
     return h, w
 
 

@@ -388,12 +388,12 @@ def load_resized(
 
 
 def region_factor(region: tuple[int, int, int, int], crop: int) -> int:
-    """The DCT scaling (8, 4, 2 or 1) at which a JPEG's region (y0, x0, y1, x1) still has at
-    least crop x crop pixels: resizing it to the crop never upsamples what a full decode would
+    """The DCT scaling (8, 4, 2 or 1) at which a JPEG's region (y0, x0, y1, x1) still has more
+    than crop x crop pixels: resizing it to the crop never upsamples what a full decode would
     not."""
     h, w = region[2] - region[0], region[3] - region[1]
-    factor = 8
-    while factor >= 2 and (h // factor < crop or w // factor < crop):
+    factor = 8  # a pixel to spare: the region's edges are rounded to the decoded pixels
+    while factor >= 2 and (h // factor <= crop or w // factor <= crop):
         factor //= 2
     return max(factor, 1)
 
