@@ -182,17 +182,20 @@ class Rounds:
         self._check_pictures()
 
     def _check_pictures(self) -> None:
-        """ConfigError, before any round, for a picture shrunk under the smallest face the
-        detector searches (no window of it would be scored, nor a random one cut)."""
-        smallest = round(MIN_FACE * self.side)
-        names = self.hn.images + self.hn.held_out
-        for name, picture in zip(names, self.pictures + self.held_out, strict=True):
-            h, w = picture.shape
-            if min(h, w) < smallest:
-                need = math.ceil(smallest * max(h, w) / min(h, w))
-                raise ConfigError(f"data.hard_negatives.max_side: {self.hn.max_side} shrinks {name} "
-                                  f"to {w}x{h}, under the smallest face searched ({smallest} px: "
-                                  f"{MIN_FACE} windows of {self.side}); give {need} or more")  # fmt: skip
+        """ConfigError, before any round, for a picture shrunk under the smallest face searched
+        on it: one window for the mined pictures (mining scans, and cuts random windows, from
+        one), MIN_FACE windows for the held-out ones (the measure detects as `detect` does)."""
+        for names, pictures, smallest, what in (
+            (self.hn.images, self.pictures, self.side, "mined"),
+            (self.hn.held_out, self.held_out, round(MIN_FACE * self.side), "held-out"),
+        ):
+            for name, picture in zip(names, pictures, strict=True):
+                if min(picture.shape) < smallest:
+                    h, w = picture.shape
+                    raise ConfigError(f"data.hard_negatives.max_side: {self.hn.max_side} shrinks "
+                                      f"the {what} picture {name} to {w}x{h}, under the smallest "
+                                      f"face searched on it ({smallest} px); give "
+                                      f"{_max_side_for(name, smallest)} or more")  # fmt: skip
 
     def run(self, rows: list[dict[str, Any]], seconds_before: float) -> dict[str, Any]:
         """Every round not in rows, then keep the best of all."""
@@ -284,6 +287,21 @@ def _mine(loaded: Loaded, pictures: list[np.ndarray], hn: HardNegatives, side: i
     return np.concatenate(
         [np.zeros((0, side, side), np.uint8)] + [m.reshape(-1, side, side) for m in mined]
     )
+
+
+def _max_side_for(name: str, smallest: int) -> int:
+    """The least max_side that keeps the picture's shorter side at `smallest` pixels or more."""
+    h, w = face_free_picture(name, 1 << 20).shape  # (as loaded: no picture is that large)
+
+    def keeps(side: int) -> bool:  # (the shrink rounds: try it, near the estimate)
+        return min(face_free_picture(name, side).shape) >= smallest
+
+    side = math.ceil(smallest * max(h, w) / min(h, w))
+    while side > smallest and keeps(side - 1):
+        side -= 1
+    while not keeps(side):
+        side += 1
+    return side
 
 
 def random_windows(picture: np.ndarray, n: int, side: int, rng: np.random.Generator) -> np.ndarray:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -272,10 +274,31 @@ def test_pictures_shrunk_under_the_smallest_face_are_refused_before_training(tmp
     trains (it had trained, then failed with detect's advice; random windows: numpy's
     ValueError), and no run folder."""
     config = load_run(small_run(max_side=30, **mining_options))
-    with pytest.raises(ConfigError, match=r"max_side: 30 shrinks brick to 30x30, under the "
-                       r"smallest face searched \(38 px: 1.5 windows of 25\); give 38"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"max_side: 30 shrinks the held-out picture gravel to "
+                       r"30x30, under the smallest face searched on it \(38 px\); give 38"):  # fmt: skip
         fit_rounds(config, tmp_path / "run", quiet=True)
     assert not (tmp_path / "run").exists()
+
+
+def test_mined_pictures_need_one_window_and_the_advice_is_enough():
+    """Mining scans from one window (25 px), the held-out measure from 1.5 (38): text at 80x31
+    was refused; and the max_side advised passes (it had been computed from the shrunk
+    picture's rounded aspect: 95 advised, then 101)."""
+    from cnnkit.mining import Rounds
+
+    config = load_run(small_run(images=["text"], held_out=["brick"], max_side=80))
+    Rounds(config, Path("unused"), True, None, (), resumed=False)  # text 80x31: fine
+    config = load_run(small_run(images=["text"], held_out=["brick"], max_side=30))
+    with pytest.raises(
+        ConfigError, match=r"the mined picture text to 30x12.*give (\d+) or more"
+    ) as e:
+        Rounds(config, Path("unused"), True, None, (), resumed=False)
+    advised = int(re.search(r"give (\d+) or more", str(e.value))[1])
+    ok = load_run(small_run(images=["text"], held_out=["brick"], max_side=advised))
+    Rounds(ok, Path("unused"), True, None, (), resumed=False)
+    short = load_run(small_run(images=["text"], held_out=["brick"], max_side=advised - 1))
+    with pytest.raises(ConfigError):
+        Rounds(short, Path("unused"), True, None, (), resumed=False)
 
 
 def test_a_mining_runs_dry_run_says_the_rounds(tmp_path, capsys):
