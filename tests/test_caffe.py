@@ -388,6 +388,12 @@ def test_a_misspelled_top_level_field_is_refused_not_dropped():
         translate(parse_prototxt(INPUT.replace("input_dim", "inptu_dim", 1) + relu, "t"), "t")
     fork = _layer("c", "ReLU", ["data"], "c", "my_fork_param { x: 1 }")  # a fork's own block
     assert translate(parse_prototxt(INPUT + fork, "t"), "t")["layers"][0]["type"] == "relu"
+    up = _layer("u", "Upsample", ["data"], "u", "upsample_param { scale: 2 }")  # a fork's layer:
+    with pytest.raises(ConfigError, match=r"has type 'Upsample', which cnnkit cannot import"):
+        translate(parse_prototxt(INPUT + up, "t"), "t")  # its type, not 'did you mean scale_param'
+    typo = _layer("r", "ReLU", ["data"], "r").replace("type:", "tpye:")
+    with pytest.raises(ConfigError, match=r"'tpye' is not a field of Caffe's layer"):
+        translate(parse_prototxt(INPUT + typo, "t"), "t")
 
 
 def test_the_old_syntax_keeps_blobs_lr_and_weight_decay_and_refuses_shared_weights():

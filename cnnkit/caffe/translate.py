@@ -144,10 +144,11 @@ class _Translator:
         v1 = set(map(id, self.net.all("layers")))  # the old `layers { }` syntax
         for index, layer in enumerate(caffe_layers):
             self.here = f"{self.source}:{layer.line}"
-            check_layer(self.source, layer, id(layer) in v1)
             kind = layer_type(layer)
             handler = getattr(self, f"_{kind.lower()}", None) if kind in SUPPORTED else None
             if handler is None:
+                if not kind:  # no type: a misspelled `type` is named by the field check
+                    check_layer(self.source, layer, id(layer) in v1)
                 trainval = kind in TRAIN_VAL_LAYERS or kind.endswith("Loss")
                 hint = (" (a train_val prototxt? give the deploy.prototxt: an Input layer in place "
                         "of the data layers, no loss or accuracy)") if trainval else (
@@ -156,7 +157,8 @@ class _Translator:
                     f"{self.here}: layer {brief(layer.get('name', '?'))} has type {brief(kind)}, "
                     f"which cnnkit cannot import{hint}"
                 )
-            handler(layer, last=index == len(caffe_layers) - 1)
+            check_layer(self.source, layer, id(layer) in v1)  # (after the type: a fork's
+            handler(layer, last=index == len(caffe_layers) - 1)  # layer is its type's error)
         return self._result()
 
     def _result(self) -> dict[str, Any]:
