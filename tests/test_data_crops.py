@@ -264,3 +264,21 @@ def test_a_dct_scaled_region_never_has_fewer_pixels_than_the_crop():
         f = region_factor((y0, y0, y1, y1), crop)
         if f > 1:
             assert round(y1 / f) - round(y0 / f) >= crop, (y0, y1, crop, f)
+
+
+def test_a_files_size_is_read_from_its_first_bytes_or_the_whole_file(tmp_path):
+    """The folder workers learn each photo's size before cutting any crop, without holding the
+    batch's files in memory: from the first 64 KB, or the whole file where the header lies
+    further on (a JPEG whose ICC profile comes first)."""
+    from cnnkit.data.decode import HEADER_BYTES, BadImage, file_shape
+
+    Image.fromarray(photo(30, 50, seed=1)).save(tmp_path / "a.jpg")
+    Image.fromarray(photo(30, 50, seed=1)).save(tmp_path / "b.jpg", icc_profile=bytes(200_000))
+    Image.fromarray(photo(7, 9, seed=1)).save(tmp_path / "c.png")
+    assert (tmp_path / "b.jpg").stat().st_size > 3 * HEADER_BYTES
+    assert [file_shape(tmp_path / n) for n in ("a.jpg", "b.jpg", "c.png")] == [(30, 50)] * 2 + [
+        (7, 9)
+    ]
+    (tmp_path / "d.jpg").write_bytes(b"not an image")
+    with pytest.raises(BadImage, match="not an image"):
+        file_shape(tmp_path / "d.jpg")

@@ -302,6 +302,21 @@ def open_image(path: str | Path) -> ImageFile:
     return ImageFile(data, suffix, shape)
 
 
+HEADER_BYTES = 1 << 16  # where an image's size is found (after a JPEG's EXIF, as a rule)
+
+
+def file_shape(path: str | Path) -> tuple[int, int]:
+    """An image file's (H, W) from its first bytes (the whole file where those do not say);
+    BadImage as decode_image would raise it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except OSError:
+        head = b""  # open_image says why
+    shape = image_shape(head) if head else None
+    return shape if shape is not None else open_image(path).shape
+
+
 def image_shape(data: bytes) -> tuple[int, int] | None:
     """(H, W) from an image's header, None where it cannot be read."""
     if data.startswith(_JPEG_MAGIC) and simplejpeg is not None:

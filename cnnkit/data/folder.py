@@ -15,14 +15,14 @@ import torch
 from pydantic import Field, PositiveInt, field_validator
 from torch.utils.data import Dataset
 
-from cnnkit.data.augment import imagenet_lighting
+from cnnkit.data.augment import imagenet_lighting, rrc_boxes
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import (
     MAX_PIXELS,
     BadImage,
-    ImageFile,
     device_jpeg,
+    file_shape,
     image_shape,
     load_region,
     load_resized,
@@ -87,26 +87,29 @@ class FolderImages(Dataset):
                            sources=self._sources(sources))  # fmt: skip
 
     def _crops(self, paths: list[Path], c: Crops) -> Callable[[int], tuple]:
-        """Image k's crop and size, for k in the batch: every file read (and its size from the
-        header) first, so that the boxes of photos squashed whole are drawn on the photos, all
-        at once, as the main process draws them."""
-        files: list[ImageFile | BadImage] = []
-        for path in paths:
-            try:
-                files.append(open_image(path))
-            except BadImage as e:
-                files.append(e)
-        shapes = [f.shape if isinstance(f, ImageFile) else (1, 1) for f in files]
-        on_photos = c.on_sources(torch.tensor(shapes)) if self.resize_mode == "squash" else None
+        """Image k's crop and size, for k in the batch. The boxes of photos squashed whole are
+        drawn on the photos, all at once as the main process draws them: every file's size is
+        read from its header first (one file's bytes in memory at a time)."""
+        sizes: list[tuple[int, int] | None] = [None] * len(paths)
+        on_photos = None
+        if self.resize_mode == "squash" and c.draws is not None:
+            for k, path in enumerate(paths):
+                try:
+                    sizes[k] = file_shape(path)
+                except BadImage:
+                    pass  # said when its crop is cut
+            shapes = torch.tensor([s or (1, 1) for s in sizes])
+            on_photos = c.on_sources(shapes)
 
         def cut(k: int) -> tuple[torch.Tensor, tuple[int, int]]:
-            image = files[k]
-            if isinstance(image, BadImage):
-                raise image
+            image = open_image(paths[k])
             if on_photos is None:
                 region = box_region(image.shape, c.boxes[k].tolist(), self.size, self.resize_mode)
             else:
-                top, left, h, w = on_photos[k].tolist()
+                box = on_photos[k]
+                if image.shape != sizes[k]:  # the file changed since its size was read
+                    box = rrc_boxes(c.draws[k : k + 1], *image.shape, c.ratio)[0]
+                top, left, h, w = box.tolist()
                 region = (top, left, top + h, left + w)
             return load_region(image, region, c.side, bool(c.flip[k])), image.shape
 
