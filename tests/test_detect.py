@@ -136,6 +136,11 @@ def test_a_pyramid_level_over_the_pixel_limit_is_one_line_not_an_oom():
                        r"2048x2048 image 8x, to 268,435,456 pixels, over the limit of "
                        r"120,000,000: give --min-size 2 or more"):  # fmt: skip
         detect(loaded, np.zeros((2048, 2048), np.uint8), threshold=0.5, min_face=1)
+    from cnnkit.infer.detect import _check_level_pixels
+
+    with pytest.raises(DataError, match=r"give --min-size 13 or more"):  # 12: a rounded level
+        _check_level_pixels(4064, 6803, 25 / 11, 25, 11)  # over the limit (the advice looped)
+    _check_level_pixels(4064, 6803, 25 / 13, 25, 13)
 
 
 def test_unknown_class_and_branching_nets_are_clear_errors():

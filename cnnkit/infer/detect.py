@@ -210,6 +210,8 @@ def _check_level_pixels(h: int, w: int, scale: float, window: int, smallest: int
     level = round(h * scale) * round(w * scale)
     if level > MAX_PIXELS:
         need = math.ceil(window * math.sqrt(h * w / MAX_PIXELS))
+        while round(h * window / need) * round(w * window / need) > MAX_PIXELS:
+            need += 1  # (each side is rounded)
         raise DataError(f"the smallest face searched ({smallest} px) scales the {w}x{h} image "
                         f"{scale:.2g}x, to {level:,} pixels, over the limit of {MAX_PIXELS:,}: "
                         f"give --min-size {need} or more")  # fmt: skip
