@@ -11,12 +11,12 @@ from data_images import photo
 from PIL import Image
 
 from cnnkit.data import data_config
-from cnnkit.data import decode as decode_module
+from cnnkit.data import regions as regions_module
 from cnnkit.data.augment import CropAugment
 from cnnkit.data.batch import BatchJob
-from cnnkit.data.decode import load_region, open_image, region_factor
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
+from cnnkit.data.regions import load_region, open_image, region_factor
 from cnnkit.data.resize import box_region, resize_uint8
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
 from cnnkit.data.slots import SlotRing
@@ -84,9 +84,9 @@ def test_large_jpeg_is_dct_scaled_for_the_box(tmp_path, monkeypatch):
     path = tmp_path / "big.jpg"
     Image.fromarray(photo(256, 256, seed=5)).save(path, quality=95)
     asked = []
-    real = decode_module.decode_data
+    real = regions_module.decode_data
     monkeypatch.setattr(
-        decode_module, "decode_data", lambda *a, **k: asked.append(k["factor"]) or real(*a, **k)
+        regions_module, "decode_data", lambda *a, **k: asked.append(k["factor"]) or real(*a, **k)
     )
     small = load_box(path, 64, "squash", (0, 0, 64, 64), 32, False)
     large = load_box(path, 64, "squash", (0, 0, 8, 8), 32, False)
@@ -270,7 +270,8 @@ def test_a_files_size_is_read_from_its_first_bytes_or_the_whole_file(tmp_path):
     """The folder workers learn each photo's size before cutting any crop, without holding the
     batch's files in memory: from the first 64 KB, or the whole file where the header lies
     further on (a JPEG whose ICC profile comes first)."""
-    from cnnkit.data.decode import HEADER_BYTES, BadImage, file_shape
+    from cnnkit.data.decode import BadImage
+    from cnnkit.data.regions import HEADER_BYTES, file_shape
 
     Image.fromarray(photo(30, 50, seed=1)).save(tmp_path / "a.jpg")
     Image.fromarray(photo(30, 50, seed=1)).save(tmp_path / "b.jpg", icc_profile=bytes(200_000))

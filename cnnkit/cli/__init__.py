@@ -171,6 +171,11 @@ def _out_of_memory(e: BaseException) -> str | None:
     return None
 
 
+def _needs_less(argv: list[str]) -> str:
+    """What shrinks the memory a command takes: detect has no batch, its pyramid's first level."""
+    return "a larger --min-size" if "detect" in argv[:1] else "a smaller batch"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `cnnkit` and `python -m cnnkit`: user errors become one line and an exit code.
 
@@ -248,9 +253,8 @@ def _main(argv: list[str], debug: bool) -> None:
             raise
         if debug:
             _traceback_exit(1)
-        less = "a larger --min-size" if "detect" in argv[:1] else "a smaller batch"
         print(f"cnnkit: error: out of memory: {size} did not fit (--debug shows where); "
-              f"{less} needs less", file=sys.stderr)  # fmt: skip
+              f"{_needs_less(argv)} needs less", file=sys.stderr)  # fmt: skip
         sys.exit(1)
     except BrokenPipeError:  # stdout's reader has gone (`| head`): stop quietly, as Unix tools
         _stdout_to_devnull()

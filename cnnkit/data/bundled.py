@@ -167,6 +167,14 @@ class HardNegatives(Section, extra="forbid"):
     step: float = Field(1.25, gt=1.0, description="pyramid scale factor while mining")
     max_side: PositiveInt = Field(320, description="pictures shrunk to at most this side")
 
+    def describe(self) -> str:
+        """What the rounds do, for a dry run (which builds round 0)."""
+        held = len(self.held_out)
+        return (f"that is round 0 of {self.rounds + 1}: each later round first scans "
+                f"{len(self.images)} face-free pictures for false positives and trains again "
+                f"with them; {held} held-out picture{' chooses' if held == 1 else 's choose'} "
+                "the round kept")  # fmt: skip
+
     @field_validator("images", "held_out")
     @classmethod
     def _face_free(cls, names: list[str]) -> list[str]:

@@ -18,17 +18,9 @@ from torch.utils.data import Dataset
 from cnnkit.data.augment import imagenet_lighting, rrc_boxes
 from cnnkit.data.base import DataBundle, Preprocess, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import (
-    MAX_PIXELS,
-    BadImage,
-    device_jpeg,
-    file_shape,
-    image_shape,
-    load_region,
-    load_resized,
-    open_image,
-)
+from cnnkit.data.decode import MAX_PIXELS, BadImage, device_jpeg, image_shape, load_resized
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
+from cnnkit.data.regions import file_shape, load_region, open_image
 from cnnkit.data.resize import box_region
 from cnnkit.data.scan import scan_folder
 from cnnkit.data.slots import new_batch

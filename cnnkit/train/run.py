@@ -301,11 +301,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
         console.print(f"note: {note}")
     mining = getattr(config.data, "hard_negatives", None)
     if mining is not None and mining.rounds:  # the dry run above is the first round's
-        held = len(mining.held_out)
-        console.print(f"note: that is round 0 of {mining.rounds + 1}: each later round first "
-                      f"scans {len(mining.images)} face-free pictures for false positives and "
-                      f"trains again with them; {held} held-out picture"
-                      f"{' chooses' if held == 1 else 's choose'} the round kept")  # fmt: skip
+        console.print(f"note: {mining.describe()}")
     return {"dry_run": True, "name": config.name, "run_dir": str(run_dir),
             "settings": engine.settings.describe(), "train_images": data.train.num_samples,
             "val_images": data.val.num_samples, "parameters": params}  # fmt: skip

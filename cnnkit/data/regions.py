@@ -1,0 +1,74 @@
+"""Training crops cut straight from image files (a folder's workers): each file's size read
+from its header first, then the crop's region decoded, DCT-scaled as far as the region allows,
+and resized once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from cnnkit.data.decode import decode_data, image_shape, read_file
+from cnnkit.data.resize import resize_crop
+
+
+class ImageFile(NamedTuple):
+    """A file's bytes, its name's suffix and its image's (H, W), read from its header."""
+
+    data: bytes
+    suffix: str
+    shape: tuple[int, int]
+
+
+def open_image(path: str | Path) -> ImageFile:
+    """Read a file and the size of its image from the header (the pixels are not decoded);
+    BadImage as decode_image would raise it."""
+    path = Path(path)
+    data, suffix = read_file(path), path.suffix.lower()
+    shape = image_shape(data)
+    if shape is None:  # no header that says: decoding says why (or finds the size after all)
+        shape = decode_data(data, suffix=suffix).source
+    return ImageFile(data, suffix, shape)
+
+
+HEADER_BYTES = 1 << 16  # where an image's size is found (after a JPEG's EXIF, as a rule)
+
+
+def file_shape(path: str | Path) -> tuple[int, int]:
+    """An image file's (H, W) from its first bytes (the whole file where those do not say);
+    BadImage as decode_image would raise it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except OSError:
+        head = b""  # open_image says why
+    shape = image_shape(head) if head else None
+    return shape if shape is not None else open_image(path).shape
+
+
+def region_factor(region: tuple[int, int, int, int], crop: int) -> int:
+    """The DCT scaling (8, 4, 2 or 1) at which a JPEG's region (y0, x0, y1, x1) still has more
+    than crop x crop pixels: resizing it to the crop never upsamples what a full decode would
+    not."""
+    h, w = region[2] - region[0], region[3] - region[1]
+    factor = 8  # a pixel to spare: the region's edges are rounded to the decoded pixels
+    while factor >= 2 and (h // factor <= crop or w // factor <= crop):
+        factor //= 2
+    return max(factor, 1)
+
+
+def load_region(image: ImageFile, region: tuple[int, int, int, int], crop: int,
+                flip: bool) -> torch.Tensor:  # fmt: skip
+    """Region (y0, x0, y1, x1) of an image, in its own pixels, resized to crop x crop (mirrored
+    if flip): one decode, DCT-scaled as far as the region allows, one resize. Returns a
+    (3, crop, crop) uint8 tensor (any strides: copy it out). Raises BadImage like read_image."""
+    factor = region_factor(region, crop)
+    array, _, factor, _ = decode_data(image.data, fast=True, suffix=image.suffix, factor=factor)
+    y0, x0, y1, x1 = region
+    if factor > 1:  # in decoded pixels: the nearest edges (under half a pixel of jitter)
+        h, w = array.shape[:2]
+        y0, x0 = min(round(y0 / factor), h - 1), min(round(x0 / factor), w - 1)
+        y1 = min(max(round(y1 / factor), y0 + 1), h)
+        x1 = min(max(round(x1 / factor), x0 + 1), w)
+    return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
