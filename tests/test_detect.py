@@ -113,6 +113,35 @@ def test_every_box_lies_inside_the_image_when_pools_round_up(side):
     assert min(b.x0 for b in boxes) >= 0 and min(b.y0 for b in boxes) >= 0
 
 
+@pytest.mark.parametrize("net", ["ceil_pools", "facenet"])
+def test_a_level_scored_in_bands_equals_one_pass(net, monkeypatch):
+    """A large level is scored in bands of rows that overlap by the halo (memory bounded: a
+    12800 px level had taken 18 GB): the same log-odds as one pass, with padding and pools that
+    round up, and for facenet."""
+    import cnnkit.infer.detect as detect_module
+
+    torch.manual_seed(0)
+    if net == "facenet":
+        model = build_model("facenet").eval()
+    else:
+        model = build_model({"input": [1, 27, 27], "num_classes": 2, "layers": [
+            {"type": "conv", "out_channels": 4, "kernel_size": 3, "padding": 1}, {"type": "relu"},
+            {"type": "maxpool", "kernel_size": 3, "stride": 2, "ceil_mode": True},
+            {"type": "conv", "out_channels": 4, "kernel_size": 3, "padding": 2},
+            {"type": "maxpool", "kernel_size": 3, "stride": 2, "ceil_mode": True},
+            {"type": "flatten"}, {"type": "linear"}]}).eval()  # fmt: skip
+    window = model.input_shape[-1]
+    loaded = Loaded(model, ["background", "face"], Preprocess(1, window, mean=[0.0], std=[255.0]),
+                    "test")  # fmt: skip
+    image = np.random.default_rng(0).integers(0, 256, (173, 131), dtype=np.uint8)
+    whole = [odds for _, _, odds in score_maps(loaded, image, [1.0, 0.7], 1)]
+    monkeypatch.setattr(detect_module, "BAND_PIXELS", 131 * 5)  # 1-2 output rows a band
+    banded = [odds for _, _, odds in score_maps(loaded, image, [1.0, 0.7], 1)]
+    for one, many in zip(whole, banded, strict=True):
+        assert one.shape == many.shape
+        torch.testing.assert_close(many, one, rtol=0, atol=1e-4)
+
+
 def test_the_smallest_face_searched_is_one_and_a_half_windows_by_default():
     image = np.zeros((48, 48), np.uint8)
     image[4:12, 4:12] = 255  # one window (8 px): only searched when asked for

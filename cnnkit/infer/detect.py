@@ -25,6 +25,7 @@ from cnnkit.nn.layers import FlatLinear, ScaledTanh
 # windows outnumber all coarser scales together and show pixel detail that the training patches
 # (downscaled photographs) never have: they made most of the false boxes on the astronaut.
 MIN_FACE = 1.5
+BAND_PIXELS = 1 << 21  # input pixels a band of a pyramid level's windows is scored over at once
 
 # layers that work on any image size unchanged
 _SPATIAL = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid,
@@ -57,6 +58,23 @@ class SlidingNet:
     net: nn.Sequential
     window: int
     stride: int
+    halo: int = 0  # input rows past a window's own that its score may read (padding,
+    # ceil_mode pools), rounded up to whole strides: what a band of rows overlaps its neighbours
+
+    def log_odds(self, x: torch.Tensor, label: int, rows: int, cols: int) -> torch.Tensor:
+        """(rows, cols) log-odds of `label` of the windows of x (1, C, H, W), computed in bands
+        of rows that overlap by the halo, so memory stays bounded however large x is (the
+        activations take hundreds of bytes a pixel); the same numbers as one pass."""
+        S, H = self.stride, x.shape[-2]
+        per = max(1, BAND_PIXELS // (x.shape[-1] * S))  # output rows per band
+        bands = []
+        for a in range(0, rows, per):
+            b = min(rows, a + per)
+            start = max(0, a * S - self.halo)  # whole strides: every layer's grid stays put
+            stop = min(H, (b - 1) * S + self.window + self.halo)
+            skip = (a * S - start) // S
+            bands.append(_log_odds(self.net(x[..., start:stop, :]), label)[skip : skip + b - a])
+        return torch.cat(bands)[:rows, :cols]
 
 
 def sliding_net(model: Network) -> SlidingNet:
@@ -64,7 +82,7 @@ def sliding_net(model: Network) -> SlidingNet:
     the first linear becomes a convolution over its whole input, later ones 1x1 convolutions.
     A window's score is its classification's, except where a layer reads past the patch's
     edge (padding, a ceil_mode pool's last window): there it reads the image's pixels beyond."""
-    modules, stride = [], 1
+    modules, stride, reach = [], 1, 0
     current = model.input_shape  # the (C, H, W) the next layer reads
     if len(current) != 3 or current[1] != current[2]:
         raise ConfigError(f"detect: the network reads {' x '.join(map(str, current))} inputs; "
@@ -86,10 +104,21 @@ def sliding_net(model: Network) -> SlidingNet:
             if not (_square(module.stride) and _square(module.padding)):
                 raise ConfigError(f"detect: layer {row.name!r} strides or pads the two axes "
                                   "differently; sliding windows need the same on both")  # fmt: skip
+            # past the patch: its padding, a ceil_mode pool's last window (generously)
+            reach += (_first(module.kernel_size) + _pad(module)) * stride
             stride *= _first(module.stride)
             current = row.output_shape
         modules.append(module)
-    return SlidingNet(nn.Sequential(*modules).eval(), model.input_shape[-1], stride)
+    window = model.input_shape[-1]
+    halo = stride * -(-(window + reach) // stride)
+    return SlidingNet(nn.Sequential(*modules).eval(), window, stride, halo)
+
+
+def _pad(module: nn.Module) -> int:
+    """A layer's padding in pixels ('same': about half its kernel)."""
+    if isinstance(module.padding, str):
+        return _first(module.kernel_size) * _first(getattr(module, "dilation", 1))
+    return _first(module.padding)
 
 
 def _square(value: int | tuple | str) -> bool:
@@ -143,9 +172,9 @@ def score_maps(
         rows, cols = ((n - slider.window) // slider.stride + 1 for n in size)  # whole windows
         width = (cols - 1) * slider.stride + slider.window  # (the mirror's windows line up)
         scaled = (scaled[..., :width].round().clamp(0, 255) - mean) / std
-        odds = _log_odds(slider.net(scaled), label)[:rows, :cols]  # pools that round up
+        odds = slider.log_odds(scaled, label, rows, cols)  # (pools that round up: cut)
         if mirror:  # the mirrored image's windows line up with these (the width fits the stride)
-            mirrored = _log_odds(slider.net(scaled.flip(-1)), label)[:rows, :cols].flip(-1)
+            mirrored = slider.log_odds(scaled.flip(-1), label, rows, cols).flip(-1)
             odds = (odds + mirrored) / 2
         yield scale, slider, odds
 
