@@ -16,15 +16,14 @@ image, per-channel mean/std and RGB covariance (for PCA lighting) are computed a
 Every file is written as NAME.tmp and renamed when complete, so nothing half-written ever looks
 finished. A failed write (a full disk) is one error line; the shards done stay done and the same
 command resumes. A pack that fails before its first shard, or finds no readable image, leaves
-nothing behind. The worker side (one shard, and the atomic writes) is pack_shard.py.
+nothing behind. The worker side (one shard, and the atomic writes) is pack_shard.py; what
+DST may hold, and how a failure leaves it, pack_dst.py.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import multiprocessing as mp
-import re
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -36,13 +35,12 @@ import torch
 
 from cnnkit.data import decode
 from cnnkit.data.decode import ResizeMode
+from cnnkit.data.pack_dst import check_no_clash, shards_done, tidy, write_error
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
 from cnnkit.data.packed import PACK_FORMAT
 from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError, Interrupted
 from cnnkit.runtime import atomic, available_cores
-
-SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
 
 
 @dataclass
@@ -214,10 +212,6 @@ def _next_finished(finished: Any, workers: list[Any]) -> tuple[int, int]:
                 raise WorkerDied(how) from None
 
 
-def _shards_done(dst: Path) -> int:
-    return len(list((dst / "shards").glob("[0-9]*.npz"))) if (dst / "shards").is_dir() else 0
-
-
 def _merge_markers(dst: Path, jobs: list[PackJob]) -> tuple[dict, dict, list, list]:
     """The shard markers summed and joined: (stat totals, index arrays, files, report lines)."""
     size = jobs[0].size
@@ -315,52 +309,6 @@ def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
                        meta.get("empty_classes", []))  # fmt: skip
 
 
-OWN_FILES = ("plan.json", "index.npz", "mean.npy", "files.txt", "bad_images.tsv", "meta.json")
-
-
-def _check_no_clash(dst: Path) -> None:
-    """ConfigError where DST, not a pack (no plan.json), holds files of the names a pack writes:
-    the pack would overwrite them, and remove them if it failed."""
-    if (dst / "plan.json").exists():
-        return
-    names = [n for n in OWN_FILES if (dst / n).exists()]
-    names += [f"shards/{p.name}" for p in _listing(dst / "shards") if SHARD_NAME.fullmatch(p.name)]
-    if names:
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise ConfigError(f"{printable(str(dst))}: holds {shown}, which a pack writes, but is not "
-                          "a pack (no plan.json); pack into an empty or new folder")  # fmt: skip
-
-
-def _tidy(dst: Path, created: bool, discard: bool) -> None:
-    """After a failure: remove this pack's .tmp files; with `discard`, everything this pack wrote
-    too. Only its own names: a folder the user made keeps anything else it holds, even under
-    shards/."""
-    shards = dst / "shards"
-    own = [dst / n for n in OWN_FILES] + [
-        p for p in _listing(shards) if SHARD_NAME.fullmatch(p.name)
-    ]
-    for path in own + [dst / f"{n}.tmp" for n in OWN_FILES]:
-        if path.suffix == ".tmp" or discard:
-            path.unlink(missing_ok=True)
-    for folder in (shards, dst) if discard else ():
-        if folder.is_dir() and (created or folder == shards) and not any(folder.iterdir()):
-            folder.rmdir()
-
-
-def _listing(folder: Path) -> list[Path]:
-    return list(folder.iterdir()) if folder.is_dir() else []
-
-
-def _write_error(e: OSError, dst: Path) -> DataError:
-    """One line for a failed write: a full disk says so, and that the same command resumes."""
-    where = printable(str(e.filename or dst))
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DataError(f"{printable(str(dst))}: the disk is full (no space left on device "
-                         f"writing {where}); free some space and run the same cnnkit pack again: "
-                         "it resumes from the shards done")  # fmt: skip
-    return DataError(f"{printable(str(dst))}: cannot write {where} ({e.strerror or e})")
-
-
 def pack_folder(
     src: str | Path,
     dst: str | Path,
@@ -384,25 +332,25 @@ def pack_folder(
                           "folder the pack is written to)")  # fmt: skip
     params = {"source": str(src.resolve()), "size": size, "resize": resize, "storage": format,
               "quality": quality}  # fmt: skip
-    _check_no_clash(dst)
+    check_no_clash(dst)
     created = not dst.exists()
     labels = Path(labels_file) if labels_file else None
     try:
         return _pack(src, dst, params, labels, shard_size, workers, progress)
     except NothingPacked as e:
-        _tidy(dst, created, discard=True)
+        tidy(dst, created, discard=True)
         raise DataError(f"{printable(str(src))}: {e}") from None
     except OSError as e:
-        _tidy(dst, created, discard=not (dst / "plan.json").exists())
-        raise _write_error(e, dst) from None
+        tidy(dst, created, discard=not (dst / "plan.json").exists())
+        raise write_error(e, dst) from None
     except WorkerDied as e:
-        _tidy(dst, created, discard=False)
+        tidy(dst, created, discard=False)
         raise DataError(f"pack: a worker process died ({e}): out of memory, or a crash decoding "
-                        f"an image; {_shards_done(dst)} shards done in {printable(str(dst))}, the "
+                        f"an image; {shards_done(dst)} shards done in {printable(str(dst))}, the "
                         "same command resumes from them") from None  # fmt: skip
     except KeyboardInterrupt:
-        _tidy(dst, created, discard=False)
-        done = _shards_done(dst)
+        tidy(dst, created, discard=False)
+        done = shards_done(dst)
         if not (dst / "plan.json").exists():
             raise Interrupted(
                 "pack interrupted before its first shard: nothing was packed"
@@ -410,5 +358,5 @@ def pack_folder(
         raise Interrupted(f"pack interrupted: {done} shards done in {printable(str(dst))}; the "
                           "same command resumes from them") from None  # fmt: skip
     except BaseException:
-        _tidy(dst, created, discard=False)
+        tidy(dst, created, discard=False)
         raise

@@ -1,0 +1,63 @@
+"""What `cnnkit pack` may write in DST, and how a failure leaves it: a DST holding files of a
+pack's names but no plan is refused before anything is written; a failed pack removes only
+what it wrote (its .tmp files, and everything of its own where nothing was packed)."""
+
+from __future__ import annotations
+
+import errno
+import re
+from pathlib import Path
+
+from cnnkit.data.scan import printable
+from cnnkit.errors import ConfigError, DataError
+
+SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
+OWN_FILES = ("plan.json", "index.npz", "mean.npy", "files.txt", "bad_images.tsv", "meta.json")
+
+
+def check_no_clash(dst: Path) -> None:
+    """ConfigError where DST, not a pack (no plan.json), holds files of the names a pack writes:
+    the pack would overwrite them, and remove them if it failed."""
+    if (dst / "plan.json").exists():
+        return
+    names = [n for n in OWN_FILES if (dst / n).exists()]
+    names += [f"shards/{p.name}" for p in _listing(dst / "shards") if SHARD_NAME.fullmatch(p.name)]
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(f"{printable(str(dst))}: holds {shown}, which a pack writes, but is not "
+                          "a pack (no plan.json); pack into an empty or new folder")  # fmt: skip
+
+
+def tidy(dst: Path, created: bool, discard: bool) -> None:
+    """After a failure: remove this pack's .tmp files; with `discard`, everything this pack wrote
+    too. Only its own names: a folder the user made keeps anything else it holds, even under
+    shards/."""
+    shards = dst / "shards"
+    own = [dst / n for n in OWN_FILES] + [
+        p for p in _listing(shards) if SHARD_NAME.fullmatch(p.name)
+    ]
+    for path in own + [dst / f"{n}.tmp" for n in OWN_FILES]:
+        if path.suffix == ".tmp" or discard:
+            path.unlink(missing_ok=True)
+    for folder in (shards, dst) if discard else ():
+        if folder.is_dir() and (created or folder == shards) and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _listing(folder: Path) -> list[Path]:
+    return list(folder.iterdir()) if folder.is_dir() else []
+
+
+def write_error(e: OSError, dst: Path) -> DataError:
+    """One line for a failed write: a full disk says so, and that the same command resumes."""
+    where = printable(str(e.filename or dst))
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DataError(f"{printable(str(dst))}: the disk is full (no space left on device "
+                         f"writing {where}); free some space and run the same cnnkit pack again: "
+                         "it resumes from the shards done")  # fmt: skip
+    return DataError(f"{printable(str(dst))}: cannot write {where} ({e.strerror or e})")
+
+
+def shards_done(dst: Path) -> int:
+    """The shards finished in DST (their done markers)."""
+    return len(list((dst / "shards").glob("[0-9]*.npz"))) if (dst / "shards").is_dir() else 0
