@@ -135,3 +135,23 @@ def test_contrast_and_brightness_jitter_per_image():
     shift = (z - x).flatten(1)
     assert (shift.std(1) < 1e-4).all() and shift[:, 0].abs().max() <= 0.3 + 1e-5
     assert not Jitter().active and Jitter(brightness=0.1).active
+
+
+def test_a_held_out_split_is_each_class_s_own_by_file_name():
+    """Which images a class holds out depends on the seed and its own files alone: images added
+    to another class, a class folder added, or the files listed in another order leave it."""
+    files = [f"a/{i}.png" for i in range(40)] + [f"b/{i}.png" for i in range(30)]
+    labels = np.array([0] * 40 + [1] * 30)
+    _, val = holdout_split(labels, 0.2, keys=files)
+    held = {files[i] for i in val}
+    grown = files + [f"b/{i}.png" for i in range(30, 60)] + [f"c/{i}.png" for i in range(20)]
+    grown_labels = np.array([0] * 40 + [1] * 60 + [2] * 20)
+    _, val2 = holdout_split(grown_labels, 0.2, keys=grown)
+    assert {grown[i] for i in val2 if grown[i].startswith("a/")} == {
+        f for f in held if f.startswith("a/")
+    }
+    order = np.random.default_rng(0).permutation(len(files))
+    _, val3 = holdout_split(labels[order], 0.2, keys=[files[i] for i in order])
+    assert {files[order[i]] for i in val3} == held
+    _, other = holdout_split(labels, 0.2, seed=1, keys=files)
+    assert {files[i] for i in other} != held and len(other) == len(val) == 14

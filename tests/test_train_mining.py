@@ -1,5 +1,5 @@
 """Hard-negative mining run by the trainer: mined windows become non-face training patches and
-cut the false positives on a face-free picture; face pictures are refused; balanced loss; a
+cut the false positives on a face-free picture none was mined from; face pictures are refused; balanced loss; a
 mining run resumes where it stopped, callbacks reach every round."""
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def test_mining_adds_non_faces_and_cuts_false_positives(tmp_path):
     assert mined.dtype == np.uint8 and mined.shape == (second["negatives"], 25, 25)
     config = yaml.safe_load((tmp_path / "run" / "round-1" / "config.yaml").read_text())
     assert config["data"]["negatives"].endswith("negatives-1.npy")  # a plain run of its own
-    brick = face_free_picture("brick", 160)
-    hits = [len(detect(load_for_inference(tmp_path / "run" / f"round-{r}"), brick, threshold=0.5))
+    gravel = face_free_picture("gravel", 160)  # held out: never mined, only scored
+    hits = [len(detect(load_for_inference(tmp_path / "run" / f"round-{r}"), gravel, threshold=0.5))
             for r in (0, 1)]  # fmt: skip
     assert hits[0] > 0 and hits[1] < hits[0], hits
     assert summary["chosen_round"] in (0, 1) and (tmp_path / "run" / "best.pt").is_file()

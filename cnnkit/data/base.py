@@ -7,11 +7,12 @@ x = (x - mean) / std with mean and std per channel in 0-255 units.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -204,19 +205,21 @@ class DataBundle:
     train_labels: torch.Tensor  # (N,) int64 on the CPU: every training image's class
     mean_image: torch.Tensor | None = None  # (C, S, S) 0-255 float: what normalize: mean_image
     #   subtracts before cropping (checkpoints keep it; `preprocess` has its channel averages)
+    holdout: str | None = None  # holdout_id of a split drawn from the training images
 
 
 def holdout_split(
-    labels: np.ndarray, fraction: float, seed: int = 0
+    labels: np.ndarray, fraction: float, seed: int = 0, keys: Sequence[str] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A stratified (train, held-out) split of range(len(labels)) that depends only on `seed`:
-    round(N * fraction) images held out in all, each class contributing its share (largest
-    remainders get the odd ones) but keeping at least one image to train on, sorted index
-    arrays."""
+    """A stratified (train, held-out) split of range(len(labels)): round(N * fraction) images
+    held out in all, each class contributing its share (largest remainders get the odd ones)
+    but keeping at least one image to train on, as sorted index arrays. Each class holds out
+    the images first in the order of a keyed hash of `seed` and each image's `keys` entry (its
+    file name; its index where None), so the split depends only on the seed and each class's
+    own images: a class folder added, or images added to another class, leave it as it was."""
     labels = np.asarray(labels)
     if not fraction:
         return np.arange(len(labels)), np.zeros(0, np.int64)
-    rng = np.random.default_rng(seed)
     classes, counts = np.unique(labels, return_counts=True)
     quota = counts * fraction
     take = np.minimum(np.floor(quota).astype(np.int64), counts - 1)
@@ -227,9 +230,28 @@ def holdout_split(
         raise ConfigError(
             f"data.val_fraction: {fraction} of {len(labels)} images leaves an empty split"
         )
+    rank = _hash_order(keys if keys is not None else range(len(labels)), seed)
     train, val = [], []
     for c, n_val in zip(classes, take, strict=True):
-        idx = rng.permutation(np.flatnonzero(labels == c))
+        idx = np.flatnonzero(labels == c)
+        idx = idx[np.argsort(rank[idx], kind="stable")]
         val.append(idx[:n_val])
         train.append(idx[n_val:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+def _hash_order(keys: Iterable[Any], seed: int) -> np.ndarray:
+    """(N,) uint64: each key's place in a pseudo-random order fixed by `seed` alone."""
+    salt = int(seed).to_bytes(8, "little")
+    digest = (hashlib.blake2b(str(k).encode(), digest_size=8, salt=salt).digest() for k in keys)
+    return np.frombuffer(b"".join(digest), dtype="<u8")
+
+
+def holdout_id(keys: Sequence[str] | None, val_ids: np.ndarray, total: int) -> str:
+    """A short fingerprint of which images a drawn split holds out (keys: their file names;
+    indices where None), kept in checkpoints so a resume can tell the split has changed."""
+    names = (str(keys[i]) if keys is not None else str(i) for i in np.sort(val_ids))
+    h = hashlib.blake2b(f"{total}\n".encode(), digest_size=8)
+    for name in names:
+        h.update(name.encode() + b"\n")
+    return h.hexdigest()

@@ -14,7 +14,14 @@ import numpy as np
 import torch
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, Section, holdout_split
+from cnnkit.data.base import (
+    DataBundle,
+    DataConfigBase,
+    Preprocess,
+    Section,
+    holdout_id,
+    holdout_split,
+)
 from cnnkit.data.memory import Jitter, TensorBatches
 from cnnkit.errors import DataError
 
@@ -39,10 +46,15 @@ class BundledConfig(DataConfigBase):
     def split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
         """(train images, train labels, held-out images, held-out labels, class names): the
         fixed stratified split, as uint8 (N, H, W) and int64 (N,) arrays."""
+        return self._drawn()[:5]
+
+    def _drawn(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str], str]:
+        """split() and the held-out images' fingerprint (checkpoints keep it: see holdout_id)."""
         images, labels, classes = self.load()
         labels = labels.astype(np.int64)
         train, val = holdout_split(labels, self.val_fraction, self.split_seed)
-        return images[train], labels[train], images[val], labels[val], classes
+        drawn = holdout_id(None, val, len(labels))
+        return images[train], labels[train], images[val], labels[val], classes, drawn
 
     def build(
         self,
@@ -53,7 +65,7 @@ class BundledConfig(DataConfigBase):
         local_ranks: int = 1,
     ) -> DataBundle:
         """Split, move both parts to the device once, and wrap them as batch streams."""
-        train_x, train_y, val_x, val_y, classes = self.split()
+        train_x, train_y, val_x, val_y, classes, drawn = self._drawn()
         mean, std = float(train_x.mean()), float(train_x.std(ddof=1))
         train_x, train_y = self.extra_training(train_x, train_y)
         h, w = train_x.shape[1:]
@@ -69,7 +81,8 @@ class BundledConfig(DataConfigBase):
                               augment=jitter, **common)  # fmt: skip
         eval_batch = self.eval_batch_size or max(self.batch_size, 256)
         val = TensorBatches(*on_device(val_x, val_y), eval_batch, train=False, **common)
-        return DataBundle(train, val, classes, (1, h, w), pre, torch.from_numpy(train_y))
+        return DataBundle(train, val, classes, (1, h, w), pre, torch.from_numpy(train_y),
+                          holdout=drawn)  # fmt: skip
 
     def extra_training(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Images added to the training split only (none here; faces adds mined negatives)."""

@@ -16,7 +16,7 @@ from pydantic import Field, PositiveInt, field_validator
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting, rrc_boxes
-from cnnkit.data.base import DataBundle, Preprocess, holdout_split
+from cnnkit.data.base import DataBundle, Preprocess, holdout_id, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import MAX_PIXELS, BadImage, device_jpeg, image_shape, load_resized
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
@@ -175,7 +175,9 @@ class FolderConfig(ImageSetConfig):
         same = self.val_path and Path(self.val_path).resolve() == root.resolve()
         # one folder evaluated whole (eval --data DIR [--labels FILE]): scanned once
         files, labels, classes = scan_folder(root, self.val_labels if same else None)
-        train_ids, val_ids = holdout_split(labels, 0.0 if self.val_path else self.val_fraction)
+        fraction = 0.0 if self.val_path else self.val_fraction
+        train_ids, val_ids = holdout_split(labels, fraction, keys=files)
+        drawn = holdout_id(files, val_ids, len(files)) if fraction else None
         train = FolderImages(root, files, labels, train_ids, self.size, self.resize_mode)
         if same:
             val = FolderImages(root, files, labels, np.arange(len(files)), self.size,
@@ -196,5 +198,7 @@ class FolderConfig(ImageSetConfig):
         pre = Preprocess(3, self.crop, self.size, self.resize_mode, list(mean), list(std))
         labels = torch.from_numpy(train.labels[train.ids])
         return self.finish(
-            DataBundle(train_s, val_s, classes, (3, self.crop, self.crop), pre, labels, image)
+            DataBundle(
+                train_s, val_s, classes, (3, self.crop, self.crop), pre, labels, image, drawn
+            )  # fmt: skip
         )

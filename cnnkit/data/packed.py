@@ -17,7 +17,7 @@ from pydantic import Field
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import frame_boxes, lighting_from_cov
-from cnnkit.data.base import DataBundle, Preprocess, holdout_split
+from cnnkit.data.base import DataBundle, Preprocess, holdout_id, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
@@ -150,6 +150,13 @@ class PackedImages(Dataset):
             raise BadImage(f"damaged JPEG record ({image.shape[1]}x{image.shape[0]}, not {s}x{s})")
         return torch.from_numpy(image).permute(2, 0, 1)
 
+    def keys(self) -> list[str] | None:
+        """Every image's source file (files.txt), the names a held-out split is drawn by; None
+        where that list is missing or does not match the index."""
+        if self._files is None:
+            self.source(0)  # reads files.txt
+        return self._files if len(self._files) == len(self.labels) else None
+
     def name(self, i: int) -> str:
         """How reports name image i: the set and its index."""
         return f"{self.path} image {i}"
@@ -258,8 +265,10 @@ class PackedConfig(ImageSetConfig):
             val = PackedImages(self.val_path, label_map=label_map)
         else:
             every = PackedImages(self.path)
-            train_ids, val_ids = holdout_split(every.labels, self.val_fraction)
+            keys = every.keys() if self.val_fraction else None
+            train_ids, val_ids = holdout_split(every.labels, self.val_fraction, keys=keys)
             train, val = every.subset(train_ids), every.subset(val_ids)
+            drawn = holdout_id(keys, val_ids, len(every.labels)) if self.val_fraction else None
         image = self._mean_image  # a trained run's (evaluated_as), else the pack's own
         if image is None and self.normalize == "mean_image":
             image = torch.from_numpy(np.load(Path(self.path) / "mean.npy")).float()
@@ -272,7 +281,8 @@ class PackedConfig(ImageSetConfig):
         pre = Preprocess(3, self.crop, meta["size"], meta["resize"], mean, std)
         labels = torch.from_numpy(train.labels[train.ids])
         return self.finish(DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop),
-                                      pre, labels, image))  # fmt: skip
+                                      pre, labels, image,
+                                      None if self.val_path else drawn))  # fmt: skip
 
     def stored_size(self) -> int:
         """The side the set was packed at."""
