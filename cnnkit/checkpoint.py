@@ -61,6 +61,7 @@ class Saved(Section):
     num_classes: PositiveInt | None
     model: dict[str, torch.Tensor] = Field(min_length=1)
     classes: list[str]
+    holdout: str | None = None  # which images a split drawn from the data held out (holdout_id)
     preprocess: Preprocess
     config: dict[str, Any]
     epoch: NonNegativeInt = 0

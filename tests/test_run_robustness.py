@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CLI, ROOT, run_cli, sigint_default
+from helpers import CLI, ROOT, one_error_line, run_cli, sigint_default
 
 from cnnkit.checkpoint import load_checkpoint
 from cnnkit.config import load_run
@@ -26,14 +26,6 @@ from cnnkit.errors import ConfigError
 from cnnkit.train.run import fit
 
 QUICK = ["train.epochs=1", "--quiet"]
-
-
-def one_error_line(code: int, err: str, codes=(1, 2)) -> str:
-    lines = err.strip().splitlines()
-    assert code in codes, (code, err[-800:])
-    assert "Traceback" not in err and len(lines) == 1, err[-800:]
-    assert lines[0].startswith("cnnkit: error: ") and len(lines[0]) < 400, lines[0]
-    return lines[0]
 
 
 @pytest.mark.slow
@@ -662,13 +654,21 @@ def test_the_progress_bar_stops_however_the_epoch_ends(tmp_path, monkeypatch, en
 def test_schedules_this_run_never_reaches_are_said(tmp_path, capsys):
     code, out, err = run_cli(["train", "digits", "train.warmup_epochs=30", "train.schedule=multistep",
                               "train.milestones=[2,25]", "train.calibrate=false", "--dry-run"], capsys)  # fmt: skip
-    notes = [line for line in out.splitlines() if line.startswith("note:")]
-    assert code == 0 and notes == [
-        "note: train.warmup_epochs 30 of 25 epochs: the lr never reaches train.lr 0.05",
-        "note: train.milestones [25] at or past the last epoch (25): no drop there",
-    ], out + err
-    code, out, _ = run_cli(["train", "digits", "train.calibrate=false", "--dry-run"], capsys)
-    assert code == 0 and "note:" not in out
+    notes = [line for line in err.splitlines() if line.startswith("note:")]  # warnings: stderr
+    assert (
+        code == 0
+        and not [line for line in out.splitlines() if "note:" in line]
+        and notes
+        == [
+            "note: train.warmup_epochs 30 of 25 epochs: the lr never reaches train.lr 0.05",
+            "note: train.milestones [25] at or past the last epoch (25): no drop there",
+        ]
+    ), out + err
+    code, out, err = run_cli(["train", "digits", "train.calibrate=false", "--dry-run"], capsys)
+    assert code == 0 and "note:" not in out + err
+    code, out, err = run_cli(["train", "digits", "train.warmup_epochs=30", "train.epochs=2",
+                              "--dry-run", "--quiet"], capsys)  # fmt: skip
+    assert code == 0 and "note: train.warmup_epochs 30 of 2 epochs" in err  # --quiet keeps them
 
 
 def test_a_resume_cannot_end_inside_the_epoch_in_progress(tmp_path, capsys):
@@ -714,8 +714,8 @@ def test_a_single_class_folder_is_refused_not_trained_to_100_percent(tmp_path, c
         "(is data.path the folder above the class folders?)"
     )
     assert not (tmp_path / "r" / "last.pt").exists()
-    code, out, _ = run_cli(["pack", str(folder), str(tmp_path / "p"), "--size", "16"], capsys)
-    assert code == 0 and "6 images of 1 class " in out and "note: one class only" in out
+    code, out, err = run_cli(["pack", str(folder), str(tmp_path / "p"), "--size", "16"], capsys)
+    assert code == 0 and "6 images of 1 class " in out and "note: one class only" in err
 
 
 def test_a_missing_run_name_points_to_its_newest_dated_run(tmp_path):

@@ -8,13 +8,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cnnkit.checkpoint import FORMAT, load_checkpoint, load_trained, save_checkpoint
 from cnnkit.config import validate_run
-from cnnkit.errors import CheckpointError
+from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.train.run import fit, resume_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -473,3 +474,73 @@ def test_a_dry_run_of_nproc_n_chooses_settings_for_one_of_n_ranks(monkeypatch, c
     code, out, err = run_cli(["train", "digits", "--nproc", "2", "--dry-run"], capsys)
     assert code == 0, err
     assert asked == [(32, 2)] and "2 processes" in out
+
+
+def _copy_run(run: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, to)
+    return to
+
+
+def test_a_run_that_lost_its_last_pt_is_refused_not_started_over(finished_run, tmp_path, capsys):
+    """Its best.pt and metrics would be overwritten by a run from epoch 1 (exit 0, a line on
+    stdout): refused with one line, nothing touched."""
+    from helpers import one_error_line, run_cli
+
+    run = _copy_run(finished_run, tmp_path / "run")
+    (run / "last.pt").unlink()
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    code, _, err = run_cli(["train", "--resume", str(run), "--quiet"], capsys)
+    assert code == 1 and "last.pt is missing, yet the run trained (best.pt, summary.json, " \
+        "metrics.csv: 1 epoch)" in one_error_line(code, err)  # fmt: skip
+    assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
+
+
+def test_resume_names_what_to_give_for_a_checkpoint_file(finished_run, tmp_path):
+    with pytest.raises(CheckpointError, match=r"best.pt: give the run directory \(.*\); to train "
+                                              r"on from these weights as a new run, give it "
+                                              r"model.weights=.*best.pt$"):  # fmt: skip
+        resume_state(finished_run / "best.pt")
+    run = _copy_run(finished_run, tmp_path / "run")
+    (run / "best.pt").replace(run / "last.pt")  # weights alone, where last.pt should be
+    with pytest.raises(CheckpointError, match="last.pt: holds the weights alone"):
+        resume_state(run)
+
+
+def test_a_resume_on_other_classes_or_another_held_out_split_is_refused(finished_run, tmp_path,
+                                                                        capsys):  # fmt: skip
+    """A renamed class folder would shift the labels after it; another split would count images
+    the run trained on as held out: both refused before anything is written."""
+    from helpers import one_error_line, run_cli
+
+    from cnnkit.train.checks import check_same_data
+
+    state = load_checkpoint(finished_run / "last.pt")
+    data = SimpleNamespace(classes=list(state["classes"]), holdout=None)
+    check_same_data(state, data, finished_run)  # the same: fine
+    renamed = SimpleNamespace(classes=[*state["classes"][:-1], "kitty"], holdout=None)
+    with pytest.raises(ConfigError, match=rf"4 classes are not the 4 the run trained on \(gone: "
+                                          rf"{state['classes'][-1]}; new: kitty\)"):  # fmt: skip
+        check_same_data(state, renamed, finished_run)
+    run = _copy_run(finished_run, tmp_path / "run")
+    state["holdout"] = "0123456789abcdef"  # as a split drawn from a folder's images records
+    save_checkpoint(state, run / "last.pt")
+    before = (run / "metrics.csv").read_bytes()
+    code, _, err = run_cli(["train", "--resume", str(run), "train.epochs=2"], capsys)
+    assert code == 2 and "the held-out images differ from the run's" in \
+        one_error_line(code, err)  # fmt: skip
+    assert (run / "metrics.csv").read_bytes() == before
+
+
+def test_resuming_a_finished_run_keeps_its_summary(finished_run, tmp_path, capsys):
+    """Nothing trains: summary.json keeps the run's wall time (last.pt's stops short of it)."""
+    import json
+
+    from helpers import run_cli
+
+    run = _copy_run(finished_run, tmp_path / "run")
+    before = json.loads((run / "summary.json").read_text())
+    code, out, err = run_cli(["train", "--resume", str(run)], capsys)
+    assert code == 0 and "all 1 epochs done" in out, err
+    assert json.loads((run / "summary.json").read_text()) == {**before, "run_dir": str(run)}

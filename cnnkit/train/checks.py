@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from cnnkit.config import RunConfig
+from cnnkit.data import DataBundle
 from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
 from cnnkit.train.loop import Progress
@@ -83,3 +84,27 @@ def check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> N
         raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} is in the middle of "
                           f"epoch {progress.epoch + 1} ({progress.step} steps done): ask for at "
                           f"least {progress.epoch + 1} to finish it")  # fmt: skip
+
+
+def check_same_data(state: dict[str, Any], data: DataBundle, run_dir: Path) -> None:
+    """ConfigError where a resumed run's data no longer is the data it trained on: other class
+    names (a renamed folder would shift every label after it, silently) or another held-out
+    split (its figures would count images the run trained on)."""
+    fresh = f"start a new run from its weights (model.weights={run_dir}/last.pt)"
+    saved = list(state.get("classes") or [])
+    if saved and saved != list(data.classes):
+        gone = [c for c in saved if c not in data.classes]
+        new = [c for c in data.classes if c not in saved]
+        what = "; ".join(part for part in (
+            f"gone: {', '.join(gone[:3])}{' ...' * (len(gone) > 3)}" if gone else "",
+            f"new: {', '.join(new[:3])}{' ...' * (len(new) > 3)}" if new else "",
+        ) if part) or "the same names in another order"  # fmt: skip
+        raise ConfigError(f"--resume: the data's {len(data.classes)} classes are not the "
+                          f"{len(saved)} the run trained on ({what}): resume with the data as "
+                          f"it was, or {fresh}")  # fmt: skip
+    drawn = state.get("holdout")
+    if drawn is not None and drawn != data.holdout:
+        raise ConfigError("--resume: the held-out images differ from the run's (images added, "
+                          "removed or renamed, or the split's settings changed): its held-out "
+                          "figures would count images it trained on; resume with the data as it "
+                          f"was, or {fresh}")  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import cnnkit.distributed as distributed
-from cnnkit.checkpoint import dated_run_hint, load_checkpoint, set_rng_state
+from cnnkit.checkpoint import set_rng_state
 from cnnkit.config import RunConfig, dump_run, load_run, schedule_notes
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
@@ -33,6 +33,7 @@ from cnnkit.train.checks import (
     check_batchnorm,
     check_epochs_left,
     check_processes,
+    check_same_data,
     smallest_chunk,
 )
 from cnnkit.train.engine import Engine, balanced_weights, build_engine
@@ -49,6 +50,7 @@ from cnnkit.train.rundir import (
     clear_orphans,
     new_run_dir,
     resume_config,
+    resume_state,
     run_lock,
 )
 from cnnkit.train.saver import CheckpointWriter
@@ -76,7 +78,7 @@ def launch(
     fresh_in = None  # a run directory to start again in
     if resume is not None and state is None:  # it died before its first checkpoint: start over
         run, fresh_in = Path(resume) / "config.yaml", Path(resume)
-        if not quiet and distributed.is_rank0():
+        if distributed.is_rank0():  # a warning: on stderr, --quiet or not
             print(f"{resume}: no checkpoint yet: the run starts again from the beginning",
                   file=sys.stderr)  # fmt: skip
     if state is None and run is None:
@@ -129,20 +131,6 @@ def _restart_state(run_dir: Path, group: distributed.Group) -> dict[str, Any] | 
     ranks on machines without the run directory (no shared filesystem) never split off."""
     found = resume_state(run_dir) if group.is_main and (run_dir / "last.pt").is_file() else None
     return group.broadcast_object(found)
-
-
-def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
-    """The last.pt of a run directory (CheckpointError if missing, truncated or foreign), or
-    None for a run that stopped after writing config.yaml but before its first checkpoint."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise CheckpointError(f"--resume {run_dir}: no such run directory{dated_run_hint(run_dir)}")
-    if not (run_dir / "last.pt").exists() and (run_dir / "config.yaml").is_file():
-        return None
-    if not (run_dir / "last.pt").exists():
-        raise CheckpointError(f"--resume {run_dir}: not a run directory (no last.pt or "
-                              "config.yaml in it)")  # fmt: skip
-    return load_checkpoint(run_dir / "last.pt")
 
 
 @contextmanager
@@ -242,6 +230,8 @@ def fit(
         data = config.data.build(
             device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
         )
+        if resume:
+            check_same_data(resume, data, run_dir)
         engine = _engine(config, data, device, dist, Console(quiet or not dist.is_main), resume,
                          processes if dry_run and processes else dist.world_size)  # fmt: skip
         if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
@@ -254,7 +244,7 @@ def fit(
             check_epochs_left(config, progress, run_dir)
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
-                            progress, processes or dist.world_size)  # fmt: skip
+                            progress, processes or dist.world_size, dist.is_main)  # fmt: skip
         distributed.on_rank0(dist, lambda: stack.enter_context(_locked(run_dir, fresh)))
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
         ctx = RunContext(config, data, dist, run_dir, log, started)
@@ -271,7 +261,7 @@ def fit(
             if log is not None:
                 log.close()
         # a session that trained nothing (all epochs done) adds nothing to the run's wall time
-        spent = 0.0 if progress.global_step == done_before else time.perf_counter() - started
+        spent = None if progress.global_step == done_before else time.perf_counter() - started
         return finish(engine, progress, ctx, spent, console)
 
 
@@ -286,7 +276,8 @@ def _locked(run_dir: Path, fresh: bool) -> Iterator[None]:
 
 
 def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBundle,
-             run_dir: Path, progress: Progress, processes: int = 1) -> dict[str, Any]:  # fmt: skip
+             run_dir: Path, progress: Progress, processes: int = 1,
+             main: bool = True) -> dict[str, Any]:  # fmt: skip
     """Everything built: say what would run, write nothing."""
     params = sum(p.numel() for p in engine.network.parameters())
     many = f", {processes} processes" if processes > 1 else ""
@@ -297,8 +288,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
         f"{len(data.train)} step{'s' * (len(data.train) != 1)} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
-    for note in schedule_notes(config.train):
-        console.print(f"note: {note}")
+    _schedule_notes(config, main)
     mining = getattr(config.data, "hard_negatives", None)
     if mining is not None and mining.rounds:  # the dry run above is the first round's
         console.print(f"note: {mining.describe()}")
@@ -391,8 +381,14 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
         f"{data.val.num_samples} held-out images{classes}, batch {config.data.batch_size} -> "
         f"{ctx.run_dir}"
     )
-    for note in schedule_notes(config.train):
-        console.print(f"note: {note}")
+    _schedule_notes(config, ctx.dist.is_main)
+
+
+def _schedule_notes(config: RunConfig, main: bool) -> None:
+    """Warn of schedule settings the run never reaches, on stderr (rank 0; --quiet or not)."""
+    if main:
+        for note in schedule_notes(config.train):
+            print(f"note: {note}", file=sys.stderr)
 
 
 def _restore_rank(state: dict[str, Any], dist: Processes, progress: Progress,

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from cnnkit.checkpoint import dated_run_hint, load_checkpoint
 from cnnkit.config import RunConfig, absolute_data, apply_override, validate_run
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.runtime import cannot_write
@@ -97,6 +98,48 @@ def check_writable(run_dir: Path) -> None:
     reason = cannot_write(parent)
     if reason is not None:
         raise ConfigError(f"run directory {run_dir}: cannot write in {parent} ({reason})")
+
+
+def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
+    """The last.pt of a run directory (CheckpointError if missing, truncated, foreign or a
+    best.pt's weights alone), or None for a run that stopped after writing config.yaml but
+    before its first checkpoint. A run that trained and lost its last.pt is refused, not
+    started again over its best.pt and metrics."""
+    run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise CheckpointError(f"--resume {run_dir}: give the run directory ({run_dir.parent}); "
+                              f"to train on from these weights as a new run, give it "
+                              f"model.weights={run_dir}")  # fmt: skip
+    if not run_dir.is_dir():
+        raise CheckpointError(f"--resume {run_dir}: no such run directory{dated_run_hint(run_dir)}")
+    last = run_dir / "last.pt"
+    if not last.exists() and (run_dir / "config.yaml").is_file():
+        trained = trained_files(run_dir)
+        if trained:
+            raise CheckpointError(f"--resume {run_dir}: last.pt is missing, yet the run trained "
+                                  f"({', '.join(trained)}): starting it again would overwrite "
+                                  "them; put last.pt back, or train anew elsewhere (--out)")  # fmt: skip
+        return None
+    if not last.exists():
+        raise CheckpointError(f"--resume {run_dir}: not a run directory (no last.pt or "
+                              "config.yaml in it)")  # fmt: skip
+    state = load_checkpoint(last)
+    if state.get("optimizer") is None:
+        raise CheckpointError(f"{last}: holds the weights alone (a best.pt?), not a training state "
+                              f"to resume; train on from them as a new run with "
+                              f"model.weights={last}")  # fmt: skip
+    return state
+
+
+def trained_files(run_dir: Path) -> list[str]:
+    """What in a run directory shows it trained: best.pt, best_ema.pt, summary.json, and
+    metrics.csv's epoch rows."""
+    found = [f for f in ("best.pt", "best_ema.pt", "summary.json") if (run_dir / f).exists()]
+    try:
+        rows = len((run_dir / "metrics.csv").read_text().splitlines()) - 1
+    except (OSError, UnicodeDecodeError):
+        rows = 0
+    return found + [f"metrics.csv: {rows} epoch{'s' * (rows != 1)}"] * (rows > 0)
 
 
 def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:

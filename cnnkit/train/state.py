@@ -57,6 +57,7 @@ def training_state(
         "num_classes": engine.network.num_classes,
         "model": plain_state_dict(engine.network),
         "classes": list(ctx.data.classes),
+        "holdout": ctx.data.holdout,
         "preprocess": ctx.data.preprocess.to_dict(),
         "config": run_dict(ctx.config),
         "optimizer": engine.optimizer.state_dict(),

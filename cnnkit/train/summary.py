@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,9 +39,11 @@ def epoch_row(
     }
 
 
-def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float,
+def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float | None,
            console: Console) -> dict[str, Any]:  # fmt: skip
-    """Write summary.json (rank 0) and return the summary."""
+    """Write summary.json (rank 0) and return the summary. `seconds`: what this session
+    added to the run's wall time; None for one that trained nothing (a finished run resumed),
+    which keeps the time summary.json has (last.pt's stops at its own writing)."""
     history, config = progress.history, ctx.config
     last = history[-1] if history else {}
     train_seconds = sum(r["seconds"] for r in history)
@@ -60,7 +64,7 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float,
         "train_images": ctx.data.train.num_samples,
         "val_images": scored,
         "val_skipped": ctx.data.val.num_samples - scored,
-        "wall_seconds": round(progress.seconds + seconds, 3),
+        "wall_seconds": round(progress.seconds + (seconds or 0.0), 3),
         "images_per_second": round(images / train_seconds, 1) if train_seconds else None,
         "device": str(engine.device),
         "precision": engine.precision,
@@ -68,9 +72,20 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float,
         "world_size": ctx.dist.world_size,
     }
     if ctx.dist.is_main:
+        if seconds is None:
+            summary["wall_seconds"] = _saved_wall(ctx.run_dir, summary["wall_seconds"])
         write_summary(ctx.run_dir / "summary.json", summary)
         console.print(done_line(summary, history, console.top5, ctx.run_dir))
     return summary
+
+
+def _saved_wall(run_dir: Path, otherwise: float) -> float:
+    """The wall time a run's summary.json gives, `otherwise` where it has none."""
+    try:
+        saved = json.loads((run_dir / "summary.json").read_text())
+        return float(saved["wall_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return otherwise
 
 
 def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bool,
