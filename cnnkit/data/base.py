@@ -231,17 +231,15 @@ def holdout_split(
             f"data.val_fraction: {fraction} of {len(labels)} images leaves an empty split"
         )
     rank = _hash_order(keys if keys is not None else range(len(labels)), seed)
-    train, val = [], []
-    for c, n_val in zip(classes, take, strict=True):
-        idx = np.flatnonzero(labels == c)
-        idx = idx[np.argsort(rank[idx], kind="stable")]
-        val.append(idx[:n_val])
-        train.append(idx[n_val:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+    order = np.lexsort((np.arange(len(labels)), rank, labels))  # by class, then by hash
+    place = np.arange(len(labels)) - np.repeat(np.cumsum(counts) - counts, counts)
+    held = place < np.repeat(take, counts)  # each class's first `take` in hash order
+    return np.sort(order[~held]), np.sort(order[held])
 
 
 def _hash_order(keys: Iterable[Any], seed: int) -> np.ndarray:
-    """(N,) uint64: each key's place in a pseudo-random order fixed by `seed` alone."""
+    """(N,) uint64: each key's place in a pseudo-random order fixed by `seed` alone (a keyed
+    BLAKE2b of its text: ImageNet's 1.28M file names in under a second)."""
     salt = int(seed).to_bytes(8, "little")
     digest = (hashlib.blake2b(str(k).encode(), digest_size=8, salt=salt).digest() for k in keys)
     return np.frombuffer(b"".join(digest), dtype="<u8")
