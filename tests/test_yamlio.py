@@ -151,3 +151,61 @@ def test_yaml_1_1_base_60_floats_are_refused(tmp_path):
     path.write_text("train:\n  lr: 1:30.5\n")
     with pytest.raises(ConfigError, match=r"1:30.5 is read by YAML 1.1 as 90.5, not as written"):
         read_yaml(path)
+
+
+DATED_NET = """model:
+  input: [1, 6, 6]
+  num_classes: 2
+  defaults: {conv: {kernel_size: 3}}
+  blocks:
+    b:
+      params:
+        tag: 2024-01-01
+        out: 2
+      layers:
+        - {type: conv, out_channels: $out}
+  layers:
+    - {name: b1, block: b, tag: 2024-01-02 10:00:00}
+    - {type: global_avgpool}
+    - {type: linear}
+"""
+
+
+@pytest.mark.parametrize("parser", ["pyyaml", "libyaml"])
+def test_dates_and_times_read_as_the_text_written(monkeypatch, parser):
+    """A date-like value (a tag, a version) is the string written, a type JSON and a checkpoint
+    read with weights_only hold, never a datetime that training keeps and eval then refuses."""
+    monkeypatch.setattr(yamlio, "FAST_FROM", 0 if parser == "libyaml" else 2**20)
+    text = "a: 2024-01-01\nb: 2001-12-14 21:59:43.10 -5\n2024-01-02: x\nc: !!timestamp 2020-1-1\n"
+    assert load_yaml(text) == {"a": "2024-01-01", "b": "2001-12-14 21:59:43.10 -5",
+                               "2024-01-02": "x", "c": "2020-1-1"}  # fmt: skip
+
+
+def test_a_network_with_dates_in_its_params_round_trips_through_a_checkpoint(tmp_path):
+    import io
+    import json
+
+    import torch
+
+    from cnnkit import build_model
+
+    path = tmp_path / "net.yaml"
+    path.write_text(DATED_NET)
+    network = build_model(str(path))
+    buffer = io.BytesIO()
+    torch.save({"model_spec": network.spec}, buffer)
+    buffer.seek(0)
+    spec = torch.load(buffer, weights_only=True)["model_spec"]  # as eval and --resume read it
+    assert spec["blocks"]["b"]["params"]["tag"] == "2024-01-01"
+    again = build_model(json.loads(json.dumps(spec)))  # as an export's metadata holds it
+    assert [row.name for row in again.table] == [row.name for row in network.table]
+
+
+@pytest.mark.parametrize("value", ["!!binary aGVsbG8=", "!!set {x, y}", "!!omap [a: 1]"])
+def test_values_of_no_json_type_are_refused_at_their_line(tmp_path, value):
+    path = tmp_path / "net.yaml"
+    path.write_text(f"model:\n  input: {value}\n")
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    tag = value.split()[0]
+    assert str(e.value).startswith(f"{path}: not valid YAML (line 2, column 10): {tag} is not")

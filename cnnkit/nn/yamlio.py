@@ -34,7 +34,8 @@ _MERGE = "tag:yaml.org,2002:merge"
 
 
 class LimitError(yaml.MarkedYAMLError):
-    """A document past one of the bounds above, or with a duplicate key."""
+    """A document past one of the bounds above, with a duplicate key, or with a value that is
+    not read as written (YAML 1.1's octal) or is none of JSON's types (`!!binary`, `!!set`)."""
 
 
 class _Bounded(Composer, SafeConstructor, Resolver):
@@ -95,6 +96,18 @@ class _Bounded(Composer, SafeConstructor, Resolver):
                              "not as written: quote it", node.start_mark)  # fmt: skip
         return super().construct_yaml_float(node)
 
+    def construct_yaml_timestamp(self, node: ScalarNode) -> str:
+        """A date or time (2024-01-01) as the text written: a network or run file holds JSON's
+        types, which a checkpoint (read with weights_only) and an export's JSON also hold."""
+        return self.construct_scalar(node)
+
+    def construct_not_plain(self, node: Node) -> None:
+        """`!!binary`, `!!set`, `!!omap`, `!!pairs`: refused at their line, as no field takes
+        them and neither a checkpoint nor JSON would hold them."""
+        tag = node.tag.rsplit(":", 1)[-1]
+        raise LimitError(None, None, f"!!{tag} is not a value a network or run file takes: "
+                         "write a number, string, list or mapping", node.start_mark)  # fmt: skip
+
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
@@ -114,6 +127,9 @@ class _Bounded(Composer, SafeConstructor, Resolver):
 
 _Bounded.add_constructor("tag:yaml.org,2002:int", _Bounded.construct_yaml_int)
 _Bounded.add_constructor("tag:yaml.org,2002:float", _Bounded.construct_yaml_float)
+_Bounded.add_constructor("tag:yaml.org,2002:timestamp", _Bounded.construct_yaml_timestamp)
+for _tag in ("binary", "set", "omap", "pairs"):
+    _Bounded.add_constructor(f"tag:yaml.org,2002:{_tag}", _Bounded.construct_not_plain)
 
 
 class _Loader(Reader, Scanner, Parser, _Bounded):
