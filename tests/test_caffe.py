@@ -518,7 +518,7 @@ def test_booleans_are_protobuf_identifiers_or_0_and_1():
 
 
 def test_layers_named_like_module_attributes_are_renamed(tmp_path, capsys):
-    names = ["train", "forward", "to", "training", "input", "train_caffe"]
+    names = ["train", "forward", "to", "training", "input", "train_caffe", "in"]
     text = INPUT + "".join(
         _layer(n, "Convolution", ["data" if i == 0 else names[i - 1]], n, CONV.format(4))
         for i, n in enumerate(names)
@@ -528,10 +528,11 @@ def test_layers_named_like_module_attributes_are_renamed(tmp_path, capsys):
     assert run_cli(["import-caffe", str(prototxt), "-o", str(tmp_path / "n.yaml")]) == 0
     net = build_model(str(tmp_path / "n.yaml"), device="meta")
     assert [r.name for r in net.table] == [
-        "train_caffe", "forward_caffe", "to_caffe", "training_caffe", "input_caffe", "train_caffe_2"
+        "train_caffe", "forward_caffe", "to_caffe", "training_caffe", "input_caffe", "train_caffe_2",
+        "in_caffe",
     ]  # fmt: skip
     header = (tmp_path / "n.yaml").read_text().split("model:")[0]
-    assert "# layer train is train_caffe here: cnnkit or torch holds that name" in header
+    assert "# layer train is train_caffe here: cnnkit, torch or Python holds that name" in header
     assert "layer to is to_caffe" in header and "train_caffe_2" not in header
 
 

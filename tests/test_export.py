@@ -272,3 +272,18 @@ def test_safetensors_of_inputs_that_are_not_square_images_load_back(tmp_path, sh
     back = load_safetensors(tmp_path / "n.safetensors")
     x = torch.randn(2, *shape)
     torch.testing.assert_close(back.model(x), loaded.model(x))
+
+
+@pytest.mark.parametrize("suffix", [".onnx", ".pt2", ".torchscript"])
+def test_a_layer_named_by_a_python_keyword_is_refused_before_any_export(tmp_path, capsys, suffix):
+    """ONNX export tracebacked, and .pt2 and TorchScript files were written that would not
+    load: the name is refused in one line, naming the file and layer, and nothing written."""
+    net = tmp_path / "net.yaml"
+    net.write_text("model:\n  input: [3, 8, 8]\n  layers:\n"
+                   "    - {name: in, type: conv, out_channels: 2, kernel_size: 3}\n"
+                   "    - {type: global_avgpool}\n")  # fmt: skip
+    out = tmp_path / f"net{suffix}"
+    code, _, err = run_cli(["export", str(net), "-o", str(out), "--check"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{net}: layer 0 (in): name: 'in' is a Python keyword" in err
+    assert not out.exists()

@@ -435,3 +435,21 @@ def test_default_names_in_a_block_avoid_its_given_names_and_inputs():
                          "layers": [{"name": "x", **conv}, {"name": "s", "block": "b", "inputs": ["x", "x"]}]})  # fmt: skip
     assert [r.name for r in model.table] == ["x", "s.conv0", "s.relu1_1", "s.sum"]
     assert model.table[-1].inputs == ("s.relu1_1", "x")  # the block's input, not its own relu
+
+
+@pytest.mark.parametrize("name, word", [("in", "in"), ("class", "class"), ("None", "None"),
+                                        ("b.def", "def"), ("NoneType", "NoneType")])  # fmt: skip
+def test_python_keywords_are_refused_as_layer_names_naming_layer_and_file(tmp_path, name, word):
+    """torch.export's and TorchScript's code names each layer: a keyword there would not
+    compile, so ONNX export failed and a .pt2 or TorchScript file was written unloadable."""
+    import yaml
+
+    *block, short = name.split(".")
+    layer = {"name": short, "type": "relu"}
+    layers = [{"name": block[0], "block": "b"}] if block else [layer]
+    spec = net(conv("c"), *layers, blocks={"b": {"layers": [layer]}})
+    path = tmp_path / "net.yaml"
+    path.write_text(yaml.safe_dump({"model": spec}))
+    with pytest.raises(ConfigError) as e:
+        build_model(str(path))
+    assert str(e.value).startswith(f"{path}: layer 1 ({name}): name: {word!r} is a Python keyword")

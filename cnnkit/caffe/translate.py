@@ -243,14 +243,16 @@ class _Translator:
 
     def _unique_name(self, raw: str) -> str:
         base = clean = _clean(raw)
-        if reserved_name(base):  # `input`, `train`, `forward`, `to`: names cnnkit or torch hold
+        if reserved_name(base):  # `input`, `train`, `to`, `in`: names cnnkit, torch or Python hold
             base += "_caffe"
         name, n = base, 1
         while name in self.shapes:
             n += 1
             name = f"{base}_{n}"
         if base != clean:
-            self.notes.append(f"layer {clean} is {name} here: cnnkit or torch holds that name")
+            self.notes.append(
+                f"layer {clean} is {name} here: cnnkit, torch or Python holds that name"
+            )
         return name
 
     def _shape(self, spec: dict[str, Any], inputs: list[str]) -> Shape:

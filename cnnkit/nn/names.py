@@ -2,11 +2,13 @@
 the Caffe importer.
 
 A layer is an attribute of the Network (or of a container, for dotted names), so names that
-torch's nn.Module API or the Network's own attributes hold would shadow them.
+torch's nn.Module API or the Network's own attributes hold would shadow them; and the code
+torch.export and TorchScript write names it, so a Python keyword would not compile there.
 """
 
 from __future__ import annotations
 
+import keyword
 import re
 
 from torch import nn
@@ -22,11 +24,14 @@ NETWORK_ATTRIBUTES = frozenset({"spec", "name", "input_shape", "param_count", "a
                                 "param_groups", "reset_parameters", "_apply_init", "unreached",
                                 "_forward_hooked", "_groups", "_steps", "_nodes", "_output"})  # fmt: skip
 MODULE_ATTRIBUTES = frozenset(dir(nn.Module()))
+# torch.fx's code (ONNX, .pt2) and TorchScript's (whose parser also holds NoneType, Ellipsis)
+KEYWORDS = frozenset(keyword.kwlist) | {"NoneType", "Ellipsis"}
 
 
 def reserved_name(part: str, top: bool = True) -> bool:
     """True where a layer (or the `top` part of a dotted name) may not take this name."""
-    return part in RESERVED or part in MODULE_ATTRIBUTES or (top and part in NETWORK_ATTRIBUTES)
+    return (part in RESERVED or part in MODULE_ATTRIBUTES or part in KEYWORDS
+            or (top and part in NETWORK_ATTRIBUTES))  # fmt: skip
 
 
 def check_name(label: str, name: str, short: str, taken: set[str], holders: dict[str, str]) -> None:
@@ -39,6 +44,11 @@ def check_name(label: str, name: str, short: str, taken: set[str], holders: dict
             "not 'input' or 'previous')"
         )
     parts = name.split(".")
+    word = next((p for p in parts if p in KEYWORDS), None)
+    if word is not None:
+        raise ConfigError(f"{label}: name: {word!r} is a Python keyword, which an exported "
+                          "model (ONNX, .pt2, TorchScript) cannot name a layer; choose another "
+                          f"name ({word}_, {word}1)")  # fmt: skip
     clash = next((p for i, p in enumerate(parts) if reserved_name(p, i == 0)), None)
     if clash is not None:
         raise ConfigError(f"{label}: name: {brief(clash)} is taken by torch's nn.Module "
