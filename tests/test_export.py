@@ -287,3 +287,78 @@ def test_a_layer_named_by_a_python_keyword_is_refused_before_any_export(tmp_path
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{net}: layer 0 (in): name: 'in' is a Python keyword" in err
     assert not out.exists()
+
+
+CEIL_NET = """model:
+  input: [3, 5, 5]
+  num_classes: 3
+  layers:
+    - {name: c, type: conv, out_channels: 4, kernel_size: 1}
+    - {name: p, type: POOL, kernel_size: 2, stride: 2, padding: 1, ceil_mode: true}
+    - {name: q, type: conv, out_channels: 4, kernel_size: 3, stride: 2, padding: 1, inputs: c}
+    - AFTER
+    - {type: flatten}
+    - {type: linear}
+"""
+AFTER = {"lrn": "{type: lrn, size: 3, convention: caffe, inputs: p}",
+         "add": "{type: add, inputs: [p, q]}", "concat": "{type: concat, inputs: [p, q]}"}  # fmt: skip
+
+
+@pytest.mark.parametrize("pool", ["maxpool", "avgpool"])
+@pytest.mark.parametrize("after", list(AFTER))
+def test_a_ceil_mode_pool_that_drops_its_last_window_exports_what_torch_computes(
+    tmp_path, pool, after
+):
+    """Torch drops a ceil_mode window that would start in the padding (5x5, kernel 2, stride 2,
+    padding 1: 3x3), ONNX's shape inference does not (4x4): ONNX Runtime refused the model
+    where an LRN, add or concat followed."""
+    net = tmp_path / "net.yaml"
+    net.write_text(CEIL_NET.replace("POOL", pool).replace("AFTER", AFTER[after]))
+    loaded = load_network(str(net))
+    out = tmp_path / "net.onnx"
+    export(loaded, "onnx", out)
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    x = torch.randn(3, 3, 5, 5)
+    with torch.no_grad():
+        expected = loaded.model(x).numpy()
+    np.testing.assert_allclose(session.run(None, {"image": x.numpy()})[0], expected, atol=1e-5)
+    pools = [
+        m for m in loaded.model.modules() if isinstance(m, (torch.nn.MaxPool2d, torch.nn.AvgPool2d))
+    ]
+    assert all(m.ceil_mode for m in pools)  # the network itself is as built
+
+
+def test_an_onnx_model_onnx_runtime_cannot_load_is_never_written(tmp_path, capsys, monkeypatch):
+    import cnnkit.infer.export as export_module
+
+    net = tmp_path / "net.yaml"
+    net.write_text(CEIL_NET.replace("POOL", "maxpool").replace("AFTER", AFTER["add"]))
+    monkeypatch.setattr(export_module, "_floor_windowed", lambda model, example: [])  # as before
+    out = tmp_path / "net.onnx"
+    code, _, err = run_cli(["export", str(net), "-o", str(out)], capsys)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert f"{out}: ONNX Runtime cannot load the export, so it was not written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["net.yaml"]
+
+
+@pytest.mark.parametrize("failure", ["raises", "differs"])
+def test_a_failed_check_is_one_line_and_leaves_the_earlier_file(tmp_path, capsys, monkeypatch,
+                                                               failure):  # fmt: skip
+    """--check runs the export before it is written: a runtime that cannot run it (an error of
+    its own, which tracebacked) or logits that differ leave no file and an earlier one as it was."""
+    import cnnkit.infer.export as export_module
+
+    def broken(fmt, path):
+        if failure == "raises":
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Node (add)\nIncompatible dims")
+        return lambda x: np.zeros((x.shape[0], 10), np.float32)
+
+    monkeypatch.setattr(export_module, "run_exported", broken)
+    out = tmp_path / "lenet.onnx"
+    out.write_bytes(b"the earlier export")
+    code, _, err = run_cli(["export", "lenet5", "-o", str(out), "--check"], capsys)
+    assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    why = "ONNX Runtime cannot run the export" if failure == "raises" else "export check failed"
+    assert f"{out}: {why}" in err and "so it was not written" in err, err
+    assert out.read_bytes() == b"the earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]

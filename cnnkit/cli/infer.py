@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from cnnkit.errors import CnnkitError
+
+if TYPE_CHECKING:  # imported where used: the CLI starts without torch
+    from cnnkit.infer.export import CheckResult
 
 TARGET_HELP = "A run directory, checkpoint (.pt) or .safetensors export."
 EMA_HELP = "The run's moving average of the weights (train.ema), from its best_ema.pt."
@@ -113,7 +117,7 @@ def export(
 ) -> None:
     """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
     from cnnkit.errors import ConfigError
-    from cnnkit.infer.export import TOLERANCE, check_export, check_replaceable, export_format
+    from cnnkit.infer.export import check_replaceable, export_checked, export_format
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
 
@@ -126,19 +130,27 @@ def export(
                           "would replace: give the export a name of its own")  # fmt: skip
     check_replaceable(out, fmt)
     loaded = load_for_inference(target, ema=ema)
-    export_model(loaded, fmt, out)
-    typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
-    if check:
-        r = check_export(loaded, fmt, out)
-        runtime = {"onnx": "ONNX Runtime", "torch-export": "torch.export.load"}.get(fmt, fmt)
-        verdict = "passed" if r.ok else "FAILED"
-        typer.echo(
-            f"check ({runtime} vs PyTorch, fp32 logits): max abs diff {r.random_diff:.2e} on random "
-            f"inputs (batch 1 and 3), {r.real_diff:.2e} on {r.batch_sizes[-1]} real images; "
-            f"tolerance {TOLERANCE:.0e} of the largest logit ({r.scale:.3g}): {verdict}"
-        )
+    if check:  # written only once it passes
+        r = export_checked(loaded, fmt, out)
+        typer.echo(_check_line(fmt, r))
         if not r.ok:
-            raise CnnkitError(f"{out}: export check failed (max abs diff {r.max_diff:.2e})")
+            raise CnnkitError(f"{out}: export check failed (max abs diff {r.max_diff:.2e}), "
+                              "so it was not written")  # fmt: skip
+    else:
+        export_model(loaded, fmt, out)
+    typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
+
+
+def _check_line(fmt: str, r: CheckResult) -> str:
+    """How an export compares with PyTorch, in one line."""
+    from cnnkit.infer.export import RUNTIMES, TOLERANCE
+
+    return (
+        f"check ({RUNTIMES.get(fmt, fmt)} vs PyTorch, fp32 logits): max abs diff "
+        f"{r.random_diff:.2e} on random inputs (batch 1 and 3), {r.real_diff:.2e} on "
+        f"{r.batch_sizes[-1]} real images; tolerance {TOLERANCE:.0e} of the largest logit "
+        f"({r.scale:.3g}): {'passed' if r.ok else 'FAILED'}"
+    )
 
 
 def import_caffe(

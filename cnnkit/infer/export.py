@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -16,14 +18,17 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from cnnkit.errors import CnnkitError, ConfigError
+from cnnkit.errors import CnnkitError, ConfigError, one_line
 from cnnkit.infer.images import crops_of, to_channels, to_hwc
 from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors
+from cnnkit.nn.layers import pair
 from cnnkit.runtime import write_atomic
 
 Format = Literal["onnx", "torch-export", "torchscript", "safetensors"]
 FORMATS: tuple[str, ...] = ("onnx", "torch-export", "torchscript", "safetensors")
+RUNTIMES = {"onnx": "ONNX Runtime", "torch-export": "torch.export.load"}  # what --check runs
 SUFFIXES = {".onnx": "onnx", ".pt2": "torch-export", ".safetensors": "safetensors",
             ".torchscript": "torchscript"}  # fmt: skip
 # the user's own files that `-o NAME --format F` must not replace with an export
@@ -143,7 +148,7 @@ def export_onnx(loaded: Loaded, path: Path) -> None:
     model = loaded.model.to("cpu").eval()
     example = torch.zeros(2, *model.input_shape)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _floor_mode_pools(model, example):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             model,
@@ -171,7 +176,101 @@ def export_onnx(loaded: Loaded, path: Path) -> None:
         proto.metadata_props.add(key=key, value=value)
     buffer = io.BytesIO()
     onnx.save(proto, buffer)
+    _check_loads(buffer.getvalue(), path)
     write_atomic(path, buffer.getvalue(), private=True)
+
+
+@contextmanager
+def _floor_mode_pools(model: nn.Module, example: torch.Tensor) -> Iterator[None]:
+    """The ceil_mode pools that, at the size they read, slide floor mode's windows run in floor
+    mode while `model` is exported: torch drops a last window that would start in the padding
+    (5x5, kernel 2, stride 2, padding 1: 3 windows, as floor mode), but ONNX's shape inference
+    counts it (4), and ONNX Runtime then refuses the model where such a pool meets an LRN, an
+    add or a concat. The windows, and so the values, are the same."""
+    pools = _floor_windowed(model, example)
+    for pool in pools:
+        pool.ceil_mode = False
+    try:
+        yield
+    finally:
+        for pool in pools:
+            pool.ceil_mode = True
+
+
+def _floor_windowed(model: nn.Module, example: torch.Tensor) -> list[nn.Module]:
+    """The ceil_mode pools of `model` whose output, on `example`, is floor mode's size."""
+    pools = [m for m in model.modules()
+             if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)) and m.ceil_mode]  # fmt: skip
+    same: dict[nn.Module, bool] = {}
+
+    def note(pool: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        fits = tuple(out.shape[-2:]) == _floor_size(pool, tuple(args[0].shape[-2:]))
+        same[pool] = same.get(pool, True) and fits
+
+    hooks = [pool.register_forward_hook(note) for pool in pools]
+    try:
+        if pools:
+            with torch.no_grad():
+                model(example)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [pool for pool in pools if same.get(pool)]
+
+
+def _floor_size(pool: nn.Module, size: tuple[int, ...]) -> tuple[int, ...]:
+    """A pool's output (H, W) in floor mode, for an input of `size`."""
+    kernel, stride, pad = pair(pool.kernel_size), pair(pool.stride), pair(pool.padding)
+    dilation = pair(getattr(pool, "dilation", 1))
+    return tuple((n + 2 * p - d * (k - 1) - 1) // s + 1
+                 for n, k, s, p, d in zip(size, kernel, stride, pad, dilation, strict=True))  # fmt: skip
+
+
+def _check_loads(model: bytes, path: Path) -> None:
+    """Refuse, before anything is written, an ONNX model that ONNX Runtime (where installed)
+    cannot load as its users do, optimisations on (some shape errors show only there): a file
+    written with exit 0 must run."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: its warnings are said by the error, if any
+    try:
+        ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's own exception classes; any means it cannot load
+        raise CnnkitError(f"{path}: ONNX Runtime cannot load the export, so it was not "
+                          f"written: {one_line(e, 200)}") from None  # fmt: skip
+
+
+def export_checked(loaded: Loaded, fmt: str, path: Path) -> CheckResult:
+    """Export to a temporary file beside `path`, check it (`check_export`), and rename it to
+    `path` only where it passes: a failed check, or an export that will not run, leaves `path`
+    as it was, with one CnnkitError line for the latter."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.check{path.suffix}")
+    try:
+        export(loaded, fmt, tmp)
+        result = _checked(loaded, fmt, tmp, path)
+        if result.ok:
+            os.replace(tmp, path)
+        return result
+    except OSError as e:
+        if e.filename is not None and Path(e.filename) == tmp:
+            e.filename = str(path)  # the error names the file the user asked for
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _checked(loaded: Loaded, fmt: str, tmp: Path, path: Path) -> CheckResult:
+    try:
+        return check_export(loaded, fmt, tmp)
+    except CnnkitError as e:
+        raise type(e)(f"{path}: {e}, so it was not written") from None
+    except Exception as e:  # the runtime's own errors: the file loads or runs nowhere else either
+        runtime = RUNTIMES.get(fmt, fmt)
+        raise CnnkitError(f"{path}: {runtime} cannot run the export, so it was not written: "
+                          f"{one_line(e, 200)}") from None  # fmt: skip
 
 
 def run_exported(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:
