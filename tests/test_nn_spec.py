@@ -437,6 +437,27 @@ def test_default_names_in_a_block_avoid_its_given_names_and_inputs():
     assert model.table[-1].inputs == ("s.relu1_1", "x")  # the block's input, not its own relu
 
 
+def test_default_names_avoid_the_names_inline_blocks_and_index_copies_give():
+    """A default name (conv1) took a name an inline block's layer (or a `conv$index` copy)
+    gives further on, and the error then blamed the name the user wrote."""
+    conv = {"type": "conv", "out_channels": 2, "kernel_size": 1}
+    named = {"layers": [{**conv, "name": "conv1"}]}
+    outer = {"layers": [{"block": "named", "inline": True}]}  # spliced in two deep
+    for line in ({"block": "named", "inline": True}, {"block": "outer", "inline": True},
+                 {"block": "plain", "inline": True, "first": {"block": "named"}}):  # fmt: skip
+        spec = {"input": [2, 4, 4], "layers": [conv, conv, line],
+                "blocks": {"named": named, "outer": outer, "plain": {"layers": [conv]}}}  # fmt: skip
+        assert [r.name for r in build_model(spec).table] == ["conv0", "conv1_1", "conv1"], line
+    inside = {"layers": [conv, conv, {"block": "named", "inline": True}]}  # in a block too
+    spec = {"input": [2, 4, 4], "layers": [{"name": "s", "block": "inside"}],
+            "blocks": {"named": named, "inside": inside}}  # fmt: skip
+    assert [r.name for r in build_model(spec).table] == ["s.conv0", "s.conv1_1", "s.conv1"]
+    copies = {"name": "conv$index", "block": "named", "repeat": 2}
+    spec = {"input": [2, 4, 4], "layers": [conv, conv, copies], "blocks": {"named": named}}
+    assert [r.name for r in build_model(spec).table] == [
+        "conv0_1", "conv1_1", "conv0.conv1", "conv1.conv1"]  # fmt: skip
+
+
 @pytest.mark.parametrize("name, word", [("in", "in"), ("class", "class"), ("None", "None"),
                                         ("b.def", "def"), ("NoneType", "NoneType")])  # fmt: skip
 def test_python_keywords_are_refused_as_layer_names_naming_layer_and_file(tmp_path, name, word):

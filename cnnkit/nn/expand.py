@@ -20,7 +20,7 @@ from cnnkit.errors import ConfigError, brief, validation_message
 from cnnkit.nn.expr import ExprError, evaluate, is_expression, reads
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Layer, Linear, ParamLayer, Shape, ShapeError, fmt_shape
-from cnnkit.nn.names import check_name
+from cnnkit.nn.names import check_name, given_names, written
 from cnnkit.nn.spec import BlockDef, NetSpec, suggest
 from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
@@ -74,8 +74,8 @@ class Expander:
 
     def run(self) -> tuple[list[Node], int]:
         """The nodes, and the output's value: the last entry's (if absent, its input's)."""
-        scope = _Scope(0, "", {"num_classes": self.net.num_classes}, None, 0,
-                       named=frozenset(self.later))  # fmt: skip
+        named = frozenset(self.later) | given_names(self.net.layers, self.net.blocks)
+        scope = _Scope(0, "", {"num_classes": self.net.num_classes}, None, 0, named=named)
         for index, raw in enumerate(self.net.layers):
             scope.index = index
             self._entry(raw, index, scope)
@@ -185,7 +185,7 @@ class Expander:
                 inner = _Scope(
                     scope.index, scope.prefix, params, local, value,
                     scope.sequential, scope.counter, scope.depth + 1, sized,
-                    scope.named | _given_names(this),
+                    scope.named | given_names(this.layers, self.net.blocks),
                 )  # fmt: skip
                 value = self._expand(this, inner)
                 scope.counter = inner.counter
@@ -200,7 +200,8 @@ class Expander:
                 name = stage.copy_name(short, number)
             inner = _Scope(
                 scope.index, f"{scope.prefix}{name}.", params, local, value,
-                this.sequential, 0, scope.depth + 1, sized, _given_names(this),
+                this.sequential, 0, scope.depth + 1, sized,
+                given_names(this.layers, self.net.blocks),
             )  # fmt: skip
             value = self._expand(this, inner)
             self.value_of[scope.prefix + name] = value
@@ -226,7 +227,9 @@ class Expander:
             return str(scope.counter)
         name, k = default, 1
         while (
-            name in scope.named or name in (scope.local or {}) or scope.prefix + name in self.taken
+            written(name, scope.named)
+            or name in (scope.local or {})
+            or scope.prefix + name in self.taken
         ):
             name, k = f"{default}_{k}", k + 1  # never a name the file gives another layer
         return name
@@ -374,12 +377,6 @@ def _validate(label: str, kind: str, fields: dict[str, Any]) -> Layer:
         typo = next((str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"), None)
         what = f"{typo}: unknown field{suggest(typo, KINDS[kind].model_fields)}" if typo else None
         raise ConfigError(f"{label}: {what or validation_message(e)}") from None
-
-
-def _given_names(block: BlockDef) -> frozenset[str]:
-    """The names a block's lines give (literal ones), which no default name may take."""
-    return frozenset(str(r["name"]) for r in block.layers
-                     if isinstance(r, dict) and isinstance(r.get("name"), (str, int)))  # fmt: skip
 
 
 def _check_own_init(label: str, raw: dict[str, Any], layer: Layer) -> None:

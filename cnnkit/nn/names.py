@@ -1,5 +1,5 @@
 """Which names a layer may take: the network file's naming rule, shared by the expander and
-the Caffe importer.
+the Caffe importer, and the names a file gives, which no default name may take.
 
 A layer is an attribute of the Network (or of a container, for dotted names), so names that
 torch's nn.Module API or the Network's own attributes hold would shadow them; and the code
@@ -8,12 +8,15 @@ torch.export and TorchScript write names it, so a Python keyword would not compi
 
 from __future__ import annotations
 
+import functools
 import keyword
 import re
+from typing import Any
 
 from torch import nn
 
 from cnnkit.errors import ConfigError, brief
+from cnnkit.nn.expr import is_expression
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")  # fullmatch: no "a\n"
 MAX_NAME = 200
@@ -61,3 +64,43 @@ def check_name(label: str, name: str, short: str, taken: set[str], holders: dict
         raise ConfigError(
             f"{label}: name: {name!r} clashes with {other!r} (one would hold the other)"
         )
+
+
+def given_names(
+    lines: list[Any], blocks: dict[str, Any], seen: frozenset[str] = frozenset()
+) -> frozenset[str]:
+    """The names `lines` give (literal ones) and those of the blocks they splice in (`inline`,
+    at any depth), which land beside them: no default name may take one (`seen`: the blocks
+    being walked, as a block may hold itself)."""
+    names = {str(r["name"]) for r in lines
+             if isinstance(r, dict) and isinstance(r.get("name"), (str, int))}  # fmt: skip
+    for line in lines:
+        if isinstance(line, dict) and line.get("inline", False) is not False:
+            for name in _spliced(line, blocks) - seen:
+                names |= given_names(blocks[name].layers, blocks, seen | {name})
+    return frozenset(names)
+
+
+def written(name: str, named: frozenset[str]) -> bool:
+    """Whether the file gives `name` here: literally, or as a copy of a `NAME$index` line."""
+    copies = _copy_names(named)
+    return name in named or (copies is not None and copies.fullmatch(name) is not None)
+
+
+@functools.lru_cache(maxsize=64)
+def _copy_names(named: frozenset[str]) -> re.Pattern[str] | None:
+    """What the copies of the `$index` names among `named` match (denselayer$index: denselayer1)."""
+    templates = [
+        re.escape(n).replace(re.escape("$index"), "-?[0-9]+") for n in named if "$index" in n
+    ]
+    return re.compile("|".join(templates)) if templates else None
+
+
+def _spliced(line: dict[str, Any], blocks: dict[str, Any]) -> set[str]:
+    """The blocks an inline line may splice in: its `block` and its `first`'s (every block
+    where a $parameter names it)."""
+    first = line.get("first")
+    refs = [line.get("block"), first.get("block") if isinstance(first, dict) else first]
+    if any(is_expression(ref) for ref in refs):
+        return set(blocks)
+    return {ref for ref in refs if isinstance(ref, str) and ref in blocks}
