@@ -112,6 +112,22 @@ def test_nested_sequential_and_inline_blocks_number_like_nn_sequential():
     assert model.table[3].inputs == ("a.0.2",) and model.table[7].inputs == ("a.4",)
 
 
+def test_integer_names_in_inputs_read_the_layers_those_names_give():
+    """`name: 1` was a name and `inputs: [1]` was refused ("not a layer name"): a sequential
+    block names its layers 0, 1, 2, and YAML reads `[0, 2]` as integers."""
+    blocks = {"res": {"sequential": True, "layers": [
+        conv(), {"type": "relu"}, conv(), {"type": "add", "inputs": [0, 2]}]}}  # fmt: skip
+    model = build_model(net({"name": "r", "block": "res"}, blocks=blocks), device="meta")
+    assert model.table[-1].inputs == ("r.0", "r.2")
+    skip = {"inputs": ["input", "skip"], "layers": [{"type": "add", "inputs": ["input", "skip"]}]}
+    spec = net(conv(1), conv(2), {"name": "s", "block": "skip", "inputs": [2, 1]},
+               {"type": "relu", "inputs": 1}, blocks={"skip": skip})  # fmt: skip
+    model = build_model(spec, device="meta")
+    assert [row.inputs for row in model.table[2:]] == [("2", "1"), ("1",)]
+    with pytest.raises(ConfigError, match=r"inputs: True is not a layer name"):
+        build_model(net(conv(1), {"type": "relu", "inputs": [True]}), device="meta")
+
+
 def test_arithmetic_and_in_channels_make_a_depthwise_conv():
     dw = {"type": "conv", "out_channels": "$in_channels", "kernel_size": 3,
           "padding": "($in_height - $in_height + 3) // 2", "groups": "$in_channels"}  # fmt: skip

@@ -20,7 +20,7 @@ from cnnkit.errors import ConfigError, brief, validation_message
 from cnnkit.nn.expr import ExprError, evaluate, is_expression, reads
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Layer, Linear, ParamLayer, Shape, ShapeError, fmt_shape
-from cnnkit.nn.names import check_name, given_names, written
+from cnnkit.nn.names import check_name, given_names, input_names, is_name, written
 from cnnkit.nn.spec import BlockDef, NetSpec, suggest
 from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
@@ -112,7 +112,7 @@ class Expander:
         fields = _with_defaults(raw, self.net.defaults.get(kind, {}))
         head = any(reads(v, scope.sized) for v in fields.values())  # a classifier (or defaults')
         names = self._sub(label, "inputs", fields.pop("inputs", None), scope.params)
-        names = [names] if isinstance(names, str) else names
+        names = input_names(names)
         if names is not None and not (isinstance(names, list) and names):
             raise ConfigError(
                 f"{label}: inputs: a layer name or a list of them, got {brief(names)}"
@@ -220,7 +220,7 @@ class Expander:
     def _short(self, raw: dict[str, Any], default: str, scope: _Scope) -> str:
         if "name" in raw:
             name = raw["name"]
-            if isinstance(name, bool) or not isinstance(name, (str, int)):
+            if not is_name(name):
                 raise ConfigError(f"layer {scope.index}: name: not a name: {brief(name)}")
             return str(name)
         if scope.sequential:
@@ -272,7 +272,7 @@ class Expander:
     def _block_inputs(self, label: str, short: str, ref: Any, scope: _Scope, name: str,
                       block: BlockDef) -> list[int]:  # fmt: skip
         """The values a block line gives its block's inputs (none given: `previous`)."""
-        refs = ["previous"] if ref is None else [ref] if isinstance(ref, str) else ref
+        refs = ["previous"] if ref is None else input_names(ref)
         if not isinstance(refs, list) or not refs:
             raise ConfigError(f"{label}: inputs: a layer name or a list of them, got {brief(ref)}")
         if len(refs) != len(block.inputs):

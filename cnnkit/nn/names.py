@@ -66,6 +66,21 @@ def check_name(label: str, name: str, short: str, taken: set[str], holders: dict
         )
 
 
+def input_names(value: Any) -> Any:
+    """`inputs:` as a list of names, an integer the name it is (`inputs: [1]` reads the layer
+    `name: 1`, as a sequential block numbers them); anything else as given, for the caller
+    to refuse."""
+    values = value if isinstance(value, list) else [value] if is_name(value) else value
+    if not isinstance(values, list):
+        return values
+    return [str(v) if is_name(v) else v for v in values]
+
+
+def is_name(value: Any) -> bool:
+    """A name as `name:` takes it: a string, or an integer (never true or false)."""
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
 def given_names(
     lines: list[Any], blocks: dict[str, Any], seen: frozenset[str] = frozenset()
 ) -> frozenset[str]:
