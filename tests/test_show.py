@@ -177,6 +177,19 @@ def test_labels_show_both_strides_and_dilations_and_filters_the_first_conv_of_th
     assert first_conv(model)[0] == "conv0"  # not pre.conv, which registers first as `pre`
 
 
+def test_conv_transpose_labels_show_kernel_stride_and_groups_as_conv_labels_do():
+    spec = {"input": [4, 8, 8], "layers": [
+        {"name": "up", "type": "conv_transpose", "out_channels": 6, "kernel_size": 4,
+         "stride": 2, "padding": 1, "groups": 2},
+        {"name": "odd", "type": "conv_transpose", "out_channels": 2, "kernel_size": [3, 1],
+         "stride": [2, 1], "output_padding": [1, 0], "dilation": 2}]}  # fmt: skip
+    _, labels = net_layout(build_model(spec))
+    assert labels["up"].splitlines()[1] == "conv_transpose 4x4/2, 6, groups 2"
+    assert labels["odd"].splitlines()[1] == (
+        "conv_transpose 3x1/2x1, 2, dilation 2, output_padding 1x0"
+    )
+
+
 def test_a_drawing_that_fails_half_way_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
     """A full disk part-way through `show net`, `show filters` or `detect -o`: the file drawn
     before is kept as it was, and nothing half-written is left beside it."""

@@ -68,13 +68,15 @@ def _steps(size: tuple[int, ...]) -> str:
 
 
 def describe(kind: str, layer: nn.Module) -> str:
-    """`conv 11x11/4, 96, groups 2` (and dilation > 1), `maxpool 3x3/2`, `linear 4096`, `lrn 5`, `dropout 0.5`."""
-    if isinstance(layer, nn.Conv2d):
+    """`conv 11x11/4, 96, groups 2` (and dilation > 1; a conv_transpose's output_padding > 0),
+    `maxpool 3x3/2`, `linear 4096`, `lrn 5`, `dropout 0.5`."""
+    if isinstance(layer, (nn.Conv2d, nn.ConvTranspose2d)):
         (kh, kw), s = layer.kernel_size, _steps(layer.stride)
         text = f"{kind} {kh}x{kw}/{s}, {layer.out_channels}"
         text += f", groups {layer.groups}" if layer.groups > 1 else ""
-        dilated = max(layer.dilation) > 1
-        return text + (f", dilation {_steps(layer.dilation)}" if dilated else "")
+        text += f", dilation {_steps(layer.dilation)}" if max(layer.dilation) > 1 else ""
+        extra = getattr(layer, "output_padding", (0,))  # a transposed conv's
+        return text + (f", output_padding {_steps(extra)}" if max(extra) > 0 else "")
     if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)):
         (kh, kw), s = pair(layer.kernel_size), _steps(pair(layer.stride))
         return f"{kind} {kh}x{kw}/{s}"
