@@ -42,7 +42,7 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("alias bomb", "model:\n  a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + LAUGHS, "values once aliases are expanded"),
     ("deep nesting", "model: " + "[" * 500 + "]" * 500, "nested more than 50 levels deep"),
     ("recursive alias", "model: &m {layers: *m}\n", "an alias refers to itself"),
-    ("empty file", "", "expected a mapping with 'layers'"),
+    ("empty file", "", "net.yaml: the file is empty"),
     ("a list", "- 1\n- 2\n", "expected a mapping with 'layers'"),
     ("no layers", NET.split("  layers")[0], "no 'layers' list"),
     ("layers empty", NET.split("  layers")[0] + "  layers: []\n", "layers: List should have at least 1 item"),

@@ -218,6 +218,15 @@ def test_bad_files(tmp_path):
         build_model(binary)
     with pytest.raises(ConfigError, match="neither a zoo network"):
         build_model(str(tmp_path / "missing.yaml"))
+    for text in ("", "# a network, one day\n", "---\n"):  # said "got NoneType"
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            build_model(str(empty))
+        assert (
+            str(e.value)
+            == f"{empty}: the file is empty (a network file has model: {{input, layers}})"
+        )
 
 
 def test_the_reserved_names_cover_every_network_attribute():

@@ -182,6 +182,10 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
         data, source = spec, None
     else:
         data, source = _read_yaml_or_zoo(str(spec))
+    if data is None and source:  # no document, or only comments
+        raise ConfigError(
+            f"{source}: the file is empty (a network file has model: {{input, layers}})"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{source or 'spec'}: expected a mapping with 'layers' (or 'model'), got {type(data).__name__}"
