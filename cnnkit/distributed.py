@@ -371,7 +371,7 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
     if not launched():
         yield None
         return
-    group = Group(train_cfg)
+    group = _join(train_cfg)
     ok = False
     try:
         yield group
@@ -391,6 +391,27 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
         raise
     finally:
         group.close(ok)
+
+
+def _join(train_cfg: Any) -> Group:
+    """Group(train_cfg), a rendezvous that fails or times out (a peer never started, another
+    MASTER_ADDR or MASTER_PORT) as one clear line rather than torch's traceback."""
+    try:
+        return Group(train_cfg)
+    except CnnkitError:
+        raise
+    except (dist.DistError, RuntimeError) as e:
+        rank, size = os.environ["RANK"], os.environ["WORLD_SIZE"]
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        text = str(e).lower()
+        if "timeout" in text or "timed out" in text:
+            raise CnnkitError(
+                f"rank {rank}: the other processes did not join within {train_cfg.timeout_s}s at "
+                f"{where} (start all {size} with the same MASTER_ADDR and MASTER_PORT, each with "
+                "its own RANK; train.timeout_s=N waits longer)"
+            ) from None
+        first = next(iter(str(e).splitlines()), "") or type(e).__name__
+        raise CnnkitError(f"rank {rank}: could not join the group at {where} ({first})") from None
 
 
 def on_rank0(dist: Processes, check: Callable[[], Any]) -> None:

@@ -551,6 +551,53 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
         Group(validate_run({**BASE, "train": {**BASE["train"], "device": "cuda"}}).train)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank: int, world_size: int = 2) -> dict[str, str]:
+    """torchrun's variables for one rank of a group whose others never start."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # fmt: skip
+
+
+def test_peers_that_never_join_are_one_line(tmp_path, capsys, monkeypatch):
+    """Rank 0 waits train.timeout_s for the others, then says who did not come and where
+    (not DistStoreError's traceback), exit status 1, and leaves no run directory."""
+    from helpers import run_cli
+
+    env = _rank_env(0)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    args = ["train", "digits", "train.timeout_s=1", "train.device=cpu", "--out", str(out)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 1 and err == (
+        "cnnkit: error: rank 0: the other processes did not join within 1s at "
+        f"127.0.0.1:{env['MASTER_PORT']} (start all 2 with the same MASTER_ADDR and "
+        "MASTER_PORT, each with its own RANK; train.timeout_s=N waits longer)\n"
+    )
+    assert not out.exists() and not torch.distributed.is_initialized()
+
+
+def test_a_rank_whose_master_never_comes_is_one_line(tmp_path):
+    """Rank 1 with no rank 0 to connect to: one line, without torch's C++ retry log."""
+    env = {**os.environ, **_rank_env(1), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "train.timeout_s=1", "--out",
+           str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"cnnkit: error: rank 1: the other processes did not join within 1s at 127.0.0.1:"
+        f"{env['MASTER_PORT']} (start all 2 with the same MASTER_ADDR and MASTER_PORT, each "
+        "with its own RANK; train.timeout_s=N waits longer)"
+    ]
+
+
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same configuration error: one line (rank 0's), exit status 2, and
     no torchrun failure table; a rank killed by a signal is one line too."""
