@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cnnkit.errors import CnnkitError, ConfigError
+from cnnkit.errors import CnnkitError, ConfigError, brief
 
 DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
 
@@ -130,6 +130,35 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+TORCHRUN_VARIABLES = "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+
+
+def env_text(name: str) -> str:
+    """A torchrun variable that must be set (MASTER_ADDR): one clear line where it is not."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise ConfigError(f"{name} is not set: a process of a group needs {TORCHRUN_VARIABLES} "
+                          "(torchrun sets them all)")  # fmt: skip
+    return value
+
+
+def env_number(name: str, least: int, most: int | None = None, default: str | None = None) -> int:
+    """A torchrun variable as a whole number from `least` to `most`: one clear line where it is
+    missing or is not one (set by hand, or by a launcher other than torchrun)."""
+    value = os.environ.get(name, default)
+    if value is None:
+        env_text(name)  # (raises: not set)
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < least or (most is not None and number > most):
+        span = f"from {least} to {most}" if most is not None else f"of {least} or more"
+        raise ConfigError(f"{name}={brief(value)}: expected a whole number {span} (torchrun sets "
+                          f"{TORCHRUN_VARIABLES} for each process it starts)")  # fmt: skip
+    return number
+
+
 def restart_count() -> int:
     """How many times torchrun restarted this group (elastic restarts; 0 on the first start)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -168,10 +197,10 @@ class Group:
     """
 
     def __init__(self, train_cfg: Any):
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ["LOCAL_RANK"])
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.world_size = env_number("WORLD_SIZE", 1)
+        self.rank = env_number("RANK", 0, self.world_size - 1)
+        self.local_world_size = env_number("LOCAL_WORLD_SIZE", 1, default=str(self.world_size))
+        self.local_rank = env_number("LOCAL_RANK", 0, self.local_world_size - 1)
         self.is_main = self.rank == 0
         self.sync, self.every, self.sync_bn = (
             train_cfg.sync,
@@ -191,25 +220,44 @@ class Group:
             torch.cuda.set_device(self.local_rank)
         self.timeout_s = train_cfg.timeout_s
         if not dist.is_initialized():
-            timeout = timedelta(seconds=train_cfg.timeout_s)
-            cuda = {"device_id": torch.device("cuda", self.local_rank)} if self.use_cuda else {}
-            _quiet_nccl_errors()
+            self._rendezvous(timedelta(seconds=train_cfg.timeout_s))
+
+    def _rendezvous(self, timeout: timedelta) -> None:
+        """Join the process group; a rendezvous that fails or times out (a peer never started,
+        another MASTER_ADDR or MASTER_PORT) is one clear line rather than torch's traceback."""
+        cuda = {"device_id": torch.device("cuda", self.local_rank)} if self.use_cuda else {}
+        _quiet_nccl_errors()
+        addr, port = env_text("MASTER_ADDR"), env_number("MASTER_PORT", 1, 65535)
+        try:
             dist.init_process_group(
                 "nccl" if self.use_cuda else "gloo",
-                store=self._store(timeout),
+                store=self._store(addr, port, timeout),
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=timeout,
                 **cuda,  # NCCL: one communicator for this rank's GPU, made at once
             )
+        except (dist.DistError, RuntimeError) as e:
+            text = str(e).lower()
+            if "timeout" in text or "timed out" in text:
+                raise CnnkitError(
+                    f"rank {self.rank}: the other processes did not join within "
+                    f"{self.timeout_s}s at {addr}:{port} (start all {self.world_size} with the "
+                    "same MASTER_ADDR and MASTER_PORT, each with its own RANK; "
+                    "train.timeout_s=N waits longer)"
+                ) from None
+            first = next(iter(str(e).splitlines()), "") or type(e).__name__
+            raise CnnkitError(
+                f"rank {self.rank}: could not join the group at {addr}:{port} ({first})"
+            ) from None
 
-    def _store(self, timeout: timedelta) -> dist.Store:
+    def _store(self, addr: str, port: int, timeout: timedelta) -> dist.Store:
         """torchrun's store under a per-attempt prefix: after an elastic restart the agent's
         store still holds the dead attempt's addresses, and reading those hangs or fails."""
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            addr,
+            port,
             self.world_size,
             is_master=self.rank == 0 and not agent,
             timeout=timeout,
@@ -371,7 +419,7 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
     if not launched():
         yield None
         return
-    group = _join(train_cfg)
+    group = Group(train_cfg)
     ok = False
     try:
         yield group
@@ -391,27 +439,6 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
         raise
     finally:
         group.close(ok)
-
-
-def _join(train_cfg: Any) -> Group:
-    """Group(train_cfg), a rendezvous that fails or times out (a peer never started, another
-    MASTER_ADDR or MASTER_PORT) as one clear line rather than torch's traceback."""
-    try:
-        return Group(train_cfg)
-    except CnnkitError:
-        raise
-    except (dist.DistError, RuntimeError) as e:
-        rank, size = os.environ["RANK"], os.environ["WORLD_SIZE"]
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        text = str(e).lower()
-        if "timeout" in text or "timed out" in text:
-            raise CnnkitError(
-                f"rank {rank}: the other processes did not join within {train_cfg.timeout_s}s at "
-                f"{where} (start all {size} with the same MASTER_ADDR and MASTER_PORT, each with "
-                "its own RANK; train.timeout_s=N waits longer)"
-            ) from None
-        first = next(iter(str(e).splitlines()), "") or type(e).__name__
-        raise CnnkitError(f"rank {rank}: could not join the group at {where} ({first})") from None
 
 
 def on_rank0(dist: Processes, check: Callable[[], Any]) -> None:

@@ -598,6 +598,29 @@ def test_a_rank_whose_master_never_comes_is_one_line(tmp_path):
     ]
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc': expected a whole number of 1 or more"),
+        ({"RANK": "2"}, "RANK='2': expected a whole number from 0 to 1"),
+        ({"MASTER_PORT": "x"}, "MASTER_PORT='x': expected a whole number from 1 to 65535"),
+        ({"MASTER_ADDR": None}, "MASTER_ADDR is not set: a process of a group needs RANK, "),
+    ],
+)
+def test_torchrun_variables_set_wrong_are_one_line(change, said, tmp_path, capsys, monkeypatch):
+    """A variable of a hand-made group missing or not a number: one line naming it (exit 2),
+    not KeyError 'MASTER_ADDR' or int()'s ValueError."""
+    from helpers import run_cli
+
+    for key, value in {**_rank_env(0), **change}.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and err.startswith(f"cnnkit: error: {said}") and err.count("\n") == 1, err
+
+
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same configuration error: one line (rank 0's), exit status 2, and
     no torchrun failure table; a rank killed by a signal is one line too."""
