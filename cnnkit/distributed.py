@@ -125,9 +125,24 @@ class Local:
         """Nothing to average alone."""
 
 
+GROUP_VARIABLES = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # -> a process alone's
+
+
 def launched() -> bool:
-    """True inside a torchrun worker."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+    """True inside a torchrun worker (RANK, WORLD_SIZE and LOCAL_RANK set). Some of them set
+    to what names a group (RANK=1, WORLD_SIZE=4), the others not: a ConfigError, as torch's
+    env:// rendezvous refuses it, not one process training alone as if it were the group."""
+    given = [name for name in GROUP_VARIABLES if name in os.environ]
+    if len(given) == len(GROUP_VARIABLES):
+        return True
+    grouped = [n for n in given if os.environ[n].strip() != GROUP_VARIABLES[n]]
+    if grouped:
+        missing = " and ".join(n for n in GROUP_VARIABLES if n not in given)
+        name = grouped[0]
+        raise ConfigError(f"{name}={brief(os.environ[name])} is set but {missing} not: a process "
+                          "of a group needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun sets them "
+                          f"all); unset {name} to train alone")  # fmt: skip
+    return False
 
 
 TORCHRUN_VARIABLES = "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"

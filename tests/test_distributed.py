@@ -621,6 +621,34 @@ def test_torchrun_variables_set_wrong_are_one_line(change, said, tmp_path, capsy
     assert code == 2 and err.startswith(f"cnnkit: error: {said}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    ("env", "name"), [({"RANK": "1"}, "RANK"), ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE")]
+)
+def test_some_of_a_groups_variables_alone_are_refused(env, name, tmp_path, capsys, monkeypatch):
+    """RANK without WORLD_SIZE (or WORLD_SIZE=2 without LOCAL_RANK) is not a process alone:
+    one line, not a run training as if it were the whole group; what a process alone would
+    have (RANK=0, WORLD_SIZE=1) trains alone."""
+    from helpers import run_cli
+
+    from cnnkit.distributed import launched
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "run")], capsys)
+    missing = " and ".join(k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k not in env)
+    assert code == 2 and err == (
+        f"cnnkit: error: {name}={env[name]!r} is set but {missing} not: a process of a group "
+        f"needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun sets them all); unset {name} to train "
+        "alone\n"
+    )
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert launched() is False
+
+
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same configuration error: one line (rank 0's), exit status 2, and
     no torchrun failure table; a rank killed by a signal is one line too."""
@@ -874,6 +902,7 @@ def test_an_error_every_rank_agreed_on_is_said_by_rank_0_only(tmp_path, capsys, 
 
     argv = ["train", "digits", "train.lr=1e30", "train.epochs=1", "train.warmup_epochs=0"]
     monkeypatch.setenv("CNNKIT_NPROC", "2")  # what --nproc gives its ranks
+    monkeypatch.setattr("cnnkit.distributed.launched", lambda: False)  # each rank alone here
     for rank, said in (("1", False), ("0", True)):
         monkeypatch.setenv("RANK", rank)
         code, _, err = run_cli([*argv, "--out", str(tmp_path / rank)], capsys)

@@ -449,7 +449,8 @@ def test_the_no_checkpoint_yet_notice_is_rank_0s_alone(finished_run, tmp_path, c
     run = tmp_path / "run"
     run.mkdir()
     shutil.copy(finished_run / "config.yaml", run / "config.yaml")
-    monkeypatch.setenv("RANK", rank)  # (no WORLD_SIZE: not a torchrun worker, only its rank)
+    monkeypatch.setenv("RANK", rank)  # this rank alone: its group is not what is checked here
+    monkeypatch.setattr("cnnkit.distributed.launched", lambda: False)
     code, _, err = run_cli(["train", "--resume", str(run), "--dry-run"], capsys)
     assert code == 0, err
     assert ("no checkpoint yet: the run starts again from the beginning" in err) == said
