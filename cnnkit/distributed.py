@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -449,11 +450,21 @@ def group_for(train_cfg: Any) -> Iterator[Group | None]:
                 "(a peer died or hung; raise train.timeout_s for slow steps)"
             ) from None
         if "connection" in text or "peer" in text or "closed" in text:
-            first = str(e).splitlines()[0].split(". this is typically")[0]
-            raise CnnkitError(f"rank {group.rank}: lost a peer process ({first})") from None
+            raise CnnkitError(f"rank {group.rank}: lost a peer process ({_peer_lost(e)})") from None
         raise
     finally:
         group.close(ok)
+
+
+def _peer_lost(error: BaseException) -> str:
+    """gloo's words for a lost peer without the source line it names or its advice: from
+    "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:64128. This is
+    typically caused by a remote worker crashing. ... GLHF!", "Connection closed by peer
+    [10.0.0.2]:64128"."""
+    first = next(iter(str(error).splitlines()), "")
+    first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)  # [file.cc:561]
+    first = re.split(r"\.?\s*this is typically", first, flags=re.IGNORECASE)[0]
+    return first.strip().rstrip(".") or type(error).__name__
 
 
 def on_rank0(dist: Processes, check: Callable[[], Any]) -> None:

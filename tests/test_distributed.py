@@ -649,6 +649,34 @@ def test_some_of_a_groups_variables_alone_are_refused(env, name, tmp_path, capsy
     assert launched() is False
 
 
+GLOO_PEER_LOST = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
+    "peer [127.0.0.1]:64128. This is typically caused by a remote worker crashing. Check the "
+    "logs of the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f"
+)  # what this torch's gloo says in a collective whose peer died
+
+
+def test_a_lost_peer_is_said_without_gloos_advice(monkeypatch):
+    """gloo's message cut to what happened: no source file, no "This is typically caused by
+    ... GLHF!"."""
+    from types import SimpleNamespace
+
+    from cnnkit import distributed
+    from cnnkit.errors import CnnkitError
+
+    monkeypatch.setattr(distributed, "launched", lambda: True)
+    closed = []
+    group = SimpleNamespace(rank=1, timeout_s=60, close=closed.append)
+    monkeypatch.setattr(distributed, "Group", lambda cfg: group)
+    with pytest.raises(CnnkitError) as caught:
+        with distributed.group_for(TrainConfig()):
+            raise RuntimeError(GLOO_PEER_LOST)
+    assert str(caught.value) == (
+        "rank 1: lost a peer process (Connection closed by peer [127.0.0.1]:64128)"
+    )
+    assert closed == [False]
+
+
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same configuration error: one line (rank 0's), exit status 2, and
     no torchrun failure table; a rank killed by a signal is one line too."""
