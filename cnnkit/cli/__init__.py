@@ -188,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         end_with_parent()  # a rank of --nproc: it ends with its agent, however that ends
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    if "RANK" in os.environ and not debug:  # a rank: its error is one line, not torch's C++ log
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # (a rendezvous's retries, ...)
+    if "RANK" in os.environ and not debug and "torch" not in sys.modules:  # (read as it loads)
+        # a rank: its error is one line, not torch's C++ log (a rendezvous's retries, ...)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     if not debug:  # a damaged file's header (TIFF tags past its end): the file is noted instead
         warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
     if argv[:1] == ["train"] and not isinstance(sys.stdout, _TrainingOutput):
