@@ -923,6 +923,61 @@ def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypa
     assert code == 2 and err == ""
 
 
+def test_plain_torchrun_ranks_leave_a_configuration_error_to_the_first_rank(capsys, monkeypatch):
+    """Under torchrun's own agent too (TORCHELASTIC_RUN_ID): one line per machine, said by
+    its first rank (LOCAL_RANK 0, on another machine RANK 2), each rank exiting 2."""
+    from helpers import run_cli
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for rank, local_rank, said in (("1", "1", False), ("2", "0", True)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        code, _, err = run_cli(["train", "digits", "train.epochs=-1"], capsys)
+        assert code == 2 and ("train.epochs" in err) == said, err
+        assert said or err == ""
+
+
+def test_another_ranks_data_error_is_left_to_the_first_rank_for_a_while(monkeypatch):
+    """A data set or checkpoint each rank reads at its own pace: a rank other than the first
+    waits for the agent to end it (the first rank failing with the same error, said), and says
+    the error itself only if still running after; errors of its own are said at once."""
+    import cnnkit.cli as cli
+    from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
+
+    slept = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    monkeypatch.setenv("CNNKIT_NPROC", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli._said_by_first_rank(ConfigError("x")) and slept == []
+    assert not cli._said_by_first_rank(DataError("x")) and slept == [cli.PEER_SAYS_IT_S]
+    assert not cli._said_by_first_rank(CheckpointError("x")) and len(slept) == 2
+    assert not cli._said_by_first_rank(CnnkitError("rank 1: a collective timed out"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not cli._said_by_first_rank(DataError("x")) and len(slept) == 2
+
+
+def test_a_data_error_under_nproc_is_one_line(tmp_path):
+    """Every rank finds one class in the folder: rank 0's line alone, exit status 1."""
+    from PIL import Image
+
+    (tmp_path / "imgs" / "a").mkdir(parents=True)
+    for i in range(3):
+        Image.new("L", (12, 12), i * 80).save(tmp_path / "imgs" / "a" / f"{i}.png")
+    run = {"name": "one", "model": "digitnet", "train": {"epochs": 1, "device": "cpu"},
+           "data": {"source": "folder", "path": "imgs", "val_path": "imgs", "size": 8,
+                    "crop": 8, "grey": True, "batch_size": 4}}  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    cmd = [sys.executable, "-m", "cnnkit", "train", "run.yaml", "--nproc", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        f"cnnkit: error: data: 1 class (a) in {tmp_path / 'imgs'}: a classifier needs at least 2 "
+        "(is data.path the folder above the class folders?)"
+    ], done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_error_every_rank_agreed_on_is_said_by_rank_0_only(tmp_path, capsys, monkeypatch):
     """A diverged loss (or no readable image) ends every rank of --nproc alike: one line, rank
     0's, not one per rank."""

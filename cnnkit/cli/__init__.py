@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 import warnings
 
@@ -23,7 +24,7 @@ except ImportError:  # pragma: no cover - older typer
     from click import exceptions as click_errors
 
 from cnnkit.cli import bench, data, infer, net, train
-from cnnkit.errors import CnnkitError, ConfigError, Interrupted
+from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError, Interrupted
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click < 8.2 shows the help itself
@@ -97,10 +98,31 @@ def _settings_hint(message: str) -> str:
     return ""
 
 
+PEER_SAYS_IT_S = 3.0  # how long a rank leaves its machine's first rank to say a file's error
+
+
 def _other_rank() -> bool:
-    """A rank other than 0 of `--nproc`: its ranks meet the same configuration error and the
-    same Ctrl-C, and rank 0's line says it."""
-    return bool(os.environ.get("CNNKIT_NPROC")) and os.environ.get("RANK", "0") != "0"
+    """A rank other than the first on this machine, of `--nproc` or of torchrun's agent (which
+    sets TORCHELASTIC_RUN_ID): the ranks of a machine meet the same configuration error and the
+    same Ctrl-C, and its first rank's line says it, once on each machine's console."""
+    if not (os.environ.get("CNNKIT_NPROC") or "TORCHELASTIC_RUN_ID" in os.environ):
+        return False
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) != "0"
+
+
+def _said_by_first_rank(e: CnnkitError) -> bool:
+    """Whether this machine's first rank says `e` for this rank. A configuration error, a Ctrl-C
+    or an error the ranks agreed on: at once. An unreadable data set or checkpoint, which each
+    rank meets reading files at its own pace: if the agent ends this rank within a few seconds,
+    as it does when the first rank fails (with the same error, said); still here, this rank says
+    it (an error of its own)."""
+    if not _other_rank():
+        return False
+    if isinstance(e, (ConfigError, Interrupted)) or e.agreed:
+        return True
+    if isinstance(e, (DataError, CheckpointError)):
+        time.sleep(PEER_SAYS_IT_S)
+    return False
 
 
 def _traceback_exit(code: int) -> None:
@@ -241,7 +263,7 @@ def _main(argv: list[str], debug: bool) -> None:
         if debug:
             _traceback_exit(e.exit_code)
         kind = "" if isinstance(e, Interrupted) else "error: "
-        if not ((isinstance(e, (ConfigError, Interrupted)) or e.agreed) and _other_rank()):
+        if not _said_by_first_rank(e):
             print(f"cnnkit: {kind}{e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training step
