@@ -677,6 +677,29 @@ def test_a_lost_peer_is_said_without_gloos_advice(monkeypatch):
     assert closed == [False]
 
 
+def test_more_cpu_processes_than_cores_is_refused_unless_asked_for(tmp_path, capsys, monkeypatch):
+    """`--nproc 64` on a machine of 2 cores is one line before any process starts (a dry run
+    of 64 too); --oversubscribe starts them all the same. No process is started here."""
+    from helpers import run_cli
+
+    import cnnkit.agent
+
+    started = []
+    monkeypatch.setattr("cnnkit.runtime.available_cores", lambda: 2)
+    monkeypatch.setattr(cnnkit.agent, "start_local", lambda n, argv, r=0: started.append(n) or 0)
+    for dry in ([], ["--dry-run"]):
+        args = ["train", "digits", "train.device=cpu", "--nproc", "64", *dry]
+        code, _, err = run_cli([*args, "--out", str(tmp_path / "run")], capsys)
+        assert code == 2 and err == (
+            "cnnkit: error: --nproc 64: more processes than the 2 CPU cores this may run on; "
+            "give --nproc 2 or fewer (or --oversubscribe to start them all the same)\n"
+        )
+    assert started == [] and not (tmp_path / "run").exists()
+    args = ["train", "digits", "train.device=cpu", "--nproc", "64", "--oversubscribe"]
+    code, _, err = run_cli([*args, "--out", str(tmp_path / "run")], capsys)
+    assert code == 0 and started == [64], err
+
+
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same configuration error: one line (rank 0's), exit status 2, and
     no torchrun failure table; a rank killed by a signal is one line too."""

@@ -45,6 +45,7 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
         (["train", "digits", "--lr", "0.1"], 2, "(settings are key=value overrides: train.lr=...)"),
         (["train", "digits", "--batch-size", "8"], 2, "overrides: data.batch_size=...)"),
         (["train", "digits", "--max-restarts", "2"], 2, "--max-restarts: restarts the processes"),
+        (["train", "digits", "--oversubscribe"], 2, "--oversubscribe: allows more of the"),
         # a dry run of N checks what N processes check: mining, SyncBatchNorm's devices, cuda:N
         (["train", "faces", "--nproc", "2", "--dry-run"], 2, "mining runs in one process"),
         (

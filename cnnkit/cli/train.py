@@ -24,6 +24,9 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars or epoch lines."),
     nproc: int = typer.Option(None, "--nproc", min=1, help="Start N processes here (torchrun)."),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="With --nproc: restarts."),
+    oversubscribe: bool = typer.Option(
+        False, "--oversubscribe", help="With --nproc on CPUs: allow more processes than cores."
+    ),
     dry_run: bool = typer.Option(
         False,
         "--dry-run",
@@ -44,13 +47,15 @@ def train(
         given = f"--out {out}" if out is not None else f"the run {run}"
         raise ConfigError(f"--resume {resume} continues that run in its own directory: "
                           f"{given} cannot be given with it (key=value overrides can)")  # fmt: skip
-    if max_restarts and nproc is None:
+    if (max_restarts or oversubscribe) and nproc is None:
         from cnnkit.errors import ConfigError
 
-        raise ConfigError("--max-restarts: restarts the processes of --nproc N; give --nproc")
+        what = "--max-restarts: restarts" if max_restarts else "--oversubscribe: allows more of"
+        raise ConfigError(f"{what} the processes of --nproc N; give --nproc")
     if nproc is not None and not dry_run:
         try:
-            code = _start_processes(run, overrides, out, resume, quiet, nproc, max_restarts)
+            code = _start_processes(run, overrides, out, resume, quiet, nproc, max_restarts,
+                                    oversubscribe)  # fmt: skip
         except typer.Exit as e:
             code = e.exit_code
         if code == 130:  # a Ctrl-C: rank 0 has said where the run stopped
@@ -59,7 +64,7 @@ def train(
     if nproc is not None and (run is not None or resume is not None):  # a dry run of N
         from cnnkit.train.run import launch
 
-        _check_group(_config(run, overrides, resume), nproc, resume)
+        _check_group(_config(run, overrides, resume), nproc, resume, oversubscribe)
         launch(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=True, processes=nproc)
         return
     cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)
@@ -80,9 +85,10 @@ def _config(run, overrides: list[str], resume):
     return resume_config(state, overrides) if state else load_run(resume / "config.yaml")
 
 
-def _check_group(config, nproc: int, resume) -> None:
+def _check_group(config, nproc: int, resume, oversubscribe: bool = False) -> None:
     """What N processes of this run must fit, checked as the ranks would check it (so a dry
-    run of N passes only what N can run)."""
+    run of N passes only what N can run), and on CPUs, no more of them than cores unless
+    `oversubscribe`."""
     import torch
 
     from cnnkit.distributed import group_device_name, resolve_device
@@ -99,16 +105,31 @@ def _check_group(config, nproc: int, resume) -> None:
     cuda = config.train.device != "cpu" and torch.cuda.is_available()  # as each rank chooses
     state = resume_state(resume) if resume is not None else None
     check_processes(config, nproc, torch.device("cuda" if cuda else "cpu"), state)
+    if not cuda and not oversubscribe:
+        _check_cores(nproc)
 
 
-def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int) -> int:
+def _check_cores(nproc: int) -> None:
+    """More CPU processes than this process's cores (its affinity mask, its container's quota):
+    each would get a fraction of a core, slower than fewer, a mistake unless asked for."""
+    from cnnkit.errors import ConfigError
+    from cnnkit.runtime import available_cores
+
+    if nproc > (cores := available_cores()):
+        raise ConfigError(f"--nproc {nproc}: more processes than the {cores} CPU core"
+                          f"{'s' * (cores != 1)} this may run on; give --nproc {cores} or fewer "
+                          "(or --oversubscribe to start them all the same)")  # fmt: skip
+
+
+def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restarts: int,
+                     oversubscribe: bool = False) -> int:  # fmt: skip
     """Re-run this command under torchrun with N processes and one agreed run directory."""
     from cnnkit.agent import start_local
     from cnnkit.train.rundir import claimed_run_dir
 
     argv = ["train", *([run] if run else []), *overrides]
     config = _config(run, overrides, resume)
-    _check_group(config, nproc, resume)  # here, once, not by N processes each
+    _check_group(config, nproc, resume, oversubscribe)  # here, once, not by N processes each
     argv += ["--quiet"] if quiet else []
     if resume is not None:
         return start_local(nproc, [*argv, "--resume", str(resume)], max_restarts)
