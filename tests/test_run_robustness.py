@@ -755,3 +755,38 @@ def test_a_data_set_of_unreadable_images_stops_within_16_batches(tmp_path, capsy
         "cnnkit: error: no training image of the first 16 batches of epoch 1 could be read "
         "(each was skipped, as said above): is the data set readable?"
     ), err
+
+
+def test_a_static_rendezvous_run_that_fails_early_leaves_no_empty_run_directory(
+    tmp_path, capsys, monkeypatch
+):
+    """Without --out and torchrun's job id (--rdzv-backend=static) rank 0 makes runs/NAME-TIME
+    for every rank: a run that fails before writing there removes it again, as a run alone does."""
+    from contextlib import contextmanager
+
+    from PIL import Image
+
+    from cnnkit import distributed
+
+    class StaticRank0(distributed.Local):  # rank 0 of a group with no job id
+        def job_value(self, key, make):
+            return make()
+
+    @contextmanager
+    def group_for(train_cfg):
+        yield StaticRank0()
+
+    monkeypatch.setattr(distributed, "group_for", group_for)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "imgs" / "a").mkdir(parents=True)
+    for i in range(3):
+        Image.new("L", (12, 12), 80 * i).save(tmp_path / "imgs" / "a" / f"{i}.png")
+    (tmp_path / "run.yaml").write_text(
+        "name: one\nmodel: lenet5\ndata: {source: folder, path: imgs, val_path: imgs, size: 36, "
+        "crop: 32, grey: true, batch_size: 2}\ntrain: {epochs: 1}\n"
+    )
+    code, _, err = run_cli(["train", "run.yaml"], capsys)
+    assert "a classifier needs at least 2" in one_error_line(code, err)
+    assert list((tmp_path / "runs").iterdir()) == []

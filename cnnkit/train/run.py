@@ -91,7 +91,8 @@ def launch(
             tag = distributed.run_id() if group is not None else None
             reserve = out is None and tag is None and not dry_run  # a default name: made now
             if reserve and group is not None:  # no job id (a static rendezvous): rank 0 names
-                out, reserve = _group_run_dir(config.name, group), False  # it for every rank
+                out = _group_run_dir(config.name, group)  # it for every rank, and removes it
+                reserve = group.is_main  # again where the run fails leaving it empty
             run_dir = stack.enter_context(claimed_run_dir(config.name, out, reserve,
                                                           reuse=restarted, tag=tag))  # fmt: skip
             if restarted:  # the group died: continue from its checkpoint, if it made one
