@@ -790,3 +790,37 @@ def test_a_static_rendezvous_run_that_fails_early_leaves_no_empty_run_directory(
     code, _, err = run_cli(["train", "run.yaml"], capsys)
     assert "a classifier needs at least 2" in one_error_line(code, err)
     assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_folder_or_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, capsys):
+    """eval, classify and show at runs/ itself, a mining run still in its rounds, a run with no
+    checkpoint yet, any other folder, or a run's metrics.csv: what it is and what to give."""
+    from PIL import Image
+
+    runs = tmp_path / "runs"
+    done, mine, old = runs / "done", runs / "mine", runs / "old"
+    for run in (done, mine, old, mine / "round-0"):
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text("name: x\n")
+    for checkpoint in (done / "best.pt", mine / "round-0" / "best.pt"):
+        checkpoint.write_bytes(b"")  # (only looked for here, never read)
+    (old / "metrics.csv").write_text("epoch,train_loss\n1,0.5\n")
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "pic.png")
+    said = {
+        runs: f"{runs}: holds run directories, not a run of its own: name one, e.g. {done}",
+        mine: f"{mine}: a mining run whose rounds have not all finished (the best round's "
+        f"checkpoints are copied here at its end): name a round, e.g. {mine / 'round-0'}",
+        old: f"{old}: a run with no checkpoint yet (it stopped before saving its first; "
+        f"`cnnkit train --resume {old}` continues it)",
+        tmp_path / "images": f"{tmp_path / 'images'}: not a run directory (no best.pt or "
+        "last.pt in it): give a run directory, a checkpoint (.pt) or a .safetensors export",
+        old / "metrics.csv": f"{old / 'metrics.csv'}: a CSV file, not a checkpoint or network: "
+        f"give its run directory {old}",
+    }
+    for target, line in said.items():
+        picture = str(tmp_path / "images" / "pic.png")
+        for command in (["eval", str(target)], ["classify", str(target), picture],
+                        ["show", "filters", str(target), "-o", str(tmp_path / "f.png")]):  # fmt: skip
+            code, _, err = run_cli(command, capsys)
+            assert one_error_line(code, err) == f"cnnkit: error: {line}", command

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from cnnkit.checkpoint import (
     EXPORT_FORMAT,
     MEAN_IMAGE_KEY,
+    check_not_a_record,
     checkpoint_path,
     dated_run_hint,
     load_checkpoint,
@@ -66,6 +67,7 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
         averaged = image is None and uses_mean_image(meta.get("config", {}))
         return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)),
                       mean_image=image, mean_averaged=averaged, ran=meta.get("settings"))  # fmt: skip
+    check_not_a_record(path)  # metrics.csv: said as such, not as a network file's error
     return load_network(str(target), device)
 
 
