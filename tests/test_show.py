@@ -141,6 +141,24 @@ def test_show_filters_of_a_trained_run(digits_run, tmp_path, capsys):
     assert code == 2 and "use one of" in err
 
 
+def test_filters_without_trained_weights_say_so(tmp_path, capsys):
+    """A zoo name (or a network file without weights:) has random filters: a note on stderr and
+    in the picture's title; a run's are not called untrained."""
+    from cnnkit.infer.show import filter_title, first_conv
+
+    code, _, err = run_cli(["show", "filters", "lenet5", "-o", str(tmp_path / "f.png")], capsys)
+    assert code == 0 and err == (
+        "cnnkit: note: lenet5 has no trained weights: these are its random initial filters (a "
+        "run directory or checkpoint has learned ones)\n"
+    )
+    model = build_model("lenet5")
+    name, conv = first_conv(model)
+    assert filter_title(model, name, conv, trained=False)[0].endswith(
+        "filters of 1x5x5, untrained (random initial weights)"
+    )
+    assert "untrained" not in filter_title(model, name, conv)[0]
+
+
 def test_crossings_are_the_pairs_of_edges_that_cross():
     """The O(E log E) count equals the definition: pairs whose ends come in opposite orders
     (edges sharing an end do not cross), on random layers."""

@@ -231,7 +231,11 @@ def show_filters(
 
     _writable(out, target, example="filters.png")
     check_suffix(out, IMAGE_SUFFIXES)
-    shape = draw_filters(load_for_inference(target).model, out)
+    loaded = load_for_inference(target)
+    if not loaded.trained:  # a zoo name or a network file without weights: nothing learned
+        typer.echo(f"cnnkit: note: {target} has no trained weights: these are its random "
+                   "initial filters (a run directory or checkpoint has learned ones)", err=True)  # fmt: skip
+    shape = draw_filters(loaded.model, out, loaded.trained)
     typer.echo(f"wrote {out}: {shape[0]} filters of {shape[1]}x{shape[2]}x{shape[3]}")
 
 

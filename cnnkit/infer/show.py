@@ -204,22 +204,38 @@ def filter_cell(count: int, width: int = 560) -> int:
     return min(120, max(40, width // math.ceil(math.sqrt(count))))
 
 
-def draw_filters(model: nn.Module, path: Path) -> tuple[int, ...]:
-    """Save the first convolution's filters as a titled grid image; returns the weight's shape."""
+def draw_filters(model: nn.Module, path: Path, trained: bool = True) -> tuple[int, ...]:
+    """Save the first convolution's filters as a titled grid image (the title says so where
+    the weights are not `trained`: random initial ones); returns the weight's shape."""
     check_suffix(path, IMAGE_SUFFIXES)
     name, conv = first_conv(model)
-    weight = conv.weight
-    o, i, kh, kw = weight.shape
-    rgb = i == 3 and conv.groups == 1 and conv.in_channels == 3  # it reads the RGB image
-    grid = filter_grid(weight, filter_cell(o), gap=6, frame=80, colour=rgb)
+    grid = filter_grid(conv.weight, filter_cell(len(conv.weight)), gap=6, frame=80,
+                       colour=_reads_rgb(conv))  # fmt: skip
     grid = Image.fromarray(grid).convert("RGB")
-    how = "colour (RGB)" if rgb else f"grey (mean of {i} input channels)" if i > 1 else "grey"
+    save_picture(titled(grid, filter_title(model, name, conv, trained)), path)
+    return tuple(conv.weight.shape)
+
+
+def filter_title(model: nn.Module, name: str, conv: nn.Conv2d, trained: bool = True) -> list[str]:
+    """The lines above the filters: the layer and its filters, how they are drawn."""
+    o, i, kh, kw = conv.weight.shape
+    how = (
+        "colour (RGB)"
+        if _reads_rgb(conv)
+        else f"grey (mean of {i} input channels)"
+        if i > 1
+        else "grey"
+    )
     if conv.groups > 1:
         how += f", {conv.groups} groups of {conv.in_channels // conv.groups} input channels"
-    lines = [f"{getattr(model, 'name', 'net')} {name}: {o} filters of {i}x{kh}x{kw}",
-             f"each stretched to its own min-max, {how}"]  # fmt: skip
-    save_picture(titled(grid, lines), path)
-    return tuple(weight.shape)
+    untrained = "" if trained else ", untrained (random initial weights)"
+    return [f"{getattr(model, 'name', 'net')} {name}: {o} filters of {i}x{kh}x{kw}"
+            f"{untrained}", f"each stretched to its own min-max, {how}"]  # fmt: skip
+
+
+def _reads_rgb(conv: nn.Conv2d) -> bool:
+    """Whether each filter reads the RGB image (drawn in colour), not grey or grouped channels."""
+    return conv.in_channels == 3 and conv.groups == 1
 
 
 def titled(image: Image.Image, lines: list[str], margin: int = 12) -> Image.Image:
