@@ -159,6 +159,26 @@ def test_filters_without_trained_weights_say_so(tmp_path, capsys):
     assert "untrained" not in filter_title(model, name, conv)[0]
 
 
+def test_a_network_without_a_conv_to_draw_is_named_and_one_filter_is_singular(tmp_path, capsys):
+    """A net that starts with conv_transpose: the error names the file and why; a first conv
+    of one filter is `1 filter`."""
+    up = tmp_path / "up.yaml"
+    up.write_text("model:\n  input: [1, 4, 4]\n  layers:\n    - {name: up1, type: conv_transpose, "
+                  "out_channels: 2, kernel_size: 2, stride: 2}\n    - {type: flatten}\n"
+                  "    - {type: linear, out_features: 2}\n")  # fmt: skip
+    code, _, err = run_cli(["show", "filters", str(up), "-o", str(tmp_path / "f.png")], capsys)
+    assert code == 2 and err == (
+        f"cnnkit: error: {up}: no convolution layer to draw (show filters draws the first conv "
+        "layer's filters): up1 is a conv_transpose, whose filters are not drawn\n"
+    )
+    one = tmp_path / "one.yaml"
+    one.write_text(
+        up.read_text().replace("conv_transpose, out_channels: 2", "conv, out_channels: 1")
+    )
+    code, out, err = run_cli(["show", "filters", str(one), "-o", str(tmp_path / "f.png")], capsys)
+    assert code == 0 and out == f"wrote {tmp_path / 'f.png'}: 1 filter of 1x2x2\n", err
+
+
 def test_crossings_are_the_pairs_of_edges_that_cross():
     """The O(E log E) count equals the definition: pairs whose ends come in opposite orders
     (edges sharing an end do not cross), on random layers."""

@@ -227,16 +227,16 @@ def show_filters(
 ) -> None:
     """Draw the first convolution's filters as an enlarged, titled grid (the 2012 paper's fig. 3)."""
     from cnnkit.infer.load import load_for_inference
-    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters
+    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters, plural
 
     _writable(out, target, example="filters.png")
     check_suffix(out, IMAGE_SUFFIXES)
     loaded = load_for_inference(target)
+    shape = draw_filters(loaded.model, out, loaded.trained, source=target)
     if not loaded.trained:  # a zoo name or a network file without weights: nothing learned
         typer.echo(f"cnnkit: note: {target} has no trained weights: these are its random "
                    "initial filters (a run directory or checkpoint has learned ones)", err=True)  # fmt: skip
-    shape = draw_filters(loaded.model, out, loaded.trained)
-    typer.echo(f"wrote {out}: {shape[0]} filters of {shape[1]}x{shape[2]}x{shape[3]}")
+    typer.echo(f"wrote {out}: {plural(shape[0], 'filter')} of {shape[1]}x{shape[2]}x{shape[3]}")
 
 
 def detect(

@@ -157,14 +157,18 @@ def _arrow(points: list[tuple[float, float]]):
                            color="#444444", lw=0.9, shrinkA=0, shrinkB=0)  # fmt: skip
 
 
-def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
-    """The network's first convolution layer (in file order) and its name."""
+def first_conv(model: nn.Module, source: str = "the network") -> tuple[str, nn.Conv2d]:
+    """The network's first convolution layer (in file order) and its name; `source` names
+    the network in the error where it has none."""
     rows = getattr(model, "table", None)  # a Network: its layers in file order
     names = [r.name for r in rows] if rows else [n for n, _ in model.named_modules()]
     convs = ((n, model.get_submodule(n)) for n in names)
     found = next(((n, m) for n, m in convs if isinstance(m, nn.Conv2d)), None)
     if found is None:
-        raise ConfigError("the network has no convolution layer to draw")
+        up = next((r.name for r in rows or [] if r.type == "conv_transpose"), None)
+        why = f": {up} is a conv_transpose, whose filters are not drawn" if up else ""
+        raise ConfigError(f"{source}: no convolution layer to draw (show filters draws the "
+                          f"first conv layer's filters){why}")  # fmt: skip
     return found
 
 
@@ -204,11 +208,13 @@ def filter_cell(count: int, width: int = 560) -> int:
     return min(120, max(40, width // math.ceil(math.sqrt(count))))
 
 
-def draw_filters(model: nn.Module, path: Path, trained: bool = True) -> tuple[int, ...]:
+def draw_filters(model: nn.Module, path: Path, trained: bool = True,
+                 source: str = "the network") -> tuple[int, ...]:  # fmt: skip
     """Save the first convolution's filters as a titled grid image (the title says so where
-    the weights are not `trained`: random initial ones); returns the weight's shape."""
+    the weights are not `trained`: random initial ones); returns the weight's shape. `source`
+    names the network in errors."""
     check_suffix(path, IMAGE_SUFFIXES)
-    name, conv = first_conv(model)
+    name, conv = first_conv(model, source)
     grid = filter_grid(conv.weight, filter_cell(len(conv.weight)), gap=6, frame=80,
                        colour=_reads_rgb(conv))  # fmt: skip
     grid = Image.fromarray(grid).convert("RGB")
@@ -229,8 +235,13 @@ def filter_title(model: nn.Module, name: str, conv: nn.Conv2d, trained: bool = T
     if conv.groups > 1:
         how += f", {conv.groups} groups of {conv.in_channels // conv.groups} input channels"
     untrained = "" if trained else ", untrained (random initial weights)"
-    return [f"{getattr(model, 'name', 'net')} {name}: {o} filters of {i}x{kh}x{kw}"
+    return [f"{getattr(model, 'name', 'net')} {name}: {plural(o, 'filter')} of {i}x{kh}x{kw}"
             f"{untrained}", f"each stretched to its own min-max, {how}"]  # fmt: skip
+
+
+def plural(count: int, noun: str) -> str:
+    """`1 filter`, `96 filters`."""
+    return f"{count} {noun}{'s' * (count != 1)}"
 
 
 def _reads_rgb(conv: nn.Conv2d) -> bool:
