@@ -45,6 +45,19 @@ def test_the_epoch_axis_has_whole_epochs_only():
             assert all(float(t).is_integer() for t in ax.get_xticks()), (epochs, ax.get_xticks())
 
 
+def test_one_epoch_has_one_whole_epoch_tick_with_room_around_it():
+    """Not 0.945 to 1.065 in overlapping hundredths: 0.5 to 1.5, a tick at 1 alone."""
+    for ax in curves_figure(history(1)).axes:
+        low, high = ax.get_xlim()
+        shown = [t for t in ax.get_xticks() if low <= t <= high]
+        assert (low, high) == (0.5, 1.5) and shown == [1.0], (ax.get_xlim(), ax.get_xticks())
+    for epochs in (2, 7, 90):  # longer runs: whole epochs, every point inside the axis
+        for ax in curves_figure(history(epochs)).axes:
+            low, high = ax.get_xlim()
+            assert low < 1 and high > epochs
+            assert all(float(t).is_integer() for t in ax.get_xticks())
+
+
 def test_curves_png_is_laptop_sized(tmp_path):
     path = tmp_path / "curves.png"
     plot_curves(history(1), path)  # one epoch: no division by zero, no empty axes

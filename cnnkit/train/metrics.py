@@ -135,7 +135,7 @@ def curves_figure(history: list[dict[str, float]]):
     in %, so that an epoch at 0% stays in the picture) train vs validation, learning rate.
     The margins are fixed: a layout engine measuring every label doubled the drawing's time."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator, PercentFormatter
+    from matplotlib.ticker import PercentFormatter
 
     epochs = [r["epoch"] for r in history]
     fig = Figure(figsize=(12, 4))
@@ -156,11 +156,24 @@ def curves_figure(history: list[dict[str, float]]):
     lr.set(ylabel="learning rate", title="learning rate")
     for ax in (loss, error, lr):
         ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no ticks at half epochs
+        _epoch_axis(ax, epochs)
         ax.grid(alpha=0.3)
     loss.legend()
     error.legend()
     return fig
+
+
+def _epoch_axis(ax, epochs: list[float]) -> None:
+    """Whole epochs only, at least half an epoch of room at each end: one epoch spans 0.5 to
+    1.5 with one tick, not matplotlib's 0.945 to 1.065 in crowded hundredths (its integer
+    locator gives up on fewer than two whole numbers in sight, unless told min_n_ticks=1)."""
+    from matplotlib.ticker import MaxNLocator
+
+    if epochs:
+        first, last = min(epochs), max(epochs)
+        room = max(0.5, 0.05 * (last - first))  # matplotlib's own 5% margins on long runs
+        ax.set_xlim(first - room, last + room)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
 
 
 def _best(epochs: list[float], history: list[dict[str, float]]) -> str:
