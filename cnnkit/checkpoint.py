@@ -129,12 +129,23 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+LEGACY_HEAD = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+# torch.save's legacy (pre-1.6, or _use_new_zipfile_serialization=False) first bytes: its
+# magic number pickled at protocol 2
+
+
 def is_checkpoint(path: str | Path) -> bool:
     """True for a torch.save file (a run's checkpoint, a state_dict): a zip archive with a
-    data.pkl, unlike a TorchScript (code/) or torch.export (archive_format) archive."""
+    data.pkl, unlike a TorchScript (code/) or torch.export (archive_format) archive, or a file
+    in the legacy format, which starts with torch's magic number."""
     import zipfile
 
+    if not Path(path).is_file():  # a FIFO would block the read
+        return False
     try:
+        with open(path, "rb") as f:
+            if f.read(len(LEGACY_HEAD)) == LEGACY_HEAD:
+                return True
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
     except (OSError, zipfile.BadZipFile):

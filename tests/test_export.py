@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import yaml
-from helpers import run_cli
+from helpers import one_error_line, run_cli
 
 import cnnkit.runtime
 from cnnkit import CheckpointError
@@ -133,8 +133,33 @@ def test_the_format_comes_from_the_name_and_a_mismatch_is_refused(tmp_path, caps
     (tmp_path / "run.yaml").write_text("name: mine\n")  # not an export: never replaced
     code, _, err = run_cli(["export", "lenet5", "-f", "onnx", "-o", str(tmp_path / "run.yaml")],
                            capsys)  # fmt: skip
-    assert code == 2 and "exists, and a .yaml file is not an export" in err, err
+    assert code == 2 and "exists, and is not an earlier export of this format (onnx)" in err, err
     assert (tmp_path / "run.yaml").read_text() == "name: mine\n"
+
+
+def test_an_export_replaces_only_an_earlier_export_of_its_format(tmp_path, capsys):
+    """A legacy torch.save file (pickle, torch's magic number) is a checkpoint; an array, a
+    pickle or another format's export is no earlier export: none is replaced."""
+    import pickle
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    np.save(tmp_path / "mean.npy", np.zeros(3))
+    np.savez(tmp_path / "arrays.npz", a=np.zeros(3))
+    (tmp_path / "obj.pkl").write_bytes(pickle.dumps({"a": 1}))
+    code, _, err = run_cli(["export", "lenet5", "-f", "safetensors", "-o", str(tmp_path / "w.bin")],
+                           capsys)  # fmt: skip
+    assert code == 0, err
+    kept = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    for name, fmt in (("legacy.pth", "safetensors"), ("mean.npy", "onnx"),
+                      ("arrays.npz", "torchscript"), ("obj.pkl", "safetensors"), ("w.bin", "onnx")):  # fmt: skip
+        code, _, err = run_cli(["export", "lenet5", "-f", fmt, "-o", str(tmp_path / name)], capsys)
+        words = ("is a checkpoint (a torch.save file)" if name == "legacy.pth" else
+                 f"is not an earlier export of this format ({fmt})")  # fmt: skip
+        assert words in one_error_line(code, err, (2,)), err
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == kept
+    code, _, err = run_cli(["export", "lenet5", "-f", "safetensors", "-o", str(tmp_path / "w.bin")],
+                           capsys)  # fmt: skip
+    assert code == 0, err  # an earlier export of the format: replaced
 
 
 def test_an_export_never_replaces_a_checkpoint_or_its_input(digits_run, tmp_path, capsys):
@@ -242,7 +267,7 @@ def test_a_network_on_feature_vectors_exports_and_round_trips(fmt, suffix, tmp_p
 def test_a_full_disk_leaves_no_partial_export(digits_run, tmp_path, capsys, monkeypatch, fmt):
     """Every format is written whole to a temporary file and renamed: a full disk is one line
     and leaves nothing at the destination (an earlier export stays as it was)."""
-    out = tmp_path / f"digits.{fmt}"
+    out = tmp_path / f"digits.{'pt2' if fmt == 'torch-export' else fmt}"  # the format's own name
     out.write_bytes(b"the earlier export")
 
     class Full(io.FileIO):  # half of each write lands, then the disk is full

@@ -31,9 +31,6 @@ FORMATS: tuple[str, ...] = ("onnx", "torch-export", "torchscript", "safetensors"
 RUNTIMES = {"onnx": "ONNX Runtime", "torch-export": "torch.export.load"}  # what --check runs
 SUFFIXES = {".onnx": "onnx", ".pt2": "torch-export", ".safetensors": "safetensors",
             ".torchscript": "torchscript"}  # fmt: skip
-# the user's own files that `-o NAME --format F` must not replace with an export
-NOT_EXPORTS = {".yaml", ".yml", ".json", ".txt", ".md", ".py", ".prototxt", ".caffemodel",
-               ".csv", ".tsv", ".toml", ".cfg", ".ini", ".png", ".jpg", ".jpeg"}  # fmt: skip
 MAX_BATCH = 1 << 16  # the dynamic batch dimension's upper bound
 TOLERANCE = 1e-4  # max abs difference of fp32 logits, relative to the largest logit
 
@@ -82,11 +79,46 @@ def export_format(path: Path, fmt: str | None) -> str:
 
 
 def check_replaceable(path: Path, fmt: str) -> None:
-    """ConfigError for an existing file of the user's that an export would replace (a name
-    that says no export format: run.yaml, notes.txt)."""
-    if path.suffix.lower() in NOT_EXPORTS and path.exists():
-        raise ConfigError(f"-o {path}: exists, and a {path.suffix} file is not an export: give "
-                          f"a new name, or one ending in {_suffix_of(fmt)}")  # fmt: skip
+    """ConfigError for an existing file that an export would replace, unless its name is the
+    format's own (m.onnx) or it already holds an export of that format (by its first bytes):
+    `--format onnx -o mean.npy` must not replace an array, a pickle or notes of the user's."""
+    if not path.is_file() or path.suffix.lower() == _suffix_of(fmt):
+        return
+    if held_format(path) != fmt:
+        raise ConfigError(f"-o {path}: exists, and is not an earlier export of this format "
+                          f"({fmt}), the only file an export replaces: give a new name, or one "
+                          f"ending in {_suffix_of(fmt)}")  # fmt: skip
+
+
+def held_format(path: Path) -> str | None:
+    """The export format a file holds, told by its first bytes; None for anything else."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+        size = path.stat().st_size
+    except OSError:
+        return None
+    if head[:4] == b"PK\x03\x04":
+        return _archive_format(path)
+    if head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
+        return "safetensors"  # a little-endian header length, then the JSON header
+    if head[:1] == b"\x08" and head[1:2] and head[1] < 0x80:
+        return "onnx"  # a ModelProto starts with its ir_version (field 1, a small varint)
+    return None
+
+
+def _archive_format(path: Path) -> str | None:
+    """A zip archive's export format: TorchScript keeps code/, torch.export an archive_format."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return None
+    if any("/code/" in n for n in names):
+        return "torchscript"
+    return "torch-export" if any(n.endswith("/archive_format") for n in names) else None
 
 
 def export(loaded: Loaded, fmt: str, path: Path) -> None:
