@@ -363,7 +363,21 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     check_input_fits(preprocess.to_dict(), model, path)
     return model, {"classes": [str(c) for c in classes], "preprocess": preprocess.to_dict(),
                    "config": {}, "path": str(path), "epoch": None, "metrics": {},
-                   "mean_image": mean_image}  # fmt: skip
+                   "mean_image": mean_image, "settings": export_settings(meta, path)}  # fmt: skip
+
+
+def export_settings(meta: dict[str, str], path: Path) -> dict[str, Any] | None:
+    """The settings a run's steps ran with (precision, memory format, device type) that its
+    export records, else None (an export of a network, or one written before they were kept)."""
+    import json
+
+    if "settings" not in meta:
+        return None
+    try:
+        return RunSettings.model_validate(json.loads(meta["settings"])).model_dump()
+    except (ValidationError, ValueError, TypeError) as e:
+        why = validation_message(e) if isinstance(e, ValidationError) else one_line(e)
+        raise CheckpointError(f"{path}: a damaged export: settings: {why}") from None
 
 
 def rng_state() -> dict[str, Any]:

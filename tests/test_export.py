@@ -106,6 +106,25 @@ def test_safetensors_round_trip_and_classify(digits_run, tmp_path, capsys):
     assert code == 1 and json.loads(stdout)["error"].endswith("empty file")
 
 
+def test_eval_of_an_export_computes_in_its_runs_precision_else_fp32(digits_run, tmp_path):
+    """The export records the precision the run's steps ran in; eval of an export without it
+    computes in fp32 as classify does, never in the bf16 that `auto` picks on such a CPU."""
+    from cnnkit.train.evaluation import _eval_settings
+
+    out = tmp_path / "d.safetensors"
+    export(load_for_inference(digits_run), "safetensors", out)
+    ran = load_checkpoint(digits_run / "best.pt")["settings"]
+    back = load_safetensors(out).ran
+    assert (back["device"], back["precision"]) == (ran["device"], ran["precision"])
+    cpu = torch.device("cpu")
+    assert _eval_settings({}, "cpu", cpu, out, None).precision == "fp32"
+    for precision in ("fp32", "bf16"):
+        cpu_run = {**ran, "device": "cpu", "precision": precision}
+        assert _eval_settings({}, "cpu", cpu, out, cpu_run).precision == precision
+    gpu_run = {**ran, "device": "cuda", "precision": "bf16"}
+    assert _eval_settings({}, "cpu", cpu, out, gpu_run).precision == "fp32"
+
+
 def test_safetensors_without_cnnkit_metadata_is_refused(tmp_path):
     from safetensors.torch import save_file
 

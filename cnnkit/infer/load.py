@@ -126,14 +126,18 @@ def reads_images(shape: tuple[int, ...]) -> bool:
 
 
 def metadata(loaded: Loaded) -> dict[str, str]:
-    """String metadata describing a model: network, classes and preprocessing (JSON values)."""
-    return {
+    """String metadata describing a model: network, classes and preprocessing (JSON values),
+    and a run's settings (the precision its steps ran in, which eval repeats)."""
+    meta = {
         "format": EXPORT_FORMAT,
         "model_spec": json.dumps(loaded.model.spec),
         "num_classes": json.dumps(loaded.model.num_classes),
         "classes": json.dumps(loaded.classes),
         "preprocess": json.dumps(loaded.preprocess.to_dict()),
     }
+    if loaded.ran is not None:
+        meta["settings"] = json.dumps(dict(loaded.ran))
+    return meta
 
 
 def load_safetensors(path: Path, device: Any = "cpu") -> Loaded:
@@ -141,7 +145,7 @@ def load_safetensors(path: Path, device: Any = "cpu") -> Loaded:
     model, meta = read_export(Path(path))
     preprocess = Preprocess.from_dict(meta["preprocess"])
     return Loaded(model.to(device).eval(), meta["classes"], preprocess, str(path),
-                  mean_image=meta["mean_image"])  # fmt: skip
+                  mean_image=meta["mean_image"], ran=meta["settings"])  # fmt: skip
 
 
 def save_safetensors(loaded: Loaded, path: Path) -> None:

@@ -240,10 +240,15 @@ def _eval_settings(config: dict[str, Any], name: str, device: torch.device,
     """The run's precision and memory format, on the evaluation device: on the kind of device
     it trained on, the precision its steps ran in (`ran`, the checkpoint's settings), so that
     evaluation repeats the held-out figures even where `auto` was measured (fp32 on a CPU
-    that also computes in bf16, say)."""
+    that also computes in bf16, say). An export (no `config`): the precision its run's steps ran
+    in where it records them and the device is of that kind, else fp32 as classify computes,
+    never one that `auto` picks."""
     trained = config.get("train", {})
     trained = dict(trained if isinstance(trained, dict) else {}, device=name, compile=False)
-    if trained.get("precision") == "auto" and ran and ran.get("device") == device.type:
+    same_device = bool(ran) and ran.get("device") == device.type
+    if not config:
+        trained["precision"] = ran["precision"] if same_device else "fp32"
+    if trained.get("precision") == "auto" and same_device:
         trained["precision"] = ran["precision"]
     if trained.get("precision") == "fp16" and device.type != "cuda":
         trained["precision"] = "auto"  # trained with CUDA fp16, evaluated elsewhere
