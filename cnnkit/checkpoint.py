@@ -31,11 +31,10 @@ from pydantic import (
 from cnnkit.data.base import Preprocess, Section
 from cnnkit.errors import CheckpointError, CnnkitError, one_line, validation_message
 from cnnkit.nn import build_model
-from cnnkit.nn.weights import check_finite_weights
+from cnnkit.nn.weights import MEAN_IMAGE_KEY, check_finite_weights
 
 FORMAT = "cnnkit-checkpoint/1"
 EXPORT_FORMAT = "cnnkit-safetensors/1"  # `cnnkit export --format safetensors`
-MEAN_IMAGE_KEY = "cnnkit.mean_image"  # a safetensors export's tensor beside the weights
 
 
 class RunSettings(Section):

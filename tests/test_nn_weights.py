@@ -95,6 +95,19 @@ def test_a_network_file_names_its_weights_beside_it(tmp_path, squeezenet):
     assert build_model(str(spec), device="meta").output_shape == (1000,)  # info reads no weights
 
 
+def test_a_mean_image_runs_safetensors_export_is_weights_to_fine_tune_from(tmp_path):
+    """cnnkit's own export of a `normalize: mean_image` run keeps the image beside the
+    weights: read as weights, it is left out, not an unexpected key."""
+    from cnnkit.infer.load import load_network, save_safetensors
+
+    loaded = load_network("digitnet")
+    loaded.mean_image = torch.rand(1, 8, 8) * 255
+    save_safetensors(loaded, tmp_path / "m.safetensors")
+    model = build_model("digitnet", weights=tmp_path / "m.safetensors")
+    mine, theirs = model.state_dict(), loaded.model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 def test_mismatches_are_one_line_naming_the_keys(tmp_path, squeezenet):
     state = dict(squeezenet.state_dict())
     del state["features.3.squeeze.weight"]

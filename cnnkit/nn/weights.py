@@ -16,6 +16,7 @@ from torch import nn
 from cnnkit.errors import CheckpointError
 
 WRAPPERS = ("state_dict", "model", "model_state_dict")  # keys training scripts nest it under
+MEAN_IMAGE_KEY = "cnnkit.mean_image"  # a safetensors export's tensor beside the weights
 SHOWN = 3  # keys named per kind of mismatch
 
 
@@ -44,11 +45,15 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, less a cnnkit export's mean image (the run's
+    preprocessing, not a weight of its network)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(path), device="cpu")
+        state = load_file(str(path), device="cpu")
+        state.pop(MEAN_IMAGE_KEY, None)
+        return state
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({str(e)[:100]})") from None
 
