@@ -362,7 +362,8 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     check_input_fits(preprocess.to_dict(), model, path)
     return model, {"classes": [str(c) for c in classes], "preprocess": preprocess.to_dict(),
                    "config": {}, "path": str(path), "epoch": None, "metrics": {},
-                   "mean_image": mean_image, "settings": export_settings(meta, path)}  # fmt: skip
+                   "mean_image": mean_image, "settings": export_settings(meta, path),
+                   "trained": meta.get("trained") != "false"}  # fmt: skip
 
 
 def export_settings(meta: dict[str, str], path: Path) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
-from helpers import CLI, ROOT, run_cli
+from helpers import CLI, ROOT, one_error_line, run_cli
 from PIL import Image
 
 from cnnkit import CnnkitError, build_model
@@ -239,6 +239,12 @@ def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
     Image.new("L", (8, 8)).save(image)
     code, _, err = run_cli(["classify", "digitnet", str(image)], capsys)
     assert code == 2 and "digitnet: a network without trained weights" in err
+    export = tmp_path / "fresh.safetensors"  # its export says so, and is refused alike
+    code, out, err = run_cli(["export", "digitnet", "-o", str(export)], capsys)
+    assert code == 0 and out.startswith("wrote") and "note: digitnet has no trained weights" in err
+    for argv in (["classify", str(export), str(image)], ["detect", str(export), str(image)]):
+        code, _, err = run_cli(argv, capsys)
+        assert "export of a network without trained weights" in one_error_line(code, err, (2,))
     net = load_network("digitnet").model
     torch.save(net.state_dict(), tmp_path / "w.pt")
     (tmp_path / "net.yaml").write_text(f"model: {json.dumps({**net.spec, 'weights': 'w.pt'})}\n")

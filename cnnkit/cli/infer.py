@@ -138,6 +138,10 @@ def export(
                               "so it was not written")  # fmt: skip
     else:
         export_model(loaded, fmt, out)
+    if not loaded.trained:  # a zoo name or a network file without weights: nothing learned
+        typer.echo(f"cnnkit: note: {target} has no trained weights: the export holds its random "
+                   "initial ones, and says so (a run directory or checkpoint has learned ones)",
+                   err=True)  # fmt: skip
     typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
 
 

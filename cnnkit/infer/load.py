@@ -89,10 +89,14 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
 def require_trained(loaded: Loaded, target: str | Path) -> None:
     """ConfigError for a network with fresh weights, whose answers would be noise (classify,
     detect): a run directory, checkpoint, export or network file with `weights:` is needed."""
-    if not loaded.trained:
-        raise ConfigError(f"{target}: a network without trained weights: give a run directory, "
-                          "a .pt checkpoint, a .safetensors export or a network file with "
-                          "weights:")  # fmt: skip
+    if loaded.trained:
+        return
+    if Path(loaded.source).suffix == ".safetensors":
+        raise ConfigError(f"{target}: the export of a network without trained weights (its "
+                          "metadata says so): export a run directory or checkpoint instead")  # fmt: skip
+    raise ConfigError(f"{target}: a network without trained weights: give a run directory, "
+                      "a .pt checkpoint, a .safetensors export or a network file with "
+                      "weights:")  # fmt: skip
 
 
 def network_preprocess(spec: Any, shape: tuple[int, ...], given: dict | None) -> Preprocess:
@@ -137,6 +141,8 @@ def metadata(loaded: Loaded) -> dict[str, str]:
     }
     if loaded.ran is not None:
         meta["settings"] = json.dumps(dict(loaded.ran))
+    if not loaded.trained:  # classify and detect refuse it, as they refuse the network itself
+        meta["trained"] = "false"
     return meta
 
 
@@ -145,7 +151,8 @@ def load_safetensors(path: Path, device: Any = "cpu") -> Loaded:
     model, meta = read_export(Path(path))
     preprocess = Preprocess.from_dict(meta["preprocess"])
     return Loaded(model.to(device).eval(), meta["classes"], preprocess, str(path),
-                  mean_image=meta["mean_image"], ran=meta["settings"])  # fmt: skip
+                  trained=meta["trained"], mean_image=meta["mean_image"],
+                  ran=meta["settings"])  # fmt: skip
 
 
 def save_safetensors(loaded: Loaded, path: Path) -> None:
