@@ -363,7 +363,7 @@ def test_an_empty_image_is_one_error(digits_run):
 def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch):
     """A packed set at another size than the network's images is refused (it would be cropped,
     not resized); a directory named `packed` is that directory; --tencrop on images stored at
-    the input size names the size only."""
+    the input size names the network as the reason."""
     from cnnkit.data.pack import pack_folder
     from cnnkit.data.synth import synth_shapes
     from cnnkit.train.evaluation import evaluate_checkpoint
@@ -375,8 +375,10 @@ def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(["eval", str(digits_run), "--data", "packed"], capsys)
     assert code == 1 and "packed at 16 px" in err  # the directory, not the source name
-    code, _, err = run_cli(["eval", str(digits_run), "--tencrop"], capsys)
-    assert code == 2 and "use a folder" in err  # digits itself: stored at 8 px
+    for data in ([], ["--data", str(tmp_path / "src")]):  # 16 px images, read at 8 px
+        code, _, err = run_cli(["eval", str(digits_run), *data, "--tencrop"], capsys)
+        line = one_error_line(code, err, (2,))  # the network is why, not the data's size
+        assert "this network was trained on images of its input size (8x8, no resize)" in line
     (tmp_path / "packed/meta.json").rename(tmp_path / "half")  # as an interrupted pack leaves it
     code, _, err = run_cli(["eval", str(digits_run), "--data", str(tmp_path / "packed")], capsys)
     assert code == 1 and "(interrupted? run cnnkit pack again to resume)" in err

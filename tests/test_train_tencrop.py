@@ -90,16 +90,16 @@ def test_tencrop_equals_torchvision_reference_folder_and_packed(trained, capsys)
     assert "centre crop" in text and "10 crops" in text
 
 
-def test_tencrop_refuses_data_without_margin(trained, tmp_path):
-    run = {"name": "d", "model": "digitnet", "data": {"source": "digits"},
-           "train": {"epochs": 1, "device": "cpu"}}  # fmt: skip
-    (tmp_path / "d.yaml").write_text(json.dumps(run))
-    main(["train", str(tmp_path / "d.yaml"), "--out", str(tmp_path / "d"), "--quiet"])
-    with pytest.raises(ConfigError, match="10-crop needs a data set stored larger than"):
-        evaluate_checkpoint(tmp_path / "d", device="cpu", tencrop=True)
+def test_tencrop_refuses_data_without_margin(trained, digits_run, capsys):
+    """A network trained at its input size (digits: no resize) has no margin in any data; one
+    trained with a resize has none in a source stored at its input size."""
+    with pytest.raises(ConfigError, match=r"trained on images of its input size \(8x8, no resize"):
+        evaluate_checkpoint(digits_run, device="cpu", tencrop=True)
     with pytest.raises(SystemExit) as e:  # on the command line: one line, exit status 2
-        main(["eval", str(tmp_path / "d"), "--tencrop"])
+        main(["eval", str(digits_run), "--tencrop"])
     assert e.value.code == 2
+    with pytest.raises(ConfigError, match=r"synthetic is read at 20x20 \(use a folder or packed"):
+        evaluate_checkpoint(trained / "run", "synthetic", device="cpu", tencrop=True)
 
 
 def test_eval_maps_the_data_classes_to_the_network_by_name(trained, tmp_path):

@@ -82,14 +82,22 @@ def full_images(cfg: DataConfig, crop: int, trained: int | None) -> DataConfig:
     """The same data with the evaluation crop as large as the stored images, so the stream
     yields whole normalised images to cut 10 crops from (sources stored at the network's
     input size have no margin). `trained`: the image side the network was trained at."""
+    if not trained or trained <= crop:  # every data set is read at that size: no margin
+        raise ConfigError(
+            f"--tencrop: this network was trained on images of its input size ({crop}x{crop}, "
+            "no resize), so any data is read at that size: 10-crop needs a network trained "
+            "with a resize larger than its crop"
+        )
     stored = cfg.stored_size()
     if stored is None or stored <= crop:
+        read = f"is read at {crop}x{crop}" if stored is None else (
+            f"images are read at {stored}x{stored}")  # fmt: skip
         raise ConfigError(
             f"--tencrop: 10-crop needs a data set stored larger than the network's input "
-            f"({crop}x{crop}); {cfg.source} images are {stored or crop}x{stored or crop}"
+            f"({crop}x{crop}); {cfg.source} {read}"
             + ("" if cfg.source in ("folder", "packed") else " (use a folder or packed set)")
         )
-    if trained is not None and stored != trained:
+    if stored != trained:
         raise ConfigError(
             f"--tencrop: {getattr(cfg, 'path', cfg.source)} holds {stored} px images but the "
             f"network was trained on {trained} px ones (pack it again with --size {trained})"
