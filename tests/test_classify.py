@@ -385,9 +385,11 @@ def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch
     image = sorted((tmp_path / "src").rglob("*.JPEG"))[0]
     (tmp_path / "dup.yaml").write_text("data: {source: digits}\ndata: {source: faces}\n")
     for given, words in ((image, "an image; eval takes a folder"),
-                         (tmp_path / "dup.yaml", "duplicate key")):  # fmt: skip
+                         (tmp_path / "dup.yaml", "duplicate key"),
+                         (digits_run / "best.pt", "not a text file: eval takes a folder")):  # fmt: skip
         code, _, err = run_cli(["eval", str(digits_run), "--data", str(given)], capsys)
         assert code == 2 and words in err and len(err.splitlines()) == 1, err
+        assert err.startswith(f"cnnkit: error: --data {given}: "), err  # names --data
     image = str(sorted((tmp_path / "src").rglob("*.JPEG"))[0])
     code, out, err = run_cli(["classify", str(digits_run), image, "--tencrop"], capsys)
     assert code == 2 and not out  # 5 copies and 5 mirrors of the 8 px image, not 10 crops

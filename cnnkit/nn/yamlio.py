@@ -200,8 +200,10 @@ def load_yaml(text: str) -> Any:
         loader.dispose()
 
 
-def read_yaml(path: str | Path) -> Any:
-    """Read a YAML file; any problem is one ConfigError with the file, line and column."""
+def read_yaml(path: str | Path, instead: str | None = None) -> Any:
+    """Read a YAML file; any problem is one ConfigError with the file, line and column.
+    `instead`: what to give in place of a binary file (by default, a network or run file's
+    alternatives)."""
     path = Path(path)
     try:
         if path.stat().st_size > MAX_BYTES:
@@ -215,7 +217,7 @@ def read_yaml(path: str | Path) -> Any:
     except UnicodeDecodeError as e:
         binary = not _mostly_ascii(data[:8192]) or path.suffix.lower() in EXPORT_SUFFIXES
         if binary or e.encoding != "utf-8":  # (a UTF-16 mark on what is no UTF-16 text)
-            raise ConfigError(f"{path}: not a text file: {_binary_hint(path)}") from None
+            raise ConfigError(f"{path}: not a text file: {instead or _binary_hint(path)}") from None
         at = e.start + 3 * data.startswith(codecs.BOM_UTF8)  # (utf-8-sig counts after the mark)
         line, column = data.count(b"\n", 0, at) + 1, at - data.rfind(b"\n", 0, at)
         raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[at]:02x} at line {line}, "

@@ -24,6 +24,8 @@ from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import check_read, evaluate, score_logits
 from cnnkit.train.settings import inference_settings
 
+DATA_TAKES = "a folder, a packed set, a source name or a data YAML"  # what --data takes
+
 
 def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
               mean_image: torch.Tensor | None = None,
@@ -40,17 +42,17 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
                           "(a packed set keeps its own labels)")  # fmt: skip
     if spec is None:
         if not trained:
-            raise ConfigError("--data: an export holds no data section: give --data (a folder, "
-                              "a packed set, a source name or a data YAML)")  # fmt: skip
+            raise ConfigError(f"--data: an export holds no data section: give --data "
+                              f"({DATA_TAKES})")  # fmt: skip
         section = dict(trained)
     # `folder` and `packed` alone need a path: a directory so named is one
     elif spec in SOURCES and not (spec in ("folder", "packed") and Path(spec).is_dir()):
         section = {"source": spec}
     elif Path(spec).is_file():
         if is_image_name(Path(spec).name):
-            raise ConfigError(f"--data {spec}: an image; eval takes a folder, a packed set, a "
-                              "source name or a data YAML (`cnnkit classify` takes images)")  # fmt: skip
-        loaded = read_yaml(spec)  # bounded, duplicate keys refused, errors as one line
+            raise ConfigError(f"--data {spec}: an image; eval takes {DATA_TAKES} (`cnnkit "
+                              "classify` takes images)")  # fmt: skip
+        loaded = read_data_yaml(spec)
         section = loaded.get("data", loaded) if isinstance(loaded, dict) else None
         if not isinstance(section, dict):
             raise ConfigError(f"--data {spec}: the file has no data: mapping")
@@ -76,6 +78,15 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
         raise DataError(f"--data {spec}: packed at {stored} px, but the network was trained on "
                         f"{trained} px images (pack it again with --size {trained})")  # fmt: skip
     return cfg.evaluated_as(pre, mean_image)
+
+
+def read_data_yaml(spec: str) -> Any:
+    """A --data file's YAML (bounded, duplicate keys refused); any problem is one line that
+    names --data, and a binary file (a checkpoint, an export) says what --data takes."""
+    try:
+        return read_yaml(spec, instead=f"eval takes {DATA_TAKES}")
+    except ConfigError as e:
+        raise ConfigError(f"--data {e}") from None
 
 
 def full_images(cfg: DataConfig, crop: int, trained: int | None) -> DataConfig:
