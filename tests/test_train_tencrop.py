@@ -102,9 +102,11 @@ def test_tencrop_refuses_data_without_margin(trained, digits_run, capsys):
         evaluate_checkpoint(trained / "run", "synthetic", device="cpu", tencrop=True)
 
 
-def test_eval_maps_the_data_classes_to_the_network_by_name(trained, tmp_path):
+def test_eval_maps_the_data_classes_to_the_network_by_name(trained, tmp_path, capsys):
     """A set holding some of the classes (their sorted indices differ from training's) is
-    scored against the right outputs; a class the network never saw is one clear error."""
+    scored against the right outputs; an empty class folder, even one the network never saw,
+    is skipped and named on stderr (training refuses it); a class of images the network never
+    saw is one clear error."""
     classes = sorted(p.name for p in (trained / "val").iterdir())
     part = tmp_path / "part"
     for name in (classes[3], classes[5]):  # indices 0 and 1 in the subset
@@ -114,6 +116,14 @@ def test_eval_maps_the_data_classes_to_the_network_by_name(trained, tmp_path):
     got = evaluate_checkpoint(trained / "run", str(part), device="cpu")
     assert got["images"] == 8 and got["top1"] == expected["top1"]
     assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    capsys.readouterr()
+    for empty in (classes[0], "Unseen"):
+        (part / empty).mkdir()
+    again = evaluate_checkpoint(trained / "run", str(part), device="cpu")
+    assert (again["images"], again["top1"], again["loss"]) == (8, got["top1"], got["loss"])
+    err = capsys.readouterr().err
+    for empty in (classes[0], "Unseen"):
+        assert f"skipped {part / empty}: class folder with no images (classes are matched" in err
     (part / classes[3]).rename(part / "Renamed")
     with pytest.raises(DataError, match="class 'Renamed' is not one the network was trained on"):
         evaluate_checkpoint(trained / "run", str(part), device="cpu")

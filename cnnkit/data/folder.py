@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, PrivateAttr, field_validator
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting, rrc_boxes
@@ -153,9 +153,19 @@ class FolderConfig(ImageSetConfig):
         "squash", description="or shorter side + crop"
     )
 
+    _evaluating: bool = PrivateAttr(False)  # evaluated_as: an empty class folder is skipped
+
     def stored_size(self) -> int:
         """Images are resized to `size` before cropping."""
         return self.size
+
+    def evaluated_as(self, preprocess: Preprocess,
+                     mean_image: torch.Tensor | None = None) -> FolderConfig:  # fmt: skip
+        """As ImageSetConfig's, and a class folder without images is skipped (named on
+        stderr), not refused: evaluation matches classes to the network's by name."""
+        out = super().evaluated_as(preprocess, mean_image).model_copy()
+        out._evaluating = True
+        return out
 
     @field_validator("size")
     @classmethod
@@ -174,7 +184,8 @@ class FolderConfig(ImageSetConfig):
         root = Path(self.path)
         same = self.val_path and Path(self.val_path).resolve() == root.resolve()
         # one folder evaluated whole (eval --data DIR [--labels FILE]): scanned once
-        files, labels, classes = scan_folder(root, self.val_labels if same else None)
+        files, labels, classes = scan_folder(root, self.val_labels if same else None,
+                                             skip_empty=self._evaluating)  # fmt: skip
         fraction = 0.0 if self.val_path else self.val_fraction
         train_ids, val_ids = holdout_split(labels, fraction, keys=files)
         drawn = holdout_id(files, val_ids, len(files)) if fraction else None

@@ -173,8 +173,10 @@ class Walker:
         return kept
 
 
-def class_folders(src: Path, classes: list[str] | None) -> Scan:
-    """Images of an ImageFolder tree: one subfolder per class (links followed, loops not)."""
+def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False) -> Scan:
+    """Images of an ImageFolder tree: one subfolder per class (links followed, loops not).
+    A class folder without images is refused (training: it would change the network's
+    outputs), or with `skip_empty` (evaluation, which matches classes by name) skipped."""
     walker = Walker(src)
     walker.claim_folder(src)
     names = []
@@ -195,16 +197,26 @@ def class_folders(src: Path, classes: list[str] | None) -> Scan:
         raise DataError(
             f"{printable(str(src))}: no class subfolders (a flat folder needs a label file)"
         )
-    files, labels = [], []
+    files, labels, kept = [], [], []
     taken = walker.take(walker.found(names))
-    for k, (name, found) in enumerate(zip(names, taken, strict=True)):
+    for name, found in zip(names, taken, strict=True):
         if not found and classes is None:
-            raise DataError(_empty_class(src, name, walker.skipped))
+            if not skip_empty:
+                raise DataError(_empty_class(src, name, walker.skipped))
+            walker.skipped.append((name, EMPTY_SKIPPED))
+            continue
         files += found
-        labels += [k] * len(found)
+        labels += [len(kept)] * len(found)
+        kept.append(name)
     if not files:
         raise DataError(f"{printable(str(src))}: no images in the class subfolders")
-    return Scan(files, labels, names, walker.skipped)
+    return Scan(files, labels, kept, walker.skipped)
+
+
+EMPTY_SKIPPED = (
+    "class folder with no images (classes are matched to the network's by name, "
+    "so it changes no output)"
+)  # evaluation's reason, said on stderr
 
 
 def _empty_class(src: Path, name: str, skipped: list[tuple[str, str]]) -> str:
@@ -270,11 +282,12 @@ def flat_with_labels(src: Path, labels_file: Path) -> tuple[list[str], list[str]
 
 
 def scan_images(src: str | Path, labels_file: str | Path | None = None,
-                classes: list[str] | None = None) -> Scan:  # fmt: skip
+                classes: list[str] | None = None, skip_empty: bool = False) -> Scan:  # fmt: skip
     """The images of an ImageFolder tree, or of a flat folder + label file, and what was skipped.
 
     With `classes` given (e.g. the training set's), labels index into that list and class
-    folders without images are allowed (the classes are fixed already).
+    folders without images are allowed (the classes are fixed already); `skip_empty` leaves
+    them out of the classes found (evaluation), instead of refusing them (training).
     """
     src = Path(src)
     if not src.is_dir():
@@ -288,7 +301,7 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
                    "here, need none)" if nested else "")  # fmt: skip
             raise DataError(f"{printable(str(src))}: no image files found{why}")
     else:
-        scan = class_folders(src, classes)
+        scan = class_folders(src, classes, skip_empty)
         files, found = scan.files, scan.classes
         names = [found[k] for k in scan.labels]
     classes = classes or found
@@ -300,10 +313,11 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
 
 
 def scan_folder(src: str | Path, labels_file: str | Path | None = None,
-                classes: list[str] | None = None) -> tuple[list[str], list[int], list[str]]:  # fmt: skip
+                classes: list[str] | None = None,
+                skip_empty: bool = False) -> tuple[list[str], list[int], list[str]]:  # fmt: skip
     """(relative files, labels, class names) of scan_images; what it skipped is named on
     stderr, as the loader names the images it cannot decode."""
-    scan = scan_images(src, labels_file, classes)
+    scan = scan_images(src, labels_file, classes, skip_empty)
     report_skipped(scan.skipped, Path(src))
     return scan.files, scan.labels, scan.classes
 
