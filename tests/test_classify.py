@@ -480,3 +480,32 @@ def test_a_photos_exif_orientation_is_applied_as_viewers_show_it(tmp_path, orien
     got = to_hwc(path)
     assert got.shape == expected.shape
     assert np.abs(got.astype(int) - expected).max() <= (0 if suffix == ".png" else 2)
+
+
+@pytest.mark.parametrize("orientation", range(2, 9))
+@pytest.mark.parametrize("mode", ["squash", "shorter"])
+def test_a_turned_jpeg_read_dct_scaled_gives_the_upright_ones_pixels(tmp_path, orientation, mode):
+    """37 x 70 pixels read for an 8-pixel squash decode at 1/4, the last row and column
+    covering part of a block: the file is resized as stored and then turned upright, so that
+    partial pixel is mapped where it lies (turned first, it came first: the picture shifted,
+    9-25 levels off on average). The centre square is the upright picture's, the odd column
+    after it. As PIL's exif_transpose and torchvision's resize give, and the upright file."""
+    from PIL import ImageOps
+
+    from cnnkit.infer.images import UPRIGHT, resized
+
+    y, x = np.mgrid[:37, :70]
+    sines = 128 + 100 * np.sin(x / 9 + y / 7)
+    upright = np.stack([x * 255 // 69, y * 255 // 36, sines], -1).astype(np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored = UPRIGHT[{6: 8, 8: 6}.get(orientation, orientation)](upright)  # the inverse turn
+    Image.fromarray(np.ascontiguousarray(stored)).save(tmp_path / "turned.jpg", exif=exif)
+    Image.fromarray(upright).save(tmp_path / "upright.jpg")
+    pre = Preprocess(channels=3, crop=8, resize=8, resize_mode=mode, mean=[0.0], std=[1.0])
+    got = resized(tmp_path / "turned.jpg", pre).float()
+    full = TF.pil_to_tensor(ImageOps.exif_transpose(Image.open(tmp_path / "turned.jpg")))
+    full = TF.center_crop(full, [37, 37]) if mode == "shorter" else full
+    expected = TF.resize(full, [8, 8], antialias=True).float()
+    for error in (got - expected).abs(), (got - resized(tmp_path / "upright.jpg", pre)).abs():
+        assert error.mean() < 2.5 and error.max() < 20  # the DCT's filter: 1-2 and 4-10

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from cnnkit.data.resize import ResizeMode, centre_offset, resize_uint8
+from cnnkit.data.resize import Flipped, ResizeMode, centre_offset, resize_uint8
 
 try:  # libjpeg-turbo with DCT scaling straight into numpy; Pillow's draft is the fallback
     import simplejpeg
@@ -101,19 +101,20 @@ def _scaled_minimum(h: int, w: int, size: int, mode: ResizeMode) -> tuple[int, i
     return -(-h * size // side), -(-w * size // side)  # exact: ceil(h * size / side)
 
 
-def dct_factor(h: int, w: int, size: int | None, mode: ResizeMode) -> int:
+def dct_factor(h: int, w: int, size: int | None, mode: ResizeMode,
+               flipped: Flipped = (False, False)) -> int:  # fmt: skip
     """How many source pixels one decoded pixel may cover: 2, 4 or 8 for DCT-domain downscaling,
     1 for a full decode.
 
     Only power-of-two factors: libjpeg-turbo's other n/8 scales have no SIMD IDCT and decode
     slower than the full image, so a source less than twice the size needed is decoded whole.
     For the centre square the factor also divides the square's offset, so the square starts on
-    a decoded pixel's edge.
+    a decoded pixel's edge (`flipped`: the square of the picture turned upright, centre_offset's).
     """
     if not size:
         return 1
     need_h, need_w = _scaled_minimum(h, w, size, mode)
-    top, left = centre_offset(h, w) if mode == "shorter" else (0, 0)
+    top, left = centre_offset(h, w, flipped) if mode == "shorter" else (0, 0)
     factor = 8
     while factor >= 2 and (h // factor < need_h or w // factor < need_w
                            or top % factor or left % factor):  # fmt: skip

@@ -13,10 +13,16 @@ import torch.nn.functional as F
 ResizeMode = Literal["squash", "shorter"]
 
 
-def centre_offset(h: int, w: int) -> tuple[int, int]:
-    """(top, left) of the centre square of an h x w image (shorter-side resizing)."""
+Flipped = tuple[bool, bool]  # (rows, columns) reversed when the picture is turned upright
+
+
+def centre_offset(h: int, w: int, flipped: Flipped = (False, False)) -> tuple[int, int]:
+    """(top, left) of the centre square of an h x w image (shorter-side resizing). An odd
+    pixel left over goes after the square, as the picture is seen: before it on an axis that
+    turning the picture upright reverses (`flipped`), so the square is the upright picture's."""
     side = min(h, w)
-    return (h - side) // 2, (w - side) // 2
+    top, left = (h - side) // 2, (w - side) // 2
+    return (h - side - top if flipped[0] else top), (w - side - left if flipped[1] else left)
 
 
 def resize_region(x: torch.Tensor, extent: tuple[float, float],
@@ -35,15 +41,17 @@ def resize_region(x: torch.Tensor, extent: tuple[float, float],
 
 
 def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash", factor: int = 1,
-                 source: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+                 source: tuple[int, int] | None = None,
+                 flipped: Flipped = (False, False)) -> torch.Tensor:  # fmt: skip
     """(h, w, 3) uint8 -> (3, size, size) uint8: squash, or shorter side to size + centre crop
     (the centre square of the source, then one resize). A DCT-scaled decode passes its factor
-    and the source's (H, W) (see Decoded), so the resize covers the source's exact extent.
+    and the source's (H, W) (see Decoded), so the resize covers the source's exact extent; an
+    image turned upright after the resize passes what the turn reverses (see centre_offset).
 
     Uses torch's uint8 antialiased bilinear kernel (about 4x faster than Pillow's resize).
     """
     h, w = source or image.shape[:2]
-    top, left = centre_offset(h, w) if mode == "shorter" else (0, 0)
+    top, left = centre_offset(h, w, flipped) if mode == "shorter" else (0, 0)
     side_h, side_w = (min(h, w),) * 2 if mode == "shorter" else (h, w)
     # in decoded pixels: the centre square starts on a pixel's edge (dct_factor sees to it)
     y0, y1 = top // factor, -(-(top + side_h) // factor)

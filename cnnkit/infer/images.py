@@ -6,6 +6,7 @@ the one pixel limit, deep images scaled to 8 bits)."""
 from __future__ import annotations
 
 import glob
+import io
 import os
 import stat
 import warnings
@@ -24,8 +25,11 @@ from cnnkit.data.decode import (
     BadImage,
     Decoded,
     check_pixels,
-    decode_image,
+    dct_factor,
+    decode_data,
+    image_shape,
     is_image_name,
+    read_file,
     to_8bit,
 )
 from cnnkit.data.resize import resize_uint8
@@ -113,17 +117,17 @@ UPRIGHT = {
     7: lambda a: np.rot90(a, 2).swapaxes(0, 1),
     8: lambda a: np.rot90(a, 1),
 }
+# EXIF orientation -> which of the stored (rows, columns) that turn reverses
+REVERSED = {2: (False, True), 3: (True, True), 4: (True, False), 6: (True, False),
+            7: (True, True), 8: (False, True)}  # fmt: skip
 
 
 def decode_file(path: str | Path, size: int | None = None, mode: str = "squash") -> Decoded:
     """A file decoded as the data pipeline decodes it (`size`, `mode`: its DCT-scaled JPEG
     hint), turned upright by its EXIF orientation (a phone's photo: what a viewer shows, and
     where detect's boxes land); DataError when it cannot be."""
-    try:
-        decoded = decode_image(path, size, mode)
-    except BadImage as e:
-        raise DataError(f"{path}: {e}") from None
-    turn = UPRIGHT.get(_orientation(path))
+    decoded, orientation = _decode_stored(path, size, mode)
+    turn = UPRIGHT.get(orientation)
     if turn is None:
         return decoded
     array = np.ascontiguousarray(turn(decoded.array))
@@ -131,15 +135,42 @@ def decode_file(path: str | Path, size: int | None = None, mode: str = "squash")
     return Decoded(array, decoded.note, decoded.factor, tuple(source))
 
 
-def _orientation(path: str | Path) -> int:
+def _decode_stored(path: str | Path, size: int | None, mode: str) -> tuple[Decoded, int]:
+    """A file decoded as stored, and its EXIF orientation; a JPEG is DCT-scaled so that the
+    centre square of the picture turned upright starts on a decoded pixel's edge."""
+    try:
+        data = read_file(path)
+        orientation = _orientation(data)
+        flipped = REVERSED.get(orientation, (False, False))
+        shape = image_shape(data) if size and any(flipped) else None
+        factor = dct_factor(*shape, size, mode, flipped) if shape else None
+        suffix = Path(path).suffix.lower()
+        return decode_data(data, size, mode, suffix=suffix, factor=factor), orientation
+    except BadImage as e:
+        raise DataError(f"{path}: {e}") from None
+
+
+def _orientation(data: bytes) -> int:
     """The EXIF orientation tag (1: upright), read from the header alone."""
     try:
         with warnings.catch_warnings():  # a big image's DecompressionBombWarning: the decode
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checks its size
-            with Image.open(path) as image:
+            with Image.open(io.BytesIO(data)) as image:
                 return int(image.getexif().get(0x0112, 1))
     except Exception:  # noqa: BLE001 - no EXIF, or none PIL can read: as stored
         return 1
+
+
+def _resized_file(path: str | Path, size: int, mode: str) -> torch.Tensor:
+    """A file resized as a folder's images are, then turned upright: (3, size, size) uint8.
+    Turned before, a DCT-scaled decode's partial last row or column would come first, where
+    the resize does not look for it (the picture shifted by part of a pixel, an edge smeared)."""
+    (array, _, factor, source), orientation = _decode_stored(path, size, mode)
+    x = resize_uint8(array, size, mode, factor, source, REVERSED.get(orientation, (False, False)))
+    turn = UPRIGHT.get(orientation)
+    if turn is None:
+        return x
+    return torch.from_numpy(np.ascontiguousarray(turn(x.permute(1, 2, 0).numpy()))).permute(2, 0, 1)
 
 
 def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> np.ndarray:
@@ -197,11 +228,10 @@ def resized(image: ImageInput, pre: Preprocess) -> torch.Tensor:
     check_preprocess(pre)
     size = pre.resize or pre.crop
     mode = pre.resize_mode if pre.resize else "squash"
-    if isinstance(image, (str, Path)):  # decoded and resized as a folder's images are
-        array, _, factor, source = decode_file(image, size, mode)
+    if isinstance(image, (str, Path)):
+        x = _resized_file(image, size, mode)
     else:
-        array, factor, source = to_hwc(image), 1, None
-    x = resize_uint8(array, size, mode, factor, source)
+        x = resize_uint8(to_hwc(image), size, mode)
     if x.shape[0] == pre.channels:
         return x
     hwc = np.ascontiguousarray(x.permute(1, 2, 0).numpy())
