@@ -461,6 +461,19 @@ def test_a_network_whose_output_is_not_class_scores_is_one_line(tmp_path, capsys
     ]
 
 
+def test_a_file_named_like_a_glob_is_that_file(tmp_path):
+    """`photo [1].png` exists: it is the file classified, not `photo 1.png`, which the glob
+    matches (a script that matches results by name got another image's label); a pattern that
+    is not a file is still a glob."""
+    from cnnkit.infer.images import find_images
+
+    for name in "photo [1].png", "photo 1.png":
+        Image.new("L", (8, 8)).save(tmp_path / name)
+    assert find_images([str(tmp_path / "photo [1].png")]).files == [tmp_path / "photo [1].png"]
+    both = find_images([str(tmp_path / "photo*.png")]).files
+    assert sorted(both) == [tmp_path / "photo 1.png", tmp_path / "photo [1].png"]
+
+
 @pytest.mark.parametrize("orientation", range(1, 9))
 @pytest.mark.parametrize("suffix", [".png", ".jpg"])
 def test_a_photos_exif_orientation_is_applied_as_viewers_show_it(tmp_path, orientation, suffix):

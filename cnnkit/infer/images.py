@@ -55,12 +55,14 @@ def find_images(patterns: list[str]) -> FoundImages:
 
     Folders are scanned as pack scans them (regular image files only, each real file once,
     links followed but not in loops; the rest is listed in `skipped`). A file named explicitly
-    is read whatever its name; a name that matches nothing stays in the list, so that it is
-    reported with the others.
+    is read whatever its name, and a name that exists is taken literally, not as a glob
+    (`photo [1].png` is that file, never `photo 1.png`); a name that matches nothing stays in
+    the list, so that it is reported with the others.
     """
     found, taken = FoundImages(), {}
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else []
+        is_glob = glob.has_magic(pattern) and not os.path.lexists(pattern)
+        matches = sorted(glob.glob(pattern, recursive=True)) if is_glob else []
         for name in matches or [pattern]:
             path = Path(name)
             if path.is_dir():
