@@ -461,6 +461,35 @@ def test_a_network_whose_output_is_not_class_scores_is_one_line(tmp_path, capsys
     ]
 
 
+class _ClosedPipe(io.StringIO):
+    """stdout whose reader has gone (`| head`): each write says EPIPE, as a pipe's does."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_classify_whose_stdout_reader_goes_stops_quietly_not_as_a_failed_image(
+    tmp_path, capsys, monkeypatch
+):
+    """`cnnkit classify ... | head`: typer made the EPIPE status 1, which classify documents as
+    "an image failed"; the command stops with SIGPIPE's status (141), saying nothing."""
+    import cnnkit.cli
+
+    spec = {
+        "input": [1, 8, 8],
+        "layers": [{"type": "flatten"}, {"type": "linear", "out_features": 2}],
+    }
+    torch.save(build_model(spec).state_dict(), tmp_path / "w.pt")
+    (tmp_path / "net.yaml").write_text(json.dumps({"model": {**spec, "weights": "w.pt"}}))
+    Image.new("L", (8, 8)).save(tmp_path / "a.png")
+    monkeypatch.setattr(cnnkit.cli, "_stdout_to_devnull", lambda: None)  # pytest's own fd 1
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    code, _, err = run_cli(
+        ["classify", str(tmp_path / "net.yaml"), str(tmp_path / "a.png")], capsys
+    )
+    assert (code, err) == (141, "")
+
+
 def test_a_file_named_like_a_glob_is_that_file(tmp_path):
     """`photo [1].png` exists: it is the file classified, not `photo 1.png`, which the glob
     matches (a script that matches results by name got another image's label); a pattern that

@@ -167,6 +167,34 @@ class _TrainingOutput:
         return getattr(self._stream, name)
 
 
+class _ReaderGone(Exception):
+    """stdout's reader has gone: not an OSError, so it passes typer, which makes EPIPE status 1
+    (classify's "an image failed"), on to _main, which stops quietly."""
+
+
+class _CommandOutput:
+    """stdout of every command but train: when its reader goes (`| head`), the command stops
+    quietly with SIGPIPE's status, as Unix tools do."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise _ReaderGone from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise _ReaderGone from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def _stdout_to_devnull() -> None:
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -215,14 +243,15 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     if not debug:  # a damaged file's header (TIFF tags past its end): the file is noted instead
         warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
-    if argv[:1] == ["train"] and not isinstance(sys.stdout, _TrainingOutput):
-        stdout, sys.stdout = sys.stdout, _TrainingOutput(sys.stdout)
-        try:
-            _main(argv, debug)
-        finally:
-            sys.stdout = stdout
+    if isinstance(sys.stdout, (_TrainingOutput, _CommandOutput)):  # main run again in-process
+        _main(argv, debug)
         return
-    _main(argv, debug)
+    output = _TrainingOutput if argv[:1] == ["train"] else _CommandOutput
+    stdout, sys.stdout = sys.stdout, output(sys.stdout)
+    try:
+        _main(argv, debug)
+    finally:
+        sys.stdout = stdout
 
 
 def _rank_of_nproc() -> bool:
@@ -281,7 +310,7 @@ def _main(argv: list[str], debug: bool) -> None:
         print(f"cnnkit: error: out of memory: {size} did not fit (--debug shows where); "
               f"{_needs_less(argv)} needs less", file=sys.stderr)  # fmt: skip
         sys.exit(1)
-    except BrokenPipeError:  # stdout's reader has gone (`| head`): stop quietly, as Unix tools
+    except _ReaderGone:  # stdout's reader has gone (`| head`): stop quietly, as Unix tools
         _stdout_to_devnull()
         sys.exit(128 + 13)  # (SIGPIPE's status)
     except OSError as e:  # a full disk, a read-only or missing folder: one line
