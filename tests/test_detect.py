@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli
+from helpers import one_error_line, run_cli
 from PIL import Image
 
 from cnnkit import ConfigError, build_model
@@ -292,6 +292,21 @@ def test_cli_detect_bad_inputs_are_one_line(tmp_path, capsys):
     assert code == 2 and "is the input" in err and (tmp_path / "ok.png").read_bytes() == before
     code, _, err = run_cli([*args, str(tmp_path / "ok.png"), "-o", str(tmp_path)], capsys)
     assert code == 2 and f"e.g. {tmp_path / 'boxes.png'}" in err
+
+
+def test_cli_detect_size_errors_name_the_image(tmp_path, capsys):
+    """An image too small for the smallest face, or one whose pyramid would be over the pixel
+    limit, is one line that starts with the image's name, as every other image error does."""
+    save_safetensors(brightness_detector(), tmp_path / "det.safetensors")
+    Image.fromarray(np.zeros((10, 10), np.uint8)).save(tmp_path / "tiny.png")
+    Image.fromarray(np.zeros((2048, 2048), np.uint8)).save(tmp_path / "big.png")
+    args = ["detect", str(tmp_path / "det.safetensors")]
+    code, _, err = run_cli([*args, str(tmp_path / "tiny.png")], capsys)
+    line = one_error_line(code, err)
+    assert line.startswith(f"cnnkit: error: {tmp_path / 'tiny.png'}: the image (10x10) is smaller")
+    code, _, err = run_cli([*args, str(tmp_path / "big.png"), "--min-size", "1"], capsys)
+    line = one_error_line(code, err)
+    assert line.startswith(f"cnnkit: error: {tmp_path / 'big.png'}: the smallest face searched")
 
 
 @pytest.mark.parametrize("layers,message", [

@@ -280,7 +280,8 @@ def detect(
     require_trained(loaded, target)  # boxes of random weights are noise
     if loaded.mean_image is not None or loaded.mean_averaged:
         note_mean_image("detect", held=loaded.mean_image is not None)
-    boxes = find(loaded, picture, label, threshold, iou, min_size, step, top, mirror)
+    boxes = find(loaded, picture, label, threshold, iou, min_size, step, top, mirror,
+                 name=str(image))  # fmt: skip
     if not boxes:
         typer.echo(f"no {label} found: no window scored {threshold:g} or more", err=True)
     for rank, box in enumerate(boxes, 1):

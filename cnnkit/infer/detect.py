@@ -15,6 +15,7 @@ from PIL import Image, ImageDraw
 from torch import nn
 
 from cnnkit.data.decode import MAX_PIXELS
+from cnnkit.data.scan import printable
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.infer.images import ImageInput, save_picture, to_channels, to_hwc
 from cnnkit.infer.load import Loaded
@@ -196,11 +197,13 @@ def detect(
     top: int = 50,
     mirror: bool = True,
     clip: bool = True,
+    name: str | None = None,
 ) -> list[Box]:
     """Boxes where the classifier says `label` with probability >= threshold, after NMS
     (`mirror`: the probability averaged in log-odds with the mirrored window's), for faces of
     `min_face` pixels (default MIN_FACE windows) up to the whole image; `clip`: boxes cut to
-    the image (else each is its window's whole extent)."""
+    the image (else each is its window's whole extent); `name`: the image's in errors (default:
+    its path, if it is one)."""
     from torchvision.ops import nms
 
     if label not in loaded.classes:
@@ -209,10 +212,11 @@ def detect(
     window = loaded.model.input_shape[-1]
     smallest = min_face or round(MIN_FACE * window)
     scales = pyramid_scales((h, w), window, smallest, step)
+    where = _where(image, name)
     if not scales:  # no window fits: "no face found" would not say why
-        raise DataError(f"the image ({w}x{h}) is smaller than the smallest face searched "
+        raise DataError(f"{where}the image ({w}x{h}) is smaller than the smallest face searched "
                         f"({smallest} px): give a smaller --min-size")  # fmt: skip
-    _check_level_pixels(h, w, scales[0], window, smallest)
+    _check_level_pixels(h, w, scales[0], window, smallest, where)
     boxes, scores, cut = [], [], log_odds(threshold)
     for scale, slider, odds in score_maps(loaded, image, scales, loaded.classes.index(label),
                                           mirror):  # fmt: skip
@@ -232,18 +236,25 @@ def detect(
     return [Box(*box, p) for box, p in zip(kept.tolist(), probs, strict=True)]
 
 
-def _check_level_pixels(h: int, w: int, scale: float, window: int, smallest: int) -> None:
+def _where(image: ImageInput, name: str | None) -> str:
+    """How an error starts: the image's name (given, or its path) and a colon, or nothing."""
+    name = name if name is not None else image if isinstance(image, (str, Path)) else None
+    return f"{printable(str(name))}: " if name is not None else ""
+
+
+def _check_level_pixels(h: int, w: int, scale: float, window: int, smallest: int,
+                        where: str = "") -> None:  # fmt: skip
     """DataError where the pyramid's largest level (the image scaled so that the smallest face
     fills a window) is over the pixel limit images are decoded under: it would not fit in
-    memory (the network's activations take hundreds of bytes a pixel)."""
+    memory (the network's activations take hundreds of bytes a pixel). `where`: _where's."""
     level = round(h * scale) * round(w * scale)
     if level > MAX_PIXELS:
         need = math.ceil(window * math.sqrt(h * w / MAX_PIXELS))
         while round(h * window / need) * round(w * window / need) > MAX_PIXELS:
             need += 1  # (each side is rounded)
-        raise DataError(f"the smallest face searched ({smallest} px) scales the {w}x{h} image "
-                        f"{scale:.2g}x, to {level:,} pixels, over the limit of {MAX_PIXELS:,}: "
-                        f"give --min-size {need} or more")  # fmt: skip
+        raise DataError(f"{where}the smallest face searched ({smallest} px) scales the {w}x{h} "
+                        f"image {scale:.2g}x, to {level:,} pixels, over the limit of "
+                        f"{MAX_PIXELS:,}: give --min-size {need} or more")  # fmt: skip
 
 
 def log_odds(p: float) -> float:
@@ -287,9 +298,10 @@ def mine_hard_negatives(
     patches = []
     for image in images:
         hwc = to_channels(to_hwc(image), loaded.preprocess.channels)
+        name = str(image) if isinstance(image, (str, Path)) else None  # hwc has none
         # every window size, the smallest too: its false positives are non-faces all the same
         for box in detect(loaded, hwc, label, threshold, 0.5, window, step, per_image,
-                          clip=False):  # fmt: skip
+                          clip=False, name=name):  # fmt: skip
             crop = Image.fromarray(hwc.squeeze(-1) if hwc.shape[2] == 1 else hwc).crop(
                 (round(box.x0), round(box.y0), round(box.x1), round(box.y1))
             )
