@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -135,3 +137,37 @@ def test_load_resized_same_result_for_jpeg_backends(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "simplejpeg", None)
     pillow = load_resized(path, 48, "shorter").image
     assert (turbo.int() - pillow.int()).abs().float().mean() < 2  # same libjpeg-turbo inside
+
+
+def _lzw_tiff(strip: bytes | None = None) -> bytes:
+    """A 4x4 LZW TIFF (decoded by libtiff), its strip's data replaced by `strip` if given."""
+    out = io.BytesIO()
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(out, "TIFF", compression="tiff_lzw")
+    data = bytearray(out.getvalue())
+    if strip is not None:
+        tags = Image.open(io.BytesIO(bytes(data))).tag_v2
+        start, count = tags[273][0], tags[279][0]
+        data[start : start + count] = strip.ljust(count, b"\0")
+    return bytes(data)
+
+
+def test_a_damaged_tiff_says_damaged_and_libtiff_prints_nothing(capfd):
+    """LZW data with a code not yet in the table: libtiff printed `tempfile.tif: Using code not
+    yet in table.` on stderr (a name the user never gave) and the reason was Pillow's
+    `unreadable image (decoder error -2)`. A header past the file's end was 'a TIFF Pillow
+    cannot read (float RGB or 64-bit samples?)': a guess at a valid file."""
+    decode.decode_data(_lzw_tiff(), suffix=".tif")  # the intact file decodes
+    with pytest.raises(BadImage, match=r"^damaged TIFF \(decoder error"):
+        decode.decode_data(_lzw_tiff(b"\x80\x7f\xc0"), suffix=".tif")  # Clear, then code 511
+    assert capfd.readouterr().err == ""
+    header_past_the_end = _lzw_tiff()[:4] + (10**6).to_bytes(4, "little") + _lzw_tiff()[8:]
+    with pytest.raises(BadImage, match=r"^damaged or unsupported TIFF \(Pillow cannot read"):
+        decode.decode_data(header_past_the_end, suffix=".tif")
+
+
+def test_a_valid_tiff_of_samples_pillow_cannot_read_says_which():
+    tifffile = pytest.importorskip("tifffile")
+    out = io.BytesIO()
+    tifffile.imwrite(out, np.zeros((4, 5, 3), np.float32), photometric="rgb")
+    with pytest.raises(BadImage, match=r"^a TIFF Pillow cannot read \(3 x 32-bit float samples\)"):
+        decode.decode_data(out.getvalue(), suffix=".tif")

@@ -24,6 +24,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from cnnkit.data.resize import Flipped, ResizeMode, centre_offset, resize_uint8
+from cnnkit.data.tiff import libtiff_quiet, unopened_tiff
 
 try:  # libjpeg-turbo with DCT scaling straight into numpy; Pillow's draft is the fallback
     import simplejpeg
@@ -181,17 +182,19 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str,
                 factor = round(source[1] / drafted[1][2]) if drafted else 1  # (0, 0, W/f, H/f)
             check_pixels(im.width, im.height)  # after draft: the size that will be decoded
             sixteen = _has_16_bit_samples(im)
-            im.load()
+            with libtiff_quiet(im.format == "TIFF"):
+                im.load()
     except Image.DecompressionBombError as e:  # Pillow's own limit, at twice its warning
         found = re.search(r"\((\d+) pixels\)", str(e))
         count = f"{int(found[1]):,}" if found else "too many"
         raise BadImage(f"huge image ({count} pixels, over the limit of {MAX_PIXELS:,})") from None
     except UnidentifiedImageError:
         if data.startswith(_TIFF_MAGIC):
-            raise BadImage("a TIFF Pillow cannot read (float RGB or 64-bit samples?)") from None
+            raise BadImage(unopened_tiff(data)) from None
         raise BadImage("not an image (unrecognised format)") from None
     except (OSError, SyntaxError, ValueError) as e:
-        reason = "truncated image" if "truncated" in str(e).lower() else f"unreadable image ({e})"
+        damaged = "damaged TIFF" if data.startswith(_TIFF_MAGIC) else "unreadable image"
+        reason = "truncated image" if "truncated" in str(e).lower() else f"{damaged} ({e})"
         raise BadImage(reason) from None
     im, what = to_8bit(im)
     if what is None and sixteen and im.mode in ("RGB", "RGBA"):
