@@ -151,6 +151,7 @@ def _lzw_tiff(strip: bytes | None = None) -> bytes:
     return bytes(data)
 
 
+@pytest.mark.filterwarnings("ignore:Corrupt EXIF data")  # Pillow's, as the CLI keeps it quiet
 def test_a_damaged_tiff_says_damaged_and_libtiff_prints_nothing(capfd):
     """LZW data with a code not yet in the table: libtiff printed `tempfile.tif: Using code not
     yet in table.` on stderr (a name the user never gave) and the reason was Pillow's

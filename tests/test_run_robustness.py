@@ -481,11 +481,11 @@ def test_a_background_sweep_runs_side_by_side(tmp_path):
     cmd = [*CLI, "train", "digits", "train.epochs=1", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]  # fmt: skip
+             for _ in range(2)]  # fmt: skip
     errors = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    assert [p.returncode for p in procs] == [0, 0], errors
     runs = list((tmp_path / "runs").iterdir())
-    assert len(runs) == 3 and all((r / "summary.json").is_file() for r in runs)
+    assert len(runs) == 2 and all((r / "summary.json").is_file() for r in runs)
 
 
 def test_a_resume_keeps_an_optimizer_that_can_continue_the_saved_state(digits_run):
