@@ -33,7 +33,7 @@ from cnnkit.data.base import Section
 from cnnkit.errors import ConfigError, brief, config_error
 from cnnkit.nn import read_spec
 from cnnkit.nn.spec import suggest
-from cnnkit.nn.yamlio import load_yaml, read_yaml
+from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
 from cnnkit.runtime import write_atomic
 
 DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # fullmatch ($ passes "cpu\n")
@@ -409,8 +409,8 @@ def _yaml_files_beside(path: Path) -> list[str]:
 
 
 def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
-    if isinstance(run, dict):
-        return run, None
+    if isinstance(run, dict):  # as a file would give it (a date as text, never an object)
+        return plain_data(run), None
     from cnnkit.zoo import NETS, RUNS, net_path, runs_training
 
     path = Path(run)

@@ -1,6 +1,7 @@
 """The one YAML reader: duplicate keys, alias bombs, deep nesting and huge files are refused in
 one line with the line and column, before anything big is built."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,60 @@ def test_a_network_with_dates_in_its_params_round_trips_through_a_checkpoint(tmp
     assert spec["blocks"]["b"]["params"]["tag"] == "2024-01-01"
     again = build_model(json.loads(json.dumps(spec)))  # as an export's metadata holds it
     assert [row.name for row in again.table] == [row.name for row in network.table]
+
+
+def test_a_network_given_as_python_objects_reads_as_its_file_would(tmp_path):
+    """The Python API's dates, NumPy numbers, tuples and paths become what a YAML file gives, so
+    the network a run saves in its checkpoint loads with weights_only (a date used to be kept
+    as an object, and eval then refused the checkpoint)."""
+    import datetime
+    import io
+
+    import numpy as np
+    import torch
+
+    from cnnkit import build_model
+    from cnnkit.config import load_run
+
+    network = load_yaml(DATED_NET)
+    network["model"]["blocks"]["b"]["params"]["tag"] = datetime.date(2024, 1, 1)
+    network["model"]["input"] = tuple(np.int64(v) for v in network["model"]["input"])
+    network["model"]["weights_keys"] = [{"match": "x", "to": Path("y")}]
+    spec = build_model(network).spec
+    buffer = io.BytesIO()
+    torch.save({"model_spec": spec}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["model_spec"]
+    assert loaded == spec == build_model(load_yaml(DATED_NET)).spec | {
+        "weights_keys": [{"match": "x", "to": "y"}]}  # fmt: skip
+    assert type(loaded["input"][0]) is int
+    run = {
+        "model": network["model"],
+        "data": {"source": "digits"},
+        "name": datetime.date(2024, 1, 1),
+    }
+    assert load_run(run).name == "2024-01-01"
+
+
+@pytest.mark.parametrize("where, value, problem", [
+    ("blocks.b.params.tag", object(), "model.blocks.b.params.tag: object is not a value"),
+    ("blocks.b.params.tag", b"x", "model.blocks.b.params.tag: bytes is not a value"),
+    ("blocks.b.params", {(1, 2): 3}, "model.blocks.b.params: a key of type tuple: keys are"),
+])  # fmt: skip
+def test_python_objects_of_no_file_type_are_one_line_naming_the_key(where, value, problem):
+    from cnnkit import build_model
+    from cnnkit.config import load_run
+
+    network = load_yaml(DATED_NET)
+    *path, last = where.split(".")
+    holder = network["model"]
+    for key in path:
+        holder = holder[key]
+    holder[last] = value
+    with pytest.raises(ConfigError, match="^" + re.escape(problem)):
+        build_model(network["model"])
+    with pytest.raises(ConfigError, match="^" + re.escape(problem)):
+        load_run({**network, "data": {"source": "digits"}})
 
 
 @pytest.mark.parametrize("value", ["!!binary aGVsbG8=", "!!set {x, y}", "!!omap [a: 1]"])

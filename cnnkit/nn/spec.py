@@ -178,8 +178,13 @@ class NetSpec(BaseModel):
 
 def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, Any]:
     """Return the `model:` mapping of a zoo name, a YAML file or a dict (a run file's too)."""
-    if isinstance(spec, dict):
-        data, source = spec, None
+    if isinstance(spec, dict):  # as a file would give it (a date as text, never an object)
+        from cnnkit.nn.yamlio import plain_data
+
+        data, source = plain_data(spec, "" if "model" in spec else "model"), None
+        if isinstance(spec, Described):  # read from a file before: its errors still name it
+            data = Described(data)
+            data.source = spec.source
     else:
         data, source = _read_yaml_or_zoo(str(spec))
     if data is None and source:  # no document, or only comments

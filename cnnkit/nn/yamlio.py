@@ -11,6 +11,8 @@ problem into a ConfigError naming the file, line and column.
 from __future__ import annotations
 
 import codecs
+import datetime
+import os
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +260,38 @@ def _where(e: yaml.YAMLError) -> str:
 
 def _problem(e: yaml.YAMLError) -> str:
     return str(getattr(e, "problem", None) or str(e).splitlines()[0])[:200]
+
+
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+def plain_data(value: Any, where: str = "") -> Any:
+    """A network or run given as Python objects, with only the types a YAML file gives (JSON's):
+    dates and times as their ISO text (as read_yaml reads them), NumPy scalars as numbers, tuples
+    as lists, paths as text. ConfigError at `where` (the dotted key of `value`) for anything else: a
+    checkpoint holds the network and is read with weights_only, which refuses other objects."""
+    if isinstance(value, _PLAIN_SCALARS):
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, _PLAIN_SCALARS):
+                raise ConfigError(f"{where}: a key of type {_type_name(key)}: keys are text or "
+                                  "numbers")  # fmt: skip
+            out[key] = plain_data(item, f"{where}.{key}" if where else str(key))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [plain_data(item, f"{where}[{k}]") for k, item in enumerate(value)]
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # np.int64(3)
+        return plain_data(value.item(), where)
+    raise ConfigError(f"{where}: {_type_name(value)} is not a value a network or run takes: "
+                      "give a number, text, list or mapping")  # fmt: skip
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
