@@ -253,6 +253,29 @@ def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
     assert prediction.probs == pytest.approx(expected.tolist(), abs=1e-5)
 
 
+def test_exports_of_fresh_weights_are_the_same_every_time(tmp_path, capsys):
+    """Fresh weights are seeded: two exports of a network file hold the same weights and
+    metadata (safetensors orders the metadata as it likes), and the caller's random stream is
+    not consumed by loading one."""
+    from safetensors import safe_open
+
+    exports = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.safetensors"
+        code, out, _ = run_cli(["export", "digitnet", "-o", str(path)], capsys)
+        assert code == 0 and out.startswith("wrote")
+        with safe_open(path, "pt") as f:
+            exports.append((f.metadata(), {k: f.get_tensor(k) for k in f.keys()}))
+    (meta_a, weights_a), (meta_b, weights_b) = exports
+    assert meta_a == meta_b and weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    torch.manual_seed(1)
+    load_network("digitnet")
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    assert torch.equal(after, torch.rand(3))
+
+
 def test_a_mean_image_run_says_its_mean_is_approximated(digits_run, capsys, monkeypatch):
     """A checkpoint from before they kept the mean image has its channel averages only:
     classifying with such a run says so; a per-channel run (and drawing one) says nothing."""

@@ -79,7 +79,9 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
         description = import_caffe(spec)
     else:
         description = read_spec(spec)
-    model = build_model(description, device=device)
+    with torch.random.fork_rng(devices=[]):  # the same fresh weights at every export
+        torch.default_generator.manual_seed(0)  # (the CPU's generator only: CUDA's untouched)
+        model = build_model(description).to(device)
     preprocess = network_preprocess(spec, tuple(model.input_shape), description.get("preprocess"))
     out = tuple(model.output_shape)  # a vector of scores: one name per output
     classes = [f"class{i}" for i in range(model.num_classes or (out[0] if len(out) == 1 else 0))]
