@@ -46,8 +46,8 @@ def cli_ok(argv: list[str]) -> None:
 
 def one_error_line(code: int, err: str, codes=(1, 2)) -> str:
     """The one `cnnkit: error:` line a user mistake gives (no traceback), its status checked;
-    `note:` warnings said before it aside."""
-    lines = [line for line in err.strip().splitlines() if not line.startswith("note: ")]
+    `cnnkit: note:` warnings said before it aside."""
+    lines = [line for line in err.strip().splitlines() if not line.startswith("cnnkit: note: ")]
     assert code in codes, (code, err[-800:])
     assert "Traceback" not in err and len(lines) == 1, err[-800:]
     assert lines[0].startswith("cnnkit: error: ") and len(lines[0]) < 400, lines[0]

@@ -38,7 +38,10 @@ def test_two_class_runs_hide_top5_and_say_which_epoch(tmp_path, capsys):
     fit(load_run("faces", ["data.hard_negatives=null", "train.epochs=2"]), tmp_path / "f")
     out, err = capsys.readouterr()
     # the run's log is on stdout (`| tee` and `> log` get it all); stderr its warnings alone
-    assert err == "note: train.warmup_epochs 2 of 2 epochs: the lr never reaches train.lr 0.02\n"
+    assert (
+        err
+        == "cnnkit: note: train.warmup_epochs 2 of 2 epochs: the lr never reaches train.lr 0.02\n"
+    )
     assert "top-5" not in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("done: held-out top-1") and "at the last epoch" in last

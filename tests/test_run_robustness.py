@@ -654,21 +654,25 @@ def test_the_progress_bar_stops_however_the_epoch_ends(tmp_path, monkeypatch, en
 def test_schedules_this_run_never_reaches_are_said(tmp_path, capsys):
     code, out, err = run_cli(["train", "digits", "train.warmup_epochs=30", "train.schedule=multistep",
                               "train.milestones=[2,25]", "train.calibrate=false", "--dry-run"], capsys)  # fmt: skip
-    notes = [line for line in err.splitlines() if line.startswith("note:")]  # warnings: stderr
+    notes = [
+        line for line in err.splitlines() if line.startswith("cnnkit: note:")
+    ]  # warnings: stderr
     assert (
         code == 0
         and not [line for line in out.splitlines() if "note:" in line]
         and notes
         == [
-            "note: train.warmup_epochs 30 of 25 epochs: the lr never reaches train.lr 0.05",
-            "note: train.milestones [25] at or past the last epoch (25): no drop there",
+            "cnnkit: note: train.warmup_epochs 30 of 25 epochs: the lr never reaches train.lr 0.05",
+            "cnnkit: note: train.milestones [25] at or past the last epoch (25): no drop there",
         ]
     ), out + err
     code, out, err = run_cli(["train", "digits", "train.calibrate=false", "--dry-run"], capsys)
     assert code == 0 and "note:" not in out + err
     code, out, err = run_cli(["train", "digits", "train.warmup_epochs=30", "train.epochs=2",
                               "--dry-run", "--quiet"], capsys)  # fmt: skip
-    assert code == 0 and "note: train.warmup_epochs 30 of 2 epochs" in err  # --quiet keeps them
+    assert (
+        code == 0 and "cnnkit: note: train.warmup_epochs 30 of 2 epochs" in err
+    )  # --quiet keeps them
 
 
 def test_a_resume_cannot_end_inside_the_epoch_in_progress(tmp_path, capsys):
@@ -715,7 +719,7 @@ def test_a_single_class_folder_is_refused_not_trained_to_100_percent(tmp_path, c
     )
     assert not (tmp_path / "r" / "last.pt").exists()
     code, out, err = run_cli(["pack", str(folder), str(tmp_path / "p"), "--size", "16"], capsys)
-    assert code == 0 and "6 images of 1 class " in out and "note: one class only" in err
+    assert code == 0 and "6 images of 1 class " in out and "cnnkit: note: one class only" in err
 
 
 def test_a_missing_run_name_points_to_its_newest_dated_run(tmp_path):

@@ -58,7 +58,7 @@ def pack(
         resumed = f" ({s.resumed_shards} resumed)" if s.resumed_shards else ""
         print(f"packed {done} into {s.shards} shard{'s' * (s.shards != 1)}{resumed} -> {dst}")
     if s.classes == 1:
-        print(f"note: one class only: training needs at least 2 (is {src} the folder above the "
+        print(f"cnnkit: note: one class only: training needs at least 2 (is {src} the folder above the "
               "class folders?)", file=sys.stderr)  # fmt: skip
     if s.converted or s.skipped:
         print(f"converted {s.converted}, skipped {s.skipped} (reasons: {dst / 'bad_images.tsv'})")

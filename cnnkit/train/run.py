@@ -389,7 +389,7 @@ def _schedule_notes(config: RunConfig, main: bool) -> None:
     """Warn of schedule settings the run never reaches, on stderr (rank 0; --quiet or not)."""
     if main:
         for note in schedule_notes(config.train):
-            print(f"note: {note}", file=sys.stderr)
+            print(f"cnnkit: note: {note}", file=sys.stderr)
 
 
 def _restore_rank(state: dict[str, Any], dist: Processes, progress: Progress,
