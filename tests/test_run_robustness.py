@@ -122,12 +122,10 @@ def test_a_network_that_does_not_end_in_class_scores_is_refused_at_build(tmp_pat
 
 
 def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
-    from cnnkit import checkpoint
-
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")  # a write() names no file
 
-    monkeypatch.setattr(checkpoint.torch, "save", full)
+    monkeypatch.setattr(torch, "save", full)
     code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "r"), *QUICK], capsys)
     line = one_error_line(code, err, (1,))
     assert "No space left on device" in line and f"{tmp_path / 'r'}/" in line  # names the file

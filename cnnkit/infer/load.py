@@ -13,7 +13,6 @@ from pydantic import ValidationError
 
 from cnnkit.checkpoint import (
     EXPORT_FORMAT,
-    MEAN_IMAGE_KEY,
     check_not_a_record,
     checkpoint_path,
     dated_run_hint,
@@ -25,6 +24,7 @@ from cnnkit.checkpoint import (
 from cnnkit.data.base import MAX_SIDE, Preprocess
 from cnnkit.errors import CheckpointError, ConfigError, validation_message
 from cnnkit.nn import Network, build_model, read_spec
+from cnnkit.nn.weights import MEAN_IMAGE_KEY
 from cnnkit.runtime import write_atomic
 
 

@@ -1,0 +1,83 @@
+"""Finding a run's checkpoint: a run directory's best.pt or last.pt, and one line saying what a
+path is when it holds none (a folder of runs, a run not saved yet, a run's metrics.csv)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cnnkit.errors import CheckpointError
+
+
+def dated_run_hint(target: str | Path) -> str:
+    """For a path that does not exist: ' (did you mean ...?)' naming the newest dated run
+    beside it (`cnnkit train NAME` writes runs/NAME-YYYYMMDD-HHMMSS), else ''."""
+    path = Path(target)
+    stamp = re.compile(re.escape(path.name) + r"-\d{8}-\d{6}(-\d+)?")
+    try:
+        runs = [p for p in path.parent.iterdir() if stamp.fullmatch(p.name) and p.is_dir()]
+    except OSError:
+        return ""
+    runs.sort(key=lambda p: (p.name[len(path.name) + 1 :][:15], len(p.name), p.name))  # -10 > -2
+    return f" (did you mean {runs[-1]}, the newest dated run of that name?)" if runs else ""
+
+
+def checkpoint_path(target: str | Path, ema: bool = False) -> Path:
+    """A checkpoint file, or a run directory's best.pt (else last.pt); with `ema`, the
+    checkpoint of the moving average's best epoch (best_ema.pt) first."""
+    target = Path(target)
+    if target.is_dir():
+        for name in ("best_ema.pt", "best.pt", "last.pt")[0 if ema else 1 :]:
+            if (target / name).is_file():
+                return target / name
+        raise CheckpointError(no_checkpoint_in(target))
+    if not target.exists():
+        raise CheckpointError(
+            f"{target}: no such checkpoint file or run directory{dated_run_hint(target)}"
+        )
+    check_not_a_record(target)
+    return target
+
+
+CHECKPOINTS = ("best.pt", "last.pt")
+RECORDS = {".csv": "a CSV file", ".png": "an image", ".jpg": "an image", ".jpeg": "an image",
+           ".npy": "a NumPy array"}  # fmt: skip  # what a run writes beside them, and the like
+
+
+def no_checkpoint_in(folder: Path) -> str:
+    """What a folder without a checkpoint of its own is, and what to give instead: a folder of
+    runs (runs/), a mining run still in its rounds, a run stopped before its first checkpoint,
+    or no run at all."""
+    try:
+        runs = [p for p in folder.iterdir() if p.is_dir() and _run_file(p) is not None]
+    except OSError:
+        runs = []
+    ready = [p for p in runs if _run_file(p).suffix == ".pt"]  # the newest run with a checkpoint
+    newest = max(ready or runs, key=lambda p: _run_file(p).stat().st_mtime, default=None)
+    rounds = [p for p in runs if re.fullmatch(r"round-\d+", p.name)]
+    if rounds and (folder / "config.yaml").is_file():
+        return (f"{folder}: a mining run whose rounds have not all finished (the best round's "
+                f"checkpoints are copied here at its end): name a round, e.g. {newest}")  # fmt: skip
+    if newest is not None:
+        return f"{folder}: holds run directories, not a run of its own: name one, e.g. {newest}"
+    if (folder / "config.yaml").is_file():
+        return (f"{folder}: a run with no checkpoint yet (it stopped before saving its first; "
+                f"`cnnkit train --resume {folder}` continues it)")  # fmt: skip
+    return (f"{folder}: not a run directory (no best.pt or last.pt in it): give a run "
+            "directory, a checkpoint (.pt) or a .safetensors export")  # fmt: skip
+
+
+def _run_file(folder: Path) -> Path | None:
+    """A run directory's checkpoint, else its config.yaml (a run with none yet), else None."""
+    return next((folder / n for n in (*CHECKPOINTS, "config.yaml") if (folder / n).is_file()), None)
+
+
+def check_not_a_record(path: Path) -> None:
+    """CheckpointError for a run's metrics.csv, curves.png (or an image, an array) given where
+    a checkpoint or network is read: what it is and what to give, not a reader's error."""
+    what = RECORDS.get(path.suffix.lower())
+    if what is None or not path.is_file():
+        return
+    give = f"its run directory {path.parent}" if _run_file(path.parent) else (
+        "a run directory, a checkpoint (.pt) or a .safetensors export")  # fmt: skip
+    raise CheckpointError(f"{path}: {what}, not a checkpoint or network: give {give}")
