@@ -1,9 +1,6 @@
-"""The run configuration: a typed, validated `model:` + `data:` + `train:` document.
-
-`load_run(run, overrides)` reads a zoo run name or YAML file, applies dotted overrides
-(`train.lr=0.02 data.batch_size=128`) and validates every field once: `config.data` is the
-source's own config (DataConfig), `config.model` a ModelConfig. `dump_run` writes it back.
-"""
+"""Reading a run: a zoo run, a YAML file or a mapping, with dotted `key=value` overrides, its
+files made absolute, validated once (the first problem one line naming the field, and the field
+meant); writing it back as YAML (config.yaml)."""
 
 from __future__ import annotations
 
@@ -12,217 +9,17 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ValidationError
 
-from cnnkit.data import SOURCES, DataConfig, check_source
-from cnnkit.data.base import Section
+from cnnkit.config.sections import ModelConfig, RunConfig, TrainConfig
+from cnnkit.data import SOURCES
 from cnnkit.errors import ConfigError, brief, config_error
-from cnnkit.nn import read_spec
 from cnnkit.nn.spec import suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
 from cnnkit.runtime import write_atomic
-
-DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # fullmatch ($ passes "cpu\n")
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
-
-
-class TrainConfig(Section):
-    """The `train:` section: optimisation, schedule, precision, checkpoints."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    epochs: PositiveInt = Field(10, description="passes over the training set")
-    optimizer: Literal["sgd", "nesterov", "adam", "adamw"] = Field(
-        "sgd", description="sgd | nesterov (SGD with Nesterov momentum) | adam | adamw"
-    )
-    lr: PositiveFloat = Field(0.01, description="base learning rate (layers scale it by lr_mult)")
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
-    weight_decay: NonNegativeFloat = Field(5e-4, description="L2 decay (layers scale: decay_mult)")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/AdamW betas")
-    schedule: Literal["constant", "step", "multistep", "plateau", "cosine"] = Field(
-        "constant",
-        description="learning-rate schedule: constant | step | multistep | plateau | cosine",
-    )
-    step_size: PositiveInt = Field(30, description="step: epochs between lr drops")
-    milestones: list[PositiveInt] = Field(default_factory=list, description="multistep: epochs")
-    gamma: float = Field(0.1, gt=0.0, le=1.0, description="lr factor at each drop")
-    patience: NonNegativeInt = Field(2, description="plateau: epochs without val-error gain")
-    threshold: NonNegativeFloat = Field(1e-4, description="plateau: relative improvement needed")
-    min_lr: NonNegativeFloat = Field(0.0, description="cosine / plateau floor")
-    warmup_epochs: NonNegativeFloat = Field(
-        0.0,
-        description="linear warm-up length (epochs); it multiplies the schedule's lr, set "
-        "every step (timm's shape: cosine spans all epochs, warm-up included)",
-    )
-    warmup_start: float = Field(0.1, gt=0.0, le=1.0, description="warm-up starts at lr * this")
-    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="target smoothing (0.1 usual)")
-    class_weights: Literal["none", "balanced"] = Field(
-        "none", description="balanced: each class weighs the same in the loss (mined negatives)"
-    )
-    grad_clip: PositiveFloat | None = Field(None, description="max global gradient norm")
-    ema: float = Field(
-        0.0,
-        ge=0.0,
-        lt=1.0,
-        description="decay of an average of the weights at every optimizer step (timm's "
-        "meaning, not torchvision's rescaled one), evaluated and saved too (0: off)",
-    )
-    early_stop: NonNegativeInt = Field(
-        0, description="stop after this many epochs without a held-out top-1 gain (0: off)"
-    )
-    accumulate: PositiveInt = Field(1, description="micro-batches per optimizer step")
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="auto: the fastest measured here (fp16 only on CUDA)"
-    )
-    channels_last: bool | Literal["auto"] | None = Field(
-        None, description="null or auto: the faster one measured"
-    )
-    threads: PositiveInt | None = Field(None, description="CPU threads (null: the faster measured)")
-    calibrate: bool = Field(
-        True, description="auto settings by a short timing on this machine, cached (false: rules)"
-    )
-    compile: bool = Field(False, description="torch.compile the model")
-    checkpoint_every: NonNegativeInt = Field(
-        0, description="also save last.pt every N steps (0: off)"
-    )
-    checkpoint_minutes: NonNegativeFloat = Field(
-        5.0, le=1e6, description="also save last.pt about every M minutes mid-epoch (0: off)"
-    )
-    sync: Literal["ddp", "average"] = Field("ddp", description="multi-process: grads or weights")
-    average_every: PositiveInt = Field(1, description="sync: average: steps between averaging")
-    sync_bn: bool = Field(False, description="SyncBatchNorm under DDP")
-    timeout_s: PositiveInt = Field(600, description="collective timeout (distributed)")
-
-    @field_validator("device")
-    @classmethod
-    def _check_device(cls, v: str) -> str:
-        if not DEVICE_RE.fullmatch(v):
-            raise ValueError(f"{v!r} is not one of auto, cpu, cuda, cuda:N")
-        return v
-
-    @field_validator("betas")
-    @classmethod
-    def _check_betas(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
-        return v
-
-    @model_validator(mode="after")
-    def _check_schedule(self) -> TrainConfig:
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
-        if self.schedule == "multistep" and not self.milestones:
-            raise ValueError("schedule multistep needs train.milestones (epochs)")
-        if self.precision == "fp16" and self.device == "cpu":
-            raise ValueError("precision fp16 needs CUDA (use bf16 on CPU)")
-        if self.optimizer == "nesterov" and self.momentum == 0:
-            raise ValueError("optimizer nesterov needs momentum > 0 (or optimizer sgd)")
-        if self.channels_last == "auto":  # as precision is written; None from here on
-            self.channels_last = None
-        return self
-
-
-def schedule_notes(train: TrainConfig) -> list[str]:
-    """Schedule settings this many epochs never reach (a forgotten override, or a short trial of
-    a long recipe): said, not refused."""
-    notes, epochs = [], train.epochs
-    if train.warmup_epochs >= epochs:
-        notes.append(f"train.warmup_epochs {train.warmup_epochs:g} of {epochs} epochs: the lr "
-                     f"never reaches train.lr {train.lr:g}")  # fmt: skip
-    if train.schedule == "step" and train.step_size >= epochs:
-        notes.append(f"train.step_size {train.step_size} of {epochs} epochs: the lr never drops")
-    late = [m for m in train.milestones if m >= epochs] if train.schedule == "multistep" else []
-    if late:
-        notes.append(f"train.milestones {late} at or past the last epoch ({epochs}): no drop there")
-    return notes
-
-
-class ModelConfig(Section):
-    """The `model:` section: which network, and optionally weights to start from.
-
-    A run file may write just the network: `model: resnet18`, `model: net.yaml`, or the
-    network mapping itself (`model: {input: ..., layers: ...}`).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    network: str | dict[str, Any] = Field(
-        description="a zoo network, a network file, or the network mapping itself"
-    )
-    weights: str | None = Field(
-        None, description="a state_dict file (.safetensors or .pt) to start from (fine-tuning)"
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        if isinstance(value, str) or (isinstance(value, dict) and "network" not in value):
-            return {"network": value}
-        return value
-
-    @field_validator("network")
-    @classmethod
-    def _readable(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
-        read_spec(value)  # a missing file or a zoo typo is reported here, before any work
-        return value
-
-    @field_validator("weights")
-    @classmethod
-    def _weights_file(cls, value: str | None) -> str | None:
-        if value is not None and not Path(value).is_file():
-            raise ValueError(f"{brief(value)}: no such weights file")
-        return value
-
-    def spec(self) -> dict[str, Any]:
-        """The network's `model:` mapping (what the graph builder reads)."""
-        return read_spec(self.network)
-
-
-class RunConfig(Section):
-    """A whole run: which network, which data, how to train; seed and determinism."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field("run", description="run name (default run directory runs/<name>-<time>)")
-    model: ModelConfig = Field(description="the network (a zoo name, a file or a mapping)")
-    data: DataConfig = Field(description="the data: its `source` says which fields it has")
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    seed: NonNegativeInt = Field(
-        0, lt=2**63, description="seeds weights, data order and augmentation (63 bits)"
-    )
-    deterministic: bool = Field(False, description="bitwise repeatable CPU runs (slower)")
-
-    @field_validator("data", mode="before")
-    @classmethod
-    def _known_source(cls, value: Any) -> Any:
-        return check_source(value)
-
-    @field_validator("name", mode="before")
-    @classmethod
-    def _number_as_name(cls, value: Any) -> Any:  # `name=2024`: YAML reads a number
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
-    @field_validator("name")
-    @classmethod
-    def _plain_name(cls, value: str) -> str:
-        if not NAME_RE.fullmatch(value):
-            raise ValueError(
-                "use letters, digits and . _ + - (it names a folder under runs/), "
-                f"got {brief(value)}"
-            )
-        return value
 
 
 def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
