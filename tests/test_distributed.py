@@ -662,12 +662,13 @@ def test_a_lost_peer_is_said_without_gloos_advice(monkeypatch):
     from types import SimpleNamespace
 
     from cnnkit import distributed
+    from cnnkit.distributed import group as process_group
     from cnnkit.errors import CnnkitError
 
-    monkeypatch.setattr(distributed, "launched", lambda: True)
+    monkeypatch.setattr(process_group, "launched", lambda: True)
     closed = []
     group = SimpleNamespace(rank=1, timeout_s=60, close=closed.append)
-    monkeypatch.setattr(distributed, "Group", lambda cfg: group)
+    monkeypatch.setattr(process_group, "Group", lambda cfg: group)
     with pytest.raises(CnnkitError) as caught:
         with distributed.group_for(TrainConfig()):
             raise RuntimeError(GLOO_PEER_LOST)
@@ -997,7 +998,7 @@ def test_an_error_every_rank_agreed_on_is_said_by_rank_0_only(tmp_path, capsys, 
 
     argv = ["train", "digits", "train.lr=1e30", "train.epochs=1", "train.warmup_epochs=0"]
     monkeypatch.setenv("CNNKIT_NPROC", "2")  # what --nproc gives its ranks
-    monkeypatch.setattr("cnnkit.distributed.launched", lambda: False)  # each rank alone here
+    monkeypatch.setattr("cnnkit.distributed.group.launched", lambda: False)  # each rank alone here
     for rank, said in (("1", False), ("0", True)):
         monkeypatch.setenv("RANK", rank)
         code, _, err = run_cli([*argv, "--out", str(tmp_path / rank)], capsys)

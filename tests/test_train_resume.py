@@ -451,7 +451,7 @@ def test_the_no_checkpoint_yet_notice_is_rank_0s_alone(finished_run, tmp_path, c
     run.mkdir()
     shutil.copy(finished_run / "config.yaml", run / "config.yaml")
     monkeypatch.setenv("RANK", rank)  # this rank alone: its group is not what is checked here
-    monkeypatch.setattr("cnnkit.distributed.launched", lambda: False)
+    monkeypatch.setattr("cnnkit.distributed.group.launched", lambda: False)
     code, _, err = run_cli(["train", "--resume", str(run), "--dry-run"], capsys)
     assert code == 0, err
     assert ("no checkpoint yet: the run starts again from the beginning" in err) == said

@@ -1,11 +1,5 @@
-"""The only module that touches torch.distributed or torchrun's variables (RANK, WORLD_SIZE,
-LOCAL_RANK, TORCHELASTIC_*): process group, DDP or periodic weight averaging, collectives.
-`Processes` is what training needs of them; `Local` (one process) and `Group` (torchrun)
-implement it. `resolve_device` is cnnkit's one rule for turning a device name into a device.
-
-    torchrun --standalone --nproc_per_node=2 -m cnnkit train digits --out runs/digits-ddp
-    cnnkit train digits --nproc 2          # the same, started for you
-"""
+"""The torchrun process group (`Group`): joining it, the collectives the training loop needs,
+DDP or periodic averaging, leaving it; `group_for` turns its failures into one clear line."""
 
 from __future__ import annotations
 
@@ -15,191 +9,16 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cnnkit.errors import CnnkitError, ConfigError, brief
-
-DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
-
-
-def resolve_device(name: str | None = "auto", field: str = "--device") -> torch.device:
-    """'auto' (or None) -> cuda if available, else cpu; a named device must exist here.
-
-    `field` names the setting in error messages (`train.device`, `--device`).
-    """
-    if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"{field}: {name!r} is not a device ({DEVICE_HELP})") from None
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"{field}: {name!r}: cnnkit runs on {DEVICE_HELP}")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ConfigError(f"{field}: {name!r} asked for, but no CUDA device is available")
-        if (device.index or 0) >= count:
-            raise ConfigError(f"{field}: {name!r}: this machine has {count} CUDA device(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"{field}: {name!r} asked for, but MPS is not available here")
-    if device.type == "cuda" and device.index is not None:
-        # the current device: what torch.cuda calls that name none use (RNG states, sync)
-        torch.cuda.set_device(device)
-    return device
-
-
-def group_device_name(name: str) -> str:
-    """`train.device` for a group, where each process takes cuda:LOCAL_RANK: one named GPU
-    (cuda:N) would be ignored, so it is one clear line."""
-    if name.startswith("cuda") and ":" in name:
-        raise ConfigError(
-            f"train.device: {name!r} names one GPU, but each process of a group takes "
-            "cuda:LOCAL_RANK: set train.device=cuda (CUDA_VISIBLE_DEVICES chooses GPUs)"
-        )
-    return name
-
-
-class Processes(Protocol):
-    """The processes training runs in: this one's rank, the collectives, the model wrapper."""
-
-    rank: int
-    world_size: int
-    local_world_size: int  # processes on this machine (they share its cores)
-    is_main: bool  # rank 0: prints and writes the run directory
-
-    def device(self, name: str) -> torch.device: ...  # this process's device for `train.device`
-
-    def wrap(self, model: nn.Module) -> nn.Module: ...  # DDP, or the model itself
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...  # sum over ranks, in place
-
-    def gather(self, obj: Any) -> list[Any]: ...  # every rank's obj, rank order
-
-    def broadcast_object(self, obj: Any) -> Any: ...  # rank 0's obj on every rank
-
-    def agree(self, flags: Sequence[bool], every: int = 1) -> tuple[list[bool], int]: ...  # any
-
-    # rank's, flag by flag; the fewest steps any rank proposes
-
-    def synced(self, global_step: int, epoch_end: bool = False) -> bool: ...  # replicas equal
-
-    def after_step(self, engine: Any, global_step: int, epoch_end: bool = False) -> None: ...
-
-    def average(self, engine: Any) -> None: ...  # sync "average": make the replicas equal now
-
-
-class Local:
-    """One process alone: rank 0 of 1, no collectives."""
-
-    rank, world_size, local_world_size, is_main = 0, 1, 1, True
-
-    def device(self, name: str) -> torch.device:
-        return resolve_device(name, "train.device")
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def gather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return obj
-
-    def agree(self, flags: Sequence[bool], every: int = 1) -> tuple[list[bool], int]:
-        return list(flags), every
-
-    def synced(self, global_step: int, epoch_end: bool = False) -> bool:
-        return True
-
-    def after_step(self, engine: Any, global_step: int, epoch_end: bool = False) -> None:
-        """Nothing to average alone."""
-
-    def average(self, engine: Any) -> None:
-        """Nothing to average alone."""
-
-
-GROUP_VARIABLES = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # -> a process alone's
-
-
-def launched() -> bool:
-    """True inside a torchrun worker (RANK, WORLD_SIZE and LOCAL_RANK set). Some of them set
-    to what names a group (RANK=1, WORLD_SIZE=4), the others not: a ConfigError, as torch's
-    env:// rendezvous refuses it, not one process training alone as if it were the group."""
-    given = [name for name in GROUP_VARIABLES if name in os.environ]
-    if len(given) == len(GROUP_VARIABLES):
-        return True
-    grouped = [n for n in given if os.environ[n].strip() != GROUP_VARIABLES[n]]
-    if grouped:
-        missing = " and ".join(n for n in GROUP_VARIABLES if n not in given)
-        name = grouped[0]
-        raise ConfigError(f"{name}={brief(os.environ[name])} is set but {missing} not: a process "
-                          "of a group needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun sets them "
-                          f"all); unset {name} to train alone")  # fmt: skip
-    return False
-
-
-TORCHRUN_VARIABLES = "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
-
-
-def env_text(name: str) -> str:
-    """A torchrun variable that must be set (MASTER_ADDR): one clear line where it is not."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        raise ConfigError(f"{name} is not set: a process of a group needs {TORCHRUN_VARIABLES} "
-                          "(torchrun sets them all)")  # fmt: skip
-    return value
-
-
-def env_number(name: str, least: int, most: int | None = None, default: str | None = None) -> int:
-    """A torchrun variable as a whole number from `least` to `most`: one clear line where it is
-    missing or is not one (set by hand, or by a launcher other than torchrun)."""
-    value = os.environ.get(name, default)
-    if value is None:
-        env_text(name)  # (raises: not set)
-    try:
-        number = int(value)
-    except ValueError:
-        number = None
-    if number is None or number < least or (most is not None and number > most):
-        span = f"from {least} to {most}" if most is not None else f"of {least} or more"
-        raise ConfigError(f"{name}={brief(value)}: expected a whole number {span} (torchrun sets "
-                          f"{TORCHRUN_VARIABLES} for each process it starts)")  # fmt: skip
-    return number
-
-
-def restart_count() -> int:
-    """How many times torchrun restarted this group (elastic restarts; 0 on the first start)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def is_rank0() -> bool:
-    """Whether this process is rank 0 of its torchrun group, or alone (before the group is
-    joined: for what only one process should say)."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def resume_command(run_dir: Any, world_size: int) -> str:
-    """How to continue a run stopped mid-epoch: in as many processes as it had (a mid-epoch
-    checkpoint of N processes resumes in N only)."""
-    if world_size == 1:
-        return f"`cnnkit train --resume {run_dir}`"
-    if os.environ.get("CNNKIT_NPROC"):  # started by `cnnkit train --nproc N` (cnnkit.agent)
-        return f"`cnnkit train --resume {run_dir} --nproc {world_size}`"
-    return f"`cnnkit train --resume {run_dir}` under the same torchrun ({world_size} processes)"
-
-
-def run_id() -> str | None:
-    """torchrun's id of this job (the same on every rank and across restarts)."""
-    value = os.environ.get("TORCHELASTIC_RUN_ID")
-    return value if value and value != "none" else None
+from cnnkit.distributed.device import group_device_name, resolve_device
+from cnnkit.distributed.environment import env_number, env_text, launched, restart_count
+from cnnkit.distributed.replicas import average_in_place, convert_sync_batchnorm
+from cnnkit.errors import CnnkitError, ConfigError
 
 
 class Group:
@@ -395,37 +214,12 @@ class Group:
         dist.destroy_process_group()
 
 
-def average_in_place(tensors: list[torch.Tensor], world_size: int) -> None:
-    """Average tensors over ranks in place: one all-reduce per dtype and device, each tensor
-    keeping its storage and memory format (channels_last stays channels_last)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    for group in groups.values():
-        flat = _flatten_dense_tensors(group)  # a contiguous copy, logical order
-        dist.all_reduce(flat)
-        flat.div_(world_size)
-        for t, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-            t.copy_(mean)  # element by element: t's own strides are kept
-
-
 def _quiet_nccl_errors() -> None:
     """On a NCCL error or timeout, abort the communicator and raise in Python (one line from
     group_for) rather than let the watchdog tear the process down with a wall of C++ logs;
     a user's own setting wins."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
-
-
-def convert_sync_batchnorm(network: nn.Module) -> None:
-    """Swap BatchNorm layers for SyncBatchNorm in place."""
-    for name, module in list(network.named_modules()):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            synced = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-            parent_name, _, leaf = name.rpartition(".")
-            network.get_submodule(parent_name).add_module(leaf, synced)
 
 
 @contextmanager
@@ -465,21 +259,3 @@ def _peer_lost(error: BaseException) -> str:
     first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)  # [file.cc:561]
     first = re.split(r"\.?\s*this is typically", first, flags=re.IGNORECASE)[0]
     return first.strip().rstrip(".") or type(error).__name__
-
-
-def on_rank0(dist: Processes, check: Callable[[], Any]) -> None:
-    """`check` on rank 0 only (the run directory is rank 0's), its ConfigError raised on every
-    rank at once: the others stop there too, quietly (not with "lost a peer process" when
-    rank 0 ends), and none goes on into a collective that rank 0 never reaches."""
-    error = None
-    if dist.is_main:
-        try:
-            check()
-        except ConfigError as e:
-            error = e
-    if dist.world_size > 1:
-        message = dist.broadcast_object(None if error is None else str(error))
-        if message is not None and error is None:
-            error = ConfigError(message)
-    if error is not None:
-        raise error
