@@ -1,0 +1,215 @@
+"""One handler per Caffe layer type cnnkit imports (`LayerTypes`, the Translator's base): the
+layer's params read with Caffe's defaults and semantics into a cnnkit layer spec, emitted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cnnkit.caffe.fields import fillers, flag, integer, learning, multipliers, real, require, sizes
+from cnnkit.errors import brief
+from cnnkit.prototxt import Message
+
+
+class LayerTypes:
+    """The `_<type>` handlers the Translator dispatches to, by the Caffe type in lower case;
+    each reads the layer's params and emits its cnnkit layer (or aliases its blobs)."""
+
+    def _convolution(self, layer: Message, last: bool, kind: str = "conv") -> None:
+        p, here = layer.sub("convolution_param"), self.here
+        what = "Convolution" if kind == "conv" else "Deconvolution"
+        require(here, integer(here, p, "axis", 1) == 1, f"{what} axis must be 1")
+        spec: dict[str, Any] = {"type": kind, "out_channels": integer(here, p, "num_output", 0)}
+        spec["kernel_size"] = sizes(here, p, "kernel", None)
+        require(here, spec["kernel_size"] is not None, f"{what} needs kernel_size")
+        _put(spec, "stride", sizes(here, p, "stride", 1), 1)
+        _put(spec, "padding", sizes(here, p, "pad", 0, alone=True), 0)  # Caffe: pad_w 0
+        _put(spec, "dilation", sizes(here, p, "dilation", 1), 1)
+        _put(spec, "groups", integer(here, p, "group", 1), 1)
+        _put(spec, "bias", flag(here, p, "bias_term", True), True)
+        self._emit(layer, {**spec, **learning(here, layer, p, self.notes)})
+
+    def _deconvolution(self, layer: Message, last: bool) -> None:
+        """Caffe's Deconvolution: torch's ConvTranspose2d with no output_padding; its weight
+        blob is (in, out / group, kh, kw) as torch's."""
+        self._convolution(layer, last, kind="conv_transpose")
+
+    def _innerproduct(self, layer: Message, last: bool) -> None:
+        p, here = layer.sub("inner_product_param"), self.here
+        require(here, integer(here, p, "axis", 1) == 1, "InnerProduct axis must be 1")
+        spec: dict[str, Any] = {"type": "linear", "out_features": integer(here, p, "num_output", 0)}
+        _put(spec, "bias", flag(here, p, "bias_term", True), True)
+        name = self._emit(layer, {**spec, **learning(here, layer, p, self.notes)})
+        if flag(here, p, "transpose", False):  # Caffe then holds W as (in, out): y = x @ W
+            self.sources[name] = [(str(layer.get("name", "")), "linear_t")]
+
+    def _pooling(self, layer: Message, last: bool) -> None:
+        p = layer.sub("pooling_param")
+        method = _enum(p.get("pool", "MAX"), _POOL_METHODS)
+        why = " (stochastic pooling is not imported)" if method == "STOCHASTIC" else ""
+        require(self.here, method in ("MAX", "AVE"), f"pool: {method} is not MAX or AVE{why}")
+        if flag(self.here, p, "global_pooling", False):
+            shape = self.shapes[self._bottom(layer.get("bottom"))]
+            require(
+                self.here, len(shape) == 3, f"global_pooling needs a (C, H, W) input, not {shape}"
+            )
+            if method == "AVE":  # keeps Caffe's (C, 1, 1) output
+                return self._emit(layer, {"type": "adaptive_avgpool", "output_size": 1})
+            return self._emit(
+                layer, {"type": "maxpool", "kernel_size": list(shape[1:]), "stride": 1}
+            )
+        spec: dict[str, Any] = {"type": "maxpool" if method == "MAX" else "avgpool"}
+        spec["kernel_size"] = sizes(self.here, p, "kernel", None)
+        require(self.here, spec["kernel_size"] is not None, "Pooling needs kernel_size")
+        spec["stride"] = sizes(
+            self.here, p, "stride", 1
+        )  # Caffe's default is 1, torch's the kernel
+        _put(spec, "padding", sizes(self.here, p, "pad", 0), 0)
+        mode = p.get("round_mode", "CEIL")  # Caffe rounds up unless told
+        require(self.here, mode in _ROUND_MODES, f"pooling_param round_mode: {brief(mode)} is "
+                "not CEIL or FLOOR")  # fmt: skip
+        spec["ceil_mode"] = _ROUND_MODES[mode]
+        self._emit(layer, spec)
+
+    def _lrn(self, layer: Message, last: bool) -> None:
+        p, here = layer.sub("lrn_param"), self.here
+        region = _enum(p.get("norm_region", "ACROSS_CHANNELS"), _LRN_REGIONS)
+        require(here, region in _LRN_REGIONS, f"LRN {region} is not supported")
+        spec = {"type": "lrn", "convention": "caffe", "size": integer(here, p, "local_size", 5)}
+        require(
+            here,
+            spec["size"] % 2 == 1,
+            f"LRN local_size {spec['size']}: Caffe takes odd "
+            "sizes only (a window centred on the channel)",
+        )
+        spec.update(alpha=real(here, p, "alpha", 1.0), beta=real(here, p, "beta", 0.75))
+        if region == "WITHIN_CHANNEL":  # Caffe ignores k there: 1 + alpha * mean(a^2)
+            return self._emit(layer, {**spec, "region": "within_channel", "k": 1.0})
+        self._emit(layer, {**spec, "k": real(here, p, "k", 1.0)})
+
+    def _prelu(self, layer: Message, last: bool) -> None:
+        p = layer.sub("prelu_param")
+        spec: dict[str, Any] = {"type": "prelu"}
+        _put(spec, "channelwise", not flag(self.here, p, "channel_shared", False), True)
+        filler = p.get("filler")
+        if filler is not None:
+            constant = str(filler.get("type", "constant")) == "constant"
+            require(self.here, constant, "PReLU filler must be constant")
+            _put(spec, "init_slope", real(self.here, filler, "value", 0.0), 0.25)
+        self._emit(layer, {**spec, **multipliers(self.here, layer, ("weight",))})  # the slope
+
+    def _relu(self, layer: Message, last: bool) -> None:
+        slope = real(self.here, layer.sub("relu_param"), "negative_slope", 0.0)
+        spec = {"type": "leaky_relu", "negative_slope": slope} if slope else {"type": "relu"}
+        self._emit(layer, spec)
+
+    def _tanh(self, layer: Message, last: bool) -> None:
+        self._emit(layer, {"type": "tanh"})
+
+    def _sigmoid(self, layer: Message, last: bool) -> None:
+        self._emit(layer, {"type": "sigmoid"})
+
+    def _dropout(self, layer: Message, last: bool) -> None:
+        ratio = real(self.here, layer.sub("dropout_param"), "dropout_ratio", 0.5)
+        self._emit(layer, {"type": "dropout", "p": ratio})
+
+    def _flatten(self, layer: Message, last: bool) -> None:
+        p, here = layer.sub("flatten_param"), self.here
+        ok = integer(here, p, "axis", 1) == 1 and integer(here, p, "end_axis", -1) == -1
+        require(here, ok, "Flatten supports axis 1 to the end only")
+        self._emit(layer, {"type": "flatten"})
+
+    def _concat(self, layer: Message, last: bool) -> None:
+        p, here = layer.sub("concat_param"), self.here
+        axis = integer(here, p, "axis", integer(here, p, "concat_dim", 1))
+        dims = (
+            len(self.shapes[self._bottom(layer.all("bottom")[0])]) + 1 if layer.all("bottom") else 4
+        )
+        require(
+            here,
+            -dims <= axis < dims and axis % dims == 1,
+            "Concat supports the channel axis (1, or -3 of 4) only",
+        )
+        self._emit(layer, {"type": "concat"})
+
+    def _eltwise(self, layer: Message, last: bool) -> None:
+        p = layer.sub("eltwise_param")
+        op = _enum(p.get("operation", "SUM"), tuple(_ELTWISE))
+        require(self.here, op in _ELTWISE, f"Eltwise operation {brief(op)}: SUM, PROD or MAX")
+        coeffs = p.all("coeff")
+        require(
+            self.here,
+            all(c == 1 for c in coeffs),
+            "Eltwise coeff other than 1 is not imported (cnnkit's add sums its inputs as they are)",
+        )
+        self._emit(layer, {"type": _ELTWISE[op]})
+
+    def _batchnorm(self, layer: Message, last: bool) -> None:
+        p = layer.sub("batch_norm_param")
+        spec = {"type": "batchnorm", "eps": real(self.here, p, "eps", 1e-5), "affine": False}
+        fraction = real(self.here, p, "moving_average_fraction", 0.999)
+        spec["momentum"] = round(1.0 - fraction, 9)
+        self._emit(layer, spec)
+
+    def _scale(self, layer: Message, last: bool) -> None:
+        """Caffe's BatchNorm has no scale and shift: the Scale after it adds them, folded into
+        the BatchNorm (torch's affine) where nothing else reads the un-scaled output."""
+        held, caffe_name = self._bottom(layer.get("bottom")), str(layer.get("name", ""))
+        norm = self.layers[-1] if self.layers else {}
+        ok = norm.get("name") == held and norm.get("type") == "batchnorm" and not norm["affine"]
+        ok = ok and len(layer.all("bottom")) == 1
+        require(self.here, ok, "Scale is supported only right after a BatchNorm (one bottom)")
+        p, dims = layer.sub("scale_param"), len(self.shapes[held]) + 1  # with the batch axis
+        axis, count = integer(self.here, p, "axis", 1), integer(self.here, p, "num_axes", 1)
+        per_channel = axis % dims == 1 if -dims <= axis < dims else False
+        count_ok = count == 1 or (count == -1 and dims == 2)  # -1: to the last axis
+        require(self.here, per_channel and count_ok, "Scale supports one factor per channel "
+                f"only (axis 1, num_axes 1), not axis {axis}, num_axes {count}")  # fmt: skip
+        bias = flag(self.here, p, "bias_term", False)
+        learned = multipliers(self.here, layer, ("weight", "bias") if bias else ("weight",))
+        blocks = {"weight": "filler", "bias": "bias_filler"} if bias else {"weight": "filler"}
+        given = fillers(self.here, p, blocks, self.notes)  # Caffe's defaults: 1 and 0
+        if not bias:  # x * gamma
+            name = self._emit(layer, {"type": "scale", **learned, **given})
+            self.sources[name] = [(caffe_name, "channel_scale")]
+        elif layer in self.folds:
+            norm.update(affine=True, **learned, **given)
+            self.sources[held].append((caffe_name, "scale"))
+            for top in layer.all("top"):
+                self.blobs[top] = held
+        else:  # gamma * x + beta beside a reader of x: a depthwise 1x1 convolution computes it
+            shape = self.shapes[held]
+            why = "Scale with bias_term beside another reader of its (N, F) BatchNorm output"
+            require(self.here, len(shape) == 3, f"{why}: cnnkit cannot express it")
+            conv = {"type": "conv", "out_channels": shape[0], "kernel_size": 1, "groups": shape[0],
+                    "init": {"weight": 1.0, "bias": 0.0, **given.get("init", {})}, **learned}  # fmt: skip
+            self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
+
+    def _split(self, layer: Message, last: bool) -> None:
+        self._alias(layer)
+
+    def _softmax(self, layer: Message, last: bool) -> None:
+        require(self.here, last, "Softmax is supported only as the last layer (it is dropped)")
+        self._alias(layer)  # the network returns logits
+
+
+SUPPORTED = (
+    "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
+    "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
+)  # fmt: skip
+# caffe.proto's enums in the order of their numbers (the text format takes either)
+_POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")
+_LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
+_ROUND_MODES = {"CEIL": True, "FLOOR": False, 0: True, 1: False}
+_ELTWISE = {"PROD": "mul", "SUM": "add", "MAX": "max"}
+
+
+def _enum(value: Any, names: tuple[str, ...]) -> str:
+    """An enum field's name, given by name or by its number in caffe.proto."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(names):
+        return names[value]
+    return str(value)
+
+
+def _put(spec: dict[str, Any], key: str, value: Any, default: Any) -> None:
+    if value != default:
+        spec[key] = value
