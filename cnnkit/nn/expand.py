@@ -10,7 +10,6 @@ bounded by MAX_ENTRIES as the layers made are by MAX_LAYERS.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +18,19 @@ from pydantic import ValidationError
 from cnnkit.errors import ConfigError, brief, validation_message
 from cnnkit.nn.expr import ExprError, evaluate, is_expression, reads
 from cnnkit.nn.kinds import KINDS
-from cnnkit.nn.layers import Layer, Linear, ParamLayer, Shape, ShapeError, fmt_shape
+from cnnkit.nn.layer_line import (
+    check_own_init,
+    infer_shape,
+    layer_label,
+    shape_params,
+    validate_layer,
+    with_defaults,
+)
+from cnnkit.nn.layers import Layer, Linear, Shape
 from cnnkit.nn.names import check_name, given_names, input_names, is_name, written
 from cnnkit.nn.spec import BlockDef, NetSpec, suggest
 from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
-MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
 MAX_BLOCK_DEPTH = 16
 # entries expanded, counting absent layers and block copies that make no layer: the bound on
 # the expander's work (copies of an all-absent block would otherwise run for hours unchecked)
@@ -84,7 +90,9 @@ class Expander:
     # -- entries ----------------------------------------------------------------------------------
 
     def _entry(self, raw: Any, position: int, scope: _Scope) -> None:
-        where = _label(scope.index, scope.prefix[:-1]) if scope.prefix else f"layer {scope.index}"
+        where = (
+            layer_label(scope.index, scope.prefix[:-1]) if scope.prefix else f"layer {scope.index}"
+        )
         self.entries += 1
         if self.entries > MAX_ENTRIES:
             raise ConfigError(
@@ -105,11 +113,11 @@ class Expander:
         if is_expression(kind):
             kind = self._sub(f"layer {scope.index}", "type", kind, scope.params)
         short = self._short(raw, f"{kind}{position}", scope)
-        label = _label(scope.index, scope.prefix + short)
+        label = layer_label(scope.index, scope.prefix + short)
         if not isinstance(kind, str) or kind not in KINDS:
             what = f"unknown type {brief(kind)}{suggest(kind, KINDS)}" if kind else "missing"
             raise ConfigError(f"{label}: type: {what}")
-        fields = _with_defaults(raw, self.net.defaults.get(kind, {}))
+        fields = with_defaults(raw, self.net.defaults.get(kind, {}))
         head = any(reads(v, scope.sized) for v in fields.values())  # a classifier (or defaults')
         names = self._sub(label, "inputs", fields.pop("inputs", None), scope.params)
         names = input_names(names)
@@ -123,12 +131,14 @@ class Expander:
         if not self._present(label, condition, env):
             return self._alias(scope, short, inputs[0])
         fields = self._sub(label, None, {**fields, "type": kind}, env)
-        layer = _validate(label, kind, {**fields, "name": scope.prefix + short, "inputs": names})
-        _check_own_init(label, raw, layer)
+        layer = validate_layer(
+            label, kind, {**fields, "name": scope.prefix + short, "inputs": names}
+        )
+        check_own_init(label, raw, layer)
         if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
             layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
         check_name(label, scope.prefix + short, short, self.taken, self.holders)
-        shape = _output_shape(label, layer, in_shapes)
+        shape = infer_shape(label, layer, in_shapes)
         self._add(Node(scope.index, scope.prefix + short, layer, tuple(inputs), shape, head))
         self._register(scope, short, len(self.nodes), raw)
 
@@ -137,7 +147,7 @@ class Expander:
         block_name = self._sub(f"layer {scope.index}", "block", raw.pop("block"), scope.params)
         short = self._short(raw, f"{block_name}{position}", scope)
         named = raw.pop("name", None) is not None
-        label = _label(scope.index, scope.prefix + short)
+        label = layer_label(scope.index, scope.prefix + short)
         block = self._block_def(label, block_name)
         ref = self._sub(label, "inputs", raw.pop("inputs", None), scope.params)
         value, *others = self._block_inputs(label, short, ref, scope, block_name, block)
@@ -341,62 +351,6 @@ class Expander:
                     f"{label}: inputs: unknown layer {brief(ref)}{suggest(ref, pool)}"
                 )
         return out
-
-
-def _label(index: int, name: str) -> str:
-    """`layer 3 (stage.0.conv1)`: how a message names a layer (a long name cut, one with a
-    newline or other control character quoted, so the message stays one line)."""
-    shown = name if name.isprintable() else repr(name)
-    return f"layer {index} ({shown if len(shown) <= 80 else shown[:80] + '...'})"
-
-
-def shape_params(shape: Shape) -> dict[str, int]:
-    """`$in_channels` (and `$in_height`, `$in_width` for images) of a value of this shape."""
-    if len(shape) == 3:
-        return {"in_channels": shape[0], "in_height": shape[1], "in_width": shape[2]}
-    return {"in_channels": shape[0]}
-
-
-def _output_shape(label: str, layer: Layer, in_shapes: list[Shape]) -> Shape:
-    if len(in_shapes) > 1 and not layer.many_inputs:
-        raise ConfigError(f"{label}: inputs: a {layer.type} layer takes one input")
-    try:
-        shape = layer.output_shape(in_shapes)
-    except ShapeError as e:
-        shapes = ", ".join(map(fmt_shape, in_shapes))
-        raise ConfigError(f"{label}: {e.field}: {e} (input {shapes})") from None
-    if math.prod(shape) == 0:
-        raise ConfigError(f"{label}: its output {fmt_shape(shape)} is empty")
-    return shape
-
-
-def _validate(label: str, kind: str, fields: dict[str, Any]) -> Layer:
-    try:
-        return KINDS[kind].model_validate(fields)
-    except ValidationError as e:  # a mistyped field first: it is why a required one is missing
-        typo = next((str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"), None)
-        what = f"{typo}: unknown field{suggest(typo, KINDS[kind].model_fields)}" if typo else None
-        raise ConfigError(f"{label}: {what or validation_message(e)}") from None
-
-
-def _check_own_init(label: str, raw: dict[str, Any], layer: Layer) -> None:
-    """An `init:` rule written on a line that itself says `bias: false` (or `affine: false`)
-    is a contradiction; one from `defaults:`, or beside a `$parameter` that is false in this
-    use of a block, is skipped (as a layer without the parameter skips it)."""
-    init, literal = raw.get("init"), raw.get("affine") is False or raw.get("bias") is False
-    if literal and isinstance(init, dict) and isinstance(layer, ParamLayer):
-        absent = sorted(set(init) & layer.absent_params(), key=str)
-        if absent:
-            why = "affine: false" if raw.get("affine") is False else "bias: false"
-            raise ConfigError(f"{label}: init: {absent[0]}: this layer has no {absent[0]} ({why})")
-
-
-def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    merged = {**defaults, **fields}
-    for key in MERGED_FIELDS:
-        if isinstance(defaults.get(key), dict) and isinstance(fields.get(key), dict):
-            merged[key] = {**defaults[key], **fields[key]}
-    return merged
 
 
 def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[NetSpec, list, int]:

@@ -1,0 +1,76 @@
+"""One layer line of a network file made a checked Layer: defaults merged, fields validated,
+its own `init:` checked, its output shape inferred; `layer_label` is how messages name it and
+`shape_params` the `$in_*` parameters its input's shape gives."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import ValidationError
+
+from cnnkit.errors import ConfigError, validation_message
+from cnnkit.nn.kinds import KINDS
+from cnnkit.nn.layers import Layer, ParamLayer, Shape, ShapeError, fmt_shape
+from cnnkit.nn.spec import suggest
+
+MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
+
+
+def layer_label(index: int, name: str) -> str:
+    """`layer 3 (stage.0.conv1)`: how a message names a layer (a long name cut, one with a
+    newline or other control character quoted, so the message stays one line)."""
+    shown = name if name.isprintable() else repr(name)
+    return f"layer {index} ({shown if len(shown) <= 80 else shown[:80] + '...'})"
+
+
+def shape_params(shape: Shape) -> dict[str, int]:
+    """`$in_channels` (and `$in_height`, `$in_width` for images) of a value of this shape."""
+    if len(shape) == 3:
+        return {"in_channels": shape[0], "in_height": shape[1], "in_width": shape[2]}
+    return {"in_channels": shape[0]}
+
+
+def infer_shape(label: str, layer: Layer, in_shapes: list[Shape]) -> Shape:
+    """The layer's output shape from its inputs'; a mistake is one line naming the field."""
+    if len(in_shapes) > 1 and not layer.many_inputs:
+        raise ConfigError(f"{label}: inputs: a {layer.type} layer takes one input")
+    try:
+        shape = layer.output_shape(in_shapes)
+    except ShapeError as e:
+        shapes = ", ".join(map(fmt_shape, in_shapes))
+        raise ConfigError(f"{label}: {e.field}: {e} (input {shapes})") from None
+    if math.prod(shape) == 0:
+        raise ConfigError(f"{label}: its output {fmt_shape(shape)} is empty")
+    return shape
+
+
+def validate_layer(label: str, kind: str, fields: dict[str, Any]) -> Layer:
+    """A layer line's fields validated as its kind (a mistyped field named first)."""
+    try:
+        return KINDS[kind].model_validate(fields)
+    except ValidationError as e:  # a mistyped field first: it is why a required one is missing
+        typo = next((str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"), None)
+        what = f"{typo}: unknown field{suggest(typo, KINDS[kind].model_fields)}" if typo else None
+        raise ConfigError(f"{label}: {what or validation_message(e)}") from None
+
+
+def check_own_init(label: str, raw: dict[str, Any], layer: Layer) -> None:
+    """An `init:` rule written on a line that itself says `bias: false` (or `affine: false`)
+    is a contradiction; one from `defaults:`, or beside a `$parameter` that is false in this
+    use of a block, is skipped (as a layer without the parameter skips it)."""
+    init, literal = raw.get("init"), raw.get("affine") is False or raw.get("bias") is False
+    if literal and isinstance(init, dict) and isinstance(layer, ParamLayer):
+        absent = sorted(set(init) & layer.absent_params(), key=str)
+        if absent:
+            why = "affine: false" if raw.get("affine") is False else "bias: false"
+            raise ConfigError(f"{label}: init: {absent[0]}: this layer has no {absent[0]} ({why})")
+
+
+def with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A line's fields over its kind's `defaults:` (MERGED_FIELDS merged key by key)."""
+    merged = {**defaults, **fields}
+    for key in MERGED_FIELDS:
+        if isinstance(defaults.get(key), dict) and isinstance(fields.get(key), dict):
+            merged[key] = {**defaults[key], **fields[key]}
+    return merged
