@@ -142,11 +142,38 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
     """Epoch after epoch until the run ends (see the module's docstring)."""
     config, data, dist = ctx.config, ctx.data, ctx.dist
     steps, epochs = len(data.train), config.train.epochs
-    saves = MidEpochSaves(config.train.checkpoint_every, config.train.checkpoint_minutes, dist)
+    after_step = _after_step(engine, schedule, progress, hooks, ctx, writer, stop)
     pre = data.preprocess
     recipe = BatchRecipe(config.data.policy, config.data.erasing, config.data.mixup,
                          config.data.cutmix, tuple(pre.mean), tuple(pre.std))  # fmt: skip
+    try:
+        while progress.epoch < epochs and not _early_stop(
+            progress, config.train.early_stop, console
+        ):
+            console.start_epoch(progress.epoch + 1, epochs, steps, progress.step)
+            stats = train_one_epoch(engine, data.train, schedule, progress, console, after_step,
+                                    dist, recipe)  # fmt: skip
+            row = _evaluate(engine, progress, stats, schedule, ctx)
+            schedule.end_epoch(1.0 - row["val_top1"])
+            progress.history.append(row)
+            progress.epoch, progress.step, progress.partial = progress.epoch + 1, 0, {}
+            progress.running = None
+            save_epoch(engine, schedule, progress, ctx, row, writer)
+            console.end_epoch(row, epochs)
+            if _stopped_after_epoch(hooks, row, stop, dist):
+                raise StopTraining
+    except StopTraining:
+        _stopped_by_callback(engine, schedule, progress, console, ctx, writer)
 
+
+def _after_step(engine: Engine, schedule: Schedule, progress: Progress, hooks: Hooks,
+                ctx: RunContext, writer: CheckpointWriter,
+                stop: StopRequest) -> StepHook:  # fmt: skip
+    """What follows each step: last.pt when a mid-epoch save is due, a stop (Ctrl-C or a
+    callback's) saved and raised, then the hooks."""
+    config, dist = ctx.config, ctx.dist
+    steps = len(ctx.data.train)
+    saves = MidEpochSaves(config.train.checkpoint_every, config.train.checkpoint_minutes, dist)
     agreement = Agreement()
 
     def stopping(step: int, global_step: int) -> tuple[bool, bool]:
@@ -180,30 +207,20 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
                 raise
             stop.callback = True  # every rank stops at the next step they agree on
 
-    try:
-        while progress.epoch < epochs and not _early_stop(
-            progress, config.train.early_stop, console
-        ):
-            console.start_epoch(progress.epoch + 1, epochs, steps, progress.step)
-            stats = train_one_epoch(engine, data.train, schedule, progress, console, after_step,
-                                    dist, recipe)  # fmt: skip
-            row = _evaluate(engine, progress, stats, schedule, ctx)
-            schedule.end_epoch(1.0 - row["val_top1"])
-            progress.history.append(row)
-            progress.epoch, progress.step, progress.partial = progress.epoch + 1, 0, {}
-            progress.running = None
-            save_epoch(engine, schedule, progress, ctx, row, writer)
-            console.end_epoch(row, epochs)
-            if _stopped_after_epoch(hooks, row, stop, dist):
-                raise StopTraining
-    except StopTraining:
-        console.close()
-        where = (f"at epoch {progress.epoch + 1} step {progress.step}" if progress.step
-                 else f"after epoch {progress.epoch}")  # fmt: skip
-        console.print(f"stopped by a callback {where}")
-        if progress.step:  # inside an epoch: keep where it stood (sync: average: averaged)
-            dist.average(engine)
-            save_mid_epoch(engine, schedule, progress, ctx, writer)
+    return after_step
+
+
+def _stopped_by_callback(engine: Engine, schedule: Schedule, progress: Progress,
+                         console: Console, ctx: RunContext,
+                         writer: CheckpointWriter) -> None:  # fmt: skip
+    """A callback stopped the run: say where it stopped (inside an epoch: saved there)."""
+    console.close()
+    where = (f"at epoch {progress.epoch + 1} step {progress.step}" if progress.step
+             else f"after epoch {progress.epoch}")  # fmt: skip
+    console.print(f"stopped by a callback {where}")
+    if progress.step:  # inside an epoch: keep where it stood (sync: average: averaged)
+        ctx.dist.average(engine)
+        save_mid_epoch(engine, schedule, progress, ctx, writer)
 
 
 def _stopped_after_epoch(hooks: Hooks, row: dict[str, float], stop: StopRequest,
