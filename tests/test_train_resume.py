@@ -339,7 +339,7 @@ def test_a_resume_keeps_the_settings_the_run_began_with(tmp_path, capsys):
         torch.get_num_threads()))  # fmt: skip
     assert "2 threads: static rules" in capsys.readouterr().out and threads[-1] == 2
     # in another number of processes (--nproc 2 of a one-process run): chosen afresh
-    from cnnkit.train.run import resumed_settings
+    from cnnkit.train.build import resumed_settings
 
     state, cpu = load_checkpoint(run / "last.pt"), torch.device("cpu")
     assert resumed_settings(state, again, cpu, ranks=1).threads == 2
@@ -462,7 +462,7 @@ def test_a_dry_run_of_nproc_n_chooses_settings_for_one_of_n_ranks(monkeypatch, c
     caches) the choice for that, not for one process with the whole batch and every core."""
     from helpers import run_cli
 
-    import cnnkit.train.run as run_module
+    import cnnkit.train.build as build_module
     from cnnkit.train.settings import Settings
 
     asked = []
@@ -471,8 +471,8 @@ def test_a_dry_run_of_nproc_n_chooses_settings_for_one_of_n_ranks(monkeypatch, c
         asked.append((batch, torch.get_num_threads()))
         return Settings("fp32", False, torch.get_num_threads(), "set")
 
-    monkeypatch.setattr(run_module, "choose_settings", spy)
-    monkeypatch.setattr(run_module, "available_cores", lambda: 4)
+    monkeypatch.setattr(build_module, "choose_settings", spy)
+    monkeypatch.setattr(build_module, "available_cores", lambda: 4)
     code, out, err = run_cli(["train", "digits", "--nproc", "2", "--dry-run"], capsys)
     assert code == 0, err
     assert asked == [(32, 2)] and "2 processes" in out

@@ -19,29 +19,13 @@ from cnnkit.checkpoint import set_rng_state
 from cnnkit.config import RunConfig, dump_run, load_run, schedule_notes
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
-from cnnkit.errors import CheckpointError, ConfigError, DataError
-from cnnkit.nn import Network, build_model
-from cnnkit.runtime import (
-    available_cores,
-    mix_seed,
-    restore_matmuls,
-    seed_everything,
-    tf32_matmuls,
-    torch_threads,
-)
-from cnnkit.train.checks import (
-    check_batchnorm,
-    check_epochs_left,
-    check_processes,
-    check_same_data,
-    smallest_chunk,
-)
-from cnnkit.train.engine import Engine, balanced_weights, build_engine
+from cnnkit.errors import CheckpointError, ConfigError
+from cnnkit.runtime import mix_seed, restore_matmuls, seed_everything, tf32_matmuls, torch_threads
+from cnnkit.train.build import build_run_engine
+from cnnkit.train.checks import check_epochs_left, check_processes, check_same_data
+from cnnkit.train.engine import Engine
 from cnnkit.train.epochs import Hooks, stop_on_interrupt, train_epochs
-from cnnkit.train.loop import (
-    Progress,
-    StepHook,
-)
+from cnnkit.train.loop import Progress, StepHook
 from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import (
@@ -54,7 +38,6 @@ from cnnkit.train.rundir import (
     run_lock,
 )
 from cnnkit.train.saver import CheckpointWriter
-from cnnkit.train.settings import Settings, choose_settings
 from cnnkit.train.state import RunContext, load_ema_buffers, restore
 from cnnkit.train.summary import finish
 
@@ -156,50 +139,6 @@ def deterministic_mode(on: bool, device: torch.device) -> Iterator[None]:
             restore_matmuls(matmuls)
 
 
-def build_network(config: RunConfig, data: DataBundle) -> Network:
-    """The run's network with the data's class count, checked against the data's image shape,
-    starting from `model.weights` when given (a classifier of another class count starts
-    fresh); a resumed run's own checkpoint replaces them."""
-    if len(data.classes) < 2:  # one output: a softmax of 1, loss 0 and "100%" whatever it learns
-        path = getattr(config.data, "path", None)
-        where = f" in {path}" if path else ""
-        hint = " (is data.path the folder above the class folders?)" if path else ""
-        raise DataError(f"data: {len(data.classes)} class ({', '.join(data.classes)}){where}: a "
-                        f"classifier needs at least 2{hint}")  # fmt: skip
-    network = build_model(config.model.spec(), num_classes=len(data.classes),
-                          weights=config.model.weights)  # fmt: skip
-    last = network.table[-1]
-    if network.num_classes != len(data.classes):
-        raise ConfigError(
-            f"model: the last layer {last.name} ({last.type}) gives {list(network.output_shape)}, "
-            f"not scores for the data's {len(data.classes)} classes (end with a linear layer, "
-            "out_features left out, after a flatten or global_avgpool)"
-        )
-    if tuple(network.input_shape) != tuple(data.input_shape):
-        raise ConfigError(
-            f"model: input {list(network.input_shape)} does not match the data's images "
-            f"{list(data.input_shape)}{_shape_hint(config, network.input_shape, data.input_shape)}"
-        )
-    return network
-
-
-def _shape_hint(config: RunConfig, want: tuple[int, ...], have: tuple[int, ...]) -> str:
-    """The data setting that gives a network's input: the grey images, the crop, the shape."""
-    if want[0] == 1 and have[0] == 3:
-        return " (data.grey: true gives the images' luma)"
-    if config.data.source == "synthetic":
-        return f" (set data.shape={list(want)})"
-    if (
-        len(want) == 3
-        and want[0] == have[0]
-        and want[1] == want[2]
-        and hasattr(config.data, "crop")
-    ):
-        size = ", and data.size the side images are resized to first" * hasattr(config.data, "size")
-        return f" (set data.crop={want[1]}{size})"
-    return ""
-
-
 def fit(
     config: RunConfig,
     run_dir: str | Path | None = None,
@@ -221,49 +160,65 @@ def fit(
     dist = dist or Local()
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
     device = dist.device(config.train.device)
-    check_processes(config, processes if dry_run and processes else dist.world_size, device,
-                    resume)  # fmt: skip
+    ranks = processes if dry_run and processes else dist.world_size
+    check_processes(config, ranks, device, resume)
     if not dry_run:
         distributed.on_rank0(dist, lambda: check_writable(run_dir))
     with ExitStack() as stack:
         stack.enter_context(deterministic_mode(config.deterministic, device))
-        seed_everything(config.seed)
-        data = config.data.build(
-            device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
-        )
-        if resume:
-            check_same_data(resume, data, run_dir)
-        engine = _engine(config, data, device, dist, Console(quiet or not dist.is_main), resume,
-                         processes if dry_run and processes else dist.world_size)  # fmt: skip
-        if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
-            torch.manual_seed(mix_seed(config.seed, dist.rank))
-        stack.enter_context(torch_threads(engine.settings.threads))
-        schedule = Schedule(config.train)
-        progress = restore(resume, engine, schedule, len(data.train)) if resume else Progress()
-        if resume:  # after everything that draws from the generators, before any file is written
-            _restore_rank(resume, dist, progress, engine)
-            check_epochs_left(config, progress, run_dir)
+        data, engine, schedule, progress = _build(config, run_dir, resume, quiet, dist, device,
+                                                  ranks, stack)  # fmt: skip
         if dry_run:
             return _dry_run(Console(quiet or not dist.is_main), config, engine, data, run_dir,
                             progress, processes or dist.world_size, dist.is_main)  # fmt: skip
         distributed.on_rank0(dist, lambda: stack.enter_context(_locked(run_dir, fresh)))
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
         ctx = RunContext(config, data, dist, run_dir, log, started)
-        console = Console(quiet or not dist.is_main, top5=len(data.classes) > 5, log=log)
-        _describe(console, ctx, engine, progress)
-        writer, done_before = CheckpointWriter(), progress.global_step
-        try:
-            with stop_on_interrupt() as stop:
-                train_epochs(engine, schedule, progress, console, Hooks(on_step, callbacks), ctx,
-                             writer, stop)  # fmt: skip
-        finally:
-            console.close()  # the bar gone before any line of how the run ended
-            writer.wait()  # every checkpoint on disk before the run reports anything
-            if log is not None:
-                log.close()
-        # a session that trained nothing (all epochs done) adds nothing to the run's wall time
-        spent = None if progress.global_step == done_before else time.perf_counter() - started
-        return finish(engine, progress, ctx, spent, console)
+        return _train(ctx, engine, schedule, progress, Hooks(on_step, callbacks), quiet)
+
+
+def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quiet: bool,
+           dist: Processes, device: torch.device, ranks: int,
+           stack: ExitStack) -> tuple[DataBundle, Engine, Schedule, Progress]:  # fmt: skip
+    """Everything the run needs, seeded: the data, the engine (its threads held by `stack`),
+    the schedule, and the progress (a resumed run's, with this rank's generators)."""
+    seed_everything(config.seed)
+    data = config.data.build(
+        device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
+    )
+    if resume:
+        check_same_data(resume, data, run_dir)
+    engine = build_run_engine(config, data, device, dist, Console(quiet or not dist.is_main),
+                              resume, ranks)  # fmt: skip
+    if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
+        torch.manual_seed(mix_seed(config.seed, dist.rank))
+    stack.enter_context(torch_threads(engine.settings.threads))
+    schedule = Schedule(config.train)
+    progress = restore(resume, engine, schedule, len(data.train)) if resume else Progress()
+    if resume:  # after everything that draws from the generators, before any file is written
+        _restore_rank(resume, dist, progress, engine)
+        check_epochs_left(config, progress, run_dir)
+    return data, engine, schedule, progress
+
+
+def _train(ctx: RunContext, engine: Engine, schedule: Schedule, progress: Progress,
+           hooks: Hooks, quiet: bool) -> dict[str, Any]:  # fmt: skip
+    """The epochs, then the summary; however they end, the bar is gone, every checkpoint on
+    disk and the log closed before anything more is said."""
+    console = Console(quiet or not ctx.dist.is_main, top5=len(ctx.data.classes) > 5, log=ctx.log)
+    _describe(console, ctx, engine, progress)
+    writer, done_before = CheckpointWriter(), progress.global_step
+    try:
+        with stop_on_interrupt() as stop:
+            train_epochs(engine, schedule, progress, console, hooks, ctx, writer, stop)
+    finally:
+        console.close()  # the bar gone before any line of how the run ended
+        writer.wait()  # every checkpoint on disk before the run reports anything
+        if ctx.log is not None:
+            ctx.log.close()
+    # a session that trained nothing (all epochs done) adds nothing to the run's wall time
+    spent = None if progress.global_step == done_before else time.perf_counter() - ctx.started
+    return finish(engine, progress, ctx, spent, console)
 
 
 @contextmanager
@@ -296,58 +251,6 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
     return {"dry_run": True, "name": config.name, "run_dir": str(run_dir),
             "settings": engine.settings.describe(), "train_images": data.train.num_samples,
             "val_images": data.val.num_samples, "parameters": params}  # fmt: skip
-
-
-def _engine(config: RunConfig, data: DataBundle, device: torch.device, dist: Processes,
-            console: Console, resume: dict[str, Any] | None = None,
-            ranks: int = 1) -> Engine:  # fmt: skip
-    """The network built and put on the device with the settings chosen for it (rank 0's
-    choice on every rank: one precision and format for the whole group); a resumed run keeps
-    the settings it began with (resumed_settings). `ranks`: the processes the choice is for
-    (each takes its share of the batch and, from --nproc, of the cores: a dry run of N
-    chooses what N ranks will run)."""
-    network = build_network(config, data)
-    per_rank = config.data.batch_size // ranks
-    if not (config.train.sync_bn and ranks > 1):  # (SyncBatchNorm counts every rank's values)
-        images = min(per_rank, len(data.train_labels) // ranks)  # (a set smaller than a batch)
-        check_batchnorm(network, smallest_chunk(images, config.train.accumulate),
-                        config.train.accumulate > 1)  # fmt: skip
-    chosen = None
-    if dist.is_main:
-        cores = torch.get_num_threads() if ranks == dist.world_size else max(
-            1, available_cores() // ranks)  # fmt: skip
-        with torch_threads(cores):
-            chosen = resumed_settings(resume, config, device, ranks) or choose_settings(
-                network, config.train, device, per_rank, config.deterministic,
-                notify=console.print)  # fmt: skip
-    settings = dist.broadcast_object(chosen)
-    weights = None
-    if config.train.class_weights == "balanced":
-        weights = balanced_weights(data.train_labels, len(data.classes))
-    return build_engine(network, config.train, device, wrap=dist.wrap, class_weights=weights,
-                        settings=settings)  # fmt: skip
-
-
-SETTING_FIELDS = ("precision", "channels_last", "threads", "compile")
-
-
-def resumed_settings(resume: dict[str, Any] | None, config: RunConfig, device: torch.device,
-                     ranks: int = 1) -> Settings | None:  # fmt: skip
-    """The settings a resumed run's steps ran with, so it continues bitwise as it began
-    (another thread count or kernel alone changes the weights), unless the resume sets them
-    anew (train.precision=..., train.threads=...), runs on another kind of device, or in
-    another number of processes `ranks` (the split changes anyway, and threads chosen for
-    one process each would oversubscribe the cores of two)."""
-    saved = (resume or {}).get("settings")
-    if not saved or saved["device"] != device.type:
-        return None
-    if len(resume.get("rng_ranks") or [None]) != ranks:
-        return None
-    before = resume["config"].get("train") or {}  # a dict: the checkpoint is validated
-    if any(before.get(k) != getattr(config.train, k) for k in SETTING_FIELDS):
-        return None
-    fields = {k: v for k, v in saved.items() if k != "device"}
-    return Settings(**{**fields, "how": "resumed"})
 
 
 def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLog:

@@ -1,0 +1,115 @@
+"""What a run trains, built before its first step: the network, checked against the data, and
+the engine with the settings chosen for it (rank 0's choice, or a resumed run's own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cnnkit.config import RunConfig
+from cnnkit.data import DataBundle
+from cnnkit.distributed import Processes
+from cnnkit.errors import ConfigError, DataError
+from cnnkit.nn import Network, build_model
+from cnnkit.runtime import available_cores, torch_threads
+from cnnkit.train.checks import check_batchnorm, smallest_chunk
+from cnnkit.train.engine import Engine, balanced_weights, build_engine
+from cnnkit.train.metrics import Console
+from cnnkit.train.settings import Settings, choose_settings
+
+
+def build_network(config: RunConfig, data: DataBundle) -> Network:
+    """The run's network with the data's class count, checked against the data's image shape,
+    starting from `model.weights` when given (a classifier of another class count starts
+    fresh); a resumed run's own checkpoint replaces them."""
+    if len(data.classes) < 2:  # one output: a softmax of 1, loss 0 and "100%" whatever it learns
+        path = getattr(config.data, "path", None)
+        where = f" in {path}" if path else ""
+        hint = " (is data.path the folder above the class folders?)" if path else ""
+        raise DataError(f"data: {len(data.classes)} class ({', '.join(data.classes)}){where}: a "
+                        f"classifier needs at least 2{hint}")  # fmt: skip
+    network = build_model(config.model.spec(), num_classes=len(data.classes),
+                          weights=config.model.weights)  # fmt: skip
+    last = network.table[-1]
+    if network.num_classes != len(data.classes):
+        raise ConfigError(
+            f"model: the last layer {last.name} ({last.type}) gives {list(network.output_shape)}, "
+            f"not scores for the data's {len(data.classes)} classes (end with a linear layer, "
+            "out_features left out, after a flatten or global_avgpool)"
+        )
+    if tuple(network.input_shape) != tuple(data.input_shape):
+        raise ConfigError(
+            f"model: input {list(network.input_shape)} does not match the data's images "
+            f"{list(data.input_shape)}{_shape_hint(config, network.input_shape, data.input_shape)}"
+        )
+    return network
+
+
+def _shape_hint(config: RunConfig, want: tuple[int, ...], have: tuple[int, ...]) -> str:
+    """The data setting that gives a network's input: the grey images, the crop, the shape."""
+    if want[0] == 1 and have[0] == 3:
+        return " (data.grey: true gives the images' luma)"
+    if config.data.source == "synthetic":
+        return f" (set data.shape={list(want)})"
+    if (
+        len(want) == 3
+        and want[0] == have[0]
+        and want[1] == want[2]
+        and hasattr(config.data, "crop")
+    ):
+        size = ", and data.size the side images are resized to first" * hasattr(config.data, "size")
+        return f" (set data.crop={want[1]}{size})"
+    return ""
+
+
+def build_run_engine(config: RunConfig, data: DataBundle, device: torch.device,
+                     dist: Processes, console: Console,
+                     resume: dict[str, Any] | None = None, ranks: int = 1) -> Engine:  # fmt: skip
+    """The network built and put on the device with the settings chosen for it (rank 0's
+    choice on every rank: one precision and format for the whole group); a resumed run keeps
+    the settings it began with (resumed_settings). `ranks`: the processes the choice is for
+    (each takes its share of the batch and, from --nproc, of the cores: a dry run of N
+    chooses what N ranks will run)."""
+    network = build_network(config, data)
+    per_rank = config.data.batch_size // ranks
+    if not (config.train.sync_bn and ranks > 1):  # (SyncBatchNorm counts every rank's values)
+        images = min(per_rank, len(data.train_labels) // ranks)  # (a set smaller than a batch)
+        check_batchnorm(network, smallest_chunk(images, config.train.accumulate),
+                        config.train.accumulate > 1)  # fmt: skip
+    chosen = None
+    if dist.is_main:
+        cores = torch.get_num_threads() if ranks == dist.world_size else max(
+            1, available_cores() // ranks)  # fmt: skip
+        with torch_threads(cores):
+            chosen = resumed_settings(resume, config, device, ranks) or choose_settings(
+                network, config.train, device, per_rank, config.deterministic,
+                notify=console.print)  # fmt: skip
+    settings = dist.broadcast_object(chosen)
+    weights = None
+    if config.train.class_weights == "balanced":
+        weights = balanced_weights(data.train_labels, len(data.classes))
+    return build_engine(network, config.train, device, wrap=dist.wrap, class_weights=weights,
+                        settings=settings)  # fmt: skip
+
+
+SETTING_FIELDS = ("precision", "channels_last", "threads", "compile")
+
+
+def resumed_settings(resume: dict[str, Any] | None, config: RunConfig, device: torch.device,
+                     ranks: int = 1) -> Settings | None:  # fmt: skip
+    """The settings a resumed run's steps ran with, so it continues bitwise as it began
+    (another thread count or kernel alone changes the weights), unless the resume sets them
+    anew (train.precision=..., train.threads=...), runs on another kind of device, or in
+    another number of processes `ranks` (the split changes anyway, and threads chosen for
+    one process each would oversubscribe the cores of two)."""
+    saved = (resume or {}).get("settings")
+    if not saved or saved["device"] != device.type:
+        return None
+    if len(resume.get("rng_ranks") or [None]) != ranks:
+        return None
+    before = resume["config"].get("train") or {}  # a dict: the checkpoint is validated
+    if any(before.get(k) != getattr(config.train, k) for k in SETTING_FIELDS):
+        return None
+    fields = {k: v for k, v in saved.items() if k != "device"}
+    return Settings(**{**fields, "how": "resumed"})
