@@ -124,6 +124,24 @@ def test_infer_counts_forward_flops_only():
     assert r["flops_per_image"] == 2 * TINY_MACS and r["precision"] == "fp32"
 
 
+def test_infer_with_a_forced_memory_format_stays_classifys_fp32(monkeypatch):
+    """--channels-last / --no-channels-last on a CPU: still `cnnkit classify`'s fp32 forward
+    pass (it fell back to training's choice with precision auto, bf16 where that was faster)."""
+    import cnnkit.bench.throughput as throughput
+
+    asked, choose = [], throughput.choose_settings
+
+    def recorded(model, cfg, *args, **kwargs):
+        asked.append(cfg.precision)
+        return choose(model, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(throughput, "choose_settings", recorded)
+    r = bench_throughput(TINY, "infer", 4, CPU, channels_last=False, threads=1,
+                         warmup=0, repeats=1, quick_peak=True, cache=False)  # fmt: skip
+    assert asked == ["fp32"] and r["precision"] == "fp32"
+    assert r["channels_last"] is False and r["settings"]["as"] == "cnnkit classify"
+
+
 @pytest.mark.parametrize("ratio", [0.5, 2.0])
 def test_a_cpu_estimate_under_the_measured_peak_says_why(ratio):
     """Under a hypervisor /proc/cpuinfo gives the nominal clock, and boosting cores beat the

@@ -130,7 +130,7 @@ def test_bench_infer_runs_what_classify_would_choose(monkeypatch):
     assert r["settings"]["as"] == "cnnkit classify" and "(W x^T)^T" in r["settings"]["describe"]
     fixed = bench_throughput("digitnet", "infer", 16, CPU, precision="fp32", channels_last=False,
                                 repeats=2, quick_peak=True)  # fmt: skip
-    assert fixed["settings"]["as"] == "cnnkit train" and not fixed["kernels"]
+    assert fixed["settings"]["as"] == "cnnkit classify" and not fixed["kernels"]  # fp32 still
     # precision auto on a CPU whose rules train in bf16: classify still runs (and is timed in) fp32
     monkeypatch.setattr(settings_module, "precisions", lambda device: ["fp32", "bf16"])
     auto = bench_throughput("digitnet", "infer", 16, CPU, repeats=2, quick_peak=True)

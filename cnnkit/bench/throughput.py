@@ -115,13 +115,7 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
     tf32_matmuls()  # as `cnnkit train` runs fp32 on CUDA
     cfg = train_config(device, precision, channels_last, compile, threads)
     model = load_network(net, device, num_classes)
-    settings, runs_as = None, "cnnkit train"
-    if mode == "infer":  # the forward pass `cnnkit classify` runs: on a CPU fp32 unless told
-        fp32 = device.type == "cpu" and cfg.precision == "auto"
-        classify = cfg.model_copy(update={"precision": "fp32"}) if fp32 else cfg
-        settings = inference_settings(model, classify, device, batch, cache=cache)
-        runs_as = "cnnkit classify" if settings else runs_as
-    settings = settings or choose_settings(model, cfg, device, batch, cache=cache)
+    settings, runs_as = _chosen(model, mode, cfg, device, batch, cache)
     block = 10 if device.type == "cuda" else 1
     combos = _explored(model, cfg, device, settings) if explore else [settings]
     steps = {
@@ -152,6 +146,19 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
                      peers, combos)  # fmt: skip
     report["settings"]["as"] = runs_as
     return report
+
+
+def _chosen(model: Network, mode: str, cfg: TrainConfig, device: torch.device, batch: int,
+            cache: Any) -> tuple[Settings, str]:  # fmt: skip
+    """(settings, the command that runs them): `cnnkit train`'s, or for infer on a CPU the
+    forward pass `cnnkit classify` runs, fp32 unless told (a forced memory format included)."""
+    if mode == "infer" and device.type == "cpu" and cfg.precision in ("auto", "fp32"):
+        classify = cfg.model_copy(update={"precision": "fp32"})
+        settings = inference_settings(model, classify, device, batch, cache=cache)
+        return settings or choose_settings(model, classify, device, batch, cache=cache), (
+            "cnnkit classify"
+        )
+    return choose_settings(model, cfg, device, batch, cache=cache), "cnnkit train"
 
 
 def _key(s: Settings) -> str:

@@ -15,7 +15,8 @@ BATCH = typer.Option(64, "--batch", "-b", help="Images per step.")
 DEVICE = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N")
 CHANNELS_LAST = typer.Option(
     None, "--channels-last/--no-channels-last",
-    help="NHWC memory format on or off (default: as cnnkit train chooses).",
+    help="NHWC memory format on or off (default: as cnnkit train chooses; bench infer: as "
+    "cnnkit classify, whose precision stays fp32 on a CPU either way).",
 )  # fmt: skip
 PRECISION = typer.Option("auto", "--precision", "-p", help="auto | fp32 | bf16 | fp16")
 JSON = typer.Option(False, "--json", help="End with one line of JSON holding every figure.")
