@@ -262,19 +262,42 @@ def test_bench_of_a_run_takes_its_train_settings(tmp_path, capsys):
     (it timed bf16 where that was faster, and said `cnnkit train` chose it); -p still wins."""
     from cnnkit.cli.bench import _as_the_run_sets
 
-    assert _as_the_run_sets("faces", "auto", None, None) == ("fp32", None, None)
-    assert _as_the_run_sets("faces", "bf16", True, 2) == ("bf16", True, 2)  # options win
-    assert _as_the_run_sets("lenet5", "auto", None, None) == ("auto", None, None)  # a network
+    def sets(net, *options):
+        chosen = _as_the_run_sets(net, *options)
+        return tuple(chosen[k] for k in ("batch", "precision", "channels_last", "threads"))
+
+    assert sets("faces", None, "auto", None, None) == (16, "fp32", None, None)
+    assert sets("faces", 8, "bf16", True, 2) == (8, "bf16", True, 2)  # options win
+    assert sets("lenet5", None, "auto", None, None) == (64, "auto", None, None)  # a network
     run = tmp_path / "run.yaml"
     run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits"},
                                    "train": {"channels_last": False, "threads": 1}}))  # fmt: skip
-    assert _as_the_run_sets(str(run), "auto", None, None) == ("auto", False, 1)
+    assert sets(str(run), None, "auto", None, None) == (64, "auto", False, 1)
     args = ["bench", "train", "faces", "--batch", "4", "--repeats", "2", "--quick", "--json"]
     code, out, _ = run_cli(args, capsys)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["precision"] == "fp32"
     if "bf16" in precisions(torch.device("cpu")):
         code, out, _ = run_cli([*args, "-p", "bf16"], capsys)
         assert code == 0 and json.loads(out.strip().splitlines()[-1])["precision"] == "bf16"
+
+
+@pytest.mark.parametrize("sets", [{"train": {"calibrate": False}}, {"deterministic": True}])
+def test_bench_of_a_run_keeps_its_calibration_determinism_and_batch(sets, tmp_path, capsys):
+    """A run with `train.calibrate: false` or `deterministic: true` trains with the static
+    rules, at its data.batch_size: `bench train RUN` times that (it measured settings at
+    batch 64)."""
+    from cnnkit.config import TrainConfig
+    from cnnkit.train.settings import static_settings
+
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits", "batch_size": 4},
+                                   **sets}))  # fmt: skip
+    args = ["bench", "train", str(run), "--repeats", "1", "--warmup", "0", "--quick", "--json"]
+    code, out, err = run_cli(args, capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    rules = static_settings(build_model(TINY), TrainConfig(), CPU, 4)
+    assert code == 0 and report["batch"] == 4 and report["settings"]["how"] == "rules", err
+    assert (report["precision"], report["channels_last"]) == (rules.precision, rules.channels_last)
 
 
 def test_a_quick_scaling_run_never_replaces_a_full_study(tmp_path, capsys):

@@ -39,21 +39,24 @@ TRAIN_FLOPS_FACTOR = 3.0  # forward + backward (grad of inputs and of weights) ~
 
 def train_config(device: torch.device, precision: str | None = "auto",
                  channels_last: bool | None = None, compile: bool = False,
-                 threads: int | None = None) -> TrainConfig:  # fmt: skip
+                 threads: int | None = None, calibrate: bool = True) -> TrainConfig:  # fmt: skip
     """`cnnkit train`'s default `train:` section with this device and these overrides."""
     if precision not in (None, "auto"):
         check_precision(precision, device)
     return TrainConfig(device=str(device), precision=precision or "auto",
-                       channels_last=channels_last, compile=compile, threads=threads)  # fmt: skip
+                       channels_last=channels_last, compile=compile, threads=threads,
+                       calibrate=calibrate)  # fmt: skip
 
 
 def settings_for(net: Any, device: torch.device, batch: int, precision: str | None = "auto",
                  channels_last: bool | None = None, threads: int | None = None,
-                 num_classes: int | None = None) -> Settings:  # fmt: skip
-    """What `cnnkit train` would run `net` with (options given here count as set explicitly)."""
+                 num_classes: int | None = None, calibrate: bool = True,
+                 deterministic: bool = False) -> Settings:  # fmt: skip
+    """What `cnnkit train` would run `net` with (options given here count as set explicitly;
+    `calibrate` and `deterministic` as a run's `train.calibrate` and `deterministic`)."""
     model = load_network(net, device, num_classes)
-    return choose_settings(model, train_config(device, precision, channels_last, threads=threads),
-                           device, batch)  # fmt: skip
+    cfg = train_config(device, precision, channels_last, threads=threads, calibrate=calibrate)
+    return choose_settings(model, cfg, device, batch, deterministic)
 
 
 def make_train_step(network: Network, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
@@ -109,13 +112,15 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
                      compile: bool = False, warmup: int | None = None, repeats: int | None = None,
                      num_classes: int | None = None, quick_peak: bool = False,
                      baseline: bool = False, threads: int | None = None, explore: bool = False,
-                     cache: Any = True) -> dict[str, Any]:  # fmt: skip
-    """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak."""
-    torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
+                     cache: Any = True, calibrate: bool = True,
+                     deterministic: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak
+    (`calibrate`, `deterministic`: a run's `train.calibrate` and `deterministic`)."""
+    torch.backends.cudnn.benchmark = not deterministic  # as `cnnkit train` runs
     tf32_matmuls()  # as `cnnkit train` runs fp32 on CUDA
-    cfg = train_config(device, precision, channels_last, compile, threads)
+    cfg = train_config(device, precision, channels_last, compile, threads, calibrate)
     model = load_network(net, device, num_classes)
-    settings, runs_as = _chosen(model, mode, cfg, device, batch, cache)
+    settings, runs_as = _chosen(model, mode, cfg, device, batch, cache, deterministic)
     block = 10 if device.type == "cuda" else 1
     combos = _explored(model, cfg, device, settings) if explore else [settings]
     steps = {
@@ -149,16 +154,15 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
 
 
 def _chosen(model: Network, mode: str, cfg: TrainConfig, device: torch.device, batch: int,
-            cache: Any) -> tuple[Settings, str]:  # fmt: skip
+            cache: Any, deterministic: bool) -> tuple[Settings, str]:  # fmt: skip
     """(settings, the command that runs them): `cnnkit train`'s, or for infer on a CPU the
     forward pass `cnnkit classify` runs, fp32 unless told (a forced memory format included)."""
     if mode == "infer" and device.type == "cpu" and cfg.precision in ("auto", "fp32"):
         classify = cfg.model_copy(update={"precision": "fp32"})
         settings = inference_settings(model, classify, device, batch, cache=cache)
-        return settings or choose_settings(model, classify, device, batch, cache=cache), (
-            "cnnkit classify"
-        )
-    return choose_settings(model, cfg, device, batch, cache=cache), "cnnkit train"
+        chosen = settings or choose_settings(model, classify, device, batch, deterministic, cache)
+        return chosen, "cnnkit classify"
+    return choose_settings(model, cfg, device, batch, deterministic, cache), "cnnkit train"
 
 
 def _key(s: Settings) -> str:

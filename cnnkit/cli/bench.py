@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
 NET = typer.Argument(..., help="A zoo name or a network / run file.")
-BATCH = typer.Option(64, "--batch", "-b", help="Images per step.")
+BATCH = typer.Option(
+    None, "--batch", "-b", help="Images per step (default: 64; bench train|layers RUN: the "
+    "run's data.batch_size, as cnnkit train runs it).",
+)  # fmt: skip
+DEFAULT_BATCH = 64
 DEVICE = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N")
 CHANNELS_LAST = typer.Option(
     None, "--channels-last/--no-channels-last",
@@ -91,13 +96,15 @@ def layers(
     from cnnkit.bench.throughput import settings_for
     from cnnkit.distributed import resolve_device
     from cnnkit.runtime import torch_threads
+    from cnnkit.train.run import deterministic_mode
 
     dev = resolve_device(device)
+    run = _as_the_run_sets(net, batch, precision, channels_last, threads)
+    batch = run["batch"]
     _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
     check_batch(net, batch, dev, num_classes)
-    precision, channels_last, threads = _as_the_run_sets(net, precision, channels_last, threads)
-    s = settings_for(net, dev, batch, precision, channels_last, threads, num_classes)
-    with torch_threads(s.threads):
+    s = settings_for(net, dev, num_classes=num_classes, **run)
+    with deterministic_mode(run["deterministic"], dev), torch_threads(s.threads):
         report = bench_layers(net, batch, dev, s.precision, s.channels_last, warmup, repeats,
                               num_classes=num_classes, progress=_say, kernels=dict(s.kernels))  # fmt: skip
     report["settings"] = s.describe()
@@ -190,41 +197,49 @@ def _throughput(
     from cnnkit.bench.model_setup import check_batch
     from cnnkit.bench.throughput import bench_throughput, print_throughput
     from cnnkit.distributed import resolve_device
+    from cnnkit.train.run import deterministic_mode
 
+    if mode == "train":  # (infer: classification's settings, whatever the run trains with)
+        options.update(_as_the_run_sets(net, options["batch"], options["precision"],
+                                        options["channels_last"], threads))  # fmt: skip
+        threads = options.pop("threads")
+    options["batch"] = DEFAULT_BATCH if options["batch"] is None else options["batch"]
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
     if threads is not None:
         _positive(threads=threads)
     dev = resolve_device(device)
     check_batch(net, options["batch"], dev, options["num_classes"])
-    if mode == "train":
-        o = options
-        o["precision"], o["channels_last"], threads = _as_the_run_sets(
-            net, o["precision"], o["channels_last"], threads
-        )
-    report = bench_throughput(net, mode, device=dev, quick_peak=quick, threads=threads, **options)
+    with deterministic_mode(options.get("deterministic", False), dev):
+        report = bench_throughput(net, mode, device=dev, quick_peak=quick, threads=threads,
+                                  **options)  # fmt: skip
     print_throughput(report)
     _emit(report, as_json)
 
 
-def _as_the_run_sets(net: str, precision: str, channels_last: bool | None,
-                     threads: int | None) -> tuple[str, bool | None, int | None]:  # fmt: skip
-    """(precision, channels_last, threads): where NET is a run (a zoo run or run file) whose
-    `train:` sets them, as it sets them (options given here win), as `cnnkit train` runs it."""
+def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last: bool | None,
+                     threads: int | None) -> dict[str, Any]:  # fmt: skip
+    """batch, precision, channels_last, threads, calibrate and deterministic as `cnnkit train`
+    runs NET: where NET is a run (a zoo run or run file), its data.batch_size and what its
+    `train:` and `deterministic` set (options given here win); for a network, the options."""
     from cnnkit.config import load_run
     from cnnkit.errors import CnnkitError
     from cnnkit.zoo import NETS
 
+    chosen = {"batch": DEFAULT_BATCH if batch is None else batch, "precision": precision,
+              "channels_last": channels_last, "threads": threads, "calibrate": True,
+              "deterministic": False}  # fmt: skip
     if net in NETS:
-        return precision, channels_last, threads
+        return chosen
     try:
-        train = load_run(net).train
+        run = load_run(net)
     except (CnnkitError, OSError):  # a network file (or one `build_model` will say is wrong)
-        return precision, channels_last, threads
-    if precision == "auto":
-        precision = train.precision
-    if channels_last is None:
-        channels_last = train.channels_last
-    return precision, channels_last, threads if threads is not None else train.threads
+        return chosen
+    train = run.train
+    return {"batch": run.data.batch_size if batch is None else batch,
+            "precision": train.precision if precision == "auto" else precision,
+            "channels_last": train.channels_last if channels_last is None else channels_last,
+            "threads": train.threads if threads is None else threads,
+            "calibrate": train.calibrate, "deterministic": run.deterministic}  # fmt: skip
 
 
 def _say(text: str) -> None:
