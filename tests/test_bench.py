@@ -402,6 +402,20 @@ def test_a_comparison_loop_that_fails_is_one_error_never_a_hang():
     peer.close()  # a dead one is only reaped
 
 
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_the_careful_peer_runs_a_vector_network(mode):
+    """channels_last only for image batches: a network of `input: [F]` got a (B, F) batch
+    made channels_last, and --baseline failed."""
+    from cnnkit.bench.baseline import plain_infer_step, plain_train_step
+
+    spec = {"input": [5], "num_classes": 3, "layers": [{"type": "linear"}]}
+    module, _ = plain_model(build_model(spec), CPU, "careful")
+    x, y = torch.randn(2, 5), torch.tensor([0, 2])
+    step = plain_train_step(module, x, y, "careful") if mode == "train" else plain_infer_step(
+        module, x, "careful")  # fmt: skip
+    step()
+
+
 def test_alexnet_owt_baseline_is_torchvision_alexnet():
     model = build_model("alexnet-owt", device="meta")
     peer, name = plain_model(model, CPU)

@@ -71,6 +71,13 @@ def _context(peer: str, device: torch.device):
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
+def _in_format(x: torch.Tensor, peer: str) -> torch.Tensor:
+    """The batch as the peer feeds it: channels_last for the careful one where it is an image
+    batch (B, C, H, W); a vector batch (B, F) has no memory format to choose."""
+    careful = peer == "careful" and x.dim() == 4
+    return x.contiguous(memory_format=torch.channels_last if careful else torch.contiguous_format)
+
+
 def plain_train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
                      peer: str = "plain") -> Callable[[Any], None]:  # fmt: skip
     """zero_grad, loss.backward(), SGD step (momentum 0.9, weight decay 5e-4); fp32 NCHW, or
@@ -79,9 +86,7 @@ def plain_train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
     loss_fn = nn.CrossEntropyLoss()
     fp16 = peer == "careful" and amp_dtype(x.device) == torch.float16
     scaler = torch.amp.GradScaler(x.device.type, enabled=fp16)
-    x = x.contiguous(
-        memory_format=torch.channels_last if peer == "careful" else torch.contiguous_format
-    )
+    x = _in_format(x, peer)
     module.train()
 
     def step(_: Any = None) -> None:
@@ -99,9 +104,7 @@ def plain_infer_step(
     module: nn.Module, x: torch.Tensor, peer: str = "plain"
 ) -> Callable[[Any], None]:
     """A forward pass in eval mode under inference_mode (autocast + channels_last if careful)."""
-    x = x.contiguous(
-        memory_format=torch.channels_last if peer == "careful" else torch.contiguous_format
-    )
+    x = _in_format(x, peer)
     module.eval()
 
     def step(_: Any = None) -> None:
