@@ -57,6 +57,20 @@ def test_measure_stops_at_the_time_budget_after_min_repeats():
     assert len(timing.seconds) == 2
 
 
+def test_a_step_that_times_itself_counts_its_own_seconds():
+    """A peer in its own process reports the seconds its steps took there: the pipe's round
+    trip around it is not the peer's time (it biased small CPU steps against the peer)."""
+    from cnnkit.bench.timing import measure_interleaved
+
+    def peer(_=None):
+        time.sleep(0.01)  # the round trip, say
+        return 0.5  # its steps, timed there
+
+    peer.times_itself = True
+    timings = measure_interleaved({"here": lambda _: None, "peer": peer}, CPU, warmup=1, repeats=2)
+    assert timings["peer"].seconds == (0.5, 0.5) and timings["here"].max < 0.01
+
+
 def test_layers_report_every_layer_and_both_totals():
     report = bench_layers(TINY, batch=2, device=CPU, repeats=2)
     json.dumps(report)  # JSON-ready
@@ -395,7 +409,7 @@ def test_a_comparison_loop_that_fails_is_one_error_never_a_hang():
     with pytest.raises(CnnkitError, match="comparison loop failed: .*(CUDA|NVIDIA)"):
         PlainProcess(model, "train", 4, torch.device("cuda"))
     peer = PlainProcess(model, "train", 4, CPU)
-    peer()  # one step runs
+    assert 0 < peer() < 60  # one step runs: its seconds, timed there
     peer._process.kill()
     with pytest.raises(CnnkitError, match="exit code -9"):
         peer()

@@ -7,6 +7,7 @@ networks, the cnnkit network built afresh and run the same way."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -117,10 +118,14 @@ def plain_infer_step(
 class PlainProcess:
     """The plain loop in a fresh Python process, as a user's own script runs it: none of the
     process-wide settings the `cnnkit` command starts with (cnnkit.runtime) reach it. Calling
-    the object runs one step there and returns when it is done, so it times like a step here.
+    the object runs `block` steps there and returns the seconds they took, timed there as a
+    step here is timed (the pipe's round trip, tens of microseconds, left out: it would weigh
+    on small steps), which measure_interleaved takes (`times_itself`).
     `threads`: the CPU threads of the side it is compared with (a fresh process's default would
     be the core count, whatever cnnkit's side runs on).
     """
+
+    times_itself = True
 
     def __init__(self, model: Network, mode: str, batch: int, device: torch.device,
                  peer: str = "plain", block: int = 1, threads: int | None = None):  # fmt: skip
@@ -143,10 +148,10 @@ class PlainProcess:
         child.close()  # the child's end lives in the child only: its exit is an EOF here
         self.name, self.threads = self._answer()  # the threads the child runs on
 
-    def __call__(self, _: Any = None) -> None:
-        """`block` steps there, back to back, synchronised at the end."""
+    def __call__(self, _: Any = None) -> float:
+        """`block` steps there, back to back, synchronised at the end: their seconds."""
         self._conn.send(True)
-        self._answer()
+        return self._answer()
 
     def _answer(self) -> Any:
         """The child's reply; its error (or its death) as one CnnkitError, never a hang."""
@@ -177,8 +182,7 @@ def _serve_plain(conn, spec: dict, num_classes: int, mode: str, batch: int, devi
         name, run = _plain_runner(spec, num_classes, mode, batch, device, threads, peer, block)
         conn.send(("ok", (name, torch.get_num_threads())))
         while conn.recv():
-            run()
-            conn.send(("ok", None))
+            conn.send(("ok", run()))
     except (EOFError, KeyboardInterrupt):  # the parent is gone or stopping
         pass
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
@@ -186,8 +190,9 @@ def _serve_plain(conn, spec: dict, num_classes: int, mode: str, batch: int, devi
 
 
 def _plain_runner(spec: dict, num_classes: int, mode: str, batch: int, device: str,
-                  threads: int, peer: str, block: int) -> tuple[str, Callable[[], None]]:  # fmt: skip
-    """The peer's name, and a call that runs `block` of its steps, synchronised at the end."""
+                  threads: int, peer: str, block: int) -> tuple[str, Callable[[], float]]:  # fmt: skip
+    """The peer's name, and a call that runs `block` of its steps, synchronised at the end, and
+    returns their seconds."""
     from cnnkit.bench.model_setup import synthetic_batch
     from cnnkit.nn import Network
 
@@ -203,10 +208,12 @@ def _plain_runner(spec: dict, num_classes: int, mode: str, batch: int, device: s
         else plain_infer_step(module, x, peer)
     )
 
-    def run() -> None:
+    def run() -> float:
+        start = time.perf_counter()  # (the previous block ended synchronised)
         for _ in range(block):
             step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
 
     return name, run

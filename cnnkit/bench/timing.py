@@ -98,7 +98,8 @@ def measure_interleaved(
     max_seconds: float | None = None,
 ) -> dict[str, Timing]:
     """Time several steps in turns, reversing the order every round, so that a change in the
-    machine's load hits every side alike (how a step is compared with a peer in one run)."""
+    machine's load hits every side alike (how a step is compared with a peer in one run). A step
+    with `times_itself` (a peer in its own process) returns its own seconds, which count."""
     for fn in fns.values():
         for _ in range(warmup):
             fn(None)
@@ -107,10 +108,17 @@ def measure_interleaved(
     start = time.perf_counter()
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            seconds[name].append(measure(fns[name], device, warmup=0, repeats=1).seconds[0])
+            seconds[name].append(_seconds(fns[name], device))
         if max_seconds is not None and time.perf_counter() - start > max_seconds and r >= 1:
             break
     return {name: Timing(tuple(s)) for name, s in seconds.items()}
+
+
+def _seconds(fn: Callable[[Any], Any], device: torch.device) -> float:
+    """One timed call of `fn`, as `measure` times it, or the seconds it reports itself."""
+    if getattr(fn, "times_itself", False):
+        return fn(None)
+    return measure(fn, device, warmup=0, repeats=1).seconds[0]
 
 
 def timer_overhead(device: torch.device, repeats: int = 50) -> float:
