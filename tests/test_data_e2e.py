@@ -72,13 +72,16 @@ def test_bench_loader_json_last_line(tmp_path, capsys):
           "--crop", "16", "--device", "cpu", "--json"])  # fmt: skip
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["images"] == 12 and report["images_per_second"] > 0
-    assert report["warmup"] == 3 + 1 * 2  # the batches 1 worker prefetches while starting: untimed
+    # raw shards on a CPU are cut in the main process: no worker starts, none prefetches; the
+    # first batch is untimed too (it said "workers 1" and 3 + 1 * 2 untimed, and took one more)
+    assert report["mode"] == "views" and report["workers"] == 0 and report["warmup"] == 3 + 1
     assert report["source"] == "packed" and report["input_shape"] == [3, 16, 16]
     assert report["largest_batch"] == 4 and report["cpu_seconds"] >= 0
     main(["bench", "loader", str(tmp_path / "p"), "--batch", "64", "--batches", "2", "--crop",
           "16", "--device", "cpu"])  # fmt: skip
     out = capsys.readouterr().out
     assert "batch 64 (of " in out and "images: the set is smaller)" in out
+    assert "in-process (no workers)" in out and "after 4 untimed batches" in out
     assert "coarse: under 0.2 CPU s measured" in out
     with pytest.raises(SystemExit) as done:  # the flags it was given, not data.* settings
         main(["bench", "loader", str(tmp_path / "p"), "--crop", "24"])

@@ -78,9 +78,10 @@ def _endless(stream: Batches) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256, batches: int = 20,
                  warmup: int | None = None, device: torch.device | None = None,
                  **options: Any) -> dict[str, Any]:  # fmt: skip
-    """Time `batches` training batches after `warmup` untimed ones (None: 3 more than the
-    workers prefetch, so the batches made while they started are not counted); returns the
-    figures."""
+    """Time `batches` training batches after `warmup` untimed ones and the first (which starts
+    the workers); `warmup` None: 3 more than the workers prefetch, so the batches made while
+    they started are not counted. Returns the figures ("warmup": every untimed batch;
+    "workers": the processes started, 0 where the main process makes the batches)."""
     if batches < 1 or batch < 1:
         raise ConfigError(f"bench loader: --batches and --batch must be >= 1 (got {batches}, "
                           f"{batch})")  # fmt: skip
@@ -99,8 +100,9 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
         if cfg.source == "packed"
         else "files"
     )
+    workers = 0 if stream.mode == "views" else stream.workers  # views: cut in-process, no workers
     if warmup is None:
-        warmup = 3 + max(stream.workers, 1) * getattr(stream, "prefetch", 0)
+        warmup = 3 + workers * stream.prefetch
     it = _endless(stream)
     for _ in range(warmup + 1):  # the first batch also starts the worker processes
         next(it)
@@ -118,8 +120,8 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
                         "more of them (--batches)")  # fmt: skip
     return {
         "data": str(data), "source": cfg.source, "storage": storage, "decode": cfg.decode,
-        "mode": stream.mode, "device": machine_name(device), "workers": stream.workers,
-        "batch": batch, "largest_batch": largest, "batches": batches, "warmup": warmup,
+        "mode": stream.mode, "device": machine_name(device), "workers": workers,
+        "batch": batch, "largest_batch": largest, "batches": batches, "warmup": warmup + 1,
         "images": images, "cpu_seconds": cpu,
         "input_shape": list(x.shape[1:]), "train_crop": cfg.train_crop, "seconds": seconds,
         "images_per_second": images / seconds, "cpu_ms_per_image": 1000 * cpu / images,
@@ -133,7 +135,8 @@ def print_loader(report: dict[str, Any]) -> None:
     batch = report["batch"]
     if report["largest_batch"] < batch:  # a set smaller than one batch
         batch = f"{batch} (of {report['largest_batch']} images: the set is smaller)"
-    print(f"  workers {report['workers']}, batch {batch}, input {report['input_shape']}"
+    workers = f"workers {report['workers']}" if report["workers"] else "in-process (no workers)"
+    print(f"  {workers}, batch {batch}, input {report['input_shape']}"
           f" ({report['train_crop']} crop), {report['images']} images in {report['seconds']:.2f} s"
           f" after {report['warmup']} untimed batches")  # fmt: skip
     coarse = ", coarse: under 0.2 CPU s measured" if report["cpu_seconds"] < 0.2 else ""
