@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
+from cnnkit.errors import CnnkitError
 from cnnkit.infer.export import export
 from cnnkit.infer.load import load_for_inference
 from cnnkit.nn.kernels import set_kernels
@@ -110,4 +112,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CnnkitError as e:  # a user mistake (--net nonet): its one line, as cnnkit says it
+        print(f"cnnkit: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

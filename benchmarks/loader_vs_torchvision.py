@@ -38,6 +38,8 @@ from skimage import data as skdata
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from cnnkit.bench.loader import bench_loader, tree_cpu_seconds  # noqa: E402
+from cnnkit.distributed import resolve_device  # noqa: E402
+from cnnkit.errors import CnnkitError  # noqa: E402
 
 PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "hubble_deep_field.jpg",
           "ihc.png", "retina.jpg", "motorcycle_left.png", "motorcycle_right.png")  # fmt: skip
@@ -141,10 +143,13 @@ def main() -> None:
         parser.error("--batch, --batches and --rounds must be >= 1, --workers and --warmup >= 0")
     if args.images < args.batch:  # torchvision's loader (drop_last) would yield no batch
         parser.error(f"--images {args.images}: fewer than one --batch ({args.batch})")
+    try:  # before minutes of making photos and packs
+        device = resolve_device(args.device)
+    except CnnkitError as e:
+        parser.error(str(e))
 
     from cnnkit.data.pack import pack_folder
 
-    device = torch.device(args.device)
     claim_work(args.work, WORK)
     photos = build_photo_folder(args.work / "photos", args.images)
     shutil.rmtree(args.work / "packed", ignore_errors=True)  # pack afresh: its time is reported
@@ -201,4 +206,8 @@ def report(args: argparse.Namespace, rounds: list[dict], pack_seconds: float) ->
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CnnkitError as e:  # a user mistake: its one line, as cnnkit says it
+        print(f"cnnkit: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

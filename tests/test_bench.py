@@ -450,6 +450,32 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
     assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
 
 
+@pytest.mark.parametrize("script,args,says", [
+    ("classify_vs_onnxruntime.py", ["--net", "nonet"],
+     "cnnkit: error: 'nonet' is neither a zoo network"),
+    ("loader_vs_torchvision.py", ["--device", "foo", "--work", "WORK"],
+     "error: --device: 'foo' is not a device"),
+    ("loader_vs_torchvision.py", ["--device", "cuda:99", "--work", "WORK"],
+     "error: --device: 'cuda:99'"),
+])  # fmt: skip
+def test_benchmark_scripts_refuse_bad_input_in_one_line(script, args, says, tmp_path, capsys,
+                                                        monkeypatch):  # fmt: skip
+    """A bad --net or --device is the one line that says so, exit status 2, no traceback, and
+    before any work (a GPU asked for where there is none failed after minutes of packing)."""
+    import runpy
+
+    if script.startswith("classify"):
+        pytest.importorskip("onnxruntime")
+    path = Path(__file__).parents[1] / "benchmarks" / script
+    work = tmp_path / "w"
+    monkeypatch.setattr(sys, "argv", [str(path), *(str(work) if a == "WORK" else a for a in args)])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(path), run_name="__main__")
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and says in err.splitlines()[-1] and "Traceback" not in err, err
+    assert not work.exists()  # nothing made
+
+
 def test_gpu_summary_tells_steps_cut_by_the_budget_from_failures(tmp_path):
     """A step stopped at its own limit failed; one stopped at a limit the budget shortened was
     cut: listed apart, so steps_failed holds only the steps that are broken or too slow."""
