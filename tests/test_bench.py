@@ -213,6 +213,9 @@ def test_bad_device_and_precision_are_config_errors():
     with pytest.raises(ConfigError, match="--devices"):
         parse_devices("cpu,tpu")
     assert parse_devices("cpu, cpu")[0] == [CPU]  # (gpu.sh's SMOKE run: `cpu,$DEV`) timed once
+    # `cpu:0` is the CPU by the name results are keyed by (the GPU/CPU speed-ups look up "cpu")
+    assert [str(d) for d in parse_devices("cpu:0")[0]] == ["cpu"]
+    assert parse_devices("cpu:0,cpu") == ([CPU], None)  # CPU only: no "no CUDA" note
     for text in ("cuda:abc", "cpu:1", "cuda:-1"):
         with pytest.raises(ConfigError, match="give a comma list of cpu, cuda, cuda:N"):
             parse_devices(text)
@@ -227,6 +230,13 @@ def test_scaling_devices_are_checked_against_the_gpus_there(monkeypatch):
     with pytest.raises(ConfigError, match="'cuda:5': this machine has 1 CUDA device"):
         parse_devices("cpu,cuda:5")
     assert parse_devices("cuda,cuda:0,cpu") == ([torch.device("cuda"), CPU], None)
+    from cnnkit.bench.scaling import _speedup
+
+    devices, _ = parse_devices("cpu:0,cuda")  # the speed-up's keys: "cpu:0" had none
+    times = {"train_ms_per_image": 4.0, "infer_ms_per_image": 2.0}
+    results = {str(d): {k: v / (1 + 3 * (d.type == "cuda")) for k, v in times.items()}
+               for d in devices}  # fmt: skip
+    assert _speedup(results) == {"train": 4.0, "infer": 4.0}
 
 
 def test_study_families_and_lenet_sizes():

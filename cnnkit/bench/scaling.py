@@ -93,13 +93,14 @@ def parse_devices(text: str | None) -> tuple[list[torch.device], str | None]:
             raise ConfigError(f"--devices: {name!r}: this machine has {count} CUDA device(s)")
     current = torch.cuda.current_device() if has_cuda else 0  # what a bare `cuda` means
     unique: dict[tuple, torch.device] = {}  # each device timed once (`cuda,cuda:0`: once)
-    for d in parsed:
+    for d in parsed:  # `cpu:0` is `cpu`, the name the results and speed-ups are keyed by
+        d = torch.device("cpu") if d.type == "cpu" else d
         unique.setdefault(
             (d.type, (current if d.index is None else d.index) if d.type == "cuda" else None), d
         )
     devices = [d for d in unique.values() if d.type == "cpu" or has_cuda]
     note = None
-    if not has_cuda and any(n != "cpu" for n in names):
+    if not has_cuda and any(d.type != "cpu" for d in parsed):
         note = "no CUDA device on this machine: timing the CPU half only (no speed-ups)"
         devices = devices or [torch.device("cpu")]
     return devices, note
