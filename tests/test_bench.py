@@ -345,6 +345,29 @@ def test_cli_train_json_is_the_last_line(tmp_path, capsys):
         assert report[key] > 0
 
 
+def test_bench_takes_a_run_directory_checkpoint_or_export_as_info_does(tmp_path, capsys):
+    """The network of a run, a .pt checkpoint or a .safetensors export (the weights do not
+    change the speed): each was refused as 'not a text file' or 'not a file'."""
+    from cnnkit.checkpoint import FORMAT, save_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_checkpoint({"format": FORMAT, "model_spec": TINY, "num_classes": 3,
+                     "model": build_model(TINY).state_dict(), "classes": ["a", "b", "c"],
+                     "preprocess": {"channels": 1, "crop": 8, "mean": [0.0], "std": [1.0]},
+                     "config": {"data": {}}}, run / "best.pt")  # fmt: skip
+    export = tmp_path / "tiny.safetensors"
+    assert (
+        run_cli(["export", str(run), "--format", "safetensors", "-o", str(export)], capsys)[0] == 0
+    )
+    quick = ["-b", "2", "--repeats", "1", "-p", "fp32", "--no-channels-last", "--threads", "1"]
+    for command, target in (("infer", run), ("infer", run / "best.pt"), ("layers", export)):
+        extra = ["--warmup", "0", "--quick"] if command == "infer" else ["--warmup", "0"]
+        code, out, err = run_cli(["bench", command, str(target), *quick, *extra, "--json"], capsys)
+        report = json.loads(out.strip().splitlines()[-1]) if code == 0 else {}
+        assert code == 0 and report["net"] == "tiny" and report["batch"] == 2, err
+
+
 def test_cli_bad_batch_exits_2_in_one_line(capsys):
     code, _, err = run_cli(["bench", "infer", "lenet5", "--batch", "0"], capsys)
     assert code == 2 and err.strip() == "cnnkit: error: --batch: must be >= 1, got 0"

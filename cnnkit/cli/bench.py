@@ -11,7 +11,10 @@ from typing import Any
 
 import typer
 
-NET = typer.Argument(..., help="A zoo name or a network / run file.")
+NET = typer.Argument(
+    ..., help="A zoo name, network / run file, Caffe prototxt, run directory, checkpoint or "
+    ".safetensors export (its network: the weights do not change the speed).",
+)  # fmt: skip
 BATCH = typer.Option(
     None, "--batch", "-b", help="Images per step (default: 64; bench train|layers RUN: the "
     "run's data.batch_size, as cnnkit train runs it).",
@@ -100,7 +103,7 @@ def layers(
 
     dev = resolve_device(device)
     run = _as_the_run_sets(net, batch, precision, channels_last, threads)
-    batch = run["batch"]
+    batch, (net, num_classes) = run["batch"], _network_of(net, num_classes)
     _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
     check_batch(net, batch, dev, num_classes)
     s = settings_for(net, dev, num_classes=num_classes, **run)
@@ -204,6 +207,7 @@ def _throughput(
                                         options["channels_last"], threads))  # fmt: skip
         threads = options.pop("threads")
     options["batch"] = DEFAULT_BATCH if options["batch"] is None else options["batch"]
+    net, options["num_classes"] = _network_of(net, options["num_classes"])
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
     if threads is not None:
         _positive(threads=threads)
@@ -240,6 +244,20 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
             "channels_last": train.channels_last if channels_last is None else channels_last,
             "threads": train.threads if threads is None else threads,
             "calibrate": train.calibrate, "deterministic": run.deterministic}  # fmt: skip
+
+
+def _network_of(net: str, num_classes: int | None) -> tuple[str | dict, int | None]:
+    """(what the benchmarks build, its class count): a run directory, checkpoint, .safetensors
+    export or Caffe prototxt read as `cnnkit info` reads it, to its network's description; a
+    zoo name or a network / run file as given."""
+    from cnnkit.infer.load import network_of, run_folder
+
+    path = Path(net)
+    trained = path.suffix in (".pt", ".pth", ".safetensors") and path.is_file()
+    if run_folder(path) or trained or path.suffix == ".prototxt":
+        network = network_of(net, num_classes)
+        return network.spec, network.num_classes
+    return net, num_classes
 
 
 def _say(text: str) -> None:
