@@ -345,6 +345,31 @@ def test_cli_train_json_is_the_last_line(tmp_path, capsys):
         assert report[key] > 0
 
 
+def test_max_seconds_reaches_the_interleaved_timing(tmp_path, capsys, monkeypatch):
+    """--max-seconds bounds the repeats, so a caller's own time limit (gpu.sh's per step) still
+    gets the figures measured so far."""
+    from cnnkit.bench import throughput
+
+    seen = []
+    real = throughput.measure_interleaved
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["max_seconds"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(throughput, "measure_interleaved", recorded)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({"model": TINY}))
+    for mode in ("train", "infer"):
+        args = ["bench", mode, str(spec), "--batch", "2", "--repeats", "1", "--quick",
+                "--max-seconds", "7.5"]  # fmt: skip
+        code, out, err = run_cli(args, capsys)
+        assert code == 0, err
+    assert seen == [7.5, 7.5]
+    code, _, err = run_cli(["bench", "train", str(spec), "--max-seconds", "0"], capsys)
+    assert code == 2 and "--max-seconds" in err
+
+
 def test_bench_takes_a_run_directory_checkpoint_or_export_as_info_does(tmp_path, capsys):
     """The network of a run, a .pt checkpoint or a .safetensors export (the weights do not
     change the speed): each was refused as 'not a text file' or 'not a file'."""

@@ -112,10 +112,11 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
                      compile: bool = False, warmup: int | None = None, repeats: int | None = None,
                      num_classes: int | None = None, quick_peak: bool = False,
                      baseline: bool = False, threads: int | None = None, explore: bool = False,
-                     cache: Any = True, calibrate: bool = True,
-                     deterministic: bool = False) -> dict[str, Any]:  # fmt: skip
+                     cache: Any = True, calibrate: bool = True, deterministic: bool = False,
+                     max_seconds: float = 120.0) -> dict[str, Any]:  # fmt: skip
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak
-    (`calibrate`, `deterministic`: a run's `train.calibrate` and `deterministic`)."""
+    (`calibrate`, `deterministic`: a run's `train.calibrate` and `deterministic`; repeats stop
+    after `max_seconds`, each timed step repeated at least once)."""
     torch.backends.cudnn.benchmark = not deterministic  # as `cnnkit train` runs
     tf32_matmuls()  # as `cnnkit train` runs fp32 on CUDA
     cfg = train_config(device, precision, channels_last, compile, threads, calibrate)
@@ -138,13 +139,14 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
     warmup, repeats = _counts(device, compile, warmup, repeats)
     try:
         timings = measure_interleaved(
-            steps, device, warmup=warmup, repeats=repeats, max_seconds=120.0
+            steps, device, warmup=warmup, repeats=repeats, max_seconds=max_seconds
         )
     finally:
         for p in peers:
             p.close()
     synced = None
-    if block > 1:  # single steps, each synchronised: what a per-step timer sees
+    if block > 1 and not compile:  # single steps, each synchronised: what a per-step timer
+        # sees (not when compiling: its own engine would compile the network once more)
         synced = measure(_cnnkit_step(net, mode, batch, device, cfg, settings, num_classes, 1),
                          device, warmup=2, repeats=repeats)  # fmt: skip
     report = _report(model, mode, batch, device, settings, cfg, timings, block, synced, kernels,

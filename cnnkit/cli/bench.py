@@ -57,6 +57,11 @@ QUICK = typer.Option(
 EXPLORE = typer.Option(
     False, "--explore", help="Also time every precision / format / threads combination."
 )
+MAX_SECONDS = typer.Option(
+    120.0, "--max-seconds", min=1.0,
+    help="Stop repeating after this long (at least one repeat of each timed step): keep it "
+    "under a caller's own time limit, so a slow run still reports what it measured.",
+)  # fmt: skip
 
 
 def _as_the_command_runs() -> None:
@@ -129,6 +134,7 @@ def train(
     quick: bool = QUICK,
     threads: int = THREADS,
     explore: bool = EXPLORE,
+    max_seconds: float = MAX_SECONDS,
     as_json: bool = JSON,
 ) -> None:
     """Training throughput with the engine's real step, as `cnnkit train` would run it:
@@ -150,6 +156,7 @@ def infer(
     quick: bool = QUICK,
     threads: int = THREADS,
     explore: bool = EXPLORE,
+    max_seconds: float = MAX_SECONDS,
     as_json: bool = JSON,
 ) -> None:
     """Classification throughput (eval mode, no autograd) with `cnnkit classify`'s settings
