@@ -4,8 +4,8 @@
 #   AlexNet training (bench train --explore: bf16 / fp16 / fp32 x NHWC / NCHW in one
 #   interleaved run, with the plain and the careful torchvision peers) at batch 256 and 1024;
 #   the loader (raw shards, JPEG shards decoded on the GPU); `cnnkit train` from packed raw and
-#   JPEG shards; the 2012 AlexNet, inference; a one-process NCCL DDP run and a `sync: average`
-#   run; torch.compile; per-layer times; the CPU/GPU scaling study in fp32 and bf16; the loader
+#   JPEG shards; a one-process NCCL DDP run and a `sync: average` run; the 2012 AlexNet,
+#   inference; torch.compile; per-layer times; the CPU/GPU scaling study in fp32 and bf16; the loader
 #   on JPEGs decoded by the CPU; `cnnkit train` from synthetic data. The figures of the floors
 #   come first: a step that would overrun the budget is one of the last. Each bench step times
 #   the peak kernels interleaved with its own steps (a second or two each), not one shared
@@ -227,25 +227,31 @@ step gpu_tests 180 "$PY" -m pytest -q -m gpu "${ONE[@]}" --durations 8 -p no:cac
 wait "$PREP"  # nothing timed shares the CPU with the packing
 # 2. the flagship's training step: every precision x format interleaved, both torchvision
 # peers; then the large batch, the likeliest best bf16 figure
-step train_owt_256_explore  90 "${T[@]}" alexnet-owt -b "$B" --explore --baseline
-step train_owt_1024_bf16    60 "${T[@]}" alexnet-owt -b "$BIG" -p bf16 --channels-last
+# (--max-seconds: the timing stops well inside the step's limit, so a slow step still reports)
+step train_owt_256_explore  90 "${T[@]}" alexnet-owt -b "$B" --explore --baseline \
+    --max-seconds $(( 45 * SLOW ))
+step train_owt_1024_bf16    60 "${T[@]}" alexnet-owt -b "$BIG" -p bf16 --channels-last \
+    --max-seconds $(( 30 * SLOW ))
 # 3. the loader alone (the ring's prefetched batches untimed), then `cnnkit train` end to end
 # from packed data: raw shards, JPEG shards decoded on the GPU
 step loader_raw             40 "${L[@]}" "$RUN/raw" --batches "$BATCHES"
 step loader_jpeg_gpu        40 "${L[@]}" "$RUN/jpeg" --decode gpu --batches "$BATCHES"
 step train_packed_raw       75 "${CK[@]}" train "$RUN/raw.yaml" --out "$RUN/packed-raw" --quiet
 step train_packed_jpeg_gpu  75 "${CK[@]}" train "$RUN/jpeg.yaml" --out "$RUN/packed-jpeg" --quiet
-# 4. the 2012 AlexNet, inference
-step train_alexnet2012      60 "${T[@]}" alexnet -b "$B"
-step infer_owt              45 "${CK[@]}" bench infer alexnet-owt -b "$B" -d "$DEV" $QUICK --json
-# 5. one-process NCCL groups: DDP and the first seed's weight averaging
+# 4. one-process NCCL groups, DDP and the first seed's weight averaging: CUDA-only paths, before
+# the figures below that only add to the ones above
 step ddp_nccl               60 "${CK[@]}" train "$RUN/raw.yaml" --nproc 1 --out "$RUN/ddp" --quiet \
     train.epochs=1
 step average_nccl           60 "${CK[@]}" train "$RUN/raw.yaml" --nproc 1 --out "$RUN/avg" --quiet \
     train.epochs=1 train.sync=average
+# 5. the 2012 AlexNet, inference
+step train_alexnet2012      60 "${T[@]}" alexnet -b "$B" --max-seconds $(( 30 * SLOW ))
+step infer_owt              45 "${CK[@]}" bench infer alexnet-owt -b "$B" -d "$DEV" $QUICK --json \
+    --max-seconds $(( 20 * SLOW ))
 # 6. torch.compile (a minute of compiling), per-layer times, the scaling study (CPU and GPU
 # halves) in fp32 and bf16, the rest
-step train_owt_compile     100 "${T[@]}" alexnet-owt -b "$B" -p bf16 --channels-last "$COMPILE"
+step train_owt_compile     100 "${T[@]}" alexnet-owt -b "$B" -p bf16 --channels-last "$COMPILE" \
+    --max-seconds $(( 30 * SLOW ))
 step layers_owt             45 "${CK[@]}" bench layers alexnet-owt -b "$B" -d "$DEV" \
     --repeats "$LAYER_REPEATS" --json
 step scaling_fp32          100 "${CK[@]}" bench scaling --devices "cpu,$DEV" -o "$OUT/scaling-fp32" $QUICK --json
