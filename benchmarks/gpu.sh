@@ -134,6 +134,7 @@ import os, platform, torch
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print("gpu:", gpu, "| torch", torch.__version__, "| cuda", torch.version.cuda)
 print("cpu:", platform.processor() or platform.machine(), "| cores", len(os.sched_getaffinity(0)))
+print("kernel:", platform.release())  # 4.4.0: gVisor, which may refuse to page-lock /dev/shm
 PY
 # containers often give /dev/shm 64 MB; the loader's slot rings need a few GB (root may grow it)
 shm_kb=$(df -k --output=size /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')
