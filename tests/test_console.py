@@ -8,6 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cnnkit.config import load_run
+from cnnkit.train.loop import FINITE_EVERY
 from cnnkit.train.metrics import LOG_EVERY, Console, RunLog, StepInfo
 from cnnkit.train.run import fit
 
@@ -21,16 +22,23 @@ def test_log_files_get_a_plain_line_every_few_seconds(capsys):
     assert "data wait 12%" in line and "epoch eta 12s" in line  # 8 s for 40 steps, 60 to go
 
 
-def test_tensorboard_gets_per_step_scalars(tmp_path):
+def test_tensorboard_gets_per_step_scalars_where_the_loop_syncs(tmp_path):
+    """Reading the loss syncs the device: TensorBoard's scalars are written at the steps of an
+    epoch where the loop reads it anyway (FINITE_EVERY), not at other ones."""
     log = RunLog(tmp_path, [])
     console = Console(quiet=True, log=log)
-    for step in range(1, 3 * LOG_EVERY + 1):
-        console.step(StepInfo(1, 1, step, 100, torch.tensor(float(step)), step, 0.1, 100.0, 0, 1))
+    steps = 2 * LOG_EVERY + 3  # epochs of steps that are not a multiple of LOG_EVERY
+    for epoch in range(2):
+        for step in range(1, steps + 1):
+            done = epoch * steps + step
+            console.step(StepInfo(epoch + 1, 2, step, steps, torch.tensor(float(done)), done, 0.1,
+                                  100.0, 0, 1))  # fmt: skip
     log.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     losses = [(e.step, e.value) for e in events.Scalars("step/loss")]
-    assert losses == [(k * LOG_EVERY, float(k * LOG_EVERY)) for k in (1, 2, 3)]
+    logged = [k * LOG_EVERY for k in (1, 2)] + [steps + k * LOG_EVERY for k in (1, 2)]
+    assert losses == [(g, float(g)) for g in logged] and LOG_EVERY == FINITE_EVERY
     assert {"step/lr", "step/images_per_second"} <= set(events.Tags()["scalars"])
 
 

@@ -15,12 +15,12 @@ from cnnkit.data import Batches
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CnnkitError, DataError
 from cnnkit.train.engine import Engine, train_step
-from cnnkit.train.metrics import Console, StepInfo
+from cnnkit.train.metrics import SYNC_EVERY, Console, StepInfo
 from cnnkit.train.optim import Schedule
 from cnnkit.train.recipe import BatchRecipe
 
 StepHook = Callable[[int, int, int], None]  # (epoch index, steps done in it, global step)
-FINITE_EVERY = 16  # steps between checks that the loss is still finite (each check syncs)
+FINITE_EVERY = SYNC_EVERY  # steps between checks that the loss is still finite
 
 
 class StopTraining(Exception):  # noqa: N818 - a request, not an error

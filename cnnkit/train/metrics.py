@@ -15,7 +15,8 @@ from typing import Any
 from cnnkit.errors import one_line
 from cnnkit.runtime import write_atomic
 
-LOG_EVERY = 20  # steps between TensorBoard's per-step scalars
+SYNC_EVERY = 16  # steps of an epoch between the loop's reads of the device (each one syncs)
+LOG_EVERY = SYNC_EVERY  # TensorBoard's per-step scalars: at those reads, never one more
 PLOT_EVERY = 30.0  # seconds between redrawings of curves.png during a run
 EMA_COLUMNS = ["val_loss_ema", "val_top1_ema", "val_top5_ema"]
 COLUMNS = [
@@ -253,7 +254,7 @@ class Console:
     def step(self, info: StepInfo) -> None:
         """Refresh the bar at most 10 times a second, or print a line every `every` seconds
         (reading the loss syncs the device, so neither happens at every step)."""
-        if self.log is not None and info.global_step % LOG_EVERY == 0:
+        if self.log is not None and info.step % LOG_EVERY == 0:  # (the loop synced just now)
             self.log.write_step(info.global_step, info.loss, info.lr, info.images_per_second)
         if self.quiet:
             return
