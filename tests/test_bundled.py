@@ -155,3 +155,17 @@ def test_a_held_out_split_is_each_class_s_own_by_file_name():
     assert {files[order[i]] for i in val3} == held
     _, other = holdout_split(labels, 0.2, seed=1, keys=files)
     assert {files[i] for i in other} != held and len(other) == len(val) == 14
+
+
+def test_a_class_s_held_out_count_is_its_own_share_alone():
+    """Each class holds out round(its count * fraction) of its images, whatever the other
+    classes hold: the odd ones are never handed across classes (10 of 10, 10 and 11 at 0.25
+    once gave the third class's odd image away from the second)."""
+    for counts in ([10, 10, 10], [10, 10, 11], [7, 3, 12, 5], [2, 9]):
+        labels = np.repeat(np.arange(len(counts)), counts)
+        files = [f"{k}/{i}.png" for k, n in enumerate(counts) for i in range(n)]
+        _, val = holdout_split(labels, 0.25, keys=files)
+        for k, n in enumerate(counts):
+            own = [f"{k}/{i}.png" for i in range(n)]
+            _, alone = holdout_split(np.zeros(n, np.int64), 0.25, keys=own)
+            assert {files[i] for i in val if labels[i] == k} == {own[i] for i in alone}, counts

@@ -190,6 +190,28 @@ def test_eval_command_repeats_the_held_out_figure(tiny_run, capsys):
     assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-4)
 
 
+def test_eval_refuses_a_held_out_split_that_changed(tiny_run, tmp_path, capsys):
+    """The run's own split, drawn now from data whose images changed, would count images the
+    run trained on: refused in one line (as a resume is); a checkpoint from before the split's
+    fingerprint (no `holdout`) still evaluates."""
+    from helpers import one_error_line, run_cli
+
+    from cnnkit.checkpoint import load_checkpoint, save_checkpoint
+
+    run_dir, summary = tiny_run
+    state = load_checkpoint(run_dir / "last.pt")
+    assert state["holdout"]  # a split drawn from the faces' images
+    state["holdout"] = "0123456789abcdef"  # as a grown or renamed image folder gives
+    save_checkpoint(state, tmp_path / "changed.pt")
+    code, out, err = run_cli(["eval", str(tmp_path / "changed.pt")], capsys)
+    line = one_error_line(code, err, (2,))
+    assert "the held-out images differ from the run's" in line and not out
+    del state["holdout"]
+    save_checkpoint(state, tmp_path / "older.pt")
+    code, out, _ = run_cli(["eval", str(tmp_path / "older.pt"), "--json"], capsys)
+    assert code == 0 and json.loads(out)["top1"] == pytest.approx(summary["val_top1"])
+
+
 def test_digits_run_learns_in_a_few_epochs(tmp_path):
     config = load_run("digits", ["train.epochs=3", "train.warmup_epochs=0"])
     summary = fit(config, tmp_path / "digits", quiet=True)

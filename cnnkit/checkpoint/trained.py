@@ -46,7 +46,8 @@ def load_trained(target: str | Path, device: Any = "cpu",
         raise CheckpointError(f"{path}: weights do not fit its network: {one_line(e)}") from None
     meta = {k: state[k] for k in ("classes", "preprocess", "config")}
     meta.update(path=str(path), epoch=state.get("epoch"), metrics=state.get("metrics", {}),
-                settings=state.get("settings"), mean_image=state.get("mean_image"))  # fmt: skip
+                settings=state.get("settings"), mean_image=state.get("mean_image"),
+                holdout=state.get("holdout"))  # fmt: skip
     check_input_fits(meta["preprocess"], model, path)
     return model.to(device).eval(), meta
 

@@ -102,9 +102,15 @@ def check_same_data(state: dict[str, Any], data: DataBundle, run_dir: Path) -> N
         raise ConfigError(f"--resume: the data's {len(data.classes)} classes are not the "
                           f"{len(saved)} the run trained on ({what}): resume with the data as "
                           f"it was, or {fresh}")  # fmt: skip
-    drawn = state.get("holdout")
+    check_same_split(state.get("holdout"), data, "--resume",
+                     f"resume with the data as it was, or {fresh}")  # fmt: skip
+
+
+def check_same_split(drawn: str | None, data: DataBundle, where: str, advice: str) -> None:
+    """ConfigError where a split drawn from the training images (`drawn`: the checkpoint's
+    holdout_id; None where it predates them or the run had a validation set of its own) holds
+    out other images now: the held-out figures would count images the run trained on."""
     if drawn is not None and drawn != data.holdout:
-        raise ConfigError("--resume: the held-out images differ from the run's (images added, "
+        raise ConfigError(f"{where}: the held-out images differ from the run's (images added, "
                           "removed or renamed, or the split's settings changed): its held-out "
-                          "figures would count images it trained on; resume with the data as it "
-                          f"was, or {fresh}")  # fmt: skip
+                          f"figures would count images it trained on; {advice}")  # fmt: skip

@@ -20,11 +20,14 @@ from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_me
 from cnnkit.nn.onednn import freeze
 from cnnkit.nn.yamlio import read_yaml
 from cnnkit.runtime import restore_matmuls, tf32_matmuls
+from cnnkit.train.checks import check_same_split
 from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import check_read, evaluate, score_logits
 from cnnkit.train.settings import inference_settings
 
 DATA_TAKES = "a folder, a packed set, a source name or a data YAML"  # what --data takes
+OWN_SPLIT_CHANGED = ("evaluate it on the data as it was, or give --data images it never "
+                     "trained on")  # fmt: skip
 
 
 def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
@@ -179,6 +182,8 @@ def evaluate_checkpoint(
         cfg = cfg.model_copy(update={"eval_batch_size": batch_size})
     dev = resolve_device(device)
     bundle = cfg.build(dev, 0, 1, config.get("seed", 0))
+    if data is None:  # the run's own split: drawn from the training images as they are now
+        check_same_split(meta.get("holdout"), bundle, str(target), OWN_SPLIT_CHANGED)
     label_map = class_map(bundle.classes, meta["classes"], data or "the held-out split")
     train_cfg = _eval_settings(config, device, dev, meta.get("path", target), meta.get("settings"))
     batch = cfg.eval_batch_size or cfg.batch_size
