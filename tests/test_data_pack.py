@@ -132,6 +132,24 @@ def test_a_pack_resumes_where_its_shards_folder_was_removed(shapes, tmp_path, mo
     assert s.images == 15 and len(all_images(tmp_path / "p")[1]) == 15
 
 
+def test_a_file_name_that_is_not_utf8_is_held_out_alike_in_a_folder_and_its_pack(shapes,
+                                                                                 tmp_path):  # fmt: skip
+    """Names are hashed as files.txt writes them (undecodable bytes as \\xNN, tabs escaped):
+    no UnicodeEncodeError, and a folder and its pack hold out the same images."""
+    src = tmp_path / "src"
+    shutil.copytree(shapes, src)
+    first = sorted(p for p in src.iterdir() if p.is_dir())
+    for folder, odd in zip(first, (b"c\xff\xfeat.JPEG", b"t\tab.JPEG"), strict=False):
+        image = sorted(folder.iterdir())[0]
+        os.rename(bytes(image), bytes(folder) + b"/" + odd)
+    pack_folder(src, tmp_path / "p", size=16, workers=1, progress=False)
+    common = {"crop": 16, "workers": 0, "val_fraction": 0.4}
+    folder = data_config({"source": "folder", "path": str(src), "size": 16, **common})
+    packed = data_config({"source": "packed", "path": str(tmp_path / "p"), **common})
+    f, p = folder.build(torch.device("cpu")), packed.build(torch.device("cpu"))
+    assert f.holdout == p.holdout and f.val.num_samples == p.val.num_samples == 6
+
+
 def test_bad_images_reported_converted_and_skipped(tmp_path):
     expected = write_bad_folder(tmp_path / "src")
     s = pack_folder(tmp_path / "src", tmp_path / "p", size=16, workers=2, progress=False)

@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from pydantic_core import PydanticCustomError
 
+from cnnkit.data.scan import printable
 from cnnkit.errors import ConfigError
 
 
@@ -236,17 +237,30 @@ def holdout_split(
 
 def _hash_order(keys: Iterable[Any], seed: int) -> np.ndarray:
     """(N,) uint64: each key's place in a pseudo-random order fixed by `seed` alone (a keyed
-    BLAKE2b of its text: ImageNet's 1.28M file names in under a second)."""
+    BLAKE2b of its text as files.txt writes it: ImageNet's 1.28M file names in under a second)."""
     salt = int(seed).to_bytes(8, "little")
-    digest = (hashlib.blake2b(str(k).encode(), digest_size=8, salt=salt).digest() for k in keys)
+    digest = (hashlib.blake2b(_key_bytes(k), digest_size=8, salt=salt).digest() for k in keys)
     return np.frombuffer(b"".join(digest), dtype="<u8")
 
 
 def holdout_id(keys: Sequence[str] | None, val_ids: np.ndarray, total: int) -> str:
     """A short fingerprint of which images a drawn split holds out (keys: their file names;
     indices where None), kept in checkpoints so a resume can tell the split has changed."""
-    names = (str(keys[i]) if keys is not None else str(i) for i in np.sort(val_ids))
+    names = (keys[i] if keys is not None else i for i in np.sort(val_ids))
     h = hashlib.blake2b(f"{total}\n".encode(), digest_size=8)
     for name in names:
-        h.update(name.encode() + b"\n")
+        h.update(_key_bytes(name) + b"\n")
     return h.hexdigest()
+
+
+def _key_bytes(key: Any) -> bytes:
+    """An image's key as a pack's files.txt writes it (printable: a file name's undecodable
+    bytes as \\xNN, tabs and line breaks escaped), so that a folder and its pack hold out the
+    same images, and a name that is not UTF-8 hashes instead of raising."""
+    text = str(key)
+    try:
+        plain = text.encode("utf-8")  # most names: already as printable writes them (fast)
+    except UnicodeEncodeError:
+        return printable(text).encode("utf-8")
+    escaped = "\t" in text or "\n" in text or "\r" in text  # as printable writes them
+    return printable(text).encode("utf-8") if escaped else plain
