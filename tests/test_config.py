@@ -108,6 +108,21 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
         ({"name": "run\n"}, "name: use letters, digits"),  # (a folder named with a newline)
         ({"train": {"device": "cpu\n"}}, r"train.device: 'cpu\\n' is not one of auto"),
         ({"train": {"optimizer": True}}, "train.optimizer: Input should be 'sgd'"),
+        # refused here, not later as a preprocessing pydantic traceback
+        (
+            {"data": {"source": "folder", "path": "imgs", "std": [0, 1, 1]}},
+            r"data.std.0: Input should be greater than 0",
+        ),
+        ({"data": {"source": "packed", "path": "pk", "std": [1, -1, 1]}}, r"data.std.1: Input"),
+        (
+            {"data": {"source": "folder", "path": "imgs", "size": 9000}},
+            "data.size: Input should be less than or equal to 8192",
+        ),  # a network's MAX_SIDE
+        (
+            {"data": {"source": "synthetic", "shape": [5, 8, 8]}},
+            "data.shape: 5 channels: at most 4",
+        ),
+        ({"data": {"source": "synthetic", "shape": [3, 9000, 8]}}, "data.shape: 9000x8: at most"),
     ],
 )
 def test_each_bad_field_is_named(change, words):

@@ -479,3 +479,16 @@ def test_workers_keep_the_inherited_ring_under_the_file_system_strategy(monkeypa
     monkeypatch.setattr("cnnkit.data.slots.get_sharing_strategy", lambda: "file_system")
     assert mapped_afresh(ring) is ring
     assert mp.get_sharing_strategy() == "file_descriptor"
+
+
+def test_a_preprocessing_a_source_makes_that_is_not_valid_is_a_config_error():
+    """What a data section's settings make (channels, sizes, statistics) is refused in one
+    ConfigError line, never a pydantic ValidationError and its traceback."""
+    from cnnkit.data.base import Preprocess
+
+    with pytest.raises(ConfigError, match=r"^data: makes a preprocessing that is not valid: std"):
+        Preprocess.of_data(3, 8, mean=[0.0] * 3, std=[1.0, 0.0, 1.0])
+    with pytest.raises(
+        ConfigError, match=r"valid: channels: Input should be less than or equal to 4"
+    ):
+        Preprocess.of_data(5, 8, mean=[0.0] * 5)

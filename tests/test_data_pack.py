@@ -150,6 +150,24 @@ def test_a_file_name_that_is_not_utf8_is_held_out_alike_in_a_folder_and_its_pack
     assert f.holdout == p.holdout and f.val.num_samples == p.val.num_samples == 6
 
 
+def test_a_pack_with_a_constant_channel_trains_and_its_preprocessing_is_valid(tmp_path):
+    """Blue 128 in every pixel: meta.json's std is 0 for it, which normalisation would divide
+    by (once a pydantic traceback): it divides by 1 instead, so the batches are finite."""
+    for k, name in enumerate("ab"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        for i in range(3):
+            pixels = np.zeros((8, 8, 3), np.uint8) + np.uint8([10 + 40 * i, 30 + 90 * k, 128])
+            Image.fromarray(pixels).save(tmp_path / "src" / name / f"{i}.png")
+    pack_folder(tmp_path / "src", tmp_path / "p", size=8, workers=1, progress=False)
+    assert json.loads((tmp_path / "p/meta.json").read_text())["std"][2] == 0.0
+    cfg = data_config({"source": "packed", "path": str(tmp_path / "p"), "crop": 8, "workers": 0,
+                       "val_fraction": 0.4, "batch_size": 2})  # fmt: skip
+    bundle = cfg.build(torch.device("cpu"))
+    assert bundle.preprocess.std[2] == 1.0
+    x, _ = next(iter(bundle.train))
+    assert torch.isfinite(x).all() and (x[:, 2] == 0).all()  # centred, unscaled
+
+
 def test_bad_images_reported_converted_and_skipped(tmp_path):
     expected = write_bad_folder(tmp_path / "src")
     s = pack_folder(tmp_path / "src", tmp_path / "p", size=16, workers=2, progress=False)
@@ -285,8 +303,8 @@ def test_folders_that_would_change_the_classes_are_refused_and_nothing_is_writte
         assert "Traceback" not in err and not (tmp_path / "dst").exists(), name
     Image.new("RGB", (8, 8)).save(tmp_path / "empty class/a/ok.png")
     code, _, err = run_cli(["pack", str(tmp_path / "empty class"), str(tmp_path / "dst"),
-                            "--size", "20000"], capsys)  # fmt: skip
-    assert code == 2 and "over the limit" in err and not (tmp_path / "dst").exists()
+                            "--size", "8193"], capsys)  # fmt: skip
+    assert code == 2 and "over the limit of 8192 px" in err and not (tmp_path / "dst").exists()
     for option, words in ((["--format", "png"], "--format: 'png' is not raw or jpeg"),
                           (["--resize", "fit"], "--resize: 'fit' is not squash or shorter")):  # fmt: skip
         code, _, err = run_cli(["pack", str(tmp_path / "empty class"), str(tmp_path / "dst"),

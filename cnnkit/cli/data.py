@@ -27,7 +27,7 @@ def pack(
         ..., help="Image folder: one subfolder per class (or flat + --labels)."
     ),
     dst: Path = typer.Argument(..., help="Output folder (resumes if it holds an unfinished pack)."),
-    size: int = typer.Option(256, "--size", help="Stored images are size x size."),
+    size: int = typer.Option(256, "--size", help="Stored images are size x size (8 to 8192)."),
     resize: str = typer.Option("squash", "--resize", help="squash | shorter-side-crop"),
     format: str = typer.Option(
         "raw", "--format", help="raw (memory-mapped) | jpeg (5-10x smaller)"

@@ -18,11 +18,18 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from cnnkit.data.scan import printable
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, validation_message
 
 
 class Section(BaseModel):
@@ -164,6 +171,16 @@ class Preprocess(Section):
         super().__init__(channels=channels, crop=crop, resize=resize, resize_mode=resize_mode,
                          mean=[0.0] if mean is None else list(mean),
                          std=[255.0] if std is None else list(std), **extra)  # fmt: skip
+
+    @classmethod
+    def of_data(cls, *args: Any, **kwargs: Any) -> Preprocess:
+        """Preprocess(...) as a data source makes it from its settings and statistics: one
+        that is not valid is the data section's ConfigError line, not pydantic's traceback."""
+        try:
+            return cls(*args, **kwargs)
+        except ValidationError as e:
+            raise ConfigError(f"data: makes a preprocessing that is not valid: "
+                              f"{validation_message(e)}") from None  # fmt: skip
 
     @model_validator(mode="after")
     def _per_channel(self) -> Preprocess:

@@ -69,7 +69,7 @@ class BundledConfig(DataConfigBase):
         mean, std = float(train_x.mean()), float(train_x.std(ddof=1))
         train_x, train_y = self.extra_training(train_x, train_y)
         h, w = train_x.shape[1:]
-        pre = Preprocess(channels=1, crop=h, resize=None, mean=[mean], std=[std])
+        pre = Preprocess.of_data(channels=1, crop=h, resize=None, mean=[mean], std=[std])
         jitter = Jitter(self.shift, self.rotate, self.scale, self.mirror, self.padding,
                         self.contrast, self.brightness)  # fmt: skip
         common = dict(preprocess=pre, rank=rank, world_size=world_size, seed=seed)

@@ -12,13 +12,13 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt, PrivateAttr, field_validator
+from pydantic import Field, PositiveInt, PrivateAttr
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting, rrc_boxes
-from cnnkit.data.base import DataBundle, Preprocess, holdout_id, holdout_split
+from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, holdout_id, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import MAX_PIXELS, BadImage, device_jpeg, image_shape, load_resized
+from cnnkit.data.decode import BadImage, device_jpeg, image_shape, load_resized
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
 from cnnkit.data.regions import file_shape, load_region, open_image
 from cnnkit.data.resize import box_region
@@ -148,7 +148,12 @@ class FolderConfig(ImageSetConfig):
     path: str = Field(description="training folder: one subfolder per class")
     val_path: str | None = Field(None, description="validation folder (class subfolders or flat)")
     val_labels: str | None = Field(None, description="label file for a flat val_path")
-    size: PositiveInt = Field(256, description="images are resized to size x size first")
+    size: PositiveInt = Field(
+        256,
+        le=MAX_SIDE,
+        description="images are resized to size x size "
+        "first (at most MAX_SIDE: what a trained network may read)",
+    )
     resize_mode: Literal["squash", "shorter"] = Field(
         "squash", description="or shorter side + crop"
     )
@@ -166,13 +171,6 @@ class FolderConfig(ImageSetConfig):
         out = super().evaluated_as(preprocess, mean_image).model_copy()
         out._evaluating = True
         return out
-
-    @field_validator("size")
-    @classmethod
-    def _within_pixel_limit(cls, v: int) -> int:
-        if v * v > MAX_PIXELS:
-            raise ValueError(f"{v}x{v} images are over the limit of {MAX_PIXELS:,} pixels")
-        return v
 
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
               seed: int = 0, local_ranks: int = 1) -> DataBundle:  # fmt: skip
@@ -206,7 +204,7 @@ class FolderConfig(ImageSetConfig):
         stats = {"mean": mean, "std": std, "lighting": imagenet_lighting(), "mean_image": image}
         train_s, val_s = build_streams(self, train, val, build_augment(self, stats), device, rank,
                                        world_size, seed, local_ranks)  # fmt: skip
-        pre = Preprocess(3, self.crop, self.size, self.resize_mode, list(mean), list(std))
+        pre = Preprocess.of_data(3, self.crop, self.size, self.resize_mode, list(mean), list(std))
         labels = torch.from_numpy(train.labels[train.ids])
         return self.finish(
             DataBundle(

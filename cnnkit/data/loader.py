@@ -22,7 +22,14 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr, model_validator
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    model_validator,
+)
 from torch.utils.data import DataLoader
 
 from cnnkit.data.augment import CropAugment
@@ -72,7 +79,9 @@ class ImageSetConfig(DataConfigBase):
     mean: tuple[float, float, float] | None = Field(
         None, description="per channel, 0-255 (None: ImageNet's for folders, the pack's own)"
     )
-    std: tuple[float, float, float] | None = Field(None, description="per channel, 0-255")
+    std: tuple[PositiveFloat, PositiveFloat, PositiveFloat] | None = Field(
+        None, description="per channel, 0-255 (each > 0: it divides)"
+    )
     grey: bool = Field(False, description="luma of the RGB images (ITU-R 601, as torchvision's "
                        "Grayscale): for a network with 1 input channel")  # fmt: skip
     _mean_image: torch.Tensor | None = PrivateAttr(None)  # a trained run's (evaluated_as)
@@ -126,7 +135,7 @@ class ImageSetConfig(DataConfigBase):
         weights = torch.tensor([w * s / std for w, s in zip(LUMA, pre.std, strict=True)])
         for stream in (bundle.train, bundle.val):
             stream.grey = weights.view(1, 3, 1, 1).to(stream.device)
-        grey = Preprocess(1, pre.crop, pre.resize, pre.resize_mode, [mean], [std])
+        grey = Preprocess.of_data(1, pre.crop, pre.resize, pre.resize_mode, [mean], [std])
         return replace(bundle, input_shape=(1, *bundle.input_shape[1:]), preprocess=grey)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnnkit.data import decode
+from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import ResizeMode
 from cnnkit.data.pack_dst import check_no_clash, shards_done, tidy, write_error
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
@@ -259,7 +259,7 @@ def _finalize(plan: dict, dst: Path, jobs: list[PackJob]) -> dict:
     meta = {
         "format": PACK_FORMAT, **p, "classes": plan["classes"], "num_images": count,
         "shards": [f"{j.shard:05d}{SHARD_SUFFIX[p['storage']]}" for j in jobs],
-        "mean": mean.tolist(), "std": np.sqrt(np.diag(cov)).tolist(), "rgb_cov": cov.tolist(),
+        "mean": mean.tolist(), "std": np.sqrt(np.diag(cov).clip(0)).tolist(), "rgb_cov": cov.tolist(),
         "converted": sum("\tconverted\t" in r for r in report),
         "skipped": sum("\tskipped\t" in r for r in report),
         "empty_classes": [c for k, c in enumerate(plan["classes"]) if k not in used],
@@ -281,9 +281,9 @@ def _check_options(src: Path, size: int, resize: str, format: str, quality: int,
                       ((shard_size or 1) < 1, f"shard_size must be >= 1 (got {shard_size})")):  # fmt: skip
         if bad:
             raise ConfigError(what)
-    if size * size > decode.MAX_PIXELS:
-        raise ConfigError(f"--size {size}: {size}x{size} images are over the limit of "
-                          f"{decode.MAX_PIXELS:,} pixels")  # fmt: skip
+    if size > MAX_SIDE:  # (MAX_SIDE squared is within decode.MAX_PIXELS)
+        raise ConfigError(f"--size {size}: over the limit of {MAX_SIDE} px a side (the largest "
+                          "a network trained on the pack may read)")  # fmt: skip
     if resize not in ("squash", "shorter"):
         raise ConfigError(f"--resize: {resize!r} is not squash or shorter-side-crop")
     if format not in SHARD_SUFFIX:

@@ -272,13 +272,13 @@ class PackedConfig(ImageSetConfig):
         image = self._mean_image  # a trained run's (evaluated_as), else the pack's own
         if image is None and self.normalize == "mean_image":
             image = torch.from_numpy(np.load(Path(self.path) / "mean.npy")).float()
-        stats = {"mean": self.mean or meta["mean"], "std": self.std or meta["std"],
+        stats = {"mean": self.mean or meta["mean"], "std": self.std or dividing_std(meta["std"]),
                  "lighting": lighting_from_cov(meta["rgb_cov"]), "mean_image": image}  # fmt: skip
         augment = build_augment(self, stats)
         train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed,
                                        local_ranks)  # fmt: skip
         mean, std = self._preprocess_stats(meta, stats)
-        pre = Preprocess(3, self.crop, meta["size"], meta["resize"], mean, std)
+        pre = Preprocess.of_data(3, self.crop, meta["size"], meta["resize"], mean, std)
         labels = torch.from_numpy(train.labels[train.ids])
         return self.finish(DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop),
                                       pre, labels, image,
@@ -293,6 +293,13 @@ class PackedConfig(ImageSetConfig):
         if self.normalize == "mean_image":
             return stats["mean_image"].mean(dim=(1, 2)).tolist(), [1.0, 1.0, 1.0]
         return list(stats["mean"]), list(stats["std"])
+
+
+def dividing_std(std: list[float]) -> list[float]:
+    """A pack's channel std as normalisation divides by it: at least 1 (0-255 units, one grey
+    level), since a channel constant over the whole set has std 0 and would divide by zero; 1
+    keeps such a channel centred and unscaled (meta.json keeps the true figure)."""
+    return [max(float(s), 1.0) for s in std]
 
 
 def _mapped(path: Path) -> np.ndarray:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 
-from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
+from cnnkit.data.base import MAX_SIDE, DataBundle, DataConfigBase, Preprocess
 from cnnkit.data.memory import TensorBatches
 from cnnkit.runtime import mix_seed
 
@@ -20,6 +20,16 @@ class SyntheticConfig(DataConfigBase):
     num_classes: PositiveInt = Field(1000)
     train_size: PositiveInt = Field(1024, description="images per epoch")
     val_size: PositiveInt = Field(256)
+
+    @field_validator("shape")
+    @classmethod
+    def _image_shape(cls, v: list[int]) -> list[int]:
+        """An image's, as classification's preprocessing records it."""
+        if v[0] > 4:
+            raise ValueError(f"{v[0]} channels: at most 4 (1 grey, 3 RGB)")
+        if max(v[1:]) > MAX_SIDE:
+            raise ValueError(f"{v[1]}x{v[2]}: at most {MAX_SIDE} px a side")
+        return v
 
     def build(
         self,
@@ -44,7 +54,7 @@ class SyntheticConfig(DataConfigBase):
         train_x, train_y = draw(self.train_size, on_device)
         val_x, val_y = draw(self.val_size, torch.Generator().manual_seed(mix_seed(seed, 54321)))
         c, h, _ = self.shape
-        pre = Preprocess(channels=c, crop=h, mean=[127.5] * c, std=[73.9] * c)
+        pre = Preprocess.of_data(channels=c, crop=h, mean=[127.5] * c, std=[73.9] * c)
         common = dict(preprocess=pre, rank=rank, world_size=world_size, seed=seed)
         train = TensorBatches(train_x, train_y, self.batch_size, train=True, **common)
         eval_batch = self.eval_batch_size or self.batch_size
