@@ -94,7 +94,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     (tmp_path / "afile").write_text("keep")
     (tmp_path / "half").mkdir()
-    (tmp_path / "half/plan.json").write_text("{}")  # an interrupted pack: not an image folder
+    plan = {"params": {}, "files": [], "labels": [], "classes": [], "shard_size": 16}
+    (tmp_path / "half/plan.json").write_text(json.dumps(plan))  # an interrupted pack's plan
     for argv, code in [
         (["pack", str(tmp_path / "missing"), str(tmp_path / "p")], 1),
         (["pack", str(tmp_path), str(tmp_path / "p"), "--resize", "stretch"], 2),

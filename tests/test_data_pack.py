@@ -168,6 +168,26 @@ def test_a_pack_with_a_constant_channel_trains_and_its_preprocessing_is_valid(tm
     assert torch.isfinite(x).all() and (x[:, 2] == 0).all()  # centred, unscaled
 
 
+def test_an_image_folder_holding_its_own_meta_or_plan_json_is_no_pack(shapes, tmp_path):
+    """A pack is a meta.json of the pack format, or cnnkit's plan.json (an interrupted pack):
+    a user's own file of either name leaves an image folder one (eval --data reads it so)."""
+    from cnnkit.data.base import Preprocess
+    from cnnkit.data.packed import is_pack
+    from cnnkit.train.evaluation import eval_data
+
+    pre = Preprocess(3, 16, mean=[0.0] * 3, std=[1.0] * 3)
+    for name, text in (("meta.json", '{"author": "me"}'), ("plan.json", '{"steps": [1]}'),
+                       ("plan.json", "my plan"), ("meta.json", "[1, 2]")):  # fmt: skip
+        src = tmp_path / f"{name}-{len(text)}"
+        shutil.copytree(shapes, src)
+        (src / name).write_text(text)
+        assert not is_pack(src) and eval_data(str(src), {}, pre).source == "folder", (name, text)
+    pack_folder(shapes, tmp_path / "p", size=16, workers=1, progress=False)
+    assert is_pack(tmp_path / "p") and eval_data(str(tmp_path / "p"), {}, pre).source == "packed"
+    (tmp_path / "p/meta.json").unlink()  # as an interrupted pack leaves it: plan.json alone
+    assert is_pack(tmp_path / "p")
+
+
 def test_bad_images_reported_converted_and_skipped(tmp_path):
     expected = write_bad_folder(tmp_path / "src")
     s = pack_folder(tmp_path / "src", tmp_path / "p", size=16, workers=2, progress=False)

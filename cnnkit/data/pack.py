@@ -37,7 +37,7 @@ from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import ResizeMode
 from cnnkit.data.pack_dst import check_no_clash, shards_done, tidy, write_error
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
-from cnnkit.data.packed import PACK_FORMAT
+from cnnkit.data.packed import PACK_FORMAT, is_plan
 from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError, Interrupted
 from cnnkit.runtime import atomic, available_cores
@@ -82,7 +82,7 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
             plan = json.loads(plan_path.read_text())
         except (ValueError, UnicodeDecodeError):
             raise DataError(f"{plan_path}: unreadable; delete {dst} and pack again") from None
-        if not _is_plan(plan):
+        if not is_plan(plan):
             raise DataError(f"{printable(str(plan_path))}: not a cnnkit pack's plan; pack into "
                             "another folder (this one is not a pack)")  # fmt: skip
         if plan["params"] != params:
@@ -101,12 +101,6 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
     (dst / "shards").mkdir(parents=True, exist_ok=True)
     write_text(plan_path, json.dumps(plan))
     return plan
-
-
-def _is_plan(plan: Any) -> bool:
-    """True for what _plan writes: a dict of the params, files, labels, classes and shard size."""
-    kinds = {"params": dict, "files": list, "labels": list, "classes": list, "shard_size": int}
-    return isinstance(plan, dict) and all(isinstance(plan.get(k), t) for k, t in kinds.items())
 
 
 def _check_unchanged(plan: dict, scan: Scan, src: Path, dst: Path) -> None:

@@ -9,7 +9,7 @@ import copy
 import json
 import zipfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -30,9 +30,30 @@ PACK_FORMAT = "cnnkit-packed/1"
 
 
 def is_pack(path: str | Path) -> bool:
-    """True for a folder `cnnkit pack` wrote into, finished (meta.json) or not (plan.json): a
-    folder given as data is read as a pack, not as an image folder, if so."""
-    return any((Path(path) / name).is_file() for name in ("meta.json", "plan.json"))
+    """True for a folder `cnnkit pack` wrote into, finished (a meta.json of the pack format) or
+    not (a cnnkit plan.json): a folder given as data is read as a pack, not as an image folder,
+    if so. An image folder holding a meta.json or plan.json of the user's own is no pack."""
+    meta = _json_file(Path(path) / "meta.json")
+    if isinstance(meta, dict) and meta.get("format") == PACK_FORMAT:
+        return True
+    return is_plan(_json_file(Path(path) / "plan.json"))
+
+
+def is_plan(plan: Any) -> bool:
+    """True for what `cnnkit pack` writes to plan.json: a dict of the params, files, labels,
+    classes and shard size."""
+    kinds = {"params": dict, "files": list, "labels": list, "classes": list, "shard_size": int}
+    return isinstance(plan, dict) and all(isinstance(plan.get(k), t) for k, t in kinds.items())
+
+
+def _json_file(path: Path) -> Any:
+    """A regular file's JSON (never a FIFO's: it would block), None where absent or not JSON."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+        return None
 
 
 def read_meta(path: str | Path, field: str | None = None) -> dict:
@@ -40,7 +61,7 @@ def read_meta(path: str | Path, field: str | None = None) -> dict:
     the setting that gave the path, for the message."""
     meta_path = Path(path) / "meta.json"
     if not meta_path.is_file():
-        if (Path(path) / "plan.json").exists():
+        if is_plan(_json_file(Path(path) / "plan.json")):
             hint = " (interrupted? run cnnkit pack again to resume)"
         elif not Path(path).exists():
             hint = f" (no such folder{f': set {field}' if field else ''}; cnnkit pack makes one)"

@@ -35,7 +35,7 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
               labels: str | None = None) -> DataConfig:  # fmt: skip
     """The data to evaluate on, normalised as the network was trained: the run's own (its
     held-out split) when `spec` is None; a source name; a YAML file with a `data:` mapping; or
-    a directory (a packed set if it holds meta.json, else an image folder), all of whose
+    a directory (a packed set if cnnkit packed it, else an image folder), all of whose
     images are evaluated as the run saw them (`mean_image`: the one a normalize: mean_image
     run subtracted, wherever the data is stored at its size). `labels`: the label file of a
     flat folder (ImageNet's validation set)."""
