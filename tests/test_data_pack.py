@@ -456,9 +456,10 @@ def test_bench_loader_on_a_folder_of_unreadable_images_is_one_line(tmp_path, cap
 
 def test_a_folder_holding_a_packs_file_names_is_refused_untouched(shapes, tmp_path, capsys):
     """A folder of the user's with a files.txt or meta.json (not a pack): a pack would have
-    overwritten them, and a failed one deleted them; a plan.json not of a pack is one line."""
+    overwritten them, and a failed one deleted them; a plan.json not of a pack, JSON or not,
+    is one line that never says to delete the folder."""
     for name, text in [("files.txt", "my list"), ("meta.json", "{}"), ("plan.json", '{"a": 1}'),
-                       ("plan.json", "[1, 2]")]:  # fmt: skip
+                       ("plan.json", "[1, 2]"), ("plan.json", "my plan: not JSON")]:  # fmt: skip
         dst = tmp_path / f"mine-{len(list(tmp_path.iterdir()))}"
         dst.mkdir()
         (dst / name).write_text(text)
@@ -466,6 +467,7 @@ def test_a_folder_holding_a_packs_file_names_is_refused_untouched(shapes, tmp_pa
         (line,) = err.splitlines()
         assert code in (1, 2) and line.startswith("cnnkit: error: "), err
         assert ("not a pack" in line) if name != "plan.json" else ("not a cnnkit pack's" in line)
+        assert "delete" not in line, line
         assert [p.name for p in dst.iterdir()] == [name] and (dst / name).read_text() == text
 
 

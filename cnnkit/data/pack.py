@@ -80,8 +80,8 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
     if plan_path.exists():
         try:
             plan = json.loads(plan_path.read_text())
-        except (ValueError, UnicodeDecodeError):
-            raise DataError(f"{plan_path}: unreadable; delete {dst} and pack again") from None
+        except (ValueError, UnicodeDecodeError):  # not JSON: a user's own file, never deleted
+            plan = None
         if not is_plan(plan):
             raise DataError(f"{printable(str(plan_path))}: not a cnnkit pack's plan; pack into "
                             "another folder (this one is not a pack)")  # fmt: skip
