@@ -535,6 +535,32 @@ def test_a_damaged_packed_set_is_one_line_or_skips_the_damaged_image(shapes, tmp
     assert code == 0 and "Traceback" not in err and "image 5" in err and "skipped" in err, err
 
 
+def test_a_hand_edited_meta_json_is_one_line_naming_the_field(shapes, tmp_path):
+    """A meta.json missing what the readers take, or holding it as another type, is damaged
+    (one DataError naming the field), never a KeyError or TypeError traceback."""
+    pack_folder(shapes, tmp_path / "p", size=16, workers=1, progress=False)
+    meta = json.loads((tmp_path / "p/meta.json").read_text())
+    edits = {"no rgb_cov": ("rgb_cov", None, "rgb_cov: Field required"),
+             "no classes": ("classes", None, "classes: Field required"),
+             "no size": ("size", None, "size: Field required"),
+             "no storage": ("storage", None, "storage: Field required"),
+             "text size": ("size", "32", "size: Input should be a valid integer (got '32')"),
+             "two stds": ("std", [1.0, 2.0], "std: List should have at least 3 items"),
+             "a path": ("shards", ["../../x.u8"], "shards.0: String should match")}  # fmt: skip
+    for name, (key, value, words) in edits.items():
+        edited = {k: v for k, v in meta.items() if k != key or value is not None}
+        edited.update({key: value} if value is not None else {})
+        shutil.copytree(tmp_path / "p", tmp_path / name)
+        (tmp_path / name / "meta.json").write_text(json.dumps(edited))
+        cfg = data_config({"source": "packed", "path": str(tmp_path / name), "crop": 12,
+                           "workers": 0})  # fmt: skip
+        with pytest.raises(DataError) as e:
+            cfg.build(torch.device("cpu"))
+        message = str(e.value)
+        assert message.startswith(f"{tmp_path / name}/meta.json: damaged ({words}"), message
+        assert message.endswith("); pack the set again") and "\n" not in message, message
+
+
 def test_label_files_with_spaces_a_bom_conflicts_and_absent_images(shapes, tmp_path, capsys):
     from cnnkit.data.scan import scan_images
 

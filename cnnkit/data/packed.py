@@ -9,21 +9,21 @@ import copy
 import json
 import zipfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import frame_boxes, lighting_from_cov
-from cnnkit.data.base import DataBundle, Preprocess, holdout_id, holdout_split
+from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, holdout_id, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
 from cnnkit.data.resize import resize_crop
 from cnnkit.data.slots import new_batch
-from cnnkit.errors import ConfigError, DataError, one_line
+from cnnkit.errors import ConfigError, DataError, one_line, validation_message
 from cnnkit.runtime import torch_threads
 
 PACK_FORMAT = "cnnkit-packed/1"
@@ -78,7 +78,30 @@ def read_meta(path: str | Path, field: str | None = None) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != PACK_FORMAT:
         meta = meta if isinstance(meta, dict) else {}
         raise DataError(f"{meta_path}: format {meta.get('format')!r}, expected {PACK_FORMAT!r}")
+    try:
+        PackMeta.model_validate(meta)
+    except ValidationError as e:  # hand-edited or damaged: one line, not a KeyError later
+        raise DataError(f"{meta_path}: damaged ({validation_message(e)}); pack the set "
+                        "again") from None  # fmt: skip
     return meta
+
+
+Stats3 = Annotated[list[float], Field(min_length=3, max_length=3)]  # one per RGB channel
+
+
+class PackMeta(BaseModel):
+    """What the readers of a pack's meta.json take from it, checked when it is read (strict:
+    "32" is not a size); what else pack.py writes there (counts, the source) is only shown."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    size: int = Field(ge=1, le=MAX_SIDE)
+    resize: Literal["squash", "shorter"]
+    storage: Literal["raw", "jpeg"]
+    classes: list[str] = Field(min_length=1)
+    shards: list[Annotated[str, Field(pattern=r"^\d{5,}\.(u8|jpg)$")]]  # in DST/shards only
+    mean: Stats3
+    std: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=3, max_length=3)]
+    rgb_cov: Annotated[list[Stats3], Field(min_length=3, max_length=3)]
 
 
 def read_index(path: Path, meta: dict) -> dict[str, np.ndarray]:
