@@ -492,6 +492,8 @@ def test_alexnet_owt_baseline_is_torchvision_alexnet():
     model = build_model("alexnet-owt", device="meta")
     peer, name = plain_model(model, CPU)
     assert name == "torchvision alexnet fp32 NCHW"
+    # on a GPU the plain loop keeps torch's defaults, unlike cnnkit's fp32 (TF32 matmuls too)
+    assert peer_label("plain", torch.device("cuda")).endswith("(TF32 convolutions, fp32 matmuls)")
     assert sum(p.numel() for p in peer.parameters()) == sum(r.params for r in model.table)
 
 

@@ -38,8 +38,8 @@ def amp_dtype(device: torch.device) -> torch.dtype | None:
 
 def peer_label(peer: str, device: torch.device) -> str:
     """How a peer runs, for the report."""
-    if peer == "plain":
-        return "fp32 NCHW"
+    if peer == "plain":  # torch's defaults: on CUDA, TF32 convolutions but true fp32 matmuls
+        return "fp32 NCHW" + (" (TF32 convolutions, fp32 matmuls)" if device.type == "cuda" else "")
     dtype = amp_dtype(device)
     how = "fp32" if dtype is None else f"autocast {str(dtype).removeprefix('torch.')}"
     return f"{how} channels_last"
