@@ -16,7 +16,7 @@ import torchvision.transforms.functional as TF
 from helpers import CLI, ROOT, one_error_line, run_cli
 from PIL import Image
 
-from cnnkit import CnnkitError, build_model
+from cnnkit import CnnkitError, DataError, build_model
 from cnnkit.data.base import Preprocess, holdout_split
 from cnnkit.data.bundled import DigitsConfig
 from cnnkit.infer import Classifier
@@ -389,12 +389,18 @@ def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch
     the input size names the network as the reason."""
     from cnnkit.data.pack import pack_folder
     from cnnkit.data.synth import synth_shapes
-    from cnnkit.train.evaluation import evaluate_checkpoint
+    from cnnkit.train.evaluation import check_pack_fits, evaluate_checkpoint
 
     synth_shapes(tmp_path / "src", classes=2, per_class=3, size=16)
     pack_folder(tmp_path / "src", tmp_path / "packed", size=16, workers=1, progress=False)
     with pytest.raises(CnnkitError, match="packed at 16 px, but the network was trained on 8 px"):
         evaluate_checkpoint(digits_run, data=str(tmp_path / "packed"))
+    squashed = Preprocess(3, 12, 16, "squash", [0.0] * 3, [1.0] * 3)  # a run on squashed images
+    with pytest.raises(DataError, match=r"packed by --resize shorter-side-crop, but the network "
+                       r"was trained on images resized by squash \(pack it again with --resize "
+                       r"squash\)"):  # fmt: skip
+        check_pack_fits("val/", {"size": 16, "resize": "shorter"}, squashed)
+    check_pack_fits("val/", {"size": 16, "resize": "squash"}, squashed)  # as trained: fine
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(["eval", str(digits_run), "--data", "packed"], capsys)
     assert code == 1 and "packed at 16 px" in err  # the directory, not the source name

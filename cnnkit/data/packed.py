@@ -301,10 +301,10 @@ class PackedConfig(ImageSetConfig):
         if self.val_path:
             train = PackedImages(self.path)
             val_meta = read_meta(self.val_path, "data.val_path")
-            if val_meta["size"] != meta["size"]:
-                raise DataError(
-                    f"{self.val_path}: packed at {val_meta['size']} px, train at {meta['size']}"
-                )
+            if (val_meta["size"], val_meta["resize"]) != (meta["size"], meta["resize"]):
+                raise DataError(f"{self.val_path}: packed at {val_meta['size']} px by "
+                                f"{val_meta['resize']}, the training set at {meta['size']} px by "
+                                f"{meta['resize']}: pack both alike")  # fmt: skip
             label_map = _val_label_map(meta["classes"], val_meta["classes"], self.val_path)
             val = PackedImages(self.val_path, label_map=label_map)
         else:

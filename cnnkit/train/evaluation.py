@@ -14,7 +14,7 @@ from cnnkit.config import TrainConfig
 from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
 from cnnkit.data.decode import is_image_name
-from cnnkit.data.packed import is_pack
+from cnnkit.data.packed import is_pack, read_meta
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.nn.onednn import freeze
@@ -76,11 +76,23 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
     else:
         raise DataError(f"--data {spec}: not a data source ({', '.join(SOURCES)}), file or folder")
     cfg = data_config(section)
-    stored, trained = cfg.stored_size(), pre.resize or pre.crop
-    if section.get("source") == "packed" and stored != trained:  # cropped, never resized
+    if section.get("source") == "packed":
+        check_pack_fits(spec, read_meta(cfg.path), pre)
+    return cfg.evaluated_as(pre, mean_image)
+
+
+def check_pack_fits(spec: str | None, meta: dict[str, Any], pre: Preprocess) -> None:
+    """DataError unless a packed set's images were resized as the network's were trained: the
+    same side (they are cropped, never resized again) and the same squash or centre square."""
+    stored, trained = meta["size"], pre.resize or pre.crop
+    if stored != trained:
         raise DataError(f"--data {spec}: packed at {stored} px, but the network was trained on "
                         f"{trained} px images (pack it again with --size {trained})")  # fmt: skip
-    return cfg.evaluated_as(pre, mean_image)
+    if pre.resize and meta["resize"] != pre.resize_mode:
+        flag = {"squash": "squash", "shorter": "shorter-side-crop"}
+        raise DataError(f"--data {spec}: packed by --resize {flag[meta['resize']]}, but the "
+                        f"network was trained on images resized by {flag[pre.resize_mode]} "
+                        f"(pack it again with --resize {flag[pre.resize_mode]})")  # fmt: skip
 
 
 def read_data_yaml(spec: str) -> Any:
