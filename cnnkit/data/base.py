@@ -229,18 +229,23 @@ class DataBundle:
 def holdout_split(
     labels: np.ndarray, fraction: float, seed: int = 0, keys: Sequence[str] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A stratified (train, held-out) split of range(len(labels)): each class holds out
-    round(its count * fraction) of its images (halves up) but keeps at least one to train on,
-    as sorted index arrays. Each class holds out the images first in the order of a keyed hash
-    of `seed` and each image's `keys` entry (its file name; its index where None), so the split
-    depends only on the seed and each class's own images: a class folder added, or images added
-    to another class, leave it as it was."""
+    """A stratified (train, held-out) split of range(len(labels)): round(N * fraction) images
+    held out in all, each class contributing its share (largest remainders get the odd ones)
+    but keeping at least one image to train on, as sorted index arrays. Each class holds out
+    the images first in the order of a keyed hash of `seed` and each image's `keys` entry (its
+    file name; its index where None): which images a class holds out depends on its own files
+    alone, how many may move by one when other classes change (the odd ones are handed out
+    across classes, so that small classes still give a split). A run keeps the split's
+    fingerprint (holdout_id): evaluation and --resume refuse a split that changed."""
     labels = np.asarray(labels)
     if not fraction:
         return np.arange(len(labels)), np.zeros(0, np.int64)
     classes, counts = np.unique(labels, return_counts=True)
-    # from the class's own count alone (no odd images handed across classes)
-    take = np.minimum(np.floor(counts * fraction + 0.5).astype(np.int64), counts - 1)
+    quota = counts * fraction
+    take = np.minimum(np.floor(quota).astype(np.int64), counts - 1)
+    extra = int(round(len(labels) * fraction)) - int(take.sum())
+    room = np.flatnonzero(take < counts - 1)  # an odd one never takes a class's last image
+    take[room[np.argsort(-(quota - take)[room], kind="stable")][: max(extra, 0)]] += 1
     if take.sum() == 0 or take.sum() == len(labels):
         raise ConfigError(
             f"data.val_fraction: {fraction} of {len(labels)} images leaves an empty split"
