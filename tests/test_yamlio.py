@@ -207,6 +207,7 @@ def test_a_network_given_as_python_objects_reads_as_its_file_would(tmp_path):
     the network a run saves in its checkpoint loads with weights_only (a date used to be kept
     as an object, and eval then refused the checkpoint)."""
     import datetime
+    import enum
     import io
 
     import numpy as np
@@ -218,21 +219,31 @@ def test_a_network_given_as_python_objects_reads_as_its_file_would(tmp_path):
     network = load_yaml(DATED_NET)
     network["model"]["blocks"]["b"]["params"]["tag"] = datetime.date(2024, 1, 1)
     network["model"]["input"] = tuple(np.int64(v) for v in network["model"]["input"])
+    mode = enum.Enum("Mode", {"FAST": "fast"}, type=str)  # a str Enum (StrEnum: 3.11+)
+    network["model"]["blocks"]["b"]["params"].update(
+        rate=np.float64(0.5), word=np.str_("x"), flag=np.bool_(True),
+        kind=enum.IntEnum("Kind", "A B").B, mode=mode.FAST)  # fmt: skip
     network["model"]["weights_keys"] = [{"match": "x", "to": Path("y")}]
     spec = build_model(network).spec
     buffer = io.BytesIO()
     torch.save({"model_spec": spec}, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)["model_spec"]
-    assert loaded == spec == build_model(load_yaml(DATED_NET)).spec | {
-        "weights_keys": [{"match": "x", "to": "y"}]}  # fmt: skip
+    plain = build_model(load_yaml(DATED_NET)).spec
+    plain["blocks"]["b"]["params"].update(rate=0.5, word="x", flag=True, kind=2, mode="fast")
+    assert loaded == spec == plain | {"weights_keys": [{"match": "x", "to": "y"}]}
     assert type(loaded["input"][0]) is int
+    kept = loaded["blocks"]["b"]["params"]  # NumPy's float64 and str_ subclass float and str
+    assert [(type(kept[k]), kept[k]) for k in ("rate", "word", "flag", "kind", "mode")] == [
+        (float, 0.5), (str, "x"), (bool, True), (int, 2), (str, "fast")]  # fmt: skip
     run = {
         "model": network["model"],
         "data": {"source": "digits"},
         "name": datetime.date(2024, 1, 1),
     }
     assert load_run(run).name == "2024-01-01"
+    with pytest.raises(ConfigError, match=r"^the top level: a key of type tuple: keys are text"):
+        load_run({(1, 2): 3, **run})
 
 
 @pytest.mark.parametrize("where, value, problem", [

@@ -270,14 +270,20 @@ def plain_data(value: Any, where: str = "") -> Any:
     dates and times as their ISO text (as read_yaml reads them), NumPy scalars as numbers, tuples
     as lists, paths as text. ConfigError at `where` (the dotted key of `value`) for anything else: a
     checkpoint holds the network and is read with weights_only, which refuses other objects."""
-    if isinstance(value, _PLAIN_SCALARS):
+    if type(value) in _PLAIN_SCALARS:
         return value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # np.int64(3)
+        return plain_data(value.item(), where)  # (np.float64 and np.str_ subclass float, str)
+    for kind in (bool, int, float, str):  # subclasses (an IntEnum, a str Enum): the plain value
+        if isinstance(value, kind):
+            return kind(value) if kind is not str else str.__str__(value)
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            if not isinstance(key, _PLAIN_SCALARS):
-                raise ConfigError(f"{where}: a key of type {_type_name(key)}: keys are text or "
-                                  "numbers")  # fmt: skip
+            if not isinstance(key, _PLAIN_SCALARS) and type(key).__module__ != "numpy":
+                raise ConfigError(f"{where or 'the top level'}: a key of type "
+                                  f"{_type_name(key)}: keys are text or numbers")  # fmt: skip
+            key = plain_data(key, where)
             out[key] = plain_data(item, f"{where}.{key}" if where else str(key))
         return out
     if isinstance(value, (list, tuple)):
@@ -286,8 +292,6 @@ def plain_data(value: Any, where: str = "") -> Any:
         return value.isoformat()
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # np.int64(3)
-        return plain_data(value.item(), where)
     raise ConfigError(f"{where}: {_type_name(value)} is not a value a network or run takes: "
                       "give a number, text, list or mapping")  # fmt: skip
 
