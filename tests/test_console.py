@@ -24,7 +24,8 @@ def test_log_files_get_a_plain_line_every_few_seconds(capsys):
 
 def test_tensorboard_gets_per_step_scalars_where_the_loop_syncs(tmp_path):
     """Reading the loss syncs the device: TensorBoard's scalars are written at the steps of an
-    epoch where the loop reads it anyway (FINITE_EVERY), not at other ones."""
+    epoch where the loop reads it anyway (every FINITE_EVERY, and the epoch's last: an epoch
+    shorter than FINITE_EVERY is logged too), not at other ones."""
     log = RunLog(tmp_path, [])
     console = Console(quiet=True, log=log)
     steps = 2 * LOG_EVERY + 3  # epochs of steps that are not a multiple of LOG_EVERY
@@ -37,7 +38,7 @@ def test_tensorboard_gets_per_step_scalars_where_the_loop_syncs(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     losses = [(e.step, e.value) for e in events.Scalars("step/loss")]
-    logged = [k * LOG_EVERY for k in (1, 2)] + [steps + k * LOG_EVERY for k in (1, 2)]
+    logged = [LOG_EVERY, 2 * LOG_EVERY, steps, steps + LOG_EVERY, steps + 2 * LOG_EVERY, 2 * steps]
     assert losses == [(g, float(g)) for g in logged] and LOG_EVERY == FINITE_EVERY
     assert {"step/lr", "step/images_per_second"} <= set(events.Tags()["scalars"])
 
@@ -172,7 +173,7 @@ def test_the_start_line_says_when_the_data_sets_the_class_count(tmp_path, capsys
     assert "10 classes (the network's num_classes 4 set from the data)" in first
 
 
-def test_without_tensorboard_the_loss_is_not_read_every_20_steps(tmp_path):
+def test_without_tensorboard_the_loss_is_not_read_for_its_scalars(tmp_path):
     """Reading the loss (a device tensor) syncs the GPU: a quiet run without TensorBoard never
     reads it for the per-step scalars it does not write."""
 
@@ -191,4 +192,4 @@ def test_without_tensorboard_the_loss_is_not_read_every_20_steps(tmp_path):
     for step in range(1, 61):
         console.step(StepInfo(1, 1, step, 60, Loss(), step, 0.1, 100.0, 0.0, 1.0))
     console.log.close()
-    assert Loss.reads == 3  # steps 20, 40, 60
+    assert Loss.reads == 4  # steps 16, 32, 48 and the epoch's last, 60

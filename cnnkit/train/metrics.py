@@ -254,7 +254,8 @@ class Console:
     def step(self, info: StepInfo) -> None:
         """Refresh the bar at most 10 times a second, or print a line every `every` seconds
         (reading the loss syncs the device, so neither happens at every step)."""
-        if self.log is not None and info.step % LOG_EVERY == 0:  # (the loop synced just now)
+        synced = info.step % LOG_EVERY == 0 or info.step == info.steps  # as the loop reads it
+        if self.log is not None and synced:
             self.log.write_step(info.global_step, info.loss, info.lr, info.images_per_second)
         if self.quiet:
             return
