@@ -276,6 +276,25 @@ def test_exports_of_fresh_weights_are_the_same_every_time(tmp_path, capsys):
     assert torch.equal(after, torch.rand(3))
 
 
+def test_fresh_weights_for_a_device_are_checked_against_its_memory(monkeypatch):
+    """Seeded on the CPU, then moved: a network too big for the device is still one line, said
+    before the copy (not a CUDA out-of-memory)."""
+    from cnnkit.nn import memory
+
+    seen = []
+
+    def tiny(device):
+        seen.append(str(device))
+        return (1000, "free on cuda:0") if str(device).startswith("cuda") else None
+
+    monkeypatch.setattr(memory, "available", tiny)
+    with pytest.raises(
+        CnnkitError, match=r"digitnet needs .* but 1.0 KB is available \(free on cuda:0\)"
+    ):
+        load_network("digitnet", "cuda:0")
+    assert seen[-1] == "cuda:0"
+
+
 def test_a_mean_image_run_says_its_mean_is_approximated(digits_run, capsys, monkeypatch):
     """A checkpoint from before they kept the mean image has its channel averages only:
     classifying with such a run says so; a per-channel run (and drawing one) says nothing."""

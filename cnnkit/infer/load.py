@@ -24,6 +24,7 @@ from cnnkit.checkpoint import (
 from cnnkit.data.base import MAX_SIDE, Preprocess
 from cnnkit.errors import CheckpointError, ConfigError, validation_message
 from cnnkit.nn import Network, build_model, read_spec
+from cnnkit.nn.memory import check_fits
 from cnnkit.nn.weights import MEAN_IMAGE_KEY
 from cnnkit.runtime import write_atomic
 
@@ -79,9 +80,13 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
         description = import_caffe(spec)
     else:
         description = read_spec(spec)
-    with torch.random.fork_rng(devices=[]):  # the same fresh weights at every export
-        torch.default_generator.manual_seed(0)  # (the CPU's generator only: CUDA's untouched)
-        model = build_model(description).to(device)
+    target = torch.device(device)
+    with torch.random.fork_rng(devices=[]):  # the same fresh weights at every export, drawn
+        torch.default_generator.manual_seed(0)  # by the CPU's generator (CUDA's untouched)
+        model = build_model(description, device="meta" if target.type == "meta" else "cpu")
+    if target.type not in ("cpu", "meta"):  # refused in one line if it does not fit there
+        check_fits(model.name, model.param_count, model.activation_count, target)
+    model = model.to(target)
     preprocess = network_preprocess(spec, tuple(model.input_shape), description.get("preprocess"))
     out = tuple(model.output_shape)  # a vector of scores: one name per output
     classes = [f"class{i}" for i in range(model.num_classes or (out[0] if len(out) == 1 else 0))]
