@@ -322,6 +322,13 @@ def test_bench_of_a_run_keeps_its_calibration_determinism_and_batch(sets, tmp_pa
     rules = static_settings(build_model(TINY), TrainConfig(), CPU, 4)
     assert code == 0 and report["batch"] == 4 and report["settings"]["how"] == "rules", err
     assert (report["precision"], report["channels_last"]) == (rules.precision, rules.channels_last)
+    from cnnkit.cli.bench import _as_the_run_sets  # a run directory, or a checkpoint in one
+
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "config.yaml").write_text(run.read_text())
+    for given in ("r", "r/best.pt"):
+        sets_of = _as_the_run_sets(str(tmp_path / "runs" / given), None, "auto", None, None)
+        assert sets_of["batch"] == 4 and not (sets_of["calibrate"] and not sets_of["deterministic"])
 
 
 def test_a_quick_scaling_run_never_replaces_a_full_study(tmp_path, capsys):

@@ -230,8 +230,9 @@ def _throughput(
 def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last: bool | None,
                      threads: int | None) -> dict[str, Any]:  # fmt: skip
     """batch, precision, channels_last, threads, calibrate and deterministic as `cnnkit train`
-    runs NET: where NET is a run (a zoo run or run file), its data.batch_size and what its
-    `train:` and `deterministic` set (options given here win); for a network, the options."""
+    runs NET: where NET is a run (a zoo run, a run file, a run directory or a checkpoint in one:
+    its config.yaml), its data.batch_size and what its `train:` and `deterministic` set (options
+    given here win); for a network, the options."""
     from cnnkit.config import load_run
     from cnnkit.errors import CnnkitError
     from cnnkit.zoo import NETS
@@ -241,6 +242,10 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
               "deterministic": False}  # fmt: skip
     if net in NETS:
         return chosen
+    path = Path(net)  # a run directory, or a checkpoint in one: the run's own config.yaml
+    folder = path if path.is_dir() else path.parent if path.suffix in (".pt", ".pth") else None
+    if folder is not None and (folder / "config.yaml").is_file():
+        net = str(folder / "config.yaml")
     try:
         run = load_run(net)
     except (CnnkitError, OSError):  # a network file (or one `build_model` will say is wrong)
