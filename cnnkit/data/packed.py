@@ -27,6 +27,7 @@ from cnnkit.errors import ConfigError, DataError, one_line, validation_message
 from cnnkit.runtime import torch_threads
 
 PACK_FORMAT = "cnnkit-packed/1"
+RESIZE_FLAG = {"squash": "squash", "shorter": "shorter-side-crop"}  # meta.json -> `pack --resize`
 
 
 def is_pack(path: str | Path) -> bool:
@@ -302,9 +303,11 @@ class PackedConfig(ImageSetConfig):
             train = PackedImages(self.path)
             val_meta = read_meta(self.val_path, "data.val_path")
             if (val_meta["size"], val_meta["resize"]) != (meta["size"], meta["resize"]):
-                raise DataError(f"{self.val_path}: packed at {val_meta['size']} px by "
-                                f"{val_meta['resize']}, the training set at {meta['size']} px by "
-                                f"{meta['resize']}: pack both alike")  # fmt: skip
+                flag = RESIZE_FLAG
+                raise DataError(f"{self.val_path}: packed with --size {val_meta['size']} "
+                                f"--resize {flag[val_meta['resize']]}, the training set with "
+                                f"--size {meta['size']} --resize {flag[meta['resize']]}: pack "
+                                "both alike")  # fmt: skip
             label_map = _val_label_map(meta["classes"], val_meta["classes"], self.val_path)
             val = PackedImages(self.val_path, label_map=label_map)
         else:

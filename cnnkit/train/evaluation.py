@@ -14,7 +14,7 @@ from cnnkit.config import TrainConfig
 from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
 from cnnkit.data.decode import is_image_name
-from cnnkit.data.packed import is_pack, read_meta
+from cnnkit.data.packed import RESIZE_FLAG, is_pack, read_meta
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.nn.onednn import freeze
@@ -89,7 +89,7 @@ def check_pack_fits(spec: str | None, meta: dict[str, Any], pre: Preprocess) -> 
         raise DataError(f"--data {spec}: packed at {stored} px, but the network was trained on "
                         f"{trained} px images (pack it again with --size {trained})")  # fmt: skip
     if pre.resize and meta["resize"] != pre.resize_mode:
-        flag = {"squash": "squash", "shorter": "shorter-side-crop"}
+        flag = RESIZE_FLAG
         raise DataError(f"--data {spec}: packed by --resize {flag[meta['resize']]}, but the "
                         f"network was trained on images resized by {flag[pre.resize_mode]} "
                         f"(pack it again with --resize {flag[pre.resize_mode]})")  # fmt: skip
