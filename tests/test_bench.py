@@ -297,6 +297,12 @@ def test_bench_of_a_run_takes_its_train_settings(tmp_path, capsys):
     run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits"},
                                    "train": {"channels_last": False, "threads": 1}}))  # fmt: skip
     assert sets(str(run), None, "auto", None, None) == (64, "auto", False, 1)
+    compiled = tmp_path / "compiled.yaml"  # train.compile too, unless --compile/--no-compile
+    compiled.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits"},
+                                        "train": {"compile": True}}))  # fmt: skip
+    assert _as_the_run_sets(str(compiled), None, "auto", None, None)["compile"] is True
+    assert _as_the_run_sets(str(compiled), None, "auto", None, None, False)["compile"] is False
+    assert _as_the_run_sets("lenet5", None, "auto", None, None)["compile"] is False
     args = ["bench", "train", "faces", "--batch", "4", "--repeats", "2", "--quick", "--json"]
     code, out, _ = run_cli(args, capsys)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["precision"] == "fp32"

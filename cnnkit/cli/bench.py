@@ -57,6 +57,10 @@ QUICK = typer.Option(
 EXPLORE = typer.Option(
     False, "--explore", help="Also time every precision / format / threads combination."
 )
+COMPILE = typer.Option(
+    None, "--compile/--no-compile",
+    help="torch.compile the model (default: as the run sets train.compile; a network: off).",
+)  # fmt: skip
 MAX_SECONDS = typer.Option(
     120.0, "--max-seconds", min=1.0,
     help="Stop repeating after this long (at least one repeat of each timed step): keep it "
@@ -108,6 +112,7 @@ def layers(
 
     dev = resolve_device(device)
     run = _as_the_run_sets(net, batch, precision, channels_last, threads)
+    run.pop("compile")  # (per-layer times run the layers eagerly)
     batch, (net, num_classes) = run["batch"], _network_of(net, num_classes)
     _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
     check_batch(net, batch, dev, num_classes)
@@ -126,7 +131,7 @@ def train(
     device: str = DEVICE,
     precision: str = PRECISION,
     channels_last: bool = CHANNELS_LAST,
-    compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the model."),
+    compile: bool = COMPILE,
     repeats: int = REPEATS,
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
@@ -148,7 +153,7 @@ def infer(
     device: str = DEVICE,
     precision: str = PRECISION,
     channels_last: bool = CHANNELS_LAST,
-    compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the model."),
+    compile: bool = COMPILE,
     repeats: int = REPEATS,
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
@@ -211,8 +216,10 @@ def _throughput(
 
     if mode == "train":  # (infer: classification's settings, whatever the run trains with)
         options.update(_as_the_run_sets(net, options["batch"], options["precision"],
-                                        options["channels_last"], threads))  # fmt: skip
+                                        options["channels_last"], threads,
+                                        options["compile"]))  # fmt: skip
         threads = options.pop("threads")
+    options["compile"] = bool(options["compile"])  # infer: off unless asked
     options["batch"] = DEFAULT_BATCH if options["batch"] is None else options["batch"]
     net, options["num_classes"] = _network_of(net, options["num_classes"])
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
@@ -228,18 +235,19 @@ def _throughput(
 
 
 def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last: bool | None,
-                     threads: int | None) -> dict[str, Any]:  # fmt: skip
-    """batch, precision, channels_last, threads, calibrate and deterministic as `cnnkit train`
-    runs NET: where NET is a run (a zoo run, a run file, a run directory or a checkpoint in one:
-    its config.yaml), its data.batch_size and what its `train:` and `deterministic` set (options
-    given here win); for a network, the options."""
+                     threads: int | None, compile: bool | None = None
+                     ) -> dict[str, Any]:  # fmt: skip
+    """batch, precision, channels_last, threads, compile, calibrate and deterministic as
+    `cnnkit train` runs NET: where NET is a run (a zoo run, a run file, a run directory or a
+    checkpoint in one: its config.yaml), its data.batch_size and what its `train:` and
+    `deterministic` set (options given here win); for a network, the options."""
     from cnnkit.config import load_run
     from cnnkit.errors import CnnkitError
     from cnnkit.zoo import NETS
 
     chosen = {"batch": DEFAULT_BATCH if batch is None else batch, "precision": precision,
               "channels_last": channels_last, "threads": threads, "calibrate": True,
-              "deterministic": False}  # fmt: skip
+              "deterministic": False, "compile": bool(compile)}  # fmt: skip
     if net in NETS:
         return chosen
     path = Path(net)  # a run directory, or a checkpoint in one: the run's own config.yaml
@@ -255,6 +263,7 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
             "precision": train.precision if precision == "auto" else precision,
             "channels_last": train.channels_last if channels_last is None else channels_last,
             "threads": train.threads if threads is None else threads,
+            "compile": train.compile if compile is None else compile,
             "calibrate": train.calibrate, "deterministic": run.deterministic}  # fmt: skip
 
 
