@@ -208,6 +208,26 @@ def test_the_validation_ring_is_counted_before_training_starts(sets, monkeypatch
     assert next(iter(bundle.train))[0].shape[0] == 4
 
 
+def test_shared_memory_is_counted_for_every_process_on_the_machine(sets, monkeypatch):
+    """Each local rank makes its own rings, and their pages are taken only as batches fill
+    them: room for one rank's but not for 4 is refused before any worker starts, naming both."""
+    from cnnkit.data import slots
+
+    one = data_config({**sections(sets)[1], "workers": 1}).build(CPU)
+    need = one.train.ring_bytes() + one.val.ring_bytes() + slots.SHM_MARGIN
+    real = os.statvfs
+
+    class Room:
+        f_frsize, f_bavail = 1, 3 * need  # room for 3 ranks' rings
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Room() if p == "/dev/shm" else real(p))
+    assert next(iter(one.train))[0].shape[0] == 4  # one process: fits
+    four = data_config({**sections(sets)[1], "workers": 1}).build(CPU, local_ranks=4)
+    with pytest.raises(DataError, match=r"in each of the 4 processes on this machine \(.* in "
+                                        r"all\) but /dev/shm has"):  # fmt: skip
+        next(iter(four.train))
+
+
 def test_workers_default_from_the_cores_shared_by_local_ranks(sets, monkeypatch):
     monkeypatch.setattr(loader_module, "available_cores", lambda: 16)
     cfg = data_config(sections(sets)[0])

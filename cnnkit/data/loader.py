@@ -150,8 +150,9 @@ class ImageBatches:
 
     def __init__(self, dataset: BatchDataset, sampler: EpochBatchSampler, augment: CropAugment,
                  device: torch.device, train: bool, workers: int, prefetch: int,
-                 num_samples: int, decode: str = "cpu") -> None:  # fmt: skip
+                 num_samples: int, decode: str = "cpu", local_ranks: int = 1) -> None:  # fmt: skip
         self.dataset, self.sampler, self.train = dataset, sampler, train
+        self.local_ranks = local_ranks  # the processes on this machine, each with its own ring
         self.device = torch.device(device)
         self.augment = augment.to(self.device)
         self.workers, self.prefetch, self.num_samples = workers, prefetch, num_samples
@@ -213,7 +214,8 @@ class ImageBatches:
                     " (training and validation)" if also else ""
                 )
                 self._ring = SlotRing(self.ring_slots(), self._slot_shape(),
-                                      pin=self._feed is not None, what=what, also=also)  # fmt: skip
+                                      pin=self._feed is not None, what=what, also=also,
+                                      ranks=self.local_ranks)  # fmt: skip
                 self.dataset.slots = self._ring.buffers  # set before the workers start
             crops = self.augment if self.mode == "crops" else None
             jobs = JobSampler(self.sampler, self._ring, crops, self.dataset.size,
@@ -382,7 +384,8 @@ def build_streams(cfg: ImageSetConfig, train: BatchDataset, val: BatchDataset,
     per_rank = n_train // world_size
     seen = per_rank - per_rank % local if per_rank >= local else per_rank
     workers = cfg.worker_count(local_ranks)
-    common = dict(device=device, workers=workers, prefetch=cfg.prefetch, decode=cfg.decode)
+    common = dict(device=device, workers=workers, prefetch=cfg.prefetch, decode=cfg.decode,
+                  local_ranks=local_ranks)  # fmt: skip
     training = ImageBatches(train, train_sampler, augment, train=True,
                             num_samples=seen * world_size, **common)  # fmt: skip
     training.validation = ImageBatches(val, val_sampler, augment, train=False, num_samples=n_val,

@@ -60,19 +60,21 @@ SHM_ADVICE = ("give the container more /dev/shm (docker run --shm-size=8g), or l
 SHM_MARGIN = 4 * 2**20  # the DataLoader's own use: semaphores, each batch's labels
 
 
-def check_shared_memory(needed: int, what: str, path: str = SHM) -> None:
+def check_shared_memory(needed: int, what: str, path: str = SHM, ranks: int = 1) -> None:
     """One clear line, not a bus error later, when `path` has less room than `needed` bytes
-    plus the DataLoader's own margin."""
+    plus the DataLoader's own margin, for each of the `ranks` processes of this machine: their
+    rings are made at about the same time and take their pages only as batches fill them, so
+    none of them sees the others' in the free space."""
     try:
         stat = os.statvfs(path)
     except OSError:  # no /dev/shm (not Linux): torch uses its own mechanism
         return
-    free = stat.f_bavail * stat.f_frsize
-    if needed + SHM_MARGIN > free:
-        raise DataError(
-            f"{what} needs {_mib(needed + SHM_MARGIN)} of shared memory but {path} has "
-            f"{_mib(free)} free: {SHM_ADVICE}"
-        )
+    free, each = stat.f_bavail * stat.f_frsize, needed + SHM_MARGIN
+    if each * ranks > free:
+        many = (f" in each of the {ranks} processes on this machine ({_mib(each * ranks)} in "
+                "all)") if ranks > 1 else ""  # fmt: skip
+        raise DataError(f"{what} needs {_mib(each)} of shared memory{many} but {path} has "
+                        f"{_mib(free)} free: {SHM_ADVICE}")  # fmt: skip
 
 
 def _mib(n: int) -> str:
@@ -90,10 +92,11 @@ class SlotRing:
     """
 
     def __init__(self, count: int, shape: tuple[int, ...], pin: bool = False, what: str = "loader",
-                 also: int = 0):  # fmt: skip
+                 also: int = 0, ranks: int = 1):  # fmt: skip
         """`also`: bytes of another ring that will be made while this one lives (validation's,
-        next to training's), checked against /dev/shm now, before any worker starts."""
-        check_shared_memory(count * math.prod(shape) + also, what)
+        next to training's), checked against /dev/shm now, before any worker starts, for each
+        of the `ranks` processes on this machine."""
+        check_shared_memory(count * math.prod(shape) + also, what, ranks=ranks)
         self.buffers = shared((count, *shape))
         self.free: deque[int] = deque(range(count))
         self.copying: deque[tuple[int, torch.cuda.Event]] = deque()  # slot, copy-done event
