@@ -274,7 +274,7 @@ def plain_data(value: Any, where: str = "") -> Any:
         return value
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # np.int64(3)
         return plain_data(value.item(), where)  # (np.float64 and np.str_ subclass float, str)
-    for kind in (bool, int, float, str):  # subclasses (an IntEnum, a str Enum): the plain value
+    for kind in (int, float, str):  # subclasses (an IntEnum, a str Enum): the plain value
         if isinstance(value, kind):
             return kind(value) if kind is not str else str.__str__(value)
     if isinstance(value, dict):

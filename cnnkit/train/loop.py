@@ -15,7 +15,7 @@ from cnnkit.data import Batches
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CnnkitError, DataError
 from cnnkit.train.engine import Engine, train_step
-from cnnkit.train.metrics import SYNC_EVERY, Console, StepInfo
+from cnnkit.train.metrics import SYNC_EVERY, Console, StepInfo, reads_device
 from cnnkit.train.optim import Schedule
 from cnnkit.train.recipe import BatchRecipe
 
@@ -227,7 +227,7 @@ def train_one_epoch(
                 train_step(engine, *(kept or _stand_in(x)), scale=0.0)
         progress.step += 1
         progress.global_step += 1
-        if progress.step % FINITE_EVERY == 0 or progress.step == steps:
+        if reads_device(progress.step, steps):
             check_progress(stats, progress, dist)
         dist.after_step(engine, progress.global_step, progress.step == steps)
         seconds = max(stats.seconds, 1e-9)

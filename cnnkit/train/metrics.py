@@ -17,6 +17,14 @@ from cnnkit.runtime import write_atomic
 
 SYNC_EVERY = 16  # steps of an epoch between the loop's reads of the device (each one syncs)
 LOG_EVERY = SYNC_EVERY  # TensorBoard's per-step scalars: at those reads, never one more
+
+
+def reads_device(step: int, steps: int) -> bool:
+    """Whether the loop reads the device after `step` of an epoch of `steps` (every
+    SYNC_EVERY-th and the last): the steps where reading the loss costs no extra sync."""
+    return step % SYNC_EVERY == 0 or step == steps
+
+
 PLOT_EVERY = 30.0  # seconds between redrawings of curves.png during a run
 EMA_COLUMNS = ["val_loss_ema", "val_top1_ema", "val_top5_ema"]
 COLUMNS = [
@@ -254,8 +262,7 @@ class Console:
     def step(self, info: StepInfo) -> None:
         """Refresh the bar at most 10 times a second, or print a line every `every` seconds
         (reading the loss syncs the device, so neither happens at every step)."""
-        synced = info.step % LOG_EVERY == 0 or info.step == info.steps  # as the loop reads it
-        if self.log is not None and synced:
+        if self.log is not None and reads_device(info.step, info.steps):
             self.log.write_step(info.global_step, info.loss, info.lr, info.images_per_second)
         if self.quiet:
             return
