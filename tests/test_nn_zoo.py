@@ -145,13 +145,56 @@ def test_published_files_of_googlenet_and_densenet_load_as_torchvision_loads_the
            for k, v in densenet.state_dict().items()}  # fmt: skip
     assert "features.denseblock1.denselayer1.norm.1.weight" in old
     googlenet = torchvision.models.googlenet(aux_logits=True, init_weights=True).eval()
-    googlenet.transform_input = False  # cnnkit's googlenet takes the input as it is
     assert any(k.startswith("aux1.") for k in googlenet.state_dict())
     for name, ref, state in (("densenet121", densenet, old), ("googlenet", googlenet, None)):
         torch.save(state or ref.state_dict(), tmp_path / f"{name}.pth")
         ours = build_model(name, weights=tmp_path / f"{name}.pth").eval()
         with torch.no_grad():
             assert (ours(x) - ref(x)).abs().max().item() <= 1e-4, name
+
+
+def test_each_zoo_files_preprocessing_gives_torchvisions_published_weights_their_input(
+    tmp_path, one_thread
+):
+    """From the same pixels: cnnkit's `preprocess` into cnnkit's network against torchvision's
+    weights' transforms into torchvision's model as its published weights build it (googlenet
+    with `transform_input` on: the file's mean and std must fold it in)."""
+    from torchvision.models import get_model_weights
+
+    from cnnkit.infer.load import network_preprocess
+    from cnnkit.nn.spec import read_spec
+
+    def preprocess(name: str):  # the file's own, as classify reads it; no network built
+        description = read_spec(name)
+        return network_preprocess(name, tuple(description["input"]), description["preprocess"])
+
+    pixels = torch.randint(0, 256, (2, 3, 64, 64), generator=torch.Generator().manual_seed(2))
+    for name in [n for n in NETS if n in torchvision.models.list_models()]:
+        if name == "alexnet":  # cnnkit's alexnet is the 2012 network, not torchvision's
+            continue
+        pre = preprocess(name)
+        weights = get_model_weights(name).IMAGENET1K_V1
+        shown = weights.transforms()
+        assert (pre.resize, pre.resize_mode, pre.crop) == (*shown.resize_size, "shorter",
+                                                           *shown.crop_size), name  # fmt: skip
+        wanted = "bicubic" if name == "efficientnet_b0" else "bilinear"  # cnnkit: bilinear
+        assert shown.interpolation.value == wanted, name
+        if name == "googlenet":
+            continue
+        assert pre.mean == pytest.approx([255 * m for m in shown.mean]), name
+        assert pre.std == pytest.approx([255 * s for s in shown.std]), name
+    ref = torchvision.models.googlenet(aux_logits=False, init_weights=True, transform_input=True)
+    shown = get_model_weights("googlenet").IMAGENET1K_V1.transforms()
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in (shown.mean, shown.std))
+    x = (pixels / 255 - mean) / std  # torchvision's transforms' normalisation
+    ref = randomized(ref, x)  # batch statistics of what the weights see: any scale shows
+    torch.save(ref.state_dict(), tmp_path / "googlenet.pth")
+    ours = build_model("googlenet", weights=tmp_path / "googlenet.pth").eval()
+    with torch.no_grad():
+        expected = ref(x)
+        got = ours(preprocess("googlenet").normalize(pixels))
+    # rounding only (with ImageNet's mean and std: 2783 off at a scale of 24)
+    assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
 
 
 def test_weights_key_rules_are_checked():
