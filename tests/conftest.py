@@ -28,6 +28,17 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 classes of 5 synthetic shapes (24 px), the pack tests' source, made once per test
+    session (test_gpu.py has a larger set of its own by this name)."""
+    from cnnkit.data.synth import synth_shapes
+
+    root = tmp_path_factory.mktemp("shapes")
+    synth_shapes(root, classes=3, per_class=5, size=24)
+    return root
+
+
 @pytest.fixture(scope="session", autouse=True)
 def own_home(tmp_path_factory: pytest.TempPathFactory):
     """The `cnnkit` subprocesses the tests start cache measured settings under this session's

@@ -1,4 +1,5 @@
-"""Builders of small image folders for the data tests (good, odd and broken files)."""
+"""Builders of small image folders for the data tests (good, odd and broken files), and a
+pack read back whole."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
+
+from cnnkit.data.batch import BatchJob
+from cnnkit.data.packed import PackedImages
 
 
 def photo(h: int = 30, w: int = 40, seed: int = 0) -> np.ndarray:
@@ -271,3 +276,11 @@ def snapshot(root: Path) -> dict[str, tuple]:
             st = os.lstat(os.path.join(folder, name))
             found[os.path.join(folder, name)] = (st.st_mode, st.st_size, st.st_mtime_ns)
     return found
+
+
+def all_images(path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every image of the pack at PATH, in its order: (pixels, labels); none may be damaged."""
+    ds = PackedImages(path)
+    batch = ds[BatchJob(list(range(len(ds))))]
+    assert batch.bad == []
+    return batch.pixels, batch.labels
