@@ -1,4 +1,5 @@
-"""Helpers the test modules share: the CLI run in this process, and the checkout's CLI."""
+"""Helpers the test modules share: the CLI run in this process, the checkout's CLI, and the
+runs, networks and prototxt text that the tests of one area, in several modules, all use."""
 
 from __future__ import annotations
 
@@ -52,3 +53,18 @@ def one_error_line(code: int, err: str, codes=(1, 2)) -> str:
     assert "Traceback" not in err and len(lines) == 1, err[-800:]
     assert lines[0].startswith("cnnkit: error: ") and len(lines[0]) < 400, lines[0]
     return lines[0]
+
+
+# The bench tests' network (test_bench_*.py) and its multiply-adds
+TINY_NET = {
+    "name": "tiny",
+    "input": [1, 8, 8],
+    "num_classes": 3,
+    "layers": [
+        {"name": "pool0", "type": "maxpool", "kernel_size": 1},  # no params, reads the input
+        {"name": "c1", "type": "conv", "out_channels": 4, "kernel_size": 3},  # (4, 6, 6)
+        {"name": "r1", "type": "relu"},
+        {"name": "fc", "type": "linear"},  # 144 -> 3
+    ],
+}
+TINY_NET_MACS = 6 * 6 * 4 * 1 * 3 * 3 + 4 * 6 * 6 * 3  # conv + linear, by hand

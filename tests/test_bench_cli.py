@@ -1,0 +1,193 @@
+"""`cnnkit bench train/infer/layers`: the settings a run gives, what it takes as a network,
+its JSON line, and bad batches, devices and out-of-memory errors in one line."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from helpers import TINY_NET as TINY
+from helpers import run_cli
+
+from cnnkit.nn import build_model
+from cnnkit.train.settings import precisions
+
+CPU = torch.device("cpu")
+
+
+def test_bench_of_a_run_takes_its_train_settings(tmp_path, capsys):
+    """The faces run sets fp32: `bench train faces` times fp32, as `cnnkit train faces` runs
+    (it timed bf16 where that was faster, and said `cnnkit train` chose it); -p still wins."""
+    from cnnkit.cli.bench import _as_the_run_sets
+
+    def sets(net, *options):
+        chosen = _as_the_run_sets(net, *options)
+        return tuple(chosen[k] for k in ("batch", "precision", "channels_last", "threads"))
+
+    assert sets("faces", None, "auto", None, None) == (16, "fp32", None, None)
+    assert sets("faces", 8, "bf16", True, 2) == (8, "bf16", True, 2)  # options win
+    assert sets("lenet5", None, "auto", None, None) == (64, "auto", None, None)  # a network
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits"},
+                                   "train": {"channels_last": False, "threads": 1}}))  # fmt: skip
+    assert sets(str(run), None, "auto", None, None) == (64, "auto", False, 1)
+    compiled = tmp_path / "compiled.yaml"  # train.compile too, unless --compile/--no-compile
+    compiled.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits"},
+                                        "train": {"compile": True}}))  # fmt: skip
+    assert _as_the_run_sets(str(compiled), None, "auto", None, None)["compile"] is True
+    assert _as_the_run_sets(str(compiled), None, "auto", None, None, False)["compile"] is False
+    assert _as_the_run_sets("lenet5", None, "auto", None, None)["compile"] is False
+    args = ["bench", "train", "faces", "--batch", "4", "--repeats", "2", "--quick", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["precision"] == "fp32"
+    if "bf16" in precisions(torch.device("cpu")):
+        code, out, _ = run_cli([*args, "-p", "bf16"], capsys)
+        assert code == 0 and json.loads(out.strip().splitlines()[-1])["precision"] == "bf16"
+
+
+@pytest.mark.parametrize("sets", [{"train": {"calibrate": False}}, {"deterministic": True}])
+def test_bench_of_a_run_keeps_its_calibration_determinism_and_batch(sets, tmp_path, capsys):
+    """A run with `train.calibrate: false` or `deterministic: true` trains with the static
+    rules, at its data.batch_size: `bench train RUN` times that (it measured settings at
+    batch 64)."""
+    from cnnkit.config import TrainConfig
+    from cnnkit.train.settings import static_settings
+
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits", "batch_size": 4},
+                                   **sets}))  # fmt: skip
+    args = ["bench", "train", str(run), "--repeats", "1", "--warmup", "0", "--quick", "--json"]
+    code, out, err = run_cli(args, capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    rules = static_settings(build_model(TINY), TrainConfig(), CPU, 4)
+    assert code == 0 and report["batch"] == 4 and report["settings"]["how"] == "rules", err
+    assert (report["precision"], report["channels_last"]) == (rules.precision, rules.channels_last)
+    from cnnkit.cli.bench import _as_the_run_sets  # a run directory, or a checkpoint in one
+
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "config.yaml").write_text(run.read_text())
+    for given in ("r", "r/best.pt"):
+        sets_of = _as_the_run_sets(str(tmp_path / "runs" / given), None, "auto", None, None)
+        assert sets_of["batch"] == 4 and not (sets_of["calibrate"] and not sets_of["deterministic"])
+
+
+def test_cli_train_json_is_the_last_line(tmp_path, capsys):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({"model": TINY}))
+    args = ["bench", "train", str(spec), "--batch", "2", "--repeats", "2", "--quick", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and "images/s" in out
+    for key in ("images_per_second", "step_ms", "flops_per_second", "peak_fraction"):
+        assert report[key] > 0
+
+
+def test_max_seconds_reaches_the_interleaved_timing(tmp_path, capsys, monkeypatch):
+    """--max-seconds bounds the repeats, so a caller's own time limit (gpu.sh's per step) still
+    gets the figures measured so far."""
+    from cnnkit.bench import throughput
+
+    seen = []
+    real = throughput.measure_interleaved
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["max_seconds"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(throughput, "measure_interleaved", recorded)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({"model": TINY}))
+    for mode in ("train", "infer"):
+        args = ["bench", mode, str(spec), "--batch", "2", "--repeats", "1", "--quick",
+                "--max-seconds", "7.5"]  # fmt: skip
+        code, out, err = run_cli(args, capsys)
+        assert code == 0, err
+    assert seen == [7.5, 7.5]
+    code, _, err = run_cli(["bench", "train", str(spec), "--max-seconds", "0"], capsys)
+    assert code == 2 and "--max-seconds" in err
+
+
+def test_bench_takes_a_run_directory_checkpoint_or_export_as_info_does(tmp_path, capsys):
+    """The network of a run, a .pt checkpoint or a .safetensors export (the weights do not
+    change the speed): each was refused as 'not a text file' or 'not a file'."""
+    from cnnkit.checkpoint import FORMAT, save_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_checkpoint({"format": FORMAT, "model_spec": TINY, "num_classes": 3,
+                     "model": build_model(TINY).state_dict(), "classes": ["a", "b", "c"],
+                     "preprocess": {"channels": 1, "crop": 8, "mean": [0.0], "std": [1.0]},
+                     "config": {"data": {}}}, run / "best.pt")  # fmt: skip
+    export = tmp_path / "tiny.safetensors"
+    assert (
+        run_cli(["export", str(run), "--format", "safetensors", "-o", str(export)], capsys)[0] == 0
+    )
+    quick = ["-b", "2", "--repeats", "1", "-p", "fp32", "--no-channels-last", "--threads", "1"]
+    for command, target in (("infer", run), ("infer", run / "best.pt"), ("layers", export)):
+        extra = ["--warmup", "0", "--quick"] if command == "infer" else ["--warmup", "0"]
+        code, out, err = run_cli(["bench", command, str(target), *quick, *extra, "--json"], capsys)
+        report = json.loads(out.strip().splitlines()[-1]) if code == 0 else {}
+        assert code == 0 and report["net"] == "tiny" and report["batch"] == 2, err
+
+
+def test_cli_bad_batch_exits_2_in_one_line(capsys):
+    code, _, err = run_cli(["bench", "infer", "lenet5", "--batch", "0"], capsys)
+    assert code == 2 and err.strip() == "cnnkit: error: --batch: must be >= 1, got 0"
+
+
+def test_cli_a_batch_that_cannot_fit_is_one_line_before_any_timing(capsys):
+    for command in ("infer", "layers"):
+        code, _, err = run_cli(["bench", command, "lenet5", "-b", str(10**8), "-d", "cpu"], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("cnnkit: error: --batch 100000000: lenet5 needs at least 6.3 TB")
+
+
+@pytest.mark.parametrize("error,size", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                  "memory: you tried to allocate 409600000000 bytes. Error code 12"), "409.6 GB"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                            "capacity of 139.8 GiB"), "20.00 GiB"),
+    (MemoryError(), "an allocation"),
+])  # fmt: skip
+def test_cli_out_of_memory_anywhere_is_one_line(error, size, capsys, monkeypatch):
+    import cnnkit.bench.throughput
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cnnkit.bench.throughput, "bench_throughput", fail)
+    code, _, err = run_cli(["bench", "infer", "lenet5", "-b", "4", "-d", "cpu"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"out of memory: {'a tensor of ' * (size[0] != 'a')}{size} did not fit" in err
+    assert err.rstrip().endswith("a smaller batch needs less")
+
+
+def test_cli_detect_out_of_memory_advises_its_own_option(tmp_path, capsys, monkeypatch):
+    import cnnkit.infer.images
+
+    def fail(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(cnnkit.infer.images, "to_hwc", fail)  # detect has no batch to shrink
+    code, _, err = run_cli(["detect", "faces", str(tmp_path / "any.png")], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.rstrip().endswith("a larger --min-size needs less"), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cli_cuda_without_gpu_exits_2(capsys):
+    code, _, err = run_cli(["bench", "layers", "lenet5", "--device", "cuda"], capsys)
+    assert code == 2 and "no CUDA device" in err and "Traceback" not in err
+
+
+def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({"model": TINY}))
+    args = ["bench", "layers", str(spec), "-b", "2", "--repeats", "1", "-p", "fp32", "--json"]
+    code, out, _ = run_cli(args, capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and "per-layer sum" in out and "whole pass" in out
+    table = " ".join(out.strip().rsplit("\n", 1)[0].split())  # the human part, unwrapped
+    assert " ".join(report["settings"].split()) in table and " thread" in report["settings"]
+    assert [layer["name"] for layer in report["layers"]][-1] == "loss"
+    assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0

@@ -1,0 +1,104 @@
+"""cnnkit.bench's scaling study: its devices checked before any timing, its networks, and
+the JSON and plot it writes (a quick run never over a full study)."""
+
+import json
+
+import pytest
+import torch
+from helpers import TINY_NET as TINY
+from helpers import TINY_NET_MACS as TINY_MACS
+from helpers import run_cli
+
+from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
+from cnnkit.bench.throughput import train_config
+from cnnkit.distributed import resolve_device
+from cnnkit.errors import ConfigError
+from cnnkit.nn import build_model
+
+CPU = torch.device("cpu")
+
+
+def test_bad_device_and_precision_are_config_errors():
+    with pytest.raises(ConfigError, match="--device"):
+        resolve_device("tpu")
+    with pytest.raises(ConfigError, match="fp16"):
+        train_config(CPU, "fp16")
+    with pytest.raises(ConfigError, match="--devices"):
+        parse_devices("cpu,tpu")
+    assert parse_devices("cpu, cpu")[0] == [CPU]  # (gpu.sh's SMOKE run: `cpu,$DEV`) timed once
+    # `cpu:0` is the CPU by the name results are keyed by (the GPU/CPU speed-ups look up "cpu")
+    assert [str(d) for d in parse_devices("cpu:0")[0]] == ["cpu"]
+    assert parse_devices("cpu:0,cpu") == ([CPU], None)  # CPU only: no "no CUDA" note
+    for text in ("cuda:abc", "cpu:1", "cuda:-1"):
+        with pytest.raises(ConfigError, match="give a comma list of cpu, cuda, cuda:N"):
+            parse_devices(text)
+
+
+def test_scaling_devices_are_checked_against_the_gpus_there(monkeypatch):
+    """(CUDA faked: one GPU.) A GPU the machine lacks is refused before minutes of timing, and
+    `cuda` and `cuda:0` name one GPU, timed once."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ConfigError, match="'cuda:5': this machine has 1 CUDA device"):
+        parse_devices("cpu,cuda:5")
+    assert parse_devices("cuda,cuda:0,cpu") == ([torch.device("cuda"), CPU], None)
+    from cnnkit.bench.scaling import _speedup
+
+    devices, _ = parse_devices("cpu:0,cuda")  # the speed-up's keys: "cpu:0" had none
+    times = {"train_ms_per_image": 4.0, "infer_ms_per_image": 2.0}
+    results = {str(d): {k: v / (1 + 3 * (d.type == "cuda")) for k, v in times.items()}
+               for d in devices}  # fmt: skip
+    assert _speedup(results) == {"train": 4.0, "infer": 4.0}
+
+
+def test_study_families_and_lenet_sizes():
+    entries = study()
+    lenets = [e for e in entries if e.family == "lenet5"]
+    assert [e.spec["input"] for e in lenets] == [[1, s, s] for s in range(32, 105, 8)]
+    assert [e.size for e in entries if e.family == "smallcnn"] == [
+        f"width x{w}" for w in (1, 2, 4, 8)
+    ]
+    assert entries[-1].family == "alexnet"
+    assert build_model(lenet(104), device="meta").table[6].output_shape == (120, 19, 19)
+
+
+def test_scaling_writes_json_and_png(tmp_path):
+    devices = ([CPU], "CPU only")
+    entries = [Entry("tiny", "x1", TINY, 2), Entry("lenet5", "input 40", lenet(40), 2)]
+    report = run_scaling(devices, "fp32", quick=True, entries=entries)
+    paths = write_outputs(report, tmp_path / "out")
+    data = json.loads(paths[0].read_text())
+    assert [n["name"] for n in data["networks"]] == ["tiny", "lenet5-40"]
+    assert data["networks"][0]["macs"] == TINY_MACS and data["note"] == "CPU only"
+    cpu = data["networks"][1]["results"]["cpu"]
+    assert cpu["train_ms_per_image"] > 0 and cpu["infer_ms_per_image"] > 0
+    assert all(n["speedup"] is None for n in data["networks"])
+    assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["quick"] is True  # a smoke run says so, in the file and its table's title
+    from io import StringIO
+
+    from rich.console import Console
+
+    from cnnkit.bench.scaling import print_scaling
+
+    console = Console(file=StringIO(), width=200)
+    print_scaling(report, console)
+    assert "QUICK: a smoke run, not figures" in console.file.getvalue()
+
+
+def test_cli_scaling_refuses_what_it_cannot_do_before_any_timing(capsys):
+    code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "--out", "/proc"], capsys)
+    assert code == 2 and not out and err.startswith("cnnkit: error: --out: cannot write in /proc")
+    code, _, err = run_cli(["bench", "scaling", "--devices", "cpu", "-p", "auto"], capsys)
+    assert code == 2 and "'auto' is not one of fp32, bf16, fp16" in err
+
+
+def test_a_quick_scaling_run_never_replaces_a_full_study(tmp_path, capsys):
+    study = json.dumps({"quick": False, "networks": [{}] * 15})
+    (tmp_path / "scaling.json").write_text(study)
+    code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "--quick", "-o",
+                              str(tmp_path)], capsys)  # fmt: skip
+    assert code == 2 and not out and "holds a full study (15 networks)" in err, err
+    assert (tmp_path / "scaling.json").read_text() == study
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scaling.json"]
