@@ -68,3 +68,16 @@ TINY_NET = {
     ],
 }
 TINY_NET_MACS = 6 * 6 * 4 * 1 * 3 * 3 + 4 * 6 * 6 * 3  # conv + linear, by hand
+
+
+# The run of the distributed tests (test_distributed_*.py), in one process and in a group of 2
+DDP_RUN = {
+    "name": "ddp",
+    "model": "facenet",
+    "data": {"source": "synthetic", "shape": [1, 25, 25], "num_classes": 4, "train_size": 64,
+             "val_size": 21, "batch_size": 16},
+    "train": {"epochs": 2, "lr": 0.05, "precision": "fp32", "channels_last": False,
+              "checkpoint_every": 2, "timeout_s": 60},  # a rank left waiting fails in a minute
+    "seed": 5,
+    "deterministic": True,
+}  # fmt: skip

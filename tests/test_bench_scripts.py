@@ -1,5 +1,6 @@
 """The scripts under benchmarks/: bad input refused in one line before any work,
-gpu_summary.py's figures, and gpu.sh on a machine without CUDA."""
+gpu_summary.py's figures, gpu.sh on a machine without CUDA, and ddp_scaling.py under
+weight averaging."""
 
 import json
 import subprocess
@@ -115,3 +116,18 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
                           text=True)  # fmt: skip
     assert proc.returncode == 2 and "not an earlier gpu.sh run" in proc.stderr
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+@pytest.mark.slow
+def test_the_scaling_benchmark_runs_under_averaging(tmp_path):
+    """(It passed the network where after_step takes the engine: a crash under average.)"""
+    sync = "average"
+    script = Path(__file__).parents[1] / "benchmarks" / "ddp_scaling.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--model", "digitnet", "--batch", "16", "--steps", "3",
+         "--repeats", "1", "--nproc", "1", "--sync", sync, "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["nproc"] == 1 and row["images_per_second"] > 0
