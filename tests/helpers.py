@@ -81,3 +81,14 @@ DDP_RUN = {
     "seed": 5,
     "deterministic": True,
 }  # fmt: skip
+
+
+# Prototxt text of the import-caffe tests (test_caffe_*.py)
+CAFFE_INPUT = 'input: "data"\ninput_dim: 1 input_dim: 3 input_dim: 8 input_dim: 8\n'
+CAFFE_CONV = "convolution_param {{ num_output: {} kernel_size: 1 }}"
+
+
+def caffe_layer(name, kind, bottoms, top, params=""):
+    """One `layer { ... }` of a prototxt, with PARAMS (text) inside."""
+    bottom = " ".join(f'bottom: "{b}"' for b in bottoms)
+    return f'layer {{ name: "{name}" type: "{kind}" {bottom} top: "{top}" {params} }}\n'
