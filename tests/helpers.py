@@ -83,6 +83,19 @@ DDP_RUN = {
 }  # fmt: skip
 
 
+# The deterministic run of the resume tests (test_train_resume_*.py)
+RESUME_RUN = {
+    "name": "tiny",
+    "model": "digitnet",
+    "data": {"source": "synthetic", "shape": [1, 8, 8], "num_classes": 4, "train_size": 128,
+             "val_size": 21, "batch_size": 16},
+    "train": {"epochs": 2, "lr": 0.05, "schedule": "cosine", "warmup_epochs": 0.5,
+              "checkpoint_every": 3, "label_smoothing": 0.1},
+    "seed": 3,
+    "deterministic": True,
+}  # fmt: skip
+
+
 # Prototxt text of the import-caffe tests (test_caffe_*.py)
 CAFFE_INPUT = 'input: "data"\ninput_dim: 1 input_dim: 3 input_dim: 8 input_dim: 8\n'
 CAFFE_CONV = "convolution_param {{ num_output: {} kernel_size: 1 }}"
