@@ -53,7 +53,7 @@ def blobs_of(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
 @pytest.mark.slow
 def test_alexnet_caffemodel_imports_with_the_logits_of_its_weights(tmp_path, capsys):
     """BVLC AlexNet's layers (groups, LRN, the BGR first layer) at an eighth of its widths: the
-    same import, a 240 MB .caffemodel fewer (the full net's import is in test_caffe.py)."""
+    same import, a 240 MB .caffemodel fewer (the full net's import is in test_caffe_translate.py)."""
     torch.manual_seed(0)
     prototxt = tmp_path / "alexnet.prototxt"
     prototxt.write_text(re.sub(r"num_output: (\d+)", lambda m: f"num_output: {int(m[1]) // 8}",
