@@ -95,6 +95,34 @@ def test_phase_rules_as_caffe_reads_them_for_deploy():
         translate(parse_prototxt(INPUT + conv("a", 4, "include {} exclude { phase: TRAIN }")))
 
 
+def test_the_files_own_state_stages_are_kept_as_caffe_net_keeps_them():
+    """caffe.Net(file, caffe.TEST) overrides the file's phase and level but keeps its stages."""
+
+    def relu(name, rule):
+        return _layer(name, "ReLU", ["fc"], "fc", rule)
+
+    text = INPUT + _layer(
+        "fc", "InnerProduct", ["data"], "fc", "inner_product_param { num_output: 2 }"
+    )
+    text += relu("staged", "include { stage: 'deploy' }") + relu("other", "include { stage: 'x' }")
+    text += relu("barred", "include { not_stage: 'deploy' }") + relu(
+        "free", "include { not_stage: 'x' }"
+    )
+    text += relu("excluded", "exclude { stage: 'deploy' }") + relu(
+        "high", "include { min_level: 1 }"
+    )
+    names = [[n["name"] for n in translate(parse_prototxt(state + text))["layers"]]
+             for state in ("", "state { phase: TRAIN level: 2 stage: 'deploy' }\n")]  # fmt: skip
+    assert names == [["fc", "barred", "free", "excluded"], ["fc", "staged", "free"]]
+    for bad, words in (("state { stag: 'deploy' }", r":1: 'stag' is not a field of Caffe's "
+                        r"NetState \(did you mean 'stage'\?\)"),
+                       ("state: 3", r":1: state: expected a \{ ... \} block, got 3"),
+                       ("", r"'not_stag' is not a field of Caffe's NetStateRule")):  # fmt: skip
+        rule = relu("r", "include { not_stag: 'x' }") if not bad else ""
+        with pytest.raises(ConfigError, match=words):
+            translate(parse_prototxt(bad + "\n" + text + rule))
+
+
 BAD_FIELDS = {
     "kernel_h: 3": r"kernel_h and kernel_w go together",
     'kernel_size: "abc"': r"kernel_size: expected an integer, got 'abc'",

@@ -1,5 +1,6 @@
 """Which layers of a Caffe net a deploy import reads, and how they connect: Caffe's
-NetStateRule for the deploy state (phase TEST, level 0, no stages), the V1 type names, and
+NetStateRule for the deploy state (phase TEST, level 0, the file's own `state` stages), the V1
+type names, and
 which Scale layers may fold into the BatchNorm before them."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from cnnkit.caffe.fields import integer, require
+from cnnkit.caffe.schema import NET_STATE_FIELDS, RULE_FIELDS, check_fields
 from cnnkit.errors import brief
 from cnnkit.prototxt import Message
 
@@ -24,28 +26,43 @@ def layer_type(layer: Message) -> str:
     return V1_TYPES.get(kind, kind)
 
 
-def deployed_layers(layers: list[Message], source: str) -> list[Message]:
-    """The layers Caffe builds in the TEST phase: those with an include rule that holds, or
-    with no exclude rule that holds (a layer takes one kind of rule, not both)."""
+def deployed_layers(layers: list[Message], source: str, stages: set[str]) -> list[Message]:
+    """The layers Caffe builds in the TEST phase at level 0 with `stages` (those of the file's
+    `state`, which `caffe.Net(file, caffe.TEST)` keeps): those with an include rule that holds,
+    or with no exclude rule that holds (a layer takes one kind of rule, not both)."""
     kept = []
     for layer in layers:
         here = f"{source}:{layer.line}"
         include, exclude = layer.all("include"), layer.all("exclude")
         require(here, not (include and exclude), "give include or exclude rules, not both")
+        for rule in include + exclude:
+            require(here, isinstance(rule, Message), "include / exclude takes a { ... } rule")
+            check_fields(source, "NetStateRule", rule, RULE_FIELDS)
         if include:
-            kept += [layer] if any(_meets(here, rule) for rule in include) else []
+            kept += [layer] if any(_meets(here, rule, stages) for rule in include) else []
         else:
-            kept += [] if any(_meets(here, rule) for rule in exclude) else [layer]
+            kept += [] if any(_meets(here, rule, stages) for rule in exclude) else [layer]
     return kept
 
 
-def _meets(here: str, rule: Any) -> bool:
-    """Whether a NetStateRule holds for the deploy state: phase TEST, level 0, no stages."""
-    require(here, isinstance(rule, Message), "include / exclude takes a { ... } rule")
+def net_stages(source: str, net: Message) -> set[str]:
+    """The stages of the file's `state { stage: ... }`; its phase and level the deploy state
+    overrides (TEST, 0), as Caffe's Net(file, phase) does."""
+    state = net.get("state")  # a { } block where given (schema.check_net)
+    if state is None:
+        return set()
+    check_fields(source, "NetState", state, NET_STATE_FIELDS)
+    return {str(stage) for stage in state.all("stage")}
+
+
+def _meets(here: str, rule: Any, stages: set[str]) -> bool:
+    """Whether a NetStateRule holds for the deploy state, as Caffe's StateMeetsRule: phase TEST,
+    level 0 within the rule's bounds, each of its `stage`s held, none of its `not_stage`s."""
     phase = str(rule.get("phase", "TEST"))
     require(here, phase in ("TRAIN", "TEST"), f"phase {brief(phase)}: TRAIN or TEST")
     low, high = integer(here, rule, "min_level", 0), integer(here, rule, "max_level", 0)
-    return phase == "TEST" and low <= 0 <= high and not rule.all("stage")
+    needed, barred = {str(s) for s in rule.all("stage")}, {str(s) for s in rule.all("not_stage")}
+    return phase == "TEST" and low <= 0 <= high and needed <= stages and not barred & stages
 
 
 def sole_readers(layers: list[Message]) -> set[Message]:

@@ -48,8 +48,10 @@ PARAM_FIELDS: dict[str, set[str]] = {
 SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
               "shape": {"dim"}}  # fmt: skip
 PARAM_SPEC = {"name", "share_mode", "lr_mult", "decay_mult"}
-NET_BLOCKS = {"layer", "layers", "input_shape"}  # NetParameter's fields that are messages
+NET_BLOCKS = {"layer", "layers", "input_shape", "state"}  # NetParameter's fields that are messages
 NET_FIELDS = NET_BLOCKS | {"name", "input", "input_dim", "force_backward", "state", "debug_info"}
+NET_STATE_FIELDS = {"phase", "level", "stage"}  # NetState: the net's `state { }`
+RULE_FIELDS = {"phase", "min_level", "max_level", "stage", "not_stage"}  # include / exclude
 # the parameter blocks caffe.proto's LayerParameter declares: a *_param near one of these but
 # not it is a typo (`lnr_param`), refused as Caffe refuses it; others are a fork's own
 CAFFE_PARAMS = {f"{name}_param" for name in (
@@ -131,6 +133,13 @@ def _check_block(source: str, block: str, p: Message) -> None:
         if follows is not None and value != follows[0]:
             shown = str(value).lower() if isinstance(value, bool) else brief(value)
             raise ConfigError(f"{source}:{line}: {block} {{ {name}: {shown} }}: {follows[1]}")
+
+
+def check_fields(source: str, block: str, message: Message, allowed: set[str]) -> None:
+    """ConfigError for a field of `message` that caffe.proto's `block` does not declare."""
+    for name, _, line in message.fields:
+        if name not in allowed:
+            _unknown(f"{source}:{line}", block, name, allowed)
 
 
 def _unknown(here: str, block: str, name: str, allowed: set[str]) -> None:

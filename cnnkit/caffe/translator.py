@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cnnkit.caffe.deploy import deployed_layers, layer_type, sole_readers
+from cnnkit.caffe.deploy import deployed_layers, layer_type, net_stages, sole_readers
 from cnnkit.caffe.fields import as_integer
 from cnnkit.caffe.layer_types import SUPPORTED, LayerTypes
 from cnnkit.caffe.schema import check_layer, check_net
@@ -50,7 +50,8 @@ class Translator(LayerTypes):
     def run(self) -> dict[str, Any]:
         check_net(self.source, self.net)
         self._net_level_input()
-        caffe_layers = deployed_layers(self.net.all("layer") + self.net.all("layers"), self.source)
+        caffe_layers = deployed_layers(self.net.all("layer") + self.net.all("layers"), self.source,
+                                       net_stages(self.source, self.net))  # fmt: skip
         self.folds = sole_readers(caffe_layers)
         v1 = set(map(id, self.net.all("layers")))  # the old `layers { }` syntax
         for index, layer in enumerate(caffe_layers):
