@@ -198,8 +198,8 @@ def test_each_layer_is_timed_with_its_input_in_the_format_the_layer_before_leave
 
 @needs_onednn
 def test_onednn_linear_packs_only_when_frozen_and_follows_the_weight():
-    """A frozen layer (inference) packs its weight once, and again after an in-place change
-    or a new weight; copies and pickles start unpacked; one image runs unpacked; a forward pass
+    """A frozen layer (inference) packs its weight once, and again after an in-place change,
+    a new weight or a new storage under the same one; copies and pickles start unpacked; one image runs unpacked; a forward pass
     that wants gradients drops the packed copy. Always as nn.Linear computes."""
     torch.manual_seed(0)
     plain = FlatLinear(48, 7)
@@ -222,6 +222,10 @@ def test_onednn_linear_packs_only_when_frozen_and_follows_the_weight():
         state = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
         for m in (layer, plain):
             m.load_state_dict(state)
+        torch.testing.assert_close(layer(x), plain(x))
+        new = torch.randn_like(plain.weight)
+        for m in (layer, plain):
+            m.weight.data = new.clone()  # the same Parameter, no version bump: a new storage
         torch.testing.assert_close(layer(x), plain(x))
     for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
         assert twin._packed.source is None and twin.product == "onednn"

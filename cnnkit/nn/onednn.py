@@ -55,20 +55,23 @@ def freeze(network: nn.Module) -> nn.Module:
 
 class PackedWeight:
     """A frozen layer's weight in oneDNN's blocked layout, made at its first use, and again if
-    the weight is replaced or changed in place all the same (load_state_dict, an in-place op);
-    dropped by a forward pass that wants gradients. Copies and pickles start empty."""
+    the weight is replaced (load_state_dict, `p.data = new`: another tensor or storage) or
+    changed in place where torch counts it (an in-place op). Not seen: an in-place change torch
+    does not count (`p.data.copy_(new)`, an inference-mode tensor's): call freeze() again after
+    one. Dropped by a forward pass that wants gradients. Copies and pickles start empty."""
 
     def __init__(self) -> None:
         self.source: torch.Tensor | None = None
-        self.version: int | None = None
+        self.key: tuple[int, int | None] | None = None
         self.packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         version = None if weight.is_inference() else weight._version  # inference: no counter
-        if self.source is not weight or self.version != version:
+        key = (weight.data_ptr(), version)
+        if self.source is not weight or self.key != key:
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
-            self.source, self.version = weight, version
+            self.source, self.key = weight, key
         return self.packed
 
     def clear(self) -> None:
