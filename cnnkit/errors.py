@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import reprlib
@@ -92,6 +93,10 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     """(location parts, `message (got value)`) of a pydantic ValidationError's first problem."""
     errors = error.errors()  # a missing field first: it is why the others look wrong
     err = next((e for e in errors if e["type"] == "missing"), errors[0])
+    typo = _misspelling(errors)
+    if typo is not None:  # `paht` beside a missing `path`: the cause, with the field meant
+        parts = [p for p in (str(p)[:40] for p in typo[0]["loc"]) if not _TYPE_TAG.match(p)]
+        return [p for p in parts if p not in hide], f"unknown field (did you mean {typo[1]!r}?)"
     if isinstance(err.get("input"), str):  # a word where a union takes numbers or words: the
         same = [e for e in errors if _field(e) == _field(err) and e["type"] == "literal_error"]
         err = same[0] if same else err  # words it takes ('same' or 'valid'), not "an integer"
@@ -112,6 +117,19 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     if "input" in err and err["type"] not in ("extra_forbidden", "missing", "value_error"):
         msg += f" (got {_as_written(err['input'])})"
     return parts, msg
+
+
+def _misspelling(errors: list[dict]) -> tuple[dict, str] | None:
+    """(the unknown key's error, the missing field) where a required field is missing and an
+    unknown key beside it is close to its name: the misspelling to name rather than the field."""
+    for missing in (e for e in errors if e["type"] == "missing"):
+        *section, name = _field(missing) or [""]
+        typos = {str(e["loc"][-1]): e for e in errors
+                 if e["type"] == "extra_forbidden" and _field(e)[:-1] == section}  # fmt: skip
+        close = difflib.get_close_matches(name, list(typos), n=1)
+        if close:
+            return typos[close[0]], name
+    return None
 
 
 def validation_message(error: Any, hide: Collection[str] = ()) -> str:

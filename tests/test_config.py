@@ -131,6 +131,26 @@ def test_each_bad_field_is_named(change, words):
         validate_run(raw)
 
 
+@pytest.mark.parametrize(
+    "raw, line",
+    [
+        ({"data": {"source": "folder", "paht": "sm"}}, "data.paht: unknown field (did you mean 'path'?)"),
+        ({"data": {"sorce": "digits"}}, "data.sorce: unknown field (did you mean 'source'?)"),
+        ({"model": {"netwrk": "digitnet"}}, "model.netwrk: unknown field (did you mean 'network'?)"),
+        ({"dat": {"source": "digits"}}, "dat: unknown field (did you mean 'data'?)"),
+        ({"model": {"input": [1, 8, 8], "layres": [{"type": "flatten"}]}},
+         "model.layres: unknown field (did you mean 'layers'?)"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_required_field_is_named_with_the_one_meant(raw, line):
+    """A required field misspelt is the unknown key beside it that is wrong, not the field
+    missing: the key is named with the one meant, as a misspelt optional one is."""
+    raw = {"model": "digitnet", **({} if "dat" in raw else {"data": {"source": "digits"}}), **raw}
+    with pytest.raises(ConfigError) as caught:
+        validate_run(raw)
+    assert str(caught.value) == line
+
+
 def test_a_new_run_needs_held_out_images(tmp_path):
     """val_fraction 0 without val_path is refused for a new run (best.pt would be epoch 1's);
     a checkpoint saved with it before still validates, so it resumes."""

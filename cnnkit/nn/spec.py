@@ -209,6 +209,7 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
         relative = base / model
         return read_spec(str(relative) if relative.is_file() else model, _hops + 1)
     if not isinstance(model, dict) or "layers" not in model:
+        _check_misspelt_layers(model, source)
         raise ConfigError(
             f"{source or 'spec'}: no 'layers' list (a network file has model: {{input, layers}})"
         )
@@ -219,6 +220,18 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
     if source and isinstance(weights, str) and not Path(weights).is_absolute():
         model["weights"] = str(Path(source).parent / weights)  # beside the network file
     return model
+
+
+def _check_misspelt_layers(model: Any, source: str | None) -> None:
+    """A `model:` mapping without `layers` (nor a run file's `network`) whose key is one of them
+    misspelt (`laeyrs`, `netwrk`) is refused naming that key, with the one meant."""
+    keys = [str(k) for k in model] if isinstance(model, dict) else []
+    for meant in ("layers", "network"):
+        close = difflib.get_close_matches(meant, keys, n=1)
+        if close:
+            where = f"{source}: " if source else ""
+            raise ConfigError(f"{where}model.{close[0][:40]}: unknown field (did you mean "
+                              f"{meant!r}?)")  # fmt: skip
 
 
 def _check_run_keys(data: dict[str, Any], source: str | None) -> None:
