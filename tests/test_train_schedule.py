@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cnnkit.config import TrainConfig
+from cnnkit.config import TrainConfig, dump_run, load_run, schedule_notes
 from cnnkit.train.optim import Schedule
 
 
@@ -85,3 +85,40 @@ def test_apply_sets_each_group_by_its_multiplier():
     opt = torch.optim.SGD([{"params": [w], "lr_mult": 1.0}, {"params": [b], "lr_mult": 2.0}], lr=1)
     Schedule(TrainConfig(lr=0.01, schedule="step", step_size=1)).apply(opt, 1.0)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.001, 0.002])
+
+
+@pytest.mark.parametrize(
+    "overrides, note",
+    [
+        (["train.step_size=1", "train.gamma=0.1"],
+         "train.schedule cosine does not use train.step_size, train.gamma (train.schedule=step "
+         "would use them)"),
+        (["train.milestones=[1]"],
+         "train.schedule cosine does not use train.milestones (train.schedule=multistep would use "
+         "it)"),
+        (["train.schedule=constant", "train.gamma=0.5"],
+         "train.schedule constant does not use train.gamma (train.schedule=step or multistep or "
+         "plateau would use it)"),
+        (["train.step_size=2", "train.milestones=[1]"],
+         "train.schedule cosine does not use train.step_size, train.milestones (train.schedule="
+         "step uses step_size; train.schedule=multistep uses milestones)"),
+        (["train.min_lr=0.001"], None),  # cosine's own
+        ([], None),
+    ],
+)  # fmt: skip
+def test_settings_the_schedule_does_not_read_are_said(overrides, note):
+    """A torchvision user's step_size or milestones under the run's cosine schedule: said with
+    the schedule that reads them, not silently ignored; only settings given, never defaults."""
+    notes = schedule_notes(load_run("digits", ["train.epochs=3", *overrides]).train)
+    assert notes == ([note] if note else [])
+
+
+def test_a_resolved_config_says_only_the_settings_off_their_default(tmp_path):
+    """config.yaml holds every setting: read back (a resume, a rerun of it), only the unused
+    ones off their default are said, not every default it wrote."""
+    dump_run(load_run("digits", ["train.step_size=1", "train.gamma=0.1"]), tmp_path / "c.yaml")
+    assert schedule_notes(load_run(tmp_path / "c.yaml").train) == [
+        "train.schedule cosine does not use train.step_size (train.schedule=step would use it)"
+    ]
+    dump_run(load_run("digits"), tmp_path / "plain.yaml")
+    assert schedule_notes(load_run(tmp_path / "plain.yaml").train) == []

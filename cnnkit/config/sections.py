@@ -1,6 +1,6 @@
 """The run file's sections as typed, validated models: RunConfig (name, seed, determinism) with
 ModelConfig and TrainConfig (the data section is the source's own DataConfig), and the notes on
-schedule settings a run never reaches."""
+schedule settings a run never reaches or its schedule never reads."""
 
 from __future__ import annotations
 
@@ -124,10 +124,22 @@ class TrainConfig(Section):
         return self
 
 
+# the settings each schedule reads (warm-up aside: every schedule has it)
+SCHEDULE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "constant": (),
+    "step": ("step_size", "gamma"),
+    "multistep": ("milestones", "gamma"),
+    "plateau": ("patience", "threshold", "gamma", "min_lr"),
+    "cosine": ("min_lr",),
+}
+
+
 def schedule_notes(train: TrainConfig) -> list[str]:
-    """Schedule settings this many epochs never reach (a forgotten override, or a short trial of
-    a long recipe): said, not refused."""
-    notes, epochs = [], train.epochs
+    """Schedule settings the run never uses: given to a schedule that does not read them (a
+    torchvision user's step_size under the default schedule), or never reached in this many
+    epochs (a forgotten override, or a short trial of a long recipe): said, not refused."""
+    unused = _unused_schedule_settings(train)
+    notes, epochs = [unused] if unused else [], train.epochs
     if train.warmup_epochs >= epochs:
         notes.append(f"train.warmup_epochs {train.warmup_epochs:g} of {epochs} epochs: the lr "
                      f"never reaches train.lr {train.lr:g}")  # fmt: skip
@@ -137,6 +149,28 @@ def schedule_notes(train: TrainConfig) -> list[str]:
     if late:
         notes.append(f"train.milestones {late} at or past the last epoch ({epochs}): no drop there")
     return notes
+
+
+def _unused_schedule_settings(train: TrainConfig) -> str | None:
+    """Which given settings the run's schedule does not read, and the train.schedule that
+    would. A resolved config (config.yaml, a checkpoint's) gives every field: there only those
+    off their default count as given."""
+    used, fields = SCHEDULE_SETTINGS[train.schedule], TrainConfig.model_fields
+    resolved = train.model_fields_set >= set(fields)
+    unused = [f for f in fields if any(f in read for read in SCHEDULE_SETTINGS.values())
+              and f not in used and f in train.model_fields_set and not (resolved and
+              getattr(train, f) == fields[f].get_default(call_default_factory=True))]  # fmt: skip
+    if not unused:
+        return None
+    users = [name for name, read in SCHEDULE_SETTINGS.items() if set(unused) <= set(read)]
+    if users:
+        would = f"train.schedule={' or '.join(users)} would use {'them' if unused[1:] else 'it'}"
+    else:  # no one schedule reads them all (step_size and milestones)
+        would = "; ".join(f"train.schedule={name} uses {', '.join(f for f in unused if f in read)}"
+                          for name, read in SCHEDULE_SETTINGS.items()
+                          if any(f in read for f in unused))  # fmt: skip
+    return (f"train.schedule {train.schedule} does not use "
+            f"{', '.join(f'train.{f}' for f in unused)} ({would})")  # fmt: skip
 
 
 class ModelConfig(Section):
