@@ -99,6 +99,27 @@ def test_a_binary_file_or_a_misspelled_model_key_is_named(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.onnx", "net.yaml", "r.yaml"]
 
 
+def test_a_folder_given_as_the_run_says_what_it_is(tmp_path, capsys, monkeypatch):
+    """A run directory where the run goes is continued with --resume, not a new zoo run (it was
+    `did you mean 'digits'?`); a folder named like a YAML file never suggests itself."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "digits-20250101-120000"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("name: digits\n")
+    (tmp_path / "dir.yaml").mkdir()
+    for argv, line in (
+        (["train", "runs/digits-20250101-120000"],
+         "cnnkit: error: runs/digits-20250101-120000 is a run directory, not a run file: `cnnkit "
+         "train --resume runs/digits-20250101-120000` continues it (runs/digits-20250101-120000/"
+         "config.yaml starts a new run from its settings)"),
+        (["train", "dir.yaml"],
+         "cnnkit: error: dir.yaml is a folder, not a run file (a YAML file with model:, data: and "
+         "train:)"),
+    ):  # fmt: skip
+        code, err = _fails(argv, capsys)
+        assert code == 2 and err == line
+
+
 def test_failed_starts_overwrite_nothing(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

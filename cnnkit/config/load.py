@@ -8,6 +8,7 @@ import copy
 import difflib
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -200,9 +201,24 @@ def _yaml_files_beside(path: Path) -> list[str]:
     did-you-mean; none where the folder cannot be read."""
     try:
         return [str(path.parent / p.name) if str(path.parent) != "." else p.name
-                for p in path.parent.iterdir() if p.suffix.lower() in (".yaml", ".yml")][:1000]  # fmt: skip
+                for p in path.parent.iterdir()
+                if p.suffix.lower() in (".yaml", ".yml") and p.is_file()][:1000]  # fmt: skip
     except OSError:
         return []
+
+
+def _folder_given(path: Path) -> str:
+    """What to say of a folder given where a run file goes: a run directory is continued with
+    --resume (a new run from its settings is its config.yaml), any other is not a run file."""
+    plain = str(path).isprintable() and len(str(path)) <= 120  # written as a shell takes it
+    name = shlex.quote(str(path)) if plain else brief(str(path), 80)
+    config = path / "config.yaml"
+    anew = (f" ({shlex.quote(str(config)) if plain else 'its config.yaml'} starts a new run from "
+            "its settings)") if config.is_file() else ""  # fmt: skip
+    if anew or (path / "last.pt").is_file():
+        return (f"{name} is a run directory, not a run file: `cnnkit train --resume {name}` "
+                f"continues it{anew}")  # fmt: skip
+    return f"{name} is a folder, not a run file (a YAML file with model:, data: and train:)"
 
 
 def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
@@ -217,6 +233,8 @@ def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | 
             also = f" (zoo runs of it: {', '.join(runs)})" if runs else ""
             raise ConfigError(f"{str(run)!r} is a zoo network, not a run: give a run file "
                               f"with model: {run}{also}")  # fmt: skip
+        if str(run) not in RUNS and path.is_dir():
+            raise ConfigError(_folder_given(path))
         if str(run) not in RUNS:
             files = _yaml_files_beside(path) if path.suffix.lower() in (".yaml", ".yml") else []
             raise ConfigError(f"{brief(str(run), 80)} is neither a zoo run ('cnnkit zoo' lists "
