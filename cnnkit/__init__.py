@@ -51,7 +51,8 @@ def fit(
     """Train a run exactly as `cnnkit train` does and return its summary (also summary.json).
 
     `run`: a zoo run, a run file or a mapping; `overrides`: dotted `key=value` strings; `out`:
-    the run directory; `resume`: a run directory to continue. A run whose data mines hard
+    the run directory; `resume`: a run directory to continue; `quiet`: print only the last line
+    (`done: ... -> RUN_DIR`), as `--quiet` does. A run whose data mines hard
     negatives (the faces run) trains its rounds (and a resume of it continues them; callbacks
     reach every round's training, where StopTraining ends that round's and the mining goes
     on); any other run trains once, alone or as a torchrun worker. `dry_run`: build the data,

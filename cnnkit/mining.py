@@ -92,10 +92,9 @@ def resume_rounds(
         config = _resumed_config(run_dir, overrides)
         rows, seconds = read_rounds(run_dir)
         done = _finished(run_dir, rows, mining_of(config).rounds)
-        if done is not None:
-            if not quiet:
-                print(f"{run_dir}: all {len(rows)} mining rounds done, round "
-                      f"{done['chosen_round']} kept (data.hard_negatives.rounds=N for more)")  # fmt: skip
+        if done is not None:  # its last line, quiet or not (as a finished run's `done:`)
+            print(f"{run_dir}: all {len(rows)} mining rounds done, round "
+                  f"{done['chosen_round']} kept (data.hard_negatives.rounds=N for more)")  # fmt: skip
             return done
         rounds = Rounds(config, run_dir, quiet, on_step, callbacks, resumed=True,
                         overrides=overrides or [])  # fmt: skip
@@ -218,7 +217,7 @@ class Rounds:
             if not self.quiet:
                 print(_describe(rows[-1]))
         seconds = seconds_before + time.perf_counter() - started
-        return _keep_best(self.run_dir, rows, seconds, self.quiet)
+        return _keep_best(self.run_dir, rows, seconds)
 
     def resume_hint(self) -> str:
         return f"resume with `cnnkit train --resume {self.run_dir}`"
@@ -261,7 +260,7 @@ class Rounds:
             data = self.config.data.model_copy(update={"hard_negatives": None, "negatives": mined})
             config = self.config.model_copy(update={"data": data})
         return fit(config, round_dir, resume=state, quiet=self.quiet, on_step=self.on_step,
-                   callbacks=self.callbacks)  # fmt: skip
+                   callbacks=self.callbacks, last_line=not self.quiet)  # fmt: skip
 
 
 def _read_negatives(path: Path, count: int | None, side: int) -> np.ndarray:
@@ -361,7 +360,7 @@ def _describe(row: dict) -> str:
     )
 
 
-def _keep_best(run_dir: Path, rounds: list[dict], seconds: float, quiet: bool) -> dict[str, Any]:
+def _keep_best(run_dir: Path, rounds: list[dict], seconds: float) -> dict[str, Any]:
     """Copy the best round's run files up into run_dir (an epoch trained, held-out top-1 >= 95%,
     then the most held-out faces over the clutter, then the earliest; not its config.yaml:
     run_dir's is the mining run's); summary.json lists every round."""
@@ -386,6 +385,5 @@ def _keep_best(run_dir: Path, rounds: list[dict], seconds: float, quiet: bool) -
     summary.update(run_dir=str(run_dir), chosen_round=best["round"], rounds=rounds)
     summary["wall_seconds"] = round(seconds, 3)  # every round's training and mining
     write_summary(run_dir / "summary.json", summary)
-    if not quiet:
-        print(f"kept round {best['round']} ({seconds:.1f}s in all) -> {run_dir}")
+    print(f"kept round {best['round']} ({seconds:.1f}s in all) -> {run_dir}")  # quiet or not
     return summary

@@ -120,6 +120,18 @@ def test_a_folder_given_as_the_run_says_what_it_is(tmp_path, capsys, monkeypatch
         assert code == 2 and err == line
 
 
+def test_quiet_keeps_the_last_line_naming_the_run_directory(tmp_path, capsys, monkeypatch):
+    """--quiet leaves out the start, progress and epoch lines but not the last: without --out
+    it is all that says which run directory was made."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["train", "digits", "train.epochs=1", "train.warmup_epochs=0",
+                              "train.calibrate=false", "--quiet"], capsys)  # fmt: skip
+    (made,) = (tmp_path / "runs").iterdir()
+    assert code == 0 and err == "", err
+    assert out.startswith("done: held-out top-1 ") and out.endswith(f" -> runs/{made.name}\n")
+    assert len(out.splitlines()) == 1 and (made / "last.pt").is_file(), out
+
+
 def test_failed_starts_overwrite_nothing(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

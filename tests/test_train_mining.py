@@ -40,8 +40,14 @@ def small_run(**mining) -> dict:
                       "class_weights": "balanced", "device": "cpu"}}  # fmt: skip
 
 
-def test_mining_adds_non_faces_and_cuts_false_positives(tmp_path):
+def test_mining_adds_non_faces_and_cuts_false_positives(tmp_path, capsys):
     summary = fit_rounds(load_run(small_run()), tmp_path / "run", quiet=True)
+    said = capsys.readouterr().out.splitlines()  # quiet: the mining run's last line alone
+    assert (
+        len(said) == 1
+        and said[0].startswith("kept round ")
+        and said[0].endswith(f"-> {tmp_path / 'run'}")
+    ), said
     first, second = summary["rounds"]
     assert first["negatives"] == 0 and second["negatives"] > 0
     mined = np.load(tmp_path / "run" / "negatives-1.npy")
@@ -246,10 +252,10 @@ def test_a_newly_kept_round_leaves_none_of_the_old_rounds_files(tmp_path):
         {"round": r, "val_top1": 0.99, "faces_over_clutter": beat}
         for r, beat in ((0, 0.9), (1, 0.1))
     ]
-    mining._keep_best(tmp_path, rows, 1.0, quiet=True)
+    mining._keep_best(tmp_path, rows, 1.0)
     assert (tmp_path / "best_ema.pt").exists() and (tmp_path / "events.out.tfevents.1.a").exists()
     rows[1]["faces_over_clutter"] = 0.95  # the resumed run's rounds: round 1 now wins
-    summary = mining._keep_best(tmp_path, rows, 2.0, quiet=True)
+    summary = mining._keep_best(tmp_path, rows, 2.0)
     assert summary["chosen_round"] == 1 and (tmp_path / "metrics.csv").read_text() == "1"
     files = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert files == ["events.out.tfevents.2.b", "metrics.csv", "summary.json"]

@@ -82,6 +82,7 @@ def test_ema_is_evaluated_saved_and_resumed(tmp_path, capsys):
     assert rows and all(0 <= float(r["val_top1_ema"]) <= 1 for r in rows)
     from helpers import run_cli
 
+    capsys.readouterr()  # the runs' last lines (--quiet keeps them)
     code, out, err = run_cli(["eval", str(tmp_path / "straight"), "--ema", "--json"], capsys)
     assert code == 0, err
     # best_ema.pt: the epoch whose moving average scored best; eval --ema reads it (timm's pick)

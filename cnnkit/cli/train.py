@@ -21,7 +21,12 @@ def train(
     overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<name>-<time>)."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bars or epoch lines."),
+    quiet: bool = typer.Option(
+        False,
+        "--quiet",
+        help="Only the last line (done: ... -> RUN_DIR): no start line, progress bars, epoch, "
+        "step or mining-round lines; notes and errors still go to stderr.",
+    ),
     nproc: int = typer.Option(None, "--nproc", min=1, help="Start N processes here (torchrun)."),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="With --nproc: restarts."),
     oversubscribe: bool = typer.Option(

@@ -223,22 +223,28 @@ def _clock(seconds: float) -> str:
 class Console:
     """What a run prints: on a terminal, a progress bar per epoch (loss, images/s, ETA); in a
     log file (SLURM, `| tee`), a plain line every `every` seconds (step, loss, lr, images/s,
-    data-wait share, ETA); then one line per epoch. Silent if quiet."""
+    data-wait share, ETA); then one line per epoch. If quiet, only the run's last line (`last`:
+    whether that is said at all)."""
 
     def __init__(self, quiet: bool = False, every: float = 10.0, top5: bool = True,
-                 log: RunLog | None = None) -> None:  # fmt: skip
-        self.quiet, self.every, self.top5, self.log = quiet, every, top5, log
+                 log: RunLog | None = None, last: bool = True) -> None:  # fmt: skip
+        from rich.console import Console as RichConsole
+
+        self.quiet, self.every, self.top5, self.log, self.last = quiet, every, top5, log, last
         self.progress = None
         self._task = None
         self._last = 0.0
-        if not quiet:
-            from rich.console import Console as RichConsole
-
-            self.console = RichConsole(highlight=False)  # stdout: `| tee` and `> log` keep it
-            self.terminal = self.console.is_terminal
+        self.console = RichConsole(highlight=False)  # stdout: `| tee` and `> log` keep it
+        self.terminal = self.console.is_terminal
 
     def print(self, text: str) -> None:
         if not self.quiet:
+            self.console.print(text, markup=False, soft_wrap=True)
+
+    def print_last(self, text: str) -> None:
+        """The run's last line (how it did, where it is), quiet or not: without it a quiet run
+        never says which run directory it made."""
+        if self.last:
             self.console.print(text, markup=False, soft_wrap=True)
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int) -> None:

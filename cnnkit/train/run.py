@@ -150,12 +150,15 @@ def fit(
     callbacks: Sequence[Any] = (),
     fresh: bool = False,
     processes: int | None = None,
+    last_line: bool = True,
 ) -> dict[str, Any]:
     """Train as `config` says into `run_dir` (resume: a state from `resume_state`); return the
-    summary (also written to summary.json). `dry_run`: build everything, stop before the first
-    step, write nothing. `callbacks`: see train/epochs.Hooks. `fresh`: `run_dir` was chosen as
-    holding no run, which is checked again once it is locked. `processes`: the process count a
-    dry run stands for, whose checks it makes."""
+    summary (also written to summary.json). `quiet`: no lines but the last (`done: ... -> DIR`),
+    which `last_line` False leaves out too (a quiet mining round's: its mining run says its
+    own). `dry_run`: build everything, stop before the first step, write nothing. `callbacks`:
+    see train/epochs.Hooks. `fresh`: `run_dir` was chosen as holding no run, which is checked
+    again once it is locked. `processes`: the process count a dry run stands for, whose checks
+    it makes."""
     started = time.perf_counter()
     dist = dist or Local()
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
@@ -174,7 +177,8 @@ def fit(
         distributed.on_rank0(dist, lambda: stack.enter_context(_locked(run_dir, fresh)))
         log = _open_run_dir(run_dir, config, progress) if dist.is_main else None
         ctx = RunContext(config, data, dist, run_dir, log, started)
-        return _train(ctx, engine, schedule, progress, Hooks(on_step, callbacks), quiet)
+        return _train(ctx, engine, schedule, progress, Hooks(on_step, callbacks), quiet,
+                      last_line)  # fmt: skip
 
 
 def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quiet: bool,
@@ -202,10 +206,12 @@ def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quie
 
 
 def _train(ctx: RunContext, engine: Engine, schedule: Schedule, progress: Progress,
-           hooks: Hooks, quiet: bool) -> dict[str, Any]:  # fmt: skip
+           hooks: Hooks, quiet: bool, last_line: bool) -> dict[str, Any]:  # fmt: skip
     """The epochs, then the summary; however they end, the bar is gone, every checkpoint on
     disk and the log closed before anything more is said."""
-    console = Console(quiet or not ctx.dist.is_main, top5=len(ctx.data.classes) > 5, log=ctx.log)
+    main = ctx.dist.is_main
+    console = Console(quiet or not main, top5=len(ctx.data.classes) > 5, log=ctx.log,
+                      last=main and last_line)  # fmt: skip
     _describe(console, ctx, engine, progress)
     writer, done_before = CheckpointWriter(), progress.global_step
     try:

@@ -75,7 +75,7 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float |
         if seconds is None:
             summary["wall_seconds"] = _saved_wall(ctx.run_dir, summary["wall_seconds"])
         write_summary(ctx.run_dir / "summary.json", summary)
-        console.print(done_line(summary, history, console.top5, ctx.run_dir))
+        console.print_last(done_line(summary, history, console.top5, ctx.run_dir))
     return summary
 
 
