@@ -335,8 +335,9 @@ def test_a_folder_or_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, cap
         runs: f"{runs}: holds run directories, not a run of its own: name one, e.g. {done}",
         mine: f"{mine}: a mining run whose rounds have not all finished (the best round's "
         f"checkpoints are copied here at its end): name a round, e.g. {mine / 'round-0'}",
-        old: f"{old}: a run with no checkpoint yet (it stopped before saving its first; "
-        f"`cnnkit train --resume {old}` continues it)",
+        old: f"{old}: best.pt and last.pt are missing, yet the run trained (metrics.csv: 1 "
+        "epoch): put them back (`--resume` refuses the run too: starting it again would "
+        "overwrite them)",
         tmp_path / "images": f"{tmp_path / 'images'}: not a run directory (no best.pt or "
         "last.pt in it): give a run directory, a checkpoint (.pt) or a .safetensors export",
         old / "metrics.csv": f"{old / 'metrics.csv'}: a CSV file, not a checkpoint or network: "
@@ -348,3 +349,24 @@ def test_a_folder_or_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, cap
                         ["show", "filters", str(target), "-o", str(tmp_path / "f.png")]):  # fmt: skip
             code, _, err = run_cli(command, capsys)
             assert one_error_line(code, err) == f"cnnkit: error: {line}", command
+
+
+def test_eval_judges_a_run_without_checkpoints_as_resume_does(tmp_path, capsys):
+    """A run that trained and lost best.pt and last.pt: eval does not advise the `--resume` that
+    refuses it; one stopped before its first checkpoint: eval's advice is what --resume does."""
+    from cnnkit.errors import CheckpointError
+    from cnnkit.train.rundir import resume_state
+
+    trained, stopped = tmp_path / "trained", tmp_path / "stopped"
+    for run in (trained, stopped):
+        run.mkdir()
+        (run / "config.yaml").write_text("name: x\n")
+    (trained / "summary.json").write_text("{}")
+    code, _, err = run_cli(["eval", str(trained)], capsys)
+    assert "yet the run trained (summary.json)" in one_error_line(code, err)
+    assert "`--resume` refuses the run too" in err
+    with pytest.raises(CheckpointError, match="yet the run trained"):
+        resume_state(trained)
+    code, _, err = run_cli(["eval", str(stopped)], capsys)
+    assert f"`cnnkit train --resume {stopped}` starts it again" in one_error_line(code, err)
+    assert resume_state(stopped) is None  # started again, as eval said

@@ -11,6 +11,7 @@ from cnnkit.checkpoint.locate import (
     checkpoint_path,
     dated_run_hint,
     no_checkpoint_in,
+    trained_files,
 )
 from cnnkit.checkpoint.saved import (
     EXPORT_FORMAT,
@@ -54,5 +55,6 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
+    "trained_files",
     "uses_mean_image",
 ]

@@ -47,7 +47,7 @@ RECORDS = {".csv": "a CSV file", ".png": "an image", ".jpg": "an image", ".jpeg"
 def no_checkpoint_in(folder: Path) -> str:
     """What a folder without a checkpoint of its own is, and what to give instead: a folder of
     runs (runs/), a mining run still in its rounds, a run stopped before its first checkpoint,
-    or no run at all."""
+    one that trained and lost its checkpoints, or no run at all."""
     try:
         runs = [p for p in folder.iterdir() if p.is_dir() and _run_file(p) is not None]
     except OSError:
@@ -60,11 +60,28 @@ def no_checkpoint_in(folder: Path) -> str:
                 f"checkpoints are copied here at its end): name a round, e.g. {newest}")  # fmt: skip
     if newest is not None:
         return f"{folder}: holds run directories, not a run of its own: name one, e.g. {newest}"
-    if (folder / "config.yaml").is_file():
-        return (f"{folder}: a run with no checkpoint yet (it stopped before saving its first; "
-                f"`cnnkit train --resume {folder}` continues it)")  # fmt: skip
-    return (f"{folder}: not a run directory (no best.pt or last.pt in it): give a run "
-            "directory, a checkpoint (.pt) or a .safetensors export")  # fmt: skip
+    if not (folder / "config.yaml").is_file():
+        return (f"{folder}: not a run directory (no best.pt or last.pt in it): give a run "
+                "directory, a checkpoint (.pt) or a .safetensors export")  # fmt: skip
+    trained = trained_files(folder)  # as `--resume` judges the run (train.rundir.resume_state)
+    if trained:
+        return (f"{folder}: best.pt and last.pt are missing, yet the run trained "
+                f"({', '.join(trained)}): put them back (`--resume` refuses the run too: "
+                "starting it again would overwrite them)")  # fmt: skip
+    return (f"{folder}: a run with no checkpoint yet (it stopped before saving its first; "
+            f"`cnnkit train --resume {folder}` starts it again)")  # fmt: skip
+
+
+def trained_files(run_dir: Path) -> list[str]:
+    """What in a run directory shows it trained: best.pt, best_ema.pt, summary.json, and
+    metrics.csv's epoch rows. A run without last.pt and any of these is not one to start again
+    (`--resume` refuses it; eval says so alike)."""
+    found = [f for f in ("best.pt", "best_ema.pt", "summary.json") if (run_dir / f).exists()]
+    try:
+        rows = len((run_dir / "metrics.csv").read_text().splitlines()) - 1
+    except (OSError, UnicodeDecodeError):
+        rows = 0
+    return found + [f"metrics.csv: {rows} epoch{'s' * (rows != 1)}"] * (rows > 0)
 
 
 def _run_file(folder: Path) -> Path | None:

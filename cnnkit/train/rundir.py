@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cnnkit.checkpoint import dated_run_hint, load_checkpoint
+from cnnkit.checkpoint import dated_run_hint, load_checkpoint, trained_files
 from cnnkit.config import RunConfig, absolute_data, apply_override, validate_run
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.runtime import cannot_write
@@ -129,17 +129,6 @@ def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
                               f"to resume; train on from them as a new run with "
                               f"model.weights={last}")  # fmt: skip
     return state
-
-
-def trained_files(run_dir: Path) -> list[str]:
-    """What in a run directory shows it trained: best.pt, best_ema.pt, summary.json, and
-    metrics.csv's epoch rows."""
-    found = [f for f in ("best.pt", "best_ema.pt", "summary.json") if (run_dir / f).exists()]
-    try:
-        rows = len((run_dir / "metrics.csv").read_text().splitlines()) - 1
-    except (OSError, UnicodeDecodeError):
-        rows = 0
-    return found + [f"metrics.csv: {rows} epoch{'s' * (rows != 1)}"] * (rows > 0)
 
 
 def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
