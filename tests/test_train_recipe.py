@@ -107,7 +107,24 @@ def test_ema_is_evaluated_saved_and_resumed(tmp_path, capsys):
     for key, value in best["ema"].items():
         torch.testing.assert_close(exported[key], value)
     code, _, err = run_cli(["eval", str(tmp_path / "e.safetensors"), "--ema"], capsys)
-    assert code != 0 and "no moving average" in err
+    assert code == 2 and "the moving average itself" in err
+
+
+def test_ema_with_an_export_is_one_usage_error_in_every_command(tmp_path, capsys):
+    """An export holds one set of weights (the moving average itself, exported with --ema):
+    eval, classify and export say so alike, exit status 2, not "export with --ema"."""
+    from helpers import one_error_line, run_cli
+
+    export = str(tmp_path / "n.safetensors")
+    assert run_cli(["export", "digitnet", "-o", export], capsys)[0] == 0
+    Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "x.png")
+    for command in (["eval", export, "--ema", "--data", "digits"],
+                    ["classify", export, str(tmp_path / "x.png"), "--ema"],
+                    ["export", export, "--ema", "-o", str(tmp_path / "again.onnx")]):  # fmt: skip
+        code, _, err = run_cli(command, capsys)
+        line = one_error_line(code, err, codes=(2,))
+        assert line.startswith(f"cnnkit: error: --ema: {export} is an export"), command
+        assert "the moving average itself" in line and "without --ema" in line
 
 
 def test_mixing_gives_soft_labels_and_trains(tmp_path):

@@ -27,6 +27,7 @@ from cnnkit.checkpoint.saved import (
 )
 from cnnkit.checkpoint.trained import (
     check_input_fits,
+    export_ema_error,
     export_settings,
     load_trained,
     note_mean_image,
@@ -45,6 +46,7 @@ __all__ = [
     "check_not_a_record",
     "checkpoint_path",
     "dated_run_hint",
+    "export_ema_error",
     "export_settings",
     "is_checkpoint",
     "load_checkpoint",

@@ -13,7 +13,13 @@ from pydantic import ValidationError
 from cnnkit.checkpoint.locate import checkpoint_path
 from cnnkit.checkpoint.saved import EXPORT_FORMAT, RunSettings, check_mean_image, load_checkpoint
 from cnnkit.data.base import Preprocess
-from cnnkit.errors import CheckpointError, CnnkitError, one_line, validation_message
+from cnnkit.errors import (
+    CheckpointError,
+    CnnkitError,
+    ConfigError,
+    one_line,
+    validation_message,
+)
 from cnnkit.nn import build_model
 from cnnkit.nn.weights import MEAN_IMAGE_KEY, check_finite_weights
 
@@ -25,8 +31,7 @@ def load_trained(target: str | Path, device: Any = "cpu",
     no data section). `ema`: the moving average of the weights instead (train.ema)."""
     if Path(target).suffix == ".safetensors":
         if ema:
-            raise CheckpointError(f"{target}: an export keeps no moving average of the weights "
-                                  "(export with --ema to make one of it)")  # fmt: skip
+            raise export_ema_error(target)
         model, meta = read_export(Path(target))
         return model.to(device).eval(), meta
     path = checkpoint_path(target, ema)
@@ -50,6 +55,15 @@ def load_trained(target: str | Path, device: Any = "cpu",
                 holdout=state.get("holdout"))  # fmt: skip
     check_input_fits(meta["preprocess"], model, path)
     return model.to(device).eval(), meta
+
+
+def export_ema_error(target: str | Path) -> ConfigError:
+    """--ema with a .safetensors export (a usage error): an export holds one set of weights,
+    the moving average itself where `cnnkit export RUN --ema` wrote it."""
+    return ConfigError(f"--ema: {target} is an export, which holds the one set of weights it "
+                       "was exported with (the moving average itself, where `cnnkit export RUN "
+                       "--ema` made it): give it without --ema, which picks the moving average "
+                       "of a run directory or checkpoint")  # fmt: skip
 
 
 def check_input_fits(preprocess: dict[str, Any], model: torch.nn.Module, source: Any) -> None:

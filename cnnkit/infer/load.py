@@ -16,6 +16,7 @@ from cnnkit.checkpoint import (
     check_not_a_record,
     checkpoint_path,
     dated_run_hint,
+    export_ema_error,
     load_checkpoint,
     load_trained,
     read_export,
@@ -56,6 +57,8 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
                               f"a run directory{suggest(target, zoo_names())}")  # fmt: skip
         raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network"
                               f"{dated_run_hint(target)}")  # fmt: skip
+    if ema and path.suffix == ".safetensors":
+        raise export_ema_error(target)
     if ema and not (run_folder(path) or path.suffix in (".pt", ".pth")):
         raise ConfigError(f"--ema: {target} is not a run directory or checkpoint (only those keep "
                           "a moving average of the weights)")  # fmt: skip
