@@ -182,7 +182,13 @@ def evaluate(
     target: str = typer.Argument(
         ..., help="A run directory, checkpoint file or .safetensors export (with --data)."
     ),
-    data: str = typer.Option(None, "--data", help="Source name, data YAML or directory."),
+    data: str = typer.Option(
+        None,
+        "--data",
+        help="An image folder or packed set (every image in it is scored), a source name "
+        "(digits, faces, synthetic: its held-out split) or a data YAML (its held-out split: "
+        "val_path, else the val_fraction share of path).",
+    ),
     labels: str = typer.Option(
         None,
         "--labels",

@@ -215,9 +215,21 @@ def evaluate_checkpoint(
         if matmuls is not None:
             restore_matmuls(matmuls)
     if not batches.images:  # never a 0% figure for an empty set
-        raise DataError(f"{data or 'the run'}: no held-out image to evaluate (give --data)")
+        raise DataError(nothing_held_out(data, cfg))
     return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,
             "checkpoint": meta["path"], "device": str(dev), "classes": len(meta["classes"])}  # fmt: skip
+
+
+def nothing_held_out(data: str | None, cfg: DataConfig) -> str:
+    """Why evaluation found no image, and what to give instead: a data YAML is scored on its
+    held-out split, which `val_fraction: 0` without a val_path leaves empty."""
+    if data is None:
+        return "the run: no held-out image to evaluate (give --data)"
+    if getattr(cfg, "val_fraction", None) == 0 and not getattr(cfg, "val_path", None):
+        return (f"--data {data}: holds no image out (val_fraction: 0, no val_path), and eval "
+                f"scores a data YAML's held-out split: give the folder itself (--data "
+                f"{cfg.path}) to score every image, or a val_path or val_fraction")  # fmt: skip
+    return f"--data {data}: no image to evaluate"
 
 
 def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.Tensor | None:

@@ -1,0 +1,46 @@
+"""What `cnnkit eval --data` scores: a folder or packed set whole, a source name or a data
+YAML on its held-out split; and what it says where that differs from what the user meant."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from helpers import one_error_line, run_cli
+from PIL import Image
+
+
+@pytest.fixture
+def untrained(tmp_path, monkeypatch, capsys) -> str:
+    """An export of digitnet's fresh weights (classes class0..class9, grey 8x8), made in the
+    test's own directory, the current one; a folder `sm` of 2 classes x 10 images beside it."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["export", "digitnet", "-o", "n.safetensors"], capsys)[0] == 0
+    for k in range(2):
+        (tmp_path / "sm" / f"class{k}").mkdir(parents=True)
+        for i in range(10):
+            pixels = np.full((8, 8, 3), 10 * i + 100 * k, np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "sm" / f"class{k}" / f"{i}.png")
+    return "n.safetensors"
+
+
+def test_a_data_yaml_is_scored_on_its_held_out_split(untrained, tmp_path, capsys):
+    """The folder itself: every image; a YAML naming it: the val_fraction share, as a run
+    draws it; with val_fraction 0 and no val_path the error says what to give instead."""
+    (tmp_path / "dy.yaml").write_text("source: folder\npath: sm\n")
+    (tmp_path / "dy0.yaml").write_text("source: folder\npath: sm\nval_fraction: 0\n")
+    scored = {}
+    for data in ("sm", "dy.yaml"):
+        code, out, err = run_cli(["eval", untrained, "--data", data, "--json"], capsys)
+        assert code == 0, err
+        scored[data] = json.loads(out)["images"]
+    assert scored == {"sm": 20, "dy.yaml": 2}
+    code, _, err = run_cli(["eval", untrained, "--data", "dy0.yaml"], capsys)
+    line = one_error_line(code, err)
+    assert "give the folder itself (--data sm) to score every image" in line
+    assert "give --data)" not in line  # --data was given
+    code, out, _ = run_cli(["eval", "--help"], capsys)
+    said = re.sub(r"[\s│]+", " ", out)
+    assert "(every image in it is scored)" in said and "a data YAML (its held-out split" in said
