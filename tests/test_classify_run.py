@@ -207,7 +207,7 @@ def test_a_mean_image_run_says_its_mean_is_approximated(digits_run, capsys, monk
     assert capsys.readouterr().err == ""
     Classifier.load(digits_run)
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("cnnkit: classify subtracts the training mean image's per-channel")
+    assert line.startswith("cnnkit: note: classify subtracts the training mean image's per-channel")
 
 
 def test_eval_of_a_grey_network_on_an_rgb_folder_agrees_with_classify(digits_run, tmp_path):

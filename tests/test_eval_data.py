@@ -44,3 +44,13 @@ def test_a_data_yaml_is_scored_on_its_held_out_split(untrained, tmp_path, capsys
     code, out, _ = run_cli(["eval", "--help"], capsys)
     said = re.sub(r"[\s│]+", " ", out)
     assert "(every image in it is scored)" in said and "a data YAML (its held-out split" in said
+
+
+def test_a_folder_named_as_a_bundled_set_is_read_as_a_folder(untrained, tmp_path, capsys):
+    """`--data digits` with a folder ./digits here: the folder, as a path given to torchvision's
+    ImageFolder is read (and as `--data packed` reads ./packed), with a note naming the set."""
+    (tmp_path / "sm").rename(tmp_path / "digits")
+    code, out, err = run_cli(["eval", untrained, "--data", "digits", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["images"] == 20  # the folder's, not the bundled set's 359
+    assert "cnnkit: note: --data digits: the folder ./digits, not the bundled digits set" in err

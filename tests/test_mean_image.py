@@ -111,3 +111,22 @@ def test_a_safetensors_export_keeps_the_mean_image(mean_run, tmp_path, capsys):
     capsys.readouterr()
     main(["export", str(mean_run / "run"), "-o", str(tmp_path / "m.pt2")])
     assert "records only its per-channel averages" in capsys.readouterr().err
+
+
+def test_eval_says_how_other_data_is_normalised(mean_run, tmp_path, capsys):
+    """A bundled source is normalised by its own statistics (the note said the checkpoint
+    lacked the image, which it holds); a folder read at another size than the mean image is
+    normalised by its averages, and the note says why."""
+    from helpers import run_cli
+
+    run = str(mean_run / "run")
+    _, _, err = run_cli(["eval", run, "--data", "synthetic"], capsys)  # (its classes differ)
+    assert ("cnnkit: note: --data synthetic: a bundled source, normalised by its own mean and "
+            "std, not by the run's mean image") in err  # fmt: skip
+    assert "does not hold it" not in err
+    (tmp_path / "at28.yaml").write_text(f"source: folder\npath: {mean_run / 'shapes'}\nsize: 28\n")
+    code, _, err = run_cli(["eval", run, "--data", str(tmp_path / "at28.yaml")], capsys)
+    assert code == 0, err
+    assert (
+        "cnnkit: note: --data" in err and "(it is 24 px, these images are stored at 28 px)" in err
+    )

@@ -26,6 +26,7 @@ from cnnkit.checkpoint.saved import (
     set_rng_state,
 )
 from cnnkit.checkpoint.trained import (
+    NOT_HELD,
     check_input_fits,
     export_ema_error,
     export_settings,
@@ -39,6 +40,7 @@ __all__ = [
     "CHECKPOINTS",
     "EXPORT_FORMAT",
     "FORMAT",
+    "NOT_HELD",
     "RunSettings",
     "Saved",
     "check_input_fits",

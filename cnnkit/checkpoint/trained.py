@@ -149,10 +149,13 @@ def uses_mean_image(config: dict[str, Any]) -> bool:
     return isinstance(data, dict) and data.get("normalize") == "mean_image"
 
 
-def note_mean_image(what: str, held: bool = False) -> None:
-    """One stderr line where such a run is applied to other images (uses_mean_image) without
-    its mean image: one the checkpoint does not hold, or (`held`) a sliding window's."""
-    why = "each window of a picture" if held else "the checkpoint does not hold it"
-    print(f"cnnkit: {what} subtracts the training mean image's per-channel averages, not the "
-          f"image itself ({why}): figures may differ slightly from the run's own",
+NOT_HELD = "the checkpoint does not hold it"  # note_mean_image's reason for an older run
+
+
+def note_mean_image(what: str, why: str = NOT_HELD) -> None:
+    """One stderr note where such a run is applied to other images (uses_mean_image) without
+    its mean image, `why`: one the checkpoint does not hold, a sliding window's (detect), data
+    stored at another size than the image."""
+    print(f"cnnkit: note: {what} subtracts the training mean image's per-channel averages, not "
+          f"the image itself ({why}): figures may differ slightly from the run's own",
           file=sys.stderr)  # fmt: skip

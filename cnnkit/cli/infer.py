@@ -263,7 +263,7 @@ def detect(
     ),
 ) -> None:
     """Find faces: the classifier slid over an image pyramid, then non-maximum suppression."""
-    from cnnkit.checkpoint import note_mean_image
+    from cnnkit.checkpoint import NOT_HELD, note_mean_image
     from cnnkit.infer.detect import detect as find
     from cnnkit.infer.detect import draw_boxes
     from cnnkit.infer.images import to_hwc
@@ -279,7 +279,8 @@ def detect(
     loaded = load_for_inference(target)
     require_trained(loaded, target)  # boxes of random weights are noise
     if loaded.mean_image is not None or loaded.mean_averaged:
-        note_mean_image("detect", held=loaded.mean_image is not None)
+        note_mean_image("detect", "each window of a picture" if loaded.mean_image is not None
+                        else NOT_HELD)  # fmt: skip
     boxes = find(loaded, picture, label, threshold, iou, min_size, step, top, mirror,
                  name=str(image))  # fmt: skip
     if not boxes:

@@ -187,7 +187,8 @@ def evaluate(
         "--data",
         help="An image folder or packed set (every image in it is scored), a source name "
         "(digits, faces, synthetic: its held-out split) or a data YAML (its held-out split: "
-        "val_path, else the val_fraction share of path).",
+        "val_path, else the val_fraction share of path). A path that exists wins over a "
+        "source name (./faces over the bundled faces set, with a note).",
     ),
     labels: str = typer.Option(
         None,

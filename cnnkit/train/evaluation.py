@@ -3,13 +3,14 @@ on another data set, with the precision and preprocessing it was trained with.""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import ValidationError
 
-from cnnkit.checkpoint import load_trained, note_mean_image, uses_mean_image
+from cnnkit.checkpoint import NOT_HELD, load_trained, note_mean_image, uses_mean_image
 from cnnkit.config import TrainConfig
 from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
@@ -48,8 +49,7 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
             raise ConfigError(f"--data: an export holds no data section: give --data "
                               f"({DATA_TAKES})")  # fmt: skip
         section = dict(trained)
-    # `folder` and `packed` alone need a path: a directory so named is one
-    elif spec in SOURCES and not (spec in ("folder", "packed") and Path(spec).is_dir()):
+    elif source_named(spec):
         section = {"source": spec}
     elif Path(spec).is_file():
         if is_image_name(Path(spec).name):
@@ -79,6 +79,38 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
     if section.get("source") == "packed":
         check_pack_fits(spec, read_meta(cfg.path), pre)
     return cfg.evaluated_as(pre, mean_image)
+
+
+def note_normalisation(data: str, cfg: DataConfig, image: torch.Tensor | None) -> None:
+    """For a `normalize: mean_image` run: a note where `--data` is not normalised with its
+    mean image itself (eval_data), saying why: a bundled source normalises by its own
+    statistics; a folder or pack, by the image's averages where the checkpoint lacks it or
+    the data is stored at another size."""
+    if not hasattr(cfg, "trained_mean"):  # the in-memory sources: digits, faces, synthetic
+        print(f"cnnkit: note: --data {data}: a bundled source, normalised by its own mean and "
+              "std, not by the run's mean image: figures may differ from the run's own",
+              file=sys.stderr)  # fmt: skip
+    elif cfg.trained_mean is None:
+        side = None if image is None else image.shape[-1]
+        why = NOT_HELD if side is None else (
+            f"it is {side} px, these images are stored at {cfg.stored_size()} px")  # fmt: skip
+        note_mean_image(f"--data {data}", why)
+
+
+def source_named(spec: str) -> bool:
+    """Whether --data SPEC names a source rather than a path: a name that is no path here, as
+    torchvision reads a path given to ImageFolder (a folder ./faces is that folder, and a note
+    says which bundled set it hides)."""
+    if spec not in SOURCES:
+        return False
+    if not Path(spec).exists():
+        return True
+    if spec not in ("folder", "packed"):  # (those two alone need a path: nothing is hidden)
+        kind = "folder" if Path(spec).is_dir() else "file"
+        print(f"cnnkit: note: --data {spec}: the {kind} ./{spec}, not the bundled {spec} set "
+              f"(a path wins; name that set from another folder, or by a data YAML with "
+              f"`source: {spec}`)", file=sys.stderr)  # fmt: skip
+    return False
 
 
 def check_pack_fits(spec: str | None, meta: dict[str, Any], pre: Preprocess) -> None:
@@ -178,8 +210,8 @@ def evaluate_checkpoint(
     network, meta = load_trained(target, ema=ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
     cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"), labels)
-    if data is not None and uses_mean_image(config) and getattr(cfg, "trained_mean", None) is None:
-        note_mean_image(f"--data {data}")
+    if data is not None and uses_mean_image(config):
+        note_normalisation(data, cfg, meta.get("mean_image"))
     grey = None
     # RGB folders / packed sets for a grey network: to grey as classify does (Pillow's "L"),
     # unless the data section makes its own luma (data.grey: a run's own data, as it trained)
