@@ -70,7 +70,11 @@ def test_bench_loader_json_last_line(tmp_path, capsys):
     capsys.readouterr()
     main(["bench", "loader", str(tmp_path / "p"), "--workers", "1", "--batch", "4", "--batches", "3",
           "--crop", "16", "--device", "cpu", "--json"])  # fmt: skip
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    said = capsys.readouterr()
+    report = json.loads(said.out.strip().splitlines()[-1])
+    assert said.err.startswith(
+        "cnnkit: note: --workers 1: raw shards on the CPU are cropped in-process"
+    )  # the --workers given is not silently dropped
     assert report["images"] == 12 and report["images_per_second"] > 0
     # raw shards on a CPU are cut in the main process: no worker starts, none prefetches; the
     # first batch is untimed too (it said "workers 1" and 3 + 1 * 2 untimed, and took one more)
@@ -79,7 +83,8 @@ def test_bench_loader_json_last_line(tmp_path, capsys):
     assert report["largest_batch"] == 4 and report["cpu_seconds"] >= 0
     main(["bench", "loader", str(tmp_path / "p"), "--batch", "64", "--batches", "2", "--crop",
           "16", "--device", "cpu"])  # fmt: skip
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert err == ""  # no --workers given: nothing to say
     assert "batch 64 (of " in out and "images: the set is smaller)" in out
     assert "in-process (no workers)" in out and "after 4 untimed batches" in out
     assert "coarse: under 0.2 CPU s measured" in out
