@@ -162,6 +162,22 @@ def test_tampered_checkpoints_are_one_line_never_a_traceback(good_run, tmp_path,
         assert sorted(p.name for p in folder.iterdir()) == before, name  # nothing written
 
 
+@pytest.mark.parametrize("content,said", [
+    (b"hello\n", "a text file, not a checkpoint (torch.save writes a zip archive)"),
+    (b"caf\xc3\xa9 au lait\n", "a text file, not a checkpoint (torch.save writes a zip archive)"),
+    (b"", "an empty file, not a checkpoint"),
+    (bytes(range(1, 256)), "not a checkpoint (torch.save writes a zip archive, or a pickle in its "
+                           "older format; this file is neither)"),
+    (b"\x80\x02", "not a readable checkpoint (a pickle, but truncated or damaged)"),
+])  # fmt: skip
+def test_a_file_that_is_no_checkpoint_says_what_it_is(tmp_path, capsys, content, said):
+    """Said from the file's first bytes, never torch.load's raw text (a text file's was '101',
+    a pickle opcode; one starting with 'c' read as a pickled object named after its words)."""
+    (tmp_path / "x.pt").write_bytes(content)
+    code, _, err = run_cli(["eval", str(tmp_path / "x.pt")], capsys)
+    assert one_error_line(code, err, (1,)) == f"cnnkit: error: {tmp_path / 'x.pt'}: {said}"
+
+
 def test_config_errors_suggest_the_field_meant():
     with pytest.raises(ConfigError, match=r"train.lrr: unknown field \(did you mean 'lr'\?\)"):
         load_run("digits", ["train.lrr=0.1"])

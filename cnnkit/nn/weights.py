@@ -59,7 +59,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_pt(path: Path) -> object:
-    if not _torch_save_file(path):  # (torch.load's message would be about weights_only)
+    if not starts_as_torch_save(path):  # (torch.load's message would be about weights_only)
         raise CheckpointError(f"{path}: not a weights file (neither safetensors nor a "
                               "torch.save file)")  # fmt: skip
     try:
@@ -77,7 +77,7 @@ def _read_pt(path: Path) -> object:
         raise CheckpointError(f"{path}: not a readable weights file ({first[:100]})") from None
 
 
-def _torch_save_file(path: Path) -> bool:
+def starts_as_torch_save(path: Path) -> bool:
     """Whether a file starts as torch.save writes (a file cut short still does): a zip
     archive's first entry, or (the legacy format, and a plain pickle) a pickle's protocol."""
     try:
