@@ -159,8 +159,11 @@ def test_cli_nothing_to_classify_is_one_error(digits_run, digit_pngs, tmp_path, 
     code, out, err = run_cli(["classify", str(digits_run), str(gifs)], capsys)
     assert code == 0 and len(out.splitlines()) == 1
     assert err.splitlines() == [
-        f"cnnkit: skipped {gifs / 'a.gif'}: not a supported image type (.gif)"
+        f"cnnkit: skipped {gifs / 'a.gif'}: not a supported image type (.gif), passed over in "
+        "a folder or pattern: name the file itself to read it"
     ]
+    code, out, err = run_cli(["classify", str(digits_run), str(gifs / "a.gif")], capsys)
+    assert code == 0 and out.startswith(f"{gifs / 'a.gif'}: ")  # named itself: read by its data
 
 
 @pytest.mark.parametrize("change", ["fewer classes", "more classes", "huge resize"])

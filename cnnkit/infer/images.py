@@ -68,7 +68,7 @@ def find_images(patterns: list[str]) -> FoundImages:
             if path.is_dir():
                 _add_folder(found, path, taken)
             elif matches and not is_image_name(path.name):
-                found.skipped.append((name, skip_reason(path.name)))
+                found.skipped.append((name, _passed_over(skip_reason(path.name))))
             else:
                 _add_file(found, path, taken)
     return found
@@ -79,9 +79,17 @@ def _add_folder(found: FoundImages, folder: Path, taken: dict) -> None:
     walker.claim_folder(folder)
     files = walker.images("")
     found.files += [folder / f for f in files]
-    found.skipped += [(str(folder / f), reason) for f, reason in walker.skipped]
+    found.skipped += [(str(folder / f), _passed_over(reason)) for f, reason in walker.skipped]
     if not files:
         found.empty.append(str(folder))
+
+
+def _passed_over(reason: str) -> str:
+    """A folder's or pattern's file passed over by its name, said with the way to read it: a
+    file named itself is read by its data (a GIF too), as in find_images."""
+    if reason.startswith("not a supported image type"):
+        return f"{reason}, passed over in a folder or pattern: name the file itself to read it"
+    return reason
 
 
 def _add_file(found: FoundImages, path: Path, taken: dict) -> None:
