@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from helpers import CLI, ROOT
 
 
@@ -19,12 +20,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run directory from `cnnkit train digits` (2 epochs), made once per test session."""
-    run = tmp_path_factory.getbasetemp() / "digits-run"
-    cmd = [*CLI, "train", "digits", "--out", str(run), "train.epochs=2", "--quiet"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
+def digits_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A run directory from `cnnkit train digits` (2 epochs), made once per test session: by
+    the first pytest-xdist worker that needs it, the others waiting on its lock (the tests
+    only read it; each worker training its own cost a run's CPU on a 2-core machine)."""
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared if worker_id == "master" else shared.parent  # (the workers' common folder)
+    run, made = shared / "digits-run", shared / "digits-run.made"
+    with FileLock(shared / "digits-run.lock"):
+        if not made.exists():
+            cmd = [*CLI, "train", "digits", "--out", str(run), "train.epochs=2", "--quiet"]
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
+            assert done.returncode == 0, done.stderr[-2000:]
+            made.touch()
     return run
 
 
