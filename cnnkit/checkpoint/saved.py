@@ -25,7 +25,7 @@ from pydantic import (
 
 from cnnkit.data.base import Preprocess, Section
 from cnnkit.errors import CheckpointError, validation_message
-from cnnkit.nn.weights import starts_as_torch_save
+from cnnkit.nn.weights import starts_as_torch_save, unreadable
 
 FORMAT = "cnnkit-checkpoint/1"
 EXPORT_FORMAT = "cnnkit-safetensors/1"  # `cnnkit export --format safetensors`
@@ -155,7 +155,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not starts_as_torch_save(path):  # text read as a pickle would name a made-up "object"
-        raise CheckpointError(unreadable(path))
+        raise CheckpointError(unreadable(path, "checkpoint"))
     try:
         with warnings.catch_warnings():  # e.g. a foreign pickle's protocol: the error says it
             warnings.simplefilter("ignore")
@@ -163,7 +163,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL (\S+)", str(e))
         if found is None:  # random bytes also fail to unpickle: not an object, just no file
-            raise CheckpointError(unreadable(path)) from None
+            raise CheckpointError(unreadable(path, "checkpoint")) from None
         raise CheckpointError(
             f"{path}: refused: it holds a pickled object ({found.group(1)}), not only tensors "
             "and plain data"
@@ -175,7 +175,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
                                   "load it with torch.jit.load") from None  # fmt: skip
         if isinstance(e, PermissionError):
             raise CheckpointError(f"{path}: cannot read it (permission denied)") from None
-        raise CheckpointError(unreadable(path)) from None
+        raise CheckpointError(unreadable(path, "checkpoint")) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         weights = isinstance(state, dict) and state and all(
             isinstance(v, torch.Tensor) for v in state.values())  # fmt: skip
@@ -187,38 +187,6 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     except ValidationError as e:
         raise CheckpointError(f"{path}: a damaged checkpoint: {validation_message(e)}") from None
     return state
-
-
-def unreadable(path: Path) -> str:
-    """What a file torch.load cannot read is, judged by its first bytes, never by the error's
-    text (a text file's is a bare pickle opcode: '101')."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(512)
-    except OSError:
-        head = b""
-    if not head:
-        return f"{path}: an empty file, not a checkpoint"
-    if head.startswith(b"PK\x03\x04"):
-        return (f"{path}: not a readable checkpoint (a zip archive, but truncated, damaged or "
-                "not written by torch.save)")  # fmt: skip
-    if head[:1] == b"\x80":  # a pickle: torch.save's older format
-        return f"{path}: not a readable checkpoint (a pickle, but truncated or damaged)"
-    if _is_text(head):
-        return f"{path}: a text file, not a checkpoint (torch.save writes a zip archive)"
-    return (f"{path}: not a checkpoint (torch.save writes a zip archive, or a pickle in its "
-            "older format; this file is neither)")  # fmt: skip
-
-
-def _is_text(head: bytes) -> bool:
-    """Whether a file's first bytes are UTF-8 text (a character cut at their end aside)."""
-    for cut in range(4):
-        try:
-            text = head[: len(head) - cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        return all(c.isprintable() or c in "\t\n\r" for c in text)
-    return False
 
 
 def rng_state() -> dict[str, Any]:

@@ -71,10 +71,9 @@ def _read_pt(path: Path) -> object:
                 f"{path}: refused: it holds a pickled object ({found.group(1)[:60]}), not only "
                 "tensors (save a state_dict)"
             ) from None
-        raise CheckpointError(f"{path}: not a readable weights file ({str(e)[:100]})") from None
-    except Exception as e:  # torch.load raises many kinds on a truncated or foreign file
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{path}: not a readable weights file ({first[:100]})") from None
+        raise CheckpointError(unreadable(path, "weights file")) from None
+    except Exception:  # torch.load raises many kinds on a truncated or foreign file (and
+        raise CheckpointError(unreadable(path, "weights file")) from None  # on an OSError)
 
 
 def starts_as_torch_save(path: Path) -> bool:
@@ -86,6 +85,38 @@ def starts_as_torch_save(path: Path) -> bool:
         return head == b"PK\x03\x04" or head[:1] == b"\x80"
     except OSError:
         return True  # torch.load says what is wrong with reading it
+
+
+def unreadable(path: Path, what: str) -> str:
+    """What a file torch.load cannot read is (`what`: "checkpoint", "weights file"), judged by
+    its first bytes, never by the error's text (a text file's is a bare pickle opcode: '101')."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError as e:
+        return f"{path}: cannot read it ({e.strerror or e})"
+    if not head:
+        return f"{path}: an empty file, not a {what}"
+    if head.startswith(b"PK\x03\x04"):
+        return (f"{path}: not a readable {what} (a zip archive, but truncated, damaged or "
+                "not written by torch.save)")  # fmt: skip
+    if head[:1] == b"\x80":  # a pickle: torch.save's older format
+        return f"{path}: not a readable {what} (a pickle, but truncated or damaged)"
+    if _is_text(head):
+        return f"{path}: a text file, not a {what} (torch.save writes a zip archive)"
+    return (f"{path}: not a {what} (torch.save writes a zip archive, or a pickle in its "
+            "older format; this file is neither)")  # fmt: skip
+
+
+def _is_text(head: bytes) -> bool:
+    """Whether a file's first bytes are UTF-8 text (a character cut at their end aside)."""
+    for cut in range(4):
+        try:
+            text = head[: len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return all(c.isprintable() or c in "\t\n\r" for c in text)
+    return False
 
 
 def check_finite_weights(weights: Mapping[str, Any], source: Any) -> None:
