@@ -107,6 +107,8 @@ def test_a_folder_given_as_the_run_says_what_it_is(tmp_path, capsys, monkeypatch
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("name: digits\n")
     (tmp_path / "dir.yaml").mkdir()
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    (tmp_path / "imgs" / "cat" / "1.JPEG").write_bytes(b"")
     for argv, line in (
         (["train", "runs/digits-20250101-120000"],
          "cnnkit: error: runs/digits-20250101-120000 is a run directory, not a run file: `cnnkit "
@@ -115,9 +117,36 @@ def test_a_folder_given_as_the_run_says_what_it_is(tmp_path, capsys, monkeypatch
         (["train", "dir.yaml"],
          "cnnkit: error: dir.yaml is a folder, not a run file (a YAML file with model:, data: and "
          "train:)"),
+        (["train", "imgs"],
+         "cnnkit: error: imgs is a folder of images, not a run file (a YAML file with model:, "
+         "data: and train:): `cnnkit train alexnet-imagenet data.source=folder data.path=imgs "
+         "data.normalize=channel data.val_path=null` trains AlexNet on it, holding out 10% "
+         "(README: Data)"),
     ):  # fmt: skip
         code, err = _fails(argv, capsys)
         assert code == 2 and err == line
+
+
+def test_data_paths_that_are_not_the_source_say_which_setting(tmp_path, capsys, monkeypatch):
+    """A folder source's missing folders name their setting, as a pack's do (it was
+    '/abs/imagenet-val: not a folder' for a val_path the user never wrote), and an image
+    folder given as a pack says how to use it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    (tmp_path / "imgs" / "cat" / "1.JPEG").write_bytes(b"")
+    folder = ["train", "alexnet-imagenet", "data.source=folder", "data.normalize=channel"]
+    for argv, line in (
+        ([*folder, "data.path=imgs"],
+         f"cnnkit: error: data.val_path {tmp_path / 'imagenet-val'}: no such folder (set "
+         "data.val_path, or data.val_path=null to hold out data.val_fraction of data.path)"),
+        ([*folder, "data.path=nowhere", "data.val_path=null"],
+         f"cnnkit: error: data.path {tmp_path / 'nowhere'}: no such folder (set data.path)"),
+        (["train", "alexnet-imagenet", "data.path=imgs"],
+         f"cnnkit: error: data.path {tmp_path / 'imgs'}: not a packed data set, no meta.json "
+         "(it holds images: `cnnkit pack` it first, or train from it with data.source=folder)"),
+    ):  # fmt: skip
+        code, err = _fails(argv, capsys)
+        assert code == 1 and err == line, err
 
 
 def test_quiet_keeps_the_last_line_naming_the_run_directory(tmp_path, capsys, monkeypatch):

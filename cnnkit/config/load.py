@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from cnnkit.config.sections import ModelConfig, RunConfig, TrainConfig
 from cnnkit.data import SOURCES
+from cnnkit.data.decode import holds_images
 from cnnkit.errors import ConfigError, brief, config_error
 from cnnkit.nn.spec import suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
@@ -218,6 +219,11 @@ def _folder_given(path: Path) -> str:
     if anew or (path / "last.pt").is_file():
         return (f"{name} is a run directory, not a run file: `cnnkit train --resume {name}` "
                 f"continues it{anew}")  # fmt: skip
+    if holds_images(path):
+        return (f"{name} is a folder of images, not a run file (a YAML file with model:, data: "
+                f"and train:): `cnnkit train alexnet-imagenet data.source=folder data.path={name} "
+                "data.normalize=channel data.val_path=null` trains AlexNet on it, holding out "
+                "10% (README: Data)")  # fmt: skip
     return f"{name} is a folder, not a run file (a YAML file with model:, data: and train:)"
 
 

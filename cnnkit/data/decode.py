@@ -16,6 +16,7 @@ import os
 import re
 import stat
 import warnings
+from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
 
@@ -92,6 +93,23 @@ def check_pixels(width: int, height: int) -> None:
 def is_image_name(name: str) -> bool:
     """True for file names with an image extension (case-insensitive), hidden files excluded."""
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def holds_images(folder: Path, look: int = 200) -> bool:
+    """Whether `folder` looks like an image folder: an image name among its first `look`
+    entries or those of its first subfolders (ImageFolder's class folders), for messages
+    only (a bounded look, never a walk of a million files)."""
+    try:
+        with os.scandir(folder) as top:
+            entries = list(islice(top, look))
+        subfolders = [e.path for e in entries if e.is_dir()][:8]
+        names = [e.name for e in entries]
+        for sub in subfolders:
+            with os.scandir(sub) as inner:
+                names += [e.name for e in islice(inner, look)]
+    except OSError:
+        return False
+    return any(is_image_name(name) for name in names)
 
 
 def _scaled_minimum(h: int, w: int, size: int, mode: ResizeMode) -> tuple[int, int]:

@@ -22,9 +22,9 @@ from cnnkit.data.decode import BadImage, device_jpeg, image_shape, load_resized
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
 from cnnkit.data.regions import file_shape, load_region, open_image
 from cnnkit.data.resize import box_region
-from cnnkit.data.scan import scan_folder
+from cnnkit.data.scan import printable, scan_folder
 from cnnkit.data.slots import new_batch
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import torch_threads
 
 IMAGENET_MEAN = (123.675, 116.28, 103.53)  # 0-255 units
@@ -180,6 +180,12 @@ class FolderConfig(ImageSetConfig):
         if self.crop > self.size:
             raise ConfigError(f"data.crop: {self.crop} is larger than data.size {self.size}")
         root = Path(self.path)
+        for field, folder in (("data.path", root), ("data.val_path", self.val_path)):
+            if folder is not None and not Path(folder).is_dir():
+                what = "not a folder" if Path(folder).exists() else "no such folder"
+                unset = (", or data.val_path=null to hold out data.val_fraction of data.path"
+                         if field == "data.val_path" else "")  # fmt: skip
+                raise DataError(f"{field} {printable(str(folder))}: {what} (set {field}{unset})")
         same = self.val_path and Path(self.val_path).resolve() == root.resolve()
         # one folder evaluated whole (eval --data DIR [--labels FILE]): scanned once
         files, labels, classes = scan_folder(root, self.val_labels if same else None,

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from cnnkit.data.augment import frame_boxes, lighting_from_cov
 from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, holdout_id, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import BadImage, decode_jpeg_bytes
+from cnnkit.data.decode import BadImage, decode_jpeg_bytes, holds_images
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
 from cnnkit.data.resize import resize_crop
 from cnnkit.data.slots import new_batch
@@ -66,6 +66,11 @@ def read_meta(path: str | Path, field: str | None = None) -> dict:
             hint = " (interrupted? run cnnkit pack again to resume)"
         elif not Path(path).exists():
             hint = f" (no such folder{f': set {field}' if field else ''}; cnnkit pack makes one)"
+        elif field and holds_images(Path(path)):
+            hint = (
+                " (it holds images: `cnnkit pack` it first, or train from it with "
+                "data.source=folder)"
+            )
         else:
             hint = ""
         raise DataError(f"{f'{field} ' if field else ''}{path}: not a packed data set, no "
