@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -231,3 +234,16 @@ def test_another_sources_data_section_says_so():
         ConfigError, match=r"^data.scale: Input should be a valid tuple \(got 0.1\)$"
     ):
         validate_run(packed)  # its own mistake: no word of other sources
+
+
+def test_the_readme_run_files_are_valid_runs():
+    """Every run file the README's Train section shows loads as written (a field renamed in
+    the code and not in the README fails here)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    train = readme.split("### Train: `cnnkit train`")[1].split("\n### ")[0]
+    runs = [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", train, re.S)]
+    assert len(runs) >= 2
+    for raw in runs:
+        config = load_run(raw)
+        assert config.name == raw["name"] and config.data.source == raw["data"]["source"]
+        assert config.train.epochs == raw["train"]["epochs"]
