@@ -20,7 +20,13 @@ from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, holdout_id, holdo
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, device_jpeg, image_shape, load_resized
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
-from cnnkit.data.regions import file_shape, load_region, open_image
+from cnnkit.data.regions import (
+    file_shape,
+    load_region,
+    load_square_box,
+    open_image,
+    smaller_than,
+)
 from cnnkit.data.resize import box_region
 from cnnkit.data.scan import printable, scan_folder
 from cnnkit.data.slots import new_batch
@@ -96,7 +102,12 @@ class FolderImages(Dataset):
         def cut(k: int) -> tuple[torch.Tensor, tuple[int, int]]:
             image = open_image(paths[k])
             if on_photos is None:
-                region = box_region(image.shape, c.boxes[k].tolist(), self.size, self.resize_mode)
+                box = c.boxes[k].tolist()
+                if smaller_than(image.shape, self.size, self.resize_mode):
+                    flip = bool(c.flip[k])
+                    crop = load_square_box(image, box, self.size, self.resize_mode, c.side, flip)
+                    return crop, image.shape
+                region = box_region(image.shape, box, self.size, self.resize_mode)
             else:
                 box = on_photos[k]
                 if image.shape != sizes[k]:  # the file changed since its size was read

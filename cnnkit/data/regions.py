@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from cnnkit.data.decode import decode_data, image_shape, read_file
-from cnnkit.data.resize import resize_crop
+from cnnkit.data.resize import ResizeMode, resize_crop, resize_uint8
 
 
 class ImageFile(NamedTuple):
@@ -72,3 +72,21 @@ def load_region(image: ImageFile, region: tuple[int, int, int, int], crop: int,
         y1 = min(max(round(y1 / factor), y0 + 1), h)
         x1 = min(max(round(x1 / factor), x0 + 1), w)
     return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
+
+
+def smaller_than(shape: tuple[int, int], size: int, mode: ResizeMode) -> bool:
+    """Whether an (H, W) image is upsampled to size x size (squashed, or its centre square)."""
+    h, w = shape
+    return min(h, w) < size if mode == "shorter" else h < size or w < size
+
+
+def load_square_box(image: ImageFile, box: tuple[int, int, int, int], size: int,
+                    mode: ResizeMode, crop: int, flip: bool) -> torch.Tensor:  # fmt: skip
+    """Box (top, left, h, w) of the image resized whole to size x size, decoded and resized as
+    a pack does it, then resized to crop x crop (mirrored if flip). For images smaller than `size`: a region with
+    edges rounded to their pixels (load_region) would move the crop by up to size / side
+    output pixels, and draw fewer distinct crops."""
+    array, _, factor, source = decode_data(image.data, size, mode, suffix=image.suffix)
+    top, left, h, w = box
+    square = resize_uint8(array, size, mode, factor, source)
+    return resize_crop(square[:, top : top + h, left : left + w], crop, flip)
