@@ -82,6 +82,21 @@ def test_ten_crop_matches_torchvision():
     torch.testing.assert_close(center_crop(x, 16), ours[:, 4], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("side", [(21, 21), (20, 24), (256, 256)])
+def test_ten_crop_mirrors_the_five_crops_for_odd_margins_too(side):
+    """The paper's and Caffe's ten: the five crops and the mirror of each. For an odd margin
+    (256 - 227 = 29) TenCrop's tenth was the centre of the mirrored image, a pixel off."""
+    x = torch.randint(0, 256, (2, 3, *side), dtype=torch.uint8)
+    size = side[0] - 5 if side[0] < 256 else 227
+    ours = ten_crop(x, size)
+    five = torch.stack(TF.five_crop(x, [size, size]), 1)
+    assert torch.equal(ours[:, :5], five)
+    assert torch.equal(ours[:, 5:], five[:, [1, 0, 3, 2, 4]].flip(-1))
+    tencrop = torch.stack(TF.ten_crop(x, [size, size]), 1)
+    assert torch.equal(ours[:, :9], tencrop[:, :9])
+    assert not torch.equal(ours[:, 9], tencrop[:, 9])  # mirrored, then its centre: 1 px off
+
+
 @pytest.mark.parametrize("crop", [224, 225, 227, 229, 231, 255])
 def test_the_centre_crop_is_torchvisions_for_odd_margins_too(crop):
     """(256 - 225) / 2 = 15.5: torchvision rounds to 16 (half to even), not down to 15."""

@@ -164,8 +164,11 @@ def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def ten_crop(x: torch.Tensor, size: int) -> torch.Tensor:
-    """(B, C, H, W) -> (B, 10, C, size, size): 4 corners + centre, then the same of the mirror
-    (torchvision's TenCrop order). Average the model's outputs over dim 1."""
+    """(B, C, H, W) -> (B, 10, C, size, size): 4 corners + centre, then each of them mirrored,
+    as the 2012 paper and Caffe's oversample take them. In torchvision's TenCrop order, and its
+    pixels where H - size and W - size are even; where odd, TenCrop's tenth crop is the centre
+    of the mirrored image, a pixel off the centre crop's mirror. Average the model's outputs
+    over dim 1."""
     H, W = x.shape[-2:]
     if size > min(H, W):
         raise ValueError(f"ten_crop: crop {size} larger than the image {H}x{W}")
@@ -175,7 +178,8 @@ def ten_crop(x: torch.Tensor, size: int) -> torch.Tensor:
                    img[..., H - size :, :size], img[..., H - size :, W - size :]]  # fmt: skip
         return corners + [center_crop(img, size)]
 
-    return torch.stack(five(x) + five(x.flip(-1)), 1)
+    tl, tr, bl, br, centre = five(x)  # mirrored, the top-right is the mirror's top-left
+    return torch.stack([tl, tr, bl, br, centre] + [c.flip(-1) for c in (tr, tl, br, bl, centre)], 1)
 
 
 @dataclass
