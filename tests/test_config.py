@@ -247,3 +247,30 @@ def test_the_readme_run_files_are_valid_runs():
         config = load_run(raw)
         assert config.name == raw["name"] and config.data.source == raw["data"]["source"]
         assert config.train.epochs == raw["train"]["epochs"]
+
+
+def test_torchvisions_0_1_mean_and_std_are_refused_with_their_0_255_values():
+    """torchvision's Normalize values pasted as data.mean / data.std trained silently on inputs
+    off by 255x (up to 1136 where about 2.6 was meant); 0-255 values, and mean 0 with std 1
+    (the pixels as they are), still pass."""
+    base = {"name": "x", "model": "resnet18", "data": {"source": "folder", "path": "/d"}}
+    for field, values, scaled in (
+        ("mean", [0.485, 0.456, 0.406], "[123.675, 116.28, 103.53]"),
+        ("std", [0.229, 0.224, 0.225], "[58.395, 57.12, 57.375]"),
+        ("mean", [0.5, 0.5, 0.5], "[127.5, 127.5, 127.5]"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            load_run({**base, "data": {**base["data"], field: values}})
+        assert str(e.value).startswith(f"data.{field}: [{', '.join(map(str, values))}] is on a")
+        assert str(e.value).endswith(f"on 0-255, as pixels are: {scaled}")
+    for mean, std in (([0, 0, 0], [1, 1, 1]), ([123.675, 116.28, 103.53], [58.395, 57.12, 57.375])):
+        data = load_run({**base, "data": {**base["data"], "mean": mean, "std": std}}).data
+        assert list(data.mean) == mean and list(data.std) == std
+
+
+def test_a_network_files_preprocess_on_a_0_1_scale_is_refused():
+    from cnnkit.infer.load import network_preprocess
+
+    with pytest.raises(ConfigError, match=r"^n.yaml: model: preprocess.std: \[0.5\] is on a 0-1"):
+        network_preprocess("n.yaml", (1, 28, 28), {"std": [0.5]})
+    assert network_preprocess("n.yaml", (1, 28, 28), {"mean": [0.0], "std": [1.0]}).std == [1.0]

@@ -153,6 +153,23 @@ class Batches(Protocol):
 MAX_SIDE = 8192  # the largest image side an evaluation may resize to (a bound, not a taste)
 
 
+def unit_mistake(name: str, values: Sequence[float] | None) -> str | None:
+    """What to say where a mean or std, given on cnnkit's 0-255 scale, has the look of
+    torchvision's 0-1 values (mean [0.485, 0.456, 0.406], std [0.229, 0.224, 0.225]): a mean
+    all within 0-1 but not all 0, or a std all under 1. On 0-255 pixels neither means
+    anything, and both train silently on inputs off by 255x."""
+    if not values:
+        return None
+    low = max(values) <= 1 and max(values) > 0 if name == "mean" else max(values) < 1
+    if not low:
+        return None
+    scaled = ", ".join(f"{v * 255:g}" for v in values)
+    return (
+        f"[{', '.join(f'{v:g}' for v in values)}] is on a 0-1 scale; cnnkit's means and "
+        f"stds are on 0-255, as pixels are: [{scaled}]"
+    )
+
+
 class Preprocess(Section):
     """How a raw image becomes network input at evaluation time (stored in checkpoints and
     exports, and validated when read back: a tampered file cannot ask for a 60000 px resize)."""

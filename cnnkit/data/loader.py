@@ -28,12 +28,14 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from torch.utils.data import DataLoader
 
 from cnnkit.data.augment import CropAugment
-from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess
+from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, unit_mistake
 from cnnkit.data.batch import BatchDataset, WorkerBatch
 from cnnkit.data.device_decode import decode_batch
 from cnnkit.data.feed import DeviceFeed
@@ -110,6 +112,14 @@ class ImageSetConfig(DataConfigBase):
         if self.workers is not None:
             return self.workers
         return max(1, available_cores() // max(local_ranks, 1) - 1)
+
+    @field_validator("mean", "std")
+    @classmethod
+    def _pixel_scale(cls, values: tuple[float, ...] | None, info: ValidationInfo) -> Any:
+        mistake = unit_mistake(info.field_name, values)
+        if mistake:
+            raise ValueError(mistake)
+        return values
 
     @model_validator(mode="after")
     def _check_scale(self) -> ImageSetConfig:

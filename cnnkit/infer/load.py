@@ -22,7 +22,7 @@ from cnnkit.checkpoint import (
     read_export,
     uses_mean_image,
 )
-from cnnkit.data.base import MAX_SIDE, Preprocess
+from cnnkit.data.base import MAX_SIDE, Preprocess, unit_mistake
 from cnnkit.errors import CheckpointError, ConfigError, validation_message
 from cnnkit.nn import Network, build_model, read_spec
 from cnnkit.nn.memory import check_fits
@@ -119,6 +119,10 @@ def network_preprocess(spec: Any, shape: tuple[int, ...], given: dict | None) ->
                                                "std": [255.0] * c, **(given or {})})  # fmt: skip
         except ValidationError as e:
             raise ConfigError(f"{spec}: model: preprocess.{validation_message(e)}") from None
+        for name in ("mean", "std"):
+            mistake = given and unit_mistake(name, given.get(name))
+            if mistake:
+                raise ConfigError(f"{spec}: model: preprocess.{name}: {mistake}")
         if preprocess.channels != c or preprocess.crop != shape[-1]:
             raise ConfigError(f"{spec}: model: preprocess: channels and crop are the input's "
                               f"({c} and {shape[-1]}): leave them out")  # fmt: skip
