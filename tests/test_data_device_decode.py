@@ -165,6 +165,43 @@ def test_a_jpeg_the_device_decoder_refuses_is_decoded_on_the_cpu(capfd):
     assert err.count("decoded on the CPU") == 1, err
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision 0.29 on its decoders
+def test_a_device_decoder_that_cannot_start_is_said_once_and_left(capfd, monkeypatch):
+    """nvJPEG failing to start (torchvision retries the start at every call) was taken for bad
+    files: each batch split in halves down to single images, 2n - 1 failed starts a batch, and
+    'refused images' said of good ones. Now one line says the decoder cannot start, and every
+    later batch goes straight to the CPU decoder: the same pixels, one failed start in all."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from cnnkit.data import device_decode
+    from cnnkit.data.decode import encode_jpeg
+
+    starts = []
+
+    def broken(data, mode, device="cpu"):
+        if torch.device(device).type != "cpu":
+            starts.append(device)
+            raise RuntimeError("Failed to initialize nvjpeg with hardware backend: 5\nException")
+        return decode_jpeg(data, mode=mode)
+
+    monkeypatch.setattr(device_decode, "_unavailable", set())
+    image = torch.randint(0, 255, (3, 16, 24), dtype=torch.uint8)
+    good = torch.frombuffer(bytearray(encode_jpeg(image.numpy(), 95)), dtype=torch.uint8)
+    junk = torch.frombuffer(bytearray(b"\xff\xd8\xff\xe0" + bytes(60)), dtype=torch.uint8)
+    meta = torch.device("meta")
+    for _ in range(3):
+        out = device_decode._decode_all([good, junk] + [good] * 6, meta, broken, ImageReadMode.RGB)
+        assert [o is None for o in out] == [False, True] + [False] * 6
+        assert all(o.device == meta and o.shape == (3, 16, 24) for o in out if o is not None)
+    assert len(starts) == 1
+    err = capfd.readouterr().err.strip()
+    assert err == (
+        "cnnkit: the meta JPEG decoder cannot start (Failed to initialize nvjpeg with hardware "
+        "backend: 5): JPEGs are decoded on the CPU in the main process (correct, slow; "
+        "data.decode: cpu decodes them in the loader workers instead)"
+    )
+
+
 def test_raw_shards_need_no_decoding(sets):
     with pytest.raises(ConfigError, match="raw shards need no decoding"):
         data_config({"source": "packed", "path": str(sets / "raw"), "crop": 28,

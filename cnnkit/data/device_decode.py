@@ -20,6 +20,11 @@ import torch.nn.functional as F
 from cnnkit.data.batch import BatchDataset, WorkerBatch
 from cnnkit.data.resize import centre_offset
 
+# torchvision's words where the device's decoder itself cannot start (not a file's fault)
+_DECODER_FAILED = ("failed to initialize nvjpeg", "failed to create", "nvjpeggetproperty failed",
+                   "not compiled with nvjpeg")  # fmt: skip
+_unavailable: set[str] = set()  # devices whose decoder failed to start: the CPU decodes for them
+
 
 def decode_images(items: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
     """(3, H, W) uint8 RGB per JPEG on `device`, None where one cannot be decoded."""
@@ -36,30 +41,57 @@ def decode_images(items: list[torch.Tensor], device: torch.device) -> list[torch
 
 def _decode_all(items, device, decode_jpeg, rgb) -> list[torch.Tensor | None]:
     """One batched call; where a bad file fails it, each half again (a bad JPEG in a batch of
-    256 costs 2 log2(256) batched calls, not 256 single ones), down to the file itself."""
+    256 costs 2 log2(256) batched calls, not 256 single ones), down to the file itself. Where
+    the decoder itself cannot start, every image goes to the CPU, now and from then on."""
+    if str(device) in _unavailable:
+        return [_on_the_cpu(item, device, decode_jpeg, rgb) for item in items]
     if len(items) <= 1:
         return [_decode_one(item, device, decode_jpeg, rgb) for item in items]
     try:
         return list(decode_jpeg(items, mode=rgb, device=device))
-    except RuntimeError:
+    except RuntimeError as e:
+        if _decoder_failed(e, device):
+            return _decode_all(items, device, decode_jpeg, rgb)
         half = len(items) // 2
         return [*_decode_all(items[:half], device, decode_jpeg, rgb),
                 *_decode_all(items[half:], device, decode_jpeg, rgb)]  # fmt: skip
 
 
+def _decoder_failed(error: RuntimeError, device: torch.device) -> bool:
+    """Whether `error` says the device's decoder cannot start; if so, said once, and the device
+    is marked for CPU decoding (torchvision would retry the start at every call: a batch of
+    256 split in halves down to single files is 511 failed starts)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not any(words in text.lower() for words in _DECODER_FAILED):
+        return False
+    _unavailable.add(str(device))
+    print(f"cnnkit: the {device} JPEG decoder cannot start ({text[:120]}): JPEGs are decoded "
+          "on the CPU in the main process (correct, slow; data.decode: cpu decodes them in the "
+          "loader workers instead)", file=sys.stderr)  # fmt: skip
+    return True
+
+
 def _decode_one(item, device, decode_jpeg, rgb) -> torch.Tensor | None:
-    """One JPEG on `device`; one the device's decoder refuses but libjpeg-turbo reads (or every
-    one, where nvJPEG itself fails) is decoded on the CPU and copied over; None if neither can."""
+    """One JPEG on `device`; one the device's decoder refuses but libjpeg-turbo reads is decoded
+    on the CPU and copied over; None if neither can."""
     try:
         return decode_jpeg(item, mode=rgb, device=device)
-    except RuntimeError:
+    except RuntimeError as e:
         if device.type == "cpu":
             return None
+        failed = _decoder_failed(e, device)
+    image = _on_the_cpu(item, device, decode_jpeg, rgb)
+    if image is not None and not failed:
+        _say_decoded_on_the_cpu(str(device))
+    return image
+
+
+def _on_the_cpu(item, device, decode_jpeg, rgb) -> torch.Tensor | None:
+    """One JPEG decoded by libjpeg-turbo and copied to `device`; None if it cannot be read."""
     try:
         image = decode_jpeg(item, mode=rgb)
     except RuntimeError:
         return None
-    _say_decoded_on_the_cpu(str(device))
     return image.to(device, non_blocking=True)
 
 
