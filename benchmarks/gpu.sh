@@ -58,11 +58,11 @@ bring_back() {
     done
     local keep=(-type f \( -name '*.log' -o -name '*.json' -o -name '*.txt' -o -name '*.csv'
                 -o -name '*.png' -o -name '*.yaml' \) -not -name '*.[0-9]*')
-    (cd "$OUT" && find . "${keep[@]}" -size +4194303c > "$BACK/left_out.txt.$tag")
+    (cd "$OUT" && find -L . "${keep[@]}" -size +4194303c > "$BACK/left_out.txt.$tag")
     if [[ -s $BACK/left_out.txt.$tag ]]; then mv "$BACK/left_out.txt.$tag" "$BACK/left_out.txt"
     else rm -f "$BACK/left_out.txt.$tag" "$BACK/left_out.txt"; fi
     # tar says 1 for a file that grew while read (a log, nvidia-smi's trace): still a good copy
-    (cd "$OUT" && find . "${keep[@]}" -size -4194304c |
+    (cd "$OUT" && find -L . "${keep[@]}" -size -4194304c |
         tar czf "$BACK/results.tgz.$tag" --warning=no-file-changed -T -)
     if (( $? <= 1 )); then mv "$BACK/results.tgz.$tag" "$BACK/results.tgz"
     else rm -f "$BACK/results.tgz.$tag"; fi
@@ -192,6 +192,18 @@ T=("${CK[@]}" bench train -d "$DEV" --repeats "$REPEATS" $QUICK --json)
 L=("${CK[@]}" bench loader -b "$B" -d "$DEV" --crop 224 --json)
 RUN="$OUT/runs"
 mkdir -p "$RUN"
+# the `cnnkit train` runs' checkpoints (AlexNet: about 0.7 GB an epoch) go to memory, not to a
+# disk of unknown speed that could push a step past its limit: their folders are links into
+# /dev/shm where it has room (found through the links by bring_back's `find -L`)
+SHM_RUNS=/dev/shm/cnnkit-gpu-runs
+rm -rf "$SHM_RUNS"
+shm_free_kb=$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')
+if (( ${shm_free_kb:-0} > 12 * 1024 * 1024 )); then
+    for r in packed-raw packed-jpeg ddp avg synthetic; do
+        mkdir -p "$SHM_RUNS/$r" && ln -s "$SHM_RUNS/$r" "$RUN/$r"
+    done
+    echo "runs: checkpoints in $SHM_RUNS" >> "$OUT/hardware.txt"
+fi
 for kind in raw jpeg; do
     decode=cpu; [[ $kind == jpeg ]] && decode=gpu
     cat > "$RUN/$kind.yaml" <<YAML
