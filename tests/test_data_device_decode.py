@@ -245,6 +245,17 @@ def test_the_validation_ring_is_counted_before_training_starts(sets, monkeypatch
     assert next(iter(bundle.train))[0].shape[0] == 4
 
 
+def test_a_ring_has_no_more_slots_than_its_epoch_has_batches(sets):
+    """workers x prefetch batches in flight, but never more than the epoch holds: a
+    validation set of a few batches got 32 page-locked slots of 50 MB each on a GPU."""
+    bundle = data_config({**sections(sets)[1], "workers": 2, "prefetch": 16}).build(CPU)
+    for stream in (bundle.train, bundle.val):
+        batches = len(stream.sampler.batches())
+        assert batches < 2 * 16 and stream.ring_slots() == batches + 2
+        stream.set_epoch(1)
+        assert len(list(stream)) == batches  # every batch, the slots reused
+
+
 def test_shared_memory_is_counted_for_every_process_on_the_machine(sets, monkeypatch):
     """Each local rank makes its own rings, and their pages are taken only as batches fill
     them: room for one rank's but not for 4 is refused before any worker starts, naming both."""

@@ -207,9 +207,12 @@ class ImageBatches:
         return (self.sampler.batch, 3, side, side)
 
     def ring_slots(self) -> int:
-        """Shared-memory slots of this stream's ring: every batch in flight, plus two (none
+        """Shared-memory slots of this stream's ring: every batch in flight (no more than an
+        epoch has: a validation set of 7 batches needs no 32 slots of 50 MB), plus two (none
         where batches are views or JPEG bytes)."""
-        return max(self.workers, 1) * self.prefetch + 2 if self.mode in ("crops", "whole") else 0
+        if self.mode not in ("crops", "whole"):
+            return 0
+        return min(max(self.workers, 1) * self.prefetch, max(self.sampler.total(), 1)) + 2
 
     def ring_bytes(self) -> int:
         return self.ring_slots() * math.prod(self._slot_shape())
