@@ -220,7 +220,9 @@ def train_one_epoch(
             kept = (x, y) if ddp else None
         elif ddp or dist.world_size > 1:  # the other ranks step, and DDP's all-reduces pair
             # across ranks (sync: average's need the same optimizer state on each): this one
-            # steps too, on its last batch weighted 0 (its gradient adds nothing to the mean)
+            # steps too, on its last batch weighted 0: its gradient adds nothing to the sum, but
+            # DDP still divides by every rank, so that step's gradient is (W - 1) / W of the
+            # others' mean (rare: a whole batch of unreadable files)
             schedule.apply(engine.optimizer, at)
             average = engine.ema.module if engine.ema is not None else None
             with _buffers_kept(engine.network, average):  # nor moves BatchNorm's statistics
