@@ -39,29 +39,37 @@ fit(validate_run({run!r}), {out!r}, quiet=True, on_step=kill)
 
 
 def _tensors(state: dict) -> dict[str, torch.Tensor]:
-    out = dict(state["model"])
+    out = dict(state["model"]) | {f"ema.{k}": v for k, v in (state.get("ema") or {}).items()}
     for pid, s in state["optimizer"]["state"].items():
-        out[f"momentum.{pid}"] = s["momentum_buffer"]
+        out |= {f"{name}.{pid}": v for name, v in s.items() if isinstance(v, torch.Tensor)}
     return out
 
 
+# every option that keeps state or draws random numbers in a step (found exact by a review)
+RICH = copy.deepcopy(RUN)
+RICH["data"] |= {"mixup": 0.2, "cutmix": 1.0}
+RICH["train"] |= {"optimizer": "adamw", "lr": 0.01, "ema": 0.9, "accumulate": 2,
+                  "grad_clip": 1.0, "schedule": "plateau"}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(tmp_path):
+@pytest.mark.parametrize("run", [RUN, RICH], ids=["sgd", "adamw-ema-mixing-accumulate"])
+def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(tmp_path, run):
     killed = tmp_path / "killed"
-    script = CHILD.format(root=str(ROOT), kill_at=KILL_AT, run=RUN, out=str(killed))
+    script = CHILD.format(root=str(ROOT), kill_at=KILL_AT, run=run, out=str(killed))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     state = resume_state(killed)
     assert (state["epoch"], state["step"], state["global_step"]) == (1, 4, 12)
     assert len(state["history"]) == 1
 
-    fit(validate_run(RUN), killed, resume=state, quiet=True)
-    fit(validate_run(RUN), tmp_path / "straight", quiet=True)
+    fit(validate_run(run), killed, resume=state, quiet=True)
+    fit(validate_run(run), tmp_path / "straight", quiet=True)
 
     resumed = load_checkpoint(killed / "last.pt")
     straight = load_checkpoint(tmp_path / "straight" / "last.pt")
     a, b = _tensors(resumed), _tensors(straight)
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys() and any(k.startswith("ema.") for k in a) == (run is RICH)
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert resumed["global_step"] == straight["global_step"] == 16
