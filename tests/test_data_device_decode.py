@@ -343,3 +343,20 @@ def test_a_bad_jpeg_in_a_big_batch_is_found_by_halves():
         torch.equal(a, b) for a, b in zip(alone, [o for o in out if o is not None], strict=True)
     )
     assert len(calls) <= 2 * 6 + 1 and sum(calls) < 3 * 64  # log2(64) = 6 halvings
+
+
+@pytest.mark.parametrize("mode", ["squash", "shorter"])
+def test_images_of_one_size_are_resized_together_as_each_alone(mode):
+    """A batch's decoded photos resized by size group (one call each): the pixels each one's
+    own resize gives, in the batch's order, for photos larger, smaller and of the size."""
+    from cnnkit.data.device_decode import _resized, resize_on_device
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(37, 50), (50, 37), (37, 50), (24, 24), (10, 31), (37, 50), (50, 37)]
+    images = {i: torch.randint(0, 256, (3, *s), generator=g, dtype=torch.uint8)
+              for i, s in enumerate(shapes)}  # fmt: skip
+    out = _resized(images, 24, mode)
+    assert list(out) != sorted(out) and sorted(out) == sorted(images)  # grouped, all there
+    for i, image in images.items():
+        assert torch.equal(out[i], resize_on_device(image, 24, mode)), i
+        assert out[i].shape == (3, 24, 24) and out[i].dtype == torch.uint8

@@ -101,18 +101,33 @@ def _say_decoded_on_the_cpu(device: str) -> None:
           "decoded on the CPU (correct, slower)", file=sys.stderr)  # fmt: skip
 
 
-def resize_on_device(image: torch.Tensor, size: int, mode: str) -> torch.Tensor:
-    """(3, H, W) uint8 -> (3, size, size) uint8: squash, or shorter side + centre crop, with
-    antialiased bilinear resampling (what the workers' CPU path does)."""
-    h, w = image.shape[-2:]
+def resize_on_device(images: torch.Tensor, size: int, mode: str) -> torch.Tensor:
+    """(..., 3, H, W) uint8 -> (..., 3, size, size) uint8: squash, or shorter side + centre
+    crop, with antialiased bilinear resampling (what the workers' CPU path does)."""
+    h, w = images.shape[-2:]
     if mode == "shorter":
         side = min(h, w)
         top, left = centre_offset(h, w)  # the CPU path's centre square
-        image = image[:, top : top + side, left : left + side]
-    if image.shape[-2:] == (size, size):
-        return image
-    x = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", antialias=True)
-    return x[0].round_().clamp_(0, 255).to(torch.uint8)
+        images = images[..., top : top + side, left : left + side]
+    if images.shape[-2:] == (size, size):
+        return images
+    x = images.reshape(-1, *images.shape[-3:]).float()
+    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+    return x.round_().clamp_(0, 255).to(torch.uint8).reshape(*images.shape[:-2], size, size)
+
+
+def _resized(images: dict[int, torch.Tensor], size: int, mode: str) -> dict[int, torch.Tensor]:
+    """Each image resized as resize_on_device does, those of one size in one call: a batch of
+    256 photos a few sizes share (ImageNet's 500x375 and 375x500) takes a few kernel launches
+    per size, not five per photo."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, image in images.items():
+        by_shape.setdefault(tuple(image.shape), []).append(i)
+    out = {}
+    for ids in by_shape.values():
+        group = images[ids[0]][None] if len(ids) == 1 else torch.stack([images[i] for i in ids])
+        out |= dict(zip(ids, resize_on_device(group, size, mode), strict=True))
+    return out
 
 
 def decode_batch(pixels: torch.Tensor | None, batch: WorkerBatch, dataset: BatchDataset,
@@ -125,8 +140,9 @@ def decode_batch(pixels: torch.Tensor | None, batch: WorkerBatch, dataset: Batch
     decoded = decode_images(batch.encoded.items(), device) if coded else []
     image = dict(zip(coded, decoded, strict=True))
     keep = [i for i in range(n) if i in batch.decoded or image[i] is not None]
+    resized = _resized({i: im for i, im in image.items() if im is not None}, size, mode)
     parts = [batch.decoded[i].to(device, non_blocking=True) if i in batch.decoded
-             else resize_on_device(image[i], size, mode) for i in keep]  # fmt: skip
+             else resized[i] for i in keep]  # fmt: skip
     empty = torch.empty((0, 3, size, size), dtype=torch.uint8, device=device)
     out = torch.stack(parts) if parts else empty
     if len(keep) < n:
