@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -165,12 +167,41 @@ def test_a_real_full_disk_with_worker_processes(small_disk, tmp_path, capsys):
     assert json.loads((small_disk / "p/meta.json").read_text())["num_images"] == 90
 
 
+def _pack_patched(
+    tmp_path: Path,
+    name: str,
+    module: str,
+    argv: list[str],
+    first: str = "",
+    shard_size: int | None = None,
+) -> tuple[str, dict]:
+    """A script that runs `cnnkit pack ARGV` with the shard writing patched by `module` (the
+    module `name`, written to tmp_path: a forked worker inherits it, a fork server is told to
+    import it), `first` its first line, `shard_size` the pack's; and the environment to run it
+    in (tmp_path on the import path)."""
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(module))
+    lines = [first,
+             f"import cnnkit.data.pack as pack, {name}",
+             "chosen = pack._pool_context",
+             "def patched():",
+             "    ctx = chosen()",
+             "    if ctx.get_start_method() == 'forkserver':",
+             f"        ctx.set_forkserver_preload([{name!r}, 'cnnkit.data.pack'])",
+             "    return ctx",
+             "pack._pool_context = patched",
+             "real = pack.pack_folder",
+             f"pack.pack_folder = lambda *a, **k: real(*a, **k, shard_size={shard_size})"
+             if shard_size else "",
+             "from cnnkit.cli import main",
+             f"main(['pack', *{argv!r}])"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    return "\n".join(lines) + "\n", env
+
+
 def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path):
     """SIGINT to the whole process group (a terminal's Ctrl-C): the workers ignore it, the
     main process says how far it got; the same command then finishes the pack."""
     import signal
-    import sys
-    import textwrap
     import time
 
     src = tmp_path / "src"
@@ -181,30 +212,22 @@ def test_ctrl_c_in_a_pack_with_workers_is_one_line_and_resumes(shapes, tmp_path)
         cls = path.parent.name
         (flat / cls).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, flat / cls / f"{path.parent.parent.name}-{path.name}")
-    # the slow writing is a module: a fork inherits it, a fork server imports it too
-    (tmp_path / "slow_shards.py").write_text(textwrap.dedent("""
+    slow = """
         import cnnkit.data.pack_shard as shard, time
         real = shard._write_records
         def slow(job, out):  # two shards are written, the rest wait for the Ctrl-C
             time.sleep(0.3 if job.shard < 2 else 120)
             return real(job, out)
         shard._write_records = slow
-    """))  # fmt: skip
-    script = textwrap.dedent(f"""
-        import faulthandler, signal
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
-        import cnnkit.data.pack as pack, slow_shards
-        chosen = pack._pool_context
-        def with_slow_shards():
-            ctx = chosen()
-            if ctx.get_start_method() == "forkserver":
-                ctx.set_forkserver_preload(["slow_shards", "cnnkit.data.pack"])
-            return ctx
-        pack._pool_context = with_slow_shards
-        from cnnkit.cli import main
-        main(["pack", {str(flat)!r}, {str(tmp_path / "p")!r}, "--size", "16", "-j", "2"])
-    """)  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    """
+    script, env = _pack_patched(
+        tmp_path,
+        "slow_shards",
+        slow,
+        [str(flat), str(tmp_path / "p"), "--size", "16", "-j", "2"],
+        # the stacks, should it hang
+        first="import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)",
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=sigint_default, env=env)  # fmt: skip
     deadline = time.monotonic() + 60
@@ -234,10 +257,7 @@ def test_a_pack_worker_that_dies_is_one_line_not_a_hang(shapes, tmp_path):
     """A worker killed mid-shard (the OOM killer, a decoder's crash): the pool starts another,
     but the shard never comes back, and the pack waited for it forever; now one line, exit
     status 1, and the same command resumes."""
-    import sys
-    import textwrap
-
-    (tmp_path / "dying_shards.py").write_text(textwrap.dedent("""
+    dying = """
         import os, signal, cnnkit.data.pack_shard as shard
         real = shard._write_records
         def dying(job, out):  # shard 1's worker is killed; the others pack
@@ -245,22 +265,14 @@ def test_a_pack_worker_that_dies_is_one_line_not_a_hang(shapes, tmp_path):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(job, out)
         shard._write_records = dying
-    """))  # fmt: skip
-    script = textwrap.dedent(f"""
-        import cnnkit.data.pack as pack, dying_shards
-        chosen = pack._pool_context
-        def with_dying_shards():
-            ctx = chosen()
-            if ctx.get_start_method() == "forkserver":
-                ctx.set_forkserver_preload(["dying_shards", "cnnkit.data.pack"])
-            return ctx
-        pack._pool_context = with_dying_shards
-        real = pack.pack_folder
-        pack.pack_folder = lambda *a, **k: real(*a, shard_size=4, **k)  # 4 shards of 15 images
-        from cnnkit.cli import main
-        main(["pack", {str(shapes)!r}, {str(tmp_path / "p")!r}, "--size", "16", "-j", "2"])
-    """)  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    """
+    script, env = _pack_patched(  # 4 shards of 15 images
+        tmp_path,
+        "dying_shards",
+        dying,
+        [str(shapes), str(tmp_path / "p"), "--size", "16", "-j", "2"],
+        shard_size=4,
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                           timeout=120)  # fmt: skip
     lines = [line for line in done.stderr.splitlines() if line.strip()]
