@@ -73,8 +73,22 @@ on_signal() {
     [[ -n $CURRENT ]] && echo "$CURRENT: rc=143 interrupted" >> "$OUT/steps.txt"
     exit 143
 }
+# the runs' folders in /dev/shm (see SHM_RUNS) come back under OUT/runs without their
+# checkpoints, and the memory they took is freed
+runs_home() {
+    [[ -n ${SHM_RUNS:-} && -d $SHM_RUNS ]] || return 0
+    local link target
+    for link in "$RUN"/*; do
+        [[ -L $link ]] || continue
+        target=$(readlink "$link")
+        rm -f "$link" && mkdir -p "$link"
+        (cd "$target" && find . -type f ! -name '*.pt' -exec cp --parents {} "$link" \;)
+    done
+    rm -rf "$SHM_RUNS"
+}
 on_exit() {
     [[ -n ${SMI:-} ]] && kill "$SMI" 2>/dev/null
+    runs_home
     bring_back
 }
 trap on_exit EXIT
@@ -194,7 +208,8 @@ RUN="$OUT/runs"
 mkdir -p "$RUN"
 # the `cnnkit train` runs' checkpoints (AlexNet: about 0.7 GB an epoch) go to memory, not to a
 # disk of unknown speed that could push a step past its limit: their folders are links into
-# /dev/shm where it has room (found through the links by bring_back's `find -L`)
+# /dev/shm where it has room (found through the links by bring_back's `find -L`; at the end
+# runs_home brings them back without their checkpoints)
 SHM_RUNS=/dev/shm/cnnkit-gpu-runs
 rm -rf "$SHM_RUNS"
 shm_free_kb=$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')
