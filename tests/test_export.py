@@ -406,3 +406,22 @@ def test_a_failed_check_is_one_line_and_leaves_the_earlier_file(tmp_path, capsys
     assert f"{out}: {why}" in err and "so it was not written" in err, err
     assert out.read_bytes() == b"the earlier export"
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_an_exports_network_says_the_classes_it_was_built_with(tmp_path):
+    """A zoo file says num_classes 1000; a network built for 5 classes (a run's data set it)
+    is exported with a model_spec that says 5, as its num_classes field does: a reader that
+    rebuilds the network from model_spec alone gets the weights' shapes."""
+    from cnnkit.data.base import Preprocess
+    from cnnkit.infer.load import Loaded, metadata
+    from cnnkit.nn import build_model
+    from cnnkit.nn.spec import read_spec
+
+    spec = read_spec("inception-small")
+    model = build_model(spec, num_classes=5)
+    pre = Preprocess(channels=3, crop=model.input_shape[-1])
+    meta = metadata(Loaded(model.eval(), list("abcde"), pre, "test"))
+    assert json.loads(meta["num_classes"]) == 5 != spec.get("num_classes", 1000)
+    rebuilt = build_model(json.loads(meta["model_spec"]))
+    assert rebuilt.state_dict().keys() == model.state_dict().keys()
+    assert all(rebuilt.state_dict()[k].shape == v.shape for k, v in model.state_dict().items())

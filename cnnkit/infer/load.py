@@ -148,7 +148,8 @@ def metadata(loaded: Loaded) -> dict[str, str]:
     and a run's settings (the precision its steps ran in, which eval repeats)."""
     meta = {
         "format": EXPORT_FORMAT,
-        "model_spec": json.dumps(loaded.model.spec),
+        # the network as built: its num_classes the one the data set (a zoo file says 1000)
+        "model_spec": json.dumps({**loaded.model.spec, "num_classes": loaded.model.num_classes}),
         "num_classes": json.dumps(loaded.model.num_classes),
         "classes": json.dumps(loaded.classes),
         "preprocess": json.dumps(loaded.preprocess.to_dict()),
