@@ -170,7 +170,11 @@ def test_the_start_line_says_when_the_data_sets_the_class_count(tmp_path, capsys
                                  "threads": 1}})  # fmt: skip
     fit(config, tmp_path / "run")
     first = capsys.readouterr().out.splitlines()[0]
-    assert "10 classes (the network's num_classes 4 set from the data)" in first
+    assert "10 classes (the data's, in place of the network's num_classes 4)" in first
+    # digits' 1,438 training images in whole batches of 64: 1,408 an epoch (was '1408 train')
+    assert (
+        "1438 train (1408 an epoch: whole batches, reshuffled each epoch) / 359 held-out" in first
+    )
 
 
 def test_without_tensorboard_the_loss_is_not_read_for_its_scalars(tmp_path):

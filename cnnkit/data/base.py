@@ -142,6 +142,7 @@ class Batches(Protocol):
     """
 
     num_samples: int  # images in one epoch over all ranks (validation: each counted once)
+    num_images: int  # images in the set (training: whole batches only take num_samples)
 
     def __len__(self) -> int: ...  # batches this rank yields per epoch
 

@@ -166,6 +166,7 @@ class ImageBatches:
         self.device = torch.device(device)
         self.augment = augment.to(self.device)
         self.workers, self.prefetch, self.num_samples = workers, prefetch, num_samples
+        self.num_images = len(dataset)
         if workers > (cores := available_cores()):
             say_more_workers_than_cores(workers, cores)
         self.mode: Mode = self._mode(decode)

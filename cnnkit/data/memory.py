@@ -98,6 +98,7 @@ class TensorBatches:
         self.mean = torch.tensor(preprocess.mean, device=images.device).view(1, -1, 1, 1)
         self.std = torch.tensor(preprocess.std, device=images.device).view(1, -1, 1, 1)
         self.num_samples = len(self) * batch_size if train else len(images)
+        self.num_images = len(images)
 
     def __len__(self) -> int:
         if self.train:  # whole global batches only: every step sees the same batch size

@@ -246,7 +246,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
     console.print(
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
         f"{engine.device}{many} ({engine.settings.describe(config.train.threads)}), "
-        f"{data.train.num_samples} train / {data.val.num_samples} held-out images, "
+        f"{_train_images(data)} / {data.val.num_samples} held-out images, "
         f"{len(data.train)} step{'s' * (len(data.train) != 1)} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
@@ -283,15 +283,23 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     at = f" from epoch {progress.epoch + 1} step {progress.step}" if progress.global_step else ""
     processes = f", {ctx.dist.world_size} processes" if ctx.dist.world_size > 1 else ""
     given = config.model.spec().get("num_classes")
-    classes = (f", {len(data.classes)} classes (the network's num_classes {given} set from the "
-               "data)" if given not in (None, len(data.classes)) else "")  # fmt: skip
+    classes = (f", {len(data.classes)} classes (the data's, in place of the network's "
+               f"num_classes {given})" if given not in (None, len(data.classes)) else "")  # fmt: skip
     console.print(
         f"{what} {config.name}{at}: {engine.network.name} on {engine.device}{processes} "
-        f"({engine.settings.describe(config.train.threads)}), {data.train.num_samples} train / "
+        f"({engine.settings.describe(config.train.threads)}), {_train_images(data)} / "
         f"{data.val.num_samples} held-out images{classes}, batch {config.data.batch_size} -> "
         f"{ctx.run_dir}"
     )
     _schedule_notes(config, ctx.dist.is_main)
+
+
+def _train_images(data: DataBundle) -> str:
+    """'N train', and the images an epoch takes where whole batches leave some out."""
+    every, taken = getattr(data.train, "num_images", None), data.train.num_samples
+    if every is None or every == taken:
+        return f"{taken} train"
+    return f"{every} train ({taken} an epoch: whole batches, reshuffled each epoch)"
 
 
 def _schedule_notes(config: RunConfig, main: bool) -> None:
