@@ -251,3 +251,37 @@ def test_a_mismatch_of_network_and_data_names_the_setting(tmp_path, capsys, data
     (tmp_path / "run.yaml").write_text(text)
     got, err = _fails(["train", str(tmp_path / "run.yaml"), "--dry-run"], capsys)
     assert got == 2 and hint in err, err
+
+
+def test_data_settings_a_training_run_leaves_unused_are_said(tmp_path, capsys, monkeypatch):
+    """A validation set that is the training folder is refused (its 'held-out' figures were of
+    training images); a label file without its flat folder, a held-out fraction beside a
+    validation set, and a small crop of a large data.size are said at the start, not
+    silently ignored."""
+    monkeypatch.chdir(tmp_path)
+    for k in range(2):
+        (tmp_path / "imgs" / f"c{k}").mkdir(parents=True)
+    base = ["train", "alexnet-imagenet", "data.source=folder", "data.normalize=channel",
+            "data.path=imgs", "--dry-run"]  # fmt: skip
+    code, err = _fails([*base, "data.val_path=./imgs/"], capsys)
+    assert code == 2 and err == (
+        "cnnkit: error: data.val_path: the training set itself (data.path), so the held-out "
+        "figures would be of training images (leave data.val_path out to hold out "
+        "data.val_fraction of data.path)"
+    )
+    notes = [
+        (["data.val_path=null", "data.val_labels=v.txt"],
+         "cnnkit: note: data.val_labels is not used: it labels a flat data.val_path, and none is "
+         "given"),
+        (["data.val_path=other", "data.val_fraction=0.2"],
+         "cnnkit: note: data.val_fraction 0.2 is not used: data.val_path holds the held-out "
+         "images"),
+        (["data.val_path=null", "data.crop=32", "model.network=inception-small"],
+         "cnnkit: note: data.crop 32 of data.size 256: images are resized to 256 x 256 first, so "
+         "a crop sees 12% of their side (torchvision's 224 of 256: 88%); data.size=37 would be "
+         "that"),
+    ]  # fmt: skip
+    for extra, note in notes:
+        with pytest.raises(SystemExit):  # (the empty class folders end it, after the notes)
+            main([*base, *extra])
+        assert note in capsys.readouterr().err.splitlines()

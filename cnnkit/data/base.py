@@ -121,6 +121,12 @@ class DataConfigBase(Section):
         machine, which share its cores among their loader workers)."""
         raise NotImplementedError
 
+    def training_notes(self) -> list[str]:
+        """What a training run should say of these settings (given, but unused, or doing less
+        than they seem), at its start: said, not refused. ConfigError for settings that would
+        make its figures wrong."""
+        return []
+
     def stored_size(self) -> int | None:
         """The side of the stored images when larger than the network's crop (10-crop needs a
         margin); None for sources stored at the network's input size."""

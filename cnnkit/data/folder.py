@@ -171,6 +171,21 @@ class FolderConfig(ImageSetConfig):
 
     _evaluating: bool = PrivateAttr(False)  # evaluated_as: an empty class folder is skipped
 
+    def training_notes(self) -> list[str]:
+        """ImageSetConfig's, and: a label file without the flat folder it labels; a crop that
+        sees little of the resized image (data.size is AlexNet's 256 unless set)."""
+        notes = super().training_notes()
+        if self.val_labels and not self.val_path:
+            notes.append("data.val_labels is not used: it labels a flat data.val_path, and "
+                         "none is given")  # fmt: skip
+        if self.crop < 0.75 * self.size:
+            fit = round(self.crop / 0.875)
+            notes.append(f"data.crop {self.crop} of data.size {self.size}: images are resized to "
+                         f"{self.size} x {self.size} first, so a crop sees "
+                         f"{self.crop / self.size:.0%} of their side (torchvision's 224 of 256: "
+                         f"88%); data.size={fit} would be that")  # fmt: skip
+        return notes
+
     def stored_size(self) -> int:
         """Images are resized to `size` before cropping."""
         return self.size

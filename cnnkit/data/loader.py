@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -105,6 +106,22 @@ class ImageSetConfig(DataConfigBase):
             return self
         return self.model_copy(update={"mean": tuple(preprocess.mean),
                                        "std": tuple(preprocess.std)})  # fmt: skip
+
+    def training_notes(self) -> list[str]:
+        """A validation set that is the training set is refused (its figures would not be held
+        out); a held-out fraction beside a validation set is said to be unused."""
+        val_path = getattr(self, "val_path", None)
+        if not val_path:
+            return []
+        if Path(val_path).resolve() == Path(getattr(self, "path", "")).resolve():
+            raise ConfigError("data.val_path: the training set itself (data.path), so the held-out "
+                              "figures would be of training images (leave data.val_path out "
+                              "to hold out data.val_fraction of data.path)")  # fmt: skip
+        default = type(self).model_fields["val_fraction"].default
+        if self.val_fraction != default:
+            return [f"data.val_fraction {self.val_fraction:g} is not used: data.val_path holds "
+                    "the held-out images"]  # fmt: skip
+        return []
 
     def worker_count(self, local_ranks: int = 1) -> int:
         """`workers`, or the cores this process may use shared among the ranks on this machine,

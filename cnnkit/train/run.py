@@ -187,6 +187,10 @@ def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quie
     """Everything the run needs, seeded: the data, the engine (its threads held by `stack`),
     the schedule, and the progress (a resumed run's, with this rank's generators)."""
     seed_everything(config.seed)
+    notes = config.data.training_notes()  # (a ConfigError before anything is built)
+    if dist.is_main and not resume:
+        for note in notes:
+            print(f"cnnkit: note: {note}", file=sys.stderr)
     data = config.data.build(
         device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
     )
