@@ -332,3 +332,16 @@ def test_eval_reads_a_flat_folder_with_its_label_file(digits_run, digit_pngs, tm
     assert (flat["top1"], flat["loss"]) == (classes["top1"], pytest.approx(classes["loss"]))
     code, _, err = run_cli(["eval", str(digits_run), "--labels", str(tmp_path / "val.txt")], capsys)
     assert code == 2 and "--labels: the label file of a flat image folder given as --data" in err
+
+
+def test_eval_says_which_epochs_weights_it_scored(digits_run, capsys):
+    """A run is scored from best.pt, chosen on the held-out split it is scored on: the line
+    says so, and which epoch (the run's own last line gives the last epoch's figure)."""
+    from cnnkit.checkpoint import load_checkpoint
+
+    best, last = (load_checkpoint(digits_run / name)["epoch"] for name in ("best.pt", "last.pt"))
+    code, out, _ = run_cli(["eval", str(digits_run)], capsys)
+    assert code == 0
+    assert out.startswith(f"{digits_run / 'best.pt'} (epoch {best}, the best held-out top-1): ")
+    code, out, _ = run_cli(["eval", str(digits_run / "last.pt"), "--json"], capsys)
+    assert code == 0 and json.loads(out)["epoch"] == last

@@ -219,11 +219,21 @@ def evaluate(
     crop = "centre crop  " if tencrop else ""
     skipped = f" ({result['skipped']} skipped)" if result.get("skipped") else ""
     top5 = result["classes"] > 5  # as training prints it: with 5 classes or fewer it is 100%
-    print(f"{result['checkpoint']}: {result['images']} images{skipped}  {crop}"
-          f"{_figures(result, top5)}")  # fmt: skip
+    what = f"{result['checkpoint']}{_which_epoch(result)}"
+    print(f"{what}: {result['images']} images{skipped}  {crop}{_figures(result, top5)}")
     if tencrop:
-        print(f"{' ' * len(result['checkpoint'])}  {result['images']} images  10 crops     "
+        print(f"{' ' * len(what)}  {result['images']} images  10 crops     "
               f"{_figures(result['tencrop'], top5)}")  # fmt: skip
+
+
+def _which_epoch(result: dict) -> str:
+    """' (epoch N, ...)': which weights a run's checkpoint holds (best.pt: the epoch chosen on
+    the held-out split these figures may be of); '' for an export."""
+    if result.get("epoch") is None:
+        return ""
+    why = {"best.pt": ", the best held-out top-1",
+           "best_ema.pt": ", the moving average's best held-out top-1"}  # fmt: skip
+    return f" (epoch {result['epoch']}{why.get(Path(result['checkpoint']).name, '')})"
 
 
 def _figures(r: dict, top5: bool) -> str:
