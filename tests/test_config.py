@@ -274,3 +274,27 @@ def test_a_network_files_preprocess_on_a_0_1_scale_is_refused():
     with pytest.raises(ConfigError, match=r"^n.yaml: model: preprocess.std: \[0.5\] is on a 0-1"):
         network_preprocess("n.yaml", (1, 28, 28), {"std": [0.5]})
     assert network_preprocess("n.yaml", (1, 28, 28), {"mean": [0.0], "std": [1.0]}).std == [1.0]
+
+
+def test_model_input_builds_a_zoo_network_at_the_datas_size():
+    """timm's img_size: `model: {network: resnet18, input: [3, 64, 64]}` builds the zoo file
+    at 64 px (it was 'model.input: unknown field'); the run's dump keeps it, and a network
+    whose layers cannot take the size says which layer."""
+    from cnnkit.config.load import run_dict
+    from cnnkit.nn import build_model
+
+    raw = {"name": "x", "model": {"network": "resnet18", "input": [3, 64, 64]},
+           "data": {"source": "folder", "path": "/d", "crop": 64}}  # fmt: skip
+    config = load_run(raw)
+    assert config.model.spec()["input"] == [3, 64, 64]
+    assert build_model(config.model.spec()).input_shape == (3, 64, 64)
+    assert run_dict(config)["model"] == {
+        "network": "resnet18",
+        "weights": None,
+        "input": [3, 64, 64],
+    }
+    assert load_run(run_dict(config)).model.spec()["input"] == [3, 64, 64]
+    assert run_dict(load_run({**raw, "model": "resnet18"}))["model"] == "resnet18"
+    alexnet = load_run({**raw, "model": {"network": "alexnet", "input": [3, 64, 64]}})
+    with pytest.raises(ConfigError, match=r"\(pool5\): kernel_size: kernel 3 is larger than"):
+        build_model(alexnet.model.spec())

@@ -182,9 +182,11 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def run_dict(config: RunConfig) -> dict[str, Any]:
     """The config as plain data (what config.yaml and checkpoints hold); a model section with
-    no weights is written as just its network, the way run files write it."""
+    no weights nor input is written as just its network, the way run files write it."""
     raw = config.model_dump(mode="json")
-    if raw["model"]["weights"] is None:
+    if raw["model"]["input"] is None:
+        del raw["model"]["input"]
+    if raw["model"]["weights"] is None and "input" not in raw["model"]:
         raw["model"] = raw["model"]["network"]
     return raw
 

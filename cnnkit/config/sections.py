@@ -187,6 +187,12 @@ class ModelConfig(Section):
     weights: str | None = Field(
         None, description="a state_dict file (.safetensors or .pt) to start from (fine-tuning)"
     )
+    input: list[PositiveInt] | None = Field(
+        None,
+        min_length=1,
+        max_length=3,
+        description="[C, H, W] in place of the network's own (a zoo network at the data's size)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -209,8 +215,9 @@ class ModelConfig(Section):
         return value
 
     def spec(self) -> dict[str, Any]:
-        """The network's `model:` mapping (what the graph builder reads)."""
-        return read_spec(self.network)
+        """The network's `model:` mapping (what the graph builder reads), with `input`."""
+        spec = read_spec(self.network)
+        return spec if self.input is None else {**spec, "input": list(self.input)}
 
 
 class RunConfig(Section):

@@ -253,16 +253,16 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
     them."""
     if hops >= MAX_FILE_HOPS:
         raise ConfigError(f"{source}: model: files name each other more than {MAX_FILE_HOPS} deep")
-    unknown = sorted(set(model) - {"network", "weights"}, key=str)
+    unknown = sorted(set(model) - {"network", "weights", "input"}, key=str)
     if unknown:  # as `cnnkit train` refuses them: never dropped silently (a mistyped weights)
         where = f"{source}: " if source else ""
         hint = (
             " (preprocess: goes in the network file, beside its layers)"
             if unknown[0] == "preprocess"
-            else suggest(unknown[0], ("network", "weights"))
+            else suggest(unknown[0], ("network", "weights", "input"))
         )
         raise ConfigError(f"{where}model.{unknown[0]}: unknown field (a run file's model: takes "
-                          f"network and weights){hint}")  # fmt: skip
+                          f"network, weights and input){hint}")  # fmt: skip
     base = Path(source).parent if source else Path.cwd()
 
     def beside(name: Any) -> Any:
@@ -271,6 +271,8 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
     network = read_spec(beside(model["network"]), hops + 1)
     if model.get("weights") is not None:
         network["weights"] = beside(model["weights"])
+    if model.get("input") is not None:
+        network["input"] = model["input"]
     return network
 
 

@@ -59,7 +59,8 @@ def _shape_hint(config: RunConfig, want: tuple[int, ...], have: tuple[int, ...])
         and hasattr(config.data, "crop")
     ):
         size = ", and data.size the side images are resized to first" * hasattr(config.data, "size")
-        return f" (set data.crop={want[1]}{size})"
+        return (f" (set data.crop={want[1]}{size}; or model.input={list(have)} builds the "
+                "network for the data's images, where its layers allow)")  # fmt: skip
     return ""
 
 
