@@ -223,11 +223,14 @@ def test_another_sources_data_section_says_so():
         load_run("digits", ["data.source=packed", "data.path=p"])
     assert str(caught.value) == (
         "data.scale: Input should be a valid tuple (got 0.1) (this data: section was written "
-        "for another source: data.shift, data.rotate are not settings of packed; start from a "
-        "run file written for packed data)"
+        "for another source: data.shift, data.rotate are not settings of packed; =null leaves "
+        "each out, or start from a run file written for packed data)"
     )
     with pytest.raises(ConfigError, match=r"data.shift: unknown field \(a setting of data.source"):
         load_run("digits", ["data.source=packed", "data.path=p", "data.scale=[0.5, 1]"])
+    moved = load_run("digits", ["data.source=packed", "data.path=p", "data.scale=[0.5, 1]",
+                                "data.shift=null", "data.rotate=null"])  # fmt: skip
+    assert moved.data.source == "packed" and moved.data.scale == (0.5, 1.0)
     packed = {"name": "p", "model": "alexnet", "data": {"source": "packed", "path": "p",
                                                         "scale": 0.1}}  # fmt: skip
     with pytest.raises(

@@ -111,8 +111,8 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
             source, are = raw["data"]["source"], "is not a setting" if len(foreign) == 1 else (
                 "are not settings")  # fmt: skip
             error = ConfigError(f"{error} (this data: section was written for another source: "
-                                f"{', '.join(foreign)} {are} of {source}; start from a run file "
-                                f"written for {source} data)")  # fmt: skip
+                                f"{', '.join(foreign)} {are} of {source}; =null leaves each out, "
+                                f"or start from a run file written for {source} data)")  # fmt: skip
         elif str(error) == "data: Field required" and isinstance(raw.get("model"), dict):
             error = ConfigError(f"{error} (a network file? a run file names it as model: FILE "
                                 "beside data: and train:; `cnnkit info FILE` reads a network)")  # fmt: skip
@@ -156,8 +156,9 @@ def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
             return f" (it belongs {where}: {prefix}{parts[-1]})"
     owners = [name for name, kind in SOURCES.items() if parts[-1] in kind.model_fields]
     if parts[:1] == ["data"] and owners and data.get("source") in SOURCES:
-        return (f" (a setting of data.source {' / '.join(owners)}, not {data['source']}: start "
-                f"from a run file written for {data['source']} data)")  # fmt: skip
+        return (f" (a setting of data.source {' / '.join(owners)}, not {data['source']}: "
+                f"data.{parts[-1]}=null leaves it out, or start from a run file written for "
+                f"{data['source']} data)")  # fmt: skip
     return ""
 
 

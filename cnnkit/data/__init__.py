@@ -48,7 +48,12 @@ def check_source(section: Any) -> Any:
         hint = f" (did you mean {close[0]!r}?)" if close else f" (one of: {', '.join(SOURCES)})"
         what = "missing" if source is None else f"unknown source {source!r}"
         raise ConfigError(f"data.source: {what}{hint}")
-    return section
+    # a field of another source set to null is dropped: `data.source=packed data.val_labels=null`
+    # moves a run file written for a folder to a pack from the command line
+    kind = SOURCES[source]
+    others = {f for other in SOURCES.values() if other is not kind for f in other.model_fields}
+    return {k: v for k, v in section.items()
+            if not (v is None and k in others and k not in kind.model_fields)}  # fmt: skip
 
 
 def data_config(section: dict[str, Any] | DataConfigBase) -> DataConfig:
