@@ -89,7 +89,7 @@ def test_a_binary_file_or_a_misspelled_model_key_is_named(tmp_path, capsys):
     network.write_text("model:\n  input: [1, 8, 8]\n  layers: [{type: flatten}]\n")
     for argv, words in (
         (["train", str(network)], "data: Field required (a network file? a run file names it"),
-        (["info", str(onnx)], "not a text file: an export, which cnnkit writes but does not read"),
+        (["info", str(onnx)], "m.onnx: an ONNX export, which cnnkit writes but does not read"),
         (["classify", str(blob), str(blob)], "not a text file: give a zoo name, a network or run"),
         (["import-caffe", str(blob), "-o", str(tmp_path / "n.yaml")], "not a text file: a deploy"),
         (["train", str(run)], "('modell': a misspelled model?)"),

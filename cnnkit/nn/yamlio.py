@@ -218,6 +218,8 @@ def read_yaml(path: str | Path, instead: str | None = None) -> Any:
         raise ConfigError(f"{path}: not valid YAML{_where(e)}: {_problem(e)}") from None
     except UnicodeDecodeError as e:
         binary = not _mostly_ascii(data[:8192]) or path.suffix.lower() in EXPORT_SUFFIXES
+        if path.suffix.lower() in EXPORT_SUFFIXES and not instead:  # said for what it is
+            raise ConfigError(f"{path}: {_binary_hint(path)}") from None
         if binary or e.encoding != "utf-8":  # (a UTF-16 mark on what is no UTF-16 text)
             raise ConfigError(f"{path}: not a text file: {instead or _binary_hint(path)}") from None
         at = e.start + 3 * data.startswith(codecs.BOM_UTF8)  # (utf-8-sig counts after the mark)
@@ -248,8 +250,11 @@ def _mostly_ascii(sample: bytes) -> bool:
 def _binary_hint(path: Path) -> str:
     """What a binary file given for a network or run file may be, and what to give instead."""
     if path.suffix.lower() in EXPORT_SUFFIXES:
-        return ("an export, which cnnkit writes but does not read back: give the run directory, "
-                ".pt checkpoint or .safetensors export it came from")  # fmt: skip
+        kind = {".onnx": "an ONNX", ".pt2": "a torch.export", ".torchscript": "a TorchScript"}.get(
+            path.suffix.lower(), "an"
+        )
+        return (f"{kind} export, which cnnkit writes but does not read back: give the run "
+                "directory, .pt checkpoint or .safetensors export it came from")  # fmt: skip
     return "give a zoo name, a network or run file (YAML), a Caffe .prototxt or a trained model"
 
 
