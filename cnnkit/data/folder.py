@@ -170,6 +170,7 @@ class FolderConfig(ImageSetConfig):
     )
 
     _evaluating: bool = PrivateAttr(False)  # evaluated_as: an empty class folder is skipped
+    _labels_option: str = PrivateAttr("data.val_labels")  # eval --data DIR: its --labels
 
     def training_notes(self) -> list[str]:
         """ImageSetConfig's, and: a label file without the flat folder it labels; a crop that
@@ -214,8 +215,10 @@ class FolderConfig(ImageSetConfig):
                 raise DataError(f"{field} {printable(str(folder))}: {what} (set {field}{unset})")
         same = self.val_path and Path(self.val_path).resolve() == root.resolve()
         # one folder evaluated whole (eval --data DIR [--labels FILE]): scanned once
+        option = self._labels_option if same else None  # data.path itself takes none
         files, labels, classes = scan_folder(root, self.val_labels if same else None,
-                                             skip_empty=self._evaluating)  # fmt: skip
+                                             skip_empty=self._evaluating,
+                                             labels_option=option)  # fmt: skip
         fraction = 0.0 if self.val_path else self.val_fraction
         train_ids, val_ids = holdout_split(labels, fraction, keys=files)
         drawn = holdout_id(files, val_ids, len(files)) if fraction else None
@@ -224,7 +227,8 @@ class FolderConfig(ImageSetConfig):
             val = FolderImages(root, files, labels, np.arange(len(files)), self.size,
                                self.resize_mode)  # fmt: skip
         elif self.val_path:
-            vfiles, vlabels, _ = scan_folder(self.val_path, self.val_labels, classes)
+            vfiles, vlabels, _ = scan_folder(self.val_path, self.val_labels, classes,
+                                             labels_option=self._labels_option)  # fmt: skip
             val = FolderImages(Path(self.val_path), vfiles, vlabels, np.arange(len(vfiles)),
                                self.size, self.resize_mode)  # fmt: skip
         else:

@@ -90,9 +90,9 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
                     "there" for k, v in params.items() if plan["params"].get(k) != v]  # fmt: skip
             raise DataError(f"{dst}: holds a different pack ({'; '.join(diff)}); use another DST "
                             "or delete it")  # fmt: skip
-        _check_unchanged(plan, scan_images(src, labels_file), src, dst)
+        _check_unchanged(plan, scan_images(src, labels_file, labels_option="--labels"), src, dst)
         return plan
-    scan = scan_images(src, labels_file)
+    scan = scan_images(src, labels_file, labels_option="--labels")
     # ~32+ shards so every process stays busy, at most 512 images (100 MB raw) per shard
     shard_size = shard_size or min(512, max(16, -(-len(scan.files) // 32)))
     plan = {"params": params, "files": scan.files, "labels": scan.labels,

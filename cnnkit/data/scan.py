@@ -173,10 +173,13 @@ class Walker:
         return kept
 
 
-def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False) -> Scan:
+def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False,
+                  labels_option: str | None = None) -> Scan:  # fmt: skip
     """Images of an ImageFolder tree: one subfolder per class (links followed, loops not).
     A class folder without images is refused (training: it would change the network's
-    outputs), or with `skip_empty` (evaluation, which matches classes by name) skipped."""
+    outputs), or with `skip_empty` (evaluation, which matches classes by name) skipped.
+    `labels_option`: how the command takes a flat folder's label file, said where the folder
+    has no subfolders (None: it takes none)."""
     walker = Walker(src)
     walker.claim_folder(src)
     names = []
@@ -194,9 +197,7 @@ def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False
                                 "is already a class (or the data folder itself)")  # fmt: skip
             names.append(entry.name)
     if not names:
-        raise DataError(
-            f"{printable(str(src))}: no class subfolders (a flat folder needs a label file)"
-        )
+        raise DataError(f"{printable(str(src))}: no class subfolders ({flat_hint(labels_option)})")
     files, labels, kept = [], [], []
     taken = walker.take(walker.found(names))
     for name, found in zip(names, taken, strict=True):
@@ -211,6 +212,19 @@ def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False
     if not files:
         raise DataError(f"{printable(str(src))}: no images in the class subfolders")
     return Scan(files, labels, kept, walker.skipped)
+
+
+def flat_hint(labels_option: str | None) -> str:
+    """What to do with a folder of images and no class subfolders: give its label file the way
+    the command takes one (`--labels`, `data.val_labels`), or, where it takes none, the tree
+    it reads (or a pack, which keeps a flat folder's labels)."""
+    if labels_option is None:
+        return (
+            "an ImageFolder tree is read here: one subfolder per class; a flat folder "
+            "and its label file can be packed first: cnnkit pack SRC DST --labels FILE"
+        )
+    give = f"give {labels_option} FILE" if labels_option.startswith("-") else f"set {labels_option}"
+    return f"a flat folder needs a label file: {give}"
 
 
 EMPTY_SKIPPED = (
@@ -282,12 +296,15 @@ def flat_with_labels(src: Path, labels_file: Path) -> tuple[list[str], list[str]
 
 
 def scan_images(src: str | Path, labels_file: str | Path | None = None,
-                classes: list[str] | None = None, skip_empty: bool = False) -> Scan:  # fmt: skip
+                classes: list[str] | None = None, skip_empty: bool = False,
+                labels_option: str | None = None) -> Scan:  # fmt: skip
     """The images of an ImageFolder tree, or of a flat folder + label file, and what was skipped.
 
     With `classes` given (e.g. the training set's), labels index into that list and class
     folders without images are allowed (the classes are fixed already); `skip_empty` leaves
     them out of the classes found (evaluation), instead of refusing them (training).
+    `labels_option`: the option or setting that gives the label file (`--labels`,
+    `data.val_labels`), named in messages; None where the command takes none.
     """
     src = Path(src)
     if not src.is_dir():
@@ -301,7 +318,7 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
                    "here, need none)" if nested else "")  # fmt: skip
             raise DataError(f"{printable(str(src))}: no image files found{why}")
     else:
-        scan = class_folders(src, classes, skip_empty)
+        scan = class_folders(src, classes, skip_empty, labels_option)
         files, found = scan.files, scan.classes
         names = [found[k] for k in scan.labels]
     classes = classes or found
@@ -313,11 +330,12 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
 
 
 def scan_folder(src: str | Path, labels_file: str | Path | None = None,
-                classes: list[str] | None = None,
-                skip_empty: bool = False) -> tuple[list[str], list[int], list[str]]:  # fmt: skip
+                classes: list[str] | None = None, skip_empty: bool = False,
+                labels_option: str | None = None,
+                ) -> tuple[list[str], list[int], list[str]]:  # fmt: skip
     """(relative files, labels, class names) of scan_images; what it skipped is named on
     stderr, as the loader names the images it cannot decode."""
-    scan = scan_images(src, labels_file, classes, skip_empty)
+    scan = scan_images(src, labels_file, classes, skip_empty, labels_option)
     report_skipped(scan.skipped, Path(src))
     return scan.files, scan.labels, scan.classes
 

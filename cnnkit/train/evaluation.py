@@ -78,7 +78,10 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
     cfg = data_config(section)
     if section.get("source") == "packed":
         check_pack_fits(spec, read_meta(cfg.path), pre)
-    return cfg.evaluated_as(pre, mean_image)
+    cfg = cfg.evaluated_as(pre, mean_image)
+    if spec is not None and section.get("val_path") == spec and section["source"] == "folder":
+        cfg._labels_option = "--labels"  # --data DIR's label file, data.val_labels to the source
+    return cfg
 
 
 def note_normalisation(data: str, cfg: DataConfig, image: torch.Tensor | None) -> None:

@@ -1,0 +1,63 @@
+"""The data errors a new user meets, each one line that names the way this command takes what
+is missing: a flat folder's label file (pack --labels, eval --labels, data.val_labels, or none:
+bench loader and data.path read class folders)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import one_error_line, run_cli
+from PIL import Image
+
+from cnnkit.data import data_config
+from cnnkit.errors import DataError
+
+
+def write_images(folder: Path, names: list[str], seed: int = 0) -> None:
+    """Small RGB JPEGs of these names in `folder` (made with its parents)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for name in names:
+        Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(folder / name)
+
+
+@pytest.fixture
+def flat(tmp_path: Path) -> Path:
+    """A flat folder of 4 images, as ImageNet's val/ comes (VAL_00000001.JPEG ...)."""
+    write_images(tmp_path / "flat", [f"VAL_{i:08d}.JPEG" for i in range(1, 5)])
+    return tmp_path / "flat"
+
+
+def folder_section(tmp_path: Path, **data) -> dict:
+    """A folder source's data: section: 3 classes of 2 images under tmp_path/tree, and `data`."""
+    for k, name in enumerate(("cat", "dog", "green-cross")):
+        write_images(tmp_path / "tree" / name, ["a.jpg", "b.jpg"], seed=k)
+    return {"source": "folder", "path": str(tmp_path / "tree"), "size": 8, "crop": 8,
+            "workers": 0, "batch_size": 2, **data}  # fmt: skip
+
+
+def test_a_flat_folder_names_how_each_command_takes_its_label_file(flat, tmp_path, capsys):
+    code, _, err = run_cli(["bench", "loader", str(flat), "--crop", "8", "--batches", "1"], capsys)
+    line = one_error_line(code, err)  # bench loader takes no label file: what it reads instead
+    assert "no class subfolders (an ImageFolder tree is read here: one subfolder per class" in line
+    assert "needs a label file" not in line
+    code, _, err = run_cli(["pack", str(flat), str(tmp_path / "packed")], capsys)
+    assert "no class subfolders (a flat folder needs a label file: give --labels FILE)" in (
+        one_error_line(code, err)
+    )
+    cfg = data_config(folder_section(tmp_path, val_path=str(flat)))
+    with pytest.raises(DataError, match=r"needs a label file: set data\.val_labels\)$"):
+        cfg.build(torch.device("cpu"))
+    cfg = data_config(folder_section(tmp_path, path=str(flat)))  # training reads class folders
+    with pytest.raises(DataError, match="an ImageFolder tree is read here"):
+        cfg.build(torch.device("cpu"))
+
+
+def test_eval_of_a_flat_folder_names_its_labels_option(digits_run, flat, capsys):
+    code, _, err = run_cli(["eval", str(digits_run), "--data", str(flat)], capsys)
+    assert "no class subfolders (a flat folder needs a label file: give --labels FILE)" in (
+        one_error_line(code, err)
+    )
