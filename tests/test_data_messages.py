@@ -61,3 +61,19 @@ def test_eval_of_a_flat_folder_names_its_labels_option(digits_run, flat, capsys)
     assert "no class subfolders (a flat folder needs a label file: give --labels FILE)" in (
         one_error_line(code, err)
     )
+
+
+def test_a_missing_label_file_names_its_setting(flat, tmp_path, capsys):
+    cfg = data_config(folder_section(tmp_path, val_path=str(flat), val_labels=str(tmp_path / "no")))
+    with pytest.raises(DataError, match=r"^data\.val_labels .*/no: label file not found$"):
+        cfg.build(torch.device("cpu"))
+    code, _, err = run_cli(["pack", str(flat), str(tmp_path / "p"), "--labels", "nosuch"], capsys)
+    assert one_error_line(code, err) == "cnnkit: error: --labels nosuch: label file not found"
+    code, _, err = run_cli(["pack", str(flat), str(tmp_path / "p"), "--labels", str(flat)], capsys)
+    assert one_error_line(code, err).endswith(f"--labels {flat}: a folder, not a label file")
+
+
+def test_eval_names_its_labels_option_for_a_missing_label_file(digits_run, flat, capsys):
+    code, _, err = run_cli(["eval", str(digits_run), "--data", str(flat), "--labels", "no.txt"],
+                           capsys)  # fmt: skip
+    assert one_error_line(code, err) == "cnnkit: error: --labels no.txt: label file not found"

@@ -241,14 +241,17 @@ def _empty_class(src: Path, name: str, skipped: list[tuple[str, str]]) -> str:
             "remove it (an empty class changes the network's outputs)")  # fmt: skip
 
 
-def read_label_file(path: Path) -> dict[str, str]:
+def read_label_file(path: Path, labels_option: str | None = None) -> dict[str, str]:
     """File name (or stem) -> class name, from `NAME CLASS` lines (the class is the last word,
     so names may hold spaces, and commas) or, in a .csv file or one with Kaggle's `ImageId,`
     header, `NAME,CLASS ...` rows (LOC_val_solution.csv: the first word of the second column is
     the class). A name given two different classes is an error; a UTF-8 byte-order mark is
-    allowed."""
+    allowed. `labels_option`: the option or setting that named the file, said if it is not
+    there."""
     if not path.is_file():
-        raise DataError(f"{path}: label file not found")
+        where = f"{labels_option} {path}" if labels_option else str(path)
+        what = "a folder, not a label file" if path.is_dir() else "label file not found"
+        raise DataError(f"{printable(where)}: {what}")
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
@@ -276,11 +279,12 @@ def read_label_file(path: Path) -> dict[str, str]:
     return mapping
 
 
-def flat_with_labels(src: Path, labels_file: Path) -> tuple[list[str], list[str], Scan]:
+def flat_with_labels(src: Path, labels_file: Path,
+                     labels_option: str | None = None) -> tuple[list[str], list[str], Scan]:  # fmt: skip
     """(files, class names) of the images right inside a flat folder (not below it), labelled
     by a label file; the Scan says what was skipped, and names the label file's entries with
     no image in the folder (a half-copied validation set says so)."""
-    mapping = read_label_file(labels_file)
+    mapping = read_label_file(labels_file, labels_option)
     walker = Walker(src)
     walker.claim_folder(src)
     files = walker.images("", recursive=False)
@@ -310,7 +314,7 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
     if not src.is_dir():
         raise DataError(f"{printable(str(src))}: not a folder")
     if labels_file is not None:
-        files, names, scan = flat_with_labels(src, Path(labels_file))
+        files, names, scan = flat_with_labels(src, Path(labels_file), labels_option)
         found = sorted(set(names))
         if not files:
             nested = any(p.is_dir() for p in src.iterdir())
