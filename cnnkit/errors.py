@@ -1,5 +1,6 @@
 """The one exception family of cnnkit: every user mistake is a CnnkitError with one clear line;
-`config_error` turns pydantic's validation errors into one, `brief` cuts echoed values."""
+`config_error` turns pydantic's validation errors into one, `brief` cuts echoed values,
+`suggest` names the known word meant."""
 
 from __future__ import annotations
 
@@ -130,6 +131,12 @@ def _misspelling(errors: list[dict]) -> tuple[dict, str] | None:
         if close:
             return typos[close[0]], name
     return None
+
+
+def suggest(word: Any, known: Any) -> str:
+    """` (did you mean 'x'?)` for the closest known word, or nothing."""
+    close = difflib.get_close_matches(str(word)[:100], list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def validation_message(error: Any, hide: Collection[str] = ()) -> str:

@@ -77,3 +77,35 @@ def test_eval_names_its_labels_option_for_a_missing_label_file(digits_run, flat,
     code, _, err = run_cli(["eval", str(digits_run), "--data", str(flat), "--labels", "no.txt"],
                            capsys)  # fmt: skip
     assert one_error_line(code, err) == "cnnkit: error: --labels no.txt: label file not found"
+
+
+def test_a_validation_class_the_training_set_lacks_is_explained(flat, tmp_path):
+    """A near match is named (a folder's case changed); Caffe's integer labels are said to be
+    indices where the training classes are names; else the classes there are listed."""
+    from cnnkit.data.pack import pack_folder
+
+    for k, name in enumerate(("cat", "Green-Cross")):
+        write_images(tmp_path / "val" / name, ["v.jpg"], seed=k)
+    (tmp_path / "val.txt").write_text("".join(f"VAL_{i:08d}.JPEG {i % 3}\n" for i in range(1, 5)))
+    near = "class 'Green-Cross' is not among the training classes (did you mean 'green-cross'?)"
+    index = ("class '0' is not among the training classes (the classes are given by index, as "
+             "in Caffe's val.txt; cnnkit expects class names, the training folders': 'cat', "
+             "'dog', 'green-cross')")  # fmt: skip
+    section = folder_section(tmp_path)
+    for val, labels, words in ((tmp_path / "val", None, near), (flat, tmp_path / "val.txt", index)):
+        cfg = data_config({**section, "val_path": str(val), "val_labels": labels and str(labels)})
+        with pytest.raises(DataError) as caught:
+            cfg.build(torch.device("cpu"))
+        assert str(caught.value).endswith(words), caught.value
+        pack_folder(val, tmp_path / f"p-{val.name}", size=8, labels_file=labels, progress=False)
+    pack_folder(tmp_path / "tree", tmp_path / "p-tree", size=8, progress=False)
+    packed = {"source": "packed", "path": str(tmp_path / "p-tree"), "crop": 8, "workers": 0}
+    for val, words in (("p-val", near), ("p-flat", index)):  # a packed validation set alike
+        cfg = data_config({**packed, "val_path": str(tmp_path / val)})
+        with pytest.raises(DataError) as caught:
+            cfg.build(torch.device("cpu"))
+        assert str(caught.value).endswith(words), caught.value
+    from cnnkit.data.scan import unknown_classes
+
+    assert unknown_classes(["zebra"], ["cat", "dog"]) == " (2 classes: 'cat', 'dog')"
+    assert unknown_classes(["12"], ["3", "7"]) == " (2 classes: '3', '7')"  # numbers both

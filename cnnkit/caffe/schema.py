@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from cnnkit.errors import ConfigError, brief
+from cnnkit.errors import ConfigError, brief, suggest
 from cnnkit.prototxt import Message
 
 _FILLER = {"type", "value", "min", "max", "mean", "std", "sparse", "variance_norm"}
@@ -143,7 +143,5 @@ def check_fields(source: str, block: str, message: Message, allowed: set[str]) -
 
 
 def _unknown(here: str, block: str, name: str, allowed: set[str]) -> None:
-    from cnnkit.nn.spec import suggest
-
     raise ConfigError(f"{here}: {name!r} is not a field of Caffe's {block}"
                       f"{suggest(name, sorted(allowed))}")  # fmt: skip

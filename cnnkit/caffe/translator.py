@@ -13,11 +13,10 @@ from cnnkit.caffe.deploy import deployed_layers, layer_type, net_stages, sole_re
 from cnnkit.caffe.fields import as_integer
 from cnnkit.caffe.layer_types import SUPPORTED, LayerTypes
 from cnnkit.caffe.schema import check_layer, check_net
-from cnnkit.errors import ConfigError, brief, validation_message
+from cnnkit.errors import ConfigError, brief, suggest, validation_message
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
 from cnnkit.nn.names import reserved_name
-from cnnkit.nn.spec import suggest
 from cnnkit.prototxt import Message
 
 TRAIN_VAL_LAYERS = {

@@ -18,8 +18,7 @@ from pydantic import BaseModel, ValidationError
 from cnnkit.config.sections import ModelConfig, RunConfig, TrainConfig
 from cnnkit.data import SOURCES
 from cnnkit.data.decode import holds_images
-from cnnkit.errors import ConfigError, brief, config_error
-from cnnkit.nn.spec import suggest
+from cnnkit.errors import ConfigError, brief, config_error, suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
 from cnnkit.runtime import write_atomic
 

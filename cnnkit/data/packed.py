@@ -22,6 +22,7 @@ from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes, holds_images
 from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
 from cnnkit.data.resize import resize_crop
+from cnnkit.data.scan import unknown_classes
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError, one_line, validation_message
 from cnnkit.runtime import torch_threads
@@ -285,7 +286,8 @@ def _val_label_map(train_classes: list[str], val_classes: list[str], where: str)
     lookup = {name: k for k, name in enumerate(train_classes)}
     unknown = [c for c in val_classes if c not in lookup]
     if unknown:
-        raise DataError(f"{where}: class {unknown[0]!r} is not among the training classes")
+        raise DataError(f"{where}: class {unknown[0]!r} is not among the training classes"
+                        f"{unknown_classes(unknown, train_classes)}")  # fmt: skip
     return np.array([lookup[c] for c in val_classes], np.int64)
 
 

@@ -19,7 +19,7 @@ from itertools import chain
 from pathlib import Path
 
 from cnnkit.data.decode import file_kind, is_image_name
-from cnnkit.errors import DataError
+from cnnkit.errors import DataError, suggest
 
 FileKey = tuple[int, int]  # (st_dev, st_ino): one real file or folder
 Found = tuple[str, FileKey, bool]  # (path under the root, key, is a link)
@@ -280,7 +280,8 @@ def read_label_file(path: Path, labels_option: str | None = None) -> dict[str, s
 
 
 def flat_with_labels(src: Path, labels_file: Path,
-                     labels_option: str | None = None) -> tuple[list[str], list[str], Scan]:  # fmt: skip
+                     labels_option: str | None = None,
+                     ) -> tuple[list[str], list[str], Scan]:  # fmt: skip
     """(files, class names) of the images right inside a flat folder (not below it), labelled
     by a label file; the Scan says what was skipped, and names the label file's entries with
     no image in the folder (a half-copied validation set says so)."""
@@ -329,8 +330,20 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
     lookup = {name: k for k, name in enumerate(classes)}
     unknown = sorted(set(names) - set(lookup))
     if unknown:
-        raise DataError(f"{src}: class {unknown[0]!r} is not among the training classes")
+        raise DataError(f"{src}: class {unknown[0]!r} is not among the training classes"
+                        f"{unknown_classes(unknown, classes)}")  # fmt: skip
     return Scan(files, [lookup[n] for n in names], classes, scan.skipped)
+
+
+def unknown_classes(unknown: list[str], classes: list[str]) -> str:
+    """` (...)` for classes not among `classes` (the network's): where every one is a number
+    and the classes are names, that the set names classes by index (Caffe's val.txt:
+    `VAL_00000001.JPEG 0`), not by name; else the near match, else the classes there are."""
+    shown = ", ".join(repr(c) for c in classes[:8]) + (", ..." if len(classes) > 8 else "")
+    if all(map(str.isdecimal, unknown)) and not all(map(str.isdecimal, classes)):
+        return (" (the classes are given by index, as in Caffe's val.txt; cnnkit expects "
+                f"class names, the training folders': {shown})")  # fmt: skip
+    return suggest(unknown[0], classes) or f" ({len(classes)} classes: {shown})"
 
 
 def scan_folder(src: str | Path, labels_file: str | Path | None = None,

@@ -23,7 +23,7 @@ from cnnkit.checkpoint import (
     uses_mean_image,
 )
 from cnnkit.data.base import MAX_SIDE, Preprocess, unit_mistake
-from cnnkit.errors import CheckpointError, ConfigError, validation_message
+from cnnkit.errors import CheckpointError, ConfigError, suggest, validation_message
 from cnnkit.nn import Network, build_model, read_spec
 from cnnkit.nn.memory import check_fits
 from cnnkit.nn.weights import MEAN_IMAGE_KEY
@@ -47,7 +47,6 @@ class Loaded:
 def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = False) -> Loaded:
     """Load a run directory, checkpoint, .safetensors file or network description (`ema`: a
     run's moving average of the weights, from its best_ema.pt where it has one)."""
-    from cnnkit.nn.spec import suggest
     from cnnkit.zoo import net_path, zoo_names
 
     path = Path(target)

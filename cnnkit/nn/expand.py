@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cnnkit.errors import ConfigError, brief, validation_message
+from cnnkit.errors import ConfigError, brief, suggest, validation_message
 from cnnkit.nn.expr import ExprError, evaluate, is_expression, reads
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layer_line import (
@@ -28,7 +28,7 @@ from cnnkit.nn.layer_line import (
 )
 from cnnkit.nn.layers import Layer, Linear, Shape
 from cnnkit.nn.names import check_name, given_names, input_names, is_name, written
-from cnnkit.nn.spec import BlockDef, NetSpec, suggest
+from cnnkit.nn.spec import BlockDef, NetSpec
 from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
 MAX_BLOCK_DEPTH = 16

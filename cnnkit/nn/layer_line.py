@@ -9,10 +9,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cnnkit.errors import ConfigError, validation_message
+from cnnkit.errors import ConfigError, suggest, validation_message
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Layer, ParamLayer, Shape, ShapeError, fmt_shape
-from cnnkit.nn.spec import suggest
 
 MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
 

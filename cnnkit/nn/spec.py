@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from cnnkit.errors import ConfigError, brief
+from cnnkit.errors import ConfigError, brief, suggest
 from cnnkit.nn.expr import reads
 from cnnkit.nn.kinds import KINDS
 
@@ -288,9 +288,3 @@ def _read_yaml_or_zoo(spec: str) -> tuple[Any, str]:
                               f"them) nor a file{suggest(spec, zoo_names())}")  # fmt: skip
         path = zoo_file
     return read_yaml(path), str(path)
-
-
-def suggest(word: Any, known: Any) -> str:
-    """` (did you mean 'x'?)` for the closest known word, or nothing."""
-    close = difflib.get_close_matches(str(word)[:100], list(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""

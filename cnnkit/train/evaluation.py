@@ -16,6 +16,7 @@ from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
 from cnnkit.data.augment import ten_crop
 from cnnkit.data.decode import is_image_name
 from cnnkit.data.packed import RESIZE_FLAG, is_pack, read_meta
+from cnnkit.data.scan import unknown_classes
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.nn.onednn import freeze
@@ -277,9 +278,8 @@ def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.
     lookup = {name: k for k, name in enumerate(trained)}
     unknown = [c for c in data_classes if c not in lookup]
     if unknown:
-        shown = ", ".join(repr(c) for c in trained[:8]) + (", ..." if len(trained) > 8 else "")
         raise DataError(f"--data {where}: class {unknown[0]!r} is not one the network was "
-                        f"trained on ({len(trained)} classes: {shown})")  # fmt: skip
+                        f"trained on{unknown_classes(unknown, trained)}")  # fmt: skip
     return torch.tensor([lookup[c] for c in data_classes])
 
 
