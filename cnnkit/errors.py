@@ -115,9 +115,29 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
     msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")[:200]
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
+    counted = _tuple_length(err, errors)
+    if counted is not None:  # `mean.2: Field required` for a list of 2 where 3 are taken
+        parts = parts[:-1] if err["type"] == "missing" else parts
+        msg = f"takes {counted} values, not {len(err['input'])}"
+        msg += f" (got {_as_written(err['input'])})" if err["type"] == "missing" else ""
     if "input" in err and err["type"] not in ("extra_forbidden", "missing", "value_error"):
         msg += f" (got {_as_written(err['input'])})"
     return parts, msg
+
+
+def _tuple_length(err: dict, errors: list[dict]) -> int | None:
+    """The number of values a fixed-length tuple takes, where `err` says a list given for it
+    is too long, or too short (pydantic's `Field required` for each missing position)."""
+    given = err.get("input")
+    if err["type"] == "too_long" and (err.get("ctx") or {}).get("field_type") == "Tuple":
+        return err["ctx"]["max_length"]
+    if err["type"] != "missing" or not isinstance(given, (list, tuple)) or not err["loc"]:
+        return None
+    if not isinstance(err["loc"][-1], int):
+        return None
+    positions = [e["loc"][-1] for e in errors
+                 if e["type"] == "missing" and e["loc"][:-1] == err["loc"][:-1]]  # fmt: skip
+    return max(positions) + 1
 
 
 def _misspelling(errors: list[dict]) -> tuple[dict, str] | None:

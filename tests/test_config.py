@@ -118,6 +118,16 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
         ),
         ({"data": {"source": "packed", "path": "pk", "std": [1, -1, 1]}}, r"data.std.1: Input"),
         (
+            {"data": {"source": "folder", "path": "imgs", "mean": [123.675, 116.28]}},
+            r"^data.mean: takes 3 values, one per channel \(R, G, B\), not 2 \(got \[123",
+        ),  # not `data.mean.2: Field required`
+        (
+            {"data": {"source": "packed", "path": "pk", "std": [1] * 4}},
+            r"^data.std: takes 3 values",
+        ),
+        ({"train": {"betas": [0.9]}}, r"^train.betas: takes 2 values, not 1 \(got \[0.9\]\)$"),
+        ({"train": {"betas": [0.9, 0.9, 0.9]}}, r"^train.betas: takes 2 values, not 3 \(got"),
+        (
             {"data": {"source": "folder", "path": "imgs", "size": 9000}},
             "data.size: Input should be less than or equal to 8192",
         ),  # a network's MAX_SIDE

@@ -107,9 +107,9 @@ BAD = [
     (net(conv(), num_clases=3), "model: num_clases: unknown field (did you mean 'num_classes'?)"),
     (  # a list where a number or a pair goes: what is wrong with it as a pair
         net(conv(padding=[1, 2, 3])),
-        "layer 0 (conv0): padding: Tuple should have at most 2 items after validation, not 3 "
-        "(got [1, 2, 3])",
+        "layer 0 (conv0): padding: takes 2 values, not 3 (got [1, 2, 3])",
     ),
+    (net(conv(padding=[1])), "layer 0 (conv0): padding: takes 2 values, not 1 (got [1])"),
     (  # or with an item of it
         net(conv(stride=[0, 1])),
         "layer 0 (conv0): stride.0: Input should be greater than 0 (got 0)",

@@ -49,7 +49,7 @@ from cnnkit.data.workers import (
     start_worker,
     worker_died,
 )
-from cnnkit.errors import ConfigError, DataError, one_line
+from cnnkit.errors import ConfigError, DataError, brief, one_line
 from cnnkit.runtime import available_cores, torch_threads
 
 Mode = Literal["views", "crops", "whole", "encoded"]
@@ -129,6 +129,14 @@ class ImageSetConfig(DataConfigBase):
         if self.workers is not None:
             return self.workers
         return max(1, available_cores() // max(local_ranks, 1) - 1)
+
+    @field_validator("mean", "std", mode="before")
+    @classmethod
+    def _one_per_channel(cls, values: Any) -> Any:
+        if isinstance(values, (list, tuple)) and len(values) != 3:
+            raise ValueError(f"takes 3 values, one per channel (R, G, B), not {len(values)} "
+                             f"(got {brief(values)})")  # fmt: skip
+        return values
 
     @field_validator("mean", "std")
     @classmethod
