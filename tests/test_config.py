@@ -145,6 +145,24 @@ def test_each_bad_field_is_named(change, words):
 
 
 @pytest.mark.parametrize(
+    "data",
+    [{"source": "folder", "path": "imgs"}, {"source": "packed", "path": "pk"},
+     {"source": "digits"}, {"source": "faces"}, {"source": "synthetic"}],
+)  # fmt: skip
+def test_setting_descriptions_show_numbers_not_constant_names(data):
+    """`cnnkit config` shows a limit as its number (8192), not the code's name (MAX_SIDE)."""
+    import re
+
+    from cnnkit.config import describe_run
+
+    rows = describe_run(validate_run({"model": "digitnet", "data": data}))
+    named = [(key, text) for key, _, _, text in rows if re.search(r"\b[A-Z]+_[A-Z_]+\b", text)]
+    assert not named, named
+    if data["source"] == "folder":
+        assert "at most 8192" in dict((key, text) for key, _, _, text in rows)["data.size"]
+
+
+@pytest.mark.parametrize(
     "raw, line",
     [
         ({"data": {"source": "folder", "paht": "sm"}}, "data.paht: unknown field (did you mean 'path'?)"),

@@ -163,7 +163,7 @@ class FolderConfig(ImageSetConfig):
         256,
         le=MAX_SIDE,
         description="images are resized to size x size "
-        "first (at most MAX_SIDE: what a trained network may read)",
+        f"first (at most {MAX_SIDE}: what a trained network may read)",
     )
     resize_mode: Literal["squash", "shorter"] = Field(
         "squash", description="or shorter side + crop"
