@@ -135,3 +135,29 @@ def test_a_network_name_with_markup_or_dollars_is_shown_as_written(tmp_path, cap
     assert code == 0 and out.splitlines()[0].startswith("cost $\\frac$ [red]net[/]  input"), err
     code, out, err = run_cli(["show", "net", str(spec), "-o", str(tmp_path / "n.svg")], capsys)
     assert code == 0 and (tmp_path / "n.svg").stat().st_size > 0, err
+
+
+def _commands(typer_app, path=()):
+    """(argv to the command, its docstring) of every command of the app, nested ones too."""
+    for command in typer_app.registered_commands:
+        yield [*path, command.name or command.callback.__name__], command.callback.__doc__ or ""
+    for group in typer_app.registered_groups:
+        yield from _commands(group.typer_instance, (*path, group.name))
+
+
+def test_every_commands_help_wraps_its_docstrings_paragraphs(capsys, monkeypatch):
+    """A docstring's line breaks are not the help's: on a wide terminal each paragraph is one
+    line (typer's rich help kept them: 'skipped and' / 'named on stderr' on two lines)."""
+    import inspect
+
+    from cnnkit.cli import app
+
+    monkeypatch.setenv("COLUMNS", "400")
+    commands = list(_commands(app))
+    assert len(commands) > 15 and ["bench", "loader"] in [argv for argv, _ in commands]
+    for argv, doc in commands:
+        code, out, _ = run_cli([*argv, "--help"], capsys)
+        lines = [" ".join(line.split()) for line in out.splitlines()]
+        for paragraph in inspect.cleandoc(doc).split("\n\n"):
+            words = " ".join(paragraph.split())
+            assert code == 0 and any(words in line for line in lines), (argv, words, out)

@@ -8,6 +8,7 @@ commands; each command is a few lines that call the library.
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import re
 import signal
@@ -54,6 +55,20 @@ app.add_typer(bench_app, name="bench")
 
 for area in (net, train, data, infer, bench):
     area.register(app, bench_app)
+
+
+def _one_line_paragraphs(typer_app: typer.Typer) -> None:
+    """Each command's help from its docstring with every paragraph on one line, for the
+    terminal to wrap: typer's rich help keeps a docstring's line breaks, which left lines
+    ending mid-sentence ('skipped and' / 'named on stderr')."""
+    for command in typer_app.registered_commands:
+        text = inspect.cleandoc(command.help or command.callback.__doc__ or "")
+        command.help = "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
+    for group in typer_app.registered_groups:
+        _one_line_paragraphs(group.typer_instance)
+
+
+_one_line_paragraphs(app)
 
 
 def _version(show: bool) -> None:
