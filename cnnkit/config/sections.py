@@ -140,11 +140,12 @@ def schedule_notes(train: TrainConfig) -> list[str]:
     epochs (a forgotten override, or a short trial of a long recipe): said, not refused."""
     unused = _unused_schedule_settings(train)
     notes, epochs = [unused] if unused else [], train.epochs
+    counted = f"{epochs} epoch{'s' * (epochs != 1)}"
     if train.warmup_epochs >= epochs:
-        notes.append(f"train.warmup_epochs {train.warmup_epochs:g} of {epochs} epochs: the lr "
+        notes.append(f"train.warmup_epochs {train.warmup_epochs:g} of {counted}: the lr "
                      f"never reaches train.lr {train.lr:g}")  # fmt: skip
     if train.schedule == "step" and train.step_size >= epochs:
-        notes.append(f"train.step_size {train.step_size} of {epochs} epochs: the lr never drops")
+        notes.append(f"train.step_size {train.step_size} of {counted}: the lr never drops")
     late = [m for m in train.milestones if m >= epochs] if train.schedule == "multistep" else []
     if late:
         notes.append(f"train.milestones {late} at or past the last epoch ({epochs}): no drop there")

@@ -235,7 +235,8 @@ EMPTY_SKIPPED = (
 
 def _empty_class(src: Path, name: str, skipped: list[tuple[str, str]]) -> str:
     inside = [(p, r) for p, r in skipped if p.startswith(name + os.sep)]
-    what = f" ({len(inside)} other entries skipped, first {printable(inside[0][0])}: " \
+    what = f" ({len(inside)} other {'entries' if len(inside) != 1 else 'entry'} skipped, " \
+        f"first {printable(inside[0][0])}: " \
         f"{inside[0][1]})" if inside else ""  # fmt: skip
     return (f"{printable(str(src / name))}: class folder with no images{what}; add images or "
             "remove it (an empty class changes the network's outputs)")  # fmt: skip
@@ -291,7 +292,8 @@ def flat_with_labels(src: Path, labels_file: Path,
     files = walker.images("", recursive=False)
     missing = [n for n in files if n not in mapping and Path(n).stem not in mapping]
     if missing:
-        raise DataError(f"{labels_file}: no label for {len(missing)} images in {src} "
+        raise DataError(f"{labels_file}: no label for {len(missing)} image"
+                        f"{'s' * (len(missing) != 1)} in {src} "
                         f"(first: {printable(missing[0])})")  # fmt: skip
     names = [mapping.get(n, mapping.get(Path(n).stem)) for n in files]
     found = {key for n in files for key in (n, Path(n).stem)}
@@ -363,4 +365,5 @@ def report_skipped(skipped: list[tuple[str, str]], root: Path | None = None) -> 
         shown = printable(str(root / path) if root is not None else path)
         print(f"cnnkit: skipped {shown}: {reason}", file=sys.stderr)
     if len(skipped) > REPORTED_LINES:
-        print(f"cnnkit: skipped {len(skipped) - REPORTED_LINES} more entries", file=sys.stderr)
+        more = len(skipped) - REPORTED_LINES
+        print(f"cnnkit: skipped {more} more {'entries' if more != 1 else 'entry'}", file=sys.stderr)

@@ -78,11 +78,12 @@ def check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> N
     ends where an epoch is in progress would leave it half-trained."""
     if progress.epoch > config.train.epochs:
         raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} has done "
-                          f"{progress.epoch} epochs already (ask for more to go on, or leave it "
-                          "out)")  # fmt: skip
+                          f"{progress.epoch} epoch{'s' * (progress.epoch != 1)} already (ask for "
+                          "more to go on, or leave it out)")  # fmt: skip
     if progress.step and progress.epoch >= config.train.epochs:
         raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} is in the middle of "
-                          f"epoch {progress.epoch + 1} ({progress.step} steps done): ask for at "
+                          f"epoch {progress.epoch + 1} ({progress.step} step"
+                          f"{'s' * (progress.step != 1)} done): ask for at "
                           f"least {progress.epoch + 1} to finish it")  # fmt: skip
 
 

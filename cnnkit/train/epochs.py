@@ -239,8 +239,8 @@ def _early_stop(progress: Progress, patience: int, console: Console) -> bool:
         return False
     best = max(progress.history, key=lambda r: r["val_top1"])
     console.print(
-        f"early stop: no held-out gain for {patience} epochs (best {best['val_top1']:.2%} at "
-        f"epoch {int(best['epoch'])})"
+        f"early stop: no held-out gain for {patience} epoch{'s' * (patience != 1)} (best "
+        f"{best['val_top1']:.2%} at epoch {int(best['epoch'])})"
     )
     return True
 

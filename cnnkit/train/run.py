@@ -279,9 +279,9 @@ def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLo
 def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progress) -> None:
     config, data = ctx.config, ctx.data
     if progress.epoch >= config.train.epochs:
-        console.print(
-            f"{ctx.run_dir}: all {config.train.epochs} epochs done (train.epochs=N for more)"
-        )
+        n = config.train.epochs
+        done = f"all {n} epochs" if n != 1 else "its 1 epoch"
+        console.print(f"{ctx.run_dir}: {done} done (train.epochs=N for more)")
         return
     what = "resuming" if progress.global_step else "training"
     at = f" from epoch {progress.epoch + 1} step {progress.step}" if progress.global_step else ""
