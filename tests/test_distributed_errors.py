@@ -5,6 +5,7 @@ meets; and which rank says it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -219,8 +220,9 @@ def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     (tmp_path / "imgs" / "a").mkdir(parents=True)
     for i in range(3):
         Image.new("L", (12, 12), i * 80).save(tmp_path / "imgs" / "a" / f"{i}.png")
+    shutil.copytree(tmp_path / "imgs", tmp_path / "val")
     run = {"name": "one", "model": "digitnet", "train": {"epochs": 1, "device": "cpu"},
-           "data": {"source": "folder", "path": "imgs", "val_path": "imgs", "size": 8,
+           "data": {"source": "folder", "path": "imgs", "val_path": "val", "size": 8,
                     "crop": 8, "grey": True, "batch_size": 4}}  # fmt: skip
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     cmd = [sys.executable, "-m", "cnnkit", "train", "run.yaml", "--nproc", "2"]

@@ -307,8 +307,9 @@ def test_a_static_rendezvous_run_that_fails_early_leaves_no_empty_run_directory(
     (tmp_path / "imgs" / "a").mkdir(parents=True)
     for i in range(3):
         Image.new("L", (12, 12), 80 * i).save(tmp_path / "imgs" / "a" / f"{i}.png")
+    shutil.copytree(tmp_path / "imgs", tmp_path / "val")
     (tmp_path / "run.yaml").write_text(
-        "name: one\nmodel: lenet5\ndata: {source: folder, path: imgs, val_path: imgs, size: 36, "
+        "name: one\nmodel: lenet5\ndata: {source: folder, path: imgs, val_path: val, size: 36, "
         "crop: 32, grey: true, batch_size: 2}\ntrain: {epochs: 1}\n"
     )
     code, _, err = run_cli(["train", "run.yaml"], capsys)
