@@ -12,7 +12,7 @@ import torch
 from data_images import photo, write_bad_folder
 from PIL import Image
 
-from cnnkit.data import data_config
+from cnnkit.data import data_config, imageset
 from cnnkit.data import loader as loader_module
 from cnnkit.data import workers as workers_module
 from cnnkit.data.batch import Encoded
@@ -277,7 +277,7 @@ def test_shared_memory_is_counted_for_every_process_on_the_machine(sets, monkeyp
 
 
 def test_workers_default_from_the_cores_shared_by_local_ranks(sets, monkeypatch):
-    monkeypatch.setattr(loader_module, "available_cores", lambda: 16)
+    monkeypatch.setattr(imageset, "available_cores", lambda: 16)
     cfg = data_config(sections(sets)[0])
     assert cfg.workers is None
     assert cfg.worker_count(1) == 15 and cfg.worker_count(8) == 1 and cfg.worker_count(4) == 3

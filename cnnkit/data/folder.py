@@ -19,7 +19,8 @@ from cnnkit.data.augment import imagenet_lighting, rrc_boxes
 from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, holdout_id, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, device_jpeg, image_shape, load_resized
-from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
+from cnnkit.data.imageset import ImageSetConfig, build_augment
+from cnnkit.data.loader import build_streams
 from cnnkit.data.regions import (
     file_shape,
     load_region,

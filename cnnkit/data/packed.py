@@ -20,7 +20,8 @@ from cnnkit.data.augment import frame_boxes, lighting_from_cov
 from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, holdout_id, holdout_split
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes, holds_images
-from cnnkit.data.loader import ImageSetConfig, build_augment, build_streams
+from cnnkit.data.imageset import ImageSetConfig, build_augment
+from cnnkit.data.loader import build_streams
 from cnnkit.data.resize import resize_crop
 from cnnkit.data.scan import unknown_classes
 from cnnkit.data.slots import new_batch
