@@ -300,8 +300,8 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
 
 def _train_images(data: DataBundle) -> str:
     """'N train', and the images an epoch takes where whole batches leave some out."""
-    every, taken = getattr(data.train, "num_images", None), data.train.num_samples
-    if every is None or every == taken:
+    every, taken = data.train.num_images, data.train.num_samples
+    if every == taken:
         return f"{taken} train"
     return f"{every} train ({taken} an epoch: whole batches, reshuffled each epoch)"
 
