@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -14,9 +15,19 @@ from helpers import CLI, ROOT
 def pytest_configure(config: pytest.Config) -> None:
     """Ctrl-C as at a terminal, in this process and each xdist worker: a suite started in the
     background of a script (`pytest &`) inherits SIGINT ignored, which the tests that press
-    Ctrl-C (in process, or in the cnnkit processes they start, which inherit it) would not see."""
+    Ctrl-C (in process, or in the cnnkit processes they start, which inherit it) would not see.
+    And the cores shared among the xdist workers, as torchrun shares them among its ranks."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        from cnnkit.runtime import available_cores
+
+        threads = max(1, available_cores() // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the cnnkit processes the tests start
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
