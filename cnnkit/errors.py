@@ -1,6 +1,6 @@
 """The one exception family of cnnkit: every user mistake is a CnnkitError with one clear line;
 `config_error` turns pydantic's validation errors into one, `brief` cuts echoed values,
-`suggest` names the known word meant."""
+`suggest` names the known word meant, `plural` counts a noun."""
 
 from __future__ import annotations
 
@@ -157,6 +157,11 @@ def suggest(word: Any, known: Any) -> str:
     """` (did you mean 'x'?)` for the closest known word, or nothing."""
     close = difflib.get_close_matches(str(word)[:100], list(known), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def plural(count: int, noun: str, nouns: str = "") -> str:
+    """`1 epoch`, `3 epochs`; `nouns` where the plural is not noun + s (`class`, `classes`)."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def validation_message(error: Any, hide: Collection[str] = ()) -> str:

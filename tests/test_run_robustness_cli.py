@@ -17,7 +17,7 @@ import torch
 from helpers import CLI, ROOT, one_error_line, run_cli
 
 from cnnkit.config import load_run
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, plural
 from cnnkit.train.run import fit
 
 OVERRIDES = [  # (override, a piece of the message)
@@ -181,6 +181,11 @@ def test_a_file_that_is_no_checkpoint_says_what_it_is(tmp_path, capsys, content,
 def test_config_errors_suggest_the_field_meant():
     with pytest.raises(ConfigError, match=r"train.lrr: unknown field \(did you mean 'lr'\?\)"):
         load_run("digits", ["train.lrr=0.1"])
+
+
+def test_messages_count_in_the_plural_but_for_one():
+    assert [plural(n, "epoch") for n in (0, 1, 2)] == ["0 epochs", "1 epoch", "2 epochs"]
+    assert [plural(n, "class", "classes") for n in (1, 3)] == ["1 class", "3 classes"]
 
 
 def test_eval_takes_a_safetensors_export_with_data(tmp_path, capsys):

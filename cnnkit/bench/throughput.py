@@ -26,6 +26,7 @@ from cnnkit.bench.model_setup import forward_flops, load_network, synthetic_batc
 from cnnkit.bench.peak import Kernel, best_rates, math_mode, peak_kernels, theoretical_peak
 from cnnkit.bench.timing import Timing, autocast, check_precision, measure, measure_interleaved
 from cnnkit.config import TrainConfig
+from cnnkit.errors import plural
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import set_kernels
 from cnnkit.nn.onednn import freeze
@@ -274,16 +275,12 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
     for key, label in (("baseline", "speedup_vs_baseline"), ("careful", "speedup_vs_careful")):
         if key in r:
             b = r[key]
-            on = (
-                f", {b['threads']} thread{'s' * (b['threads'] != 1)}"
-                if r["device"] == "cpu"
-                else ""
-            )
+            on = f", {plural(b['threads'], 'thread')}" if r["device"] == "cpu" else ""
             say(f"  {key} {b['name']}{on}: {b['images_per_second']:.1f} images/s, step median "
                 f"{b['step_ms']:.2f} ms (interleaved) -> cnnkit {r[label]:.2f}x")  # fmt: skip
     for row in r.get("explore", []):
         mark = "  <- chosen" if row["chosen"] else ""
         layers = " + kernels per layer" if row["kernels"] else ""
         say(f"  explore {row['precision']} {'NHWC' if row['channels_last'] else 'NCHW'}{layers} "
-            f"{row['threads']} thread{'s' * (row['threads'] != 1)}: "
+            f"{plural(row['threads'], 'thread')}: "
             f"{row['images_per_second']:.1f} images/s{mark}")  # fmt: skip

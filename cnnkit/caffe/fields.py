@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cnnkit.errors import ConfigError, brief
+from cnnkit.errors import ConfigError, brief, plural
 from cnnkit.prototxt import Message
 
 
@@ -100,8 +100,12 @@ def multipliers(here: str, layer: Message, blobs: tuple[str, ...]) -> dict[str, 
     require(here, all(isinstance(m, Message) for m in params), "param is a { ... } block")
     v1 = {"lr_mult": layer.all("blobs_lr"), "decay_mult": layer.all("weight_decay")}
     given = max(len(params), *(len(v) for v in v1.values()))
-    require(here, given <= len(blobs), f"{given} param specs for a layer with {len(blobs)} "
-            f"learned blob{'s' * (len(blobs) > 1)} ({', '.join(blobs)}), as Caffe refuses")  # fmt: skip
+    require(
+        here,
+        given <= len(blobs),
+        f"{given} param specs for a layer with "
+        f"{plural(len(blobs), 'learned blob')} ({', '.join(blobs)}), as Caffe refuses",
+    )
     out: dict[str, Any] = {}
     for key in ("lr_mult", "decay_mult"):
         mults = {n: real(here, m, key, 1.0) for n, m in zip(blobs, params, strict=False)}

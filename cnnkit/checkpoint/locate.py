@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cnnkit.errors import CheckpointError
+from cnnkit.errors import CheckpointError, plural
 
 
 def dated_run_hint(target: str | Path) -> str:
@@ -81,7 +81,7 @@ def trained_files(run_dir: Path) -> list[str]:
         rows = len((run_dir / "metrics.csv").read_text().splitlines()) - 1
     except (OSError, UnicodeDecodeError):
         rows = 0
-    return found + [f"metrics.csv: {rows} epoch{'s' * (rows != 1)}"] * (rows > 0)
+    return found + [f"metrics.csv: {plural(rows, 'epoch')}"] * (rows > 0)
 
 
 def _run_file(folder: Path) -> Path | None:

@@ -46,17 +46,17 @@ def pack(
     in DST/bad_images.tsv; a class folder with no images is refused. Resumes when run again.
     """
     from cnnkit.data.pack import pack_folder
-    from cnnkit.errors import ConfigError
+    from cnnkit.errors import ConfigError, plural
 
     if resize not in RESIZE:
         raise ConfigError(f"--resize: {resize!r} is not squash or shorter-side-crop")
     s = pack_folder(src, dst, size, RESIZE[resize], format, quality, workers, labels)
-    done = f"{s.images} image{'s' * (s.images != 1)} of {s.classes} class{'es' * (s.classes != 1)}"
+    done = f"{plural(s.images, 'image')} of {plural(s.classes, 'class', 'classes')}"
     if s.resumed_shards == s.shards:
         print(f"already packed: {done} in {dst}")
     else:
         resumed = f" ({s.resumed_shards} resumed)" if s.resumed_shards else ""
-        print(f"packed {done} into {s.shards} shard{'s' * (s.shards != 1)}{resumed} -> {dst}")
+        print(f"packed {done} into {plural(s.shards, 'shard')}{resumed} -> {dst}")
     if s.classes == 1:
         print(f"cnnkit: note: one class only: training needs at least 2 (is {src} the folder above the "
               "class folders?)", file=sys.stderr)  # fmt: skip

@@ -230,8 +230,9 @@ def show_filters(
     out: Path = typer.Option(..., "-o", "--out", help="Image file (.png, .jpg, .webp, ...)."),
 ) -> None:
     """Draw the first convolution's filters as an enlarged, titled grid (the 2012 paper's fig. 3)."""
+    from cnnkit.errors import plural
     from cnnkit.infer.load import load_for_inference
-    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters, plural
+    from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters
 
     _writable(out, target, example="filters.png")
     check_suffix(out, IMAGE_SUFFIXES)

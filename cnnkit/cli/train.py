@@ -117,12 +117,12 @@ def _check_group(config, nproc: int, resume, oversubscribe: bool = False) -> Non
 def _check_cores(nproc: int) -> None:
     """More CPU processes than this process's cores (its affinity mask, its container's quota):
     each would get a fraction of a core, slower than fewer, a mistake unless asked for."""
-    from cnnkit.errors import ConfigError
+    from cnnkit.errors import ConfigError, plural
     from cnnkit.runtime import available_cores
 
     if nproc > (cores := available_cores()):
-        raise ConfigError(f"--nproc {nproc}: more processes than the {cores} CPU core"
-                          f"{'s' * (cores != 1)} this may run on; give --nproc {cores} or fewer "
+        raise ConfigError(f"--nproc {nproc}: more processes than the {plural(cores, 'CPU core')} "
+                          f"this may run on; give --nproc {cores} or fewer "
                           "(or --oversubscribe to start them all the same)")  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from pydantic import (
 
 from cnnkit.data import DataConfig, check_source
 from cnnkit.data.base import Section
-from cnnkit.errors import brief
+from cnnkit.errors import brief, plural
 from cnnkit.nn import read_spec
 
 DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # fullmatch ($ passes "cpu\n")
@@ -140,7 +140,7 @@ def schedule_notes(train: TrainConfig) -> list[str]:
     epochs (a forgotten override, or a short trial of a long recipe): said, not refused."""
     unused = _unused_schedule_settings(train)
     notes, epochs = [unused] if unused else [], train.epochs
-    counted = f"{epochs} epoch{'s' * (epochs != 1)}"
+    counted = plural(epochs, "epoch")
     if train.warmup_epochs >= epochs:
         notes.append(f"train.warmup_epochs {train.warmup_epochs:g} of {counted}: the lr "
                      f"never reaches train.lr {train.lr:g}")  # fmt: skip

@@ -19,7 +19,7 @@ from itertools import chain
 from pathlib import Path
 
 from cnnkit.data.decode import file_kind, is_image_name
-from cnnkit.errors import DataError, suggest
+from cnnkit.errors import DataError, plural, suggest
 
 FileKey = tuple[int, int]  # (st_dev, st_ino): one real file or folder
 Found = tuple[str, FileKey, bool]  # (path under the root, key, is a link)
@@ -292,8 +292,7 @@ def flat_with_labels(src: Path, labels_file: Path,
     files = walker.images("", recursive=False)
     missing = [n for n in files if n not in mapping and Path(n).stem not in mapping]
     if missing:
-        raise DataError(f"{labels_file}: no label for {len(missing)} image"
-                        f"{'s' * (len(missing) != 1)} in {src} "
+        raise DataError(f"{labels_file}: no label for {plural(len(missing), 'image')} in {src} "
                         f"(first: {printable(missing[0])})")  # fmt: skip
     names = [mapping.get(n, mapping.get(Path(n).stem)) for n in files]
     found = {key for n in files for key in (n, Path(n).stem)}

@@ -18,7 +18,7 @@ from torch import nn
 from cnnkit.distributed.device import group_device_name, resolve_device
 from cnnkit.distributed.environment import env_number, env_text, launched, restart_count
 from cnnkit.distributed.replicas import average_in_place, convert_sync_batchnorm
-from cnnkit.errors import CnnkitError, ConfigError
+from cnnkit.errors import CnnkitError, ConfigError, plural
 
 
 class Group:
@@ -48,8 +48,8 @@ class Group:
         if self.use_cuda:
             if self.local_world_size > (gpus := torch.cuda.device_count()):
                 raise ConfigError(
-                    f"{self.local_world_size} processes on this machine but {gpus} GPU"
-                    f"{'s' if gpus != 1 else ''}: one process per GPU (fewer --nproc / "
+                    f"{self.local_world_size} processes on this machine but {plural(gpus, 'GPU')}: "
+                    "one process per GPU (fewer --nproc / "
                     "--nproc-per-node; train.device=cpu runs a group on the CPU)"
                 )
             torch.cuda.set_device(self.local_rank)

@@ -12,7 +12,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, plural
 from cnnkit.infer.images import save_picture
 from cnnkit.infer.layout import Layout, layered_layout
 from cnnkit.nn import Network
@@ -237,11 +237,6 @@ def filter_title(model: nn.Module, name: str, conv: nn.Conv2d, trained: bool = T
     untrained = "" if trained else ", untrained (random initial weights)"
     return [f"{getattr(model, 'name', 'net')} {name}: {plural(o, 'filter')} of {i}x{kh}x{kw}"
             f"{untrained}", f"each stretched to its own min-max, {how}"]  # fmt: skip
-
-
-def plural(count: int, noun: str) -> str:
-    """`1 filter`, `96 filters`."""
-    return f"{count} {noun}{'s' * (count != 1)}"
 
 
 def _reads_rgb(conv: nn.Conv2d) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from cnnkit.config import RunConfig
 from cnnkit.data import DataBundle
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, plural
 from cnnkit.nn import Network
 from cnnkit.train.loop import Progress
 
@@ -78,13 +78,12 @@ def check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> N
     ends where an epoch is in progress would leave it half-trained."""
     if progress.epoch > config.train.epochs:
         raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} has done "
-                          f"{progress.epoch} epoch{'s' * (progress.epoch != 1)} already (ask for "
+                          f"{plural(progress.epoch, 'epoch')} already (ask for "
                           "more to go on, or leave it out)")  # fmt: skip
     if progress.step and progress.epoch >= config.train.epochs:
         raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} is in the middle of "
-                          f"epoch {progress.epoch + 1} ({progress.step} step"
-                          f"{'s' * (progress.step != 1)} done): ask for at "
-                          f"least {progress.epoch + 1} to finish it")  # fmt: skip
+                          f"epoch {progress.epoch + 1} ({plural(progress.step, 'step')} done): "
+                          f"ask for at least {progress.epoch + 1} to finish it")  # fmt: skip
 
 
 def check_same_data(state: dict[str, Any], data: DataBundle, run_dir: Path) -> None:

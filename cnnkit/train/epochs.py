@@ -17,7 +17,7 @@ from typing import Any
 
 from cnnkit.checkpoint import rng_state
 from cnnkit.distributed import resume_command
-from cnnkit.errors import Interrupted, StoppedWithGroup
+from cnnkit.errors import Interrupted, StoppedWithGroup, plural
 from cnnkit.train.engine import Engine
 from cnnkit.train.loop import (
     Progress,
@@ -239,7 +239,7 @@ def _early_stop(progress: Progress, patience: int, console: Console) -> bool:
         return False
     best = max(progress.history, key=lambda r: r["val_top1"])
     console.print(
-        f"early stop: no held-out gain for {patience} epoch{'s' * (patience != 1)} (best "
+        f"early stop: no held-out gain for {plural(patience, 'epoch')} (best "
         f"{best['val_top1']:.2%} at epoch {int(best['epoch'])})"
     )
     return True

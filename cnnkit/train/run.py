@@ -19,7 +19,7 @@ from cnnkit.checkpoint import set_rng_state
 from cnnkit.config import RunConfig, dump_run, load_run, schedule_notes
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
-from cnnkit.errors import CheckpointError, ConfigError
+from cnnkit.errors import CheckpointError, ConfigError, plural
 from cnnkit.runtime import mix_seed, restore_matmuls, seed_everything, tf32_matmuls, torch_threads
 from cnnkit.train.build import build_run_engine
 from cnnkit.train.checks import check_epochs_left, check_processes, check_same_data
@@ -251,7 +251,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
         f"{engine.device}{many} ({engine.settings.describe(config.train.threads)}), "
         f"{_train_images(data)} / {data.val.num_samples} held-out images, "
-        f"{len(data.train)} step{'s' * (len(data.train) != 1)} an epoch from epoch "
+        f"{plural(len(data.train), 'step')} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
     _schedule_notes(config, main)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from cnnkit.config import TrainConfig
-from cnnkit.errors import ConfigError
+from cnnkit.errors import ConfigError, plural
 from cnnkit.nn import Network
 from cnnkit.nn.tuning import (
     MARGIN,
@@ -68,7 +68,7 @@ class Settings:
             counts = {k: [v for _, v in self.kernels].count(k) for k in named}
             mix = ", ".join(f"{n} {named[k]}" for k, n in counts.items() if n)
             parts.append(f"kernels per layer ({mix})")
-        parts.append(f"{self.threads} thread{'s' * (self.threads != 1)}")
+        parts.append(plural(self.threads, "thread"))
         if threads_asked is not None and threads_asked > self.threads:
             parts[-1] += f" ({threads_asked} asked; {available_cores()} cores here)"
         why = {"set": "as set", "rules": "static rules", "cached": "fastest measured (cached)",

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from cnnkit.distributed import Processes
+from cnnkit.errors import plural
 from cnnkit.train.engine import Engine
 from cnnkit.train.loop import Progress
 from cnnkit.train.metrics import Console, write_summary
@@ -102,6 +103,6 @@ def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bo
     images = summary["val_images"]
     return (
         f"done: held-out top-1 {summary['val_top1']:.2%}{five} at the last epoch "
-        f"({images} image{'s' * (images != 1)}{skipped}; best {best['val_top1']:.2%} at epoch "
+        f"({plural(images, 'image')}{skipped}; best {best['val_top1']:.2%} at epoch "
         f"{int(best['epoch'])}, kept as best.pt{ema}), {summary['wall_seconds']:.1f}s -> {run_dir}"
     )
