@@ -264,3 +264,33 @@ def test_a_drawing_that_fails_half_way_leaves_the_earlier_file_whole(tmp_path, m
             draw(tmp_path / name)
         assert (tmp_path / name).read_bytes() == b"the earlier drawing"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["boxes.png", "f.png", "net.svg"]
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg", ".pdf", ".jpg", ".webp", ".tiff", ".bmp"])
+def test_a_drawing_replaces_only_a_picture_cnnkit_drew(tmp_path, capsys, suffix):
+    """`show net`, `show filters` and `detect -o` draw again over their own pictures (marked in
+    the format's Software or Creator field) but refuse a photograph or notes of the user's, and
+    any BMP (a format without such a field): one line, the file as it was."""
+    from cnnkit.infer.images import drawn_by_cnnkit
+
+    command = "net" if suffix in (".svg", ".pdf") else "filters"
+    out = tmp_path / f"drawn{suffix}"
+    code, _, err = run_cli(["show", command, "lenet5", "-o", str(out)], capsys)
+    assert code == 0 and drawn_by_cnnkit(out) == (suffix != ".bmp"), err
+    code, _, err = run_cli(["show", command, "lenet5", "-o", str(out)], capsys)  # again
+    assert code == (2 if suffix == ".bmp" else 0), err
+    photo = tmp_path / f"photo{suffix}"
+    if suffix in (".svg", ".pdf"):
+        photo.write_bytes(out.read_bytes().replace(b"cnnkit", b"Inkscp"))  # another program's
+    else:
+        Image.new("RGB", (8, 8), (200, 10, 10)).save(photo)
+    mine = tmp_path / "notes.png"  # a text file of the user's, whatever its name says
+    mine.write_text("keep")
+    for given in (photo, mine):
+        before = given.read_bytes()
+        code, _, err = run_cli(["show", command, "lenet5", "-o", str(given)], capsys)
+        assert code == 2 and err == (
+            f"cnnkit: error: -o {given}: exists, and is not a picture cnnkit drew (the only file "
+            "a drawing replaces): give a new name\n"
+        )
+        assert given.read_bytes() == before and not drawn_by_cnnkit(given)

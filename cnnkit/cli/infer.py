@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from cnnkit.errors import CnnkitError
+from cnnkit.errors import CnnkitError, plural
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without torch
     from cnnkit.infer.export import CheckResult
@@ -207,7 +207,10 @@ def import_caffe(
     params = sum(p.numel() for p in net.parameters())
     shape = "x".join(map(str, net.output_shape))
     also = f" and {out.with_suffix('.safetensors')}" if state is not None else ""
-    typer.echo(f"wrote {out}{also}: {len(net.table)} layers, {params:,} parameters, output {shape}")
+    typer.echo(
+        f"wrote {out}{also}: {plural(len(net.table), 'layer')}, {params:,} parameters, "
+        f"output {shape}"
+    )
 
 
 def show_net(
@@ -218,11 +221,11 @@ def show_net(
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import NET_SUFFIXES, check_suffix, draw_net
 
-    _writable(out, net, example="net.png")
+    _writable(out, net, example="net.png", picture=True)
     check_suffix(out, NET_SUFFIXES)
     loaded = load_for_inference(net)
     draw_net(loaded.model, out)
-    typer.echo(f"wrote {out}: {len(loaded.model.table)} layers")
+    typer.echo(f"wrote {out}: {plural(len(loaded.model.table), 'layer')}")
 
 
 def show_filters(
@@ -230,11 +233,10 @@ def show_filters(
     out: Path = typer.Option(..., "-o", "--out", help="Image file (.png, .jpg, .webp, ...)."),
 ) -> None:
     """Draw the first convolution's filters as an enlarged, titled grid (the 2012 paper's fig. 3)."""
-    from cnnkit.errors import plural
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters
 
-    _writable(out, target, example="filters.png")
+    _writable(out, target, example="filters.png", picture=True)
     check_suffix(out, IMAGE_SUFFIXES)
     loaded = load_for_inference(target)
     shape = draw_filters(loaded.model, out, loaded.trained, source=target)
@@ -273,7 +275,7 @@ def detect(
     from cnnkit.runtime import keep_freed_memory
 
     keep_freed_memory()  # window batch after window batch: the same large buffers
-    _writable(out, target, image, example="boxes.png")
+    _writable(out, target, image, example="boxes.png", picture=True)
     if out is not None:
         check_suffix(out, IMAGE_SUFFIXES)  # before the search, not after it
     picture = to_hwc(image)
@@ -295,10 +297,11 @@ def detect(
         typer.echo(f"wrote {out}: {len(boxes)} boxes", err=as_json)
 
 
-def _writable(out: Path | None, *inputs: str | Path | None, example: str) -> None:
+def _writable(out: Path | None, *inputs: str | Path | None, example: str,
+              picture: bool = False) -> None:  # fmt: skip
     """One clear line instead of a traceback when -o points into a missing folder or names one
     (`example`: a file name to suggest in it), and instead of overwriting a file the command
-    reads (`inputs`)."""
+    reads (`inputs`), or, for a `picture`, any file but a picture cnnkit drew."""
     from cnnkit.errors import ConfigError
 
     for given in inputs:
@@ -322,6 +325,12 @@ def _writable(out: Path | None, *inputs: str | Path | None, example: str) -> Non
     ):
         raise ConfigError(f"-o {out}: is a file of the run in {out.parent}, which this would "
                           "replace: give the output a name of its own")  # fmt: skip
+    if picture and out is not None and out.is_file():
+        from cnnkit.infer.images import drawn_by_cnnkit
+
+        if not drawn_by_cnnkit(out):
+            raise ConfigError(f"-o {out}: exists, and is not a picture cnnkit drew (the only "
+                              "file a drawing replaces): give a new name")  # fmt: skip
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
     if out is not None:  # before any work

@@ -38,6 +38,8 @@ from cnnkit.errors import DataError
 from cnnkit.runtime import atomic
 
 ImageInput = str | Path | Image.Image | np.ndarray | torch.Tensor
+DRAWN_BY = "cnnkit"  # the Software / Creator field of the pictures cnnkit draws
+EXIF_SOFTWARE = 0x0131  # EXIF's Software tag
 
 
 @dataclass
@@ -260,7 +262,40 @@ def image_name(image: Any, index: int) -> str:
 
 
 def save_picture(picture: Image.Image, path: Path) -> None:
-    """A PIL image to `path` in the format its suffix names, written whole or not at all."""
+    """A PIL image to `path` in the format its suffix names, written whole or not at all, and
+    marked as cnnkit's (drawn_by_cnnkit) where the format has a field for it."""
     kind = Image.registered_extensions().get(Path(path).suffix.lower())
+    marked: dict[str, Any] = {}
+    if kind == "PNG":
+        from PIL.PngImagePlugin import PngInfo
+
+        marked["pnginfo"] = PngInfo()
+        marked["pnginfo"].add_text("Software", DRAWN_BY)
+    elif kind in ("JPEG", "WEBP", "TIFF"):
+        exif = Image.Exif()
+        exif[EXIF_SOFTWARE] = DRAWN_BY
+        marked["exif"] = exif.tobytes()
     with atomic(Path(path), private=True) as f:
-        picture.save(f, format=kind)
+        picture.save(f, format=kind, **marked)
+
+
+def figure_metadata(fmt: str) -> dict[str, str]:
+    """matplotlib's savefig metadata that marks a figure as cnnkit's (drawn_by_cnnkit)."""
+    return {"Software" if fmt == "png" else "Creator": DRAWN_BY}
+
+
+def drawn_by_cnnkit(path: Path) -> bool:
+    """Whether `path` holds a picture cnnkit drew (its Software or Creator field says so): the
+    only file a drawing's -o replaces. A photograph or a drawing of the user's is never ours,
+    nor is a format without such a field (BMP)."""
+    try:
+        if path.suffix.lower() in (".svg", ".pdf"):
+            if path.stat().st_size > 64 << 20:  # larger than any network drawing
+                return False
+            mark = b"<dc:title>%s</dc:title>" if path.suffix.lower() == ".svg" else b"/Creator (%s)"
+            return mark % DRAWN_BY.encode() in path.read_bytes()
+        with warnings.catch_warnings(), Image.open(path) as im:  # the header: no pixels decoded
+            warnings.simplefilter("ignore")  # (a decompression-bomb warning: not ours either way)
+            return DRAWN_BY in (im.info.get("Software"), im.getexif().get(EXIF_SOFTWARE))
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return False

@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
 from cnnkit.errors import ConfigError, plural
-from cnnkit.infer.images import save_picture
+from cnnkit.infer.images import figure_metadata, save_picture
 from cnnkit.infer.layout import Layout, layered_layout
 from cnnkit.nn import Network
 from cnnkit.nn.graph import LayerInfo
@@ -134,7 +134,8 @@ def draw_net(model: Network, path: Path) -> Layout:
             0, margin + title / 2, heading, fontsize=FONT_SIZE + 2, va="center", parse_math=False
         )  # a name with $ in it is words, not mathtext
         with atomic(Path(path), private=True) as f:  # an existing drawing stays whole if this fails
-            fig.savefig(f, dpi=100, format=Path(path).suffix[1:].lower())
+            fmt = Path(path).suffix[1:].lower()
+            fig.savefig(f, dpi=100, format=fmt, metadata=figure_metadata(fmt))
         plt.close(fig)
     return layout
 
