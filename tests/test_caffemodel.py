@@ -427,3 +427,83 @@ def test_deconvolution_is_conv_transpose_with_caffes_weights_and_bilinear_filler
     with torch.no_grad():
         a = F.conv_transpose2d(x, blobs["up"][0], stride=2, padding=1, groups=2)
         torch.testing.assert_close(net(x), F.conv_transpose2d(a, *blobs["score"], stride=2))
+
+
+BN_FIRST = """layer { name: "data_bn" type: "BatchNorm" bottom: "data" top: "data_bn" }
+layer { name: "data_scale" type: "Scale" bottom: "data_bn" top: "data_bn" scale_param { bias_term: true } }
+layer { name: "act" type: "PReLU" bottom: "data_bn" top: "act" }
+layer { name: "norm" type: "LRN" bottom: "act" top: "norm" lrn_param { local_size: 3 } }
+layer { name: "both" type: "Eltwise" bottom: "norm" bottom: "data" top: "both" }
+layer { name: "pool" type: "Pooling" bottom: "both" top: "pool"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv1" type: "Convolution" bottom: "pool" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 } }
+layer { name: "conv2" type: "Convolution" bottom: "data" top: "conv2"
+        convolution_param { num_output: 4 kernel_size: 5 stride: 2 } }
+layer { name: "sum" type: "Eltwise" bottom: "conv1" bottom: "conv2" top: "sum" }
+layer { name: "fc8" type: "InnerProduct" bottom: "sum" top: "fc8" inner_product_param { num_output: 5 } }
+"""  # the input normalised by a batch norm first, as some Caffe ResNets do, and read again
+SCALE_BESIDE = """layer { name: "data_bn" type: "BatchNorm" bottom: "data" top: "bn" }
+layer { name: "data_scale" type: "Scale" bottom: "bn" top: "sc" scale_param { bias_term: true } }
+layer { name: "both" type: "Eltwise" bottom: "sc" bottom: "bn" top: "both" }
+layer { name: "conv1" type: "Convolution" bottom: "both" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 } }
+layer { name: "fc8" type: "InnerProduct" bottom: "conv1" top: "fc8" inner_product_param { num_output: 5 } }
+"""  # the Scale beside another reader of the batch norm: a depthwise convolution
+CONCAT = """layer { name: "relu" type: "ReLU" bottom: "data" top: "r" }
+layer { name: "cat" type: "Concat" bottom: "data" bottom: "r" top: "cat" }
+layer { name: "conv1" type: "Convolution" bottom: "cat" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 } }
+layer { name: "fc8" type: "InnerProduct" bottom: "conv1" top: "fc8" inner_product_param { num_output: 5 } }
+"""  # the reversed channels concatenated: their order cannot be followed
+
+
+@pytest.mark.parametrize(
+    ("layers", "reversed_layers"),
+    [
+        (BN_FIRST, "data_bn, act, conv1, conv2"),
+        (SCALE_BESIDE, "data_bn, data_scale, conv1"),
+        (CONCAT, None),
+    ],
+    ids=["bn-first", "scale-beside", "concat"],
+)
+def test_layers_before_the_first_convolutions_are_turned_to_rgb_too(
+    tmp_path, layers, reversed_layers
+):
+    """The BGR order is followed from the input through batch norms, Scales, PReLU, LRN,
+    pooling and sums to the convolutions: the import reads RGB as the Caffe net read BGR, and
+    says Caffe's preprocessing. Where it cannot be followed, the net keeps BGR and says so."""
+    from cnnkit.caffe import read_caffe
+
+    prototxt = prototxt_file(tmp_path, layers, "dim: 1 dim: 3 dim: 8 dim: 8")
+    g = torch.Generator().manual_seed(0)
+    shapes = {name: [p.shape for p in m.parameters(recurse=False)] for name, m in
+              build_model(import_caffe(prototxt)).named_modules() if name}  # fmt: skip
+    blobs = {}
+    for name in ("conv1", "conv2", "fc8", "act"):
+        if name in shapes:
+            blobs[name] = [torch.randn(s, generator=g) * 0.3 for s in shapes[name]]
+    if "data_bn" in shapes:
+        blobs["data_bn"] = [torch.randn(3, generator=g), torch.rand(3, generator=g) + 0.5,
+                            torch.tensor([3.0])]  # fmt: skip
+        blobs["data_scale"] = [torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g)]
+    write_caffemodel(tmp_path / "net.caffemodel", blobs)
+
+    def built(keep_bgr: bool):
+        imported = read_caffe(prototxt, tmp_path / "net.caffemodel", keep_bgr=keep_bgr)
+        net = build_model(imported.model).eval()
+        net.load_state_dict(imported.state)
+        return net, imported
+
+    caffe, _ = built(keep_bgr=True)  # the weights as Caffe holds them: BGR
+    rgb, imported = built(keep_bgr=False)
+    x = torch.randn(2, 3, 8, 8, generator=g) * 40
+    with torch.no_grad():
+        if reversed_layers is None:
+            assert "preprocess" not in imported.model
+            assert any("keep Caffe's BGR channel order" in n for n in imported.notes)
+            torch.testing.assert_close(rgb(x), caffe(x))
+        else:
+            assert imported.model["preprocess"]["mean"] == [122.68, 116.67, 104.01]
+            assert imported.notes[0].startswith(f"{reversed_layers}: input channels reversed")
+            torch.testing.assert_close(rgb(x), caffe(x.flip(1)), rtol=1e-5, atol=1e-4)
