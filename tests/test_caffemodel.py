@@ -173,6 +173,16 @@ def test_caffemodels_that_do_not_fit_are_one_line(tmp_path, capsys):
     write_caffemodel(partial, {k: v for k, v in blobs.items() if k != "conv2"})
     with pytest.raises(CheckpointError, match="the .caffemodel has no weights for layer 'conv2'"):
         import_caffe_weights(DATA / "lenet.prototxt", partial)
+    norms = tmp_path / "norms.prototxt"
+    norms.write_text(NORMS)
+    ones = torch.ones(4)
+    layers = {"conv1": [torch.zeros(4, 3, 3, 3), ones], "scale1": [ones, ones], "relu1": [ones],
+              "fc8": [torch.zeros(5, 196), torch.zeros(5)]}  # fmt: skip
+    for variance, factor in ((torch.tensor([1.0, -0.5, 1, 1]), 1.0), (ones, -2.0)):
+        write_caffemodel(wrong, {**layers, "bn1": [ones, variance, torch.tensor([factor])]})
+        with pytest.raises(CheckpointError, match=r"^layer 'bn1': blob variance \(over the "
+                           r"scale factor\) has negative values, as no trained batch norm"):  # fmt: skip
+            import_caffe_weights(norms, wrong)
     junk = tmp_path / "junk.caffemodel"
     junk.write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match="not a Caffe .caffemodel"):

@@ -202,6 +202,10 @@ def _batchnorm(layer: _BlobReader, own: dict[str, tuple[int, ...]]) -> dict:
     mean, var = layer.read(0, "mean", want), layer.read(1, "variance", want)
     factor = float(layer.read(2, "scale factor", (1,))[0])
     factor = 0.0 if factor == 0 else 1.0 / factor
+    if (var * factor < 0).any():  # a square's running average never is
+        raise CheckpointError(f"layer {layer.caffe_name!r}: blob variance (over the scale "
+                              "factor) has negative values, as no trained batch norm has (the "
+                              "net would compute NaN)")  # fmt: skip
     return {
         f"{layer.name}.running_mean": torch.from_numpy(mean * factor),
         f"{layer.name}.running_var": torch.from_numpy(var * factor),
