@@ -62,7 +62,8 @@ def _astronaut_png(folder: Path) -> Path:
 
 
 def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
-    """Fresh weights classify as noise: only a network file naming its weights is taken."""
+    """Fresh weights classify (and score) as noise: only a network file naming its weights is
+    taken."""
     image = tmp_path / "x.png"
     Image.new("L", (8, 8)).save(image)
     code, _, err = run_cli(["classify", "digitnet", str(image)], capsys)
@@ -70,9 +71,12 @@ def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
     export = tmp_path / "fresh.safetensors"  # its export says so, and is refused alike
     code, out, err = run_cli(["export", "digitnet", "-o", str(export)], capsys)
     assert code == 0 and out.startswith("wrote") and "note: digitnet has no trained weights" in err
-    for argv in (["classify", str(export), str(image)], ["detect", str(export), str(image)]):
+    for argv in (["classify", str(export), str(image)], ["detect", str(export), str(image)],
+                 ["eval", str(export), "--data", "digits"]):  # fmt: skip
         code, _, err = run_cli(argv, capsys)
         assert "export of a network without trained weights" in one_error_line(code, err, (2,))
+    code, _, err = run_cli(["eval", "digitnet", "--data", "digits"], capsys)
+    assert "digitnet: a network without trained weights" in one_error_line(code, err, (2,))
     net = load_network("digitnet").model
     torch.save(net.state_dict(), tmp_path / "w.pt")
     (tmp_path / "net.yaml").write_text(f"model: {json.dumps({**net.spec, 'weights': 'w.pt'})}\n")

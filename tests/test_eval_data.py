@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -14,10 +15,17 @@ from PIL import Image
 
 @pytest.fixture
 def untrained(tmp_path, monkeypatch, capsys) -> str:
-    """An export of digitnet's fresh weights (classes class0..class9, grey 8x8), made in the
-    test's own directory, the current one; a folder `sm` of 2 classes x 10 images beside it."""
+    """An export of digitnet with weights of its own, fresh ones from a weights file (classes
+    class0..class9, grey 8x8), made in the test's own directory, the current one; a folder
+    `sm` of 2 classes x 10 images beside it."""
+    import torch
+
+    from cnnkit import build_model
+
     monkeypatch.chdir(tmp_path)
-    assert run_cli(["export", "digitnet", "-o", "n.safetensors"], capsys)[0] == 0
+    torch.save(build_model("digitnet").state_dict(), "w.pt")
+    (tmp_path / "n.yaml").write_text("model: {network: digitnet, weights: w.pt}\n")
+    assert run_cli(["export", "n.yaml", "-o", "n.safetensors"], capsys)[0] == 0
     for k in range(2):
         (tmp_path / "sm" / f"class{k}").mkdir(parents=True)
         for i in range(10):
@@ -54,3 +62,39 @@ def test_a_folder_named_as_a_bundled_set_is_read_as_a_folder(untrained, tmp_path
     assert code == 0, err
     assert json.loads(out)["images"] == 20  # the folder's, not the bundled set's 359
     assert "cnnkit: note: --data digits: the folder ./digits, not the bundled digits set" in err
+
+
+def test_a_network_file_with_weights_is_scored_as_its_export(untrained, tmp_path, capsys):
+    """`eval NET.yaml --data D` (torchvision's published weights, a Caffe import): the figures
+    of its export. It names no classes: classes given by index are its outputs, as Caffe's
+    val.txt gives them; named ones are taken in sorted order, as torchvision's ImageFolder
+    numbers them, when the data holds as many as it has outputs, else one line."""
+
+    def scored(target: str, data: str) -> tuple[dict, str]:
+        code, out, err = run_cli(["eval", target, "--data", data, "--json"], capsys)
+        assert code == 0, err
+        return {k: v for k, v in json.loads(out).items() if k in ("loss", "top1", "images")}, err
+
+    assert scored("n.yaml", "sm")[0] == scored(untrained, "sm")[0]
+    for k in range(2):
+        (tmp_path / "sm" / f"class{k}").rename(tmp_path / "sm" / str(k))  # by index
+    assert scored("n.yaml", "sm") == (scored(untrained, "sm")[0], "")
+    for k in range(2):
+        (tmp_path / "sm" / str(k)).rename(tmp_path / "sm" / f"x{k}")
+    code, _, err = run_cli(["eval", "n.yaml", "--data", "sm"], capsys)
+    assert one_error_line(code, err) == (
+        "cnnkit: error: --data sm: 2 classes, and the network names none of its 10 outputs: to "
+        "be taken in order, as torchvision's ImageFolder numbers them, the data must hold every "
+        "class"
+    )
+    for k in range(2, 10):  # as many classes as outputs: x0..x9 are outputs 0..9
+        (tmp_path / "sm" / f"x{k}").mkdir()
+        shutil.copy(tmp_path / "sm" / "x1" / "0.png", tmp_path / "sm" / f"x{k}" / "0.png")
+    in_order, err = scored("n.yaml", "sm")
+    assert err == (
+        "cnnkit: note: --data sm: the network names no classes: the data's 10 classes, in "
+        "sorted order, are its outputs 0-9, as torchvision's ImageFolder numbers them\n"
+    )
+    for k in range(10):
+        (tmp_path / "sm" / f"x{k}").rename(tmp_path / "sm" / f"class{k}")
+    assert in_order == scored(untrained, "sm")[0]

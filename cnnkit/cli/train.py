@@ -180,7 +180,9 @@ def _short(value) -> str:
 
 def evaluate(
     target: str = typer.Argument(
-        ..., help="A run directory, checkpoint file or .safetensors export (with --data)."
+        ...,
+        help="A run directory, checkpoint file, or (with --data) a .safetensors export or a "
+        "network file with weights: (torchvision's or timm's published ones, a Caffe import).",
     ),
     data: str = typer.Option(
         None,
@@ -212,7 +214,8 @@ def evaluate(
     from cnnkit.train.evaluation import evaluate_checkpoint
 
     keep_freed_memory()  # batch after batch reuses the same large buffers
-    result = evaluate_checkpoint(target, data, device, batch_size, tencrop, ema, labels)
+    loaded = _network_file(target, ema)
+    result = evaluate_checkpoint(target, data, device, batch_size, tencrop, ema, labels, loaded)
     if as_json:
         print(json.dumps(result, indent=2))
         return
@@ -224,6 +227,25 @@ def evaluate(
     if tencrop:
         print(f"{' ' * len(what)}  {result['images']} images  10 crops     "
               f"{_figures(result['tencrop'], top5)}")  # fmt: skip
+
+
+def _network_file(target: str, ema: bool) -> tuple | None:
+    """A network file with `weights:` (or a zoo name, refused: no trained weights) loaded as
+    classify loads it, with the meta evaluate_checkpoint reads; None for anything else (a run
+    directory, checkpoint or export: evaluate_checkpoint loads it with its records)."""
+    from cnnkit.infer.load import load_for_inference, require_trained
+    from cnnkit.zoo import net_path
+
+    path = Path(target)
+    named = not path.exists() and net_path(target) is not None  # a zoo name
+    if not named and not (path.is_file() and path.suffix.lower() in (".yaml", ".yml", ".prototxt")):
+        return None
+    loaded = load_for_inference(target, ema=ema)
+    require_trained(loaded, target)
+    meta = {"classes": loaded.classes, "preprocess": loaded.preprocess.to_dict(), "config": {},
+            "path": target, "epoch": None, "mean_image": loaded.mean_image,
+            "settings": loaded.ran}  # fmt: skip
+    return loaded.model, meta
 
 
 def _which_epoch(result: dict) -> str:

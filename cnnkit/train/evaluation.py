@@ -47,8 +47,8 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
                           "(a packed set keeps its own labels)")  # fmt: skip
     if spec is None:
         if not trained:
-            raise ConfigError(f"--data: an export holds no data section: give --data "
-                              f"({DATA_TAKES})")  # fmt: skip
+            raise ConfigError(f"--data: an export or network file holds no data section: give "
+                              f"--data ({DATA_TAKES})")  # fmt: skip
         section = dict(trained)
     elif source_named(spec):
         section = {"source": spec}
@@ -205,13 +205,18 @@ def evaluate_checkpoint(
     tencrop: bool = False,
     ema: bool = False,
     labels: str | None = None,
+    loaded: tuple[torch.nn.Module, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a run directory or checkpoint; returns loss, top1, top5, images and where (with
-    `tencrop`: the centre crop's figures plus a "tencrop" mapping of the 10-crop ones; `ema`:
-    the moving average of the weights that train.ema kept; `labels`: a flat --data folder's
-    label file). On a CPU an fp32 run is evaluated
+    """Evaluate a run directory, checkpoint or export; returns loss, top1, top5, images and
+    where (with `tencrop`: the centre crop's figures plus a "tencrop" mapping of the 10-crop
+    ones; `ema`: the moving average of the weights that train.ema kept; `labels`: a flat
+    --data folder's label file; `loaded`: the network and its meta, as load_trained gives
+    them, of a network file with weights: loaded already). On a CPU an fp32 run is evaluated
     with the kernels classification measures as fastest (settings.inference_settings)."""
-    network, meta = load_trained(target, ema=ema)
+    network, meta = loaded if loaded is not None else load_trained(target, ema=ema)
+    if meta.get("trained") is False:  # its figures would be those of random weights
+        raise ConfigError(f"{target}: the export of a network without trained weights (its "
+                          "metadata says so): evaluate a run directory or checkpoint")  # fmt: skip
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
     cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"), labels)
     if data is not None and uses_mean_image(config):
@@ -272,8 +277,24 @@ def nothing_held_out(data: str | None, cfg: DataConfig) -> str:
 def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.Tensor | None:
     """The data's class indices as the network's (matched by name, as training matches a
     validation set), None where they are the same; DataError for a class the network lacks.
-    A set holding only some of the classes is fine; one that names them differently is not."""
+    A set holding only some of the classes is fine; one that names them differently is not.
+    A network that names no classes (class0, class1...: a network file with published
+    weights, its export) takes classes given by index (Caffe's val.txt) as those outputs, and
+    named ones in sorted order, as torchvision's ImageFolder numbers them, if as many."""
     if list(data_classes) == list(trained):
+        return None
+    unnamed = list(trained) == [f"class{k}" for k in range(len(trained))]
+    if unnamed and all(c.isdigit() and int(c) < len(trained) for c in data_classes):
+        return torch.tensor([int(c) for c in data_classes])
+    if unnamed and not set(data_classes) <= set(trained):
+        if len(data_classes) != len(trained):
+            raise DataError(f"--data {where}: {len(data_classes)} classes, and the network "
+                            f"names none of its {len(trained)} outputs: to be taken in order, "
+                            "as torchvision's ImageFolder numbers them, the data must hold "
+                            "every class")  # fmt: skip
+        print(f"cnnkit: note: --data {where}: the network names no classes: the data's "
+              f"{len(data_classes)} classes, in sorted order, are its outputs 0-"
+              f"{len(trained) - 1}, as torchvision's ImageFolder numbers them", file=sys.stderr)  # fmt: skip
         return None
     lookup = {name: k for k, name in enumerate(trained)}
     unknown = [c for c in data_classes if c not in lookup]
