@@ -146,10 +146,21 @@ def test_files_that_are_not_weights_are_refused(tmp_path):
         "list.pt": "not a state_dict: 'fc.weight' is not a tensor",
         "numbered.pt": "not a state_dict: its key '0' is not a name",
         "missing.pt": "no such weights file",
+        ".": r"a folder, not a weights file \(a .safetensors, .pt or .pth file\)$",
     }
     for name, message in cases.items():
         with pytest.raises(CheckpointError, match=message):
             build_model("squeezenet1_1", weights=tmp_path / name)
+    from cnnkit.infer.load import load_for_inference
+
+    (tmp_path / "nets").mkdir()  # the network file whose weights: are missing is named
+    (tmp_path / "nets" / "net.yaml").write_text("model: {network: squeezenet1_1, weights: w.pt}\n")
+    with pytest.raises(CheckpointError) as caught:
+        load_for_inference(tmp_path / "nets" / "net.yaml")
+    assert (
+        str(caught.value)
+        == f"{tmp_path / 'nets' / 'net.yaml'}: weights: w.pt: no such weights file"
+    )
 
 
 def test_weights_holding_nan_are_refused_naming_the_tensor(tmp_path):

@@ -85,7 +85,10 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
     target = torch.device(device)
     with torch.random.fork_rng(devices=[]):  # the same fresh weights at every export, drawn
         torch.default_generator.manual_seed(0)  # by the CPU's generator (CUDA's untouched)
-        model = build_model(description, device="meta" if target.type == "meta" else "cpu")
+        try:
+            model = build_model(description, device="meta" if target.type == "meta" else "cpu")
+        except CheckpointError as e:  # its weights: file (beside it): say whose
+            raise CheckpointError(f"{spec}: weights: {e}") from None
     if target.type not in ("cpu", "meta"):  # refused in one line if it does not fit there
         check_fits(model.name, model.param_count, model.activation_count, target)
     model = model.to(target)

@@ -24,6 +24,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file or a weights-only .pt / .pth (a bare state_dict or a
     checkpoint holding one under `state_dict` / `model`), with DDP's `module.` prefix removed."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a folder, not a weights file (a .safetensors, .pt or "
+                              ".pth file)")  # fmt: skip
     if not path.is_file():
         raise CheckpointError(f"{path}: no such weights file")
     state = _read_safetensors(path) if path.suffix == ".safetensors" else _read_pt(path)
