@@ -98,3 +98,43 @@ def test_a_network_file_with_weights_is_scored_as_its_export(untrained, tmp_path
     for k in range(10):
         (tmp_path / "sm" / f"x{k}").rename(tmp_path / "sm" / f"class{k}")
     assert in_order == scored(untrained, "sm")[0]
+
+
+def test_a_network_files_classes_name_its_outputs(untrained, tmp_path, capsys):
+    """`classes:` (a list, or a file of one name per line beside the network file) names the
+    outputs for classify, eval (matched by name) and the export; a count that does not fit, a
+    missing file, and a run file that trains with them are one line each."""
+    names = [f"digit {k}" for k in range(10)]
+    (tmp_path / "nets").mkdir()
+    (tmp_path / "nets" / "names.txt").write_text("\n".join(names) + "\n\n")  # blank: skipped
+    (tmp_path / "nets" / "n.yaml").write_text(
+        f"model: {{network: digitnet, weights: {tmp_path / 'w.pt'}, classes: names.txt}}\n"
+    )
+    code, out, err = run_cli(["classify", "nets/n.yaml", "sm/class1/3.png", "--json"], capsys)
+    assert code == 0 and {t["class"] for t in json.loads(out)["top"]} <= set(names), err
+    for k in range(2):
+        (tmp_path / "sm" / f"class{k}").rename(tmp_path / "sm" / f"digit {k}")
+    code, out, err = run_cli(["eval", "nets/n.yaml", "--data", "sm", "--json"], capsys)
+    assert code == 0 and err == "", err
+    for k in range(2):
+        (tmp_path / "sm" / f"digit {k}").rename(tmp_path / "sm" / f"class{k}")
+    code, expected, _ = run_cli(["eval", untrained, "--data", "sm", "--json"], capsys)
+    assert json.loads(out)["top1"] == json.loads(expected)["top1"]
+    assert run_cli(["export", "nets/n.yaml", "-o", "named.safetensors"], capsys)[0] == 0
+    code, out, _ = run_cli(["classify", "named.safetensors", "sm/class1/3.png", "--json"], capsys)
+    assert {t["class"] for t in json.loads(out)["top"]} <= set(names)
+    for given, said in (("[a, b]", "classes: 2 names for the network's 10 outputs"),
+                        ("none.txt", "classes: none.txt: No such file or directory")):  # fmt: skip
+        (tmp_path / "bad.yaml").write_text(
+            f"model: {{network: digitnet, weights: w.pt, classes: {given}}}\n"
+        )
+        code, _, err = run_cli(["classify", "bad.yaml", "sm/class1/3.png"], capsys)
+        assert one_error_line(code, err) == f"cnnkit: error: bad.yaml: {said}"
+    (tmp_path / "run.yaml").write_text(
+        "model: {network: digitnet, classes: [a, b]}\ndata: {source: digits}\n"
+    )
+    code, _, err = run_cli(["train", "run.yaml", "--dry-run"], capsys)
+    assert (
+        "model: classes names a network's outputs for classify, eval and export; training "
+        "takes the data's classes" in one_error_line(code, err)
+    )

@@ -200,6 +200,10 @@ class ModelConfig(Section):
     def _shorthand(cls, value: Any) -> Any:
         if isinstance(value, str) or (isinstance(value, dict) and "network" not in value):
             return {"network": value}
+        if isinstance(value, dict) and "classes" in value:  # (a network file's own are kept)
+            raise ValueError("classes names a network's outputs for classify, eval and "
+                             "export; training takes the data's classes (leave it out of a "
+                             "run file)")  # fmt: skip
         return value
 
     @field_validator("network")

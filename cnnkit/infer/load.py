@@ -23,7 +23,7 @@ from cnnkit.checkpoint import (
     uses_mean_image,
 )
 from cnnkit.data.base import MAX_SIDE, Preprocess, unit_mistake
-from cnnkit.errors import CheckpointError, ConfigError, suggest, validation_message
+from cnnkit.errors import CheckpointError, ConfigError, one_line, suggest, validation_message
 from cnnkit.nn import Network, build_model, read_spec
 from cnnkit.nn.memory import check_fits
 from cnnkit.nn.weights import MEAN_IMAGE_KEY
@@ -94,8 +94,29 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
     model = model.to(target)
     preprocess = network_preprocess(spec, tuple(model.input_shape), description.get("preprocess"))
     out = tuple(model.output_shape)  # a vector of scores: one name per output
-    classes = [f"class{i}" for i in range(model.num_classes or (out[0] if len(out) == 1 else 0))]
+    outputs = model.num_classes or (out[0] if len(out) == 1 else 0)
+    classes = class_names(description.get("classes"), outputs, spec)
     return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
+
+
+def class_names(given: list[str] | str | None, outputs: int, spec: str) -> list[str]:
+    """A network file's `classes:` (a list, or a file of one name per line), one per output;
+    class0, class1... where it gives none."""
+    if given is None:
+        return [f"class{i}" for i in range(outputs)]
+    names = given
+    if isinstance(given, str):
+        try:
+            with open(given, encoding="utf-8") as f:
+                names = [line.strip() for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            why = "not a UTF-8 text file" if isinstance(e, UnicodeDecodeError) else (
+                e.strerror or one_line(e))  # fmt: skip
+            raise ConfigError(f"{spec}: classes: {given}: {why}") from None
+    if len(names) != outputs:
+        raise ConfigError(f"{spec}: classes: {len(names)} names for the network's {outputs} "
+                          "outputs")  # fmt: skip
+    return [str(name) for name in names]
 
 
 def require_trained(loaded: Loaded, target: str | Path) -> None:

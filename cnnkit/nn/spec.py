@@ -157,6 +157,11 @@ class NetSpec(BaseModel):
         description="how classify and export read images for these weights: mean, std "
         "(0-255, per channel), resize, resize_mode (default: 0-1 pixels, no resize)",
     )
+    classes: list[str] | str | None = Field(
+        None,
+        description="the outputs' names, in order, for classify, eval and export: a list, or a "
+        "text file of one per line beside the network file (default: class0, class1, ...)",
+    )
     defaults: dict[str, dict[str, Any]] = Field(default_factory=dict, description="type -> fields")
     blocks: dict[str, BlockDef] = Field(default_factory=dict)
     layers: list[dict[str, Any]] = Field(min_length=1)
@@ -216,9 +221,10 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
     shown = getattr(model, "source", None) or (spec if source else None)
     model = Described(copy.deepcopy(model))
     model.source = str(shown) if shown is not None else None
-    weights = model.get("weights")
-    if source and isinstance(weights, str) and not Path(weights).is_absolute():
-        model["weights"] = str(Path(source).parent / weights)  # beside the network file
+    for key in ("weights", "classes"):  # files beside the network file
+        named = model.get(key)
+        if source and isinstance(named, str) and not Path(named).is_absolute():
+            model[key] = str(Path(source).parent / named)
     return model
 
 
@@ -253,16 +259,16 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
     them."""
     if hops >= MAX_FILE_HOPS:
         raise ConfigError(f"{source}: model: files name each other more than {MAX_FILE_HOPS} deep")
-    unknown = sorted(set(model) - {"network", "weights", "input"}, key=str)
+    unknown = sorted(set(model) - {"network", "weights", "input", "classes"}, key=str)
     if unknown:  # as `cnnkit train` refuses them: never dropped silently (a mistyped weights)
         where = f"{source}: " if source else ""
         hint = (
             " (preprocess: goes in the network file, beside its layers)"
             if unknown[0] == "preprocess"
-            else suggest(unknown[0], ("network", "weights", "input"))
+            else suggest(unknown[0], ("network", "weights", "input", "classes"))
         )
         raise ConfigError(f"{where}model.{unknown[0]}: unknown field (a run file's model: takes "
-                          f"network, weights and input){hint}")  # fmt: skip
+                          f"network, weights, input and classes){hint}")  # fmt: skip
     base = Path(source).parent if source else Path.cwd()
 
     def beside(name: Any) -> Any:
@@ -273,6 +279,8 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
         network["weights"] = beside(model["weights"])
     if model.get("input") is not None:
         network["input"] = model["input"]
+    if model.get("classes") is not None:
+        network["classes"] = beside(model["classes"])
     return network
 
 
