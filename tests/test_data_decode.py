@@ -172,3 +172,20 @@ def test_a_valid_tiff_of_samples_pillow_cannot_read_says_which():
     tifffile.imwrite(out, np.zeros((4, 5, 3), np.float32), photometric="rgb")
     with pytest.raises(BadImage, match=r"^a TIFF Pillow cannot read \(3 x 32-bit float samples\)"):
         decode.decode_data(out.getvalue(), suffix=".tif")
+
+
+def test_a_32_bit_integer_image_reads_as_pillow_converts_it(tmp_path):
+    """Pillow's mode I (0..254 here) was read as 16-bit (x >> 8): an all-black image. It reads
+    as convert('RGB') does (clipped to 0..255), what torchvision's PIL loader gives; a 16-bit
+    image keeps its top 8 bits."""
+    ints = np.arange(64, dtype=np.int32).reshape(8, 8) * 4 - 20  # -20..232
+    ints[0, :2] = 300, 70000
+    Image.fromarray(ints).save(tmp_path / "int32.tif")  # int32: mode I
+    array, note = read_image(tmp_path / "int32.tif")
+    np.testing.assert_array_equal(
+        array, np.asarray(Image.open(tmp_path / "int32.tif").convert("RGB"))
+    )
+    assert array[0, 2, 0] == 0 and array[7, 7, 0] == 232 and array[0, 0, 0] == 255
+    assert note == "32-bit integer grey (clipped to 0..255, as Pillow reads it) -> 8-bit RGB"
+    Image.fromarray((ints.clip(0, 255) * 256).astype(np.uint16)).save(tmp_path / "grey16.png")
+    np.testing.assert_array_equal(read_image(tmp_path / "grey16.png")[0][..., 0], ints.clip(0, 255))

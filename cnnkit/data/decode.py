@@ -199,7 +199,7 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str,
                 drafted = im.draft("RGB", (im.width // factor, im.height // factor))
                 factor = round(source[1] / drafted[1][2]) if drafted else 1  # (0, 0, W/f, H/f)
             check_pixels(im.width, im.height)  # after draft: the size that will be decoded
-            sixteen = _has_16_bit_samples(im)
+            sixteen = has_16_bit_samples(im)
             with libtiff_quiet(im.format == "TIFF"):
                 im.load()
     except Image.DecompressionBombError as e:  # Pillow's own limit, at twice its warning
@@ -214,7 +214,7 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str,
         damaged = "damaged TIFF" if data.startswith(_TIFF_MAGIC) else "unreadable image"
         reason = "truncated image" if "truncated" in str(e).lower() else f"{damaged} ({e})"
         raise BadImage(reason) from None
-    im, what = to_8bit(im)
+    im, what = to_8bit(im, sixteen)
     if what is None and sixteen and im.mode in ("RGB", "RGBA"):
         what = f"16-bit {im.mode} (top 8 bits)"  # Pillow keeps the high byte: right scaling
     if what is not None:
@@ -227,9 +227,10 @@ def _decode_pillow(data: bytes, size: int | None, mode: ResizeMode, suffix: str,
     return Decoded(array, "; ".join(notes) or None, factor, source)
 
 
-def _has_16_bit_samples(im: Image.Image) -> bool:
-    """True when Pillow will read 16-bit samples (its raw mode, e.g. 'RGB;16B')."""
-    for tile in im.tile:
+def has_16_bit_samples(im: Image.Image) -> bool:
+    """True when Pillow will read 16-bit samples (its raw mode, e.g. 'RGB;16B'); known only
+    before the image is loaded."""
+    for tile in getattr(im, "tile", ()):  # an image made in memory has none
         args = tile[3]
         raw = args if isinstance(args, str) else (args[0] if args else "")
         if isinstance(raw, str) and ";16" in raw:
@@ -237,16 +238,21 @@ def _has_16_bit_samples(im: Image.Image) -> bool:
     return False
 
 
-def to_8bit(im: Image.Image) -> tuple[Image.Image, str | None]:
-    """A deep greyscale image (16-bit, 32-bit integer, float) as 8-bit 'L', scaled so that its
-    range survives, and what it was; other images are returned as they are, with None.
+def to_8bit(im: Image.Image, sixteen: bool = False) -> tuple[Image.Image, str | None]:
+    """A deep greyscale image (16-bit, 32-bit integer, float) as 8-bit 'L', and what it was;
+    other images are returned as they are, with None. `sixteen`: its file holds 16-bit samples
+    (a 16-bit PGM opens in Pillow's 32-bit mode 'I').
 
-    The rule: 16-bit keeps its top 8 bits (x >> 8, so 65535 -> 255); 32-bit integers in
-    0..65535 are read as 16-bit; floats in [0, 1] become round(255 x). Any other range (negative,
-    above 65535 or 1.0, NaN) raises BadImage: no scaling of it would be right for every image.
+    The rule: 16-bit keeps its top 8 bits (x >> 8, so 65535 -> 255); 32-bit integers are
+    clipped to 0..255, as Pillow's convert('L') and convert('RGB') read them (what a
+    torchvision user gets); floats in [0, 1] become round(255 x). Any other range (negative
+    16-bit, floats outside [0, 1], NaN) raises BadImage: no scaling of it would be right for
+    every image.
     """
     if im.mode.startswith("I;16") and im.mode != "I;16S":
         return _grey(np.asarray(im).astype(np.uint16) >> 8), "16-bit grey (top 8 bits)"
+    if im.mode == "I" and not sixteen:
+        return im.convert("L"), "32-bit integer grey (clipped to 0..255, as Pillow reads it)"
     if im.mode not in ("I", "F", "I;16S"):
         return im, None
     values = np.asarray(im)
@@ -261,7 +267,7 @@ def to_8bit(im: Image.Image) -> tuple[Image.Image, str | None]:
     if low < 0 or high > 65535:
         raise BadImage(f"integer image with values outside 0..65535 (min {low}, max {high}): "
                        "no 8-bit scaling is right for it")  # fmt: skip
-    return _grey(values.astype(np.uint16) >> 8), "32-bit integer grey in 0..65535 (top 8 bits)"
+    return _grey(values.astype(np.uint16) >> 8), "16-bit grey (top 8 bits)"
 
 
 def _grey(values: np.ndarray) -> Image.Image:

@@ -27,6 +27,7 @@ from cnnkit.data.decode import (
     check_pixels,
     dct_factor,
     decode_data,
+    has_16_bit_samples,
     image_shape,
     is_image_name,
     read_file,
@@ -215,7 +216,7 @@ def _pil_array(image: Image.Image) -> np.ndarray:
     """A PIL image as uint8 (H, W) grey or (H, W, 3) RGB, deep greys scaled as files are."""
     try:
         check_pixels(image.width, image.height)
-        image = to_8bit(image)[0]
+        image = to_8bit(image, has_16_bit_samples(image))[0]
         return np.asarray(image.convert("L" if image.mode in ("1", "L") else "RGB"))
     except BadImage as e:
         raise DataError(str(e)) from None
