@@ -130,21 +130,31 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
         print(f"cnnkit: the network subtracts a mean image; a {fmt} export records only its "
               "per-channel averages as the preprocessing mean (safetensors keeps the image)",
               file=sys.stderr)  # fmt: skip
-    if fmt == "safetensors":
-        save_safetensors(loaded, path)
-    elif fmt == "torch-export":
-        export_program(loaded, path)
-    elif fmt == "torchscript":
-        example = torch.zeros(2, *model.input_shape)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.jit's deprecation notice
-            traced = torch.jit.trace(model, example)
-            extra = {"cnnkit.json": json.dumps(metadata(loaded))}
-            buffer = io.BytesIO()
-            torch.jit.save(traced, buffer, _extra_files=extra)
-            write_atomic(path, buffer.getvalue(), private=True)
-    else:
-        export_onnx(loaded, path)
+    with _torch_quiet():
+        if fmt == "safetensors":
+            save_safetensors(loaded, path)
+        elif fmt == "torch-export":
+            export_program(loaded, path)
+        elif fmt == "torchscript":
+            example = torch.zeros(2, *model.input_shape)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.jit's deprecation notice
+                traced = torch.jit.trace(model, example)
+                extra = {"cnnkit.json": json.dumps(metadata(loaded))}
+                buffer = io.BytesIO()
+                torch.jit.save(traced, buffer, _extra_files=extra)
+                write_atomic(path, buffer.getvalue(), private=True)
+        else:
+            export_onnx(loaded, path)
+
+
+@contextmanager
+def _torch_quiet() -> Iterator[None]:
+    """torch's UserWarnings while it runs the model to export or check it (an even kernel with
+    padding 'same' warns of a zero-padded copy, in several lines): the lines are cnnkit's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
+        yield
 
 
 def export_program(loaded: Loaded, path: Path) -> None:
@@ -279,7 +289,8 @@ def export_checked(loaded: Loaded, fmt: str, path: Path) -> CheckResult:
     """Export to a temporary file beside `path`, check it (`check_export`), and rename it to
     `path` only where it passes: a failed check, or an export that will not run, leaves `path`
     as it was, with one CnnkitError line for the latter."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.check{path.suffix}")
+    # the format's own suffix: torch.export.load logs a warning for a name not ending in .pt2
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.check{_suffix_of(fmt)}")
     try:
         export(loaded, fmt, tmp)
         result = _checked(loaded, fmt, tmp, path)
@@ -354,11 +365,12 @@ def check_export(loaded: Loaded, fmt: str, path: Path, seed: int = 0) -> CheckRe
     run = run_exported(fmt, path)
     gen = torch.Generator().manual_seed(seed)
     diffs, scales = [], []
-    for n in (1, 3):
-        x = torch.randn(n, *model.input_shape, generator=gen)
-        diffs.append(_diff(model(x), run(x), scales))
-    real = real_inputs(loaded)
-    real_diff = _diff(model(real), run(real), scales) if len(real) else 0.0
+    with _torch_quiet():
+        for n in (1, 3):
+            x = torch.randn(n, *model.input_shape, generator=gen)
+            diffs.append(_diff(model(x), run(x), scales))
+        real = real_inputs(loaded)
+        real_diff = _diff(model(real), run(real), scales) if len(real) else 0.0
     return CheckResult(max(diffs), real_diff, (1, 3, len(real)), max(scales))
 
 
