@@ -128,6 +128,8 @@ def cannot_write(folder: Path) -> str | None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".cnnkit-probe-"):
             return None
     except OSError as e:
+        if e.errno == errno.ENOENT and Path(folder).is_dir():  # how /proc refuses a new file
+            return "a special filesystem, which takes no new files"
         return e.strerror or type(e).__name__
 
 

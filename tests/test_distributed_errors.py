@@ -237,7 +237,8 @@ def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "2", "--out", "/proc/x"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert done.returncode == 2 and done.stderr.splitlines() == [
-        "cnnkit: error: run directory /proc/x: cannot write in /proc (No such file or directory)"
+        "cnnkit: error: run directory /proc/x: cannot write in /proc (a special filesystem, "
+        "which takes no new files)"
     ], done.stderr
     (tmp_path / "die.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     cmd = [sys.executable, "-m", "cnnkit.agent", "--standalone", "--nproc_per_node=1",

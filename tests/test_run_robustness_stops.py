@@ -136,14 +136,18 @@ def test_output_that_is_a_folder_is_one_line(command, tmp_path, capsys):
 
 
 def test_unwritable_places_are_one_line(tmp_path, capsys):
-    """A path under a file, and a folder nothing can be created in (/proc), before any work."""
+    """A path under a file, and a folder nothing can be created in (/proc), before any work;
+    /proc's refusal (ENOENT) said as what it is, not `No such file or directory` of a folder
+    that is there."""
     (tmp_path / "afile").write_text("x")
     code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "afile" / "run")], capsys)
     assert "afile" in one_error_line(code, err)
     if Path("/proc/self").is_dir():
         code, _, err = run_cli(["export", "digitnet", "--format", "onnx", "-o", "/proc/x.onnx"],
                                capsys)  # fmt: skip
-        assert "cannot write in /proc" in one_error_line(code, err)
+        line = one_error_line(code, err)
+        assert line.endswith("cannot write in /proc (a special filesystem, which takes no new "
+                             "files)"), line  # fmt: skip
         code, _, err = run_cli(["synth", "shapes", "/proc/cnnkit-synth"], capsys)
         assert "/proc/cnnkit-synth" in one_error_line(code, err)
 
