@@ -146,6 +146,7 @@ def test_the_format_comes_from_the_name_and_a_mismatch_is_refused(tmp_path, caps
     assert code == 0 and "(safetensors," in stdout, err
     assert load_safetensors(out).model.input_shape == (1, 32, 32)  # LeNet-5 as published
     for argv, why in ((["-f", "safetensors", "-o", "x.onnx"], "a .onnx name for a safetensors"),
+                      (["-f", "onnx", "-o", "x.pt2"], "a .pt2 name for an onnx export"),
                       (["-o", "x.pt"], "its name does not say the format: give --format")):  # fmt: skip
         code, _, err = run_cli(["export", "lenet5", *argv], capsys)
         assert code == 2 and why in err and len(err.splitlines()) == 1, err

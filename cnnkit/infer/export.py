@@ -57,6 +57,11 @@ class CheckResult:
         return self.max_diff <= self.tolerance
 
 
+def _a(fmt: str) -> str:
+    """The format's name after its article: `an onnx`, `a torchscript`."""
+    return f"{'an' if fmt[0] in 'aeiou' else 'a'} {fmt}"
+
+
 def _suffix_of(fmt: str) -> str:
     return next(suffix for suffix, name in SUFFIXES.items() if name == fmt)
 
@@ -73,7 +78,7 @@ def export_format(path: Path, fmt: str | None) -> str:
     if fmt not in FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     if implied not in (None, fmt):
-        raise ConfigError(f"-o {path}: a {path.suffix} name for a {fmt} export (that name "
+        raise ConfigError(f"-o {path}: a {path.suffix} name for {_a(fmt)} export (that name "
                           f"is --format {implied}'s)")  # fmt: skip
     return fmt
 
@@ -127,7 +132,7 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     model = loaded.model.to("cpu").eval()
     if loaded.mean_image is not None and fmt != "safetensors":
-        print(f"cnnkit: the network subtracts a mean image; a {fmt} export records only its "
+        print(f"cnnkit: the network subtracts a mean image; {_a(fmt)} export records only its "
               "per-channel averages as the preprocessing mean (safetensors keeps the image)",
               file=sys.stderr)  # fmt: skip
     with _torch_quiet():
