@@ -132,9 +132,9 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     model = loaded.model.to("cpu").eval()
     if loaded.mean_image is not None and fmt != "safetensors":
-        print(f"cnnkit: the network subtracts a mean image; {_a(fmt)} export records only its "
-              "per-channel averages as the preprocessing mean (safetensors keeps the image)",
-              file=sys.stderr)  # fmt: skip
+        print(f"cnnkit: note: the network subtracts a mean image; {_a(fmt)} export records "
+              "only its per-channel averages as the preprocessing mean (safetensors keeps the "
+              "image)", file=sys.stderr)  # fmt: skip
     with _torch_quiet():
         if fmt == "safetensors":
             save_safetensors(loaded, path)
