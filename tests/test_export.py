@@ -276,6 +276,8 @@ def test_a_network_on_feature_vectors_exports_and_round_trips(fmt, suffix, tmp_p
     out = tmp_path / f"vec.{suffix}"
     code, stdout, err = run_cli(["export", str(net), "-f", fmt, "-o", str(out), "--check"], capsys)
     assert code == 0 and "passed" in stdout, err
+    tried = "on random inputs (batch 1 and 3; the network reads feature vectors, not images);"
+    assert tried in stdout and "real images" not in stdout, stdout  # not `on 0 real images`
     plain = tmp_path / "plain.txt"
     plain.write_text("x")
     assert out.stat().st_mode == plain.stat().st_mode  # the usual mode (umask), not 0600

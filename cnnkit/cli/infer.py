@@ -147,12 +147,17 @@ def export(
 
 def _check_line(fmt: str, r: CheckResult) -> str:
     """How an export compares with PyTorch, in one line."""
+    from cnnkit.errors import plural
     from cnnkit.infer.export import RUNTIMES, TOLERANCE
 
+    real = r.batch_sizes[-1]
+    if real:
+        tried = f"random inputs (batch 1 and 3), {r.real_diff:.2e} on {plural(real, 'real image')}"
+    else:  # a network on feature vectors: no images to try
+        tried = "random inputs (batch 1 and 3; the network reads feature vectors, not images)"
     return (
         f"check ({RUNTIMES.get(fmt, fmt)} vs PyTorch, fp32 logits): max abs diff "
-        f"{r.random_diff:.2e} on random inputs (batch 1 and 3), {r.real_diff:.2e} on "
-        f"{r.batch_sizes[-1]} real images; tolerance {TOLERANCE:.0e} of the largest logit "
+        f"{r.random_diff:.2e} on {tried}; tolerance {TOLERANCE:.0e} of the largest logit "
         f"({r.scale:.3g}): {'passed' if r.ok else 'FAILED'}"
     )
 
