@@ -48,6 +48,27 @@ def test_info_reads_prototxts_runs_checkpoints_and_exports(digits_run, tmp_path,
     assert code == 1 and "(no best.pt or last.pt in it)" in err and err.count("\n") == 1
 
 
+def test_info_of_an_export_under_any_name_or_size_says_what_it_is(tmp_path, capsys):
+    """`export -f torchscript -o d.ts` then `info d.ts` said `not a text file`, and an ONNX
+    export over 16 MiB `larger than 16 MiB: not a network or run file`: each is said to be the
+    export it is (a TorchScript by its contents), with what info takes instead."""
+    from helpers import cli_ok
+
+    script = tmp_path / "d.ts"
+    cli_ok(["export", "digitnet", "-f", "torchscript", "-o", str(script)])
+    big = tmp_path / "big.onnx"
+    with big.open("wb") as f:
+        f.write(b"\x08\x08\x12\x07pytorch")
+        f.truncate(17 * 2**20)
+    capsys.readouterr()
+    for path, kind in ((script, "a TorchScript"), (big, "an ONNX")):
+        code, _, err = run_cli(["info", str(path)], capsys)
+        assert code == 2 and err.splitlines() == [
+            f"cnnkit: error: {path}: {kind} export, which cnnkit writes but does not read back: "
+            "give the run directory, .pt checkpoint or .safetensors export it came from"
+        ], err
+
+
 def test_a_folder_named_like_a_zoo_network_does_not_hide_it(tmp_path, capsys, monkeypatch):
     """`cnnkit info lenet5` beside a folder lenet5/ of one's own (no checkpoint in it) reads the
     zoo's network; a folder that holds a run is the run."""

@@ -24,6 +24,7 @@ from cnnkit.errors import CnnkitError, ConfigError, one_line
 from cnnkit.infer.images import crops_of, to_channels, to_hwc
 from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors
 from cnnkit.nn.layers import pair
+from cnnkit.nn.yamlio import archive_format
 from cnnkit.runtime import write_atomic
 
 Format = Literal["onnx", "torch-export", "torchscript", "safetensors"]
@@ -104,26 +105,12 @@ def held_format(path: Path) -> str | None:
     except OSError:
         return None
     if head[:4] == b"PK\x03\x04":
-        return _archive_format(path)
+        return archive_format(path)
     if head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
         return "safetensors"  # a little-endian header length, then the JSON header
     if head[:1] == b"\x08" and head[1:2] and head[1] < 0x80:
         return "onnx"  # a ModelProto starts with its ir_version (field 1, a small varint)
     return None
-
-
-def _archive_format(path: Path) -> str | None:
-    """A zip archive's export format: TorchScript keeps code/, torch.export an archive_format."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-    except (OSError, zipfile.BadZipFile):
-        return None
-    if any("/code/" in n for n in names):
-        return "torchscript"
-    return "torch-export" if any(n.endswith("/archive_format") for n in names) else None
 
 
 def export(loaded: Loaded, fmt: str, path: Path) -> None:

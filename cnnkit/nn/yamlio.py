@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import datetime
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ from yaml.scanner import Scanner
 from cnnkit.errors import ConfigError, brief, one_line
 
 MAX_BYTES = 16 * 2**20  # a 10,000-layer network file is about 1 MB
-EXPORT_SUFFIXES = (".onnx", ".pt2", ".torchscript")  # binary files cnnkit writes, never reads
+# the exports cnnkit writes, never reads, by their suffixes
+EXPORTS = {".onnx": "an ONNX", ".pt2": "a torch.export", ".torchscript": "a TorchScript"}
 MAX_DEPTH = 50  # a network file nests about 10 deep (aliases expanded too)
 MAX_NODES = 1_000_000  # values after expanding aliases (a "billion laughs" file has 10^9)
 FAST_FROM = 2**20  # characters: larger documents are parsed by libyaml
@@ -209,6 +211,8 @@ def read_yaml(path: str | Path, instead: str | None = None) -> Any:
     path = Path(path)
     try:
         if path.stat().st_size > MAX_BYTES:
+            if _export_kind(path) is not None and not instead:  # a large model: said for what it is
+                raise ConfigError(f"{path}: {_binary_hint(path)}")
             raise ConfigError(
                 f"{path}: larger than {MAX_BYTES // 2**20} MiB: not a network or run file"
             )
@@ -217,8 +221,9 @@ def read_yaml(path: str | Path, instead: str | None = None) -> Any:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML{_where(e)}: {_problem(e)}") from None
     except UnicodeDecodeError as e:
-        binary = not _mostly_ascii(data[:8192]) or path.suffix.lower() in EXPORT_SUFFIXES
-        if path.suffix.lower() in EXPORT_SUFFIXES and not instead:  # said for what it is
+        exported = _export_kind(path) is not None
+        binary = not _mostly_ascii(data[:8192]) or exported
+        if exported and not instead:  # said for what it is
             raise ConfigError(f"{path}: {_binary_hint(path)}") from None
         if binary or e.encoding != "utf-8":  # (a UTF-16 mark on what is no UTF-16 text)
             raise ConfigError(f"{path}: not a text file: {instead or _binary_hint(path)}") from None
@@ -249,13 +254,32 @@ def _mostly_ascii(sample: bytes) -> bool:
 
 def _binary_hint(path: Path) -> str:
     """What a binary file given for a network or run file may be, and what to give instead."""
-    if path.suffix.lower() in EXPORT_SUFFIXES:
-        kind = {".onnx": "an ONNX", ".pt2": "a torch.export", ".torchscript": "a TorchScript"}.get(
-            path.suffix.lower(), "an"
-        )
+    kind = _export_kind(path)
+    if kind is not None:
         return (f"{kind} export, which cnnkit writes but does not read back: give the run "
                 "directory, .pt checkpoint or .safetensors export it came from")  # fmt: skip
     return "give a zoo name, a network or run file (YAML), a Caffe .prototxt or a trained model"
+
+
+def _export_kind(path: Path) -> str | None:
+    """`an ONNX`, `a torch.export`, `a TorchScript`: the export (binary, written by cnnkit, never
+    read) that `path` is by its name, or by its contents under any name (`-f torchscript -o
+    d.ts`); None for anything else."""
+    kinds = {"torchscript": EXPORTS[".torchscript"], "torch-export": EXPORTS[".pt2"]}
+    return EXPORTS.get(path.suffix.lower()) or kinds.get(archive_format(path))
+
+
+def archive_format(path: Path) -> str | None:
+    """A zip archive's export format: TorchScript keeps code/, torch.export an archive_format;
+    None for any other file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return None
+    if any("/code/" in n for n in names):
+        return "torchscript"
+    return "torch-export" if any(n.endswith("/archive_format") for n in names) else None
 
 
 def _where(e: yaml.YAMLError) -> str:
