@@ -69,6 +69,16 @@ def test_info_of_an_export_under_any_name_or_size_says_what_it_is(tmp_path, caps
         ], err
 
 
+def test_info_of_a_runs_metrics_names_the_run_directory(digits_run, capsys):
+    """`info RUN/metrics.csv` said `expected a mapping with 'layers' (or 'model'), got str`: it
+    says what the file is and to give its run directory, as classify does."""
+    code, _, err = run_cli(["info", str(digits_run / "metrics.csv")], capsys)
+    assert code == 1 and err.splitlines() == [
+        f"cnnkit: error: {digits_run / 'metrics.csv'}: a CSV file, not a checkpoint or network: "
+        f"give its run directory {digits_run}"
+    ], err
+
+
 def test_a_folder_named_like_a_zoo_network_does_not_hide_it(tmp_path, capsys, monkeypatch):
     """`cnnkit info lenet5` beside a folder lenet5/ of one's own (no checkpoint in it) reads the
     zoo's network; a folder that holds a run is the run."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from cnnkit.zoo import NETS, RUNS
@@ -39,10 +41,12 @@ def info(
     ),
 ) -> None:
     """Print the layer table: output shape, parameters and multiply-adds per layer, then totals."""
+    from cnnkit.checkpoint import check_not_a_record
     from cnnkit.infer.load import network_of
     from cnnkit.nn.summary import print_layer_table
     from cnnkit.tables import wide_console
 
+    check_not_a_record(Path(net))  # a run's metrics.csv: its run directory, as classify says
     network = network_of(net, num_classes)
     if num_classes is not None and not network.heads:  # no layer is sized by it
         from cnnkit.errors import ConfigError
