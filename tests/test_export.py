@@ -158,6 +158,20 @@ def test_the_format_comes_from_the_name_and_a_mismatch_is_refused(tmp_path, caps
     assert (tmp_path / "run.yaml").read_text() == "name: mine\n"
 
 
+def test_format_names_are_taken_in_any_case_and_by_their_suffixes(tmp_path, capsys):
+    """--format ONNX and --format pt2 (the help's `torch-export (.pt2)`) were refused."""
+    from cnnkit.infer.export import export_format
+
+    given = ("ONNX", "pt2", ".PT2", "Torch-Export", "SafeTensors", "torchscript")
+    assert [export_format(Path("m.bin"), f) for f in given] == [
+        "onnx", "torch-export", "torch-export", "torch-export", "safetensors", "torchscript"]  # fmt: skip
+    out = tmp_path / "lenet.pt2"
+    code, stdout, err = run_cli(["export", "lenet5", "--format", "pt2", "-o", str(out)], capsys)
+    assert code == 0 and "(torch-export," in stdout, err
+    code, _, err = run_cli(["export", "lenet5", "-f", "ONNX", "-o", str(out)], capsys)
+    assert code == 2 and "a .pt2 name for an onnx export" in err, err
+
+
 def test_an_export_replaces_only_an_earlier_export_of_its_format(tmp_path, capsys):
     """A legacy torch.save file (pickle, torch's magic number) is a checkpoint; an array, a
     pickle or another format's export is no earlier export: none is replaced."""

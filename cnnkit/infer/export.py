@@ -76,12 +76,20 @@ def export_format(path: Path, fmt: str | None) -> str:
             raise ConfigError(f"-o {path}: its name does not say the format: give --format "
                               f"({', '.join(FORMATS)}) or end it in {', '.join(SUFFIXES)}")  # fmt: skip
         return implied
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    fmt = format_name(fmt)
     if implied not in (None, fmt):
         raise ConfigError(f"-o {path}: a {path.suffix} name for {_a(fmt)} export (that name "
                           f"is --format {implied}'s)")  # fmt: skip
     return fmt
+
+
+def format_name(given: str) -> str:
+    """--format's format: its name in any case (ONNX), or its suffix's (pt2, .pt2)."""
+    name = given.lower().removeprefix(".")
+    name = SUFFIXES.get(f".{name}", name)
+    if name not in FORMATS:
+        raise ConfigError(f"--format: {given!r} is not one of {', '.join(FORMATS)}")
+    return name
 
 
 def check_replaceable(path: Path, fmt: str) -> None:
