@@ -134,6 +134,16 @@ def test_a_damaged_tiff_is_one_line_without_pillows_warnings(digits_run, tmp_pat
     assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
+def test_classify_help_names_every_target_it_takes(capsys, monkeypatch):
+    """The help listed a run directory, checkpoint and .safetensors export, not the network
+    file with weights: that classify takes as well (and names when it refuses an untrained one)."""
+    monkeypatch.setenv("COLUMNS", "400")
+    code, out, _ = run_cli(["classify", "--help"], capsys)
+    takes = ("A run directory, checkpoint (.pt), .safetensors export, or network file with "
+             "weights: (a YAML file naming trained weights).")  # fmt: skip
+    assert code == 0 and takes in " ".join(out.split()), out
+
+
 def test_cli_missing_inputs_are_one_line_errors(digits_run, tmp_path, capsys):
     code, _, err = run_cli(["classify", str(tmp_path / "nope"), "x.png"], capsys)
     assert code == 1 and "no such run directory" in err

@@ -13,7 +13,8 @@ from cnnkit.errors import CnnkitError, plural
 if TYPE_CHECKING:  # imported where used: the CLI starts without torch
     from cnnkit.infer.export import CheckResult
 
-TARGET_HELP = "A run directory, checkpoint (.pt) or .safetensors export."
+TARGET_HELP = ("A run directory, checkpoint (.pt), .safetensors export, or network file with "
+               "weights: (a YAML file naming trained weights).")  # fmt: skip
 EMA_HELP = "The run's moving average of the weights (train.ema), from its best_ema.pt."
 IMPORT_HEADER = "imported by cnnkit import-caffe from"  # a network file's first line
 
