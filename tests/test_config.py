@@ -251,9 +251,17 @@ def test_another_sources_data_section_says_so():
         load_run("digits", ["data.source=packed", "data.path=p"])
     assert str(caught.value) == (
         "data.scale: Input should be a valid tuple (got 0.1) (this data: section was written "
-        "for another source: data.shift, data.rotate are not settings of packed; =null leaves "
-        "each out, or start from a run file written for packed data)"
+        "for another source: data.scale is packed's random-resized-crop area range, by default "
+        "[0.08, 1.0]; data.shift, data.rotate are not settings of packed, and =null leaves each "
+        "out; or start from a run file written for packed data)"
     )
+    with pytest.raises(ConfigError) as caught:  # =null leaves out only another source's fields
+        load_run("digits", ["data.source=packed", "data.path=p", "data.scale=null"])
+    assert str(caught.value).startswith(
+        "data.scale: Input should be a valid tuple (got null) (this data: section was written "
+        "for another source: data.scale is packed's random-resized-crop area range, by default "
+        "[0.08, 1.0]; data.shift, data.rotate are not settings of packed, and =null leaves each "
+    ), caught.value
     with pytest.raises(ConfigError, match=r"data.shift: unknown field \(a setting of data.source"):
         load_run("digits", ["data.source=packed", "data.path=p", "data.scale=[0.5, 1]"])
     moved = load_run("digits", ["data.source=packed", "data.path=p", "data.scale=[0.5, 1]",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import os
 import re
 import shlex
@@ -110,8 +111,9 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
             source, are = raw["data"]["source"], "is not a setting" if len(foreign) == 1 else (
                 "are not settings")  # fmt: skip
             error = ConfigError(f"{error} (this data: section was written for another source: "
-                                f"{', '.join(foreign)} {are} of {source}; =null leaves each out, "
-                                f"or start from a run file written for {source} data)")  # fmt: skip
+                                f"{_meant_otherwise(raw, str(error))}{', '.join(foreign)} {are} "
+                                f"of {source}, and =null leaves each out; or start from a run "
+                                f"file written for {source} data)")  # fmt: skip
         elif str(error) == "data: Field required" and isinstance(raw.get("model"), dict):
             error = ConfigError(f"{error} (a network file? a run file names it as model: FILE "
                                 "beside data: and train:; `cnnkit info FILE` reads a network)")  # fmt: skip
@@ -130,6 +132,23 @@ def _other_sources_fields(raw: dict[str, Any]) -> list[str]:
         return []
     others = {f for name, other in SOURCES.items() if other is not kind for f in other.model_fields}
     return [f"data.{k}" for k in data if k not in kind.model_fields and k in others]
+
+
+def _meant_otherwise(raw: dict[str, Any], error: str) -> str:
+    """`data.scale is packed's random-resized-crop area range, by default [0.08, 1.0]; ` where
+    the field in error is one its source takes and another source means something else by
+    (digits' scale, a zoom): =null leaves out only another source's fields, so what this one
+    takes is said."""
+    name = error.split(":", 1)[0].removeprefix("data.").split(".")[0]
+    source = raw["data"]["source"]
+    field = SOURCES[source].model_fields.get(name)
+    if field is None or name not in raw["data"]:
+        return ""
+    if all(o.model_fields[name].annotation == field.annotation
+           for o in SOURCES.values() if name in o.model_fields):  # fmt: skip
+        return ""
+    default = list(field.default) if isinstance(field.default, tuple) else field.default
+    return f"data.{name} is {source}'s {field.description}, by default {json.dumps(default)}; "
 
 
 def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
