@@ -213,10 +213,7 @@ def evaluate_checkpoint(
     --data folder's label file; `loaded`: the network and its meta, as load_trained gives
     them, of a network file with weights: loaded already). On a CPU an fp32 run is evaluated
     with the kernels classification measures as fastest (settings.inference_settings)."""
-    network, meta = loaded if loaded is not None else load_trained(target, ema=ema)
-    if meta.get("trained") is False:  # its figures would be those of random weights
-        raise ConfigError(f"{target}: the export of a network without trained weights (its "
-                          "metadata says so): evaluate a run directory or checkpoint")  # fmt: skip
+    network, meta = loaded if loaded is not None else _trained(target, ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
     cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"), labels)
     if data is not None and uses_mean_image(config):
@@ -260,6 +257,16 @@ def evaluate_checkpoint(
     return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,
             "checkpoint": meta["path"], "epoch": meta.get("epoch"), "device": str(dev),
             "classes": len(meta["classes"])}  # fmt: skip
+
+
+def _trained(target: str | Path, ema: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """load_trained's network and meta; ConfigError for an export of fresh weights, whose
+    figures would be those of random weights."""
+    network, meta = load_trained(target, ema=ema)
+    if meta.get("trained") is False:
+        raise ConfigError(f"{target}: the export of a network without trained weights (its "
+                          "metadata says so): evaluate a run directory or checkpoint")  # fmt: skip
+    return network, meta
 
 
 def nothing_held_out(data: str | None, cfg: DataConfig) -> str:
