@@ -292,3 +292,15 @@ def test_a_turned_jpeg_read_dct_scaled_gives_the_upright_ones_pixels(tmp_path, o
     expected = TF.resize(full, [8, 8], antialias=True).float()
     for error in (got - expected).abs(), (got - resized(tmp_path / "upright.jpg", pre)).abs():
         assert error.mean() < 2.5 and error.max() < 20  # the DCT's filter: 1-2 and 4-10
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["train", "digits", "-h"]])
+def test_train_help_whose_reader_goes_stops_quietly(argv, capsys, monkeypatch):
+    """`cnnkit train --help | head -3` said "training goes on without printing its log": help
+    trains nothing, so it stops as any other command's output does."""
+    import cnnkit.cli
+
+    monkeypatch.setattr(cnnkit.cli, "_stdout_to_devnull", lambda: None)  # pytest's own fd 1
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    code, _, err = run_cli(argv, capsys)
+    assert (code, err) == (141, "")

@@ -261,12 +261,19 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(sys.stdout, (_TrainingOutput, _CommandOutput)):  # main run again in-process
         _main(argv, debug)
         return
-    output = _TrainingOutput if argv[:1] == ["train"] else _CommandOutput
+    output = _TrainingOutput if _trains(argv) else _CommandOutput
     stdout, sys.stdout = sys.stdout, output(sys.stdout)
     try:
         _main(argv, debug)
     finally:
         sys.stdout = stdout
+
+
+def _trains(argv: list[str]) -> bool:
+    """Whether the command line trains (`train --help` or `--dry-run` only prints: its reader
+    going stops it, as any other command's)."""
+    options = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
+    return argv[:1] == ["train"] and not {"-h", "--help", "--dry-run"} & set(options)
 
 
 def _rank_of_nproc() -> bool:
