@@ -192,3 +192,17 @@ def test_every_commands_help_wraps_its_docstrings_paragraphs(capsys, monkeypatch
         for paragraph in inspect.cleandoc(doc).split("\n\n"):
             words = " ".join(paragraph.split())
             assert code == 0 and any(words in line for line in lines), (argv, words, out)
+
+
+def test_info_of_a_checkpoint_reads_past_its_networks_own_preprocess(digits_run, tmp_path,
+                                                                      capsys):  # fmt: skip
+    """A run trained from `model: {network: resnet18, input: [1, ...]}` kept the zoo's three
+    means in its network, and `info RUN` refused it: a run's preprocessing is its data's, kept
+    beside the network, so the network's own is not checked there."""
+    import torch
+
+    state = torch.load(digits_run / "last.pt", map_location="cpu", weights_only=False)
+    state["model_spec"] = {**state["model_spec"], "preprocess": {"mean": [1.0, 2.0, 3.0]}}
+    torch.save(state, tmp_path / "grey.pt")
+    code, out, err = run_cli(["info", str(tmp_path / "grey.pt")], capsys)
+    assert (code, err) == (0, "") and "digitnet" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -337,3 +338,28 @@ def test_model_input_builds_a_zoo_network_at_the_datas_size():
     alexnet = load_run({**raw, "model": {"network": "alexnet", "input": [3, 64, 64]}})
     with pytest.raises(ConfigError, match=r"\(pool5\): kernel_size: kernel 3 is larger than"):
         build_model(alexnet.model.spec())
+
+
+def test_model_input_of_other_channels_or_size_carries_the_preprocess_that_still_holds(
+    tmp_path, capsys
+):
+    """`model: {network: resnet18, input: [1, 64, 64]}`: the zoo's three ImageNet means no
+    longer fit one channel, and `info` of the run file refused it ("preprocess.mean: one value
+    or one per channel (1)"). Another channel count drops mean and std; another size scales
+    the resize as timm's crop_pct does (256 for 224 -> 73 for 64)."""
+    from helpers import run_cli
+
+    from cnnkit.nn import read_spec
+
+    zoo = read_spec("resnet18")["preprocess"]
+    grey = {"name": "x", "model": {"network": "resnet18", "input": [1, 64, 64]},
+            "data": {"source": "synthetic", "shape": [1, 64, 64]}}  # fmt: skip
+    assert load_run(grey).model.spec()["preprocess"] == {"resize": 73, "resize_mode": "shorter"}
+    larger = {**grey, "model": {"network": "resnet18", "input": [3, 320, 320]}}
+    assert load_run(larger).model.spec()["preprocess"] == {**zoo, "resize": 366}
+    same = {**grey, "model": {"network": "resnet18", "input": [3, 224, 224]}}
+    assert load_run(same).model.spec()["preprocess"] == zoo
+    assert read_spec("resnet18")["preprocess"] == zoo  # the zoo's own mapping is untouched
+    (tmp_path / "run.yaml").write_text(json.dumps(grey))
+    code, out, err = run_cli(["info", str(tmp_path / "run.yaml")], capsys)
+    assert (code, err) == (0, "") and "input 1x64x64" in out

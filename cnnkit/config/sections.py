@@ -22,7 +22,7 @@ from pydantic import (
 from cnnkit.data import DataConfig, check_source
 from cnnkit.data.base import Section
 from cnnkit.errors import brief, plural
-from cnnkit.nn import read_spec
+from cnnkit.nn import read_spec, with_input
 
 DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # fullmatch ($ passes "cpu\n")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
@@ -222,7 +222,7 @@ class ModelConfig(Section):
     def spec(self) -> dict[str, Any]:
         """The network's `model:` mapping (what the graph builder reads), with `input`."""
         spec = read_spec(self.network)
-        return spec if self.input is None else {**spec, "input": list(self.input)}
+        return spec if self.input is None else with_input(spec, self.input)
 
 
 class RunConfig(Section):

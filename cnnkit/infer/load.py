@@ -219,7 +219,7 @@ def run_folder(path: Path) -> bool:
 def network_of(target: str, num_classes: int | None = None) -> Network:
     """The network `target` names, built on the meta device (no memory, no weights)."""
     spec: Any = target
-    path = Path(target)
+    path, network_file = Path(target), True
     if path.suffix == ".prototxt":
         from cnnkit.caffe import import_caffe
 
@@ -227,11 +227,12 @@ def network_of(target: str, num_classes: int | None = None) -> Network:
     elif run_folder(path) or (path.suffix in (".pt", ".pth") and path.exists()):
         state = load_checkpoint(checkpoint_path(path))
         spec, num_classes = state["model_spec"], num_classes or state["num_classes"]
+        network_file = False  # its preprocessing is the run's data's, kept beside the network
     elif path.suffix == ".safetensors" and path.is_file():
         spec, saved = _export_spec(path)
-        num_classes = num_classes or saved
+        num_classes, network_file = num_classes or saved, False  # (as a checkpoint)
     network = build_model(spec, num_classes=num_classes, device="meta")
-    if isinstance(spec, (str, dict)):  # a network file: its preprocess: checked as classify would
+    if network_file:  # its preprocess: checked as classify would
         described = read_spec(spec) if isinstance(spec, str) else spec
         network_preprocess(target, tuple(network.input_shape), described.get("preprocess"))
     return network

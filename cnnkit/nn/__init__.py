@@ -2,7 +2,7 @@
 
 from cnnkit.nn.graph import LayerInfo, Network, build_model
 from cnnkit.nn.kinds import KINDS
-from cnnkit.nn.spec import read_spec
+from cnnkit.nn.spec import read_spec, with_input
 from cnnkit.nn.weights import load_weights, read_state_dict
 
 __all__ = [
@@ -13,4 +13,5 @@ __all__ = [
     "load_weights",
     "read_spec",
     "read_state_dict",
+    "with_input",
 ]

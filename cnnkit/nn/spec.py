@@ -228,6 +228,26 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
     return model
 
 
+def with_input(network: dict[str, Any], shape: list[int]) -> dict[str, Any]:
+    """`network` reading `shape` in place of its own input (a run file's `model.input`). Its
+    `preprocess:` describes the input its weights were made for: another channel count drops
+    its mean and std (they are another colour space's), another size scales its resize so that
+    the crop keeps its share of the resized image (timm's crop_pct)."""
+    out = copy.copy(network)  # (a Described keeps its source)
+    out["input"] = list(shape)
+    own, pre = network.get("input"), network.get("preprocess")
+    if not isinstance(pre, dict) or not isinstance(own, list) or len(own) != 3 or len(shape) != 3:
+        return out
+    pre = dict(pre)
+    if own[0] != shape[0]:
+        pre = {k: v for k, v in pre.items() if k not in ("mean", "std")}
+    resize, crop = pre.get("resize"), own[-1]
+    if isinstance(resize, int) and isinstance(crop, int) and crop > 0 and shape[-1] != crop:
+        pre["resize"] = max(shape[-1], round(resize * shape[-1] / crop))
+    out["preprocess"] = pre
+    return out
+
+
 def _check_misspelt_layers(model: Any, source: str | None) -> None:
     """A `model:` mapping without `layers` (nor a run file's `network`) whose key is one of them
     misspelt (`laeyrs`, `netwrk`) is refused naming that key, with the one meant."""
@@ -278,7 +298,7 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
     if model.get("weights") is not None:
         network["weights"] = beside(model["weights"])
     if model.get("input") is not None:
-        network["input"] = model["input"]
+        network = with_input(network, model["input"])
     if model.get("classes") is not None:
         network["classes"] = beside(model["classes"])
     return network
