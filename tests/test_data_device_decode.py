@@ -196,7 +196,7 @@ def test_a_device_decoder_that_cannot_start_is_said_once_and_left(capfd, monkeyp
     assert len(starts) == 1
     err = capfd.readouterr().err.strip()
     assert err == (
-        "cnnkit: the meta JPEG decoder cannot start (Failed to initialize nvjpeg with hardware "
+        "cnnkit: note: the meta JPEG decoder cannot start (Failed to initialize nvjpeg with hardware "
         "backend: 5): JPEGs are decoded on the CPU in the main process (correct, slow; "
         "data.decode: cpu decodes them in the loader workers instead)"
     )
@@ -302,7 +302,7 @@ def test_gpu_decoding_on_a_cpu_and_too_many_workers_are_said_once(sets, monkeypa
         next(iter(bundle.train)), next(iter(bundle.val))
     err = capfd.readouterr().err.splitlines()
     assert [line for line in err if "decode: gpu on a cpu device" in line] == [
-        "cnnkit: data.decode: gpu on a cpu device: the main process decodes each batch's JPEGs "
+        "cnnkit: note: data.decode: gpu on a cpu device: the main process decodes each batch's JPEGs "
         "there (libjpeg-turbo; the workers only read bytes)"]  # fmt: skip
     assert sum("data.workers=2 is more than the 1 cores" in line for line in err) == 1, err
 

@@ -65,7 +65,7 @@ def _decoder_failed(error: RuntimeError, device: torch.device) -> bool:
     if not any(words in text.lower() for words in _DECODER_FAILED):
         return False
     _unavailable.add(str(device))
-    print(f"cnnkit: the {device} JPEG decoder cannot start ({text[:120]}): JPEGs are decoded "
+    print(f"cnnkit: note: the {device} JPEG decoder cannot start ({text[:120]}): JPEGs are decoded "
           "on the CPU in the main process (correct, slow; data.decode: cpu decodes them in the "
           "loader workers instead)", file=sys.stderr)  # fmt: skip
     return True
@@ -97,7 +97,7 @@ def _on_the_cpu(item, device, decode_jpeg, rgb) -> torch.Tensor | None:
 
 @functools.cache
 def _say_decoded_on_the_cpu(device: str) -> None:
-    print(f"cnnkit: the {device} JPEG decoder refused images the CPU decoder reads: those are "
+    print(f"cnnkit: note: the {device} JPEG decoder refused images the CPU decoder reads: those are "
           "decoded on the CPU (correct, slower)", file=sys.stderr)  # fmt: skip
 
 

@@ -45,7 +45,7 @@ Mode = Literal["views", "crops", "whole", "encoded"]
 
 @functools.cache
 def _say_decoded_in_process(device: str) -> None:
-    print(f"cnnkit: data.decode: gpu on a {device} device: the main process decodes each batch's "
+    print(f"cnnkit: note: data.decode: gpu on a {device} device: the main process decodes each batch's "
           "JPEGs there (libjpeg-turbo; the workers only read bytes)", file=sys.stderr)  # fmt: skip
 
 

@@ -29,7 +29,7 @@ def no_worker_count_warning() -> Iterator[None]:
 
 @functools.cache
 def say_more_workers_than_cores(workers: int, cores: int) -> None:
-    print(f"cnnkit: data.workers={workers} is more than the {cores} cores this process may use: "
+    print(f"cnnkit: note: data.workers={workers} is more than the {cores} cores this process may use: "
           "they take turns (the default is one fewer than the cores)", file=sys.stderr)  # fmt: skip
 
 

@@ -101,7 +101,7 @@ class RunLog:
             if self.history and self._plotted != len(self.history):
                 self._plot()
         except Exception as e:  # noqa: BLE001 - may run while a run's own error propagates
-            print(f"cnnkit: curves.png not redrawn ({one_line(e)})", file=sys.stderr)
+            print(f"cnnkit: note: curves.png not redrawn ({one_line(e)})", file=sys.stderr)
         finally:
             if self.tb is not None:
                 self.tb.close()
