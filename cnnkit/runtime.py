@@ -121,6 +121,9 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
 
 
+SPECIAL_FILESYSTEM = "a special filesystem, which takes no new files"
+
+
 def cannot_write(folder: Path) -> str | None:
     """Why nothing can be created in `folder` (read-only, not ours, not a real folder such as
     /proc), found by making and removing a probe file; None when it can."""
@@ -129,8 +132,19 @@ def cannot_write(folder: Path) -> str | None:
             return None
     except OSError as e:
         if e.errno == errno.ENOENT and Path(folder).is_dir():  # how /proc refuses a new file
-            return "a special filesystem, which takes no new files"
+            return SPECIAL_FILESYSTEM
         return e.strerror or type(e).__name__
+
+
+def os_reason(e: OSError) -> str:
+    """An OSError's reason for one line: "No such file or directory" from making a file or
+    folder in a folder that is there (/proc refuses new entries so) says what that folder is."""
+    name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
+    if e.errno == errno.ENOENT and name and not os.path.lexists(name):
+        parent = Path(name).parent
+        if parent.is_dir() and cannot_write(parent) == SPECIAL_FILESYSTEM:
+            return f"{parent} is {SPECIAL_FILESYSTEM}"
+    return e.strerror or str(e)
 
 
 @contextmanager

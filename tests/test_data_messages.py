@@ -130,3 +130,24 @@ def test_counts_of_one_are_singular(flat, tmp_path, capsys):
     (tmp_path / "tree" / "b" / "notes.txt").write_text("")
     with pytest.raises(DataError, match=r"b: class folder with no images \(1 other entry skipped"):
         scan_images(tmp_path / "tree")
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")
+def test_synth_and_pack_into_proc_say_what_proc_is(tmp_path, capsys):
+    """`cnnkit synth shapes /proc/x` and `cnnkit pack SRC /proc/x` said "No such file or
+    directory" of a folder the user asked them to make: /proc refuses new entries so."""
+    from cnnkit.data.synth import synth_shapes
+
+    synth_shapes(tmp_path / "src", classes=2, per_class=1, size=16, workers=1)
+    special = "/proc is a special filesystem, which takes no new files"
+    code, _, err = run_cli(["synth", "shapes", "/proc/cnnkit-x", "--per-class", "1"], capsys)
+    assert (code, err) == (1, f"cnnkit: error: /proc/cnnkit-x: {special}\n")
+    code, _, err = run_cli(["pack", str(tmp_path / "src"), "/proc/cnnkit-x/y"], capsys)
+    assert code == 1 and err.endswith(f": cannot write /proc/cnnkit-x ({special})\n"), err
+    import errno
+
+    from cnnkit.runtime import os_reason
+
+    missing = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "a"))
+    assert os_reason(missing) == "No such file or directory"  # a real folder: a missing file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # (its probe file gone)

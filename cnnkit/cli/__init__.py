@@ -343,7 +343,9 @@ def _main(argv: list[str], debug: bool) -> None:
         name = str(e.filename) if e.filename else ""
         where = f"{name if len(name) <= 120 else name[:60] + '...' + name[-40:]}: " if name else ""
         kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
-        print(f"cnnkit: error: {where}{e.strerror}{kept}", file=sys.stderr)
+        from cnnkit.runtime import os_reason
+
+        print(f"cnnkit: error: {where}{os_reason(e)}{kept}", file=sys.stderr)
         sys.exit(1)
     if code == 130 and not _other_rank():  # typer's own return for a Ctrl-C it caught
         print("cnnkit: interrupted", file=sys.stderr)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cnnkit.data.scan import printable
 from cnnkit.errors import ConfigError, DataError
+from cnnkit.runtime import os_reason
 
 SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
 OWN_FILES = ("plan.json", "index.npz", "mean.npy", "files.txt", "bad_images.tsv", "meta.json")
@@ -55,7 +56,7 @@ def write_error(e: OSError, dst: Path) -> DataError:
         return DataError(f"{printable(str(dst))}: the disk is full (no space left on device "
                          f"writing {where}); free some space and run the same cnnkit pack again: "
                          "it resumes from the shards done")  # fmt: skip
-    return DataError(f"{printable(str(dst))}: cannot write {where} ({e.strerror or e})")
+    return DataError(f"{printable(str(dst))}: cannot write {where} ({os_reason(e)})")
 
 
 def shards_done(dst: Path) -> int:
