@@ -1,5 +1,6 @@
 """CLI smoke tests of `cnnkit zoo` and `cnnkit info`, and the one-line error contract."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,19 @@ def test_info_of_a_checkpoint_reads_past_its_networks_own_preprocess(digits_run,
     torch.save(state, tmp_path / "grey.pt")
     code, out, err = run_cli(["info", str(tmp_path / "grey.pt")], capsys)
     assert (code, err) == (0, "") and "digitnet" in out
+
+
+def test_info_of_a_network_file_notes_weights_that_are_not_there(tmp_path, capsys):
+    """info described a network file whose `weights:` was missing without a word, and classify
+    then refused it: the table is printed and a note names the file it lacks."""
+    (tmp_path / "w").mkdir()
+    for weights, what in (("missing.pt", "no such file"),
+                          ("w", "a folder, not a weights file")):  # fmt: skip
+        net = tmp_path / "net.yaml"
+        layers = [{"type": "flatten"}, {"type": "linear", "out_features": 2}]
+        net.write_text(json.dumps({"model": {"input": [1, 8, 8], "weights": weights,
+                                             "layers": layers}}))  # fmt: skip
+        code, out, err = run_cli(["info", str(net)], capsys)
+        assert code == 0 and "parameters: 130" in out
+        assert err == (f"cnnkit: note: {net}: weights: {tmp_path / weights}: {what} "
+                       "(classify, eval and export need it)\n")  # fmt: skip

@@ -47,7 +47,7 @@ def info(
     from cnnkit.tables import wide_console
 
     check_not_a_record(Path(net))  # a run's metrics.csv: its run directory, as classify says
-    network = network_of(net, num_classes)
+    network = network_of(net, num_classes, weights_note=True)
     if num_classes is not None and not network.heads:  # no layer is sized by it
         from cnnkit.errors import ConfigError
 

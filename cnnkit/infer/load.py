@@ -4,6 +4,7 @@ export, or a bare network (zoo name, YAML, Caffe prototxt) with freshly initiali
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,8 +217,10 @@ def run_folder(path: Path) -> bool:
     )
 
 
-def network_of(target: str, num_classes: int | None = None) -> Network:
-    """The network `target` names, built on the meta device (no memory, no weights)."""
+def network_of(target: str, num_classes: int | None = None, weights_note: bool = False) -> Network:
+    """The network `target` names, built on the meta device (no memory, no weights);
+    `weights_note`: a network file's `weights:` that is not there is said in a note (info
+    describes the network all the same)."""
     spec: Any = target
     path, network_file = Path(target), True
     if path.suffix == ".prototxt":
@@ -235,6 +238,11 @@ def network_of(target: str, num_classes: int | None = None) -> Network:
     if network_file:  # its preprocess: checked as classify would
         described = read_spec(spec) if isinstance(spec, str) else spec
         network_preprocess(target, tuple(network.input_shape), described.get("preprocess"))
+        weights = described.get("weights")
+        if weights_note and isinstance(weights, str) and not Path(weights).is_file():
+            what = "a folder, not a weights file" if Path(weights).is_dir() else "no such file"
+            print(f"cnnkit: note: {target}: weights: {weights}: {what} (classify, eval and "
+                  "export need it)", file=sys.stderr)  # fmt: skip
     return network
 
 
