@@ -145,8 +145,8 @@ def test_the_format_comes_from_the_name_and_a_mismatch_is_refused(tmp_path, caps
     code, stdout, err = run_cli(["export", "lenet5", "-o", str(out)], capsys)
     assert code == 0 and "(safetensors," in stdout, err
     assert load_safetensors(out).model.input_shape == (1, 32, 32)  # LeNet-5 as published
-    for argv, why in ((["-f", "safetensors", "-o", "x.onnx"], "a .onnx name for a safetensors"),
-                      (["-f", "onnx", "-o", "x.pt2"], "a .pt2 name for an onnx export"),
+    for argv, why in ((["-f", "safetensors", "-o", "x.onnx"], "a .onnx name for --format safetensors"),
+                      (["-f", "onnx", "-o", "x.pt2"], "a .pt2 name for --format onnx"),
                       (["-o", "x.pt"], "its name does not say the format: give --format")):  # fmt: skip
         code, _, err = run_cli(["export", "lenet5", *argv], capsys)
         assert code == 2 and why in err and len(err.splitlines()) == 1, err
@@ -169,7 +169,7 @@ def test_format_names_are_taken_in_any_case_and_by_their_suffixes(tmp_path, caps
     code, stdout, err = run_cli(["export", "lenet5", "--format", "pt2", "-o", str(out)], capsys)
     assert code == 0 and "(torch-export," in stdout, err
     code, _, err = run_cli(["export", "lenet5", "-f", "ONNX", "-o", str(out)], capsys)
-    assert code == 2 and "a .pt2 name for an onnx export" in err, err
+    assert code == 2 and "a .pt2 name for --format onnx" in err, err
 
 
 def test_an_export_replaces_only_an_earlier_export_of_its_format(tmp_path, capsys):

@@ -110,10 +110,10 @@ def test_a_safetensors_export_keeps_the_mean_image(mean_run, tmp_path, capsys):
     assert exported.labels == original.labels
     capsys.readouterr()
     main(["export", str(mean_run / "run"), "-o", str(tmp_path / "m.pt2")])
-    assert "a torch-export export records only its per-channel averages" in capsys.readouterr().err
+    assert "the torch-export file records only its per-channel averages" in capsys.readouterr().err
     main(["export", str(mean_run / "run"), "-o", str(tmp_path / "m.onnx")])
     err = capsys.readouterr().err  # a note, as every note is said
-    assert err.startswith("cnnkit: note: the network subtracts a mean image; an onnx export "
+    assert err.startswith("cnnkit: note: the network subtracts a mean image; the onnx file "
                           "records only its per-channel averages"), err  # fmt: skip
 
 

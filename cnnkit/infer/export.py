@@ -58,11 +58,6 @@ class CheckResult:
         return self.max_diff <= self.tolerance
 
 
-def _a(fmt: str) -> str:
-    """The format's name after its article: `an onnx`, `a torchscript`."""
-    return f"{'an' if fmt[0] in 'aeiou' else 'a'} {fmt}"
-
-
 def _suffix_of(fmt: str) -> str:
     return next(suffix for suffix, name in SUFFIXES.items() if name == fmt)
 
@@ -78,8 +73,8 @@ def export_format(path: Path, fmt: str | None) -> str:
         return implied
     fmt = format_name(fmt)
     if implied not in (None, fmt):
-        raise ConfigError(f"-o {path}: a {path.suffix} name for {_a(fmt)} export (that name "
-                          f"is --format {implied}'s)")  # fmt: skip
+        raise ConfigError(f"-o {path}: a {path.suffix} name for --format {fmt} (that name is "
+                          f"--format {implied}'s)")  # fmt: skip
     return fmt
 
 
@@ -127,7 +122,7 @@ def export(loaded: Loaded, fmt: str, path: Path) -> None:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     model = loaded.model.to("cpu").eval()
     if loaded.mean_image is not None and fmt != "safetensors":
-        print(f"cnnkit: note: the network subtracts a mean image; {_a(fmt)} export records "
+        print(f"cnnkit: note: the network subtracts a mean image; the {fmt} file records "
               "only its per-channel averages as the preprocessing mean (safetensors keeps the "
               "image)", file=sys.stderr)  # fmt: skip
     with _torch_quiet():
