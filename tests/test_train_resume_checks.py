@@ -312,3 +312,37 @@ def test_resuming_a_finished_run_keeps_its_summary(finished_run, tmp_path, capsy
     code, out, err = run_cli(["train", "--resume", str(run)], capsys)
     assert code == 0 and "its 1 epoch done (train.epochs=N for more)" in out, err
     assert json.loads((run / "summary.json").read_text()) == {**before, "run_dir": str(run)}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["folder", "packed"])
+def test_a_resume_that_trades_val_path_for_a_drawn_split_is_refused(packed, tmp_path, capsys):
+    """A run evaluated on data.val_path kept no split to compare: `--resume RUN
+    data.val_path=null` held out images of data.path, which it had trained on, and chose its
+    best.pt across the two. Refused in one line, nothing written; the run's own eval agrees."""
+    from helpers import one_error_line, run_cli
+
+    from cnnkit.data.synth import synth_shapes
+
+    for name in ("train", "val"):
+        synth_shapes(tmp_path / name, classes=2, per_class=6, size=24, workers=1)
+        if packed:
+            assert run_cli(["pack", str(tmp_path / name), str(tmp_path / f"{name}.pack"),
+                            "--size", "24"], capsys)[0] == 0  # fmt: skip
+    suffix = ".pack" if packed else ""
+    data = {"source": "packed" if packed else "folder", "path": str(tmp_path / f"train{suffix}"),
+            "val_path": str(tmp_path / f"val{suffix}"), "crop": 16, "batch_size": 4,
+            "workers": 0, **({} if packed else {"size": 24})}  # fmt: skip
+    run = tmp_path / "run"
+    config = {"name": "v", "model": {"input": [3, 16, 16], "layers": [
+        {"type": "conv", "out_channels": 4, "kernel_size": 3}, {"type": "global_avgpool"},
+        {"type": "linear"}]}, "data": data, "train": {"epochs": 1}}  # fmt: skip
+    fit(validate_run(config), run, quiet=True)
+    assert load_checkpoint(run / "last.pt")["holdout"] == "val_path"
+    before = (run / "metrics.csv").read_bytes()
+    code, _, err = run_cli(["train", "--resume", str(run), "train.epochs=2",
+                            "data.val_path=null"], capsys)  # fmt: skip
+    assert code == 2 and "the run was evaluated on data.val_path, and the data now holds out " \
+        "images of data.path, which it trained on" in one_error_line(code, err)  # fmt: skip
+    assert (run / "metrics.csv").read_bytes() == before
+    code, _, err = run_cli(["train", "--resume", str(run), "train.epochs=2", "--quiet"], capsys)
+    assert code == 0, err  # the same val_path: resumed

@@ -247,7 +247,11 @@ class DataBundle:
     train_labels: torch.Tensor  # (N,) int64 on the CPU: every training image's class
     mean_image: torch.Tensor | None = None  # (C, S, S) 0-255 float: what normalize: mean_image
     #   subtracts before cropping (checkpoints keep it; `preprocess` has its channel averages)
-    holdout: str | None = None  # holdout_id of a split drawn from the training images
+    holdout: str | None = None  # holdout_id of a split drawn from the training images,
+    #   OWN_VAL_SET where data.val_path gives the held-out images
+
+
+OWN_VAL_SET = "val_path"  # a run's holdout where its held-out images are a folder of their own
 
 
 def holdout_split(

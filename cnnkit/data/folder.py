@@ -16,7 +16,14 @@ from pydantic import Field, PositiveInt, PrivateAttr
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting, rrc_boxes
-from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, holdout_id, holdout_split
+from cnnkit.data.base import (
+    MAX_SIDE,
+    OWN_VAL_SET,
+    DataBundle,
+    Preprocess,
+    holdout_id,
+    holdout_split,
+)
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, device_jpeg, image_shape, load_resized
 from cnnkit.data.imageset import ImageSetConfig, build_augment
@@ -223,6 +230,7 @@ class FolderConfig(ImageSetConfig):
         fraction = 0.0 if self.val_path else self.val_fraction
         train_ids, val_ids = holdout_split(labels, fraction, keys=files)
         drawn = holdout_id(files, val_ids, len(files)) if fraction else None
+        drawn = OWN_VAL_SET if self.val_path else drawn
         train = FolderImages(root, files, labels, train_ids, self.size, self.resize_mode)
         if same:
             val = FolderImages(root, files, labels, np.arange(len(files)), self.size,

@@ -17,7 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import frame_boxes, lighting_from_cov
-from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, holdout_id, holdout_split
+from cnnkit.data.base import (
+    MAX_SIDE,
+    OWN_VAL_SET,
+    DataBundle,
+    Preprocess,
+    holdout_id,
+    holdout_split,
+)
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes, holds_images
 from cnnkit.data.imageset import ImageSetConfig, build_augment
@@ -318,6 +325,7 @@ class PackedConfig(ImageSetConfig):
                                 "both alike")  # fmt: skip
             label_map = _val_label_map(meta["classes"], val_meta["classes"], self.val_path)
             val = PackedImages(self.val_path, label_map=label_map)
+            drawn = OWN_VAL_SET
         else:
             every = PackedImages(self.path)
             keys = every.keys() if self.val_fraction else None
@@ -336,8 +344,7 @@ class PackedConfig(ImageSetConfig):
         pre = Preprocess.of_data(3, self.crop, meta["size"], meta["resize"], mean, std)
         labels = torch.from_numpy(train.labels[train.ids])
         return self.finish(DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop),
-                                      pre, labels, image,
-                                      None if self.val_path else drawn))  # fmt: skip
+                                      pre, labels, image, drawn))  # fmt: skip
 
     def stored_size(self) -> int:
         """The side the set was packed at."""

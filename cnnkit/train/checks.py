@@ -12,6 +12,7 @@ import torch
 
 from cnnkit.config import RunConfig
 from cnnkit.data import DataBundle
+from cnnkit.data.base import OWN_VAL_SET
 from cnnkit.errors import ConfigError, plural
 from cnnkit.nn import Network
 from cnnkit.train.loop import Progress
@@ -108,8 +109,12 @@ def check_same_data(state: dict[str, Any], data: DataBundle, run_dir: Path) -> N
 
 def check_same_split(drawn: str | None, data: DataBundle, where: str, advice: str) -> None:
     """ConfigError where a split drawn from the training images (`drawn`: the checkpoint's
-    holdout_id; None where it predates them or the run had a validation set of its own) holds
+    holdout_id, OWN_VAL_SET for a data.val_path of its own; None where it predates them) holds
     out other images now: the held-out figures would count images the run trained on."""
+    if drawn == OWN_VAL_SET and data.holdout != OWN_VAL_SET:
+        raise ConfigError(f"{where}: the run was evaluated on data.val_path, and the data now "
+                          "holds out images of data.path, which it trained on; "
+                          f"{advice}")  # fmt: skip
     if drawn is not None and drawn != data.holdout:
         raise ConfigError(f"{where}: the held-out images differ from the run's (images added, "
                           "removed or renamed, or the split's settings changed): its held-out "
