@@ -94,8 +94,11 @@ def test_cli_scaling_refuses_what_it_cannot_do_before_any_timing(capsys):
     assert code == 2 and "'auto' is not one of fp32, bf16, fp16" in err
 
 
-def test_a_quick_scaling_run_never_replaces_a_full_study(tmp_path, capsys):
-    study = json.dumps({"quick": False, "networks": [{}] * 15})
+@pytest.mark.parametrize("recorded", [{"quick": False}, {}], ids=["full", "unmarked"])
+def test_a_quick_scaling_run_never_replaces_a_full_study(recorded, tmp_path, capsys):
+    """A study written before `quick` was recorded (benchmarks/results/scaling-cpu.json) is a
+    full one too: --quick wrote over it."""
+    study = json.dumps({**recorded, "networks": [{}] * 15})
     (tmp_path / "scaling.json").write_text(study)
     code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "--quick", "-o",
                               str(tmp_path)], capsys)  # fmt: skip

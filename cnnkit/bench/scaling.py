@@ -229,7 +229,8 @@ def check_not_replacing(out: Path, quick: bool) -> None:
         there = json.loads((Path(out) / "scaling.json").read_text())
     except (OSError, ValueError):
         return  # none there (or not a study's): written over as any output file
-    if quick and isinstance(there, dict) and there.get("quick") is False:
+    full = isinstance(there, dict) and "networks" in there and there.get("quick") is not True
+    if quick and full:  # (a study written before `quick` was recorded is a full one)
         count = len(there.get("networks", []))
         raise ConfigError(f"--out: {Path(out) / 'scaling.json'} holds a full study ({count} "
                           "networks); a --quick run would replace it: give --out another "
