@@ -223,3 +223,16 @@ def test_info_of_a_network_file_notes_weights_that_are_not_there(tmp_path, capsy
         assert code == 0 and "parameters: 130" in out
         assert err == (f"cnnkit: note: {net}: weights: {tmp_path / weights}: {what} "
                        "(classify, eval and export need it)\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [
+    ["classify", "{f}", "x.png"], ["show", "net", "{f}", "-o", "{d}/m.svg"],
+    ["export", "{f}", "-o", "{d}/m.onnx"], ["eval", "{f}", "--data", "{d}"], ["info", "{f}"],
+])  # fmt: skip
+@pytest.mark.parametrize("name", ["missing.yaml", "missing.prototxt"])
+def test_a_missing_network_file_is_a_usage_error_in_every_command(argv, name, tmp_path, capsys):
+    """The README's exit 2 for a network or run file that is missing: info said so, classify,
+    show, export and eval gave 1 (a checkpoint's status)."""
+    net = str(tmp_path / name)
+    code, out, err = run_cli([a.format(f=net, d=tmp_path) for a in argv], capsys)
+    assert code == 2 and not out and err.count("\n") == 1 and name in err, err

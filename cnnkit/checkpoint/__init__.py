@@ -7,6 +7,7 @@
 
 from cnnkit.checkpoint.locate import (
     CHECKPOINTS,
+    NETWORK_SUFFIXES,
     check_not_a_record,
     checkpoint_path,
     dated_run_hint,
@@ -38,6 +39,7 @@ from cnnkit.checkpoint.trained import (
 
 __all__ = [
     "CHECKPOINTS",
+    "NETWORK_SUFFIXES",
     "EXPORT_FORMAT",
     "FORMAT",
     "NOT_HELD",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cnnkit.errors import CheckpointError, plural
+from cnnkit.errors import CheckpointError, ConfigError, plural
 
 
 def dated_run_hint(target: str | Path) -> str:
@@ -22,6 +22,9 @@ def dated_run_hint(target: str | Path) -> str:
     return f" (did you mean {runs[-1]}, the newest dated run of that name?)" if runs else ""
 
 
+NETWORK_SUFFIXES = (".yaml", ".yml", ".json", ".prototxt")  # the names of network files
+
+
 def checkpoint_path(target: str | Path, ema: bool = False) -> Path:
     """A checkpoint file, or a run directory's best.pt (else last.pt); with `ema`, the
     checkpoint of the moving average's best epoch (best_ema.pt) first."""
@@ -32,6 +35,8 @@ def checkpoint_path(target: str | Path, ema: bool = False) -> Path:
                 return target / name
         raise CheckpointError(no_checkpoint_in(target))
     if not target.exists():
+        if target.suffix.lower() in NETWORK_SUFFIXES:  # a usage error (exit 2), as info says it
+            raise ConfigError(f"{target}: no such network or run file")
         raise CheckpointError(
             f"{target}: no such checkpoint file or run directory{dated_run_hint(target)}"
         )

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from cnnkit.checkpoint import (
     EXPORT_FORMAT,
+    NETWORK_SUFFIXES,
     check_not_a_record,
     checkpoint_path,
     dated_run_hint,
@@ -55,6 +56,8 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
         if "/" not in str(target) and not path.suffix:  # a name, not a path: as `info` says it
             raise ConfigError(f"{target!r} is neither a zoo network ('cnnkit zoo' lists them) nor "
                               f"a run directory{suggest(target, zoo_names())}")  # fmt: skip
+        if path.suffix.lower() in NETWORK_SUFFIXES:  # a usage error (exit 2), as info says it
+            raise ConfigError(f"{target}: no such network or run file")
         raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network"
                               f"{dated_run_hint(target)}")  # fmt: skip
     if ema and path.suffix == ".safetensors":
