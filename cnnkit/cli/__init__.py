@@ -340,13 +340,18 @@ def _main(argv: list[str], debug: bool) -> None:
             raise
         if debug:
             _traceback_exit(1)
-        name = str(e.filename) if e.filename else ""
-        where = f"{name if len(name) <= 120 else name[:60] + '...' + name[-40:]}: " if name else ""
-        kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
-        from cnnkit.runtime import os_reason
-
-        print(f"cnnkit: error: {where}{os_reason(e)}{kept}", file=sys.stderr)
+        print(f"cnnkit: error: {_os_error_line(e)}", file=sys.stderr)
         sys.exit(1)
     if code == 130 and not _other_rank():  # typer's own return for a Ctrl-C it caught
         print("cnnkit: interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(code); commands return None
+
+
+def _os_error_line(e: OSError) -> str:
+    """A full disk's or a path's OSError as one line: the file (long names shortened), why."""
+    from cnnkit.runtime import os_reason
+
+    name = str(e.filename) if e.filename else ""
+    where = f"{name if len(name) <= 120 else name[:60] + '...' + name[-40:]}: " if name else ""
+    kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
+    return f"{where}{os_reason(e)}{kept}"
