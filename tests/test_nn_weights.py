@@ -259,3 +259,78 @@ def test_no_decay_on_norms_and_biases_as_the_readme_writes_it():
     groups = build_model(spec).param_groups(0.1, 5e-4)
     decays = {g["weight_decay"]: sorted(tuple(p.shape) for p in g["params"]) for g in groups}
     assert decays == {5e-4: [(3, 4), (4, 3, 3, 3)], 0.0: [(3,), (4,), (4,), (4,)]}
+
+
+TINY_NET = """model:
+  input: [3, 20, 20]
+  weights: tiny.safetensors
+  preprocess: {mean: [104, 117, 123], std: [1]}
+  layers:
+    - {type: conv, out_channels: 4, kernel_size: 3}
+    - {type: global_avgpool}
+    - {type: linear}
+"""
+
+
+def test_fine_tuning_normalises_as_the_weights_were_made_for(tmp_path, shapes, capsys):
+    """A run that starts from weights takes its network's preprocess: mean and std (a Caffe
+    net's pixels less its mean, unscaled; torchvision's ImageNet mean and std), as timm takes a
+    pretrained model's: from a pack's own statistics instead, a Caffe net read inputs 58x
+    smaller than its weights were made for. A checkpoint and classify take them too."""
+    from helpers import run_cli
+
+    from cnnkit.checkpoint import load_checkpoint
+    from cnnkit.data.pack import pack_folder
+
+    pack_folder(shapes, tmp_path / "packed", size=24, progress=False)
+    (tmp_path / "net.yaml").write_text(TINY_NET)
+    fresh = yaml.safe_load(TINY_NET)["model"]
+    del fresh["weights"]
+    save_file(build_model(fresh, num_classes=3).state_dict(), str(tmp_path / "tiny.safetensors"))
+    data = {"source": "packed", "path": str(tmp_path / "packed"), "crop": 20, "workers": 0,
+            "batch_size": 4}  # fmt: skip
+    run = {"name": "ft", "model": "net.yaml", "data": data, "train": {"epochs": 1, "device": "cpu"}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    code, _, err = run_cli(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "r"),
+                            "--quiet"], capsys)  # fmt: skip
+    assert code == 0, err
+    assert ("cnnkit: note: data.mean [104, 117, 123] and data.std [1, 1, 1] from the network's "
+            "preprocess:, as its weights were made for") in err  # fmt: skip
+    pre = load_checkpoint(tmp_path / "r" / "last.pt")["preprocess"]
+    assert (pre["mean"], pre["std"]) == ([104.0, 117.0, 123.0], [1.0, 1.0, 1.0])
+    assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["data"]["std"] == [1] * 3
+
+
+@pytest.mark.parametrize("case", ["no weights", "mean given", "mean_image", "folder", "bad"])
+def test_only_what_a_fine_tuning_run_leaves_out_takes_the_weights_normalisation(tmp_path, case):
+    """Fresh weights: the data's own statistics. A given data.mean stays (data.std comes from
+    the network); `normalize: mean_image` subtracts the pack's mean image, as it says. A
+    folder of torchvision's ImageNet values says nothing (nothing changes). A preprocess: that
+    is no normalisation is one line."""
+    from cnnkit.config import RunConfig
+    from cnnkit.train.build import normalised_for_weights
+
+    net = TINY_NET.replace("std: [1]", "std: [0, 1, 1]") if case == "bad" else TINY_NET
+    if case == "folder":
+        net = net.replace(
+            "mean: [104, 117, 123], std: [1]",
+            "mean: [123.675, 116.28, 103.53], std: [58.395, 57.12, 57.375]",
+        )
+    (tmp_path / "net.yaml").write_text(net.replace("  weights: tiny.safetensors\n", "")
+                                       if case == "no weights" else net)  # fmt: skip
+    data = {"source": "folder" if case == "folder" else "packed", "path": "p", "crop": 20,
+            **({"mean": [1, 2, 3]} if case == "mean given" else {}),
+            **({"normalize": "mean_image"} if case == "mean_image" else {})}  # fmt: skip
+    config = RunConfig.model_validate({"model": str(tmp_path / "net.yaml"), "data": data})
+    if case == "bad":
+        with pytest.raises(
+            ConfigError, match=r"preprocess\.std\.0: Input should be greater than 0"
+        ):
+            normalised_for_weights(config)
+        return
+    got, note = normalised_for_weights(config)
+    if case == "mean given":
+        assert (got.data.mean, got.data.std) == ((1, 2, 3), (1.0, 1.0, 1.0))
+        assert note.startswith("data.std [1, 1, 1] from the network's preprocess:")
+    else:
+        assert (got, note) == (config, None)

@@ -177,6 +177,7 @@ class FolderConfig(ImageSetConfig):
         "squash", description="or shorter side + crop"
     )
 
+    default_stats = (IMAGENET_MEAN, IMAGENET_STD)  # (ClassVar)
     _evaluating: bool = PrivateAttr(False)  # evaluated_as: an empty class folder is skipped
     _labels_option: str = PrivateAttr("data.val_labels")  # eval --data DIR: its --labels
 

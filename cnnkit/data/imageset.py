@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import (
@@ -52,7 +52,9 @@ class ImageSetConfig(DataConfigBase):
     prefetch: PositiveInt = Field(2, description="batches prefetched per worker")
     val_fraction: float = Field(0.1, ge=0, lt=1, description="held out when no val_path")
     mean: tuple[float, float, float] | None = Field(
-        None, description="per channel, 0-255 (None: ImageNet's for folders, the pack's own)"
+        None,
+        description="per channel, 0-255 (None: a fine-tuned network's preprocess:, else "
+        "ImageNet's for folders, the pack's own)",
     )
     std: tuple[PositiveFloat, PositiveFloat, PositiveFloat] | None = Field(
         None, description="per channel, 0-255 (each > 0: it divides)"
@@ -60,6 +62,8 @@ class ImageSetConfig(DataConfigBase):
     grey: bool = Field(False, description="luma of the RGB images (ITU-R 601, as torchvision's "
                        "Grayscale): for a network with 1 input channel")  # fmt: skip
     _mean_image: torch.Tensor | None = PrivateAttr(None)  # a trained run's (evaluated_as)
+    # the mean and std a source takes where none are given (None: the set's own, a pack's)
+    default_stats: ClassVar[tuple[tuple[float, ...], tuple[float, ...]] | None] = None
 
     @property
     def trained_mean(self) -> torch.Tensor | None:
@@ -78,6 +82,20 @@ class ImageSetConfig(DataConfigBase):
             return self
         return self.model_copy(update={"mean": tuple(preprocess.mean),
                                        "std": tuple(preprocess.std)})  # fmt: skip
+
+    def normalised_as(self, mean: tuple[float, ...], std: tuple[float, ...]) -> ImageSetConfig:
+        """These images normalised with `mean` and `std` (what a network's weights were made
+        for) where this section leaves its own out, checked as given ones are (pydantic's
+        ValidationError); itself where nothing changes: `normalize: mean_image`, both given,
+        or the values the source takes anyway."""
+        if self.normalize != "channel" or (self.mean and self.std):
+            return self
+        mean, std = self.mean or tuple(mean), self.std or tuple(std)
+        taken = self.default_stats  # what it normalises with otherwise (None: a pack's own)
+        if taken and (mean, std) == (self.mean or taken[0], self.std or taken[1]):
+            return self
+        update = {"mean": mean, "std": std}
+        return type(self).model_validate({**self.model_dump(exclude_unset=True), **update})
 
     def training_notes(self) -> list[str]:
         """A validation set that is the training set is refused (its figures would not be held

@@ -6,17 +6,57 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from cnnkit.config import RunConfig
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Processes
-from cnnkit.errors import ConfigError, DataError
+from cnnkit.errors import ConfigError, DataError, validation_message
 from cnnkit.nn import Network, build_model
 from cnnkit.runtime import available_cores, torch_threads
 from cnnkit.train.checks import check_batchnorm, smallest_chunk
 from cnnkit.train.engine import Engine, balanced_weights, build_engine
 from cnnkit.train.metrics import Console
 from cnnkit.train.settings import Settings, choose_settings
+
+
+def normalised_for_weights(config: RunConfig) -> tuple[RunConfig, str | None]:
+    """A run that starts from weights (model.weights, or its network file's own) normalises its
+    images as they were made for: with the mean and std of the network's `preprocess:` (as timm
+    takes a pretrained model's), where data.mean and data.std are left out. A run from fresh
+    weights takes its data's own statistics (a pack's; ImageNet's for a folder). Returns the
+    run, and a note where this changed its normalisation."""
+    if not hasattr(config.data, "normalised_as"):  # (in-memory sets: their own statistics)
+        return config, None
+    spec = config.model.spec()
+    pre = spec.get("preprocess")
+    starts = config.model.weights is not None or spec.get("weights") is not None
+    if not starts or not isinstance(pre, dict) or not {"mean", "std"} & set(pre):
+        return config, None
+    # the network's defaults where its preprocess: gives one of the two (0-255 pixels to 0-1)
+    mean, std = _three(pre.get("mean", [0.0])), _three(pre.get("std", [255.0]))
+    if mean is None or std is None:  # (another channel count: the data's, as without weights)
+        return config, None
+    try:
+        data = config.data.normalised_as(mean, std)
+    except ValidationError as e:
+        raise ConfigError(f"model: the network's preprocess.{validation_message(e)}") from None
+    if data is config.data:
+        return config, None
+    said = " and ".join(f"data.{k} [{', '.join(f'{v:g}' for v in getattr(data, k))}]"
+                        for k in ("mean", "std") if getattr(config.data, k) is None)  # fmt: skip
+    note = (
+        f"{said} from the network's preprocess:, as its weights were made for (set data.mean "
+        "and data.std to normalise otherwise)"
+    )
+    return config.model_copy(update={"data": data}), note
+
+
+def _three(values: Any) -> tuple[float, ...] | None:
+    """A preprocess: mean or std as the 3 per-channel values of an image set (1 value: all)."""
+    if not isinstance(values, (list, tuple)) or len(values) not in (1, 3):
+        return None
+    return tuple(values) * (3 // len(values))  # (checked as data.mean and data.std are)
 
 
 def build_network(config: RunConfig, data: DataBundle) -> Network:
