@@ -294,10 +294,12 @@ def test_a_turned_jpeg_read_dct_scaled_gives_the_upright_ones_pixels(tmp_path, o
         assert error.mean() < 2.5 and error.max() < 20  # the DCT's filter: 1-2 and 4-10
 
 
-@pytest.mark.parametrize("argv", [["train", "--help"], ["train", "digits", "-h"]])
+@pytest.mark.parametrize(
+    "argv", [["train", "--help"], ["train", "digits", "-h"], ["train", "digits", "--dry-run"]]
+)
 def test_train_help_whose_reader_goes_stops_quietly(argv, capsys, monkeypatch):
     """`cnnkit train --help | head -3` said "training goes on without printing its log": help
-    trains nothing, so it stops as any other command's output does."""
+    (and a dry run) trains nothing, so it stops as any other command's output does."""
     import cnnkit.cli
 
     monkeypatch.setattr(cnnkit.cli, "_stdout_to_devnull", lambda: None)  # pytest's own fd 1
