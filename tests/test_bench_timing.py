@@ -103,7 +103,11 @@ def test_layers_time_each_call_as_a_training_step_makes_it(monkeypatch):
 
 
 def test_train_throughput_fields_are_consistent():
+    """(and the bench runs with cuDNN's autotuner and TF32 matmuls, as training does, then
+    gives the process its own settings back)"""
+    before = torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision
     r = bench_throughput(TINY, "train", 4, CPU, warmup=1, repeats=2, quick_peak=True)
+    assert (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision) == before
     assert r["flops_per_image"] == 3 * 2 * TINY_MACS
     assert r["images_per_second"] == pytest.approx(4 / (r["step_ms"] / 1e3))
     assert r["flops_per_second"] == pytest.approx(r["flops_per_image"] * r["images_per_second"])

@@ -109,7 +109,8 @@ def test_safetensors_round_trip_and_classify(digits_run, tmp_path, capsys):
 
 def test_eval_of_an_export_computes_in_its_runs_precision_else_fp32(digits_run, tmp_path):
     """The export records the precision the run's steps ran in; eval of an export without it
-    computes in fp32 as classify does, never in the bf16 that `auto` picks on such a CPU."""
+    computes in fp32 as classify does, never in the bf16 that `auto` picks on such a CPU. On
+    a GPU it takes the run's memory format too, as classify does there."""
     from cnnkit.train.evaluation import _eval_settings
 
     out = tmp_path / "d.safetensors"
@@ -124,6 +125,12 @@ def test_eval_of_an_export_computes_in_its_runs_precision_else_fp32(digits_run, 
         assert _eval_settings({}, "cpu", cpu, out, cpu_run).precision == precision
     gpu_run = {**ran, "device": "cuda", "precision": "bf16"}
     assert _eval_settings({}, "cpu", cpu, out, gpu_run).precision == "fp32"
+    cuda = torch.device("cuda")  # (a name only: nothing runs there)
+    for memory in (True, False):  # on a GPU, its memory format too, as classify runs it
+        gpu_run = {**ran, "device": "cuda", "precision": "bf16", "channels_last": memory}
+        assert _eval_settings({}, "cuda", cuda, out, gpu_run).channels_last is memory
+    cpu_run = {**ran, "device": "cpu", "channels_last": True}  # a CPU measures its own kernels
+    assert _eval_settings({}, "cpu", cpu, out, cpu_run).channels_last is None
 
 
 def test_safetensors_without_cnnkit_metadata_is_refused(tmp_path):

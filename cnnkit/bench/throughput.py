@@ -16,7 +16,8 @@ and training counted as 3x the forward (backward ~ 2x forward), the usual conven
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from cnnkit.errors import plural
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import set_kernels
 from cnnkit.nn.onednn import freeze
-from cnnkit.runtime import machine_name, tf32_matmuls, torch_threads
+from cnnkit.runtime import machine_name, restore_matmuls, tf32_matmuls, torch_threads
 from cnnkit.train.engine import Engine, build_engine, train_step
 from cnnkit.train.settings import Settings, candidates, choose_settings, inference_settings
 from cnnkit.train.settings import precisions as hardware_precisions
@@ -118,42 +119,52 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak
     (`calibrate`, `deterministic`: a run's `train.calibrate` and `deterministic`; repeats stop
     after `max_seconds`, each timed step repeated at least once)."""
-    torch.backends.cudnn.benchmark = not deterministic  # as `cnnkit train` runs
-    tf32_matmuls()  # as `cnnkit train` runs fp32 on CUDA
-    cfg = train_config(device, precision, channels_last, compile, threads, calibrate)
-    model = load_network(net, device, num_classes)
-    settings, runs_as = _chosen(model, mode, cfg, device, batch, cache, deterministic)
-    block = 10 if device.type == "cuda" else 1
-    combos = _explored(model, cfg, device, settings) if explore else [settings]
-    steps = {
-        _key(c): _cnnkit_step(net, mode, batch, device, cfg, c, num_classes, block) for c in combos
-    }
-    peers = (
-        [PlainProcess(model, mode, batch, device, peer, block, settings.threads) for peer in PEERS]
-        if baseline
-        else []
-    )
-    steps.update({p.name: p for p in peers})
-    precisions = tuple(dict.fromkeys((*hardware_precisions(device), settings.precision)))
-    kernels = peak_kernels(model, batch, device, precisions, quick_peak)
-    steps.update({k.name + " " + k.precision: k.run for k in kernels})
-    warmup, repeats = _counts(device, compile, warmup, repeats)
+    with _as_training_runs(deterministic):
+        cfg = train_config(device, precision, channels_last, compile, threads, calibrate)
+        model = load_network(net, device, num_classes)
+        settings, runs_as = _chosen(model, mode, cfg, device, batch, cache, deterministic)
+        block = 10 if device.type == "cuda" else 1
+        combos = _explored(model, cfg, device, settings) if explore else [settings]
+        steps = {
+            _key(c): _cnnkit_step(net, mode, batch, device, cfg, c, num_classes, block)
+            for c in combos
+        }
+        peers = [PlainProcess(model, mode, batch, device, peer, block, settings.threads)
+                 for peer in PEERS if baseline]  # fmt: skip
+        steps.update({p.name: p for p in peers})
+        precisions = tuple(dict.fromkeys((*hardware_precisions(device), settings.precision)))
+        kernels = peak_kernels(model, batch, device, precisions, quick_peak)
+        steps.update({k.name + " " + k.precision: k.run for k in kernels})
+        warmup, repeats = _counts(device, compile, warmup, repeats)
+        try:
+            timings = measure_interleaved(
+                steps, device, warmup=warmup, repeats=repeats, max_seconds=max_seconds
+            )
+        finally:
+            for p in peers:
+                p.close()
+        synced = None
+        if block > 1 and not compile:  # single steps, each synchronised: what a per-step timer
+            # sees (not when compiling: its own engine would compile the network once more)
+            synced = measure(_cnnkit_step(net, mode, batch, device, cfg, settings, num_classes, 1),
+                             device, warmup=2, repeats=repeats)  # fmt: skip
+        report = _report(model, mode, batch, device, settings, cfg, timings, block, synced, kernels,
+                         peers, combos)  # fmt: skip
+        report["settings"]["as"] = runs_as
+        return report
+
+
+@contextmanager
+def _as_training_runs(deterministic: bool) -> Iterator[None]:
+    """cuDNN's autotuner (unless `deterministic`) and TF32 matmuls, as `cnnkit train` runs;
+    then this process's own settings again (a test timed after a bench would inherit them)."""
+    benchmark, matmuls = torch.backends.cudnn.benchmark, tf32_matmuls()
+    torch.backends.cudnn.benchmark = not deterministic
     try:
-        timings = measure_interleaved(
-            steps, device, warmup=warmup, repeats=repeats, max_seconds=max_seconds
-        )
+        yield
     finally:
-        for p in peers:
-            p.close()
-    synced = None
-    if block > 1 and not compile:  # single steps, each synchronised: what a per-step timer
-        # sees (not when compiling: its own engine would compile the network once more)
-        synced = measure(_cnnkit_step(net, mode, batch, device, cfg, settings, num_classes, 1),
-                         device, warmup=2, repeats=repeats)  # fmt: skip
-    report = _report(model, mode, batch, device, settings, cfg, timings, block, synced, kernels,
-                     peers, combos)  # fmt: skip
-    report["settings"]["as"] = runs_as
-    return report
+        torch.backends.cudnn.benchmark = benchmark
+        restore_matmuls(matmuls)
 
 
 def _chosen(model: Network, mode: str, cfg: TrainConfig, device: torch.device, batch: int,

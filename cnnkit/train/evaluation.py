@@ -350,7 +350,8 @@ def _eval_settings(config: dict[str, Any], name: str, device: torch.device,
                    source: Any = "the checkpoint",
                    ran: dict | None = None) -> TrainConfig:  # fmt: skip
     """The run's precision and memory format, on the evaluation device: on the kind of device
-    it trained on, the precision its steps ran in (`ran`, the checkpoint's settings), so that
+    it trained on, the precision its steps ran in (`ran`, the checkpoint's settings; on a GPU
+    their memory format too: a CPU's measures its own kernels for a forward pass), so that
     evaluation repeats the held-out figures even where `auto` was measured (fp32 on a CPU
     that also computes in bf16, say). An export (no `config`): the precision its run's steps ran
     in where it records them and the device is of that kind, else fp32 as classify computes,
@@ -362,6 +363,8 @@ def _eval_settings(config: dict[str, Any], name: str, device: torch.device,
         trained["precision"] = ran["precision"] if same_device else "fp32"
     if trained.get("precision") == "auto" and same_device:
         trained["precision"] = ran["precision"]
+    if trained.get("channels_last") in (None, "auto") and same_device and device.type == "cuda":
+        trained["channels_last"] = bool(ran.get("channels_last"))  # as classify runs it there
     if trained.get("precision") == "fp16" and device.type != "cuda":
         trained["precision"] = "auto"  # trained with CUDA fp16, evaluated elsewhere
     try:
