@@ -346,3 +346,30 @@ def test_a_resume_that_trades_val_path_for_a_drawn_split_is_refused(packed, tmp_
     assert (run / "metrics.csv").read_bytes() == before
     code, _, err = run_cli(["train", "--resume", str(run), "train.epochs=2", "--quiet"], capsys)
     assert code == 0, err  # the same val_path: resumed
+
+
+def test_a_resume_refused_for_shared_memory_leaves_the_run_as_it_was(shapes, tmp_path, monkeypatch):
+    """A /dev/shm too small for the loader's ring (a container's 64 MB) is found when the data
+    is built, before the run directory is touched: it was found when the first epoch started,
+    after config.yaml had taken the refused settings and the finished summary.json was gone."""
+    import os
+
+    from cnnkit.errors import DataError
+
+    run = {"name": "f", "model": {"input": [3, 16, 16], "layers": [
+        {"type": "conv", "out_channels": 4, "kernel_size": 3}, {"type": "global_avgpool"},
+        {"type": "linear"}]}, "data": {"source": "folder", "path": str(shapes), "size": 16,
+        "crop": 16, "batch_size": 4, "workers": 1}, "train": {"epochs": 1}}  # fmt: skip
+    fit(validate_run(run), tmp_path / "r", quiet=True)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "r").iterdir() if f.is_file()}
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny() if p == "/dev/shm" else real(p))
+    state = resume_state(tmp_path / "r")
+    with pytest.raises(DataError, match=r"needs .* MiB of shared memory .*--shm-size"):
+        fit(validate_run({**run, "train": {"epochs": 2}}), tmp_path / "r", resume=state)
+    after = {f.name: f.read_bytes() for f in (tmp_path / "r").iterdir() if f.is_file()}
+    assert after == before

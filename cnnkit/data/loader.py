@@ -29,7 +29,7 @@ from cnnkit.data.device_decode import decode_batch
 from cnnkit.data.feed import DeviceFeed
 from cnnkit.data.imageset import ImageSetConfig
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
-from cnnkit.data.slots import SHM_ADVICE, BufferPool, SlotRing
+from cnnkit.data.slots import SHM_ADVICE, BufferPool, SlotRing, check_shared_memory
 from cnnkit.data.workers import (
     deaths_found_here,
     no_worker_count_warning,
@@ -112,15 +112,25 @@ class ImageBatches:
     def ring_bytes(self) -> int:
         return self.ring_slots() * math.prod(self._slot_shape())
 
+    def _ring_needs(self) -> tuple[str, int]:
+        """Who the ring is for, and the bytes of validation's, made while this one lives."""
+        also = self.validation.ring_bytes() if self.validation is not None else 0
+        return f"data.workers={self.workers}" + (" (training and validation)" if also else ""), also
+
+    def check_room(self) -> None:
+        """The shared memory this stream's ring will take (and validation's beside it), checked
+        now: a training run does before it writes anything, not when its first epoch starts
+        (a refused resume had rewritten config.yaml by then)."""
+        if self.ring_slots():
+            what, also = self._ring_needs()
+            check_shared_memory(self.ring_bytes() + also, what, ranks=self.local_ranks)
+
     def loader(self) -> DataLoader:
         """The torch DataLoader over this stream's jobs; training workers persist across epochs,
         validation workers live only while validating (never two sets busy at once)."""
         if self._loader is None:
             if self.ring_slots():
-                also = self.validation.ring_bytes() if self.validation is not None else 0
-                what = f"data.workers={self.workers}" + (
-                    " (training and validation)" if also else ""
-                )
+                what, also = self._ring_needs()
                 self._ring = SlotRing(self.ring_slots(), self._slot_shape(),
                                       pin=self._feed is not None, what=what, also=also,
                                       ranks=self.local_ranks)  # fmt: skip

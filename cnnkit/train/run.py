@@ -198,6 +198,8 @@ def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quie
     data = config.data.build(
         device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
     )
+    if hasattr(data.train, "check_room"):  # (image streams: their shared memory, up front)
+        data.train.check_room()
     if resume:
         check_same_data(resume, data, run_dir)
     engine = build_run_engine(config, data, device, dist, Console(quiet or not dist.is_main),
