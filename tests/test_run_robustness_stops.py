@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import CLI, ROOT, one_error_line, run_cli, sigint_default
 
 from cnnkit.checkpoint import load_checkpoint
@@ -150,6 +151,36 @@ def test_unwritable_places_are_one_line(tmp_path, capsys):
                              "files)"), line  # fmt: skip
         code, _, err = run_cli(["synth", "shapes", "/proc/cnnkit-synth"], capsys)
         assert "/proc/cnnkit-synth" in one_error_line(code, err)
+
+
+def test_a_run_directory_inside_its_image_folder_is_refused(shapes, tmp_path, capsys,
+                                                           monkeypatch):  # fmt: skip
+    """A run written inside data.path became a class of its next run (its curves.png an image),
+    so its own resume and eval refused it; the default runs/ of a train started in the image
+    folder likewise, and its dry run said it would work. Refused before any work, as pack
+    refuses its output inside its source."""
+    shutil.copytree(shapes, tmp_path / "s")
+    net = {
+        "input": [3, 16, 16],
+        "layers": [
+            {"type": "conv", "out_channels": 4, "kernel_size": 3},
+            {"type": "global_avgpool"},
+            {"type": "linear"},
+        ],
+    }
+    data = {"source": "folder", "path": ".", "size": 16, "crop": 16, "batch_size": 4}
+    (tmp_path / "s" / "run.yaml").write_text(yaml.safe_dump({"model": net, "data": data}))
+    monkeypatch.chdir(tmp_path / "s")  # (data.path is relative to the run file)
+    for out in (["--out", "run"], ["--dry-run"]):  # the default runs/ here, too
+        code, _, err = run_cli(["train", "run.yaml", *out], capsys)
+        assert one_error_line(code, err).endswith(
+            f"inside data.path ({tmp_path / 's'}), whose subfolders are classes of images; give "
+            "--out a folder outside it"
+        )
+    (tmp_path / "s" / "run.yaml").unlink()
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == sorted(
+        p.name for p in shapes.iterdir()
+    )
 
 
 def test_a_batch_of_one_through_a_vector_batchnorm_is_one_line(tmp_path, capsys):

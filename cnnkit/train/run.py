@@ -29,6 +29,7 @@ from cnnkit.train.loop import Progress, StepHook
 from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import (
+    check_outside_data,
     check_writable,
     claimed_run_dir,
     clear_orphans,
@@ -169,6 +170,7 @@ def fit(
         if note and dist.is_main:
             print(f"cnnkit: note: {note}", file=sys.stderr)
     check_processes(config, ranks, device, resume)
+    check_outside_data(run_dir, config.data)
     if not dry_run:
         distributed.on_rank0(dist, lambda: check_writable(run_dir))
     with ExitStack() as stack:

@@ -100,6 +100,20 @@ def check_writable(run_dir: Path) -> None:
         raise ConfigError(f"run directory {run_dir}: cannot write in {parent} ({reason})")
 
 
+def check_outside_data(run_dir: Path, data: Any) -> None:
+    """ConfigError where the run directory would be inside a folder of the images it trains
+    on (data.path, data.val_path): its files would be read as a class of images by the next
+    run, the resume and eval (pack refuses its own output inside its source alike)."""
+    if getattr(data, "source", None) != "folder":
+        return
+    for key in ("path", "val_path"):
+        folder = getattr(data, key, None)
+        if folder and run_dir.resolve().is_relative_to(Path(folder).resolve()):
+            raise ConfigError(f"run directory {run_dir}: inside data.{key} ({folder}), whose "
+                              "subfolders are classes of images; give --out a folder outside "
+                              "it")  # fmt: skip
+
+
 def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
     """The last.pt of a run directory (CheckpointError if missing, truncated, foreign or a
     best.pt's weights alone), or None for a run that stopped after writing config.yaml but
