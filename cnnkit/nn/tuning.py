@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cnnkit.nn import Network
-from cnnkit.nn.kernels import options, set_kernels
+from cnnkit.nn.kernels import FORMATS, options, set_kernels
 from cnnkit.nn.onednn import freeze
 from cnnkit.runtime import machine_name, torch_threads
 
@@ -114,11 +114,24 @@ def choose_inference_kernels(network: Network, device: torch.device, batch: int,
     batch = max(1, min(batch, INFER_BATCH))
     key = cache_key(network, device, [INFER_METHOD, batch, "infer"])
     found = read_cache(path).get(key) if path else None
-    if found is None:
-        found = _measure_inference(network, device, batch)
+    if not (isinstance(found, dict) and isinstance(found.get("channels_last"), bool)
+            and valid_plan(network, found.get("kernels"))):  # fmt: skip
+        found = _measure_inference(network, device, batch)  # (missing, or an entry damaged)
         if path is not None:
             write_cache(path, key, found)
-    return bool(found["channels_last"]), {str(n): str(k) for n, k in found["kernels"]}
+    return found["channels_last"], {str(n): str(k) for n, k in found["kernels"]}
+
+
+def valid_plan(network: Network, plan: Any) -> bool:
+    """Whether a cached plan, [[layer, kernel], ...], names layers of `network` and kernels
+    cnnkit has (a damaged cache entry is measured anew, as a missing one is)."""
+    if not isinstance(plan, (list, tuple)):
+        return False
+    layers = dict(network.named_modules())
+    pairs = [p for p in plan if isinstance(p, (list, tuple)) and len(p) == 2]
+    return len(pairs) == len(plan) and all(
+        isinstance(n, str) and n in layers and k in FORMATS for n, k in pairs
+    )
 
 
 def _measure_inference(network: Network, device: torch.device, batch: int) -> dict[str, Any]:

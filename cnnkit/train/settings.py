@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ from cnnkit.nn.tuning import (
     choose_inference_kernels,
     macs,
     read_cache,
+    valid_plan,
     write_cache,
 )
 from cnnkit.runtime import available_cores
@@ -138,9 +140,9 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
     if not cfg.calibrate or deterministic:
         return static_settings(network, cfg, device, batch)
     key = _cache_key(network, cfg, device, batch)
-    found = read_cache(cache).get(key) if cache else None
+    found = _cached(read_cache(cache).get(key), network, device) if cache else None
     if found is not None:
-        return Settings(**{**found, "how": "cached"})
+        return found
     if notify is not None:
         where = f": cached in {cache}" if cache is not None else ""
         notify(f"measuring the fastest settings for {network.name} at batch {batch} on this "
@@ -149,6 +151,21 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
     if cache is not None:
         write_cache(cache, key, {k: v for k, v in asdict(chosen).items() if k != "how"})
     return chosen
+
+
+def _cached(entry: Any, network: Network, device: torch.device) -> Settings | None:
+    """A cache entry as the settings it holds; None for none, or for one that is damaged or
+    names what this device does not run (measured anew, as a missing one is)."""
+    if not isinstance(entry, dict) or not valid_plan(network, entry.get("kernels", [])):
+        return None
+    try:
+        found = Settings(**{**entry, "how": "cached"})
+    except (TypeError, ValueError):  # fields missing, unknown, or not of their kind
+        return None
+    threads, speedup = found.threads, found.speedup
+    ok = found.precision in precisions(device) and isinstance(found.channels_last, bool)
+    ok = ok and type(threads) is int and threads >= 1
+    return found if ok and (speedup is None or type(speedup) in (int, float)) else None
 
 
 def candidates(network: Network, cfg: TrainConfig, device: torch.device) -> dict[str, list]:
