@@ -4,7 +4,7 @@ nothing in an existing run directory overwritten."""
 from __future__ import annotations
 
 import pytest
-from helpers import run_cli
+from helpers import one_error_line, run_cli
 
 from cnnkit.cli import main
 
@@ -285,3 +285,22 @@ def test_data_settings_a_training_run_leaves_unused_are_said(tmp_path, capsys, m
         with pytest.raises(SystemExit):  # (the empty class folders end it, after the notes)
             main([*base, *extra])
         assert note in capsys.readouterr().err.splitlines()
+
+
+def test_compiling_without_a_cpp_compiler_is_one_line(capsys, monkeypatch):
+    """torch.compile on a CPU builds kernels with a C++ compiler, which slim containers lack:
+    a traceback from inductor at the first step, now one line before any work (bench too)."""
+    from torch._inductor import cpp_builder, exc
+
+    def none():
+        raise exc.InvalidCxxCompiler()
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", none)
+    for argv in (["train", "digits", "train.compile=true", "--dry-run"],
+                 ["bench", "infer", "digitnet", "--compile", "--batch", "2"]):  # fmt: skip
+        code, _, err = run_cli(argv, capsys)
+        line = one_error_line(code, err)
+        assert line.startswith(
+            "cnnkit: error: train.compile: torch.compile needs a C++ "
+            "compiler, and none works here (No working C++ compiler"
+        ), line

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from cnnkit.config import TrainConfig
+from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import set_kernels
 from cnnkit.train.optim import build_optimizer
@@ -80,6 +81,8 @@ def build_engine(
     set_kernels(network, dict(settings.kernels))  # a kernel per layer, where measured faster
     model: nn.Module = wrap(network) if wrap else network
     if cfg.compile:
+        if device.type == "cpu":
+            check_cpu_compiler()
         model = torch.compile(model)
     return Engine(
         network=network,
@@ -98,6 +101,22 @@ def build_engine(
         settings=settings,
         ema=build_ema(network, cfg.ema),
     )
+
+
+def check_cpu_compiler() -> None:
+    """ConfigError, before any work, where torch.compile would fail at the first step on a CPU:
+    inductor builds its kernels with a C++ compiler, which slim containers lack."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # (another torch: said at the first step instead)
+        return
+    try:
+        get_cpp_compiler()
+    except RuntimeError as e:  # inductor's InvalidCxxCompiler
+        raise ConfigError(f"train.compile: torch.compile needs a C++ compiler, and none works "
+                          f"here ({str(e).strip()[:200]}): install g++ or name one in CXX, or "
+                          "leave compiling off (train.compile=false; bench without "
+                          "--compile)") from None  # fmt: skip
 
 
 def balanced_weights(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
