@@ -32,6 +32,12 @@ def test_bad_device_and_precision_are_config_errors():
     for text in ("cuda:abc", "cpu:1", "cuda:-1"):
         with pytest.raises(ConfigError, match="give a comma list of cpu, cuda, cuda:N"):
             parse_devices(text)
+    if not torch.cuda.is_available():  # the CPU half alone where both are asked for; where
+        # only a GPU is, refused (it timed the CPU and exited 0), as bench loader --device cuda
+        devices, note = parse_devices("cpu,cuda")
+        assert devices == [CPU] and note.startswith("no CUDA device on this machine")
+        with pytest.raises(ConfigError, match=r"^--devices: 'cuda' asked for, but no CUDA"):
+            parse_devices("cuda")
 
 
 def test_scaling_devices_are_checked_against_the_gpus_there(monkeypatch):

@@ -151,3 +151,19 @@ def test_synth_and_pack_into_proc_say_what_proc_is(tmp_path, capsys):
     missing = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "a"))
     assert os_reason(missing) == "No such file or directory"  # a real folder: a missing file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # (its probe file gone)
+
+
+def test_an_empty_argument_is_refused_never_read_as_the_current_folder(tmp_path, capsys,
+                                                                       monkeypatch):  # fmt: skip
+    """`cnnkit pack src "$DST"` with DST unset packed into the current folder, exit 0; eval
+    `--data ""` read it as the validation set. An empty argument is one line, nothing made."""
+    write_images(tmp_path / "src" / "a", ["x.jpg"])
+    monkeypatch.chdir(tmp_path)
+    for argv, what in ((["pack", "src", ""], "the argument after src"),
+                       (["eval", "digits", "--data", ""], "--data's value"),
+                       (["", "info"], "the command")):  # fmt: skip
+        code, _, err = run_cli(argv, capsys)
+        assert one_error_line(code, err) == (
+            f"cnnkit: error: {what} is empty (an unset shell variable?): give a value"
+        )
+        assert code == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["src"]

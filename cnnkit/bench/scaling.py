@@ -76,7 +76,8 @@ def study(quick: bool = False) -> list[Entry]:
 
 
 def parse_devices(text: str | None) -> tuple[list[torch.device], str | None]:
-    """Devices to time (default: cpu and cuda when present) and a note when CUDA is absent."""
+    """Devices to time (default: cpu and cuda when present) and a note when CUDA is absent;
+    ConfigError where none of those asked for is here."""
     names = ["cpu", "cuda"] if not text else [n.strip() for n in text.split(",") if n.strip()]
     try:
         parsed = [torch.device(n) for n in names]
@@ -99,10 +100,12 @@ def parse_devices(text: str | None) -> tuple[list[torch.device], str | None]:
             (d.type, (current if d.index is None else d.index) if d.type == "cuda" else None), d
         )
     devices = [d for d in unique.values() if d.type == "cpu" or has_cuda]
+    if not devices:  # `--devices cuda` alone: nothing it asked for can be timed here
+        raise ConfigError(f"--devices: {text!r} asked for, but no CUDA device is available "
+                          "(--devices cpu times the CPU)")  # fmt: skip
     note = None
-    if not has_cuda and any(d.type != "cpu" for d in parsed):
+    if not has_cuda and any(d.type != "cpu" for d in parsed):  # the default, or cpu,cuda
         note = "no CUDA device on this machine: timing the CPU half only (no speed-ups)"
-        devices = devices or [torch.device("cpu")]
     return devices, note
 
 

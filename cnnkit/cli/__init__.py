@@ -276,6 +276,17 @@ def _trains(argv: list[str]) -> bool:
     return argv[:1] == ["train"] and not {"-h", "--help", "--dry-run"} & set(options)
 
 
+def _refuse_empty(argv: list[str]) -> None:
+    """An empty argument is an unset shell variable (`cnnkit pack src "$DST"`), never a path:
+    read as one it is the current folder, which pack wrote its shards into."""
+    if "" in argv:
+        i = argv.index("")
+        after = argv[i - 1] if i else None
+        what = (f"{after}'s value" if after and after.startswith("-")
+                else f"the argument after {after}" if after else "the command")  # fmt: skip
+        raise ConfigError(f"{what} is empty (an unset shell variable?): give a value")
+
+
 def _rank_of_nproc() -> bool:
     """Whether this process is a rank started by `cnnkit train --nproc N` (cnnkit.agent)."""
     return bool(os.environ.get("CNNKIT_NPROC")) and "LOCAL_RANK" in os.environ
@@ -291,6 +302,7 @@ def _hear_ctrl_c() -> None:
 def _main(argv: list[str], debug: bool) -> None:
     try:
         _hear_ctrl_c()
+        _refuse_empty(argv)
         code = app(args=argv, prog_name="cnnkit", standalone_mode=False)
     except NO_ARGS as e:  # `cnnkit` or `cnnkit bench` alone: typer has shown the help
         sys.exit(e.exit_code)
