@@ -129,6 +129,21 @@ def test_eval_maps_the_data_classes_to_the_network_by_name(trained, tmp_path, ca
         evaluate_checkpoint(trained / "run", str(part), device="cpu")
 
 
+def test_a_data_class_the_network_names_twice_is_refused_not_guessed():
+    """ImageNet's published names hold 'crane' twice: by name, its images were scored against
+    the last of the two outputs, silently. A `classes:` file name with a NUL is one line."""
+    from cnnkit.infer.load import class_names
+    from cnnkit.train.evaluation import class_map
+
+    trained = ["bird", "crane", "dog", "crane"]
+    assert class_map(["bird", "dog"], trained, "v").tolist() == [0, 2]
+    with pytest.raises(DataError, match=r"^--data v: class 'crane' names 2 of the network's "
+                       r"outputs \(1, 3\), so matching by name cannot say"):  # fmt: skip
+        class_map(["bird", "crane"], trained, "v")
+    with pytest.raises(ConfigError, match=r"^n.yaml: classes: .*: not a file name \(a NUL byte\)"):
+        class_names("c\0.txt", 3, "n.yaml")
+
+
 def test_a_data_yaml_is_evaluated_at_the_size_and_crop_the_network_trained_at(trained, tmp_path):
     """What a --data YAML leaves unsaid (size, crop, resize) is the checkpoint's, as for a
     directory; before, a folder was read at 256 / 227 and a 24 px pack refused."""

@@ -113,8 +113,9 @@ def class_names(given: list[str] | str | None, outputs: int, spec: str) -> list[
         try:
             with open(given, encoding="utf-8") as f:
                 names = [line.strip() for line in f if line.strip()]
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, ValueError) as e:  # (ValueError: not UTF-8, or a NUL in the name)
             why = "not a UTF-8 text file" if isinstance(e, UnicodeDecodeError) else (
+                "not a file name (a NUL byte)" if isinstance(e, ValueError) else
                 e.strerror or one_line(e))  # fmt: skip
             raise ConfigError(f"{spec}: classes: {given}: {why}") from None
     if len(names) != outputs:

@@ -308,6 +308,12 @@ def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.
     if unknown:
         raise DataError(f"--data {where}: class {unknown[0]!r} is not one the network was "
                         f"trained on{unknown_classes(unknown, trained)}")  # fmt: skip
+    twice = [c for c in data_classes if list(trained).count(c) > 1]
+    if twice:  # (ImageNet's published names hold 'crane' and 'maillot' twice each)
+        outputs = [k for k, name in enumerate(trained) if name == twice[0]]
+        raise DataError(f"--data {where}: class {twice[0]!r} names {len(outputs)} of the "
+                        f"network's outputs ({', '.join(map(str, outputs))}), so matching by "
+                        "name cannot say which its images are")  # fmt: skip
     return torch.tensor([lookup[c] for c in data_classes])
 
 
