@@ -191,7 +191,7 @@ def test_a_batch_of_one_through_a_vector_batchnorm_is_one_line(tmp_path, capsys)
     run = tmp_path / "run.yaml"
     run.write_text(f"model: {net}\ndata: {{source: digits, batch_size: 4}}\n"
                    "train: {epochs: 1, calibrate: false}\n")  # fmt: skip
-    from cnnkit.train.checks import smallest_chunk
+    from cnnkit.train.engine import smallest_chunk
 
     assert [smallest_chunk(b, a) for b, a in ((10, 4), (8, 4), (7, 3), (9, 4), (5, 1))] == [
         1,
@@ -212,6 +212,43 @@ def test_a_batch_of_one_through_a_vector_batchnorm_is_one_line(tmp_path, capsys)
         )
         assert "BatchNorm layer bn (8)" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_a_batch_that_unreadable_images_shrank_below_batchnorms_need_trains_on_none():
+    """data.batch_size 2 passes the check above; a batch whose other image was unreadable (the
+    loader skips it, and says so) held one: torch's ValueError, a traceback. It trains on none,
+    as an all-unreadable batch; the next batch trains."""
+    from cnnkit.config import TrainConfig
+    from cnnkit.distributed import Local
+    from cnnkit.nn import build_model
+    from cnnkit.train.engine import build_engine
+    from cnnkit.train.loop import Progress, train_one_epoch
+    from cnnkit.train.metrics import Console
+    from cnnkit.train.optim import Schedule
+
+    class Shrunk:  # a batch of 1 (its other image unreadable), then a whole one
+        num_samples = 4
+
+        def __len__(self):
+            return 2
+
+        def set_epoch(self, epoch, skip_batches=0):
+            pass
+
+        def __iter__(self):
+            for n in (1, 2):
+                yield torch.rand(n, 1, 8, 8), torch.zeros(n, dtype=torch.long)
+
+    net = {"input": [1, 8, 8], "layers": [{"type": "flatten"}, {"type": "linear",
+           "out_features": 8}, {"type": "batchnorm"}, {"type": "linear"}]}  # fmt: skip
+    cfg = TrainConfig(precision="fp32", channels_last=False, epochs=1)
+    engine = build_engine(build_model(net, num_classes=2), cfg, torch.device("cpu"))
+    assert [engine.takes(n) for n in (0, 1, 2)] == [False, False, True]
+    stats = train_one_epoch(engine, Shrunk(), Schedule(cfg), Progress(), Console(True),
+                            lambda *a: None, Local())  # fmt: skip
+    assert stats["seen"] == 2
+    engine.accumulate = 2  # micro-batches of 2 and 1 from a batch of 3
+    assert [engine.takes(n) for n in (3, 4)] == [False, True]
 
 
 @pytest.mark.parametrize("ending", ["error", "callback"])

@@ -14,8 +14,8 @@ from cnnkit.distributed import Processes
 from cnnkit.errors import ConfigError, DataError, validation_message
 from cnnkit.nn import Network, build_model
 from cnnkit.runtime import available_cores, torch_threads
-from cnnkit.train.checks import check_batchnorm, smallest_chunk
-from cnnkit.train.engine import Engine, balanced_weights, build_engine
+from cnnkit.train.checks import check_batchnorm
+from cnnkit.train.engine import Engine, balanced_weights, build_engine, smallest_chunk
 from cnnkit.train.metrics import Console
 from cnnkit.train.settings import Settings, choose_settings
 

@@ -56,13 +56,6 @@ def check_batch(config: RunConfig, world_size: int) -> None:
                           f"images{' per process' if world_size > 1 else ''}: at most {share}")  # fmt: skip
 
 
-def smallest_chunk(images: int, parts: int) -> int:
-    """The smallest of torch.chunk(batch of `images`, `parts`): what the last micro-batch of an
-    accumulated step holds (chunks of ceil(images / parts), the last the remainder)."""
-    size = -(-images // parts)
-    return images - size * (-(-images // size) - 1)
-
-
 def check_batchnorm(network: Network, micro: int, accumulating: bool) -> None:
     """ConfigError where a BatchNorm layer would see one value per channel in a training
     micro-batch (batch 1 through a BatchNorm on vectors or 1x1 maps): torch refuses it."""

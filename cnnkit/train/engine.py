@@ -11,6 +11,7 @@ clipping and accumulation. `cnnkit bench train` times `train_step`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -58,6 +59,17 @@ class Engine:
             return x.contiguous(memory_format=torch.channels_last)
         return x
 
+    def takes(self, images: int) -> bool:
+        """Whether a batch of `images` can take a training step: every micro-batch gives each
+        BatchNorm layer 2 values per channel at least (torch refuses 1). The batch size was
+        checked at the start (checks.check_batchnorm); one that unreadable images shrank, not."""
+        if images < 1:
+            return False
+        micro = smallest_chunk(images, self.accumulate)
+        rows = getattr(self.network, "table", ())
+        return all(micro * math.prod(r.output_shape[1:]) >= 2 for r in rows
+                   if r.type == "batchnorm")  # fmt: skip
+
 
 def build_engine(
     network: Network,
@@ -101,6 +113,13 @@ def build_engine(
         settings=settings,
         ema=build_ema(network, cfg.ema),
     )
+
+
+def smallest_chunk(images: int, parts: int) -> int:
+    """The smallest of torch.chunk(batch of `images`, `parts`): what the last micro-batch of an
+    accumulated step holds (chunks of ceil(images / parts), the last the remainder)."""
+    size = -(-images // parts)
+    return images - size * (-(-images // size) - 1)
 
 
 def check_cpu_compiler() -> None:

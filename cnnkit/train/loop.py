@@ -211,7 +211,8 @@ def train_one_epoch(
         if x is None:
             break
         at = progress.epoch + progress.step / steps  # where in the schedule this step is
-        if len(y):  # else every image of the batch was unreadable (the loader said which)
+        if engine.takes(len(y)):  # else every image of the batch was unreadable (the loader
+            # said which), or all but one through a BatchNorm that needs 2: it trains on none
             if recipe is not None and recipe.active:
                 x, y = recipe(x, y, engine.network.num_classes)
             schedule.apply(engine.optimizer, at)
