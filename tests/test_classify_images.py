@@ -244,6 +244,21 @@ def test_a_file_named_like_a_glob_is_that_file(tmp_path):
     assert sorted(both) == [tmp_path / "photo 1.png", tmp_path / "photo [1].png"]
 
 
+def test_a_folder_given_again_is_no_failure_and_names_the_first_by_its_path(tmp_path):
+    """`classify RUN d d/sub` (or a folder twice, or a link to it): each image read once, the
+    second time skipped as the same file, by the path it was read as (its bare name before);
+    the folder was said to hold no images, and classify exited 1 with every image read."""
+    from cnnkit.infer.images import find_images
+
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    Image.new("L", (8, 8)).save(tmp_path / "d" / "sub" / "a.png")
+    (tmp_path / "empty").mkdir()
+    d, sub = tmp_path / "d", tmp_path / "d" / "sub"
+    found = find_images([str(d), str(sub), str(sub), str(tmp_path / "empty")])
+    assert found.files == [sub / "a.png"] and found.empty == [str(tmp_path / "empty")]
+    assert found.skipped == [(str(sub / "a.png"), f"the same file as {sub / 'a.png'}")] * 2
+
+
 @pytest.mark.parametrize("orientation", range(1, 9))
 @pytest.mark.parametrize("suffix", [".png", ".jpg"])
 def test_a_photos_exif_orientation_is_applied_as_viewers_show_it(tmp_path, orientation, suffix):

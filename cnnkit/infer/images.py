@@ -80,10 +80,13 @@ def find_images(patterns: list[str]) -> FoundImages:
 def _add_folder(found: FoundImages, folder: Path, taken: dict) -> None:
     walker = Walker(folder, taken)
     walker.claim_folder(folder)
-    files = walker.images("")
+    (images,) = walker.found([""])
+    files = walker.take([images])[0]
+    kept = set(files)  # named by their whole path where a later folder holds them again
+    taken.update({key: str(folder / path) for path, key, _ in images if path in kept})
     found.files += [folder / f for f in files]
     found.skipped += [(str(folder / f), _passed_over(reason)) for f, reason in walker.skipped]
-    if not files:
+    if not images:  # (one whose images were all given before is no failure: they were read)
         found.empty.append(str(folder))
 
 
