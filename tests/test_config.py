@@ -104,6 +104,10 @@ def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
             r"train.epochs: Input should be a number, not text \(got 'abc'\)",
         ),  # no quotes to drop
         ({"train": {"early_stop": 1.0}}, r"train.early_stop: Input should be a whole number"),
+        (  # `seed=1e3`, unquoted: YAML 1.1 reads it as text (it said "write it without quotes")
+            {"seed": "1e3"},
+            r"seed: Input should be a whole number, written out \(YAML reads 1e3 as text\)",
+        ),
         ({"train": {"milestones": [5, "9"]}}, r"train.milestones: Input should be a number"),
         (
             {"name": True},

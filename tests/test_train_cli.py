@@ -93,6 +93,15 @@ def test_a_binary_file_or_a_misspelled_model_key_is_named(tmp_path, capsys):
         (["classify", str(blob), str(blob)], "not a text file: give a zoo name, a network or run"),
         (["import-caffe", str(blob), "-o", str(tmp_path / "n.yaml")], "not a text file: a deploy"),
         (["train", str(run)], "('modell': a misspelled model?)"),
+        # what continues a trained model's run, or starts one from it (not a zoo name or a
+        # Caffe .prototxt); a run file given to --resume is no run directory (exit 1 before)
+        (
+            ["train", str(onnx)],
+            "m.onnx: a trained model, not a run file: `cnnkit train --resume "
+            "RUN_DIR` continues the run it came from, and a run file with "
+            "model: {network: NET, weights: W.safetensors} starts",
+        ),
+        (["train", "--resume", str(run)], "r.yaml: a file, not a run directory: give the folder"),
     ):
         code, err = _fails(argv, capsys)
         assert code == 2 and words in err, err

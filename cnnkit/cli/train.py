@@ -52,6 +52,8 @@ def train(
         given = f"--out {out}" if out is not None else f"the run {run}"
         raise ConfigError(f"--resume {resume} continues that run in its own directory: "
                           f"{given} cannot be given with it (key=value overrides can)")  # fmt: skip
+    if run is not None and resume is None:
+        _not_a_trained_model(run)
     if (max_restarts or oversubscribe) and nproc is None:
         from cnnkit.errors import ConfigError
 
@@ -73,6 +75,23 @@ def train(
         launch(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=True, processes=nproc)
         return
     cnnkit.fit(run, overrides, out=out, resume=resume, quiet=quiet, dry_run=dry_run)
+
+
+TRAINED_SUFFIXES = (".pt", ".pth", ".safetensors", ".onnx", ".pt2", ".torchscript")
+
+
+def _not_a_trained_model(run: str) -> None:
+    """A checkpoint or export given as the run: what continues its run, or starts from it."""
+    suffix = Path(run).suffix.lower()
+    if suffix in TRAINED_SUFFIXES and Path(run).is_file():
+        from cnnkit.errors import ConfigError
+        from cnnkit.train.rundir import WEIGHTS_SUFFIXES
+
+        weights = run if suffix in WEIGHTS_SUFFIXES else "W.safetensors"  # (exports: not read)
+        raise ConfigError(f"{run}: a trained model, not a run file: `cnnkit train --resume "
+                          "RUN_DIR` continues the run it came from, and a run file with "
+                          f"model: {{network: NET, weights: {weights}}} starts a new one from "
+                          "its weights")  # fmt: skip
 
 
 def _config(run, overrides: list[str], resume):

@@ -75,6 +75,9 @@ def _not_a_number(annotation: Any, value: Any) -> str | None:
         return "Input should be a number, not true or false"
     if kinds == {int} and isinstance(value, str):  # a float field takes PyYAML's '1e-3'
         quoted = re.fullmatch(r"\s*[-+]?\d+(\.\d*)?([eE][-+]?\d+)?\s*", value)
+        if quoted and quoted.group(2):  # `seed=1e3`, unquoted: PyYAML reads it as text
+            return (f"Input should be a whole number, written out (YAML reads {value.strip()} "
+                    "as text)")  # fmt: skip
         return "Input should be a number, not text" + (" (write it without quotes)" * bool(quoted))
     if kinds == {int} and isinstance(value, float) and value.is_integer():
         return "Input should be a whole number, not a float"  # others: pydantic's message

@@ -100,6 +100,9 @@ def check_writable(run_dir: Path) -> None:
         raise ConfigError(f"run directory {run_dir}: cannot write in {parent} ({reason})")
 
 
+WEIGHTS_SUFFIXES = (".pt", ".pth", ".safetensors")  # what model.weights reads
+
+
 def check_outside_data(run_dir: Path, data: Any) -> None:
     """ConfigError where the run directory would be inside a folder of the images it trains
     on (data.path, data.val_path): its files would be read as a class of images by the next
@@ -120,6 +123,9 @@ def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
     before its first checkpoint. A run that trained and lost its last.pt is refused, not
     started again over its best.pt and metrics."""
     run_dir = Path(run_dir)
+    if run_dir.is_file() and run_dir.suffix.lower() not in WEIGHTS_SUFFIXES:  # a run file, ...
+        raise ConfigError(f"--resume {run_dir}: a file, not a run directory: give the folder "
+                          "a run wrote (runs/NAME-TIME)")  # fmt: skip
     if run_dir.is_file():
         raise CheckpointError(f"--resume {run_dir}: give the run directory ({run_dir.parent}); "
                               f"to train on from these weights as a new run, give it "
