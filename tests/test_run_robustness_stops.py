@@ -137,12 +137,16 @@ def test_output_that_is_a_folder_is_one_line(command, tmp_path, capsys):
 
 
 def test_unwritable_places_are_one_line(tmp_path, capsys):
-    """A path under a file, and a folder nothing can be created in (/proc), before any work;
-    /proc's refusal (ENOENT) said as what it is, not `No such file or directory` of a folder
-    that is there."""
+    """A path under a file, a dangling link, and a folder nothing can be created in (/proc),
+    before any work; /proc's refusal (ENOENT) said as what it is, not `No such file or
+    directory` of a folder that is there."""
     (tmp_path / "afile").write_text("x")
     code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "afile" / "run")], capsys)
     assert "afile" in one_error_line(code, err)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")  # it said "File exists"
+    code, _, err = run_cli(["train", "digits", "--out", str(tmp_path / "dangling")], capsys)
+    assert one_error_line(code, err).endswith(f"a link to {tmp_path / 'gone'}, which is not "
+                                              "there: make that folder, or give another")  # fmt: skip
     if Path("/proc/self").is_dir():
         code, _, err = run_cli(["export", "digitnet", "--format", "onnx", "-o", "/proc/x.onnx"],
                                capsys)  # fmt: skip

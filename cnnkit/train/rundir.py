@@ -90,6 +90,9 @@ def claimed_run_dir(name: str, out: str | Path | None, reserve: bool, reuse: boo
 def check_writable(run_dir: Path) -> None:
     """ConfigError, before any work, where the run directory cannot be made: a file in the way,
     a read-only folder, one nothing can be created in (a probe file is made and removed)."""
+    if run_dir.is_symlink() and not run_dir.exists():  # (mkdir: "File exists")
+        raise ConfigError(f"run directory {run_dir}: a link to {os.readlink(run_dir)}, which is "
+                          "not there: make that folder, or give another")  # fmt: skip
     parent = run_dir
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # the nearest folder that exists
