@@ -219,6 +219,18 @@ def test_a_run_files_model_mapping_refuses_what_it_does_not_take(tmp_path, capsy
     assert not (tmp_path / "m.safetensors").exists()
 
 
+@pytest.mark.parametrize("shape", ["[3, -1, 16]", "[3, 16, 16, 16]", "three", "[3, 1.5, 16]"])
+def test_a_run_files_model_input_is_checked_where_it_is_written(tmp_path, capsys, shape):
+    """`info w.yaml` of `model: {network: net.yaml, input: [3, -1, 16]}` blamed net.yaml."""
+    from helpers import one_error_line, run_cli
+
+    (tmp_path / "w.yaml").write_text(f"model: {{network: lenet5, input: {shape}}}\n")
+    code, _, err = run_cli(["info", str(tmp_path / "w.yaml")], capsys)
+    assert one_error_line(code, err).startswith(f"cnnkit: error: {tmp_path / 'w.yaml'}: "
+                                                "model.input: ")  # fmt: skip
+    assert err.rstrip().endswith("is not [C, H, W] of whole numbers above 0")
+
+
 def test_torchvision_weights_are_classified_as_torchvision_transforms_them(tmp_path):
     """A zoo network of torchvision's with its weights reads images as those weights were
     trained: Resize(256), CenterCrop(224), ImageNet's mean and std (it was 0-1 pixels,

@@ -298,7 +298,13 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
     if model.get("weights") is not None:
         network["weights"] = beside(model["weights"])
     if model.get("input") is not None:
-        network = with_input(network, model["input"])
+        shape = model["input"]  # checked here, where it is written (the network file was blamed)
+        if not (isinstance(shape, list) and 1 <= len(shape) <= 3
+                and all(type(n) is int and n > 0 for n in shape)):  # fmt: skip
+            where = f"{source}: " if source else ""
+            raise ConfigError(f"{where}model.input: {brief(shape)} is not [C, H, W] of whole "
+                              "numbers above 0")  # fmt: skip
+        network = with_input(network, shape)
     if model.get("classes") is not None:
         network["classes"] = beside(model["classes"])
     return network
