@@ -211,6 +211,7 @@ def test_more_cpu_processes_than_cores_is_refused_unless_asked_for(tmp_path, cap
     assert code == 0 and started == [64], err
 
 
+@pytest.mark.slow
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same data error (one class in the folder): one line (rank 0's),
     exit status 1, and no torchrun failure table (a configuration error every rank meets goes

@@ -45,6 +45,7 @@ def _second_epoch(proc) -> None:
             return
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["group", "parent"])
 def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(tmp_path, to):
     """torchrun's agent passes the Ctrl-C on, the ranks agree on a step, save it and stop; one
@@ -58,6 +59,7 @@ def test_ctrl_c_under_nproc_saves_where_the_ranks_agree_and_says_how_to_resume(t
     assert state["epoch"] >= 2 and f"epoch {state['epoch'] + 1} step {state['step']} " in line
 
 
+@pytest.mark.slow
 def test_sigterm_to_cnnkit_under_nproc_ends_every_process(tmp_path):
     """A scheduler's SIGTERM to cnnkit's pid: the agent and the ranks end with it (they trained
     on, holding the run folder, when it was not passed on); one line, status 143."""

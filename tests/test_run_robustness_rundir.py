@@ -12,7 +12,8 @@ import subprocess
 import time
 
 import pytest
-from helpers import CLI, ROOT, one_error_line, run_cli
+import yaml
+from helpers import CLI, RESUME_RUN, ROOT, one_error_line, run_cli
 
 from cnnkit.checkpoint import load_checkpoint
 from cnnkit.config import load_run
@@ -135,8 +136,16 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
     assert (first / "last.pt").read_bytes() == b"another run's"
 
 
+@pytest.mark.slow
 def test_a_background_sweep_runs_side_by_side(tmp_path):
-    cmd = [*CLI, "train", "digits", "train.epochs=1", "--quiet"]
+    run = {
+        **RESUME_RUN,
+        "name": "sweep",
+        "train": {"epochs": 1, "calibrate": False},
+        "deterministic": False,
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    cmd = [*CLI, "train", "run.yaml", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip

@@ -74,34 +74,30 @@ def test_measured_once_then_cached_per_batch(tmp_path, monkeypatch):
     assert share.how == "measured" and len(json.loads(cache.read_text())) == 3
 
 
-def test_a_damaged_cache_entry_is_measured_anew(tmp_path, monkeypatch):
+def test_a_damaged_cache_entry_is_measured_anew(tmp_path):
     """An entry edited by hand or half-written by another version (a field gone, a value not
     of its kind, a precision or kernel this machine lacks, a layer the network lacks) is
     measured anew, as a missing one: it was a TypeError or KeyError traceback at the start of
     every run, training and classification alike."""
-    from cnnkit.nn.tuning import choose_inference_kernels
+    from cnnkit.nn.tuning import choose_inference_kernels, valid_plan
 
     net, cache = build_model("digitnet"), tmp_path / "c.json"
-    good = choose_settings(net, TrainConfig(), CPU, 8, cache=cache)
+    choose_settings(net, TrainConfig(), CPU, 8, cache=cache)
     choose_inference_kernels(net, CPU, 8, cache=cache)
     (train_key, entry), (infer_key, infer) = json.loads(cache.read_text()).items()
-    damaged = [
-        {k: v for k, v in entry.items() if k != "threads"},
-        "x",
-        {**entry, "threads": "x"},
-        {**entry, "precision": "fp64"},
-        {**entry, "kernels": [["conv9", "nhwc"]]},
-        {**entry, "kernels": [["conv1", "fast"]]},
-        {**entry, "channels_last": "yes"},
-    ]
-    broken_infer = [{**infer, "kernels": 3}, {"kernels": []}, {**infer, "kernels": [["x", "y"]]}]
-    for bad, bad_infer in zip(damaged, broken_infer * 3, strict=False):
-        cache.write_text(json.dumps({train_key: bad, infer_key: bad_infer}))
-        again = choose_settings(net, TrainConfig(), CPU, 8, cache=cache)
-        assert again.how == "measured" and again.precision in settings_module.precisions(CPU)
-        assert isinstance(choose_inference_kernels(net, CPU, 8, cache=cache)[0], bool)
-        assert choose_settings(net, TrainConfig(), CPU, 8, cache=cache).how == "cached"
-    assert good.how == "measured"
+    assert settings_module._cached(entry, net, CPU) is not None and valid_plan(
+        net, infer["kernels"]
+    )
+    damaged = [{k: v for k, v in entry.items() if k != "threads"}, "x", {**entry, "threads": "x"},
+               {**entry, "precision": "fp64"}, {**entry, "kernels": [["conv9", "nhwc"]]},
+               {**entry, "kernels": [["features.0", "fast"]]}, {**entry, "channels_last": "yes"},
+               {**entry, "kernels": 3}, {**entry, "speedup": "fast"}]  # fmt: skip
+    assert [settings_module._cached(bad, net, CPU) for bad in damaged] == [None] * len(damaged)
+    assert not any(valid_plan(net, k) for k in (3, None, [["x", "nhwc"]], [["features.0"]]))
+    cache.write_text(json.dumps({train_key: damaged[0], infer_key: {**infer, "kernels": 3}}))
+    assert choose_settings(net, TrainConfig(), CPU, 8, cache=cache).how == "measured"
+    assert isinstance(choose_inference_kernels(net, CPU, 8, cache=cache)[0], bool)
+    assert choose_settings(net, TrainConfig(), CPU, 8, cache=cache).how == "cached"
 
 
 def test_the_fastest_wins_reduced_precision_only_when_clearly_faster():
