@@ -258,6 +258,9 @@ def within(seconds: float) -> Iterator[None]:
     SIGALRM interrupts even a blocking open()."""
 
     def expire(signum, frame):
+        import faulthandler  # where every thread stood: a rare hang under load says where
+
+        faulthandler.dump_traceback(all_threads=True)
         raise TimeoutError(f"still running after {seconds} s (a hang)")
 
     previous = signal.signal(signal.SIGALRM, expire)
