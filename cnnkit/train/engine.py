@@ -11,6 +11,7 @@ clipping and accumulation. `cnnkit bench train` times `train_step`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -65,10 +66,15 @@ class Engine:
         checked at the start (checks.check_batchnorm); one that unreadable images shrank, not."""
         if images < 1:
             return False
-        micro = smallest_chunk(images, self.accumulate)
+        fewest = self._batchnorm_values
+        return fewest is None or smallest_chunk(images, self.accumulate) * fewest >= 2
+
+    @functools.cached_property
+    def _batchnorm_values(self) -> int | None:
+        """The fewest values per channel one image gives a BatchNorm layer (None: none)."""
         rows = getattr(self.network, "table", ())
-        return all(micro * math.prod(r.output_shape[1:]) >= 2 for r in rows
-                   if r.type == "batchnorm")  # fmt: skip
+        sizes = [math.prod(r.output_shape[1:]) for r in rows if r.type == "batchnorm"]
+        return min(sizes, default=None)
 
 
 def build_engine(
