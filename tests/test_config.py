@@ -187,6 +187,21 @@ def test_a_misspelt_required_field_is_named_with_the_one_meant(raw, line):
     assert str(caught.value) == line
 
 
+def test_a_data_path_without_a_source_is_read_as_what_is_there(shapes, tmp_path):
+    """`data: {path: DIR}` is a pack where `cnnkit pack` wrote DIR, else an image folder (as
+    timm reads a data folder); the source is written out in the resolved run. No path and no
+    source is still refused, naming the sources."""
+    from cnnkit.data.pack import pack_folder
+
+    pack_folder(shapes, tmp_path / "packed", size=24, progress=False)
+    for path, source in ((shapes, "folder"), (tmp_path / "packed", "packed")):
+        config = load_run({"model": "digitnet", "data": {"path": str(path)}})
+        assert config.data.source == source
+        assert yaml.safe_load(dump_run(config))["data"]["source"] == source
+    with pytest.raises(ConfigError, match=r"^data.source: missing \(one of: digits, faces"):
+        load_run({"model": "digitnet", "data": {"batch_size": 8}})
+
+
 def test_a_new_run_needs_held_out_images(tmp_path):
     """val_fraction 0 without val_path is refused for a new run (best.pt would be epoch 1's);
     a checkpoint saved with it before still validates, so it resumes."""

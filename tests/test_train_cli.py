@@ -244,6 +244,8 @@ def test_a_run_whose_stdout_reader_goes_trains_on(tmp_path):
     ("{source: synthetic}", "(set data.shape=[3, 32, 32])"),
     ("{source: folder, path: FOLDER, val_fraction: 0.5}", "(set data.crop=32, and data.size the side images are"),
     (None, "data: Field required (a run file's data: names its source: one of digits, faces"),
+    ("{path: FOLDER, val_fraction: 0.5}\nmodel: lenet5",
+     "(data.grey: true gives the images' luma; set data.crop=32, and data.size the side"),
 ])  # fmt: skip
 def test_a_mismatch_of_network_and_data_names_the_setting(tmp_path, capsys, data, hint):
     for name in ("a", "b"):  # an image folder of two classes
@@ -254,9 +256,11 @@ def test_a_mismatch_of_network_and_data_names_the_setting(tmp_path, capsys, data
             Image.new("RGB", (40, 40), name == "a" and "red" or "blue").save(
                 tmp_path / "images" / name / f"{i}.png"
             )
-    text = "name: r\nmodel: inception-small\n"
+    text = "name: r\n"
     if data:
         text += f"data: {data.replace('FOLDER', str(tmp_path / 'images'))}\n"
+    if "model:" not in text:
+        text += "model: inception-small\n"
     (tmp_path / "run.yaml").write_text(text)
     got, err = _fails(["train", str(tmp_path / "run.yaml"), "--dry-run"], capsys)
     assert got == 2 and hint in err, err

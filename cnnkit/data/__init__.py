@@ -15,7 +15,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from cnnkit.data.base import Batches, DataBundle, DataConfigBase, Preprocess
 from cnnkit.data.bundled import DigitsConfig, FacesConfig
 from cnnkit.data.folder import FolderConfig
-from cnnkit.data.packed import PackedConfig
+from cnnkit.data.packed import PackedConfig, is_pack
 from cnnkit.data.synthetic import SyntheticConfig
 from cnnkit.errors import ConfigError, brief, config_error
 
@@ -34,10 +34,15 @@ _ADAPTER: TypeAdapter[DataConfig] = TypeAdapter(DataConfig)
 
 
 def check_source(section: Any) -> Any:
-    """Refuse a `data:` section without a known `source` in one line, with a suggestion."""
+    """Refuse a `data:` section without a known `source` in one line, with a suggestion. One
+    that names a `path` and no source reads it as what is there: a pack `cnnkit pack` wrote,
+    else an image folder (as timm reads a data folder by what it holds)."""
     if not isinstance(section, dict):
         return section  # pydantic says what it expected
     source = section.get("source")
+    if source is None and isinstance(section.get("path"), str) and section["path"]:
+        source = "packed" if is_pack(section["path"]) else "folder"
+        section = {**section, "source": source}
     typo = difflib.get_close_matches("source", [str(k) for k in section], n=1)
     if source is None and "source" not in section and typo:  # `sorce: digits`
         raise ConfigError(f"data.{typo[0][:40]}: unknown field (did you mean 'source'?)")

@@ -87,21 +87,20 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
 
 
 def _shape_hint(config: RunConfig, want: tuple[int, ...], have: tuple[int, ...]) -> str:
-    """The data setting that gives a network's input: the grey images, the crop, the shape."""
-    if want[0] == 1 and have[0] == 3:
-        return " (data.grey: true gives the images' luma)"
+    """The data settings that give a network's input: the grey images, the crop, the shape."""
     if config.data.source == "synthetic":
         return f" (set data.shape={list(want)})"
-    if (
-        len(want) == 3
-        and want[0] == have[0]
-        and want[1] == want[2]
-        and hasattr(config.data, "crop")
-    ):
-        size = ", and data.size the side images are resized to first" * hasattr(config.data, "size")
-        return (f" (set data.crop={want[1]}{size}; or model.input={list(have)} builds the "
-                "network for the data's images, where its layers allow)")  # fmt: skip
-    return ""
+    grey = want[0] == 1 and have[0] == 3
+    hints = ["data.grey: true gives the images' luma"] if grey else []
+    if len(want) == 3 and len(have) == 3 and want[1:] != have[1:] and want[1] == want[2]:
+        if hasattr(config.data, "crop") and (grey or want[0] == have[0]):
+            size = ", and data.size the side images are resized to first" * hasattr(
+                config.data, "size")  # fmt: skip
+            hints.append(f"set data.crop={want[1]}{size}")
+            if not grey:
+                hints[-1] += (f"; or model.input={list(have)} builds the network for the "
+                              "data's images, where its layers allow")  # fmt: skip
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def build_run_engine(config: RunConfig, data: DataBundle, device: torch.device,
