@@ -202,6 +202,36 @@ def test_a_data_path_without_a_source_is_read_as_what_is_there(shapes, tmp_path)
         load_run({"model": "digitnet", "data": {"batch_size": 8}})
 
 
+@pytest.mark.parametrize("source, key, meant", [
+    ("folder", "image_size", "(did you mean 'crop'?)"),  # spelling alone: 'batch_size'
+    ("folder", "crop_size", "(did you mean 'crop'?)"),
+    ("folder", "batch", "(did you mean 'batch_size'?)"),  # spelling alone: 'path'
+    ("folder", "data_path", "(did you mean 'path'?)"),  # spelling alone: 'val_path'
+    ("folder", "num_workers", "(did you mean 'workers'?)"),
+    ("digits", "image_size", "(data.crop is a setting of data.source folder / packed, not digits)"),
+    ("digits", "learning_rate", "(it belongs in train: train.lr)"),
+    ("folder", "shfit", ""),  # no peer name and nothing close: nothing said
+])  # fmt: skip
+def test_the_names_peers_give_a_data_setting_are_met_with_ours(source, key, meant):
+    """torchvision's, timm's and Caffe's names for our settings are answered with ours, never
+    with a setting that is only spelt alike."""
+    data = {"source": source, key: 1, **({"path": "x"} if source == "folder" else {})}
+    with pytest.raises(ConfigError) as caught:
+        validate_run({"model": "digitnet", "data": data})
+    assert str(caught.value) == f"data.{key}: unknown field {meant}".strip()
+
+
+@pytest.mark.parametrize("key, meant", [
+    ("learning_rate", "lr"), ("base_lr", "lr"), ("wd", "weight_decay"), ("amp", "precision"),
+    ("lr_scheduler", "schedule"), ("lr_policy", "schedule"), ("warmup", "warmup_epochs"),
+    ("clip_grad_norm", "grad_clip"), ("model_ema", "ema"), ("stepvalue", "milestones"),
+])  # fmt: skip
+def test_the_names_peers_give_a_training_setting_are_met_with_ours(key, meant):
+    with pytest.raises(ConfigError) as caught:
+        load_run("digits", [f"train.{key}=1"])
+    assert str(caught.value) == f"train.{key}: unknown field (did you mean {meant!r}?)"
+
+
 def test_a_new_run_needs_held_out_images(tmp_path):
     """val_fraction 0 without val_path is refused for a new run (best.pt would be epoch 1's);
     a checkpoint saved with it before still validates, so it resumes."""

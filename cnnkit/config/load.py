@@ -151,6 +151,61 @@ def _meant_otherwise(raw: dict[str, Any], error: str) -> str:
     return f"data.{name} is {source}'s {field.description}, by default {json.dumps(default)}; "
 
 
+# the names torchvision's reference scripts, timm, Caffe's solver and pycls give our settings,
+# which spelling alone would match wrongly (image_size -> batch_size, batch -> path) or not at all
+PEER_NAMES = {
+    **dict.fromkeys(
+        (
+            "image_size",
+            "img_size",
+            "input_size",
+            "crop_size",
+            "val_crop_size",
+            "train_crop_size",
+            "test_crop_size",
+            "crop_pct",
+        ),
+        "crop",
+    ),  # fmt: skip
+    **dict.fromkeys(("resize_size", "val_resize_size", "resize", "scale_size"), "size"),
+    **dict.fromkeys(
+        ("batch", "bs", "batchsize", "train_batch_size", "ims_per_batch"), "batch_size"
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("val_batch_size", "test_batch_size", "validation_batch_size"), "eval_batch_size"
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("data_path", "data_dir", "root", "dataset_path", "train_dir", "source_dir"), "path"
+    ),  # fmt: skip
+    **dict.fromkeys(("val_dir", "val_data", "test_path", "val_root"), "val_path"),
+    **dict.fromkeys(("num_workers", "j", "loader_workers"), "workers"),
+    **dict.fromkeys(("hflip", "flip", "random_flip", "mirror_prob"), "mirror"),
+    **dict.fromkeys(("auto_augment", "autoaugment", "aa"), "policy"),
+    **dict.fromkeys(("reprob", "random_erase", "random_erasing", "re_prob"), "erasing"),
+    **dict.fromkeys(("learning_rate", "base_lr", "lr0"), "lr"),
+    **dict.fromkeys(("wd", "decay"), "weight_decay"),
+    **dict.fromkeys(("opt", "optim", "solver", "solver_type"), "optimizer"),
+    **dict.fromkeys(("lr_policy", "lr_scheduler", "sched", "scheduler"), "schedule"),
+    **dict.fromkeys(("stepsize", "lr_step_size", "decay_epochs"), "step_size"),
+    **dict.fromkeys(("stepvalue", "lr_steps", "steps", "decay_milestones"), "milestones"),
+    **dict.fromkeys(("lr_gamma", "decay_rate"), "gamma"),
+    **dict.fromkeys(("warmup", "lr_warmup_epochs", "warmup_epoch"), "warmup_epochs"),
+    **dict.fromkeys(("warmup_lr", "lr_warmup_decay", "warmup_factor"), "warmup_start"),
+    **dict.fromkeys(("model_ema", "ema_decay", "model_ema_decay"), "ema"),
+    **dict.fromkeys(("amp", "dtype", "mixed_precision", "half", "fp16", "bf16"), "precision"),
+    **dict.fromkeys(("clip_grad", "clip_grad_norm", "clip_gradients", "max_norm"), "grad_clip"),
+    **dict.fromkeys(("max_epoch", "max_epochs", "num_epochs", "n_epochs"), "epochs"),
+    **dict.fromkeys(("smoothing", "label_smooth"), "label_smoothing"),
+    **dict.fromkeys(
+        ("grad_accum_steps", "accum_iter", "iter_size", "gradient_accumulation"), "accumulate"
+    ),  # fmt: skip
+    **dict.fromkeys(("lr_min", "eta_min", "min_learning_rate"), "min_lr"),
+    **dict.fromkeys(("solver_mode", "gpu", "cuda"), "device"),
+    **dict.fromkeys(("random_seed", "manual_seed", "rng_seed"), "seed"),
+    **dict.fromkeys(("arch", "net", "architecture"), "model"),
+}
+
+
 def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
     """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section."""
     section: type[BaseModel] = RunConfig
@@ -162,17 +217,24 @@ def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
         annotation = section.model_fields.get(part)
         kind = getattr(annotation, "annotation", None)
         section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
+    peer = PEER_NAMES.get(parts[-1].lower().replace("-", "_"))
+    if peer in section.model_fields:
+        return f" (did you mean {peer!r}?)"
     close = difflib.get_close_matches(parts[-1], list(section.model_fields), n=1)
-    if close:
+    if close and peer is None:  # (image_size is not batch_size, where a source has no crop)
         return f" (did you mean {close[0]!r}?)"
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     elsewhere = {"": RunConfig, "train.": TrainConfig, "model.": ModelConfig,
                  "data.": SOURCES.get(data.get("source"), RunConfig)}  # fmt: skip
     for prefix, other in elsewhere.items():
-        if other is not section and parts[-1] in other.model_fields:
+        if other is not section and (peer or parts[-1]) in other.model_fields:
             where = "at the top level" if not prefix else f"in {prefix[:-1]}"
-            return f" (it belongs {where}: {prefix}{parts[-1]})"
-    owners = [name for name, kind in SOURCES.items() if parts[-1] in kind.model_fields]
+            return f" (it belongs {where}: {prefix}{peer or parts[-1]})"
+    owners = [name for name, kind in SOURCES.items() if (peer or parts[-1]) in kind.model_fields]
+    if peer and owners and parts[:1] == ["data"] and data.get("source") in SOURCES:
+        return (
+            f" (data.{peer} is a setting of data.source {' / '.join(owners)}, not {data['source']})"
+        )
     if parts[:1] == ["data"] and owners and data.get("source") in SOURCES:
         return (f" (a setting of data.source {' / '.join(owners)}, not {data['source']}: "
                 f"data.{parts[-1]}=null leaves it out, or start from a run file written for "
