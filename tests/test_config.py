@@ -202,6 +202,41 @@ def test_a_data_path_without_a_source_is_read_as_what_is_there(shapes, tmp_path)
         load_run({"model": "digitnet", "data": {"batch_size": 8}})
 
 
+@pytest.mark.parametrize("model, data, crop, size", [
+    ("resnet18", {}, 224, 256),  # torchvision's 224 of 256, not AlexNet's 227
+    ("lenet5", {}, 32, 37),  # 8/7 of the side: not a 32 px crop of 256
+    ("alexnet", {}, 227, 256),  # the default itself: nothing set
+    ("resnet18", {"crop": 200}, 200, 256),  # given: kept (and size left as it is)
+    ("resnet18", {"size": 300}, 224, 300),
+    ({"network": "resnet18", "input": [3, 64, 64]}, {}, 64, 73),  # model.input: its side
+    ("inception-small", {"source": "packed"}, 32, None),  # a pack: its crop only
+    ("digitnet", {"source": "digits"}, None, None),  # no crop to set
+])  # fmt: skip
+def test_an_image_sets_crop_left_out_is_the_networks_input_side(shapes, tmp_path, model, data,
+                                                                crop, size):  # fmt: skip
+    """As timm takes a model's input size: a folder or pack trains at its network's side, and a
+    folder resized in proportion, where the run leaves them out."""
+    if data.get("source") == "packed":
+        from cnnkit.data.pack import pack_folder
+
+        pack_folder(shapes, tmp_path / "packed", size=24, progress=False)
+    section = {"path": str(tmp_path / "packed" if data.get("source") else shapes), **data}
+    if data.get("source") == "digits":
+        section = data
+    config = load_run({"model": model, "data": section})
+    assert getattr(config.data, "crop", None) == crop
+    assert getattr(config.data, "size", None) == size
+    if crop is not None:  # resolved as it was run: config.yaml gives the crop and size taken
+        again = yaml.safe_load(dump_run(config))["data"]
+        assert again["crop"] == crop and again.get("size") == size
+
+
+def test_a_crop_left_out_fits_before_the_crops_own_checks(shapes):
+    """data.size 32 for lenet5 was refused as smaller than AlexNet's crop of 227."""
+    config = load_run({"model": "lenet5", "data": {"path": str(shapes), "size": 32}})
+    assert (config.data.crop, config.data.size) == (32, 32)
+
+
 @pytest.mark.parametrize("source, key, meant", [
     ("folder", "image_size", "(did you mean 'crop'?)"),  # spelling alone: 'batch_size'
     ("folder", "crop_size", "(did you mean 'crop'?)"),
@@ -334,7 +369,8 @@ def test_the_readme_run_files_are_valid_runs():
     assert len(runs) >= 2
     for raw in runs:
         config = load_run(raw)
-        assert config.name == raw["name"] and config.data.source == raw["data"]["source"]
+        assert config.name == raw["name"]
+        assert config.data.source == raw["data"].get("source", "folder")
         assert config.train.epochs == raw["train"]["epochs"]
 
 

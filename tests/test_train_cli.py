@@ -242,10 +242,11 @@ def test_a_run_whose_stdout_reader_goes_trains_on(tmp_path):
 
 @pytest.mark.parametrize("data,hint", [
     ("{source: synthetic}", "(set data.shape=[3, 32, 32])"),
-    ("{source: folder, path: FOLDER, val_fraction: 0.5}", "(set data.crop=32, and data.size the side images are"),
+    ("{source: folder, path: FOLDER, val_fraction: 0.5, crop: 40, size: 46}", "(set data.crop=32, and data.size the side images are"),
     (None, "data: Field required (a run file's data: names its source: one of digits, faces"),
-    ("{path: FOLDER, val_fraction: 0.5}\nmodel: lenet5",
+    ("{path: FOLDER, val_fraction: 0.5, crop: 40, size: 46}\nmodel: lenet5",
      "(data.grey: true gives the images' luma; set data.crop=32, and data.size the side"),
+    ("{path: FOLDER, val_fraction: 0.5}\nmodel: lenet5", "[3, 32, 32] (data.grey: true gives the images' luma)"),
 ])  # fmt: skip
 def test_a_mismatch_of_network_and_data_names_the_setting(tmp_path, capsys, data, hint):
     for name in ("a", "b"):  # an image folder of two classes

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from cnnkit.config.sections import ModelConfig, RunConfig, TrainConfig
-from cnnkit.data import SOURCES
+from cnnkit.data import SOURCES, check_source
 from cnnkit.data.decode import holds_images
 from cnnkit.errors import ConfigError, brief, config_error, suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
@@ -34,6 +34,7 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         apply_override(raw, item)
     _relative_to(raw, base)
     absolute_data(raw)
+    _crop_for_network(raw)
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
     config = validate_run(raw)
@@ -82,6 +83,32 @@ def _file_at(name: str, base: Path | None) -> str:
         if (place / name).is_file():
             return os.path.abspath(place / name)
     return name
+
+
+def _crop_for_network(raw: dict[str, Any]) -> None:
+    """An image set's crop left out is the network's input side, as timm takes a model's input
+    size (resnet18 on a folder: 224, not AlexNet's 227); a folder's size left out with it is
+    what keeps torchvision's 224 of 256: the crop's 8/7, or 256 where the crop is 7/8 of it or
+    more. A bad section or network is left as it is, for validation to name."""
+    data = raw.get("data")
+    if not isinstance(data, dict) or "crop" in data:
+        return
+    try:
+        source = SOURCES.get(check_source(data).get("source"))
+        shape = ModelConfig.model_validate(raw.get("model")).spec().get("input")
+    except (ConfigError, ValidationError, TypeError, ValueError):
+        return
+    if source is None or "crop" not in source.model_fields or not isinstance(shape, list):
+        return
+    if len(shape) != 3 or shape[1] != shape[2] or not isinstance(shape[1], int) or shape[1] < 1:
+        return  # (not a square image: the mismatch is named when the network is built)
+    side = shape[1]
+    if side == source.model_fields["crop"].default:
+        return
+    data["crop"] = side
+    if "size" in source.model_fields and "size" not in data:
+        size, fit = source.model_fields["size"].default, round(side * 8 / 7)
+        data["size"] = size if side <= size <= fit else fit
 
 
 DATA_FILES = ("path", "val_path", "val_labels", "negatives")  # a data section's files

@@ -170,8 +170,9 @@ class FolderConfig(ImageSetConfig):
     size: PositiveInt = Field(
         256,
         le=MAX_SIDE,
-        description="images are resized to size x size "
-        f"first (at most {MAX_SIDE}: what a trained network may read)",
+        description="images are resized to size x size first (at most "
+        f"{MAX_SIDE}: what a trained network may read; left out with crop: 8/7 of the "
+        "network's side, 256 from 224 to 256)",
     )
     resize_mode: Literal["squash", "shorter"] = Field(
         "squash", description="or shorter side + crop"

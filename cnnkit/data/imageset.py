@@ -31,7 +31,8 @@ LUMA = (0.299, 0.587, 0.114)  # ITU-R 601, as Pillow's convert("L") and torchvis
 class ImageSetConfig(DataConfigBase):
     """Fields shared by the image sources (folder, packed): loading and augmentation."""
 
-    crop: PositiveInt = Field(227, description="network input side (227 of 256 like the seeds)")
+    crop: PositiveInt = Field(227, description="network input side (left out: the network's; "
+                              "227 of 256 like the seeds)")  # fmt: skip
     train_crop: Literal["random", "resized"] = Field(
         "random",
         description="random: random crop; resized: random-resized-crop (torchvision's box "
