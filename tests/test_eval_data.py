@@ -39,12 +39,13 @@ def test_a_data_yaml_is_scored_on_its_held_out_split(untrained, tmp_path, capsys
     draws it; with val_fraction 0 and no val_path the error says what to give instead."""
     (tmp_path / "dy.yaml").write_text("source: folder\npath: sm\n")
     (tmp_path / "dy0.yaml").write_text("source: folder\npath: sm\nval_fraction: 0\n")
+    (tmp_path / "dyp.yaml").write_text("path: sm\n")  # no source: what the path holds
     scored = {}
-    for data in ("sm", "dy.yaml"):
+    for data in ("sm", "dy.yaml", "dyp.yaml"):
         code, out, err = run_cli(["eval", untrained, "--data", data, "--json"], capsys)
         assert code == 0, err
         scored[data] = json.loads(out)["images"]
-    assert scored == {"sm": 20, "dy.yaml": 2}
+    assert scored == {"sm": 20, "dy.yaml": 2, "dyp.yaml": 2}
     code, _, err = run_cli(["eval", untrained, "--data", "dy0.yaml"], capsys)
     line = one_error_line(code, err)
     assert "give the folder itself (--data sm) to score every image" in line

@@ -206,10 +206,31 @@ def test_eval_refuses_a_held_out_split_that_changed(tiny_run, tmp_path, capsys):
     code, out, err = run_cli(["eval", str(tmp_path / "changed.pt")], capsys)
     line = one_error_line(code, err, (2,))
     assert "the held-out images differ from the run's" in line and not out
+    # a class folder added (or renamed, or gone) also changes the split: the classes are named
+    trained = state["classes"]
+    state["classes"] = [trained[0], "cat"]  # (the folder trained/cat is trained/face now)
+    save_checkpoint(state, tmp_path / "classes.pt")
+    code, out, err = run_cli(["eval", str(tmp_path / "classes.pt")], capsys)
+    assert one_error_line(code, err, (2,)) == (
+        f"cnnkit: error: {tmp_path / 'classes.pt'}: the data's 2 classes are not the 2 the run "
+        "trained on (gone: cat; new: face): evaluate it on the data as it was, or give --data "
+        "images it never trained on")  # fmt: skip
+    state["classes"] = trained
     del state["holdout"]
     save_checkpoint(state, tmp_path / "older.pt")
     code, out, _ = run_cli(["eval", str(tmp_path / "older.pt"), "--json"], capsys)
     assert code == 0 and json.loads(out)["top1"] == pytest.approx(summary["val_top1"])
+
+
+def test_a_bundled_sets_number_classes_are_not_taken_for_caffes_indices(tiny_run, capsys):
+    """digits' classes are named '0'-'9' by the set itself: scored by a faces network, they are
+    not the classes 'given by index, as in Caffe's val.txt' that a label file's would be."""
+    from helpers import one_error_line, run_cli
+
+    code, _, err = run_cli(["eval", str(tiny_run[0]), "--data", "digits"], capsys)
+    assert one_error_line(code, err, (1,)) == (
+        "cnnkit: error: --data digits: class '0' is not one the network was trained on "
+        "(2 classes: 'non-face', 'face')")  # fmt: skip
 
 
 def test_digits_run_learns_in_a_few_epochs(tmp_path):

@@ -336,12 +336,14 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
     return Scan(files, [lookup[n] for n in names], classes, scan.skipped)
 
 
-def unknown_classes(unknown: list[str], classes: list[str]) -> str:
+def unknown_classes(unknown: list[str], classes: list[str], indexed: bool = True) -> str:
     """` (...)` for classes not among `classes` (the network's): where every one is a number
     and the classes are names, that the set names classes by index (Caffe's val.txt:
-    `VAL_00000001.JPEG 0`), not by name; else the near match, else the classes there are."""
+    `VAL_00000001.JPEG 0`), not by name, where it may (`indexed`: a label file's set, not a
+    bundled one's own names); else the near match, else the classes there are."""
     shown = ", ".join(repr(c) for c in classes[:8]) + (", ..." if len(classes) > 8 else "")
-    if all(map(str.isdecimal, unknown)) and not all(map(str.isdecimal, classes)):
+    numbers = all(map(str.isdecimal, unknown)) and not all(map(str.isdecimal, classes))
+    if numbers and indexed:
         return (" (the classes are given by index, as in Caffe's val.txt; cnnkit expects "
                 f"class names, the training folders': {shown})")  # fmt: skip
     return suggest(unknown[0], classes) or f" ({len(classes)} classes: {shown})"

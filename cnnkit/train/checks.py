@@ -85,7 +85,16 @@ def check_same_data(state: dict[str, Any], data: DataBundle, run_dir: Path) -> N
     names (a renamed folder would shift every label after it, silently) or another held-out
     split (its figures would count images the run trained on)."""
     fresh = f"start a new run from its weights (model.weights={run_dir}/last.pt)"
-    saved = list(state.get("classes") or [])
+    advice = f"resume with the data as it was, or {fresh}"
+    check_same_classes(state.get("classes"), data, "--resume", advice)
+    check_same_split(state.get("holdout"), data, "--resume", advice)
+
+
+def check_same_classes(saved: list[str] | None, data: DataBundle, where: str,
+                       advice: str) -> None:  # fmt: skip
+    """ConfigError where the data's class names are not the run's (`saved`; None: unknown): a
+    class folder added, renamed or gone shifts every label after it."""
+    saved = list(saved or [])
     if saved and saved != list(data.classes):
         gone = [c for c in saved if c not in data.classes]
         new = [c for c in data.classes if c not in saved]
@@ -93,11 +102,8 @@ def check_same_data(state: dict[str, Any], data: DataBundle, run_dir: Path) -> N
             f"gone: {', '.join(gone[:3])}{' ...' * (len(gone) > 3)}" if gone else "",
             f"new: {', '.join(new[:3])}{' ...' * (len(new) > 3)}" if new else "",
         ) if part) or "the same names in another order"  # fmt: skip
-        raise ConfigError(f"--resume: the data's {len(data.classes)} classes are not the "
-                          f"{len(saved)} the run trained on ({what}): resume with the data as "
-                          f"it was, or {fresh}")  # fmt: skip
-    check_same_split(state.get("holdout"), data, "--resume",
-                     f"resume with the data as it was, or {fresh}")  # fmt: skip
+        raise ConfigError(f"{where}: the data's {len(data.classes)} classes are not the "
+                          f"{len(saved)} the run trained on ({what}): {advice}")  # fmt: skip
 
 
 def check_same_split(drawn: str | None, data: DataBundle, where: str, advice: str) -> None:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from cnnkit.checkpoint import NOT_HELD, load_trained, note_mean_image, uses_mean_image
 from cnnkit.config import TrainConfig
-from cnnkit.data import SOURCES, DataConfig, Preprocess, data_config
+from cnnkit.data import SOURCES, DataConfig, Preprocess, check_source, data_config
 from cnnkit.data.augment import ten_crop
 from cnnkit.data.decode import is_image_name
 from cnnkit.data.packed import RESIZE_FLAG, is_pack, read_meta
@@ -22,7 +22,7 @@ from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_me
 from cnnkit.nn.onednn import freeze
 from cnnkit.nn.yamlio import read_yaml
 from cnnkit.runtime import restore_matmuls, tf32_matmuls
-from cnnkit.train.checks import check_same_split
+from cnnkit.train.checks import check_same_classes, check_same_split
 from cnnkit.train.engine import Engine, build_engine
 from cnnkit.train.loop import check_read, evaluate, score_logits
 from cnnkit.train.settings import inference_settings
@@ -60,6 +60,7 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
         section = loaded.get("data", loaded) if isinstance(loaded, dict) else None
         if not isinstance(section, dict):
             raise ConfigError(f"--data {spec}: the file has no data: mapping")
+        section = check_source(section)  # (a path without a source: what it holds)
         if section.get("source") in ("folder", "packed"):  # unsaid: as the network trained
             section = {"crop": pre.crop, **section}
         if section.get("source") == "folder":
@@ -233,8 +234,10 @@ def evaluate_checkpoint(
     dev = resolve_device(device)
     bundle = cfg.build(dev, 0, 1, config.get("seed", 0))
     if data is None:  # the run's own split: drawn from the training images as they are now
+        check_same_classes(meta["classes"], bundle, str(target), OWN_SPLIT_CHANGED)
         check_same_split(meta.get("holdout"), bundle, str(target), OWN_SPLIT_CHANGED)
-    label_map = class_map(bundle.classes, meta["classes"], data or "the held-out split")
+    label_map = class_map(bundle.classes, meta["classes"], data or "the held-out split",
+                          indexed=hasattr(cfg, "path"))  # fmt: skip
     train_cfg = _eval_settings(config, device, dev, meta.get("path", target), meta.get("settings"))
     batch = cfg.eval_batch_size or cfg.batch_size
     engine = build_engine(
@@ -281,13 +284,16 @@ def nothing_held_out(data: str | None, cfg: DataConfig) -> str:
     return f"--data {data}: no image to evaluate"
 
 
-def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.Tensor | None:
+def class_map(data_classes: list[str], trained: list[str], where: str,
+              indexed: bool = True) -> torch.Tensor | None:  # fmt: skip
     """The data's class indices as the network's (matched by name, as training matches a
     validation set), None where they are the same; DataError for a class the network lacks.
     A set holding only some of the classes is fine; one that names them differently is not.
     A network that names no classes (class0, class1...: a network file with published
     weights, its export) takes classes given by index (Caffe's val.txt) as those outputs, and
-    named ones in sorted order, as torchvision's ImageFolder numbers them, if as many."""
+    named ones in sorted order, as torchvision's ImageFolder numbers them, if as many.
+    `indexed`: the data's classes may be a label file's indices (a folder's, a pack's; not a
+    bundled set's own names, digits' '0'-'9')."""
     if list(data_classes) == list(trained):
         return None
     unnamed = list(trained) == [f"class{k}" for k in range(len(trained))]
@@ -307,7 +313,7 @@ def class_map(data_classes: list[str], trained: list[str], where: str) -> torch.
     unknown = [c for c in data_classes if c not in lookup]
     if unknown:
         raise DataError(f"--data {where}: class {unknown[0]!r} is not one the network was "
-                        f"trained on{unknown_classes(unknown, trained)}")  # fmt: skip
+                        f"trained on{unknown_classes(unknown, trained, indexed)}")  # fmt: skip
     twice = [c for c in data_classes if list(trained).count(c) > 1]
     if twice:  # (ImageNet's published names hold 'crane' and 'maillot' twice each)
         outputs = [k for k, name in enumerate(trained) if name == twice[0]]
