@@ -133,6 +133,32 @@ def test_yaml_1_1_integers_that_are_not_what_they_look_are_refused(tmp_path, val
     assert read_yaml(path) == {"a": [0, 0, 10, 16, 1000, "032"]}
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["python", "libyaml"])
+@pytest.mark.parametrize("value", ["!!float abc", "!!float .", "!!bool maybe", '!!bool ""',
+                                   '!!int ""', '!!int "-"', "!!int 0b", "!!int abc", "!!int 0o9"])  # fmt: skip
+def test_a_tag_that_does_not_fit_its_value_is_named_at_its_line(tmp_path, monkeypatch, value,
+                                                                 fast):  # fmt: skip
+    """PyYAML's constructors let `!!float abc` out as a bare ValueError (`!!bool maybe` a
+    KeyError, `!!int ""` an IndexError): a traceback from any file or override, where it is
+    one line; `!!int abc` said it was too long. Tags that fit still read."""
+    monkeypatch.setattr(yamlio, "FAST_FROM", 0 if fast else 2**20)
+    path = tmp_path / "net.yaml"
+    path.write_text(f"model:\n  input: [3, 8, 8]\n  x: {value}\n")
+    told = value.split(" ", 1)[1].strip('"')
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    assert str(e.value) == (f"{path}: not valid YAML (line 3, column 6): {told!r} is not a "
+                            f"valid {value.split()[0]}")  # fmt: skip
+    assert load_yaml("a: [!!float 1, !!int '7', !!bool yes]") == {"a": [1.0, 7, True]}
+
+
+def test_a_tagged_override_that_does_not_fit_is_one_line(capsys):
+    from helpers import one_error_line, run_cli
+
+    code, _, err = run_cli(["config", "digits", "train.lr=!!float abc"], capsys)
+    assert one_error_line(code, err, (2,)).startswith("cnnkit: error: train.lr: ")
+
+
 def test_utf16_files_read_and_other_encodings_are_named(tmp_path):
     path = tmp_path / "net.yaml"
     path.write_bytes("# réseau\na: [1, 2]\n".encode("utf-16"))  # Notepad's "Unicode"

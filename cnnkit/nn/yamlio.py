@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import datetime
 import os
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,22 @@ class _Bounded(Composer, SafeConstructor, Resolver):
             return super().construct_yaml_int(node)
         except ValueError:
             digits = sum(c.isdigit() for c in node.value)
+            if digits <= sys.get_int_max_str_digits():
+                raise  # not an integer (`!!int abc`): said by construct_object
             raise LimitError(None, None, f"an integer of {digits:,} digits is too long to read",
+                             node.start_mark) from None  # fmt: skip
+
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        """A value, or an error at its line where an explicit tag does not fit what it tags
+        (`!!float abc`, `!!bool maybe`, `!!int ""`), which PyYAML's constructors let out as a
+        bare ValueError, KeyError or IndexError."""
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, KeyError, IndexError, TypeError):
+            if not isinstance(node, ScalarNode):
+                raise
+            tag = node.tag.rsplit(":", 1)[-1]
+            raise LimitError(None, None, f"{brief(node.value)} is not a valid !!{tag}",
                              node.start_mark) from None  # fmt: skip
 
     def construct_yaml_float(self, node: ScalarNode) -> float:
