@@ -182,6 +182,24 @@ def test_zen4s_avx512_counts_at_half_the_rate_of_512_bit_units():
         64, "AVX-512 BF16 dot products on 256-bit units, 2 units")  # fmt: skip
 
 
+@pytest.mark.parametrize("probe_s, side", [(0.2e-3, 2048), (0.02, 512), (0.3, 256)])
+def test_a_cpus_peak_matmul_is_sized_to_what_its_units_do_in_time(monkeypatch, probe_s, side):
+    """bf16 on a CPU without bf16 units (AVX2 only: 1 GFLOP/s) took a minute a call at 2048,
+    whatever --max-seconds said: the side is the largest whose call takes ~0.25 s, from one
+    timed call at 256 (here, calls that take probe_s x (n / 256)^3)."""
+    import time
+
+    from cnnkit.bench import peak
+
+    def slow(device, precision, n):
+        return peak.Kernel(f"matmul {n}", precision, 2.0 * n**3,
+                           lambda _: time.sleep(probe_s * (n / 256) ** 3))  # fmt: skip
+
+    monkeypatch.setattr(peak, "_matmul", slow)
+    assert peak._matmul_side(CPU, "bf16", 2048) == side
+    assert peak._matmul_side(CPU, "bf16", 512) == min(side, 512)  # quick: 512 at most
+
+
 def test_train_step_is_a_real_sgd_step_of_the_engine():
     model = build_model(TINY)
     x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,))

@@ -10,6 +10,7 @@ faster than every kernel raises the peak to the step's own rate, and says so.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +45,22 @@ def _matmul(device: torch.device, precision: str, n: int) -> Kernel:
     a = torch.randn(n, n, device=device).to(DTYPES[precision])
     b = torch.randn(n, n, device=device).to(DTYPES[precision])
     return Kernel(f"matmul {n}", precision, 2.0 * n**3, lambda _: a @ b)
+
+
+def _matmul_side(device: torch.device, precision: str, largest: int,
+                 budget_s: float = 0.25, probe: int = 256) -> int:  # fmt: skip
+    """The side of the largest CPU matmul (a power of 2, `probe` to `largest`) whose one call
+    takes about `budget_s` at most, from a timed call at `probe`: a precision the CPU has no
+    units for (bf16 without AVX-512 BF16 or AMX: 1 GFLOP/s) would take a minute at 2048."""
+    kernel = _matmul(device, precision, probe)
+    kernel.run(None)  # (the first call sets up)
+    start = time.perf_counter()
+    kernel.run(None)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    side = probe
+    while side * 2 <= largest and seconds * (side * 2 / probe) ** 3 <= budget_s:
+        side *= 2
+    return side
 
 
 def _conv_kernel(device: torch.device, precision: str, name: str, conv: torch.nn.Conv2d,
@@ -89,7 +106,8 @@ def peak_kernels(model: Network, batch: int, device: torch.device, precisions: t
     target = 4e11 if device.type == "cuda" else (5e7 if quick else 1e9)  # multiply-adds a call
     kernels = []
     for precision in precisions:
-        kernels.append(_matmul(device, precision, n))
+        side = n if device.type == "cuda" else _matmul_side(device, precision, n)
+        kernels.append(_matmul(device, precision, side))
         for row in rows:
             b = max(1, min(batch, int(target / max(row.macs, 1))))
             conv = model.get_submodule(row.name)
