@@ -13,7 +13,7 @@ import random
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
@@ -153,7 +153,7 @@ def atomic(path: Path, private: bool = False) -> Iterator[IO[bytes]]:
     (the error then names PATH, which a failed write() alone does not). `private`: as
     .PATH.<pid>.tmp, for a file the user names (-o), where PATH.tmp may be the user's own and
     two commands may write the same PATH at once."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp" if private else f"{path.name}.tmp")
+    tmp = path.with_name(_temporary_name(path.name, private))
     if path.exists() and not path.is_file():  # a device or FIFO: never replaced by a file
         raise OSError(errno.EEXIST, "exists and is not a regular file", str(path))
     try:
@@ -161,10 +161,23 @@ def atomic(path: Path, private: bool = False) -> Iterator[IO[bytes]]:
             yield f
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)
+        with suppress(OSError):  # (never in place of the error that brought it here)
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename in (None, str(tmp)):
+            e.filename = str(path)  # the file the user named, not the hidden one beside it
         raise
+
+
+NAME_MAX = 255  # bytes in a file name (Linux, macOS)
+
+
+def _temporary_name(name: str, private: bool) -> str:
+    """NAME.tmp, or .NAME.<pid>.tmp; the name cut short where the whole would be longer than a
+    file name may be (a legal 245-character NAME), so the temporary is never what fails."""
+    head, tail = ("." if private else ""), (f".{os.getpid()}.tmp" if private else ".tmp")
+    while len(os.fsencode(head + name + tail)) > NAME_MAX and len(name) > 1:
+        name = name[: min(len(name) - 1, NAME_MAX)]  # (characters: never half of a UTF-8 one)
+    return head + name + tail
 
 
 def write_atomic(path: Path, data: bytes, private: bool = False) -> None:

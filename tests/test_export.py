@@ -245,6 +245,22 @@ def test_an_export_never_replaces_a_checkpoint_or_its_input(digits_run, tmp_path
     assert stat.S_ISFIFO(os.stat(tmp_path / "pipe.onnx").st_mode)
 
 
+def test_a_long_legal_name_is_written_and_a_too_long_one_is_named(tmp_path, capsys):
+    """A 245-character name is legal, but its hidden temporary (.NAME.<pid>.tmp) was not:
+    the export failed naming that file. A name past the limit names the user's file."""
+    name = "a" * 245 + ".onnx"
+    code, out, err = run_cli(["export", "lenet5", "-o", str(tmp_path / name)], capsys)
+    assert code == 0 and (tmp_path / name).is_file(), err
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no temporary left
+    with pytest.raises(OSError) as caught:
+        write_atomic(tmp_path / ("b" * 260), b"x", private=True)
+    assert caught.value.filename == str(tmp_path / ("b" * 260))
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    for private in (False, True):  # multi-byte names are cut by characters, never by bytes
+        write_atomic(tmp_path / ("é" * 126 + ".x"), b"y", private=private)
+    assert (tmp_path / ("é" * 126 + ".x")).read_bytes() == b"y"
+
+
 def test_torchscript_export_matches(tmp_path, capsys):
     out = tmp_path / "net.pt"
     code, stdout, err = run_cli(
