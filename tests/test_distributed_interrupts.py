@@ -286,3 +286,34 @@ def test_the_resume_hint_names_the_process_count(monkeypatch, tmp_path):
     assert resume_command(tmp_path, 4).endswith("under the same torchrun (4 processes)")
     monkeypatch.setenv("CNNKIT_NPROC", "4")
     assert resume_command(tmp_path, 4) == f"`cnnkit train --resume {tmp_path} --nproc 4`"
+
+
+def test_leaving_the_group_after_the_run_takes_a_ctrl_c_and_a_lost_peer_quietly(tmp_path,
+                                                                                monkeypatch):  # fmt: skip
+    """A Ctrl-C just after `done:` under --nproc reached the ranks in their farewell barrier:
+    one rank's KeyboardInterrupt inside gc's weakref callbacks, the other's gloo 'Connection
+    closed by peer', both as tracebacks. The run is saved by then: the barrier's failure is
+    no error, and a Ctrl-C there comes once the group is left (one line, from the CLI)."""
+    import torch.distributed as dist
+
+    from cnnkit.distributed.group import Group
+
+    group = object.__new__(Group)  # (close reads only torch.distributed's state)
+    for farewell in ("peer", "ctrl-c"):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / farewell}", rank=0,
+                                world_size=1)  # fmt: skip
+
+        def barrier(*args, farewell=farewell, **kwargs) -> None:
+            if farewell == "peer":
+                raise RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:3793")
+            os.kill(os.getpid(), signal.SIGINT)  # held while the group is left
+            time.sleep(0.05)
+
+        monkeypatch.setattr(dist, "barrier", barrier)
+        if farewell == "peer":
+            group.close(ok=True)
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                group.close(ok=True)
+        assert not dist.is_initialized()  # left either way
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 import warnings
+from contextlib import suppress
 
 import typer
 
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
 
     `--debug` (anywhere on the line, before or after the subcommand) shows the traceback.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    entry, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     if _rank_of_nproc():
         from cnnkit.agent import end_with_parent
 
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         _main(argv, debug)
     finally:
         sys.stdout = stdout
+        if entry:  # the process's own command (not main() called in-process) has ended
+            signal.signal(signal.SIGINT, _end_now)
 
 
 def _trains(argv: list[str]) -> bool:
@@ -357,6 +360,16 @@ def _main(argv: list[str], debug: bool) -> None:
     if code == 130 and not _other_rank():  # typer's own return for a Ctrl-C it caught
         print("cnnkit: interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(code); commands return None
+
+
+def _end_now(signum: int, frame: object) -> None:
+    """A Ctrl-C once the command has ended and said so (the interpreter's exit handlers, torch's
+    among them, still to run): the end at once, status 130, never a KeyboardInterrupt
+    traceback from inside those."""
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(Exception):
+            stream.flush()
+    os._exit(128 + signal.SIGINT)
 
 
 def _os_error_line(e: OSError) -> str:

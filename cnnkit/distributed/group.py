@@ -6,8 +6,10 @@ from __future__ import annotations
 import gc
 import os
 import re
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -205,13 +207,48 @@ class Group:
             dist.broadcast(tensor.data, 0)
 
     def close(self, ok: bool = True) -> None:
-        """Leave the group together (a barrier first, so no rank tears down under another)."""
+        """Leave the group together (a barrier first, so no rank tears down under another). A
+        peer gone by then (a Ctrl-C just after the run finished) is no error: the run is
+        saved, and the barrier was only a farewell."""
         if not dist.is_initialized():
             return
-        gc.collect()  # drop dead DDP reducers now: one freed at interpreter exit can abort
-        if ok:
-            dist.barrier()
-        dist.destroy_process_group()
+        with _ctrl_c_held():  # (one inside gc's weakref callbacks is an unraisable traceback)
+            gc.collect()  # drop dead DDP reducers now: one freed at interpreter exit can abort
+            try:
+                if ok:
+                    dist.barrier()
+            except (dist.DistError, RuntimeError):
+                pass
+            finally:
+                with suppress(dist.DistError, RuntimeError):
+                    dist.destroy_process_group()
+
+
+@contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """A Ctrl-C (SIGINT) held until the block is done, then raised as KeyboardInterrupt; a
+    second one raises at once (a peer that never comes). Only in the main thread, and not
+    where SIGINT is ignored (a background job)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous in (
+        signal.SIG_IGN, None):  # fmt: skip
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if held:
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _quiet_nccl_errors() -> None:
