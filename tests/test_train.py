@@ -222,6 +222,24 @@ def test_eval_refuses_a_held_out_split_that_changed(tiny_run, tmp_path, capsys):
     assert code == 0 and json.loads(out)["top1"] == pytest.approx(summary["val_top1"])
 
 
+def test_eval_of_a_run_whose_data_moved_says_how_to_give_it(tiny_run, tmp_path, capsys):
+    """eval RUN reads the run's own data.path; moved since, it said '(set data.path)', which
+    eval has no way to set: it names --data, and what each kind of --data scores."""
+    from helpers import one_error_line, run_cli
+
+    from cnnkit.checkpoint import load_checkpoint, save_checkpoint
+
+    state = load_checkpoint(tiny_run[0] / "last.pt")
+    gone = tmp_path / "moved"
+    state["config"]["data"] = {"source": "folder", "path": str(gone), "crop": 25, "size": 25}
+    save_checkpoint(state, tmp_path / "moved.pt")
+    code, _, err = run_cli(["eval", str(tmp_path / "moved.pt")], capsys)
+    assert one_error_line(code, err, (1,)) == (
+        f"cnnkit: error: the run's data.path {gone}: no such folder now (moved? give --data: "
+        "a data YAML naming where it is now scores the run's held-out split; a folder, every "
+        "image in it)")  # fmt: skip
+
+
 def test_a_bundled_sets_number_classes_are_not_taken_for_caffes_indices(tiny_run, capsys):
     """digits' classes are named '0'-'9' by the set itself: scored by a faces network, they are
     not the classes 'given by index, as in Caffe's val.txt' that a label file's would be."""

@@ -16,7 +16,7 @@ from cnnkit.data import SOURCES, DataConfig, Preprocess, check_source, data_conf
 from cnnkit.data.augment import ten_crop
 from cnnkit.data.decode import is_image_name
 from cnnkit.data.packed import RESIZE_FLAG, is_pack, read_meta
-from cnnkit.data.scan import unknown_classes
+from cnnkit.data.scan import printable, unknown_classes
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.nn.onednn import freeze
@@ -50,6 +50,13 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
             raise ConfigError(f"--data: an export or network file holds no data section: give "
                               f"--data ({DATA_TAKES})")  # fmt: skip
         section = dict(trained)
+        for key in ("path", "val_path"):  # (moved since the run: data.path is no eval option)
+            folder = section.get(key)
+            if isinstance(folder, str) and folder and not Path(folder).exists():
+                raise DataError(f"the run's data.{key} {printable(folder)}: no such folder now "
+                                "(moved? give --data: a data YAML naming where it is now "
+                                "scores the run's held-out split; a folder, every image in "
+                                "it)")  # fmt: skip
     elif source_named(spec):
         section = {"source": spec}
     elif Path(spec).is_file():
