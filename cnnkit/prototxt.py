@@ -19,6 +19,7 @@ _TOKEN_RE = re.compile(
 )
 _CLOSE = {"{": "}", "<": ">"}
 MAX_DEPTH = 100  # protobuf's own parsers stop at 100 nested messages too
+INTEGER_RANGE = (-(2**63), 2**64 - 1)  # int64 to uint64: protobuf's widest integers
 
 
 class Message:
@@ -116,5 +117,17 @@ def _scalar(kind: str, text: str, here: str) -> Any:
             raise ConfigError(f"{here}: the string {text[:40]} does not decode ({e})") from None
     if kind == "number":
         text = text.rstrip("fF")
-        return float(text) if any(c in text for c in ".eE") else int(text)
+        return float(text) if any(c in text for c in ".eE") else _integer(text, here)
     return {"true": True, "True": True, "false": False, "False": False}.get(text, text)
+
+
+def _integer(text: str, here: str) -> int:
+    """An integer literal within protobuf's 64 bits (its text parser refuses the rest, and
+    Python refuses to read one of over 4,300 digits)."""
+    sign, digits = "-" if text.startswith("-") else "", text.lstrip("+-").lstrip("0") or "0"
+    value = int(sign + digits) if len(digits) <= 20 else None  # 2**64 has 20 digits
+    if value is None or not INTEGER_RANGE[0] <= value <= INTEGER_RANGE[1]:
+        shown = text if len(text) <= 24 else f"{text[:12]}...{text[-6:]} ({len(digits):,} digits)"
+        raise ConfigError(f"{here}: the integer {shown} is out of range (protobuf's integers "
+                          "hold 64 bits)")  # fmt: skip
+    return value

@@ -8,6 +8,7 @@ by cnnkit.distributed.resolve_device: a process's device is part of its place in
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import random
 import sys
@@ -153,7 +154,7 @@ def atomic(path: Path, private: bool = False) -> Iterator[IO[bytes]]:
     (the error then names PATH, which a failed write() alone does not). `private`: as
     .PATH.<pid>.tmp, for a file the user names (-o), where PATH.tmp may be the user's own and
     two commands may write the same PATH at once."""
-    tmp = path.with_name(_temporary_name(path.name, private))
+    tmp = path.with_name(temporary_name(path.name, private))
     if path.exists() and not path.is_file():  # a device or FIFO: never replaced by a file
         raise OSError(errno.EEXIST, "exists and is not a regular file", str(path))
     try:
@@ -171,13 +172,17 @@ def atomic(path: Path, private: bool = False) -> Iterator[IO[bytes]]:
 NAME_MAX = 255  # bytes in a file name (Linux, macOS)
 
 
-def _temporary_name(name: str, private: bool) -> str:
-    """NAME.tmp, or .NAME.<pid>.tmp; the name cut short where the whole would be longer than a
-    file name may be (a legal 245-character NAME), so the temporary is never what fails."""
-    head, tail = ("." if private else ""), (f".{os.getpid()}.tmp" if private else ".tmp")
-    while len(os.fsencode(head + name + tail)) > NAME_MAX and len(name) > 1:
+def temporary_name(name: str, private: bool, kind: str = "tmp") -> str:
+    """NAME.tmp, or .NAME.<pid>.tmp (`kind`: another last word); the name cut short where the
+    whole would be longer than a file name may be (a legal 245-character NAME), so the
+    temporary is never what fails."""
+    head, tail = ("." if private else ""), (f".{os.getpid()}.{kind}" if private else f".{kind}")
+    if len(os.fsencode(head + name + tail)) <= NAME_MAX:
+        return head + name + tail
+    mark = "-" + hashlib.sha256(os.fsencode(name)).hexdigest()[:12]  # two long names: two files
+    while len(os.fsencode(head + name + mark + tail)) > NAME_MAX and name:
         name = name[: min(len(name) - 1, NAME_MAX)]  # (characters: never half of a UTF-8 one)
-    return head + name + tail
+    return head + name + mark + tail
 
 
 def write_atomic(path: Path, data: bytes, private: bool = False) -> None:

@@ -4,6 +4,7 @@ refused in one line naming the line."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,12 @@ import torch
 from helpers import CAFFE_CONV as CONV
 from helpers import CAFFE_INPUT as INPUT
 from helpers import caffe_layer as _layer
+from helpers import run_cli
 
 from cnnkit import ConfigError, build_model
 from cnnkit.caffe import import_caffe, parse_prototxt, translate
 from cnnkit.caffe.translate import read_caffe
+from cnnkit.nn.stages import MAX_LAYERS
 
 DATA = Path(__file__).parent / "data" / "caffe"
 
@@ -253,7 +256,7 @@ def test_bad_layers_and_inputs_are_one_line():
     pool = _layer("p", "Pooling", ["data"], "p", "pooling_param { pool: MAX global_pooling: true }")
     with pytest.raises(ConfigError, match=r":3: global_pooling needs a \(C, H, W\) input"):
         translate(parse_prototxt(flat + pool))
-    with pytest.raises(ConfigError, match=r":1: dim: expected an integer, got 3.5"):
+    with pytest.raises(ConfigError, match=r":2: dim: expected an integer, got 3.5"):  # its line
         translate(parse_prototxt(INPUT.replace("input_dim: 3", "input_dim: 3.5") + pool))
 
 
@@ -325,3 +328,74 @@ def test_a_sparse_gaussian_filler_is_dense_and_said_so(tmp_path):
                                        conv.format("type: 'uniform' sparse: 2")))  # fmt: skip
     with pytest.raises(ConfigError, match=r":3: filler sparse: 2 \(Caffe takes it for a gaussian"):
         read_caffe(prototxt)
+
+
+@pytest.mark.parametrize("params", ["convolution_param {{ num_output: {} kernel_size: 1 }}",
+                                    "foo_param {{ a: {} }}"])  # fmt: skip
+def test_an_integer_beyond_64_bits_is_one_line_naming_the_line(tmp_path, capsys, params):
+    """Python refuses to read an integer of over 4,300 digits: that had been a traceback."""
+    prototxt = tmp_path / "big.prototxt"
+    huge = "1" + "0" * 5000
+    prototxt.write_text(INPUT + _layer("c", "Convolution", ["data"], "c", params.format(huge)))
+    code, _, err = run_cli(["import-caffe", str(prototxt)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{prototxt}:3: the integer 100000000000...000000 (5,001 digits) is out of range" in err
+    with pytest.raises(ConfigError, match=r"t:1: the integer 18446744073709551616 is out of"):
+        parse_prototxt("a: 18446744073709551616", "t")  # 2**64
+    parsed = parse_prototxt("a: 18446744073709551615 b: -9223372036854775808 c: -0007")
+    assert [parsed.get(k) for k in "abc"] == [2**64 - 1, -(2**63), -7]
+
+
+ENUMS_AS_NUMBERS = {  # True == 1 and 1.0 == 1: round_mode FLOOR, variance_norm FAN_OUT had been
+    "Pooling": "pooling_param {{ pool: MAX kernel_size: 2 round_mode: {} }}",
+    "Convolution": "convolution_param {{ num_output: 2 kernel_size: 1 "
+                   "weight_filler {{ type: 'xavier' variance_norm: {} }} }}",
+    "LRN": "lrn_param {{ norm_region: {} }}",
+    "Eltwise": "eltwise_param {{ operation: {} }}",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["true", "false", "1.0", "0.0", "{ }"])
+@pytest.mark.parametrize("kind", ENUMS_AS_NUMBERS)
+def test_an_enum_is_a_name_or_a_number_never_a_bool_or_a_float(kind, value):
+    params = ENUMS_AS_NUMBERS[kind].format(value)
+    field = params.split(":")[-2].split()[-1]
+    layer = _layer("x", kind, ["data", "data"] if kind == "Eltwise" else ["data"], "x", params)
+    got = re.escape("a { ... } block" if value == "{ }" else value)
+    pattern = rf"^t:3: {field}: expected [A-Z_, ]+ or \w+ \(or its number\), got {got}$"
+    with pytest.raises(ConfigError, match=pattern):
+        translate(parse_prototxt(INPUT + layer, "t"), "t")
+    rule = _layer("r", "ReLU", ["data"], "r", "include { phase: 1 }")  # TEST, by its number
+    assert translate(parse_prototxt(INPUT + rule))["layers"][0]["type"] == "relu"
+
+
+MISLEADING = {  # each had named something else than what the prototxt says
+    INPUT + _layer("bn", "BatchNorm", ["data"], "bn", "batch_norm_param { moving_average_fraction: 5 }"):
+        r"t:3: batch_norm_param moving_average_fraction: 5 is not within 0 to 1 \(each step .*",
+    'input: "data"\ninput_shape { dim { } }\n':
+        r"t:2: dim: expected an integer, got a \{ ... \} block",  # was <...Message object at 0x..>
+    INPUT + _layer("p", "Pooling", [], "p", "pooling_param { pool: AVE global_pooling: true }"):
+        r"t:3: layer 'p' has no bottom",  # was `bottom None is not produced by an earlier layer`
+    INPUT + _layer("bn", "BatchNorm", ["data"], "bn") + _layer("s", "Scale", [], "s"):
+        r"t:4: layer 's' has no bottom",
+    INPUT.replace("input_dim: 8 input_dim: 8", "input_dim: 0 input_dim: 8") + _layer("r", "ReLU", ["data"], "r"):
+        r"t:2: input dims \(1, 3, 0, 8\): C, H and W must be 1 or more",  # was `model: input.1`
+    'layer { name: "d" type: "Input" top: "data" input_param { shape { dim: 1 dim: -6 } } }\n':
+        r"t:1: input dims \(1, -6\): F must be 1 or more",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("text", MISLEADING)
+def test_errors_name_the_caffe_field_and_the_values_as_written(text):
+    with pytest.raises(ConfigError, match=f"^{MISLEADING[text]}$"):  # (momentum -4 had been)
+        translate(parse_prototxt(text, "t"), "t")
+
+
+def test_a_prototxt_of_more_layers_than_cnnkit_builds_names_the_file_and_line():
+    """It had said `the network expands to more than 20,000 layers (check repeat)`, no file."""
+    relu = 'layer {{ name: "r{}" type: "ReLU" bottom: "data" top: "data" }}\n'
+    text = 'input: "data" input_dim: 1 input_dim: 4\n'
+    text += "".join(relu.format(i) for i in range(MAX_LAYERS + 1))
+    with pytest.raises(ConfigError, match=rf"^t:{MAX_LAYERS + 2}: the network has more than "
+                       r"20,000 layers, more than cnnkit builds$"):  # fmt: skip
+        translate(parse_prototxt(text, "t"), "t")

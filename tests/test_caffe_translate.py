@@ -339,3 +339,32 @@ def test_xavier_and_msra_fillers_follow_variance_norm(kind, norm, std):
     assert weight.std().item() == pytest.approx(std, rel=0.01)
     uniform = weight.abs().max().item() <= math.sqrt(3) * std * 1.0001
     assert uniform == (kind == "xavier")
+
+
+@pytest.mark.parametrize("kind", ["Convolution", "InnerProduct"])
+def test_a_layer_without_bias_takes_one_param_spec_as_caffe(kind):
+    """With bias_term false two `param { lr_mult }` blocks had imported (lr_mult for a bias the
+    layer does not have); Caffe refuses them. Its bias_filler Caffe leaves unused."""
+    block = "convolution_param" if kind == "Convolution" else "inner_product_param"
+    params = f"{block} {{ num_output: 2 {'kernel_size: 1 ' * (kind == 'Convolution')}"
+    params += "bias_term: false bias_filler { value: 0.2 } }"
+    one = _layer("x", kind, ["data"], "x", "param { lr_mult: 2 } " + params)
+    layer = translate(parse_prototxt(INPUT + one))["layers"][0]
+    assert layer["bias"] is False and layer["lr_mult"] == {"weight": 2.0} and "init" not in layer
+    build_model(translate(parse_prototxt(INPUT + one)))
+    two = _layer("x", kind, ["data"], "x", "param { lr_mult: 2 } param { lr_mult: 1 } " + params)
+    with pytest.raises(ConfigError, match=r"^t:3: 2 param specs for a layer with 1 learned blob "
+                       r"\(weight\), as Caffe refuses$"):  # fmt: skip
+        translate(parse_prototxt(INPUT + two, "t"), "t")
+
+
+@pytest.mark.parametrize(("kind", "bottoms"), [("Softmax", ["fc", "data"]), ("Softmax", []),
+                                               ("Split", ["fc", "fc"]), ("Split", [])])  # fmt: skip
+def test_a_softmax_or_split_takes_exactly_one_bottom(kind, bottoms):
+    """A final Softmax of two bottoms had imported silently (its second bottom dropped)."""
+    fc = _layer("fc", "InnerProduct", ["data"], "fc", "inner_product_param { num_output: 2 }")
+    text = INPUT + fc + _layer("s", kind, bottoms, "s")
+    words = f"a {kind} takes one bottom, not 2 \\(as Caffe\\)" if bottoms else "has no bottom"
+    with pytest.raises(ConfigError, match=rf"^t:4: layer 's':? {words}$"):
+        translate(parse_prototxt(text, "t"), "t")
+    assert translate(parse_prototxt(INPUT + fc + _layer("s", kind, ["fc"], "s")))["layers"]

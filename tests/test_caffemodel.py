@@ -5,7 +5,9 @@ written from; BatchNorm + Scale, PReLU and LRN WITHIN_CHANNEL against a direct c
 from __future__ import annotations
 
 import errno
+import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -517,3 +519,130 @@ def test_layers_before_the_first_convolutions_are_turned_to_rgb_too(
             assert imported.model["preprocess"]["mean"] == [122.68, 116.67, 104.01]
             assert imported.notes[0].startswith(f"{reversed_layers}: input channels reversed")
             torch.testing.assert_close(rgb(x), caffe(x.flip(1)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("dims", "legacy", "shown"),
+    [
+        ([-5, -144], False, r"\(-5, -144\)"),  # np.prod 720: numpy had refused the reshape
+        ([1099511627783, 7529267139302429360], False, r"\(1099511627783, 7529267139302429360\)"),
+        ([1, 1, -5, -144], True, r"\(1, 1, -5, -144\)"),  # the legacy num / channels / ...
+        ([1] * 40 + [720], False, r"\(1, 1, 1, 1, 1, 1, 1, 1, ... \(41 axes\)\)"),
+    ],
+)
+def test_a_blob_shape_that_cannot_hold_its_values_is_one_line(
+    tmp_path, capsys, dims, legacy, shown
+):
+    """Negative dims, dims whose int64 product wraps to the values' count, or more axes than
+    any array has: the file and the layer's blob named, not numpy's ValueError."""
+    prototxt = prototxt_file(
+        tmp_path, TRANSPOSED.replace(" transpose: true", ""), "dim: 1 dim: 240"
+    )
+    net = caffe_messages()["NetParameter"]()
+    layer = net.layer.add(name="fc8")
+    blob = layer.blobs.add(data=[0.5] * 720)
+    if legacy:
+        blob.num, blob.channels, blob.height, blob.width = dims
+    else:
+        blob.shape.dim.extend(dims)
+    layer.blobs.add(data=[0.0] * 3).shape.dim.append(3)
+    model = tmp_path / "bad.caffemodel"
+    model.write_bytes(net.SerializeToString())
+    out = tmp_path / "net.yaml"
+    code, _, err = run_cli(["import-caffe", str(prototxt), str(model), "-o", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.search(rf"bad.caffemodel: layer 'fc8': blob 0 has shape {shown}, which does not "
+                     r"hold its 720 values", err), err  # fmt: skip
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("blob", "stats"), [
+    ("mean", [torch.tensor([-1e30, 1e30]), torch.ones(2)]),
+    ("variance", [torch.zeros(2), torch.tensor([1.0, 1e30])]),
+])  # fmt: skip
+def test_batchnorm_statistics_that_overflow_over_the_scale_factor_are_one_line(
+    tmp_path, capsys, blob, stats
+):
+    """Finite blobs over a scale factor of 1e-30 are inf: that had been written, exit 0, after
+    numpy's overflow warning on stderr."""
+    prototxt = prototxt_file(tmp_path, FOLDED)
+    g = torch.Generator().manual_seed(0)
+    blobs = {
+        "bn1": [*stats, torch.tensor([1e-30])], "sc1": [torch.ones(2), torch.zeros(2)],
+        "bn2": [torch.zeros(2), torch.ones(2), torch.ones(1)], "sc2": [torch.ones(2)],
+        "fc8": [torch.randn(3, 32, generator=g), torch.randn(3, generator=g)],
+    }  # fmt: skip
+    write_caffemodel(tmp_path / "bn.caffemodel", blobs)
+    out = tmp_path / "net.yaml"
+    args = ["import-caffe", str(prototxt), str(tmp_path / "bn.caffemodel"), "-o", str(out)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, _, err = run_cli(args, capsys)
+    assert not caught and code == 1 and err.count("\n") == 1, err
+    assert f"layer 'bn1': blob {blob} (over the scale factor) holds nan or inf" in err
+    assert not out.exists() and not out.with_suffix(".safetensors").exists()
+
+
+def test_a_failed_rename_leaves_the_earlier_import_whole(tmp_path, capsys, monkeypatch):
+    """The network file had been renamed into place before its weights failed to be (a folder
+    NAME.safetensors): the old network file was gone, naming weights of another net."""
+    prototxt = prototxt_file(tmp_path, TRANSPOSED, "dim: 1 dim: 6")
+    write_caffemodel(tmp_path / "t.caffemodel", {"fc8": [torch.ones(6, 3), torch.zeros(3)]})
+    out, weights = tmp_path / "net.yaml", tmp_path / "net.safetensors"
+    args = ["import-caffe", str(prototxt), str(tmp_path / "t.caffemodel"), "-o", str(out)]
+    assert run_cli(args, capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in (out, weights)}
+    prototxt.write_text(
+        prototxt.read_text().replace("num_output: 3", "num_output: 3 bias_term: false")
+    )
+    write_caffemodel(tmp_path / "t.caffemodel", {"fc8": [torch.full((6, 3), 2.0)]})
+    weights.unlink()
+    weights.mkdir()
+    code, _, err = run_cli(args, capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{weights}: cannot write: Is a directory (nothing half-written was kept)" in err
+    assert out.read_bytes() == before["net.yaml"]
+    weights.rmdir()
+    weights.write_bytes(before["net.safetensors"])
+    real_replace = os.replace
+
+    def refuse_the_network_file(src, dst):  # after the weights' rename
+        if Path(dst) == out:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", refuse_the_network_file)
+    code, _, err = run_cli(args, capsys)
+    assert code == 1 and f"{out}: cannot write: Permission denied (nothing half-written" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "net.prototxt", "net.safetensors", "net.yaml", "t.caffemodel"
+    ]  # fmt: skip
+
+
+def test_a_long_output_name_and_a_failing_cleanup_name_the_users_file(
+    tmp_path, capsys, monkeypatch
+):
+    """-o of 245 characters (legal): its hidden temporary `.NAME.PID.tmp` had been too long a
+    name; and the cleanup's own error had replaced the one that said what went wrong."""
+    prototxt = prototxt_file(tmp_path, TRANSPOSED, "dim: 1 dim: 6")
+    write_caffemodel(tmp_path / "t.caffemodel", {"fc8": [torch.ones(6, 3), torch.zeros(3)]})
+    out = tmp_path / ("a" * 240 + ".yaml")  # and a.....safetensors: 252 characters
+    args = ["import-caffe", str(prototxt), str(tmp_path / "t.caffemodel"), "-o", str(out)]
+    code, stdout, err = run_cli(args, capsys)
+    assert code == 0 and stdout.startswith(f"wrote {out} and "), err
+    build_model(str(out))  # loads its weights
+    real_write = Path.write_bytes
+
+    def fill_the_disk(path: Path, data: bytes) -> int:
+        real_write(path, data[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def unlink_fails(path: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.ENAMETOOLONG, "File name too long")
+
+    monkeypatch.setattr(Path, "write_bytes", fill_the_disk)
+    monkeypatch.setattr(Path, "unlink", unlink_fails)
+    code, _, err = run_cli(args, capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{out.with_suffix('.safetensors')}: cannot write: No space left on device" in err

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cnnkit.caffe.fields import integer, require
+from cnnkit.caffe.fields import enum, integer, require
 from cnnkit.caffe.schema import NET_STATE_FIELDS, RULE_FIELDS, check_fields
 from cnnkit.errors import brief
 from cnnkit.prototxt import Message
@@ -58,7 +58,7 @@ def net_stages(source: str, net: Message) -> set[str]:
 def _meets(here: str, rule: Any, stages: set[str]) -> bool:
     """Whether a NetStateRule holds for the deploy state, as Caffe's StateMeetsRule: phase TEST,
     level 0 within the rule's bounds, each of its `stage`s held, none of its `not_stage`s."""
-    phase = str(rule.get("phase", "TEST"))
+    phase = enum(here, rule, "phase", ("TRAIN", "TEST"), "TEST")
     require(here, phase in ("TRAIN", "TEST"), f"phase {brief(phase)}: TRAIN or TEST")
     low, high = integer(here, rule, "min_level", 0), integer(here, rule, "max_level", 0)
     needed, barred = {str(s) for s in rule.all("stage")}, {str(s) for s in rule.all("not_stage")}

@@ -19,7 +19,7 @@ def integer(here: str, p: Message, field: str, default: Any = None) -> Any:
 
 def as_integer(here: str, field: str, value: Any) -> Any:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{here}: {field}: expected an integer, got {brief(value)}")
+        raise ConfigError(f"{here}: {field}: expected an integer, got {shown(value)}")
     return value
 
 
@@ -30,7 +30,7 @@ def real(here: str, p: Message, field: str, default: float) -> float:
 
 def as_real(here: str, field: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{here}: {field}: expected a number, got {brief(value)}")
+        raise ConfigError(f"{here}: {field}: expected a number, got {shown(value)}")
     return float(value)
 
 
@@ -39,7 +39,26 @@ def flag(here: str, p: Message, field: str, default: bool) -> bool:
     value = p.get(field, default)
     if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
         return bool(value)
-    raise ConfigError(f"{here}: {field}: expected true or false, got {brief(value)}")
+    raise ConfigError(f"{here}: {field}: expected true or false, got {shown(value)}")
+
+
+def enum(here: str, p: Message, field: str, names: tuple[str, ...], default: str) -> str:
+    """An enum field by name (`pool: AVE`), or by its number in caffe.proto (`names` in the
+    order of their numbers: `pool: 1`); out-of-range numbers and unknown names come back as
+    written for the caller's message. true or 1.0 is refused, as protobuf's text format
+    refuses it (True == 1 must not read as the second value)."""
+    value = p.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{here}: {field}: expected {', '.join(names[:-1])} or {names[-1]} "
+                          f"(or its number), got {shown(value)}")  # fmt: skip
+    return names[value] if isinstance(value, int) and 0 <= value < len(names) else str(value)
+
+
+def shown(value: Any) -> str:
+    """A prototxt value as written: true / false, a `{ ... }` block, else cut by brief."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "a { ... } block" if isinstance(value, Message) else brief(value)
 
 
 def sizes(here: str, p: Message, what: str, default: Any, alone: bool = False) -> Any:
@@ -70,11 +89,14 @@ def require(here: str, ok: bool, what: str) -> None:
         raise ConfigError(f"{here}: {what}")
 
 
-def learning(here: str, layer: Message, p: Message, notes: list[str]) -> dict[str, Any]:
+def learning(here: str, layer: Message, p: Message, notes: list[str], bias: bool) -> dict[str, Any]:
     """lr_mult / decay_mult from `param {}` blocks and init from the fillers (what cnnkit
-    initialises otherwise is added to notes)."""
-    out = multipliers(here, layer, ("weight", "bias"))
-    return {**out, **fillers(here, p, {"weight": "weight_filler", "bias": "bias_filler"}, notes)}
+    initialises otherwise is added to notes); without a bias (`bias_term: false`) the layer
+    learns one blob, as Caffe counts its param specs, and its bias_filler is Caffe's unused."""
+    blobs = ("weight", "bias") if bias else ("weight",)
+    blocks = {blob: f"{blob}_filler" for blob in blobs}
+    out = multipliers(here, layer, blobs)
+    return {**out, **fillers(here, p, blocks, notes)}
 
 
 def fillers(here: str, p: Message, blocks: dict[str, str], notes: list[str]) -> dict[str, Any]:
@@ -146,16 +168,15 @@ def filler(here: str, block: Message | None, notes: list[str]) -> Any:
     raise ConfigError(f"{here}: filler type {brief(kind)} is not supported")
 
 
-# caffe.proto's VarianceNorm (names, or their numbers as protobuf's text format reads them)
-_VARIANCE_NORMS = {"FAN_IN": "fan_in", "FAN_OUT": "fan_out", "AVERAGE": "average",
-                   0: "fan_in", 1: "fan_out", 2: "average"}  # fmt: skip
+# caffe.proto's VarianceNorm, in the order of its numbers
+_VARIANCE_NORMS = {"FAN_IN": "fan_in", "FAN_OUT": "fan_out", "AVERAGE": "average"}
 
 
 def _scaled_filler(here: str, block: Message, kind: str) -> Any:
     """Caffe's xavier, U(+-sqrt(3 / n)), and msra, N(0, sqrt(2 / n)), with n the fan-in, the
     fan-out or their average (variance_norm) as torch's kaiming / xavier rules compute them."""
-    norm = block.get("variance_norm", "FAN_IN")
-    require(here, norm in _VARIANCE_NORMS, f"filler variance_norm: {brief(norm)} is not "
+    norm = enum(here, block, "variance_norm", tuple(_VARIANCE_NORMS), "FAN_IN")
+    require(here, norm in _VARIANCE_NORMS, f"filler variance_norm: {norm} is not "
             "FAN_IN, FAN_OUT or AVERAGE")  # fmt: skip
     mode = _VARIANCE_NORMS[norm]
     if mode == "average":  # n = (fan_in + fan_out) / 2: torch's xavier (Glorot) rules

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from cnnkit.caffe.fields import fillers, flag, integer, learning, multipliers, real, require, sizes
+from cnnkit.caffe.fields import (
+    enum,
+    fillers,
+    flag,
+    integer,
+    learning,
+    multipliers,
+    real,
+    require,
+    sizes,
+)
 from cnnkit.errors import brief
 from cnnkit.prototxt import Message
 
@@ -25,8 +35,9 @@ class LayerTypes:
         _put(spec, "padding", sizes(here, p, "pad", 0, alone=True), 0)  # Caffe: pad_w 0
         _put(spec, "dilation", sizes(here, p, "dilation", 1), 1)
         _put(spec, "groups", integer(here, p, "group", 1), 1)
-        _put(spec, "bias", flag(here, p, "bias_term", True), True)
-        self._emit(layer, {**spec, **learning(here, layer, p, self.notes)})
+        bias = flag(here, p, "bias_term", True)
+        _put(spec, "bias", bias, True)
+        self._emit(layer, {**spec, **learning(here, layer, p, self.notes, bias)})
 
     def _deconvolution(self, layer: Message, last: bool) -> None:
         """Caffe's Deconvolution: torch's ConvTranspose2d with no output_padding; its weight
@@ -37,18 +48,19 @@ class LayerTypes:
         p, here = layer.sub("inner_product_param"), self.here
         require(here, integer(here, p, "axis", 1) == 1, "InnerProduct axis must be 1")
         spec: dict[str, Any] = {"type": "linear", "out_features": integer(here, p, "num_output", 0)}
-        _put(spec, "bias", flag(here, p, "bias_term", True), True)
-        name = self._emit(layer, {**spec, **learning(here, layer, p, self.notes)})
+        bias = flag(here, p, "bias_term", True)
+        _put(spec, "bias", bias, True)
+        name = self._emit(layer, {**spec, **learning(here, layer, p, self.notes, bias)})
         if flag(here, p, "transpose", False):  # Caffe then holds W as (in, out): y = x @ W
             self.sources[name] = [(str(layer.get("name", "")), "linear_t")]
 
     def _pooling(self, layer: Message, last: bool) -> None:
         p = layer.sub("pooling_param")
-        method = _enum(p.get("pool", "MAX"), _POOL_METHODS)
+        method = enum(self.here, p, "pool", _POOL_METHODS, "MAX")
         why = " (stochastic pooling is not imported)" if method == "STOCHASTIC" else ""
         require(self.here, method in ("MAX", "AVE"), f"pool: {method} is not MAX or AVE{why}")
         if flag(self.here, p, "global_pooling", False):
-            shape = self.shapes[self._bottom(layer.get("bottom"))]
+            shape = self.shapes[self._first_bottom(layer)]
             require(
                 self.here, len(shape) == 3, f"global_pooling needs a (C, H, W) input, not {shape}"
             )
@@ -64,7 +76,7 @@ class LayerTypes:
             self.here, p, "stride", 1
         )  # Caffe's default is 1, torch's the kernel
         _put(spec, "padding", sizes(self.here, p, "pad", 0), 0)
-        mode = p.get("round_mode", "CEIL")  # Caffe rounds up unless told
+        mode = enum(self.here, p, "round_mode", tuple(_ROUND_MODES), "CEIL")  # Caffe rounds up
         require(self.here, mode in _ROUND_MODES, f"pooling_param round_mode: {brief(mode)} is "
                 "not CEIL or FLOOR")  # fmt: skip
         spec["ceil_mode"] = _ROUND_MODES[mode]
@@ -72,7 +84,7 @@ class LayerTypes:
 
     def _lrn(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("lrn_param"), self.here
-        region = _enum(p.get("norm_region", "ACROSS_CHANNELS"), _LRN_REGIONS)
+        region = enum(here, p, "norm_region", _LRN_REGIONS, "ACROSS_CHANNELS")
         require(here, region in _LRN_REGIONS, f"LRN {region} is not supported")
         spec = {"type": "lrn", "convention": "caffe", "size": integer(here, p, "local_size", 5)}
         require(
@@ -133,7 +145,7 @@ class LayerTypes:
 
     def _eltwise(self, layer: Message, last: bool) -> None:
         p = layer.sub("eltwise_param")
-        op = _enum(p.get("operation", "SUM"), tuple(_ELTWISE))
+        op = enum(self.here, p, "operation", tuple(_ELTWISE), "SUM")
         require(self.here, op in _ELTWISE, f"Eltwise operation {brief(op)}: SUM, PROD or MAX")
         coeffs = p.all("coeff")
         require(
@@ -147,13 +159,16 @@ class LayerTypes:
         p = layer.sub("batch_norm_param")
         spec = {"type": "batchnorm", "eps": real(self.here, p, "eps", 1e-5), "affine": False}
         fraction = real(self.here, p, "moving_average_fraction", 0.999)
+        require(self.here, 0 <= fraction <= 1, f"batch_norm_param moving_average_fraction: "
+                f"{fraction:g} is not within 0 to 1 (each step keeps that part of the running "
+                "average)")  # fmt: skip
         spec["momentum"] = round(1.0 - fraction, 9)
         self._emit(layer, spec)
 
     def _scale(self, layer: Message, last: bool) -> None:
         """Caffe's BatchNorm has no scale and shift: the Scale after it adds them, folded into
         the BatchNorm (torch's affine) where nothing else reads the un-scaled output."""
-        held, caffe_name = self._bottom(layer.get("bottom")), str(layer.get("name", ""))
+        held, caffe_name = self._first_bottom(layer), str(layer.get("name", ""))
         norm = self.layers[-1] if self.layers else {}
         ok = norm.get("name") == held and norm.get("type") == "batchnorm" and not norm["affine"]
         ok = ok and len(layer.all("bottom")) == 1
@@ -185,11 +200,12 @@ class LayerTypes:
             self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
 
     def _split(self, layer: Message, last: bool) -> None:
-        self._alias(layer)
+        self._alias(layer, "Split")
 
     def _softmax(self, layer: Message, last: bool) -> None:
         require(self.here, last, "Softmax is supported only as the last layer (it is dropped)")
-        self._alias(layer)  # the network returns logits
+        require(self.here, len(layer.all("top")) == 1, "a Softmax has one top (as Caffe)")
+        self._alias(layer, "Softmax")  # the network returns logits
 
 
 SUPPORTED = (
@@ -199,15 +215,8 @@ SUPPORTED = (
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")
 _LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
-_ROUND_MODES = {"CEIL": True, "FLOOR": False, 0: True, 1: False}
+_ROUND_MODES = {"CEIL": True, "FLOOR": False}  # ceil_mode
 _ELTWISE = {"PROD": "mul", "SUM": "add", "MAX": "max"}
-
-
-def _enum(value: Any, names: tuple[str, ...]) -> str:
-    """An enum field's name, given by name or by its number in caffe.proto."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(names):
-        return names[value]
-    return str(value)
 
 
 def _put(spec: dict[str, Any], key: str, value: Any, default: Any) -> None:

@@ -10,13 +10,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from cnnkit.caffe.deploy import deployed_layers, layer_type, net_stages, sole_readers
-from cnnkit.caffe.fields import as_integer
+from cnnkit.caffe.fields import as_integer, require
 from cnnkit.caffe.layer_types import SUPPORTED, LayerTypes
 from cnnkit.caffe.schema import check_layer, check_net
 from cnnkit.errors import ConfigError, brief, suggest, validation_message
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
 from cnnkit.nn.names import reserved_name
+from cnnkit.nn.stages import MAX_LAYERS
 from cnnkit.prototxt import Message
 
 TRAIN_VAL_LAYERS = {
@@ -45,6 +46,7 @@ class Translator(LayerTypes):
         self.sources: dict[str, list[tuple[str, str]]] = {}
         self.notes: list[str] = []  # what the network file's header should say
         self.folds: set[Message] = set()  # the Scale layers that fold into their BatchNorm
+        self.suffixes: dict[str, int] = {}  # a name -> the last n of the `name_n` it was given
 
     def run(self) -> dict[str, Any]:
         check_net(self.source, self.net)
@@ -87,6 +89,7 @@ class Translator(LayerTypes):
             )
         last = self.layers[-1]["name"]
         if len(self.shapes[last]) == 3 and self.shapes[last][1:] == (1, 1):  # SqueezeNet, NIN
+            self._count_layer()
             name = self._unique_name("flatten")  # Caffe's Softmax over (C, 1, 1): the class scores
             self.layers.append({"name": name, "type": "flatten"})
             self.shapes[name] = self.shapes[last][:1]
@@ -102,19 +105,24 @@ class Translator(LayerTypes):
         dims = self.net.all("input_dim") or [
             d for shape in self.net.all("input_shape") for d in shape.all("dim")
         ]
-        self.here = f"{self.source}:{self.net.line or 1}"
+        lines = [line for name, _, line in self.net.fields if name in ("input_dim", "input_shape")]
+        self.here = f"{self.source}:{lines[0] if lines else self.net.line or 1}"  # the dims'
         self._set_input(names, dims)
 
     def _input(self, layer: Message, last: bool) -> None:
         shapes = layer.sub("input_param").all("shape")
         self._set_input(layer.all("top"), shapes[0].all("dim") if shapes else [])
 
-    def _set_input(self, names: list[str], dims: list[int]) -> None:
+    def _set_input(self, names: list[str], dims: list[Any]) -> None:
         if len(names) != 1 or self.input is not None:
             raise ConfigError(f"{self.here}: cnnkit networks take one input, got {names}")
+        dims = [as_integer(self.here, "dim", d) for d in dims]
+        written = f"input dims ({', '.join(map(brief, dims))})"
         if len(dims) not in (2, 4):
-            raise ConfigError(f"{self.here}: input dims {dims}: expected N, C, H, W (or N, F)")
-        self.input = [as_integer(self.here, "dim", d) for d in dims[1:]]
+            raise ConfigError(f"{self.here}: {written}: expected N, C, H, W (or N, F)")
+        what = "C, H and W" if len(dims) == 4 else "F"  # (N, the batch, cnnkit takes as given)
+        require(self.here, min(dims[1:]) > 0, f"{written}: {what} must be 1 or more")
+        self.input = dims[1:]
         self.blobs[names[0]] = "input"
         self.shapes["input"] = tuple(self.input)
 
@@ -125,6 +133,7 @@ class Translator(LayerTypes):
         inputs = [self._bottom(b) for b in layer.all("bottom")]
         if not inputs:
             raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))} has no bottom")
+        self._count_layer()
         name = self._unique_name(layer.get("name") or spec["type"])
         previous = self.layers[-1]["name"] if self.layers else "input"
         spec = {"name": name, **spec}
@@ -139,11 +148,25 @@ class Translator(LayerTypes):
             self.sources[name] = [(str(layer.get("name", "")), spec["type"])]
         return name
 
-    def _alias(self, layer: Message) -> None:
+    def _count_layer(self) -> None:
+        """An error before the network's layer MAX_LAYERS + 1 (build_model's limit)."""
+        require(self.here, len(self.layers) < MAX_LAYERS, f"the network has more than "
+                f"{MAX_LAYERS:,} layers, more than cnnkit builds")  # fmt: skip
+
+    def _alias(self, layer: Message, kind: str) -> None:
         """A layer that changes nothing (Split, a final Softmax): its tops name its bottom."""
-        source = self._bottom(layer.get("bottom"))
+        source, count = self._first_bottom(layer), len(layer.all("bottom"))
+        require(self.here, count == 1, f"layer {brief(layer.get('name'))}: a {kind} takes one "
+                f"bottom, not {count} (as Caffe)")  # fmt: skip
         for top in layer.all("top"):
             self.blobs[top] = source
+
+    def _first_bottom(self, layer: Message) -> str:
+        """The cnnkit value of the layer's first bottom (an error where it has none)."""
+        bottoms = layer.all("bottom")
+        if not bottoms:
+            raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))} has no bottom")
+        return self._bottom(bottoms[0])
 
     def _bottom(self, blob: Any) -> str:
         if blob not in self.blobs:
@@ -156,10 +179,12 @@ class Translator(LayerTypes):
         base = clean = _clean(raw)
         if reserved_name(base):  # `input`, `train`, `to`, `in`: names cnnkit, torch or Python hold
             base += "_caffe"
-        name, n = base, 1
+        n = self.suffixes.get(base, 1)  # names taken stay taken: no search from 1 each time
+        name = base if n == 1 else f"{base}_{n}"
         while name in self.shapes:
             n += 1
             name = f"{base}_{n}"
+        self.suffixes[base] = n
         if base != clean:
             self.notes.append(
                 f"layer {clean} is {name} here: cnnkit, torch or Python holds that name"

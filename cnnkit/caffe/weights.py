@@ -8,6 +8,7 @@ parameter, fillers, phases) on reading, so old and new models alike parse.
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnnkit.errors import CheckpointError, one_line
+from cnnkit.errors import CheckpointError, brief, one_line
 from cnnkit.nn.weights import check_finite_weights
 
 # caffe.proto (BVLC/caffe, src/caffe/proto/caffe.proto): message -> (field, number, type, label)
@@ -52,6 +53,7 @@ CAFFE_FIELDS: dict[str, list[tuple[str, int, str, str]]] = {
     ],
 }
 _PACKED = {("BlobShape", "dim"), ("BlobProto", "data"), ("BlobProto", "double_data")}
+_MAX_AXES = 32  # Caffe's blobs have at most 32 axes (kMaxBlobAxes)
 
 
 @cache
@@ -92,20 +94,28 @@ def read_caffemodel(path: str | Path) -> dict[str, list[np.ndarray]]:
         raise CheckpointError(f"{path}: cannot read: {one_line(e, 160)}") from None
     except (DecodeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: not a Caffe .caffemodel ({str(e)[:100]})") from None
-    layers = [*net.layer, *net.layers]
-    blobs = {layer.name: [_array(blob) for blob in layer.blobs] for layer in layers if layer.blobs}
+    layers = [layer for layer in [*net.layer, *net.layers] if layer.blobs]
+    blobs = {layer.name: [_array(path, layer.name, i, blob) for i, blob in enumerate(layer.blobs)]
+             for layer in layers}  # fmt: skip
     if not blobs:
         raise CheckpointError(f"{path}: a .caffemodel with no weights (no layer has blobs)")
     return blobs
 
 
-def _array(blob: Any) -> np.ndarray:
+def _array(path: Path, layer: str, index: int, blob: Any) -> np.ndarray:
+    """Blob `index` of `layer` as an array of its shape (flat where it gives none); a shape
+    that does not hold its values (Caffe's Blob::FromProto refuses it too) is an error."""
     values = np.array(blob.data if len(blob.data) else blob.double_data, dtype=np.float32)
     if blob.HasField("shape"):
         shape = tuple(blob.shape.dim)
     else:  # the legacy 4-D fields, 0 where unused
         shape = tuple(d for d in (blob.num, blob.channels, blob.height, blob.width) if d)
-    return values.reshape(shape) if shape and np.prod(shape) == values.size else values
+    if not shape:
+        return values
+    if len(shape) > _MAX_AXES or min(shape) < 0 or math.prod(shape) != values.size:
+        raise CheckpointError(f"{path}: layer {brief(layer)}: blob {index} has shape "
+                              f"{_dims(shape)}, which does not hold its {values.size:,} values")  # fmt: skip
+    return values.reshape(shape)
 
 
 def caffe_state_dict(
@@ -202,15 +212,21 @@ def _batchnorm(layer: _BlobReader, own: dict[str, tuple[int, ...]]) -> dict:
     mean, var = layer.read(0, "mean", want), layer.read(1, "variance", want)
     factor = float(layer.read(2, "scale factor", (1,))[0])
     factor = 0.0 if factor == 0 else 1.0 / factor
-    if (var * factor < 0).any():  # a square's running average never is
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf: named just below
+        mean, var = mean * factor, var * factor
+    if (var < 0).any():  # a square's running average never is
         raise CheckpointError(f"layer {layer.caffe_name!r}: blob variance (over the scale "
                               "factor) has negative values, as no trained batch norm has (the "
                               "net would compute NaN)")  # fmt: skip
+    scaled = {"mean": torch.from_numpy(mean), "variance": torch.from_numpy(var)}
+    check_finite_weights({f"blob {blob} (over the scale factor)": value
+                          for blob, value in scaled.items()}, f"layer {layer.caffe_name!r}")  # fmt: skip
     return {
-        f"{layer.name}.running_mean": torch.from_numpy(mean * factor),
-        f"{layer.name}.running_var": torch.from_numpy(var * factor),
+        f"{layer.name}.running_mean": scaled["mean"],
+        f"{layer.name}.running_var": scaled["variance"],
     }
 
 
 def _dims(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ")"
+    more = f", ... ({len(shape):,} axes)" if len(shape) > 8 else ""
+    return "(" + ", ".join(map(str, shape[:8])) + more + ")"
