@@ -256,15 +256,39 @@ def test_the_names_peers_give_a_data_setting_are_met_with_ours(source, key, mean
     assert str(caught.value) == f"data.{key}: unknown field {meant}".strip()
 
 
+@pytest.mark.parametrize("data, line", [
+    ({"img_size": 3}, "data.img_size: unknown field (did you mean 'crop'?)"),
+    ({"batch_sise": 3}, "data.batch_sise: unknown field (did you mean 'batch_size'?)"),
+    ({"sed": 1}, "data.sed: unknown field (did you mean 'std'?)"),  # not the top level's seed
+    ({"sorce": "folder"}, "data.sorce: unknown field (did you mean 'source'?)"),
+])  # fmt: skip
+def test_a_source_read_from_the_path_names_its_fields_in_messages(shapes, data, line):
+    """The source a path says (data: {path: DIR}) is the run's for every message: its fields
+    are the ones meant, and a source misspelt is still named, not read from the path."""
+    with pytest.raises(ConfigError) as caught:
+        load_run({"model": "resnet18", "data": {"path": str(shapes), **data}})
+    assert str(caught.value) == line
+
+
+def test_the_crop_and_size_from_a_network_stay_within_what_a_folder_takes(shapes):
+    config = load_run({"model": {"network": "resnet18", "input": [3, 8000, 8000]},
+                       "data": {"path": str(shapes)}})  # fmt: skip
+    assert (config.data.crop, config.data.size) == (8000, 8192)  # 8/7 of 8000: past the most
+
+
 @pytest.mark.parametrize("key, meant", [
     ("learning_rate", "lr"), ("base_lr", "lr"), ("wd", "weight_decay"), ("amp", "precision"),
     ("lr_scheduler", "schedule"), ("lr_policy", "schedule"), ("warmup", "warmup_epochs"),
     ("clip_grad_norm", "grad_clip"), ("model_ema", "ema"), ("stepvalue", "milestones"),
+    ("warmup_lr", None),  # timm's, an lr: not warmup_start, a factor, however spelt alike
+    ("model.arch", "network"), ("arch", "model"),
 ])  # fmt: skip
 def test_the_names_peers_give_a_training_setting_are_met_with_ours(key, meant):
+    key = key if "arch" in key else f"train.{key}"
     with pytest.raises(ConfigError) as caught:
-        load_run("digits", [f"train.{key}=1"])
-    assert str(caught.value) == f"train.{key}: unknown field (did you mean {meant!r}?)"
+        load_run("digits", [f"{key}=1"])
+    said = f" (did you mean {meant!r}?)" if meant else ""
+    assert str(caught.value) == f"{key}: unknown field{said}"
 
 
 def test_a_new_run_needs_held_out_images(tmp_path):

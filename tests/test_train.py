@@ -236,8 +236,8 @@ def test_eval_of_a_run_whose_data_moved_says_how_to_give_it(tiny_run, tmp_path, 
     code, _, err = run_cli(["eval", str(tmp_path / "moved.pt")], capsys)
     assert one_error_line(code, err, (1,)) == (
         f"cnnkit: error: the run's data.path {gone}: no such folder now (moved? give --data: "
-        "a data YAML naming where it is now scores the run's held-out split; a folder, every "
-        "image in it)")  # fmt: skip
+        "a data YAML naming where it is now, with the run's val_fraction or val_path, scores "
+        "its held-out split; a folder, every image in it)")  # fmt: skip
 
 
 def test_a_bundled_sets_number_classes_are_not_taken_for_caffes_indices(tiny_run, capsys):

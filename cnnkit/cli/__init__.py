@@ -268,7 +268,9 @@ def main(argv: list[str] | None = None) -> None:
         _main(argv, debug)
     finally:
         sys.stdout = stdout
-        if entry:  # the process's own command (not main() called in-process) has ended
+        # the process's own command (not main() called in-process) has ended; a Ctrl-C left
+        # ignored (a background job, nohup) stays so
+        if entry and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, _end_now)
 
 

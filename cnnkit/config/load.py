@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from cnnkit.config.sections import ModelConfig, RunConfig, TrainConfig
 from cnnkit.data import SOURCES, check_source
+from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import holds_images
 from cnnkit.errors import ConfigError, brief, config_error, suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
@@ -34,6 +36,7 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         apply_override(raw, item)
     _relative_to(raw, base)
     absolute_data(raw)
+    _source_of_path(raw)
     _crop_for_network(raw)
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
@@ -85,6 +88,15 @@ def _file_at(name: str, base: Path | None) -> str:
     return name
 
 
+def _source_of_path(raw: dict[str, Any]) -> None:
+    """A data section's source, where a path says it (check_source), written into the run: every
+    message about its fields then names that source's (did you mean, another source's)."""
+    data = raw.get("data")
+    if isinstance(data, dict) and data.get("source") is None:
+        with suppress(ConfigError):  # (said when the run is validated)
+            data["source"] = check_source(data).get("source")
+
+
 def _crop_for_network(raw: dict[str, Any]) -> None:
     """An image set's crop left out is the network's input side, as timm takes a model's input
     size (resnet18 on a folder: 224, not AlexNet's 227); a folder's size left out with it is
@@ -108,7 +120,7 @@ def _crop_for_network(raw: dict[str, Any]) -> None:
     data["crop"] = side
     if "size" in source.model_fields and "size" not in data:
         size, fit = source.model_fields["size"].default, round(side * 8 / 7)
-        data["size"] = size if side <= size <= fit else fit
+        data["size"] = size if side <= size <= fit else min(fit, max(side, MAX_SIDE))
 
 
 DATA_FILES = ("path", "val_path", "val_labels", "negatives")  # a data section's files
@@ -180,7 +192,7 @@ def _meant_otherwise(raw: dict[str, Any], error: str) -> str:
 
 # the names torchvision's reference scripts, timm, Caffe's solver and pycls give our settings,
 # which spelling alone would match wrongly (image_size -> batch_size, batch -> path) or not at all
-PEER_NAMES = {
+PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the section has)
     **dict.fromkeys(
         (
             "image_size",
@@ -190,7 +202,6 @@ PEER_NAMES = {
             "val_crop_size",
             "train_crop_size",
             "test_crop_size",
-            "crop_pct",
         ),
         "crop",
     ),  # fmt: skip
@@ -217,7 +228,8 @@ PEER_NAMES = {
     **dict.fromkeys(("stepvalue", "lr_steps", "steps", "decay_milestones"), "milestones"),
     **dict.fromkeys(("lr_gamma", "decay_rate"), "gamma"),
     **dict.fromkeys(("warmup", "lr_warmup_epochs", "warmup_epoch"), "warmup_epochs"),
-    **dict.fromkeys(("warmup_lr", "lr_warmup_decay", "warmup_factor"), "warmup_start"),
+    **dict.fromkeys(("lr_warmup_decay", "warmup_factor"), "warmup_start"),  # (factors of lr)
+    **dict.fromkeys(("warmup_lr", "crop_pct"), ()),  # timm's, with no setting of ours alike
     **dict.fromkeys(("model_ema", "ema_decay", "model_ema_decay"), "ema"),
     **dict.fromkeys(("amp", "dtype", "mixed_precision", "half", "fp16", "bf16"), "precision"),
     **dict.fromkeys(("clip_grad", "clip_grad_norm", "clip_gradients", "max_norm"), "grad_clip"),
@@ -229,7 +241,7 @@ PEER_NAMES = {
     **dict.fromkeys(("lr_min", "eta_min", "min_learning_rate"), "min_lr"),
     **dict.fromkeys(("solver_mode", "gpu", "cuda"), "device"),
     **dict.fromkeys(("random_seed", "manual_seed", "rng_seed"), "seed"),
-    **dict.fromkeys(("arch", "net", "architecture"), "model"),
+    **dict.fromkeys(("arch", "net", "architecture"), ("network", "model")),  # model.arch: network
 }
 
 
@@ -244,11 +256,14 @@ def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
         annotation = section.model_fields.get(part)
         kind = getattr(annotation, "annotation", None)
         section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
-    peer = PEER_NAMES.get(parts[-1].lower().replace("-", "_"))
+    known = parts[-1].lower().replace("-", "_") in PEER_NAMES
+    meant = PEER_NAMES.get(parts[-1].lower().replace("-", "_"), ())
+    meant = (meant,) if isinstance(meant, str) else meant
+    peer = next((m for m in meant if m in section.model_fields), meant[0] if meant else None)
     if peer in section.model_fields:
         return f" (did you mean {peer!r}?)"
     close = difflib.get_close_matches(parts[-1], list(section.model_fields), n=1)
-    if close and peer is None:  # (image_size is not batch_size, where a source has no crop)
+    if close and not known:  # (image_size is not batch_size, where a source has no crop)
         return f" (did you mean {close[0]!r}?)"
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     elsewhere = {"": RunConfig, "train.": TrainConfig, "model.": ModelConfig,

@@ -40,12 +40,12 @@ def check_source(section: Any) -> Any:
     if not isinstance(section, dict):
         return section  # pydantic says what it expected
     source = section.get("source")
-    if source is None and isinstance(section.get("path"), str) and section["path"]:
-        source = "packed" if is_pack(section["path"]) else "folder"
-        section = {**section, "source": source}
     typo = difflib.get_close_matches("source", [str(k) for k in section], n=1)
     if source is None and "source" not in section and typo:  # `sorce: digits`
         raise ConfigError(f"data.{typo[0][:40]}: unknown field (did you mean 'source'?)")
+    if source is None and isinstance(section.get("path"), str) and section["path"]:
+        source = "packed" if is_pack(section["path"]) else "folder"
+        section = {**section, "source": source}
     if not isinstance(source, str | None):
         raise ConfigError(f"data.source: a name ({', '.join(SOURCES)}), not {brief(source)}")
     if source not in SOURCES:

@@ -90,7 +90,8 @@ class _Bounded(Composer, SafeConstructor, Resolver):
             return super().construct_yaml_int(node)
         except ValueError:
             digits = sum(c.isdigit() for c in node.value)
-            if digits <= sys.get_int_max_str_digits():
+            limit = getattr(sys, "get_int_max_str_digits", None)  # (Python 3.10.7 on)
+            if limit is None or digits <= limit():
                 raise  # not an integer (`!!int abc`): said by construct_object
             raise LimitError(None, None, f"an integer of {digits:,} digits is too long to read",
                              node.start_mark) from None  # fmt: skip
@@ -129,6 +130,9 @@ class _Bounded(Composer, SafeConstructor, Resolver):
                          "write a number, string, list or mapping", node.start_mark)  # fmt: skip
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if not isinstance(node, MappingNode):  # `!!map abc`, `!!map [1, 2]`
+            what = brief(node.value) if isinstance(node, ScalarNode) else "a list"
+            raise LimitError(None, None, f"{what} is not a valid !!map", node.start_mark)
         seen: set[Any] = set()
         for key_node, _ in node.value:
             if key_node.tag == _MERGE or not isinstance(key_node, yaml.ScalarNode):

@@ -54,9 +54,9 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
             folder = section.get(key)
             if isinstance(folder, str) and folder and not Path(folder).exists():
                 raise DataError(f"the run's data.{key} {printable(folder)}: no such folder now "
-                                "(moved? give --data: a data YAML naming where it is now "
-                                "scores the run's held-out split; a folder, every image in "
-                                "it)")  # fmt: skip
+                                "(moved? give --data: a data YAML naming where it is now, "
+                                "with the run's val_fraction or val_path, scores its held-out "
+                                "split; a folder, every image in it)")  # fmt: skip
     elif source_named(spec):
         section = {"source": spec}
     elif Path(spec).is_file():
