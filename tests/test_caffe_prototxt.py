@@ -196,6 +196,32 @@ def test_a_misspelled_top_level_field_is_refused_not_dropped():
         translate(parse_prototxt(INPUT + typo, "t"), "t")
 
 
+@pytest.mark.parametrize(("kind", "params", "twice"), [
+    ("InnerProduct", "inner_product_param { num_output: 3 } inner_product_param { num_output: 5 }",
+     "inner_product_param is given twice in layer"),
+    ("InnerProduct", "inner_product_param { num_output: 3 num_output: 5 }",
+     "num_output is given twice in inner_product_param"),
+    ("Pooling", "pooling_param { pool: MAX kernel_size: 2 kernel_size: 3 }",
+     "kernel_size is given twice in pooling_param"),  # (a convolution's is repeated)
+    ("InnerProduct", "inner_product_param { num_output: 3 weight_filler { type: 'gaussian' "
+     "std: 0.1 std: 0.2 } }", "std is given twice in weight_filler"),
+    ("ReLU", 'name: "again"', "name is given twice in layer"),
+])  # fmt: skip
+def test_a_field_caffe_declares_once_given_twice_is_refused(kind, params, twice):
+    """protobuf's text parser refuses a non-repeated field given twice ("specified multiple
+    times"), so Caffe does; here the last had silently won (num_output 5 of two blocks)."""
+    text = INPUT + _layer("c", kind, ["data"], "c", params)
+    with pytest.raises(ConfigError) as err:
+        translate(parse_prototxt(text, "t"), "t")
+    assert str(err.value) == (f"t:3: {twice} (caffe.proto declares it once, and Caffe's parser "
+                              "refuses the second)")  # fmt: skip
+    repeated = INPUT + _layer("c", "Convolution", ["data"], "c",  # repeated fields: each kept
+                              "convolution_param { num_output: 2 kernel_size: 3 kernel_size: 1 "
+                              "pad: 1 pad: 0 }")  # fmt: skip
+    layer = translate(parse_prototxt(repeated, "t"), "t")["layers"][0]
+    assert layer["kernel_size"] == [3, 1] and layer["padding"] == [1, 0]
+
+
 def test_the_old_syntax_keeps_blobs_lr_and_weight_decay_and_refuses_shared_weights():
     head = 'input: "data" input_dim: 1 input_dim: 3 input_dim: 9 input_dim: 9\n'
     conv = ('layers {{ name: "c" type: CONVOLUTION bottom: "data" top: "c" {} '

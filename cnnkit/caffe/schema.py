@@ -64,6 +64,20 @@ CAFFE_PARAMS = {f"{name}_param" for name in (
     "window_data")}  # fmt: skip
 LAYER_BLOCKS = {"include", "exclude", "blobs"}  # and LayerParameter's (with *_param, `param`)
 
+# the fields caffe.proto declares `repeated` in the messages checked here: any other given twice
+# is refused, as Caffe's text parser refuses it ("Non-repeated field ... specified multiple times")
+REPEATED = {
+    "NetParameter": {"layer", "layers", "input", "input_dim", "input_shape"},
+    "layer": {"bottom", "top", "loss_weight", "param", "blobs", "propagate_down", "include",
+              "exclude"},
+    "layers": {"bottom", "top", "blobs", "blobs_lr", "weight_decay", "include", "exclude",
+               "loss_weight", "param"},
+    "convolution_param": {"pad", "kernel_size", "stride", "dilation"},
+    "eltwise_param": {"coeff"},
+    "input_param": {"shape"},
+    "shape": {"dim"},
+}  # fmt: skip
+
 # declared fields whose value changes what the layer computes in a way cnnkit does not follow:
 # (block, field) -> (the value cnnkit computes with, what the other value would mean)
 FOLLOWED: dict[tuple[str, str], tuple[Any, str]] = {
@@ -84,6 +98,19 @@ def check_net(source: str, net: Message) -> None:
         if name not in NET_FIELDS:
             _unknown(f"{source}:{line}", "NetParameter", name, NET_FIELDS)
     expect_blocks(source, net, NET_BLOCKS)
+    _once(source, "NetParameter", net)
+
+
+def _once(source: str, block: str, message: Message) -> None:
+    """ConfigError for a field given twice that caffe.proto declares once in `block` (the
+    second would silently win here; Caffe's parser refuses it)."""
+    seen: set[str] = set()
+    repeated = REPEATED.get(block, set())
+    for name, _, line in message.fields:
+        if name in seen and name not in repeated:
+            raise ConfigError(f"{source}:{line}: {name} is given twice in {block} (caffe.proto "
+                              "declares it once, and Caffe's parser refuses the second)")  # fmt: skip
+        seen.add(name)
 
 
 def expect_blocks(source: str, message: Message, names: set[str]) -> None:
@@ -101,6 +128,7 @@ def check_layer(source: str, layer: Message, v1: bool) -> None:
     known = V1_LAYER_FIELDS if v1 else LAYER_FIELDS
     blocks = {n for n, _, _ in layer.fields if n.endswith("_param")} | LAYER_BLOCKS
     expect_blocks(source, layer, blocks if v1 else blocks | {"param"})  # (V1's param: a name)
+    _once(source, "layers" if v1 else "layer", layer)
     for name, value, line in layer.fields:
         if name in PARAM_FIELDS and isinstance(value, Message):
             _check_block(source, name, value)
@@ -117,15 +145,18 @@ def check_layer(source: str, layer: Message, v1: bool) -> None:
                 if name == "name":  # layers sharing one blob (siamese nets): cnnkit's own each
                     raise ConfigError(f"{source}:{line}: param {{ name: {brief(value)} }}: "
                                       "weights shared between layers are not imported")  # fmt: skip
+            _once(source, "param", spec)
 
 
 def _check_block(source: str, block: str, p: Message) -> None:
     allowed = PARAM_FIELDS[block]
     expect_blocks(source, p, set(SUB_FIELDS))
+    _once(source, block, p)
     for name, value, line in p.fields:
         if name not in allowed:
             _unknown(f"{source}:{line}", block, name, allowed)
         if name in SUB_FIELDS and isinstance(value, Message):
+            _once(source, name, value)
             for sub, _, sub_line in value.fields:
                 if sub not in SUB_FIELDS[name]:
                     _unknown(f"{source}:{sub_line}", name, sub, SUB_FIELDS[name])
