@@ -226,13 +226,7 @@ def evaluate_checkpoint(
     cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"), labels)
     if data is not None and uses_mean_image(config):
         note_normalisation(data, cfg, meta.get("mean_image"))
-    grey = None
-    # RGB folders / packed sets for a grey network: to grey as classify does (Pillow's "L"),
-    # unless the data section makes its own luma (data.grey: a run's own data, as it trained)
-    if pre.channels == 1 and hasattr(cfg, "normalize") and not getattr(cfg, "grey", False):
-        cfg = cfg.model_copy(update={"normalize": "channel", "mean": (0.0,) * 3,
-                                     "std": (1.0,) * 3})  # fmt: skip
-        grey = (pre.mean[0], pre.std[0])
+    cfg, grey = _grey_for(cfg, pre)
     crop = int(network.input_shape[-1])
     if tencrop:
         cfg = full_images(cfg, crop, pre.resize)
@@ -267,6 +261,16 @@ def evaluate_checkpoint(
     return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,
             "checkpoint": meta["path"], "epoch": meta.get("epoch"), "device": str(dev),
             "classes": len(meta["classes"])}  # fmt: skip
+
+
+def _grey_for(cfg: DataConfig, pre: Preprocess) -> tuple[DataConfig, tuple[float, float] | None]:
+    """RGB folders / packed sets for a grey network: read unnormalised, to be made grey as
+    classify does (Pillow's "L") and normalised with the network's (mean, std), returned;
+    unless the data section makes its own luma (data.grey: a run's own data, as it trained)."""
+    if pre.channels != 1 or not hasattr(cfg, "normalize") or getattr(cfg, "grey", False):
+        return cfg, None
+    cfg = cfg.model_copy(update={"normalize": "channel", "mean": (0.0,) * 3, "std": (1.0,) * 3})
+    return cfg, (pre.mean[0], pre.std[0])
 
 
 def _trained(target: str | Path, ema: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
