@@ -105,8 +105,9 @@ def _crop_for_network(raw: dict[str, Any]) -> None:
     data = raw.get("data")
     if not isinstance(data, dict) or "crop" in data:
         return
+    named = data.get("source")  # (_source_of_path's, where a path gave it)
+    source = SOURCES.get(named) if isinstance(named, str) else None
     try:
-        source = SOURCES.get(check_source(data).get("source"))
         shape = ModelConfig.model_validate(raw.get("model")).spec().get("input")
     except (ConfigError, ValidationError, TypeError, ValueError):
         return
@@ -204,17 +205,17 @@ PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the sect
             "test_crop_size",
         ),
         "crop",
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(("resize_size", "val_resize_size", "resize", "scale_size"), "size"),
     **dict.fromkeys(
         ("batch", "bs", "batchsize", "train_batch_size", "ims_per_batch"), "batch_size"
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(
         ("val_batch_size", "test_batch_size", "validation_batch_size"), "eval_batch_size"
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(
         ("data_path", "data_dir", "root", "dataset_path", "train_dir", "source_dir"), "path"
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(("val_dir", "val_data", "test_path", "val_root"), "val_path"),
     **dict.fromkeys(("num_workers", "j", "loader_workers"), "workers"),
     **dict.fromkeys(("hflip", "flip", "random_flip", "mirror_prob"), "mirror"),
@@ -237,7 +238,7 @@ PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the sect
     **dict.fromkeys(("smoothing", "label_smooth"), "label_smoothing"),
     **dict.fromkeys(
         ("grad_accum_steps", "accum_iter", "iter_size", "gradient_accumulation"), "accumulate"
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(("lr_min", "eta_min", "min_learning_rate"), "min_lr"),
     **dict.fromkeys(("solver_mode", "gpu", "cuda"), "device"),
     **dict.fromkeys(("random_seed", "manual_seed", "rng_seed"), "seed"),
@@ -256,8 +257,8 @@ def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
         annotation = section.model_fields.get(part)
         kind = getattr(annotation, "annotation", None)
         section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
-    known = parts[-1].lower().replace("-", "_") in PEER_NAMES
-    meant = PEER_NAMES.get(parts[-1].lower().replace("-", "_"), ())
+    key = parts[-1].lower().replace("-", "_")
+    known, meant = key in PEER_NAMES, PEER_NAMES.get(key, ())
     meant = (meant,) if isinstance(meant, str) else meant
     peer = next((m for m in meant if m in section.model_fields), meant[0] if meant else None)
     if peer in section.model_fields:
