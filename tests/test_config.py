@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from cnnkit.config import RunConfig, apply_override, dump_run, load_run, validate_run
+from cnnkit.config.sections import TrainConfig
 from cnnkit.errors import ConfigError
 
 
@@ -229,6 +230,19 @@ def test_an_image_sets_crop_left_out_is_the_networks_input_side(shapes, tmp_path
     if crop is not None:  # resolved as it was run: config.yaml gives the crop and size taken
         again = yaml.safe_load(dump_run(config))["data"]
         assert again["crop"] == crop and again.get("size") == size
+
+
+def test_a_zoo_network_given_its_data_is_a_run(shapes):
+    """`cnnkit train resnet18 data.path=DIR`, as timm's `train.py DIR --model resnet18`: the
+    network's run with the train section's defaults, its crop and the folder's size its own."""
+    config = load_run("resnet18", [f"data.path={shapes}", "train.epochs=3"])
+    assert (config.name, config.model.network, config.data.source) == ("resnet18", "resnet18",
+                                                                        "folder")  # fmt: skip
+    assert (config.data.crop, config.data.size, config.train.epochs) == (224, 256, 3)
+    assert config.train.lr == TrainConfig().lr
+    with pytest.raises(ConfigError, match=r"^'resnet18' is a zoo network, not a run: give its "
+                       r"data \(`cnnkit train resnet18 data.path=DIR`"):  # fmt: skip
+        load_run("resnet18", ["train.epochs=3"])  # no data: what to give
 
 
 def test_a_crop_left_out_fits_before_the_crops_own_checks(shapes):

@@ -26,8 +26,9 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
         (
             ["train", "alexnet"],
             2,
-            "a zoo network, not a run: give a run file with model: alexnet "
-            "(zoo runs of it: alexnet-imagenet)",
+            "a zoo network, not a run: give its data (`cnnkit train alexnet data.path=DIR`: a "
+            "folder of class folders or a pack) or a run file with model: alexnet; zoo runs of "
+            "it: alexnet-imagenet",
         ),  # fmt: skip
         (["info", "resnet-18"], 2, "nor a file (did you mean 'resnet18'?)"),
         (["train", "digits", "train.lr=-1"], 2, "train.lr"),
@@ -128,9 +129,8 @@ def test_a_folder_given_as_the_run_says_what_it_is(tmp_path, capsys, monkeypatch
          "train:)"),
         (["train", "imgs"],
          "cnnkit: error: imgs is a folder of images, not a run file (a YAML file with model:, "
-         "data: and train:): `cnnkit train alexnet-imagenet data.source=folder data.path=imgs "
-         "data.normalize=channel data.val_path=null` trains AlexNet on it, holding out 10% "
-         "(README: Data)"),
+         "data: and train:): `cnnkit train resnet18 data.path=imgs` trains ResNet-18 on it, "
+         "holding out 10% (any network `cnnkit zoo` lists; README: Data)"),
     ):  # fmt: skip
         code, err = _fails(argv, capsys)
         assert code == 2 and err == line

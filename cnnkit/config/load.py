@@ -28,7 +28,7 @@ from cnnkit.runtime import write_atomic
 
 def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Read a zoo run, YAML file or dict, apply `key=value` overrides, validate everything."""
-    raw, base = _read_run(run)
+    raw, base = _read_run(run, any(o.startswith("data.") for o in overrides or []))
     raw = copy.deepcopy(raw)
     if isinstance(raw.get("model"), str) and any(o.startswith("model.") for o in overrides or []):
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
@@ -347,24 +347,29 @@ def _folder_given(path: Path) -> str:
                 f"continues it{anew}")  # fmt: skip
     if holds_images(path):
         return (f"{name} is a folder of images, not a run file (a YAML file with model:, data: "
-                f"and train:): `cnnkit train alexnet-imagenet data.source=folder data.path={name} "
-                "data.normalize=channel data.val_path=null` trains AlexNet on it, holding out "
-                "10% (README: Data)")  # fmt: skip
+                f"and train:): `cnnkit train resnet18 data.path={name}` trains ResNet-18 on it, "
+                "holding out 10% (any network `cnnkit zoo` lists; README: Data)")  # fmt: skip
     return f"{name} is a folder, not a run file (a YAML file with model:, data: and train:)"
 
 
-def _read_run(run: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
+def _read_run(run: str | Path | dict[str, Any],
+              data_given: bool = False) -> tuple[dict[str, Any], Path | None]:  # fmt: skip
+    """The run's mapping and the folder its files are relative to; a zoo network with data
+    given (`cnnkit train resnet18 data.path=DIR`, as timm's `--model`) is a run of its own."""
     if isinstance(run, dict):  # as a file would give it (a date as text, never an object)
         return plain_data(run), None
     from cnnkit.zoo import NETS, RUNS, net_path, runs_training
 
     path = Path(run)
     if not path.is_file():
+        if str(run) in NETS and data_given:  # the train section's defaults
+            return {"model": str(run), "data": {}}, None
         if str(run) in NETS:  # a network, not a run: say which runs train it
             runs = runs_training(str(run))
-            also = f" (zoo runs of it: {', '.join(runs)})" if runs else ""
-            raise ConfigError(f"{str(run)!r} is a zoo network, not a run: give a run file "
-                              f"with model: {run}{also}")  # fmt: skip
+            also = f"; zoo runs of it: {', '.join(runs)}" if runs else ""
+            raise ConfigError(f"{str(run)!r} is a zoo network, not a run: give its data "
+                              f"(`cnnkit train {run} data.path=DIR`: a folder of class folders "
+                              f"or a pack) or a run file with model: {run}{also}")  # fmt: skip
         if str(run) not in RUNS and path.is_dir():
             raise ConfigError(_folder_given(path))
         if str(run) not in RUNS:
