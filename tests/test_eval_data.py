@@ -125,12 +125,21 @@ def test_a_network_files_classes_name_its_outputs(untrained, tmp_path, capsys):
     code, out, _ = run_cli(["classify", "named.safetensors", "sm/class1/3.png", "--json"], capsys)
     assert {t["class"] for t in json.loads(out)["top"]} <= set(names)
     for given, said in (("[a, b]", "classes: 2 names for the network's 10 outputs"),
-                        ("none.txt", "classes: none.txt: No such file or directory")):  # fmt: skip
+                        ("none.txt", "classes: none.txt: No such file or directory"),
+                        ("[a, ' ', c]", "model.classes: name 2 of 3 is blank: each output's "
+                                        "name is text on one line"),
+                        ('[a, "b\\nc"]', "model.classes: name 2 of 2 holds a line break: each "
+                                         "output's name is text on one line")):  # fmt: skip
         (tmp_path / "bad.yaml").write_text(
             f"model: {{network: digitnet, weights: w.pt, classes: {given}}}\n"
         )
         code, _, err = run_cli(["classify", "bad.yaml", "sm/class1/3.png"], capsys)
         assert one_error_line(code, err) == f"cnnkit: error: bad.yaml: {said}"
+    (tmp_path / "digits.yaml").write_text(  # whole numbers: names as written
+        f"model: {{network: digitnet, weights: w.pt, classes: {list(range(10))}}}\n"
+    )
+    code, out, err = run_cli(["classify", "digits.yaml", "sm/class1/3.png", "--json"], capsys)
+    assert code == 0 and {t["class"] for t in json.loads(out)["top"]} <= set("0123456789"), err
     (tmp_path / "run.yaml").write_text(
         "model: {network: digitnet, classes: [a, b]}\ndata: {source: digits}\n"
     )

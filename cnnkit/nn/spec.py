@@ -166,6 +166,15 @@ class NetSpec(BaseModel):
     blocks: dict[str, BlockDef] = Field(default_factory=dict)
     layers: list[dict[str, Any]] = Field(min_length=1)
 
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _named(cls, v: Any) -> Any:
+        """Whole numbers are names as written (`classes: [0, 1, 2]`, digits'); checked."""
+        if isinstance(v, list):
+            v = [str(n) if type(n) is int else n for n in v]
+        check_class_names(v)
+        return v
+
     @field_validator("defaults")
     @classmethod
     def _known_types(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -179,6 +188,17 @@ class NetSpec(BaseModel):
                     f"{kind}.{str(unknown)[:40]}: unknown field{suggest(unknown, known)}"
                 )
         return v
+
+
+def check_class_names(names: Any) -> None:
+    """ValueError unless each output's name is one classify can print and a file of classes
+    can hold: never blank, never across lines (a name repeated is kept: ImageNet's list repeats
+    two). A file's name, or a list's other types, are for the field's own checks."""
+    for i, name in enumerate(names if isinstance(names, list) else []):
+        if isinstance(name, str) and (not name.strip() or "\n" in name or "\r" in name):
+            why = "is blank" if not name.strip() else "holds a line break"
+            raise ValueError(f"name {i + 1} of {len(names)} {why}: each output's name is text "
+                             "on one line")  # fmt: skip
 
 
 def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, Any]:
@@ -306,6 +326,10 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
                               "numbers above 0")  # fmt: skip
         network = with_input(network, shape)
     if model.get("classes") is not None:
+        try:  # checked here, where it is written, as the input is
+            check_class_names(model["classes"])
+        except ValueError as e:
+            raise ConfigError(f"{f'{source}: ' if source else ''}model.classes: {e}") from None
         network["classes"] = beside(model["classes"])
     return network
 
