@@ -191,18 +191,37 @@ def write_atomic(path: Path, data: bytes, private: bool = False) -> None:
         f.write(data)
 
 
-def tf32_matmuls(on: bool = True) -> str:
+def tf32_matmuls(on: bool = True) -> tuple[str | None, str, str] | None:
     """CUDA fp32 matmuls in TF32 (as cuDNN's fp32 convolutions are by default) or not; returns
-    the setting before, for restore_matmuls. torch's fp32_precision settings, never the legacy
-    allow_tf32 flags: once a program has used the former, reading the latter raises."""
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
-    matmul.fp32_precision = "tf32" if on else "ieee"
+    the settings before, for restore_matmuls (None: no CUDA here, nothing changed).
+
+    Through torch.set_float32_matmul_precision, which keeps torch's two APIs agreeing: with
+    `backends.cuda.matmul.fp32_precision` set alone, torch.get_float32_matmul_precision (read
+    by inductor's autotuning, TunableOp, user code) raises. The legacy allow_tf32 flags are
+    never read: once a program has set the new settings, reading them can raise."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        legacy: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the program set the new API's backends apart: those alone
+        legacy = None
+    before = (legacy, torch.backends.cuda.matmul.fp32_precision,
+              torch.backends.mkldnn.matmul.fp32_precision)  # fmt: skip
+    torch.set_float32_matmul_precision("high" if on else "highest")
     return before
 
 
-def restore_matmuls(before: str) -> None:
-    torch.backends.cuda.matmul.fp32_precision = before
+def restore_matmuls(before: tuple[str | None, str, str] | None) -> None:
+    """The settings tf32_matmuls found, as they were."""
+    if before is None:
+        return
+    legacy, cuda, mkldnn = before
+    if legacy is not None:
+        torch.set_float32_matmul_precision(legacy)
+    torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = (
+        cuda,
+        mkldnn,
+    )
 
 
 def in_tf32(setting: str) -> bool:

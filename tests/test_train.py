@@ -288,23 +288,38 @@ def test_metrics_record_the_share_of_time_spent_waiting_for_the_loader(tmp_path,
     assert float(rows[0]["data_wait"]) > 0.5
 
 
-def test_tf32_settings_use_torchs_new_api_only(monkeypatch):
-    """Once a program has used torch's fp32_precision settings, reading the legacy allow_tf32
-    flags raises: cnnkit reads and writes only the new ones (and on a CPU run neither)."""
+@pytest.mark.parametrize("program", ["untouched", "global ieee", "cuda matmuls alone"])
+def test_tf32_settings_keep_torchs_two_apis_agreeing(monkeypatch, program):
+    """TF32 on CUDA leaves torch.get_float32_matmul_precision readable (inductor's autotuning
+    and TunableOp read it: it raised where only backends.cuda.matmul.fp32_precision was set),
+    never reads the legacy allow_tf32 flags a program's own settings can make raise, and puts
+    back what the program had; without CUDA nothing is touched."""
     from cnnkit.bench.peak import math_mode
     from cnnkit.runtime import restore_matmuls, tf32_matmuls
     from cnnkit.train.run import deterministic_mode
 
-    before = torch.backends.fp32_precision
-    torch.backends.fp32_precision = "ieee"  # the new API in use, as torch's docs now advise
+    backends = (torch.backends, torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = torch.get_float32_matmul_precision(), [b.fp32_precision for b in backends]
     try:
+        if program == "global ieee":  # the new API in use, as torch's docs now advise
+            torch.backends.fp32_precision = "ieee"
+        elif program == "cuda matmuls alone":  # legal, and the legacy getters raise after it
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
         with deterministic_mode(False, torch.device("cpu")):
             pass
-        matmuls = torch.backends.cuda.matmul.fp32_precision
+        had = [b.fp32_precision for b in backends]
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert tf32_matmuls() is None and [b.fp32_precision for b in backends] == had
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         old = tf32_matmuls()
-        assert old == matmuls and torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.get_float32_matmul_precision() == "high"  # raised before
         assert math_mode(torch.device("cuda"), "fp32").startswith("fp32 (")  # read, not raised
         restore_matmuls(old)
-        assert torch.backends.cuda.matmul.fp32_precision == matmuls
+        assert [b.fp32_precision for b in backends] == had
+        if program != "cuda matmuls alone":  # (there the getter raised: nothing to restore)
+            assert torch.get_float32_matmul_precision() == saved[0]
     finally:
-        torch.backends.fp32_precision = before
+        torch.set_float32_matmul_precision(saved[0])
+        for backend, value in zip(backends, saved[1], strict=True):
+            backend.fp32_precision = value
