@@ -162,6 +162,7 @@ def test_a_cpu_estimate_under_the_measured_peak_says_why(ratio):
 
 @pytest.mark.parametrize("name,sheet", [
     ("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA H100 NVL", "H100 NVL"),
     ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", None),
     ("NVIDIA L40", None),
 ])  # fmt: skip

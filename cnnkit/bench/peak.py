@@ -23,7 +23,9 @@ from cnnkit.runtime import available_cores, cpu_flags, in_tf32
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # dense tensor-core / vector FLOP/s from NVIDIA's data sheets (no sparsity), by name fragment
 DATA_SHEETS = {  # the words of the device's name each needs (the more specific first)
+    ("H200", "NVL"): {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12},
     ("H200",): {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    ("H100", "NVL"): {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12},
     ("H100", "PCIe"): {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
     ("H100",): {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
     ("A100",): {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
