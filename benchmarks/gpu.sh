@@ -251,7 +251,8 @@ PREP=$!
 # "-n auto" is replaced; with pytest-timeout a hung test fails alone, leaving the summary line)
 if "$PY" -c 'import xdist' 2>/dev/null; then ONE=(-n 3); else ONE=(-o "addopts=-ra"); fi
 "$PY" -c 'import pytest_timeout' 2>/dev/null && ONE+=(--timeout 150)
-step gpu_tests 180 "$PY" -m pytest -q -m gpu "${ONE[@]}" --durations 8 -p no:cacheprovider tests
+# (-v: each test named as it ends, so a pytest killed at its limit still says which passed)
+step gpu_tests 180 "$PY" -m pytest -v -m gpu "${ONE[@]}" --durations 8 -p no:cacheprovider tests
 wait "$PREP"  # nothing timed shares the CPU with the packing
 # 2. the flagship's training step: every precision x format interleaved, both torchvision
 # peers; then the large batch, the likeliest best bf16 figure
@@ -276,9 +277,9 @@ step average_nccl           60 "${CK[@]}" train "$RUN/raw.yaml" --nproc 1 --out 
 step train_alexnet2012      60 "${T[@]}" alexnet -b "$B" --max-seconds $(( 30 * SLOW ))
 step infer_owt              45 "${CK[@]}" bench infer alexnet-owt -b "$B" -d "$DEV" $QUICK --json \
     --max-seconds $(( 20 * SLOW ))
-# 6. torch.compile (a minute of compiling), per-layer times, the scaling study (CPU and GPU
-# halves) in fp32 and bf16, the rest
-step train_owt_compile     100 "${T[@]}" alexnet-owt -b "$B" -p bf16 --channels-last "$COMPILE" \
+# 6. torch.compile (a minute or two of compiling, cold), per-layer times, the scaling study
+# (CPU and GPU halves) in fp32 and bf16, the rest
+step train_owt_compile     150 "${T[@]}" alexnet-owt -b "$B" -p bf16 --channels-last "$COMPILE" \
     --max-seconds $(( 30 * SLOW ))
 step layers_owt             45 "${CK[@]}" bench layers alexnet-owt -b "$B" -d "$DEV" \
     --repeats "$LAYER_REPEATS" --json

@@ -61,20 +61,36 @@ def planned(chosen: list[str] | None) -> list[str]:
 
 
 def gpu_tests(out: Path, rc: int | None) -> dict | None:
-    """pytest's counts (from its final summary line), and whether the tests passed: exit status
-    0 and at least one passed (a pytest killed by its time limit prints no counts, and zero
-    failures is not a pass); None where every test skipped (no CUDA: a SMOKE rehearsal)."""
+    """pytest's counts (from its final summary line), the tests that failed, and whether the
+    tests passed: exit status 0 and at least one passed (zero failures is not a pass); None
+    where every test skipped (no CUDA: a SMOKE rehearsal). A pytest killed by its time limit
+    prints no counts: those of its verbose lines (-v), each test as it ended, stand in, with
+    `unfinished` saying so."""
     log = out / "gpu_tests.log"
     if not log.is_file():
         return None
-    lines = [line for line in log.read_text(errors="replace").splitlines()
-             if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b", line)]  # fmt: skip
+    text = log.read_text(errors="replace")
+    lines = [line for line in text.splitlines()
+             if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b", line)
+             and not re.search(r"(PASSED|FAILED|SKIPPED|ERROR)", line)]  # fmt: skip
     final = lines[-1] if lines else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", final)}
+    # -v's lines: `tests/x.py::t PASSED [ 50%]`, and under xdist `[gw1] [ 50%] PASSED tests/x.py::t`
+    ended = re.findall(r"(?:(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)\b|"
+                       r"\b(PASSED|FAILED|SKIPPED|ERROR) (\S+::\S+))", text)  # fmt: skip
+    outcomes: dict[str, str] = {}
+    for name, outcome, outcome2, name2 in ended:
+        outcomes[name or name2] = outcome or outcome2
+    failed_tests = sorted(n for n, o in outcomes.items() if o in ("FAILED", "ERROR"))
+    if not final and outcomes:  # killed before its summary
+        counts = {"passed": sum(o == "PASSED" for o in outcomes.values()),
+                  "skipped": sum(o == "SKIPPED" for o in outcomes.values()),
+                  "failed": len(failed_tests)}  # fmt: skip
     passed, skipped = counts.get("passed", 0), counts.get("skipped", 0)
     failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
     ok = None if rc == 0 and not passed and not failed and skipped else rc == 0 and passed > 0
-    return {"passed": passed, "failed": failed, "skipped": skipped, "rc": rc, "ok": ok}
+    return {"passed": passed, "failed": failed, "skipped": skipped, "rc": rc, "ok": ok,
+            "failed_tests": failed_tests, "unfinished": not final}  # fmt: skip
 
 
 def bench_rows(out: Path) -> list[dict]:

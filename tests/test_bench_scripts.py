@@ -91,6 +91,28 @@ def test_gpu_summary_keeps_every_figure_it_can_read(tmp_path):
     assert summary["train_settings"]["step"] == "train_owt_compile"
 
 
+@pytest.mark.parametrize("killed", [False, True])
+def test_gpu_summary_names_the_cuda_tests_that_failed_even_when_pytest_was_killed(tmp_path, killed):
+    """pytest -v's lines (under xdist, and without it) name each test as it ends: a pytest
+    killed at its limit, with no summary line, still says which passed and which failed."""
+    log = ("============ test session starts ============\n"
+           "[gw0] [ 33%] PASSED tests/test_gpu.py::test_a \n"
+           "[gw1] [ 66%] FAILED tests/test_gpu.py::test_b[nccl] \n"
+           "tests/test_loader.py::test_c SKIPPED (needs CUDA)                  [ 80%]\n"
+           "tests/test_loader.py::test_d PASSED                                [ 90%]\n")  # fmt: skip
+    if not killed:
+        log += ("FAILED tests/test_gpu.py::test_b[nccl] - AssertionError\n"
+                "======= 1 failed, 2 passed, 1 skipped, 1400 deselected in 91.2s =======\n")  # fmt: skip
+    (tmp_path / "gpu_tests.log").write_text(log)
+    (tmp_path / "steps.txt").write_text(f"gpu_tests: rc={124 if killed else 1} 180s\n")
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_summary.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, capture_output=True)
+    tests = json.loads((tmp_path / "summary.json").read_text())["gpu_tests"]
+    assert tests == {"passed": 2, "failed": 1, "skipped": 1, "rc": 124 if killed else 1,
+                     "ok": False, "failed_tests": ["tests/test_gpu.py::test_b[nccl]"],
+                     "unfinished": killed}  # fmt: skip
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path of gpu.sh")
 @pytest.mark.slow
 def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
