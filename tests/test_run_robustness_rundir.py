@@ -114,6 +114,22 @@ def test_summary_and_config_are_written_whole_or_not_at_all(tmp_path):
     assert not list(tmp_path.glob("x.bin*"))
 
 
+def test_a_run_record_that_cannot_be_replaced_is_named_and_leaves_no_temporary(tmp_path):
+    """metrics.csv and curves.png as a folder: the error named metrics.csv.tmp and left it."""
+    from cnnkit.train.metrics import COLUMNS, plot_curves, write_csv
+
+    row = {**dict.fromkeys(COLUMNS, 0.5), "epoch": 1}
+    for name, write in (("metrics.csv", lambda p: write_csv(p, [row])),
+                        ("curves.png", lambda p: plot_curves([row], p))):  # fmt: skip
+        (tmp_path / name).mkdir()
+        with pytest.raises(OSError) as failed:
+            write(tmp_path / name)
+        assert failed.value.filename == str(tmp_path / name)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            n for n in ("metrics.csv", "curves.png") if (tmp_path / n).exists()
+        )
+
+
 def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
     """A default run directory is made when chosen (a sweep started in the background does not
     share one), removed again if the run fails before writing; a run that finds another's

@@ -61,6 +61,29 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     assert not list((tmp_path / "r").glob("*.pt")) and not list((tmp_path / "r").glob(".*.tmp"))
 
 
+def test_a_first_epoch_whose_last_pt_cannot_be_written_leaves_a_run_to_start_again(
+    tmp_path, capsys, monkeypatch
+):
+    """best.pt is written before last.pt: a full disk at the first last.pt left best.pt alone,
+    and `--resume` then refused a run that 'trained' yet had nothing to resume from."""
+    save = torch.save
+
+    def full_at_last(obj, f, *args, **kwargs):
+        if "last.pt" in str(getattr(f, "name", f)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_at_last)
+    run = tmp_path / "r"
+    code, _, err = run_cli(["train", "digits", "--out", str(run), *QUICK], capsys)
+    assert "No space left on device" in one_error_line(code, err, (1,))
+    assert not list(run.glob("*.pt"))  # the save as a whole failed: none of its files kept
+    monkeypatch.setattr(torch, "save", save)  # room again
+    code, _, err = run_cli(["train", "--resume", str(run), "--quiet"], capsys)
+    assert code == 0 and "no checkpoint yet: the run starts again" in err, err
+    assert (run / "best.pt").is_file() and (run / "last.pt").is_file()
+
+
 @pytest.mark.parametrize("command", [["info"], ["train"], ["config"], ["pack", "{}", "out"]])
 def test_a_name_too_long_or_a_link_loop_is_one_line(command, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

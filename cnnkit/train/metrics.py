@@ -5,6 +5,7 @@ console (a rich progress bar per epoch, then one summary line).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import sys
 import time
@@ -118,13 +119,12 @@ def write_csv(path: Path, rows: list[dict[str, float]]) -> None:
     """All rows, written to a temporary file and renamed (the moving average's columns too,
     when any epoch has them: a resume that turns the average off keeps the earlier values)."""
     columns = COLUMNS + [k for k in EMA_COLUMNS if any(k in row for row in rows)]
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt(row[k]) if k in row else "" for k in columns})
-    tmp.replace(path)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _fmt(row[k]) if k in row else "" for k in columns})
+    write_atomic(path, text.getvalue().encode())  # (a failure names metrics.csv, leaves no .tmp)
 
 
 def _fmt(v: float) -> str:
@@ -134,9 +134,9 @@ def _fmt(v: float) -> str:
 def plot_curves(history: list[dict[str, float]], path: Path) -> None:
     """curves.png: loss, top-1 error and learning rate per epoch (written to a temporary file
     and renamed, so a viewer never reads half a picture)."""
-    tmp = path.with_name(f".{path.name}.tmp")  # a kill mid-write: removed on resume
-    curves_figure(history).savefig(tmp, dpi=110, format="png")
-    tmp.replace(path)
+    picture = io.BytesIO()
+    curves_figure(history).savefig(picture, dpi=110, format="png")
+    write_atomic(path, picture.getvalue())
 
 
 def curves_figure(history: list[dict[str, float]]):

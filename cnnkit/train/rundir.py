@@ -308,7 +308,7 @@ def run_lock(run_dir: Path, job: str | None = None) -> Iterator[None]:
             path.unlink(missing_ok=True)
 
 
-# the temporary names a run's writers use (.last.pt.PID.tmp, metrics.csv.tmp, .curves.png.tmp)
+# the temporary names a run's writers use (.last.pt.PID.tmp, metrics.csv.tmp, curves.png.tmp)
 ORPHAN = re.compile(
     rf"\.?({'|'.join(map(re.escape, (*RUN_FILES, 'curves.png', 'lock')))})(\.\d+)?\.tmp"
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,19 @@ class CheckpointWriter:
         self._thread.start()
 
     def _write(self, items: list[tuple[dict[str, Any], Path]]) -> None:
+        """One save's files in order; where one fails, those of them that had no earlier
+        version are removed again: a first epoch's best.pt without its last.pt (a full disk)
+        would leave a run that had trained, yet had nothing to resume from."""
+        written: list[Path] = []
         try:
             for state, path in items:
+                new = not path.exists()
                 save_checkpoint(state, path)
+                written += [path] if new else []
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            for path in written:
+                with suppress(OSError):
+                    path.unlink()
             self._error = e
 
     def wait(self) -> None:
