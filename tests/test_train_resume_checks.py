@@ -373,3 +373,54 @@ def test_a_resume_refused_for_shared_memory_leaves_the_run_as_it_was(shapes, tmp
         fit(validate_run({**run, "train": {"epochs": 2}}), tmp_path / "r", resume=state)
     after = {f.name: f.read_bytes() for f in (tmp_path / "r").iterdir() if f.is_file()}
     assert after == before
+
+
+def test_an_edit_of_config_yaml_is_refused_until_given_as_an_override(finished_run, tmp_path,
+                                                                       capsys):  # fmt: skip
+    """A resume takes last.pt's settings: an edited config.yaml was silently not used, then
+    written over. The edit is named with the override that makes it; given, the run goes on."""
+    import shutil
+
+    from helpers import run_cli
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    text = (run / "config.yaml").read_text()
+    lr = load_checkpoint(run / "last.pt")["config"]["train"]["lr"]
+    (run / "config.yaml").write_text(text.replace(f"  lr: {lr}\n", "  lr: 0.5\n"))
+    argv = ["train", "--resume", str(run), "train.epochs=2", "--quiet"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and err.strip() == (
+        f"cnnkit: error: {run / 'config.yaml'}: train.lr: edited since the run wrote it (0.5 "
+        f"there, {lr} in last.pt): a resume continues last.pt's settings, changed by key=value "
+        "overrides only: give train.lr=0.5, or undo the edit")  # fmt: skip
+    assert load_checkpoint(run / "last.pt")["epoch"] == 1  # nothing trained, nothing written
+    code, _, err = run_cli(["config", str(run)], capsys)
+    assert code == 0 and "was edited since the run wrote it" in err
+    code, _, err = run_cli([*argv, "train.lr=0.5"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(run / "last.pt")["config"]["train"]["lr"] == 0.5
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(
+        "model:", "model: resnet18\nx:", 1))  # fmt: skip
+    code, _, err = run_cli([*argv[:-2], "train.epochs=3"], capsys)
+    assert code == 2 and "model: edited since the run wrote it, but a resumed run keeps" in err
+
+
+def test_a_last_pt_of_another_run_is_refused(finished_run, tmp_path):
+    """A last.pt copied in from another run trained on, replacing this run's best.pt and
+    metrics; one an epoch behind its own best.pt (a kill between the two writes) resumes."""
+    import shutil
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(finished_run, run)
+    fit(validate_run({**RUN, "seed": 7, "train": {**RUN["train"], "epochs": 1}}), other, quiet=True)
+    behind = (run / "last.pt").read_bytes()
+    shutil.copy(other / "last.pt", run / "last.pt")
+    with pytest.raises(CheckpointError, match="last.pt: not this run's checkpoint"):
+        resume_state(run)
+    (run / "last.pt").write_bytes(behind)
+    config = validate_run({**RUN, "train": {**RUN["train"], "epochs": 2}})
+    fit(config, run, resume=resume_state(run), quiet=True)
+    shutil.copy(run / "last.pt", run / "best.pt")  # as if epoch 2 were the best
+    (run / "last.pt").write_bytes(behind)  # the epoch-1 state beside it
+    assert resume_state(run)["epoch"] == 1

@@ -174,11 +174,15 @@ def show_config(
     from rich.table import Table
     from rich.text import Text
 
-    from cnnkit.config import describe_run, load_run
+    from cnnkit.config import describe_run, edited_run_config, load_run
     from cnnkit.tables import wide_console
 
     if Path(run).is_dir() and (Path(run) / "config.yaml").is_file():  # a run directory's own
         run = str(Path(run) / "config.yaml")
+        if edited_run_config(Path(run)) is not None and (Path(run).parent / "last.pt").is_file():
+            print(f"cnnkit: note: {run} was edited since the run wrote it: shown as edited, but "
+                  "`cnnkit train --resume` takes last.pt's settings, changed by key=value "
+                  "overrides, and refuses the edit", file=sys.stderr)  # fmt: skip
     config = load_run(run, list(overrides or []))
     table = Table(title=Text(f"{config.name}: {run}"), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("key", "value", "default", "description"):

@@ -10,9 +10,11 @@ from cnnkit.config.load import (
     apply_override,
     describe_run,
     dump_run,
+    edited_run_config,
     load_run,
     run_dict,
     validate_run,
+    write_run_config,
 )
 from cnnkit.config.sections import (
     ModelConfig,
@@ -29,8 +31,10 @@ __all__ = [
     "apply_override",
     "describe_run",
     "dump_run",
+    "edited_run_config",
     "load_run",
     "run_dict",
     "schedule_notes",
     "validate_run",
+    "write_run_config",
 ]

@@ -16,7 +16,7 @@ import torch
 
 import cnnkit.distributed as distributed
 from cnnkit.checkpoint import set_rng_state
-from cnnkit.config import RunConfig, dump_run, load_run, schedule_notes
+from cnnkit.config import RunConfig, load_run, schedule_notes, write_run_config
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError, plural
@@ -30,6 +30,7 @@ from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import (
     check_outside_data,
+    check_unedited,
     check_writable,
     claimed_run_dir,
     clear_orphans,
@@ -170,6 +171,8 @@ def fit(
         if note and dist.is_main:
             print(f"cnnkit: note: {note}", file=sys.stderr)
     check_processes(config, ranks, device, resume)
+    if resume:
+        check_unedited(run_dir, config, resume)
     check_outside_data(run_dir, config.data)
     if not dry_run:
         distributed.on_rank0(dist, lambda: check_writable(run_dir))
@@ -275,7 +278,7 @@ def _open_run_dir(run_dir: Path, config: RunConfig, progress: Progress) -> RunLo
     run_dir.mkdir(parents=True, exist_ok=True)
     clear_orphans(run_dir)
     if progress.epoch < config.train.epochs or not (run_dir / "config.yaml").exists():
-        dump_run(config, run_dir / "config.yaml")  # all done: as last.pt, unchanged
+        write_run_config(config, run_dir / "config.yaml")  # all done: as last.pt, unchanged
         # a finished session's figures: this one trains on, and writes them when it finishes
         (run_dir / "summary.json").unlink(missing_ok=True)
     log = RunLog(run_dir, progress.history, global_step=progress.global_step)

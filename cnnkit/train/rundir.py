@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import re
+import shlex
 import socket
 import time
 from collections.abc import Iterator
@@ -15,8 +16,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from cnnkit.checkpoint import dated_run_hint, load_checkpoint, trained_files
-from cnnkit.config import RunConfig, absolute_data, apply_override, validate_run
+from cnnkit.config import (
+    RunConfig,
+    absolute_data,
+    apply_override,
+    dump_run,
+    edited_run_config,
+    validate_run,
+)
 from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.runtime import cannot_write
 
@@ -151,7 +161,75 @@ def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
         raise CheckpointError(f"{last}: holds the weights alone (a best.pt?), not a training state "
                               f"to resume; train on from them as a new run with "
                               f"model.weights={last}")  # fmt: skip
+    _same_run(last, state)
     return state
+
+
+def _same_run(last: Path, state: dict[str, Any]) -> None:
+    """CheckpointError where last.pt and the best.pt beside it are of different runs (a last.pt
+    copied from another run would otherwise train on, and replace this run's best.pt and
+    metrics): the same network, and the epochs of one the first epochs of the other (a kill
+    between the two files of an epoch's save leaves best.pt an epoch ahead)."""
+    try:
+        best = load_checkpoint(last.with_name("best.pt"))
+    except CheckpointError:  # none, or damaged: said where best.pt itself is read
+        return
+    runs = [json.dumps(s.get("history") or [], sort_keys=True, default=str) for s in (state, best)]
+    shorter, longer = sorted((r[1:-1] for r in runs), key=len)  # (each list's rows, as text)
+    same = state.get("model_spec") == best.get("model_spec") and longer.startswith(shorter)
+    if not same:
+        raise CheckpointError(f"{last}: not this run's checkpoint: its network or its epochs are "
+                              "not those of best.pt beside it (a last.pt copied from another "
+                              "run?); put this run's own last.pt back, or train anew elsewhere "
+                              "(--out)")  # fmt: skip
+
+
+def check_unedited(run_dir: Path, config: RunConfig, state: dict[str, Any]) -> None:
+    """ConfigError where the run's config.yaml was edited (a setting off last.pt's) to other
+    than this resume takes (last.pt's, with the overrides given): a resume never reads
+    config.yaml, and would silently train on without the edit, then write over it."""
+    path = Path(run_dir) / "config.yaml"
+    edited = edited_run_config(path)
+    if edited is None:
+        return
+    now = yaml.safe_load(dump_run(config))
+    if edited.get("model") not in (now.get("model"), state["config"].get("model")):
+        raise ConfigError(f"{path}: model: edited since the run wrote it, but a resumed run keeps "
+                          "its network: undo the edit (or start a new run from config.yaml)")  # fmt: skip
+    saved = _leaves(yaml.safe_load(yaml.safe_dump(state["config"])), skip="model")
+    theirs, ours = _leaves(edited, skip="model"), _leaves(now, skip="model")
+    for key in sorted(set(theirs) | set(saved)):
+        value = theirs.get(key, _ABSENT)
+        if value == saved.get(key, _ABSENT) or value == ours.get(key, _ABSENT):
+            continue  # as last.pt has it, or as this resume's overrides make it
+        shown = "left out there" if value is _ABSENT else f"{_shown(value)} there"
+        give = "" if value is _ABSENT else (
+            f"give {key}={shlex.quote(value if isinstance(value, str) else json.dumps(value))}, "
+            "or ")  # fmt: skip
+        raise ConfigError(f"{path}: {key}: edited since the run wrote it ({shown}, "
+                          f"{_shown(ours.get(key))} in last.pt): a resume continues last.pt's "
+                          f"settings, changed by key=value overrides only: {give}undo the "
+                          "edit")  # fmt: skip
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_ABSENT = object()
+
+
+def _leaves(data: Any, prefix: str = "", skip: str = "") -> dict[str, Any]:
+    """A mapping's values by dotted key (lists whole)."""
+    if not isinstance(data, dict):
+        return {prefix[:-1]: data} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if str(key) != skip:
+            out |= _leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {
+                f"{prefix}{key}": value}  # fmt: skip
+    return out
 
 
 def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
