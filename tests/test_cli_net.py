@@ -63,11 +63,16 @@ def test_info_of_an_export_under_any_name_or_size_says_what_it_is(tmp_path, caps
         f.truncate(17 * 2**20)
     capsys.readouterr()
     for path, kind in ((script, "a TorchScript"), (big, "an ONNX")):
-        code, _, err = run_cli(["info", str(path)], capsys)
-        assert code == 2 and err.splitlines() == [
-            f"cnnkit: error: {path}: {kind} export, which cnnkit writes but does not read back: "
-            "give the run directory, .pt checkpoint or .safetensors export it came from"
-        ], err
+        for command in (["info", str(path)], ["eval", str(path), "--data", "digits"]):
+            code, _, err = run_cli(command, capsys)  # eval said: not a checkpoint (...neither)
+            assert (
+                code in (1, 2)
+                and len(err.splitlines()) == 1
+                and err.startswith(
+                    f"cnnkit: error: {path}: {kind} export, which cnnkit writes but does not read "
+                    "back: give the run"
+                )
+            ), err
 
 
 def test_info_of_a_runs_metrics_names_the_run_directory(digits_run, capsys):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from cnnkit.errors import CheckpointError
+from cnnkit.nn.yamlio import export_kind, export_said
 
 WRAPPERS = ("state_dict", "model", "model_state_dict")  # keys training scripts nest it under
 MEAN_IMAGE_KEY = "cnnkit.mean_image"  # a safetensors export's tensor beside the weights
@@ -100,6 +101,9 @@ def unreadable(path: Path, what: str) -> str:
         return f"{path}: cannot read it ({e.strerror or e})"
     if not head:
         return f"{path}: an empty file, not a {what}"
+    kind = export_kind(Path(path))  # an ONNX, torch.export or TorchScript file of cnnkit's
+    if kind is not None:
+        return f"{path}: {export_said(kind)}"
     if head.startswith(b"PK\x03\x04"):
         return (f"{path}: not a readable {what} (a zip archive, but truncated, damaged or "
                 "not written by torch.save)")  # fmt: skip

@@ -231,7 +231,7 @@ def read_yaml(path: str | Path, instead: str | None = None) -> Any:
     path = Path(path)
     try:
         if path.stat().st_size > MAX_BYTES:
-            if _export_kind(path) is not None and not instead:  # a large model: said for what it is
+            if export_kind(path) is not None and not instead:  # a large model: said for what it is
                 raise ConfigError(f"{path}: {_binary_hint(path)}")
             raise ConfigError(
                 f"{path}: larger than {MAX_BYTES // 2**20} MiB: not a network or run file"
@@ -241,7 +241,7 @@ def read_yaml(path: str | Path, instead: str | None = None) -> Any:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML{_where(e)}: {_problem(e)}") from None
     except UnicodeDecodeError as e:
-        exported = _export_kind(path) is not None
+        exported = export_kind(path) is not None
         binary = not _mostly_ascii(data[:8192]) or exported
         if exported and not instead:  # said for what it is
             raise ConfigError(f"{path}: {_binary_hint(path)}") from None
@@ -274,14 +274,18 @@ def _mostly_ascii(sample: bytes) -> bool:
 
 def _binary_hint(path: Path) -> str:
     """What a binary file given for a network or run file may be, and what to give instead."""
-    kind = _export_kind(path)
+    kind = export_kind(path)
     if kind is not None:
-        return (f"{kind} export, which cnnkit writes but does not read back: give the run "
-                "directory, .pt checkpoint or .safetensors export it came from")  # fmt: skip
+        return export_said(kind)
     return "give a zoo name, a network or run file (YAML), a Caffe .prototxt or a trained model"
 
 
-def _export_kind(path: Path) -> str | None:
+def export_said(kind: str) -> str:
+    return (f"{kind} export, which cnnkit writes but does not read back: give the run "
+            "directory, .pt checkpoint or .safetensors export it came from")  # fmt: skip
+
+
+def export_kind(path: Path) -> str | None:
     """`an ONNX`, `a torch.export`, `a TorchScript`: the export (binary, written by cnnkit, never
     read) that `path` is by its name, or by its contents under any name (`-f torchscript -o
     d.ts`); None for anything else."""
