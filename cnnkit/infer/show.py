@@ -28,7 +28,9 @@ COLOURS = {
 }  # fmt: skip
 OTHER = "#eeeeee"
 NET_SUFFIXES = (".png", ".svg", ".pdf")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")  # Pillow writes
+# what Pillow writes with a Software field (drawn_by_cnnkit): a BMP drawn could never be drawn
+# over again, nor told from the user's own
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp")
 
 
 BOX_HEIGHT, GAP_X, GAP_Y = 0.56, 0.22, 0.34  # inches
