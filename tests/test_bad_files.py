@@ -78,6 +78,7 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("name twice", NET.replace("name: fc", "name: c1"), "layer 1 (c1): name: 'c1' is used twice"),
     ("name with space", layer("{name: 'c 1', type: relu}"), "name: 'c 1' is not a usable name"),
     ("name reserved", layer("{name: input, type: relu}"), "name: 'input' is not a usable name"),
+    ("name ending in a dot", layer("{name: x., type: relu}"), "(letters, digits, _ and -, dots between parts as in layer4.1;"),
     ("name 5000 long", layer("{name: " + "n" * 5000 + ", type: relu}"), "is not a usable name"),
     ("name of a Module attribute", layer("{name: training, type: relu}"), "name: 'training' is taken by torch's nn.Module"),
     ("name of a Network attribute", layer("{name: num_classes, type: relu}"), "name: 'num_classes' is taken by"),

@@ -43,8 +43,8 @@ def check_name(label: str, name: str, short: str, taken: set[str], holders: dict
     dotted prefix of a taken name to that name): a set lookup per dot."""
     if len(name) > MAX_NAME or not NAME_RE.fullmatch(name) or short in RESERVED:
         raise ConfigError(
-            f"{label}: name: {brief(short)} is not a usable name (letters, digits, _ and -; "
-            "not 'input' or 'previous')"
+            f"{label}: name: {brief(short)} is not a usable name (letters, digits, _ and -, "
+            "dots between parts as in layer4.1; not 'input' or 'previous')"
         )
     parts = name.split(".")
     word = next((p for p in parts if p in KEYWORDS), None)
