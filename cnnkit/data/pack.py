@@ -3,7 +3,9 @@
 Every image is decoded and resized once (squash or shorter-side + centre crop) and stored as
 uint8 (3, S, S) in shards: raw (memory-mapped when read) or JPEG records. Shards are packed in
 parallel processes, each streaming images straight to its file (memory stays at a few images per
-process), and a shard is finished by an atomic marker, so an interrupted pack resumes. The mean
+process), and a shard is finished by an atomic marker, so an interrupted pack resumes (a
+shard whose file is not the size its marker says is packed again, and a finished pack whose
+meta.json or index.npz does not read is finished again, by the same command). The mean
 image, per-channel mean/std and RGB covariance (for PCA lighting) are computed alongside.
 
     DST/meta.json          format, size, resize, classes, counts, stats (written last)
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +39,11 @@ import torch
 
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import ResizeMode
-from cnnkit.data.pack_dst import check_no_clash, shards_done, tidy, write_error
+from cnnkit.data.pack_dst import check_no_clash, shards_done, shards_to_pack, tidy, write_error
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
-from cnnkit.data.packed import PACK_FORMAT, is_plan
+from cnnkit.data.packed import PACK_FORMAT, is_plan, read_index, read_meta
 from cnnkit.data.scan import Scan, printable, scan_images
-from cnnkit.errors import ConfigError, DataError, Interrupted
+from cnnkit.errors import ConfigError, DataError, Interrupted, one_line
 from cnnkit.runtime import atomic, available_cores
 
 
@@ -90,9 +94,12 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
                     "there" for k, v in params.items() if plan["params"].get(k) != v]  # fmt: skip
             raise DataError(f"{dst}: holds a different pack ({'; '.join(diff)}); use another DST "
                             "or delete it")  # fmt: skip
-        _check_unchanged(plan, scan_images(src, labels_file, labels_option="--labels"), src, dst)
+        scan = scan_images(src, labels_file, labels_option="--labels")
+        _check_outside(dst, src, scan)
+        _check_unchanged(plan, scan, src, dst)
         return plan
     scan = scan_images(src, labels_file, labels_option="--labels")
+    _check_outside(dst, src, scan)
     # ~32+ shards so every process stays busy, at most 512 images (100 MB raw) per shard
     shard_size = shard_size or min(512, max(16, -(-len(scan.files) // 32)))
     plan = {"params": params, "files": scan.files, "labels": scan.labels,
@@ -101,6 +108,23 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
     (dst / "shards").mkdir(parents=True, exist_ok=True)
     write_text(plan_path, json.dumps(plan))
     return plan
+
+
+def _check_outside(dst: Path, src: Path, scan: Scan) -> None:
+    """ConfigError where DST lies in a folder the scan walked through a symlink (pack_folder
+    has refused DST inside SRC itself): the pack's shards would become images of that class."""
+    where = dst.resolve()
+    for folder in (where, *where.parents):
+        try:
+            st = os.stat(folder)
+        except OSError:  # (not made yet)
+            continue
+        rel = scan.folders.get((st.st_dev, st.st_ino))
+        if rel is not None:
+            raise ConfigError(f"{printable(str(dst))}: inside a folder being packed "
+                              f"({printable(os.path.join(src, rel))}, which is "
+                              f"{printable(str(folder))} through a symlink); pack into a folder "
+                              "outside it")  # fmt: skip
 
 
 def _check_unchanged(plan: dict, scan: Scan, src: Path, dst: Path) -> None:
@@ -290,17 +314,33 @@ def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
     plan = _plan(src, dst, params, labels_file, shard_size)
     jobs = _jobs(plan, src, dst)
     (dst / "shards").mkdir(parents=True, exist_ok=True)  # (also where a resumed pack lost it)
-    todo = [j for j in jobs if not (dst / "shards" / f"{j.shard:05d}.npz").exists()]
+    todo = shards_to_pack(dst, jobs)
     done_images = sum(len(j.files) for j in jobs if j not in todo)
-    if todo or not (dst / "meta.json").exists():
-        workers = max(1, min(workers or available_cores(), len(todo) or 1))
-        _run_jobs(todo, workers, len(plan["files"]), done_images, progress)
+    meta = None if todo else _finished(dst)
+    if meta is None:
+        if todo:
+            workers = max(1, min(workers or available_cores(), len(todo)))
+            _run_jobs(todo, workers, len(plan["files"]), done_images, progress)
         meta = _finalize(plan, dst, jobs)
-    else:
-        meta = json.loads((dst / "meta.json").read_text())
     return PackSummary(dst, meta["num_images"], len(jobs), len(meta["classes"]),
                        meta["converted"], meta["skipped"], len(jobs) - len(todo),
                        meta.get("empty_classes", []))  # fmt: skip
+
+
+def _finished(dst: Path) -> dict | None:
+    """The meta.json of a finished pack that reads as a set, else None: none yet, or damaged
+    (a hand-edited meta.json or index.npz), then named on stderr and written again from the
+    shards' done markers."""
+    if not (dst / "meta.json").exists():
+        return None
+    try:
+        meta = read_meta(dst)
+        read_index(dst, meta)
+    except DataError as e:  # (its advice, to pack the set again, left out: this does it)
+        why = one_line(str(e).rsplit("; ", 1)[0])
+        print(f"cnnkit: note: {why}: written again from the shards", file=sys.stderr)
+        return None
+    return meta
 
 
 def pack_folder(

@@ -1,13 +1,19 @@
 """What `cnnkit pack` may write in DST, and how a failure leaves it: a DST holding files of a
 pack's names but no plan is refused before anything is written; a failed pack removes only
-what it wrote (its .tmp files, and everything of its own where nothing was packed)."""
+what it wrote (its .tmp files, and everything of its own where nothing was packed); a shard
+is done only where its file is the size its done marker says."""
 
 from __future__ import annotations
 
 import errno
 import re
+import sys
+import zipfile
 from pathlib import Path
 
+import numpy as np
+
+from cnnkit.data.pack_shard import SHARD_SUFFIX, PackJob
 from cnnkit.data.scan import printable
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import os_reason
@@ -62,3 +68,39 @@ def write_error(e: OSError, dst: Path) -> DataError:
 def shards_done(dst: Path) -> int:
     """The shards finished in DST (their done markers)."""
     return len(list((dst / "shards").glob("[0-9]*.npz"))) if (dst / "shards").is_dir() else 0
+
+
+def shards_to_pack(dst: Path, jobs: list[PackJob]) -> list[PackJob]:
+    """The jobs whose shard is not done: no done marker, or a shard file whose size is not the
+    sum of its records' lengths (cut short after packing, or before an interrupted pack's
+    resume), which is named on stderr and packed again. One stat per shard and a read of its
+    marker (a few kB); the shard itself is not read."""
+    todo, damaged = [], []
+    for job in jobs:
+        marker = dst / "shards" / f"{job.shard:05d}.npz"
+        if not marker.exists():
+            todo.append(job)
+            continue
+        shard = marker.with_suffix(SHARD_SUFFIX[job.format])
+        why = _shard_damage(shard, marker)
+        if why is not None:
+            todo.append(job)
+            damaged.append(f"{printable(str(shard))}: {why}")
+    if damaged:
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        print(f"cnnkit: note: {damaged[0]}{more}: packed again", file=sys.stderr)
+    return todo
+
+
+def _shard_damage(shard: Path, marker: Path) -> str | None:
+    """What is wrong with a shard that has a done marker, or None."""
+    try:
+        with np.load(marker) as z:
+            need = int(z["lengths"].sum())
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return f"its done marker {marker.name} is unreadable"
+    try:
+        have = shard.stat().st_size
+    except OSError:
+        return "missing"
+    return None if have == need else f"{have:,} bytes, its records need {need:,}"

@@ -132,6 +132,7 @@ def read_index(path: Path, meta: dict) -> dict[str, np.ndarray]:
         raise DataError(
             f"{path}/index.npz: unreadable ({one_line(e, 80)}); pack the set again"
         ) from None
+    _check_index(path, index, meta)
     if "source" in index and index["source"].shape != (len(index["labels"]), 2):
         raise DataError(f"{path}/index.npz: damaged (source sizes of shape "
                         f"{index['source'].shape}); pack the set again")  # fmt: skip
@@ -143,9 +144,39 @@ def read_index(path: Path, meta: dict) -> dict[str, np.ndarray]:
         have = shard.stat().st_size if shard.is_file() else None
         if have is None or have < size:
             what = "missing" if have is None else f"{have:,} bytes, the index needs {size:,}"
-            raise DataError(f"{shard}: {what} (an incomplete copy?); copy the set again or "
-                            "pack it again")  # fmt: skip
+            raise DataError(f"{shard}: {what} (an incomplete copy?); copy the set again, or "
+                            "run the cnnkit pack that made it again (it packs damaged shards "
+                            "again)")  # fmt: skip
     return index
+
+
+def _check_index(path: Path, index: dict[str, np.ndarray], meta: dict) -> None:
+    """DataError unless the index's arrays are integers, one per image, every label a class of
+    meta.json, every shard one of its shards, and no offset or length negative: a label past
+    the end would fail mid-run, a negative one be read as a class from the end. (Min and max
+    only: ~1 ms for ImageNet's 1.28M images.)"""
+    labels = index["labels"]
+    count = len(labels) if labels.ndim == 1 else -1
+    for key in ("labels", "shard", "offset", "length"):
+        array = index[key]
+        if not np.issubdtype(array.dtype, np.integer) or array.shape != (count,):
+            raise DataError(f"{path}/index.npz: damaged ({key}: {array.dtype} of shape "
+                            f"{array.shape}, not one integer per image); pack the set "
+                            "again")  # fmt: skip
+    ranges = (("labels", "label", meta["classes"], "classes"),
+              ("shard", "shard", meta["shards"], "shards"),
+              ("offset", "offset", None, ""), ("length", "length", None, ""))  # fmt: skip
+    for key, word, allowed, nouns in ranges:
+        values = index[key]
+        low, high = (int(values.min()), int(values.max())) if count else (0, 0)
+        if low >= 0 and (allowed is None or high < len(allowed)):
+            continue
+        bad = low if low < 0 else high
+        first = int(np.flatnonzero(values == bad)[0])
+        n = len(allowed or ())
+        why = "below 0" if allowed is None else f"not one of meta.json's {n} {nouns}, 0 to {n - 1}"
+        raise DataError(f"{path}/index.npz: damaged (image {first} has {word} {bad}, {why}); "
+                        "pack the set again")  # fmt: skip
 
 
 class PackedImages(Dataset):

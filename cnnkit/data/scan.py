@@ -6,7 +6,8 @@ loop (`ln -s . cat/loop`) or a second link to the same photo adds nothing, and a
 is taken as itself before any link to it (a link never moves an image to another class).
 Everything passed over is listed with the reason (hidden names, other file types, FIFOs and
 devices, broken links, duplicates), never dropped silently. A class folder with no images is refused: a silently empty
-class would change the number of outputs of the network.
+class would change the number of outputs of the network; one that cannot be read is refused
+too (its images would be lost, not skipped).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ ALREADY_SCANNED = "a folder already scanned (a symlink loop, a second link or an
 @dataclass
 class Scan:
     """What a folder holds: image paths relative to the root (in a fixed order), their labels,
-    the class names, and the (relative path, reason) of everything passed over."""
+    the class names, the (relative path, reason) of everything passed over, and every real
+    folder walked (key -> its path under the root: a folder reached through a link is there)."""
 
     files: list[str]
     labels: list[int]
     classes: list[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    folders: dict[FileKey, str] = field(default_factory=dict)
 
 
 def printable(text: str) -> str:
@@ -58,9 +61,10 @@ class Walker:
 
     def __init__(self, root: Path, taken: dict[FileKey, str] | None = None):
         self.root = root
-        self.folders: set[FileKey] = set()
+        self.folders: dict[FileKey, str] = {}  # real folder walked -> its path under the root
         self.taken = {} if taken is None else taken  # real file -> the path it was taken as
         self.skipped: list[tuple[str, str]] = []
+        self.unreadable: dict[str, OSError] = {}  # folders that could not be listed
 
     def claim_folder(self, path: Path) -> FileKey | None:
         """Mark a folder as walked; its key, or None if it was walked already."""
@@ -68,7 +72,7 @@ class Walker:
         key = (st.st_dev, st.st_ino)
         if key in self.folders:
             return None
-        self.folders.add(key)
+        self.folders[key] = os.path.relpath(path, self.root)
         return key
 
     def entry(self, entry: os.DirEntry, rel: str, device: int) -> tuple[str, FileKey] | None:
@@ -106,6 +110,7 @@ class Walker:
             entries = sorted(os.scandir(where), key=lambda e: e.name)
         except OSError as e:
             self.skipped.append((rel, f"unreadable folder ({e.strerror})"))
+            self.unreadable[rel] = e
             return [], []
         files, folders = [], []
         for entry in entries:
@@ -136,7 +141,7 @@ class Walker:
                 if key in self.folders:
                     self.skipped.append((rel, ALREADY_SCANNED))
                     continue
-                self.folders.add(key)
+                self.folders[key] = rel
             files, folders = self.listing(rel)
             groups[k] += files
             for path, key, is_link in folders:
@@ -147,7 +152,7 @@ class Walker:
                 elif is_link:
                     links.append((k, path, key))
                 else:
-                    self.folders.add(key)
+                    self.folders[key] = path
                     real.append((k, path))
         for found in groups:
             found.sort(key=lambda item: (os.path.dirname(item[0]), os.path.basename(item[0])))
@@ -200,6 +205,9 @@ def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False
         raise DataError(f"{printable(str(src))}: no class subfolders ({flat_hint(labels_option)})")
     files, labels, kept = [], [], []
     taken = walker.take(walker.found(names))
+    unreadable = next((name for name in names if name in walker.unreadable), None)
+    if unreadable is not None:  # never an empty class, nor skipped: its images would be lost
+        raise DataError(_unreadable_class(src, unreadable, walker.unreadable[unreadable]))
     for name, found in zip(names, taken, strict=True):
         if not found and classes is None:
             if not skip_empty:
@@ -211,7 +219,7 @@ def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False
         kept.append(name)
     if not files:
         raise DataError(f"{printable(str(src))}: no images in the class subfolders")
-    return Scan(files, labels, kept, walker.skipped)
+    return Scan(files, labels, kept, walker.skipped, walker.folders)
 
 
 def flat_hint(labels_option: str | None) -> str:
@@ -240,6 +248,13 @@ def _empty_class(src: Path, name: str, skipped: list[tuple[str, str]]) -> str:
         f"{inside[0][1]})" if inside else ""  # fmt: skip
     return (f"{printable(str(src / name))}: class folder with no images{what}; add images or "
             "remove it (an empty class changes the network's outputs)")  # fmt: skip
+
+
+def _unreadable_class(src: Path, name: str, error: OSError) -> str:
+    denied = isinstance(error, PermissionError)
+    fix = "give this user read access to it" if denied else "check the folder and its disk"
+    return (f"{printable(str(src / name))}: class folder cannot be read ({error.strerror}); "
+            f"{fix}, or move it out of {printable(str(src))}")  # fmt: skip
 
 
 def read_label_file(path: Path, labels_option: str | None = None) -> dict[str, str]:
@@ -298,7 +313,7 @@ def flat_with_labels(src: Path, labels_file: Path,
     found = {key for n in files for key in (n, Path(n).stem)}
     absent = [(n, f"named in {labels_file.name} but not in the folder") for n in mapping
               if n not in found]  # fmt: skip
-    return files, names, Scan(files, [], [], walker.skipped + absent)
+    return files, names, Scan(files, [], [], walker.skipped + absent, walker.folders)
 
 
 def scan_images(src: str | Path, labels_file: str | Path | None = None,
@@ -333,7 +348,7 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
     if unknown:
         raise DataError(f"{src}: class {unknown[0]!r} is not among the training classes"
                         f"{unknown_classes(unknown, classes)}")  # fmt: skip
-    return Scan(files, [lookup[n] for n in names], classes, scan.skipped)
+    return Scan(files, [lookup[n] for n in names], classes, scan.skipped, scan.folders)
 
 
 def unknown_classes(unknown: list[str], classes: list[str], indexed: bool = True) -> str:
