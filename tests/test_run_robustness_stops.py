@@ -61,11 +61,18 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     assert not list((tmp_path / "r").glob("*.pt")) and not list((tmp_path / "r").glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("background", [False, True])
 def test_a_first_epoch_whose_last_pt_cannot_be_written_leaves_a_run_to_start_again(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys, monkeypatch, background
 ):
     """best.pt is written before last.pt: a full disk at the first last.pt left best.pt alone,
-    and `--resume` then refused a run that 'trained' yet had nothing to resume from."""
+    and `--resume` then refused a run that 'trained' yet had nothing to resume from. Saved in
+    the background too (as ResNet-18's and larger are), where the epoch's metrics row was
+    written while the save still ran."""
+    from cnnkit.train import saver
+
+    if background:
+        monkeypatch.setattr(saver, "BACKGROUND_BYTES", 0)
     save = torch.save
 
     def full_at_last(obj, f, *args, **kwargs):
@@ -78,6 +85,7 @@ def test_a_first_epoch_whose_last_pt_cannot_be_written_leaves_a_run_to_start_aga
     code, _, err = run_cli(["train", "digits", "--out", str(run), *QUICK], capsys)
     assert "No space left on device" in one_error_line(code, err, (1,))
     assert not list(run.glob("*.pt"))  # the save as a whole failed: none of its files kept
+    assert not (run / "metrics.csv").exists()
     monkeypatch.setattr(torch, "save", save)  # room again
     code, _, err = run_cli(["train", "--resume", str(run), "--quiet"], capsys)
     assert code == 0 and "no checkpoint yet: the run starts again" in err, err

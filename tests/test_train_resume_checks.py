@@ -397,9 +397,15 @@ def test_an_edit_of_config_yaml_is_refused_until_given_as_an_override(finished_r
     assert load_checkpoint(run / "last.pt")["epoch"] == 1  # nothing trained, nothing written
     code, _, err = run_cli(["config", str(run)], capsys)
     assert code == 0 and "was edited since the run wrote it" in err
-    code, _, err = run_cli([*argv, "train.lr=0.5"], capsys)
+    (run / "config.yaml").write_text(text.replace(f"  lr: {lr}\n", "  lr: 1e-2\n"))
+    code, _, err = run_cli(argv, capsys)  # read as a run file reads it: the number 0.01
+    assert code == 2 and "train.lr: edited since the run wrote it (0.01 there" in err, err
+    assert "give train.lr=0.01, or undo the edit" in err
+    code, _, err = run_cli([*argv[:-1], "train.lr=1e-2", "--dry-run"], capsys)  # as advised
     assert code == 0, err
-    assert load_checkpoint(run / "last.pt")["config"]["train"]["lr"] == 0.5
+    code, _, err = run_cli([*argv, "train.lr=0.3"], capsys)  # an override given wins
+    assert code == 0, err
+    assert load_checkpoint(run / "last.pt")["config"]["train"]["lr"] == 0.3
     (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(
         "model:", "model: resnet18\nx:", 1))  # fmt: skip
     code, _, err = run_cli([*argv[:-2], "train.epochs=3"], capsys)
@@ -413,7 +419,7 @@ def test_a_last_pt_of_another_run_is_refused(finished_run, tmp_path):
 
     run, other = tmp_path / "run", tmp_path / "other"
     shutil.copytree(finished_run, run)
-    fit(validate_run({**RUN, "seed": 7, "train": {**RUN["train"], "epochs": 1}}), other, quiet=True)
+    fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 1}}), other, quiet=True)  # alike
     behind = (run / "last.pt").read_bytes()
     shutil.copy(other / "last.pt", run / "last.pt")
     with pytest.raises(CheckpointError, match="last.pt: not this run's checkpoint"):
@@ -421,6 +427,12 @@ def test_a_last_pt_of_another_run_is_refused(finished_run, tmp_path):
     (run / "last.pt").write_bytes(behind)
     config = validate_run({**RUN, "train": {**RUN["train"], "epochs": 2}})
     fit(config, run, resume=resume_state(run), quiet=True)
-    shutil.copy(run / "last.pt", run / "best.pt")  # as if epoch 2 were the best
+    ahead = load_checkpoint(run / "last.pt")  # as if epoch 2 were the best, and then trained
+    ahead["history"][-1]["seconds"] += 1.0  # again after a kill, a little slower
+    save_checkpoint(ahead, run / "best.pt")
     (run / "last.pt").write_bytes(behind)  # the epoch-1 state beside it
+    assert resume_state(run)["epoch"] == 1
+    for state in (ahead, load_checkpoint(run / "last.pt")):  # an older run's: no run ids
+        del state["run_id"]
+    save_checkpoint(ahead, run / "best.pt")
     assert resume_state(run)["epoch"] == 1

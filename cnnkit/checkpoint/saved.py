@@ -63,6 +63,7 @@ class Saved(Section):
     best_top1: float = -1.0
     seconds: NonNegativeFloat = 0.0
     history: list[dict[str, float]] = Field(default_factory=list)
+    run_id: str | None = None  # the run's, in each of its checkpoints (older ones: none)
     partial: dict[str, float] = Field(default_factory=dict)
     partial_ranks: list[dict[str, float]] | None = None  # each rank's `partial`, rank order
     metrics: dict[str, float] = Field(default_factory=dict)

@@ -290,5 +290,8 @@ def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunC
         best = {k: v for k, v in state.items() if k not in skip}
         saves.append((best, ctx.run_dir / "best_ema.pt"))
     ctx.log.log_epoch(row, progress.global_step)
+    first = not (ctx.run_dir / "last.pt").exists()
     writer.save(*saves, (state, ctx.run_dir / "last.pt"))
+    if first:  # the run's first last.pt on disk before its first metrics row: a save that fails
+        writer.wait()  # (a full disk) then leaves no record of an epoch without its checkpoint
     ctx.log.write_epoch(final=progress.epoch == ctx.config.train.epochs)

@@ -5,6 +5,7 @@ running statistics of an epoch (`EpochStats`). `train/run.py` wires them into a 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class Progress:
     history: list[dict[str, float]] = field(default_factory=list)
     partial: dict[str, float] = field(default_factory=dict)  # epoch stats of earlier sessions
     running: EpochStats | None = None  # this session's statistics of the epoch in progress
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # its checkpoints all say it
 
     def epoch_stats(self) -> dict[str, float]:
         """The statistics of the epoch in progress so far (what a mid-epoch checkpoint keeps)."""

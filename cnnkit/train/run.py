@@ -69,6 +69,8 @@ def launch(
     if state is None and run is None:
         raise ConfigError("train: give a run (a zoo name or a run file) or --resume RUN_DIR")
     config = resume_config(state, overrides) if state else load_run(run, overrides)
+    if state is not None:  # (before a dry run too)
+        check_unedited(Path(resume), config, state, overrides)
     with distributed.group_for(config.train) as group, ExitStack() as stack:
         if fresh_in is not None:
             run_dir = fresh_in
@@ -171,8 +173,6 @@ def fit(
         if note and dist.is_main:
             print(f"cnnkit: note: {note}", file=sys.stderr)
     check_processes(config, ranks, device, resume)
-    if resume:
-        check_unedited(run_dir, config, resume)
     check_outside_data(run_dir, config.data)
     if not dry_run:
         distributed.on_rank0(dist, lambda: check_writable(run_dir))

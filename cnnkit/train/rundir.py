@@ -168,48 +168,63 @@ def resume_state(run_dir: str | Path) -> dict[str, Any] | None:
 def _same_run(last: Path, state: dict[str, Any]) -> None:
     """CheckpointError where last.pt and the best.pt beside it are of different runs (a last.pt
     copied from another run would otherwise train on, and replace this run's best.pt and
-    metrics): the same network, and the epochs of one the first epochs of the other (a kill
-    between the two files of an epoch's save leaves best.pt an epoch ahead)."""
+    metrics): each checkpoint says its run's id. Older checkpoints, without one: the same
+    network, and best.pt's epochs before its last those of last.pt (a kill between the two
+    files of an epoch's save leaves best.pt an epoch ahead, and its epoch is trained again)."""
     try:
         best = load_checkpoint(last.with_name("best.pt"))
     except CheckpointError:  # none, or damaged: said where best.pt itself is read
         return
-    runs = [json.dumps(s.get("history") or [], sort_keys=True, default=str) for s in (state, best)]
-    shorter, longer = sorted((r[1:-1] for r in runs), key=len)  # (each list's rows, as text)
-    same = state.get("model_spec") == best.get("model_spec") and longer.startswith(shorter)
+    ids = state.get("run_id"), best.get("run_id")
+    if None not in ids:
+        same = ids[0] == ids[1]
+    else:
+        rows = [json.dumps(h, sort_keys=True, default=str)[1:-1]
+                for h in (best.get("history", [])[:-1], state.get("history", []))]  # fmt: skip
+        same = state.get("model_spec") == best.get("model_spec") and rows[1].startswith(rows[0])
     if not same:
-        raise CheckpointError(f"{last}: not this run's checkpoint: its network or its epochs are "
-                              "not those of best.pt beside it (a last.pt copied from another "
-                              "run?); put this run's own last.pt back, or train anew elsewhere "
-                              "(--out)")  # fmt: skip
+        raise CheckpointError(f"{last}: not this run's checkpoint: best.pt beside it is another "
+                              "run's (a last.pt copied from another run?); put this run's own "
+                              "last.pt back, or train anew elsewhere (--out)")  # fmt: skip
 
 
-def check_unedited(run_dir: Path, config: RunConfig, state: dict[str, Any]) -> None:
-    """ConfigError where the run's config.yaml was edited (a setting off last.pt's) to other
-    than this resume takes (last.pt's, with the overrides given): a resume never reads
-    config.yaml, and would silently train on without the edit, then write over it."""
+def check_unedited(run_dir: Path, config: RunConfig, state: dict[str, Any],
+                   overrides: list[str] | None = None) -> None:  # fmt: skip
+    """ConfigError where the run's config.yaml was edited to a setting other than last.pt's
+    that this resume does not set (an override given wins): a resume never reads
+    config.yaml, and would silently train on without the edit, then write over it. The edit
+    is read as a run file is (`lr: 1e-2` the number), and named with the override to give."""
     path = Path(run_dir) / "config.yaml"
     edited = edited_run_config(path)
     if edited is None:
         return
-    now = yaml.safe_load(dump_run(config))
-    if edited.get("model") not in (now.get("model"), state["config"].get("model")):
+    if edited.get("model") not in (yaml.safe_load(dump_run(config)).get("model"),
+                                   state["config"].get("model")):  # fmt: skip
         raise ConfigError(f"{path}: model: edited since the run wrote it, but a resumed run keeps "
                           "its network: undo the edit (or start a new run from config.yaml)")  # fmt: skip
-    saved = _leaves(yaml.safe_load(yaml.safe_dump(state["config"])), skip="model")
-    theirs, ours = _leaves(edited, skip="model"), _leaves(now, skip="model")
+    try:
+        theirs = _leaves(yaml.safe_load(dump_run(validate_run({**edited,
+                                                               "model": state["model_spec"]}))))  # fmt: skip
+    except ConfigError as e:
+        raise ConfigError(f"{path}: edited since the run wrote it, and no longer a valid run "
+                          f"({e}): a resume takes last.pt's settings; undo the edit") from None  # fmt: skip
+    raw = dict(copy.deepcopy(state["config"]), model=state["model_spec"])
+    absolute_data(raw)  # (an older run's relative paths: as resume_config reads them)
+    saved = _leaves(yaml.safe_load(dump_run(validate_run(raw))))
+    given = {item.split("=", 1)[0].strip() for item in overrides or []}
     for key in sorted(set(theirs) | set(saved)):
-        value = theirs.get(key, _ABSENT)
-        if value == saved.get(key, _ABSENT) or value == ours.get(key, _ABSENT):
-            continue  # as last.pt has it, or as this resume's overrides make it
+        if key.startswith("model.") or any(key == g or key.startswith(g + ".") for g in given):
+            continue  # (the network: above; an override given: it wins)
+        value, before = theirs.get(key, _ABSENT), saved.get(key, _ABSENT)
+        if value == before:
+            continue
         shown = "left out there" if value is _ABSENT else f"{_shown(value)} there"
         give = "" if value is _ABSENT else (
             f"give {key}={shlex.quote(value if isinstance(value, str) else json.dumps(value))}, "
             "or ")  # fmt: skip
         raise ConfigError(f"{path}: {key}: edited since the run wrote it ({shown}, "
-                          f"{_shown(ours.get(key))} in last.pt): a resume continues last.pt's "
-                          f"settings, changed by key=value overrides only: {give}undo the "
-                          "edit")  # fmt: skip
+                          f"{_shown(before)} in last.pt): a resume continues last.pt's settings, "
+                          f"changed by key=value overrides only: {give}undo the edit")  # fmt: skip
 
 
 def _shown(value: Any) -> str:

@@ -69,6 +69,7 @@ def training_state(
         "best_top1": progress.best_top1,
         "seconds": progress.seconds + time.perf_counter() - ctx.started,
         "history": list(progress.history),
+        "run_id": progress.run_id,  # (resume_state: last.pt and best.pt of one run)
         "partial": progress.epoch_stats(),
         "partial_ranks": [rank[1] for rank in ranks],
         "rng": rngs[0],
@@ -162,4 +163,5 @@ def restore(state: dict[str, Any], engine: Engine, schedule: Schedule,
         seconds=state["seconds"],
         history=list(state["history"]),
         partial=dict(state["partial"]),
+        **({"run_id": state["run_id"]} if state.get("run_id") else {}),  # (an older run: anew)
     )
