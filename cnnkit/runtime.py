@@ -193,7 +193,9 @@ def write_atomic(path: Path, data: bytes, private: bool = False) -> None:
 
 def tf32_matmuls(on: bool = True) -> tuple[str | None, str, str] | None:
     """CUDA fp32 matmuls in TF32 (as cuDNN's fp32 convolutions are by default) or not; returns
-    the settings before, for restore_matmuls (None: no CUDA here, nothing changed).
+    the settings before, for restore_matmuls (None: no CUDA here, nothing changed). oneDNN's
+    CPU matmuls are set alike (torch's one setting): x86 CPUs have no TF32, so they compute
+    as before.
 
     Through torch.set_float32_matmul_precision, which keeps torch's two APIs agreeing: with
     `backends.cuda.matmul.fp32_precision` set alone, torch.get_float32_matmul_precision (read

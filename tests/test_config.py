@@ -243,6 +243,8 @@ def test_a_zoo_network_given_its_data_is_a_run(shapes):
     with pytest.raises(ConfigError, match=r"^'resnet18' is a zoo network, not a run: give its "
                        r"data \(`cnnkit train resnet18 data.path=DIR`"):  # fmt: skip
         load_run("resnet18", ["train.epochs=3"])  # no data: what to give
+    with pytest.raises(ConfigError, match=r"^'resnet18' is a zoo network, not a run"):
+        load_run("resnet18", ["data.batch_size=8"])  # (was: data.source: missing)
 
 
 def test_a_crop_left_out_fits_before_the_crops_own_checks(shapes):

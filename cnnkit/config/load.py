@@ -29,7 +29,8 @@ from cnnkit.runtime import write_atomic
 
 def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Read a zoo run, YAML file or dict, apply `key=value` overrides, validate everything."""
-    raw, base = _read_run(run, any(o.startswith("data.") for o in overrides or []))
+    given = {o.split("=", 1)[0].strip() for o in overrides or []}
+    raw, base = _read_run(run, bool(given & {"data.path", "data.source"}))
     raw = copy.deepcopy(raw)
     if isinstance(raw.get("model"), str) and any(o.startswith("model.") for o in overrides or []):
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`

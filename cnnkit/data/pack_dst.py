@@ -74,7 +74,7 @@ def shards_to_pack(dst: Path, jobs: list[PackJob]) -> list[PackJob]:
     """The jobs whose shard is not done: no done marker, or a shard file whose size is not the
     sum of its records' lengths (cut short after packing, or before an interrupted pack's
     resume), which is named on stderr and packed again. One stat per shard and a read of its
-    marker (a few kB); the shard itself is not read."""
+    marker's record lengths (np.load reads that array alone); the shard itself is not read."""
     todo, damaged = [], []
     for job in jobs:
         marker = dst / "shards" / f"{job.shard:05d}.npz"
