@@ -318,3 +318,14 @@ def test_compiling_without_a_cpp_compiler_is_one_line(capsys, monkeypatch):
             "cnnkit: error: train.compile: torch.compile needs a C++ "
             "compiler, and none works here (No working C++ compiler"
         ), line
+
+
+def test_the_start_line_says_an_image_sets_crops(shapes, tmp_path, capsys, monkeypatch):
+    """The crop and the size it is cut from, which the network may have given (left out of
+    the run): a resnet18 on a folder trained at 224 of 256 without a word of it."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "lenet5", f"data.path={shapes}", "data.grey=true", "--dry-run"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0 and ", crops 32 of 37 px, " in out, err
+    code, out, err = run_cli(["train", "digits", "--dry-run"], capsys)
+    assert code == 0 and "crops" not in out, err  # (images at the network's size)

@@ -261,7 +261,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
     console.print(
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
         f"{engine.device}{many} ({engine.settings.describe(config.train.threads)}), "
-        f"{_train_images(data)} / {data.val.num_samples} held-out images, "
+        f"{_train_images(data)} / {data.val.num_samples} held-out images{_crops(config)}, "
         f"{plural(len(data.train), 'step')} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
@@ -303,10 +303,18 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     console.print(
         f"{what} {config.name}{at}: {engine.network.name} on {engine.device}{processes} "
         f"({engine.settings.describe(config.train.threads)}), {_train_images(data)} / "
-        f"{data.val.num_samples} held-out images{classes}, batch {config.data.batch_size} -> "
-        f"{ctx.run_dir}"
+        f"{data.val.num_samples} held-out images{classes}{_crops(config)}, batch "
+        f"{config.data.batch_size} -> {ctx.run_dir}"
     )
     _schedule_notes(config, ctx.dist.is_main)
+
+
+def _crops(config: RunConfig) -> str:
+    """', crops 224 of 256 px' for an image set (its crop may be the network's side, taken
+    where the run left it out), else nothing."""
+    crop = getattr(config.data, "crop", None)
+    side = config.data.stored_size() if crop is not None else None
+    return f", crops {crop} of {side} px" if side else ""
 
 
 def _train_images(data: DataBundle) -> str:
