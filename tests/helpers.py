@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,20 @@ def caffe_layer(name, kind, bottoms, top, params=""):
     """One `layer { ... }` of a prototxt, with PARAMS (text) inside."""
     bottom = " ".join(f'bottom: "{b}"' for b in bottoms)
     return f'layer {{ name: "{name}" type: "{kind}" {bottom} top: "{top}" {params} }}\n'
+
+
+def interrupt_pack_after(monkeypatch, done: int = 2) -> tuple[list[int], Callable]:
+    """cnnkit pack's shard jobs (run in this process: workers=1) raise KeyboardInterrupt once
+    `done` shards are packed: (the shards packed, in order; the real pack_shard)."""
+    import cnnkit.data.pack as pack
+
+    real, calls = pack.pack_shard, []
+
+    def dies(job):
+        if len(calls) == done:
+            raise KeyboardInterrupt
+        calls.append(job.shard)
+        return real(job)
+
+    monkeypatch.setattr(pack, "pack_shard", dies)
+    return calls, real

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from data_images import all_images
-from helpers import run_cli
+from helpers import interrupt_pack_after, run_cli
 
 from cnnkit.data import data_config
 from cnnkit.data.pack import pack_folder
@@ -140,17 +140,7 @@ def test_a_shard_cut_short_after_packing_is_packed_again_by_the_same_command(sha
 
 def test_a_resumed_pack_packs_again_a_shard_cut_short_before_it(shapes, tmp_path, monkeypatch,
                                                                 capsys):  # fmt: skip
-    import cnnkit.data.pack as pack
-
-    real, calls = pack.pack_shard, []
-
-    def dies_on_third(job):
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        calls.append(job.shard)
-        return real(job)
-
-    monkeypatch.setattr(pack, "pack_shard", dies_on_third)
+    interrupt_pack_after(monkeypatch, 2)
     options = {"size": 16, "format": "jpeg", "workers": 1, "progress": False}
     with pytest.raises(Interrupted, match="2 shards done"):
         pack_folder(shapes, tmp_path / "p", shard_size=4, **options)

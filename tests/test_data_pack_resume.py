@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from data_images import all_images, within
-from helpers import run_cli, sigint_default
+from helpers import interrupt_pack_after, run_cli, sigint_default
 
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
@@ -27,15 +27,7 @@ from cnnkit.errors import DataError, Interrupted
 def test_pack_resumes_after_an_interrupt(shapes, tmp_path, monkeypatch):
     import cnnkit.data.pack as pack
 
-    real, calls = pack.pack_shard, []
-
-    def dies_on_third(job):
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        calls.append(job.shard)
-        return real(job)
-
-    monkeypatch.setattr(pack, "pack_shard", dies_on_third)
+    calls, real = interrupt_pack_after(monkeypatch, 2)
     with pytest.raises(Interrupted, match=r"pack interrupted: 2 shards done in .*resumes"):
         pack_folder(shapes, tmp_path / "p", size=16, workers=1, shard_size=4, progress=False)
     assert not (tmp_path / "p/meta.json").exists()
