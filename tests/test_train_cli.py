@@ -327,5 +327,15 @@ def test_the_start_line_says_an_image_sets_crops(shapes, tmp_path, capsys, monke
     argv = ["train", "lenet5", f"data.path={shapes}", "data.grey=true", "--dry-run"]
     code, out, err = run_cli(argv, capsys)
     assert code == 0 and ", crops 32 of 37 px, " in out, err
+    code, out, err = run_cli([*argv, "data.train_crop=resized"], capsys)
+    assert code == 0 and ", random-resized crops 32 of 37 px, " in out, err
     code, out, err = run_cli(["train", "digits", "--dry-run"], capsys)
     assert code == 0 and "crops" not in out, err  # (images at the network's size)
+    from cnnkit.data.pack import pack_folder
+
+    pack_folder(shapes, tmp_path / "p64", size=64, progress=False)  # a pack too large: noted
+    code, out, err = run_cli(["train", "lenet5", "data.path=p64", "data.grey=true", "--dry-run"],
+                             capsys)  # fmt: skip
+    assert code == 0 and ", crops 32 of 64 px, " in out, err
+    assert "cnnkit: note: data.crop 32 of a set packed at 64 px: a crop sees 50%" in err
+    assert "`cnnkit pack SRC DST --size 37` packs it for this network" in err

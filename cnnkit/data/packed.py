@@ -381,6 +381,21 @@ class PackedConfig(ImageSetConfig):
         """The side the set was packed at."""
         return int(read_meta(self.path)["size"])
 
+    def training_notes(self) -> list[str]:
+        """ImageSetConfig's, and a crop that sees little of the images the set was packed at
+        (a 256 px pack for LeNet-5's 32): as a folder's `size` is noted."""
+        notes = super().training_notes()
+        try:
+            side = self.stored_size()
+        except (DataError, KeyError, TypeError, ValueError):  # (said when the set is opened)
+            return notes
+        if self.crop < 0.75 * side:
+            notes.append(f"data.crop {self.crop} of a set packed at {side} px: a crop sees "
+                         f"{self.crop / side:.0%} of an image's side (torchvision's 224 of 256: "
+                         f"88%); `cnnkit pack SRC DST --size {round(self.crop / 0.875)}` packs "
+                         "it for this network")  # fmt: skip
+        return notes
+
     def _preprocess_stats(self, meta: dict, stats: dict) -> tuple[list[float], list[float]]:
         """Per-channel mean/std for classification (the mean image's channel averages if used)."""
         if self.normalize == "mean_image":

@@ -310,11 +310,12 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
 
 
 def _crops(config: RunConfig) -> str:
-    """', crops 224 of 256 px' for an image set (its crop may be the network's side, taken
-    where the run left it out), else nothing."""
+    """', crops 224 of 256 px' for an image set ('random-resized crops' where they are; the
+    crop may be the network's side, taken where the run left it out), else nothing."""
     crop = getattr(config.data, "crop", None)
     side = config.data.stored_size() if crop is not None else None
-    return f", crops {crop} of {side} px" if side else ""
+    kind = "random-resized " if getattr(config.data, "train_crop", None) == "resized" else ""
+    return f", {kind}crops {crop} of {side} px" if side else ""
 
 
 def _train_images(data: DataBundle) -> str:
