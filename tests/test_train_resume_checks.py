@@ -391,15 +391,21 @@ def test_an_edit_of_config_yaml_is_refused_until_given_as_an_override(finished_r
     argv = ["train", "--resume", str(run), "train.epochs=2", "--quiet"]
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and err.strip() == (
-        f"cnnkit: error: {run / 'config.yaml'}: train.lr: edited since the run wrote it (0.5 "
+        f"cnnkit: error: {run / 'config.yaml'}: edited since the run wrote it (train.lr: 0.5 "
         f"there, {lr} in last.pt): a resume continues last.pt's settings, changed by key=value "
         "overrides only: give train.lr=0.5, or undo the edit")  # fmt: skip
+    seed = load_checkpoint(run / "last.pt")["config"]["seed"]
+    (run / "config.yaml").write_text(text.replace(f"  lr: {lr}\n", "  lr: 0.5\n").replace(
+        f"seed: {seed}\n", "seed: 11\n"))  # fmt: skip
+    code, _, err = run_cli(argv, capsys)  # every edit in one line, not one a try
+    assert code == 2 and "(seed: 11 there, " in err and "; train.lr: 0.5 there, " in err, err
+    assert "give seed=11 train.lr=0.5, or undo the edit" in err
     assert load_checkpoint(run / "last.pt")["epoch"] == 1  # nothing trained, nothing written
     code, _, err = run_cli(["config", str(run)], capsys)
     assert code == 0 and "was edited since the run wrote it" in err
     (run / "config.yaml").write_text(text.replace(f"  lr: {lr}\n", "  lr: 1e-2\n"))
     code, _, err = run_cli(argv, capsys)  # read as a run file reads it: the number 0.01
-    assert code == 2 and "train.lr: edited since the run wrote it (0.01 there" in err, err
+    assert code == 2 and "edited since the run wrote it (train.lr: 0.01 there" in err, err
     assert "give train.lr=0.01, or undo the edit" in err
     code, _, err = run_cli([*argv[:-1], "train.lr=1e-2", "--dry-run"], capsys)  # as advised
     assert code == 0, err

@@ -212,6 +212,7 @@ def check_unedited(run_dir: Path, config: RunConfig, state: dict[str, Any],
     absolute_data(raw)  # (an older run's relative paths: as resume_config reads them)
     saved = _leaves(yaml.safe_load(dump_run(validate_run(raw))))
     given = {item.split("=", 1)[0].strip() for item in overrides or []}
+    edits, gives = [], []
     for key in sorted(set(theirs) | set(saved)):
         if key.startswith("model.") or any(key == g or key.startswith(g + ".") for g in given):
             continue  # (the network: above; an override given: it wins)
@@ -219,12 +220,17 @@ def check_unedited(run_dir: Path, config: RunConfig, state: dict[str, Any],
         if value == before:
             continue
         shown = "left out there" if value is _ABSENT else f"{_shown(value)} there"
-        give = "" if value is _ABSENT else (
-            f"give {key}={shlex.quote(value if isinstance(value, str) else json.dumps(value))}, "
-            "or ")  # fmt: skip
-        raise ConfigError(f"{path}: {key}: edited since the run wrote it ({shown}, "
-                          f"{_shown(before)} in last.pt): a resume continues last.pt's settings, "
-                          f"changed by key=value overrides only: {give}undo the edit")  # fmt: skip
+        edits.append(f"{key}: {shown}, {_shown(before)} in last.pt")
+        if value is not _ABSENT:
+            gives.append(
+                f"{key}={shlex.quote(value if isinstance(value, str) else json.dumps(value))}"
+            )
+    if edits:  # all of them at once: one resume to give them, not one try each
+        more = f"; and {len(edits) - 4} more" if len(edits) > 4 else ""
+        give = f"give {' '.join(gives)}, or " if gives else ""
+        raise ConfigError(f"{path}: edited since the run wrote it ({'; '.join(edits[:4])}{more}): "
+                          "a resume continues last.pt's settings, changed by key=value "
+                          f"overrides only: {give}undo the edit")  # fmt: skip
 
 
 def _shown(value: Any) -> str:
