@@ -247,6 +247,23 @@ def test_a_zoo_network_given_its_data_is_a_run(shapes):
         load_run("resnet18", ["data.batch_size=8"])  # (was: data.source: missing)
 
 
+def test_a_path_given_on_the_command_line_brings_its_source(shapes, tmp_path):
+    """A run directory's config.yaml names `source: folder` and a folder's `size`: given
+    `data.path=PACK`, it failed on the pack's shards as class folders, then on each folder
+    field in turn. The source follows the path, unless data.source is given too."""
+    from cnnkit.data.pack import pack_folder
+
+    pack_folder(shapes, tmp_path / "packed", size=24, progress=False)
+    run = {"model": "lenet5", "data": {"source": "folder", "path": str(shapes), "size": 37,
+                                       "resize_mode": "shorter", "grey": True}}  # fmt: skip
+    config = load_run(run, [f"data.path={tmp_path / 'packed'}", "data.crop=24"])
+    assert config.data.source == "packed" and config.data.grey
+    back = load_run(yaml.safe_load(dump_run(config)), [f"data.path={shapes}"])
+    assert back.data.source == "packed"  # a folder to a pack's run: said when it is opened
+    with pytest.raises(ConfigError, match="data.size"):  # both given: as the user says
+        load_run(run, [f"data.path={tmp_path / 'packed'}", "data.source=packed"])
+
+
 def test_a_crop_left_out_fits_before_the_crops_own_checks(shapes):
     """data.size 32 for lenet5 was refused as smaller than AlexNet's crop of 227."""
     config = load_run({"model": "lenet5", "data": {"path": str(shapes), "size": 32}})

@@ -13,6 +13,7 @@ from cnnkit.config.load import (
     edited_run_config,
     load_run,
     run_dict,
+    source_follows_path,
     validate_run,
     write_run_config,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "load_run",
     "run_dict",
     "schedule_notes",
+    "source_follows_path",
     "validate_run",
     "write_run_config",
 ]

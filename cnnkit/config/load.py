@@ -22,6 +22,7 @@ from cnnkit.config.sections import ModelConfig, RunConfig, TrainConfig
 from cnnkit.data import SOURCES, check_source
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import holds_images
+from cnnkit.data.packed import is_pack
 from cnnkit.errors import ConfigError, brief, config_error, suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
 from cnnkit.runtime import write_atomic
@@ -36,6 +37,7 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
     for item in overrides or []:
         apply_override(raw, item)
+    source_follows_path(raw, overrides)
     _relative_to(raw, base)
     absolute_data(raw)
     _source_of_path(raw)
@@ -88,6 +90,25 @@ def _file_at(name: str, base: Path | None) -> str:
         if (place / name).is_file():
             return os.path.abspath(place / name)
     return name
+
+
+def source_follows_path(raw: dict[str, Any], overrides: list[str] | None) -> None:
+    """`data.path=PACK` given on the command line to a run of a folder (a run directory's
+    config.yaml names its source): the source is the pack, and the folder's own fields (its
+    size, resize_mode) are left behind, unless `data.source` is given too. (A folder given to
+    a pack's run is said, with how to pack it or train from it: a pack's settings, such as
+    its mean image, need not fit a folder.)"""
+    keys = {item.split("=", 1)[0].strip() for item in overrides or []}
+    data = raw.get("data")
+    if "data.path" not in keys or "data.source" in keys or not isinstance(data, dict):
+        return
+    if (
+        data.get("source") == "folder"
+        and isinstance(data.get("path"), str)
+        and is_pack(data["path"])
+    ):
+        fields = SOURCES["packed"].model_fields
+        raw["data"] = {k: v for k, v in data.items() if k in fields} | {"source": "packed"}
 
 
 def _source_of_path(raw: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from cnnkit.config import (
     apply_override,
     dump_run,
     edited_run_config,
+    source_follows_path,
     validate_run,
 )
 from cnnkit.errors import CheckpointError, ConfigError
@@ -264,6 +265,7 @@ def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> 
                               "(to fine-tune it as another run, give a new run model.weights: "
                               "RUN/best.pt)")  # fmt: skip
         apply_override(raw, item)
+    source_follows_path(raw, overrides)
     absolute_data(raw)  # (an older run's relative paths too: read from here, as before)
     if state.get("step"):
         _same_epoch_order(state, raw)
