@@ -174,8 +174,9 @@ def show_config(
     from rich.table import Table
     from rich.text import Text
 
-    from cnnkit.config import describe_run, edited_run_config, load_run
+    from cnnkit.config import describe_run, load_run
     from cnnkit.tables import wide_console
+    from cnnkit.train.runfile import edited_run_config
 
     if Path(run).is_dir() and (Path(run) / "config.yaml").is_file():  # a run directory's own
         run = str(Path(run) / "config.yaml")

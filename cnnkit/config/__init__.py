@@ -10,12 +10,10 @@ from cnnkit.config.load import (
     apply_override,
     describe_run,
     dump_run,
-    edited_run_config,
     load_run,
     run_dict,
     source_follows_path,
     validate_run,
-    write_run_config,
 )
 from cnnkit.config.sections import (
     ModelConfig,
@@ -32,11 +30,9 @@ __all__ = [
     "apply_override",
     "describe_run",
     "dump_run",
-    "edited_run_config",
     "load_run",
     "run_dict",
     "schedule_notes",
     "source_follows_path",
     "validate_run",
-    "write_run_config",
 ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import hashlib
 import json
 import os
 import re
@@ -344,38 +343,6 @@ def dump_run(config: RunConfig, path: Path | None = None) -> str:
     if path is not None:
         write_atomic(Path(path), text.encode())
     return text
-
-
-WRITTEN = re.compile(r"# cnnkit wrote this run's settings \(sha256 ([0-9a-f]{16})\)")
-
-
-def write_run_config(config: RunConfig, path: Path) -> None:
-    """A run directory's config.yaml: the resolved run, under a first line that marks it as
-    cnnkit wrote it (a hash of the rest), so a resume can tell an edit, which it never reads,
-    from what it wrote (edited_run_config). Still a run file: the line is a comment."""
-    body = dump_run(config)
-    mark = hashlib.sha256(body.encode()).hexdigest()[:16]
-    header = (f"# cnnkit wrote this run's settings (sha256 {mark}); `cnnkit train --resume` "
-              "continues last.pt's, changed by key=value overrides, not by edits here\n")  # fmt: skip
-    write_atomic(Path(path), (header + body).encode())
-
-
-def edited_run_config(path: Path) -> dict[str, Any] | None:
-    """config.yaml's settings where they were edited since cnnkit wrote them (its mark no
-    longer fits the rest), else None (as written, unmarked, or unreadable)."""
-    try:
-        first, _, body = Path(path).read_text(encoding="utf-8").partition("\n")
-    except (OSError, UnicodeDecodeError):
-        return None
-    found = WRITTEN.match(first)
-    if found is None or hashlib.sha256(body.encode()).hexdigest()[:16] == found.group(1):
-        return None
-    try:
-        data = read_yaml(path)
-    except ConfigError as e:
-        raise ConfigError(f"{e} (edited since the run wrote it: a resume takes last.pt's "
-                          "settings; undo the edit)") from None  # fmt: skip
-    return data if isinstance(data, dict) else {}
 
 
 def _yaml_files_beside(path: Path) -> list[str]:

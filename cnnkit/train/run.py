@@ -16,7 +16,7 @@ import torch
 
 import cnnkit.distributed as distributed
 from cnnkit.checkpoint import set_rng_state
-from cnnkit.config import RunConfig, load_run, schedule_notes, write_run_config
+from cnnkit.config import RunConfig, load_run, schedule_notes
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError, plural
@@ -30,7 +30,6 @@ from cnnkit.train.metrics import Console, RunLog
 from cnnkit.train.optim import Schedule
 from cnnkit.train.rundir import (
     check_outside_data,
-    check_unedited,
     check_writable,
     claimed_run_dir,
     clear_orphans,
@@ -39,6 +38,7 @@ from cnnkit.train.rundir import (
     resume_state,
     run_lock,
 )
+from cnnkit.train.runfile import check_unedited, write_run_config
 from cnnkit.train.saver import CheckpointWriter
 from cnnkit.train.state import RunContext, load_ema_buffers, restore
 from cnnkit.train.summary import finish
