@@ -90,14 +90,13 @@ def check_unedited(run_dir: Path, config: RunConfig, state: dict[str, Any],
         raise ConfigError(f"{path}: model: edited since the run wrote it, but a resumed run keeps "
                           "its network: undo the edit (or start a new run from config.yaml)")  # fmt: skip
     try:
-        theirs = _leaves(yaml.safe_load(dump_run(validate_run({**edited,
-                                                               "model": state["model_spec"]}))))  # fmt: skip
+        theirs = _settings({**edited, "model": state["model_spec"]})
     except ConfigError as e:
         raise ConfigError(f"{path}: edited since the run wrote it, and no longer a valid run "
                           f"({e}): a resume takes last.pt's settings; undo the edit") from None  # fmt: skip
     raw = dict(copy.deepcopy(state["config"]), model=state["model_spec"])
     absolute_data(raw)  # (an older run's relative paths: as resume_config reads them)
-    saved = _leaves(yaml.safe_load(dump_run(validate_run(raw))))
+    saved = _settings(raw)
     given = {item.split("=", 1)[0].strip() for item in overrides or []}
     edits, gives = [], []
     for key in sorted(set(theirs) | set(saved)):
@@ -118,6 +117,11 @@ def check_unedited(run_dir: Path, config: RunConfig, state: dict[str, Any],
         raise ConfigError(f"{path}: edited since the run wrote it ({'; '.join(edits[:4])}{more}): "
                           "a resume continues last.pt's settings, changed by key=value "
                           f"overrides only: {give}undo the edit")  # fmt: skip
+
+
+def _settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run mapping's settings as config.yaml writes them, validated, by dotted key."""
+    return _leaves(yaml.safe_load(dump_run(validate_run(raw))))
 
 
 def _shown(value: Any) -> str:
