@@ -245,6 +245,9 @@ def test_a_zoo_network_given_its_data_is_a_run(shapes):
         load_run("resnet18", ["train.epochs=3"])  # no data: what to give
     with pytest.raises(ConfigError, match=r"^'resnet18' is a zoo network, not a run"):
         load_run("resnet18", ["data.batch_size=8"])  # (was: data.source: missing)
+    with pytest.raises(ConfigError, match=r"^data\.data_dir: unknown field \(did you mean 'path'\?\): "
+                       r"`cnnkit train resnet18 data\.path=DIR` trains it on a folder"):  # fmt: skip
+        load_run("resnet18", ["data.batch_size=8", "data.data_dir=/x"])  # (was: the zoo line)
 
 
 def test_a_path_given_on_the_command_line_brings_its_source(shapes, tmp_path):

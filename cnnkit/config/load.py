@@ -30,7 +30,7 @@ from cnnkit.runtime import write_atomic
 def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Read a zoo run, YAML file or dict, apply `key=value` overrides, validate everything."""
     given = {o.split("=", 1)[0].strip() for o in overrides or []}
-    raw, base = _read_run(run, bool(given & {"data.path", "data.source"}))
+    raw, base = _read_run(run, given)
     raw = copy.deepcopy(raw)
     if isinstance(raw.get("model"), str) and any(o.startswith("model.") for o in overrides or []):
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
@@ -345,6 +345,17 @@ def dump_run(config: RunConfig, path: Path | None = None) -> str:
     return text
 
 
+def _data_typo(net: str, given: set[str]) -> None:
+    """`cnnkit train resnet18 data.data_dir=DIR`: the field no data source has is the error."""
+    fields = {f for kind in SOURCES.values() for f in kind.model_fields}
+    for key in sorted(given):
+        part = key.split(".")
+        if part[0] == "data" and len(part) == 2 and part[1] not in fields:
+            meant = _did_you_mean(("data", part[1]), {"data": {"source": "folder"}})
+            raise ConfigError(f"{key[:60]}: unknown field{meant}: `cnnkit train {net} "
+                              "data.path=DIR` trains it on a folder of class folders or a pack")  # fmt: skip
+
+
 def _yaml_files_beside(path: Path) -> list[str]:
     """The YAML files in the folder `path` names (as `path` would be written), for a
     did-you-mean; none where the folder cannot be read."""
@@ -375,9 +386,11 @@ def _folder_given(path: Path) -> str:
 
 
 def _read_run(run: str | Path | dict[str, Any],
-              data_given: bool = False) -> tuple[dict[str, Any], Path | None]:  # fmt: skip
+              given: set[str] = frozenset()) -> tuple[dict[str, Any], Path | None]:  # fmt: skip
     """The run's mapping and the folder its files are relative to; a zoo network with data
-    given (`cnnkit train resnet18 data.path=DIR`, as timm's `--model`) is a run of its own."""
+    given (`cnnkit train resnet18 data.path=DIR`, as timm's `--model`) is a run of its own
+    (`given`: the keys the overrides set)."""
+    data_given = bool(given & {"data.path", "data.source"})
     if isinstance(run, dict):  # as a file would give it (a date as text, never an object)
         return plain_data(run), None
     from cnnkit.zoo import NETS, RUNS, net_path, runs_training
@@ -387,6 +400,7 @@ def _read_run(run: str | Path | dict[str, Any],
         if str(run) in NETS and data_given:  # the train section's defaults
             return {"model": str(run), "data": {}}, None
         if str(run) in NETS:  # a network, not a run: say which runs train it
+            _data_typo(str(run), given)
             runs = runs_training(str(run))
             also = f"; zoo runs of it: {', '.join(runs)}" if runs else ""
             raise ConfigError(f"{str(run)!r} is a zoo network, not a run: give its data "
