@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import os
 import re
 import shlex
@@ -17,7 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cnnkit.config.sections import ModelConfig, RunConfig, TrainConfig
+from cnnkit.config.hints import data_typo, did_you_mean, meant_otherwise, other_sources_fields
+from cnnkit.config.sections import ModelConfig, RunConfig
 from cnnkit.data import SOURCES, check_source
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import holds_images
@@ -168,12 +168,12 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
         error = config_error(e, hide=SOURCES)
         unknown = next((x for x in e.errors() if x["type"] == "extra_forbidden"), None)
         if unknown is not None and str(error).endswith("unknown field"):
-            error = ConfigError(f"{error}{_did_you_mean(unknown['loc'], raw)}")
-        elif str(error).startswith("data.") and (foreign := _other_sources_fields(raw)):
+            error = ConfigError(f"{error}{did_you_mean(unknown['loc'], raw)}")
+        elif str(error).startswith("data.") and (foreign := other_sources_fields(raw)):
             source, are = raw["data"]["source"], "is not a setting" if len(foreign) == 1 else (
                 "are not settings")  # fmt: skip
             error = ConfigError(f"{error} (this data: section was written for another source: "
-                                f"{_meant_otherwise(raw, str(error))}{', '.join(foreign)} {are} "
+                                f"{meant_otherwise(raw, str(error))}{', '.join(foreign)} {are} "
                                 f"of {source}, and =null leaves each out; or start from a run "
                                 f"file written for {source} data)")  # fmt: skip
         elif str(error) == "data: Field required" and isinstance(raw.get("model"), dict):
@@ -183,128 +183,6 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
             error = ConfigError(f"{error} (a run file's data: names its source: one of "
                                 f"{', '.join(SOURCES)})")  # fmt: skip
         raise error from None
-
-
-def _other_sources_fields(raw: dict[str, Any]) -> list[str]:
-    """The fields of a run's data: section that its source lacks and another source has
-    (data.source=packed given to a run written for digits: shift, rotate), as data.NAME."""
-    data = raw.get("data")
-    kind = SOURCES.get(data.get("source")) if isinstance(data, dict) else None
-    if kind is None:
-        return []
-    others = {f for name, other in SOURCES.items() if other is not kind for f in other.model_fields}
-    return [f"data.{k}" for k in data if k not in kind.model_fields and k in others]
-
-
-def _meant_otherwise(raw: dict[str, Any], error: str) -> str:
-    """`data.scale is packed's random-resized-crop area range, by default [0.08, 1.0]; ` where
-    the field in error is one its source takes and another source means something else by
-    (digits' scale, a zoom): =null leaves out only another source's fields, so what this one
-    takes is said."""
-    name = error.split(":", 1)[0].removeprefix("data.").split(".")[0]
-    source = raw["data"]["source"]
-    field = SOURCES[source].model_fields.get(name)
-    if field is None or name not in raw["data"]:
-        return ""
-    if all(o.model_fields[name].annotation == field.annotation
-           for o in SOURCES.values() if name in o.model_fields):  # fmt: skip
-        return ""
-    default = list(field.default) if isinstance(field.default, tuple) else field.default
-    return f"data.{name} is {source}'s {field.description}, by default {json.dumps(default)}; "
-
-
-# the names torchvision's reference scripts, timm, Caffe's solver and pycls give our settings,
-# which spelling alone would match wrongly (image_size -> batch_size, batch -> path) or not at all
-PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the section has)
-    **dict.fromkeys(
-        (
-            "image_size",
-            "img_size",
-            "input_size",
-            "crop_size",
-            "val_crop_size",
-            "train_crop_size",
-            "test_crop_size",
-        ),
-        "crop",
-    ),
-    **dict.fromkeys(("resize_size", "val_resize_size", "resize", "scale_size"), "size"),
-    **dict.fromkeys(
-        ("batch", "bs", "batchsize", "train_batch_size", "ims_per_batch"), "batch_size"
-    ),
-    **dict.fromkeys(
-        ("val_batch_size", "test_batch_size", "validation_batch_size"), "eval_batch_size"
-    ),
-    **dict.fromkeys(
-        ("data_path", "data_dir", "root", "dataset_path", "train_dir", "source_dir"), "path"
-    ),
-    **dict.fromkeys(("val_dir", "val_data", "test_path", "val_root"), "val_path"),
-    **dict.fromkeys(("num_workers", "j", "loader_workers"), "workers"),
-    **dict.fromkeys(("hflip", "flip", "random_flip", "mirror_prob"), "mirror"),
-    **dict.fromkeys(("auto_augment", "autoaugment", "aa"), "policy"),
-    **dict.fromkeys(("reprob", "random_erase", "random_erasing", "re_prob"), "erasing"),
-    **dict.fromkeys(("learning_rate", "base_lr", "lr0"), "lr"),
-    **dict.fromkeys(("wd", "decay"), "weight_decay"),
-    **dict.fromkeys(("opt", "optim", "solver", "solver_type"), "optimizer"),
-    **dict.fromkeys(("lr_policy", "lr_scheduler", "sched", "scheduler"), "schedule"),
-    **dict.fromkeys(("stepsize", "lr_step_size", "decay_epochs"), "step_size"),
-    **dict.fromkeys(("stepvalue", "lr_steps", "steps", "decay_milestones"), "milestones"),
-    **dict.fromkeys(("lr_gamma", "decay_rate"), "gamma"),
-    **dict.fromkeys(("warmup", "lr_warmup_epochs", "warmup_epoch"), "warmup_epochs"),
-    **dict.fromkeys(("lr_warmup_decay", "warmup_factor"), "warmup_start"),  # (factors of lr)
-    **dict.fromkeys(("warmup_lr", "crop_pct"), ()),  # timm's, with no setting of ours alike
-    **dict.fromkeys(("model_ema", "ema_decay", "model_ema_decay"), "ema"),
-    **dict.fromkeys(("amp", "dtype", "mixed_precision", "half", "fp16", "bf16"), "precision"),
-    **dict.fromkeys(("clip_grad", "clip_grad_norm", "clip_gradients", "max_norm"), "grad_clip"),
-    **dict.fromkeys(("max_epoch", "max_epochs", "num_epochs", "n_epochs"), "epochs"),
-    **dict.fromkeys(("smoothing", "label_smooth"), "label_smoothing"),
-    **dict.fromkeys(
-        ("grad_accum_steps", "accum_iter", "iter_size", "gradient_accumulation"), "accumulate"
-    ),
-    **dict.fromkeys(("lr_min", "eta_min", "min_learning_rate"), "min_lr"),
-    **dict.fromkeys(("solver_mode", "gpu", "cuda"), "device"),
-    **dict.fromkeys(("random_seed", "manual_seed", "rng_seed"), "seed"),
-    **dict.fromkeys(("arch", "net", "architecture"), ("network", "model")),  # model.arch: network
-}
-
-
-def _did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
-    """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section."""
-    section: type[BaseModel] = RunConfig
-    parts = [str(p) for p in loc if str(p) not in SOURCES]
-    for part in parts[:-1]:
-        if part == "data" and isinstance(raw.get("data"), dict):
-            section = SOURCES.get(raw["data"].get("source"), section)
-            continue
-        annotation = section.model_fields.get(part)
-        kind = getattr(annotation, "annotation", None)
-        section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
-    key = parts[-1].lower().replace("-", "_")
-    known, meant = key in PEER_NAMES, PEER_NAMES.get(key, ())
-    meant = (meant,) if isinstance(meant, str) else meant
-    peer = next((m for m in meant if m in section.model_fields), meant[0] if meant else None)
-    if peer in section.model_fields:
-        return f" (did you mean {peer!r}?)"
-    close = difflib.get_close_matches(parts[-1], list(section.model_fields), n=1)
-    if close and not known:  # (image_size is not batch_size, where a source has no crop)
-        return f" (did you mean {close[0]!r}?)"
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
-    elsewhere = {"": RunConfig, "train.": TrainConfig, "model.": ModelConfig,
-                 "data.": SOURCES.get(data.get("source"), RunConfig)}  # fmt: skip
-    for prefix, other in elsewhere.items():
-        if other is not section and (peer or parts[-1]) in other.model_fields:
-            where = "at the top level" if not prefix else f"in {prefix[:-1]}"
-            return f" (it belongs {where}: {prefix}{peer or parts[-1]})"
-    owners = [name for name, kind in SOURCES.items() if (peer or parts[-1]) in kind.model_fields]
-    if peer and owners and parts[:1] == ["data"] and data.get("source") in SOURCES:
-        return (
-            f" (data.{peer} is a setting of data.source {' / '.join(owners)}, not {data['source']})"
-        )
-    if parts[:1] == ["data"] and owners and data.get("source") in SOURCES:
-        return (f" (a setting of data.source {' / '.join(owners)}, not {data['source']}: "
-                f"data.{parts[-1]}=null leaves it out, or start from a run file written for "
-                f"{data['source']} data)")  # fmt: skip
-    return ""
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -343,17 +221,6 @@ def dump_run(config: RunConfig, path: Path | None = None) -> str:
     if path is not None:
         write_atomic(Path(path), text.encode())
     return text
-
-
-def _data_typo(net: str, given: set[str]) -> None:
-    """`cnnkit train resnet18 data.data_dir=DIR`: the field no data source has is the error."""
-    fields = {f for kind in SOURCES.values() for f in kind.model_fields}
-    for key in sorted(given):
-        part = key.split(".")
-        if part[0] == "data" and len(part) == 2 and part[1] not in fields:
-            meant = _did_you_mean(("data", part[1]), {"data": {"source": "folder"}})
-            raise ConfigError(f"{key[:60]}: unknown field{meant}: `cnnkit train {net} "
-                              "data.path=DIR` trains it on a folder of class folders or a pack")  # fmt: skip
 
 
 def _yaml_files_beside(path: Path) -> list[str]:
@@ -400,7 +267,7 @@ def _read_run(run: str | Path | dict[str, Any],
         if str(run) in NETS and data_given:  # the train section's defaults
             return {"model": str(run), "data": {}}, None
         if str(run) in NETS:  # a network, not a run: say which runs train it
-            _data_typo(str(run), given)
+            data_typo(str(run), given)
             runs = runs_training(str(run))
             also = f"; zoo runs of it: {', '.join(runs)}" if runs else ""
             raise ConfigError(f"{str(run)!r} is a zoo network, not a run: give its data "
