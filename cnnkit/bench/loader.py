@@ -17,7 +17,7 @@ import torch
 from cnnkit.bench.timing import synchronize
 from cnnkit.data import data_config
 from cnnkit.data.base import Batches
-from cnnkit.data.packed import is_pack
+from cnnkit.data.packfiles import is_pack
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import machine_name
 

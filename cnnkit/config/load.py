@@ -21,7 +21,7 @@ from cnnkit.config.sections import ModelConfig, RunConfig
 from cnnkit.data import SOURCES, check_source
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import holds_images
-from cnnkit.data.packed import is_pack
+from cnnkit.data.packfiles import is_pack
 from cnnkit.errors import ConfigError, brief, config_error, suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
 from cnnkit.runtime import write_atomic

@@ -15,7 +15,8 @@ from pydantic import Field, TypeAdapter, ValidationError
 from cnnkit.data.base import Batches, DataBundle, DataConfigBase, Preprocess
 from cnnkit.data.bundled import DigitsConfig, FacesConfig
 from cnnkit.data.folder import FolderConfig
-from cnnkit.data.packed import PackedConfig, is_pack
+from cnnkit.data.packed import PackedConfig
+from cnnkit.data.packfiles import is_pack
 from cnnkit.data.synthetic import SyntheticConfig
 from cnnkit.errors import ConfigError, brief, config_error
 

@@ -41,7 +41,7 @@ from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import ResizeMode
 from cnnkit.data.pack_dst import check_no_clash, shards_done, shards_to_pack, tidy, write_error
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
-from cnnkit.data.packed import PACK_FORMAT, is_plan, read_index, read_meta
+from cnnkit.data.packfiles import PACK_FORMAT, is_plan, read_index, read_meta
 from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError, Interrupted, one_line
 from cnnkit.runtime import atomic, available_cores

@@ -15,7 +15,7 @@ from cnnkit.config import TrainConfig
 from cnnkit.data import SOURCES, DataConfig, Preprocess, check_source, data_config
 from cnnkit.data.augment import ten_crop
 from cnnkit.data.decode import is_image_name
-from cnnkit.data.packed import RESIZE_FLAG, is_pack, read_meta
+from cnnkit.data.packfiles import RESIZE_FLAG, is_pack, read_meta
 from cnnkit.data.scan import printable, unknown_classes
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
