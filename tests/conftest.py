@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from helpers import CLI, ROOT
+from helpers import cli_ok
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,19 +29,25 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
 
 
+def _shared_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The folder every pytest-xdist worker of this session sees (the workers' common parent
+    of their own base folders); the base folder itself when the suite runs in one process."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """A run directory from `cnnkit train digits` (2 epochs), made once per test session: by
     the first pytest-xdist worker that needs it, the others waiting on its lock (the tests
-    only read it; each worker training its own cost a run's CPU on a 2-core machine)."""
-    shared = tmp_path_factory.getbasetemp()
-    shared = shared if worker_id == "master" else shared.parent  # (the workers' common folder)
+    only read it; each worker training its own cost a run's CPU on a 2-core machine). The
+    command runs in this process, as the tests' run_cli does: a process of its own cost its
+    start-up (torch's and torch._dynamo's imports, seconds) while the other worker waited."""
+    shared = _shared_dir(tmp_path_factory, worker_id)
     run, made = shared / "digits-run", shared / "digits-run.made"
     with FileLock(shared / "digits-run.lock"):
         if not made.exists():
-            cmd = [*CLI, "train", "digits", "--out", str(run), "train.epochs=2", "--quiet"]
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
-            assert done.returncode == 0, done.stderr[-2000:]
+            cli_ok(["train", "digits", "--out", str(run), "train.epochs=2", "--quiet"])
             made.touch()
     return run
 
@@ -59,10 +64,12 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def own_home(tmp_path_factory: pytest.TempPathFactory):
+def own_home(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     """The `cnnkit` subprocesses the tests start cache measured settings under this session's
-    HOME, not in the user's ~/.cache."""
-    home = tmp_path_factory.getbasetemp() / "home"
+    HOME, not in the user's ~/.cache. One HOME for every pytest-xdist worker, as the suite in
+    one process has: a network's settings are measured once a session, not once per worker
+    (and matplotlib's font cache is built once); the cache is written atomically."""
+    home = _shared_dir(tmp_path_factory, worker_id) / "home"
     home.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HOME", str(home))

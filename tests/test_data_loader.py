@@ -447,6 +447,12 @@ def test_a_batch_lost_with_its_worker_is_one_line(packed, monkeypatch):
                 str(caught.value))  # fmt: skip
         elif expected is DataError:
             assert "a loader worker process died (" in str(caught.value)
+        # the worker an error left running (a worker's own exception, a full /dev/shm): shut
+        # down here, at once; left to the collector, a later test (or the worker's exit) waited
+        # 5 s for each to join
+        batches = getattr(stream._loader, "_iterator", None)
+        if batches is not None:
+            batches._shutdown_workers()
 
 
 def test_a_worker_that_died_between_epochs_is_one_line(packed):

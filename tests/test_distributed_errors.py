@@ -215,38 +215,52 @@ def test_more_cpu_processes_than_cores_is_refused_unless_asked_for(tmp_path, cap
 def test_nproc_errors_are_one_line_with_the_ranks_exit_status(tmp_path):
     """Every rank meets the same data error (one class in the folder): one line (rank 0's),
     exit status 1, and no torchrun failure table (a configuration error every rank meets goes
-    the same way, tested in-process above); a rank killed by a signal is one line too."""
+    the same way, tested in-process above); a rank killed by a signal is one line too. The
+    three commands run side by side (each is mostly process start-up and ranks waiting on one
+    another), each in a folder of its own."""
     from PIL import Image
 
-    (tmp_path / "imgs" / "a").mkdir(parents=True)
+    data, proc_x, killed = (tmp_path / name for name in ("data", "proc-x", "killed"))
+    for folder in (data, proc_x, killed):
+        folder.mkdir()
+    (data / "imgs" / "a").mkdir(parents=True)
     for i in range(3):
-        Image.new("L", (12, 12), i * 80).save(tmp_path / "imgs" / "a" / f"{i}.png")
-    shutil.copytree(tmp_path / "imgs", tmp_path / "val")
+        Image.new("L", (12, 12), i * 80).save(data / "imgs" / "a" / f"{i}.png")
+    shutil.copytree(data / "imgs", data / "val")
     run = {"name": "one", "model": "digitnet", "train": {"epochs": 1, "device": "cpu"},
            "data": {"source": "folder", "path": "imgs", "val_path": "val", "size": 8,
                     "crop": 8, "grey": True, "batch_size": 4}}  # fmt: skip
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
-    cmd = [sys.executable, "-m", "cnnkit", "train", "run.yaml", "--nproc", "2"]
+    (data / "run.yaml").write_text(yaml.safe_dump(run))
+    (killed / "die.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
-    assert done.returncode == 1 and done.stderr.splitlines() == [
-        f"cnnkit: error: data: 1 class (a) in {tmp_path / 'imgs'}: a classifier needs at least 2 "
+    commands = [  # (the command, where it runs, its environment)
+        ([sys.executable, "-m", "cnnkit", "train", "run.yaml", "--nproc", "2"], data, env),
+        # an error only rank 0 can meet (the run directory is its): the other rank stops with it
+        ([sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "2", "--out", "/proc/x"],
+         proc_x, env),
+        ([sys.executable, "-m", "cnnkit.agent", "--standalone", "--nproc_per_node=1",
+          str(killed / "die.py")], ROOT, None),
+    ]  # fmt: skip
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=cwd, env=env) for cmd, cwd, env in commands]  # fmt: skip
+    try:
+        done = [(p.communicate(timeout=240)[1], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    (data_err, data_code), (proc_err, proc_code), (killed_err, killed_code) = done
+    assert data_code == 1 and data_err.splitlines() == [
+        f"cnnkit: error: data: 1 class (a) in {data / 'imgs'}: a classifier needs at least 2 "
         "(is data.path the folder above the class folders?)"
-    ], done.stderr
-    assert not (tmp_path / "runs").exists()  # the default directory made for it is gone again
-    # an error only rank 0 can meet (the run directory is its): the other rank stops with it
-    cmd = [sys.executable, "-m", "cnnkit", "train", "digits", "--nproc", "2", "--out", "/proc/x"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
-    assert done.returncode == 2 and done.stderr.splitlines() == [
+    ], data_err
+    assert not (data / "runs").exists()  # the default directory made for it is gone again
+    assert proc_code == 2 and proc_err.splitlines() == [
         "cnnkit: error: run directory /proc/x: cannot write in /proc (a special filesystem, "
         "which takes no new files)"
-    ], done.stderr
-    (tmp_path / "die.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    cmd = [sys.executable, "-m", "cnnkit.agent", "--standalone", "--nproc_per_node=1",
-           str(tmp_path / "die.py")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 1
-    assert done.stderr.splitlines() == ["cnnkit: error: rank 0 was killed by SIGKILL"]
+    ], proc_err
+    assert killed_code == 1
+    assert killed_err.splitlines() == ["cnnkit: error: rank 0 was killed by SIGKILL"]
 
 
 def test_only_nproc_ranks_leave_a_configuration_error_to_rank_0(capsys, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from filelock import FileLock
 from helpers import DDP_RUN as BASE
 
 from cnnkit.checkpoint import load_checkpoint
@@ -220,13 +222,23 @@ def _torchrun(tmp_path: Path, script: str, *extra: str) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    script = WORKER.format(root=str(ROOT), base=BASE, scenarios=SCENARIOS, out=str(out))
-    proc = _torchrun(out, script)
-    assert proc.returncode == 0, "\n".join(
-        line for line in proc.stderr.splitlines() if not line.startswith("[rank0]:   ")
-    )[-4000:]
+def two_processes(tmp_path_factory, worker_id):
+    """The torchrun's folder, made once per test session: by the first pytest-xdist worker
+    that runs a test of this module, the other waiting on its lock (xdist hands a module's
+    tests out in chunks, and a module split between the workers ran the torchrun twice)."""
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared if worker_id == "master" else shared.parent  # (the workers' common folder)
+    out, made = shared / "ddp", shared / "ddp.made"
+    with FileLock(shared / "ddp.lock"):
+        if not made.exists():
+            shutil.rmtree(out, ignore_errors=True)  # (a failed try's)
+            out.mkdir()
+            script = WORKER.format(root=str(ROOT), base=BASE, scenarios=SCENARIOS, out=str(out))
+            proc = _torchrun(out, script)
+            assert proc.returncode == 0, "\n".join(
+                line for line in proc.stderr.splitlines() if not line.startswith("[rank0]:   ")
+            )[-4000:]
+            made.touch()
     return out
 
 

@@ -24,7 +24,9 @@ from cnnkit.train.run import fit
 @pytest.mark.slow
 def test_two_runs_into_one_directory_one_is_refused(tmp_path):
     out = tmp_path / "same"
-    cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=1", "--quiet"]
+    # (train.calibrate=false: both measured the same settings first, seconds each)
+    cmd = [*CLI, "train", "digits", "--out", str(out), "train.epochs=1", "--quiet",
+           "train.calibrate=false"]  # fmt: skip
     procs = [subprocess.Popen([*cmd, f"seed={s}"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
              for s in (1, 2)]  # fmt: skip
     results = [(p.wait(timeout=240), p.stderr.read()) for p in procs]
