@@ -140,6 +140,26 @@ def test_a_plan_is_kept_only_if_the_whole_step_is_faster(monkeypatch, faster):
     assert (chosen, gain) == ((planned, 1.25) if faster else (("fp32", True, 1, ()), 1.0))
 
 
+def test_a_plan_is_measured_at_the_runs_batch_up_to_what_a_few_seconds_allow(monkeypatch):
+    """At the run's batch up to PLAN_BATCH, and fewer (down to 8) where the steps that check
+    the plan would take over PLAN_S at the speed the grid measured: a ResNet on 2 cores took
+    a minute at 64 images."""
+    plan_batch = settings_module.plan_batch
+    assert settings_module.PLAN_BATCH == 64 and settings_module.PLAN_STEPS == 6
+    assert [plan_batch(b, None) for b in (4, 64, 256)] == [4, 64, 64]
+    monkeypatch.setattr(settings_module, "PLAN_S", 12.0)
+    assert [plan_batch(256, s) for s in (0.001, 0.1, 0.2, 5.0)] == [64, 20, 10, 8]
+    assert plan_batch(4, 5.0) == 4
+    net, timed = Network(SPEC), []
+    monkeypatch.setattr(settings_module, "plan_kernels", lambda model, x, threads: timed.append(
+        len(x)) or {})  # fmt: skip
+    times = {("fp32", False, 1, ()): 0.1, ("fp32", True, 1, ()): 0.2}
+    monkeypatch.setattr(tuning.CandidateTimer, "run", lambda self, cands: times)
+    cfg = TrainConfig(precision="fp32", threads=1)
+    assert settings_module.measure_settings(net, cfg, CPU, 128).kernels == ()
+    assert timed == [20]  # 12 s / (6 steps x 0.1 s an image)
+
+
 def test_settings_carry_the_plan_through_the_cache_and_the_start_line(tmp_path):
     plan = (("c2", "nnpack"), ("pool", "nhwc"), ("c3", "nnpack"))
     s = Settings("fp32", False, 2, "measured", 1.4, plan)

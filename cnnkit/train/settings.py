@@ -2,9 +2,10 @@
 
 `precision: auto`, `channels_last: auto` and `threads: auto` are decided by measurement, the way
 cudnn.benchmark picks kernels: the network's own forward + backward is timed on this machine
-for each candidate (interleaved, a second or two in all), the fastest wins (reduced precision
-only when it is clearly faster, since fp32 keeps the most accuracy), and the choice is cached
-per machine, torch version, network and batch in ~/.cache/cnnkit, so the next run reuses it.
+for each candidate (interleaved: seconds for a small network, ~45 s for ResNet-18 on 2 cores
+with the kernel plan), the fastest wins (reduced precision only when it is clearly faster,
+since fp32 keeps the most accuracy), and the choice is cached per machine, torch version,
+network and batch in ~/.cache/cnnkit, so the next run reuses it.
 Where fp32 on the CPU wins and the memory format is left on auto, each convolution and pooling
 layer then gets its own fastest kernel (NCHW, NHWC or NNPACK: train/kernel_plan.py), kept if the
 whole step runs faster with them. The timer and the cache are cnnkit/nn/tuning.py's. Explicit settings always win; `train.calibrate: false` or
@@ -27,6 +28,7 @@ from cnnkit.errors import ConfigError, plural
 from cnnkit.nn import Network
 from cnnkit.nn.tuning import (
     MARGIN,
+    MIN_ROUNDS,
     CandidateTimer,
     Plan,
     cache_key,
@@ -42,6 +44,8 @@ from cnnkit.train.kernel_plan import plan_kernels
 
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
+PLAN_S = 12.0  # and smaller where the check that a plan pays (PLAN_STEPS steps) would take longer
+PLAN_STEPS = 2 * (1 + MIN_ROUNDS)  # that check: the step with and without, warm-up and rounds
 METHOD = 5  # how settings are measured; part of the cache key, so a new method measures anew
 
 
@@ -194,7 +198,7 @@ def measure_settings(network: Network, cfg: TrainConfig, device: torch.device,
         chosen = _fastest(times)
         speedup = times.get(("fp32", False, chosen[2], ()), times[chosen]) / times[chosen]
         if _plans_kernels(network, cfg, device, chosen):
-            chosen, gain = _with_kernels(network, device, batch, chosen)
+            chosen, gain = _with_kernels(network, device, batch, chosen, times[chosen])
             speedup *= gain
     precision, channels_last, threads, kernels = chosen
     return Settings(precision, channels_last, threads, "measured", speedup, kernels)
@@ -208,12 +212,12 @@ def _plans_kernels(network: Network, cfg: TrainConfig, device: torch.device, cho
     )  # fmt: skip
 
 
-def _with_kernels(network: Network, device: torch.device, batch: int,
-                  chosen: tuple) -> tuple[tuple, float]:  # fmt: skip
+def _with_kernels(network: Network, device: torch.device, batch: int, chosen: tuple,
+                  per_image_s: float | None = None) -> tuple[tuple, float]:  # fmt: skip
     """`chosen` with the fastest kernel per layer if its step is MARGIN faster than without
     (both timed again, interleaved), and that gain; else `chosen` and 1. Timed at the run's
-    own batch (up to PLAN_BATCH): which kernel wins changes with the batch."""
-    timer = CandidateTimer(network, device, min(batch, PLAN_BATCH), exact=True)
+    own batch (which kernel wins changes with the batch), up to `plan_batch`'s."""
+    timer = CandidateTimer(network, device, plan_batch(batch, per_image_s), exact=True)
     plan = plan_kernels(network, timer.x, chosen[2])
     if not plan:
         return chosen, 1.0
@@ -222,6 +226,15 @@ def _with_kernels(network: Network, device: torch.device, batch: int,
     if times[planned] * MARGIN < times[chosen]:
         return planned, times[chosen] / times[planned]
     return chosen, 1.0
+
+
+def plan_batch(batch: int, per_image_s: float | None) -> int:
+    """The batch a kernel plan is measured at: the run's, up to PLAN_BATCH, and fewer (down to
+    8) where PLAN_STEPS steps of it would take over PLAN_S at `per_image_s`, the seconds per
+    image the grid measured for the choice (ResNet-18 at batch 128 on a 2-core Zen 3: 23
+    images, and 45 s for the whole measurement, where 64 took 88 s)."""
+    fits = int(PLAN_S / PLAN_STEPS / per_image_s) if per_image_s else PLAN_BATCH
+    return min(batch, PLAN_BATCH, max(fits, 8))
 
 
 def _fastest(times: dict[tuple, float]) -> tuple:
