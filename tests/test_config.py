@@ -281,7 +281,9 @@ def test_a_crop_left_out_fits_before_the_crops_own_checks(shapes):
     ("folder", "num_workers", "(did you mean 'workers'?)"),
     ("digits", "image_size", "(data.crop is a setting of data.source folder / packed, not digits)"),
     ("digits", "learning_rate", "(it belongs in train: train.lr)"),
-    ("folder", "shfit", ""),  # no peer name and nothing close: nothing said
+    ("digits", "pth", "(data.path is a setting of data.source folder / packed, not digits)"),
+    ("folder", "shfit", "(data.shift is a setting of data.source digits / faces, not folder)"),
+    ("folder", "xyz", ""),  # no peer name and nothing close: nothing said
 ])  # fmt: skip
 def test_the_names_peers_give_a_data_setting_are_met_with_ours(source, key, meant):
     """torchvision's, timm's and Caffe's names for our settings are answered with ours, never

@@ -134,6 +134,13 @@ def did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
         return (f" (a setting of data.source {' / '.join(owners)}, not {data['source']}: "
                 f"data.{parts[-1]}=null leaves it out, or start from a run file written for "
                 f"{data['source']} data)")  # fmt: skip
+    if parts[:1] == ["data"] and data.get("source") in SOURCES and not known:  # data.pth on digits
+        every = sorted({f for kind in SOURCES.values() for f in kind.model_fields})
+        near = difflib.get_close_matches(parts[-1], every, n=1)
+        owners = [name for name, kind in SOURCES.items() if near and near[0] in kind.model_fields]
+        if owners:
+            return (f" (data.{near[0]} is a setting of data.source {' / '.join(owners)}, not "
+                    f"{data['source']})")  # fmt: skip
     return ""
 
 
