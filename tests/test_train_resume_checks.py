@@ -375,6 +375,34 @@ def test_a_resume_refused_for_shared_memory_leaves_the_run_as_it_was(shapes, tmp
     assert after == before
 
 
+def test_cnnkit_config_of_a_run_directory_says_what_an_edit_changed(finished_run, tmp_path,
+                                                                    capsys):  # fmt: skip
+    """`cnnkit config RUN_DIR` names an edit as a resume would refuse it; an edit that changes
+    no setting (a comment) is no note; a last.pt unreadable here leaves the edit alone said."""
+    import shutil
+
+    from helpers import run_cli
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    text = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(text + "# tried lr 0.5 on 2026-12-07\n")
+    code, _, err = run_cli(["config", str(run)], capsys)
+    assert code == 0 and err == ""
+    lr = load_checkpoint(run / "last.pt")["config"]["train"]["lr"]
+    (run / "config.yaml").write_text(text.replace(f"  lr: {lr}\n", "  lr: 0.5\n"))
+    code, _, err = run_cli(["config", str(run)], capsys)
+    assert code == 0 and err == (
+        f"cnnkit: note: {run / 'config.yaml'}: edited since the run wrote it (train.lr: 0.5 there, "
+        f"{lr} in last.pt): a resume continues last.pt's settings, changed by key=value overrides "
+        "only: give train.lr=0.5, or undo the edit (shown as edited below)\n")  # fmt: skip
+    (run / "last.pt").write_bytes(b"not a checkpoint")
+    code, _, err = run_cli(["config", str(run)], capsys)
+    assert code == 0 and err.startswith(
+        f"cnnkit: note: {run / 'config.yaml'} was edited since the run wrote it: shown as edited"
+    )
+
+
 def test_an_edit_of_config_yaml_is_refused_until_given_as_an_override(finished_run, tmp_path,
                                                                        capsys):  # fmt: skip
     """A resume takes last.pt's settings: an edited config.yaml was silently not used, then
@@ -401,8 +429,12 @@ def test_an_edit_of_config_yaml_is_refused_until_given_as_an_override(finished_r
     assert code == 2 and "(seed: 11 there, " in err and "; train.lr: 0.5 there, " in err, err
     assert "give seed=11 train.lr=0.5, or undo the edit" in err
     assert load_checkpoint(run / "last.pt")["epoch"] == 1  # nothing trained, nothing written
-    code, _, err = run_cli(["config", str(run)], capsys)
-    assert code == 0 and "was edited since the run wrote it" in err
+    code, out, err = run_cli(["config", str(run)], capsys)  # the edit named, as resume names it
+    assert code == 0 and err.startswith(
+        f"cnnkit: note: {run / 'config.yaml'}: edited since the run wrote it (seed: 11 there, "
+    )
+    assert "give seed=11 train.lr=0.5, or undo the edit (shown as edited below)" in err
+    assert " 0.5 " in out  # the table shows the edit
     (run / "config.yaml").write_text(text.replace(f"  lr: {lr}\n", "  lr: 1e-2\n"))
     code, _, err = run_cli(argv, capsys)  # read as a run file reads it: the number 0.01
     assert code == 2 and "edited since the run wrote it (train.lr: 0.01 there" in err, err

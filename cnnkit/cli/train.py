@@ -181,9 +181,9 @@ def show_config(
     if Path(run).is_dir() and (Path(run) / "config.yaml").is_file():  # a run directory's own
         run = str(Path(run) / "config.yaml")
         if edited_run_config(Path(run)) is not None and (Path(run).parent / "last.pt").is_file():
-            print(f"cnnkit: note: {run} was edited since the run wrote it: shown as edited, but "
-                  "`cnnkit train --resume` takes last.pt's settings, changed by key=value "
-                  "overrides, and refuses the edit", file=sys.stderr)  # fmt: skip
+            note = _edit_note(Path(run).parent)
+            if note:
+                print(f"cnnkit: note: {note}", file=sys.stderr)
     config = load_run(run, list(overrides or []))
     table = Table(title=Text(f"{config.name}: {run}"), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("key", "value", "default", "description"):
@@ -195,6 +195,29 @@ def show_config(
         table.add_row(*(Text(c) for c in (key, _short(value), _short(default), description)),
                       style=mark)  # fmt: skip
     wide_console().print(table)
+
+
+def _edit_note(run_dir: Path) -> str:
+    """What an edit of a run directory's config.yaml changed against last.pt (the edited rows
+    of the table), and what a resume does with it; nothing where no setting changed."""
+    from cnnkit.errors import CnnkitError, ConfigError
+    from cnnkit.train.rundir import resume_config, resume_state
+    from cnnkit.train.runfile import check_unedited
+
+    try:
+        state = resume_state(run_dir)
+        config = resume_config(state) if state is not None else None
+    except CnnkitError:  # last.pt unreadable here: the edit alone is said
+        state = None
+    if state is None:
+        return (f"{run_dir / 'config.yaml'} was edited since the run wrote it: shown as edited, "
+                "but `cnnkit train --resume` takes last.pt's settings, changed by key=value "
+                "overrides, and refuses the edit")  # fmt: skip
+    try:
+        check_unedited(run_dir, config, state)
+    except ConfigError as e:  # the edit, named as a resume refuses it
+        return f"{e} (shown as edited below)"
+    return ""  # the same settings, written otherwise (a comment, the layout)
 
 
 def _short(value) -> str:
