@@ -85,7 +85,8 @@ def own_settings_cache(own_home: Path, monkeypatch) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The long end-to-end checks (marked slow) first: pytest-xdist hands tests out in this
-    order, so they start at once, one per worker, instead of one worker running them alone at
-    the end while the others wait."""
+    """The long end-to-end checks (marked slow) first: pytest-xdist (3.8) hands each worker a
+    first chunk of consecutive tests, a quarter of its share, so the first worker starts them
+    all at once while the others take the short ones; none is left to run alone at the end
+    while the others wait."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
