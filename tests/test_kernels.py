@@ -150,6 +150,8 @@ def test_a_plan_is_measured_at_the_runs_batch_up_to_what_a_few_seconds_allow(mon
     monkeypatch.setattr(settings_module, "PLAN_S", 12.0)
     assert [plan_batch(256, s) for s in (0.001, 0.1, 0.2, 5.0)] == [64, 20, 10, 8]
     assert plan_batch(4, 5.0) == 4
+    assert [plan_batch(256, s) for s in (0.0, -1.0, float("nan"), float("inf"), 1e-320)] == [
+        64, 64, 64, 8, 64]  # fmt: skip
     net, timed = Network(SPEC), []
     monkeypatch.setattr(settings_module, "plan_kernels", lambda model, x, threads: timed.append(
         len(x)) or {})  # fmt: skip

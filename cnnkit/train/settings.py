@@ -16,6 +16,7 @@ unrepeatable).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mos
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
 PLAN_S = 12.0  # and smaller where the check that a plan pays (PLAN_STEPS steps) would take longer
 PLAN_STEPS = 2 * (1 + MIN_ROUNDS)  # that check: the step with and without, warm-up and rounds
-METHOD = 5  # how settings are measured; part of the cache key, so a new method measures anew
+METHOD = 6  # how settings are measured; part of the cache key, so a new method measures anew
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,8 @@ def plan_batch(batch: int, per_image_s: float | None) -> int:
     8) where PLAN_STEPS steps of it would take over PLAN_S at `per_image_s`, the seconds per
     image the grid measured for the choice (ResNet-18 at batch 128 on a 2-core Zen 3: 23
     images, and 45 s for the whole measurement, where 64 took 88 s)."""
-    fits = int(PLAN_S / PLAN_STEPS / per_image_s) if per_image_s else PLAN_BATCH
+    timed = per_image_s is not None and not math.isnan(per_image_s) and per_image_s > 0
+    fits = int(min(PLAN_S / PLAN_STEPS / per_image_s, PLAN_BATCH)) if timed else PLAN_BATCH
     return min(batch, PLAN_BATCH, max(fits, 8))
 
 
