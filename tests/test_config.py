@@ -248,6 +248,9 @@ def test_a_zoo_network_given_its_data_is_a_run(shapes):
     with pytest.raises(ConfigError, match=r"^data\.data_dir: unknown field \(did you mean 'path'\?\): "
                        r"`cnnkit train resnet18 data\.path=DIR` trains it on a folder"):  # fmt: skip
         load_run("resnet18", ["data.batch_size=8", "data.data_dir=/x"])  # (was: the zoo line)
+    with pytest.raises(ConfigError, match=r"^data\.shfit: unknown field \(data\.shift is a "
+                       r"setting of data\.source digits / faces, not of a folder or a pack\)"):  # fmt: skip
+        load_run("resnet18", ["data.shfit=2"])  # (no source given: not 'not folder')
 
 
 def test_a_path_given_on_the_command_line_brings_its_source(shapes, tmp_path):

@@ -151,5 +151,8 @@ def data_typo(net: str, given: set[str]) -> None:
         part = key.split(".")
         if part[0] == "data" and len(part) == 2 and part[1] not in fields:
             meant = did_you_mean(("data", part[1]), {"data": {"source": "folder"}})
+            meant = meant.replace(
+                ", not folder)", ", not of a folder or a pack)"
+            )  # (no source given)
             raise ConfigError(f"{key[:60]}: unknown field{meant}: `cnnkit train {net} "
                               "data.path=DIR` trains it on a folder of class folders or a pack")  # fmt: skip
