@@ -445,6 +445,7 @@ def test_a_batch_lost_with_its_worker_is_one_line(packed, monkeypatch):
         if error is full:  # a worker's full /dev/shm: said as such, with what to do
             assert "shared memory ran out in a worker (No space left on device): give the " in (
                 str(caught.value))  # fmt: skip
+            assert stream._loader is None  # its workers ended, the next epoch's start afresh
         elif expected is DataError:
             assert "a loader worker process died (" in str(caught.value)
         # the worker an error left running (a worker's own exception, a full /dev/shm): shut

@@ -187,6 +187,7 @@ class ImageBatches:
         if "in DataLoader worker process" in text and (
             "No space left on device" in text or "unable to write to file" in text
         ):  # torch's words for a worker's full /dev/shm
+            self._end_workers(batches)  # (not left to the collector: 5 s a worker at exit)
             return self._no_shared_memory("No space left on device", "in a worker")
         if not worker_died(e):
             return e
@@ -201,8 +202,9 @@ class ImageBatches:
                          f"{SHM_ADVICE}")  # fmt: skip
 
     def _end_workers(self, batches: Any) -> None:
-        """Stop the other workers of a loader one of whose died (torch's own clean-up of the
-        iterator: `batches`, None where there is none), so that the next epoch starts afresh."""
+        """Stop the workers of a loader one of whose died or ran out of shared memory (torch's
+        own clean-up of the iterator: `batches`, None where there is none), so that the next
+        epoch starts afresh."""
         try:
             if batches is not None:
                 batches._shutdown_workers()
