@@ -76,7 +76,9 @@ def test_sigterm_to_cnnkit_under_nproc_ends_every_process(tmp_path):
         _second_epoch(proc)
         ranks.extend(p for p in _descendants(proc.pid))
 
-    code, err = _ctrl_c_under_nproc(tmp_path, started, *NO_MEASURING, to="parent",
+    # (with the settings measured, as a run has them: rank 0 measures while rank 1 waits, then
+    # broadcasts them; the one --nproc training that goes through it)
+    code, err = _ctrl_c_under_nproc(tmp_path, started, "train.epochs=100", to="parent",
                                     sig=signal.SIGTERM)  # fmt: skip
     assert code == 143 and err.splitlines()[-1] == "cnnkit: terminated (SIGTERM)", err
     assert len(ranks) >= 3  # the agent and two ranks (and their helpers)
