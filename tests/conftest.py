@@ -68,7 +68,8 @@ def own_home(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     """The `cnnkit` subprocesses the tests start cache measured settings under this session's
     HOME, not in the user's ~/.cache. One HOME for every pytest-xdist worker, as the suite in
     one process has: a network's settings are measured once a session, not once per worker
-    (and matplotlib's font cache is built once); the cache is written atomically."""
+    (and matplotlib's font cache is built once). The cache is replaced whole, so a worker
+    never reads half a file; two writing at once may lose one entry, measured again."""
     home = _shared_dir(tmp_path_factory, worker_id) / "home"
     home.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
