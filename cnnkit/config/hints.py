@@ -98,8 +98,9 @@ PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the sect
 }
 
 
-def did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
-    """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section."""
+def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None) -> str:
+    """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section
+    (`source_said`: the data source as a message names it, where the run names none)."""
     section: type[BaseModel] = RunConfig
     parts = [str(p) for p in loc if str(p) not in SOURCES]
     for part in parts[:-1]:
@@ -126,12 +127,11 @@ def did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
             where = "at the top level" if not prefix else f"in {prefix[:-1]}"
             return f" (it belongs {where}: {prefix}{peer or parts[-1]})"
     owners = [name for name, kind in SOURCES.items() if (peer or parts[-1]) in kind.model_fields]
+    this = source_said or data.get("source")
     if peer and owners and parts[:1] == ["data"] and data.get("source") in SOURCES:
-        return (
-            f" (data.{peer} is a setting of data.source {' / '.join(owners)}, not {data['source']})"
-        )
+        return f" (data.{peer} is a setting of data.source {' / '.join(owners)}, not {this})"
     if parts[:1] == ["data"] and owners and data.get("source") in SOURCES:
-        return (f" (a setting of data.source {' / '.join(owners)}, not {data['source']}: "
+        return (f" (a setting of data.source {' / '.join(owners)}, not {this}: "
                 f"data.{parts[-1]}=null leaves it out, or start from a run file written for "
                 f"{data['source']} data)")  # fmt: skip
     if parts[:1] == ["data"] and data.get("source") in SOURCES and not known:  # data.pth on digits
@@ -140,7 +140,7 @@ def did_you_mean(loc: tuple, raw: dict[str, Any]) -> str:
         owners = [name for name, kind in SOURCES.items() if near and near[0] in kind.model_fields]
         if owners:
             return (f" (data.{near[0]} is a setting of data.source {' / '.join(owners)}, not "
-                    f"{data['source']})")  # fmt: skip
+                    f"{this})")  # fmt: skip
     return ""
 
 
@@ -150,9 +150,7 @@ def data_typo(net: str, given: set[str]) -> None:
     for key in sorted(given):
         part = key.split(".")
         if part[0] == "data" and len(part) == 2 and part[1] not in fields:
-            meant = did_you_mean(("data", part[1]), {"data": {"source": "folder"}})
-            meant = meant.replace(
-                ", not folder)", ", not of a folder or a pack)"
-            )  # (no source given)
+            meant = did_you_mean(("data", part[1]), {"data": {"source": "folder"}},
+                                 source_said="of a folder or a pack")  # fmt: skip
             raise ConfigError(f"{key[:60]}: unknown field{meant}: `cnnkit train {net} "
                               "data.path=DIR` trains it on a folder of class folders or a pack")  # fmt: skip
