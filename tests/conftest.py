@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from helpers import cli_ok
+from helpers import cli_ok, shared_dir
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,13 +29,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
 
 
-def _shared_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
-    """The folder every pytest-xdist worker of this session sees (the workers' common parent
-    of their own base folders); the base folder itself when the suite runs in one process."""
-    base = tmp_path_factory.getbasetemp()
-    return base if worker_id == "master" else base.parent
-
-
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """A run directory from `cnnkit train digits` (2 epochs), made once per test session: by
@@ -43,7 +36,7 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path
     only read it; each worker training its own cost a run's CPU on a 2-core machine). The
     command runs in this process, as the tests' run_cli does: a process of its own cost its
     start-up (torch's and torch._dynamo's imports, seconds) while the other worker waited."""
-    shared = _shared_dir(tmp_path_factory, worker_id)
+    shared = shared_dir(tmp_path_factory, worker_id)
     run, made = shared / "digits-run", shared / "digits-run.made"
     with FileLock(shared / "digits-run.lock"):
         if not made.exists():
@@ -70,7 +63,7 @@ def own_home(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     one process has: a network's settings are measured once a session, not once per worker
     (and matplotlib's font cache is built once). The cache is replaced whole, so a worker
     never reads half a file; two writing at once may lose one entry, measured again."""
-    home = _shared_dir(tmp_path_factory, worker_id) / "home"
+    home = shared_dir(tmp_path_factory, worker_id) / "home"
     home.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HOME", str(home))

@@ -22,6 +22,13 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The folder every pytest-xdist worker of this session sees (the workers' common parent
+    of their own base folders); the base folder itself when the suite runs in one process."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
 def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
     """Run `cnnkit ARGS` in this process: (exit status, stdout, stderr)."""
     from cnnkit.cli import main

@@ -226,8 +226,9 @@ def two_processes(tmp_path_factory, worker_id):
     """The torchrun's folder, made once per test session: by the first pytest-xdist worker
     that runs a test of this module, the other waiting on its lock (xdist hands a module's
     tests out in chunks, and a module split between the workers ran the torchrun twice)."""
-    shared = tmp_path_factory.getbasetemp()
-    shared = shared if worker_id == "master" else shared.parent  # (the workers' common folder)
+    from helpers import shared_dir
+
+    shared = shared_dir(tmp_path_factory, worker_id)
     out, made = shared / "ddp", shared / "ddp.made"
     with FileLock(shared / "ddp.lock"):
         if not made.exists():
