@@ -33,7 +33,9 @@ def resize_region(x: torch.Tensor, extent: tuple[float, float],
     if tuple(x.shape[-2:]) == tuple(extent):
         if x.shape[-2:] == size:
             return x
+        x = x.contiguous(memory_format=torch.channels_last)  # see resize_crop
         return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    x = x.contiguous(memory_format=torch.channels_last)
     scale = (size[0] / extent[0] * (1 + 1e-9), size[1] / extent[1] * (1 + 1e-9))
     x = F.interpolate(x, scale_factor=scale, mode="bilinear", antialias=True,
                       align_corners=False, recompute_scale_factor=False)  # fmt: skip
@@ -76,8 +78,13 @@ def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int
 
 def resize_crop(region: torch.Tensor, crop: int, flip: bool) -> torch.Tensor:
     """(3, h, w) uint8, any memory layout -> (3, crop, crop) by antialiased bilinear resizing,
-    mirrored if flip (torch's flip: a copy 7x faster than numpy's of a reversed view)."""
+    mirrored if flip (torch's flip: a copy 7x faster than numpy's of a reversed view).
+
+    The region is first copied channels-last and contiguous: torch's uint8 kernel then takes
+    its vectorised RGB path, and copy plus resize cost 25-50% less than resizing a planar
+    region or a strided view of a decoded (H, W, 3) image (the same values either way)."""
     x = region[None]
     if x.shape[-2:] != (crop, crop):
+        x = x.contiguous(memory_format=torch.channels_last)
         x = F.interpolate(x, size=(crop, crop), mode="bilinear", antialias=True)
     return x[0].flip(-1) if flip else x[0]
