@@ -208,6 +208,7 @@ def test_a_data_path_without_a_source_is_read_as_what_is_there(shapes, tmp_path)
     ("lenet5", {}, 32, 37),  # 8/7 of the side: not a 32 px crop of 256
     ("alexnet", {}, 227, 256),  # the default itself: nothing set
     ("resnet18", {"crop": 200}, 200, 256),  # given: kept (and size left as it is)
+    ("resnet18", {"crop": 299}, 299, 342),  # given over 256: size follows it (8/7), not refused
     ("resnet18", {"size": 300}, 224, 300),
     ({"network": "resnet18", "input": [3, 64, 64]}, {}, 64, 73),  # model.input: its side
     ("inception-small", {"source": "packed"}, 32, None),  # a pack: its crop only
@@ -309,6 +310,16 @@ def test_a_source_read_from_the_path_names_its_fields_in_messages(shapes, data, 
     with pytest.raises(ConfigError) as caught:
         load_run({"model": "resnet18", "data": {"path": str(shapes), **data}})
     assert str(caught.value) == line
+
+
+def test_a_folders_size_follows_a_crop_over_its_default_where_left_out(shapes):
+    """bench loader --crop 299 and data.crop=299 alike: no data.size there to set."""
+    from cnnkit.data import data_config
+
+    section = {"source": "folder", "path": str(shapes)}
+    assert data_config({**section, "crop": 299}).size == 342
+    assert data_config({**section, "crop": 299, "size": 320}).size == 320  # given: kept
+    assert data_config({**section, "crop": 256}).size == 256
 
 
 def test_the_crop_and_size_from_a_network_stay_within_what_a_folder_takes(shapes):

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt, PrivateAttr
+from pydantic import Field, PositiveInt, PrivateAttr, model_validator
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting, rrc_boxes
@@ -173,13 +173,27 @@ class FolderConfig(ImageSetConfig):
         le=MAX_SIDE,
         description="images are resized to size x size first (at most "
         f"{MAX_SIDE}: what a trained network may read; left out with crop: 8/7 of the "
-        "network's side, 256 from 224 to 256)",
+        "network's side, 256 from 224 to 256; left out with a data.crop over 256: its 8/7)",
     )
     resize_mode: Literal["squash", "shorter"] = Field(
         "squash", description="or shorter side + crop"
     )
 
     default_stats = (IMAGENET_MEAN, IMAGENET_STD)  # (ClassVar)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _size_follows_a_large_crop(cls, data: Any) -> Any:
+        """A crop over the default size with data.size left out (data.crop=299, bench loader
+        --crop 299): images are resized to the crop's 8/7 first, torchvision's 224 of 256,
+        as a network's own input side sets it, where the default could only be refused."""
+        if not isinstance(data, dict) or "size" in data:
+            return data
+        crop, default = data.get("crop"), cls.model_fields["size"].default
+        if isinstance(crop, int) and not isinstance(crop, bool) and default < crop <= MAX_SIDE:
+            data = {**data, "size": min(round(crop * 8 / 7), MAX_SIDE)}
+        return data
+
     _evaluating: bool = PrivateAttr(False)  # evaluated_as: an empty class folder is skipped
     _labels_option: str = PrivateAttr("data.val_labels")  # eval --data DIR: its --labels
 
