@@ -77,6 +77,26 @@ def test_a_network_without_trained_weights_is_refused(tmp_path, capsys):
         assert "export of a network without trained weights" in one_error_line(code, err, (2,))
     code, _, err = run_cli(["eval", "digitnet", "--data", "digits"], capsys)
     assert "digitnet: a network without trained weights" in one_error_line(code, err, (2,))
+
+
+def test_a_runs_settings_beside_its_checkpoint_point_to_the_run(digits_run, tmp_path, capsys):
+    """runs/X/config.yaml is a run file, whose network alone has random weights: where the
+    run's checkpoint lies beside it, classify and export name the run, and write nothing."""
+    settings, image, out = digits_run / "config.yaml", tmp_path / "x.png", tmp_path / "x.onnx"
+    Image.new("L", (8, 8)).save(image)
+    for argv in (
+        ["classify", str(settings), str(image)],
+        ["export", str(settings), "-o", str(out)],
+    ):
+        code, _, err = run_cli(argv, capsys)
+        line = one_error_line(code, err, (2,))
+        assert f"the settings of run {digits_run}, without its weights" in line
+        assert f"give the run directory {digits_run}" in line
+    assert not out.exists()
+    copy = tmp_path / "config.yaml"  # elsewhere: the network with its random initial weights
+    copy.write_text(settings.read_text())
+    code, _, err = run_cli(["export", str(copy), "-o", str(out)], capsys)
+    assert code == 0 and "has no trained weights" in err and out.is_file()
     net = load_network("digitnet").model
     torch.save(net.state_dict(), tmp_path / "w.pt")
     (tmp_path / "net.yaml").write_text(f"model: {json.dumps({**net.spec, 'weights': 'w.pt'})}\n")

@@ -12,6 +12,7 @@ from cnnkit.checkpoint.locate import (
     checkpoint_path,
     dated_run_hint,
     no_checkpoint_in,
+    run_of_settings,
     trained_files,
 )
 from cnnkit.checkpoint.saved import (
@@ -56,6 +57,7 @@ __all__ = [
     "load_checkpoint",
     "load_trained",
     "no_checkpoint_in",
+    "run_of_settings",
     "note_mean_image",
     "read_export",
     "rng_state",

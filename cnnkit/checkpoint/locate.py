@@ -94,6 +94,15 @@ def _run_file(folder: Path) -> Path | None:
     return next((folder / n for n in (*CHECKPOINTS, "config.yaml") if (folder / n).is_file()), None)
 
 
+def run_of_settings(path: str | Path) -> Path | None:
+    """The run directory whose config.yaml `path` is, where a checkpoint lies beside it (its
+    learned weights, which the settings alone lack); None for any other file."""
+    path = Path(path)
+    if path.name != "config.yaml" or not path.is_file():
+        return None
+    return path.parent if any((path.parent / n).is_file() for n in CHECKPOINTS) else None
+
+
 def check_not_a_record(path: Path) -> None:
     """CheckpointError for a run's metrics.csv, curves.png (or an image, an array) given where
     a checkpoint or network is read: what it is and what to give, not a reader's error."""

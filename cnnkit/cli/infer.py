@@ -117,14 +117,19 @@ def export(
     ema: bool = typer.Option(False, "--ema", help=EMA_HELP),
 ) -> None:
     """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
+    from cnnkit.checkpoint import is_checkpoint, run_of_settings
     from cnnkit.errors import ConfigError
     from cnnkit.infer.export import check_replaceable, export_checked, export_format
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
 
+    run = run_of_settings(target)
+    if run is not None:  # its random initial weights, where the learned ones lie beside it
+        raise ConfigError(f"{target}: the settings of run {run}, without its weights: give the "
+                          f"run directory {run} to export what it learned (a copy of the file "
+                          "elsewhere exports the network's random initial weights)")  # fmt: skip
     _writable(out, target, _weights_of(target), example="model.onnx")
     fmt = export_format(out, fmt)
-    from cnnkit.checkpoint import is_checkpoint
 
     if is_checkpoint(out):
         raise ConfigError(f"-o {out}: is a checkpoint (a torch.save file), which an export "

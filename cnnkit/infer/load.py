@@ -22,6 +22,7 @@ from cnnkit.checkpoint import (
     load_checkpoint,
     load_trained,
     read_export,
+    run_of_settings,
     uses_mean_image,
 )
 from cnnkit.data.base import MAX_SIDE, Preprocess, unit_mistake
@@ -132,6 +133,10 @@ def require_trained(loaded: Loaded, target: str | Path) -> None:
     if Path(loaded.source).suffix == ".safetensors":
         raise ConfigError(f"{target}: the export of a network without trained weights (its "
                           "metadata says so): export a run directory or checkpoint instead")  # fmt: skip
+    run = run_of_settings(target)
+    if run is not None:
+        raise ConfigError(f"{target}: the settings of run {run}, without its weights: give "
+                          f"the run directory {run}")  # fmt: skip
     raise ConfigError(f"{target}: a network without trained weights: give a run directory, "
                       "a .pt checkpoint, a .safetensors export or a network file with "
                       "weights:")  # fmt: skip
