@@ -142,6 +142,19 @@ def test_cli_a_batch_that_cannot_fit_is_one_line_before_any_timing(capsys):
         assert err.startswith("cnnkit: error: --batch 100000000: lenet5 needs at least 6.3 TB")
 
 
+def test_cli_a_batch_past_any_machine_reads_as_a_power_of_ten(capsys):
+    """--batch 10**23 said `6250400000000.0 PB`, and 10**400 was a traceback (an OverflowError
+    formatting the bytes): past 1000 PB the figure is a power of ten."""
+    from cnnkit.nn.memory import format_bytes
+
+    for batch, needs in ((10**23, "6.3e+27 bytes"), (10**400, "6.3e+404 bytes")):
+        code, _, err = run_cli(["bench", "layers", "lenet5", "-b", str(batch), "-d", "cpu"], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"lenet5 needs at least {needs} (15,626 activation values" in err, err
+    assert [format_bytes(n) for n in (999, 1536, 999.9e15, 1e18)] == [
+        "999 B", "1.5 KB", "999.9 PB", "1.0e+18 bytes"]  # fmt: skip
+
+
 @pytest.mark.parametrize("error,size", [
     (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
                   "memory: you tried to allocate 409600000000 bytes. Error code 12"), "409.6 GB"),

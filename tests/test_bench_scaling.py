@@ -9,10 +9,19 @@ from helpers import TINY_NET as TINY
 from helpers import TINY_NET_MACS as TINY_MACS
 from helpers import run_cli
 
-from cnnkit.bench.scaling import Entry, lenet, parse_devices, run_scaling, study, write_outputs
+from cnnkit.bench.scaling import (
+    Entry,
+    check_replaceable,
+    lenet,
+    parse_devices,
+    run_scaling,
+    study,
+    write_outputs,
+)
 from cnnkit.bench.throughput import train_config
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import ConfigError
+from cnnkit.infer.images import drawn_by_cnnkit
 from cnnkit.nn import build_model
 
 CPU = torch.device("cpu")
@@ -81,6 +90,8 @@ def test_scaling_writes_json_and_png(tmp_path):
     assert cpu["train_ms_per_image"] > 0 and cpu["infer_ms_per_image"] > 0
     assert all(n["speedup"] is None for n in data["networks"])
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn_by_cnnkit(paths[1])  # marked: the next run may replace it, as it does here
+    assert write_outputs(report, tmp_path / "out") == paths
     assert data["quick"] is True  # a smoke run says so, in the file and its table's title
     from io import StringIO
 
@@ -111,3 +122,45 @@ def test_a_quick_scaling_run_never_replaces_a_full_study(recorded, tmp_path, cap
     assert code == 2 and not out and "holds a full study (15 networks)" in err, err
     assert (tmp_path / "scaling.json").read_text() == study
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scaling.json"]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "why"),
+    [("scaling.png", None, "is not a picture cnnkit drew"),
+     ("scaling.json", b"notes\n", "is not a study cnnkit wrote")],
+    ids=["photo", "notes"],
+)  # fmt: skip
+def test_scaling_never_replaces_a_file_cnnkit_did_not_write(name, content, why, tmp_path, capsys):
+    """-o DIR (by default the current folder) wrote over any scaling.png or scaling.json
+    there, a picture of the user's too; now refused with one line, before any timing."""
+    from PIL import Image
+
+    path = tmp_path / name
+    if content is None:
+        Image.new("RGB", (10, 10)).save(path)
+    else:
+        path.write_bytes(content)
+    before = path.read_bytes()
+    code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "--quick", "-o",
+                              str(tmp_path)], capsys)  # fmt: skip
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert err.startswith(f"cnnkit: error: --out: {path} exists and {why}"), err
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_scaling_replaces_its_own_outputs_and_refuses_a_file_as_out(tmp_path, capsys):
+    """A study cnnkit wrote and the picture beside it (drawn before pictures were marked) are
+    replaced; --out naming a file says so (it said `cannot create ...: File exists`)."""
+    from PIL import Image
+
+    (tmp_path / "scaling.json").write_text(json.dumps({"quick": True, "networks": []}))
+    Image.new("RGB", (10, 10)).save(tmp_path / "scaling.png")
+    check_replaceable(tmp_path, quick=True)  # no error
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "-o", str(afile)], capsys)
+    assert (
+        code == 2
+        and not out
+        and err == f"cnnkit: error: --out {afile}: is a file; --out names a folder\n"
+    )

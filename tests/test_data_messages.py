@@ -167,3 +167,30 @@ def test_an_empty_argument_is_refused_never_read_as_the_current_folder(tmp_path,
             f"cnnkit: error: {what} is empty (an unset shell variable?): give a value"
         )
         assert code == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_bench_loader_names_its_own_flags_when_shared_memory_is_short(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    """bench loader said the advice meant for `cnnkit train` ("lower data.workers, data.prefetch
+    or data.batch_size"): it has --workers and --batch, and no --prefetch. Train's words stay."""
+    import os
+
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny() if p == "/dev/shm" else real(p))
+    section = folder_section(tmp_path, workers=1)
+    code, _, err = run_cli(["bench", "loader", section["path"], "--workers", "1", "--batch", "2",
+                            "--crop", "8", "--batches", "1"], capsys)  # fmt: skip
+    line = one_error_line(code, err)
+    assert line.startswith("cnnkit: error: --workers 1 ") and "data." not in line, line
+    assert line.endswith("or lower --workers or --batch"), line
+    with pytest.raises(DataError, match=r"^data\.workers=1 .*lower data\.workers, data\.prefetch "
+                                        r"or data\.batch_size$"):  # fmt: skip
+        next(iter(data_config(section).build(torch.device("cpu")).train))
+    from cnnkit.bench.loader import as_flags
+
+    died = "data.workers=2: a loader worker process died (x): lower data.workers or data.prefetch"
+    assert as_flags(died) == "--workers 2: a loader worker process died (x): lower --workers"

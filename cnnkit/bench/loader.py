@@ -87,14 +87,34 @@ def bench_loader(data: str | Path, workers: int | None = None, batch: int = 256,
                           f"{batch})")  # fmt: skip
     if warmup is not None and warmup < 0:
         raise ConfigError(f"bench loader: warmup must be >= 0 (got {warmup})")
-    device = device or torch.device("cpu")
     try:
-        cfg = data_config(loader_config(data, workers, batch, **options))
-        stream = cfg.build(device).train
-    except ConfigError as e:  # the settings bench loader made from its flags, named as flags
-        flags = {"data.crop": "--crop", "data.decode": "--decode", "data.workers": "--workers"}
-        raise ConfigError(re.sub(r"\bdata\.(crop|decode|workers)\b",
-                                 lambda m: flags[m.group(0)], str(e))) from None  # fmt: skip
+        return _time_loader(data, workers, batch, batches, warmup, device, options)
+    except (ConfigError, DataError) as e:  # building or running the loader: its words, flags'
+        e.args = (as_flags(str(e)),)
+        raise
+
+
+FLAGS = {"crop": "--crop", "decode": "--decode", "workers": "--workers", "batch_size": "--batch"}
+
+
+def as_flags(message: str) -> str:
+    """A message naming the `data:` settings bench loader made from its flags, in its flags'
+    words (`data.workers=2` as `--workers 2`; data.prefetch, which no flag sets, left out of
+    advice to lower it)."""
+    message = re.sub(r", data\.prefetch or ", " or ", message)  # (SHM_ADVICE's list)
+    message = re.sub(r" or data\.prefetch\b", "", message)  # (a worker that died)
+    message = re.sub(r"\bdata\.workers=(\d+)", r"--workers \1", message)
+    return re.sub(r"\bdata\.(crop|decode|workers|batch_size)\b",
+                  lambda m: FLAGS[m.group(1)], message)  # fmt: skip
+
+
+def _time_loader(data: str | Path, workers: int | None, batch: int, batches: int,
+                 warmup: int | None, device: torch.device | None,
+                 options: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """bench_loader's timing, its errors in the words of the data settings."""
+    device = device or torch.device("cpu")
+    cfg = data_config(loader_config(data, workers, batch, **options))
+    stream = cfg.build(device).train
     storage = (
         json.loads((Path(data) / "meta.json").read_text())["storage"]
         if cfg.source == "packed"

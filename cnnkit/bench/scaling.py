@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,11 @@ def print_scaling(report: dict[str, Any], console: Any = None) -> None:
 def ensure_dir(out: str | Path) -> Path:
     """The output folder, created if needed (a ConfigError naming it if it cannot be)."""
     out = Path(out)
+    if out.exists() and not out.is_dir():  # (mkdir: "File exists")
+        from cnnkit.data.decode import file_kind
+
+        kind = "a file" if out.is_file() else file_kind(out.stat().st_mode)
+        raise ConfigError(f"--out {out}: is {kind}; --out names a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -225,24 +231,46 @@ def ensure_dir(out: str | Path) -> Path:
     return out
 
 
-def check_not_replacing(out: Path, quick: bool) -> None:
-    """ConfigError where a --quick run (a smoke test) would replace a full study's results in
-    `out`: those took tens of minutes of timing."""
+STUDY_MAX_BYTES = 16 << 20  # far more than any study's JSON: a larger file is not one
+
+
+def read_study(path: Path) -> dict[str, Any] | None:
+    """The study in `path` where it is a scaling.json cnnkit wrote (a regular file holding an
+    object with its `networks`), else None."""
     try:
-        there = json.loads((Path(out) / "scaling.json").read_text())
+        if not path.is_file() or path.stat().st_size > STUDY_MAX_BYTES:  # (a FIFO: never read)
+            return None
+        there = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return  # none there (or not a study's): written over as any output file
-    full = isinstance(there, dict) and "networks" in there and there.get("quick") is not True
-    if quick and full:  # (a study written before `quick` was recorded is a full one)
-        count = len(there.get("networks", []))
-        raise ConfigError(f"--out: {Path(out) / 'scaling.json'} holds a full study ({count} "
-                          "networks); a --quick run would replace it: give --out another "
-                          "folder")  # fmt: skip
+        return None
+    return there if isinstance(there, dict) and isinstance(there.get("networks"), list) else None
+
+
+def check_replaceable(out: Path, quick: bool) -> None:
+    """ConfigError, before any timing, where `out` holds a scaling.json or scaling.png cnnkit
+    did not write (only a study, and a picture cnnkit drew or one beside its study, are
+    replaced), or a full study a --quick run (a smoke test) would replace: that took tens of
+    minutes of timing."""
+    from cnnkit.infer.images import drawn_by_cnnkit
+
+    json_path, png_path = Path(out) / "scaling.json", Path(out) / "scaling.png"
+    there = read_study(json_path)
+    png_ours = png_path.is_file() and (there is not None or drawn_by_cnnkit(png_path))
+    for path, ours, what in ((json_path, there is not None, "a study cnnkit wrote"),
+                             (png_path, png_ours, "a picture cnnkit drew")):  # fmt: skip
+        if os.path.lexists(path) and not ours:
+            raise ConfigError(f"--out: {path} exists and is not {what}, which this would "
+                              "replace: give --out another folder")  # fmt: skip
+    if quick and there is not None and there.get("quick") is not True:
+        count = len(there["networks"])  # (a study written before `quick` was: a full one)
+        raise ConfigError(f"--out: {json_path} holds a full study ({count} networks); a "
+                          "--quick run would replace it: give --out another folder")  # fmt: skip
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
-    """Write scaling.json and scaling.png into `out` (created if needed)."""
+    """Write scaling.json and scaling.png into `out` (created if needed; check_replaceable)."""
     out = ensure_dir(out)
+    check_replaceable(out, report.get("quick") is True)
     json_path, png_path = out / "scaling.json", out / "scaling.png"
     plot_scaling(report, png_path)  # first: a failed drawing leaves the last run's pair whole
     write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), private=True)
@@ -255,6 +283,8 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from cnnkit.infer.images import figure_metadata
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     families = list(dict.fromkeys(row["family"] for row in report["networks"]))
@@ -273,7 +303,7 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"cnnkit scaling study ({report['precision']}): " + ", ".join(report["devices"]))
     fig.tight_layout()
     with atomic(Path(path), private=True) as f:
-        fig.savefig(f, dpi=110, format="png")
+        fig.savefig(f, dpi=110, format="png", metadata=figure_metadata("png"))  # marked ours
     plt.close(fig)
 
 

@@ -182,7 +182,7 @@ def scaling(
     """The CPU-vs-GPU study of Strigl et al. 2010: growing networks timed on every device, with speed-ups."""
     _as_the_command_runs()
     from cnnkit.bench.scaling import (
-        check_not_replacing,
+        check_replaceable,
         ensure_dir,
         parse_devices,
         print_scaling,
@@ -195,7 +195,7 @@ def scaling(
     for dev in chosen[0]:
         check_precision(precision, dev, auto=False)
     out = ensure_dir(out)  # fail before minutes of timing, not after
-    check_not_replacing(out, quick)
+    check_replaceable(out, quick)  # files cnnkit did not write, a full study
     if chosen[1]:
         print(chosen[1])  # CPU only: say so before the run, not after
     report = run_scaling(chosen, precision, quick=quick)

@@ -4,6 +4,7 @@ table, checked against the memory of the device it is built on (one line when it
 from __future__ import annotations
 
 import os
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,10 @@ META_LIMIT = 2**40  # 1 TiB: a network larger than this is a typo even to descri
 
 
 def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KB' (powers of 1000, as disks and `free -h` report)."""
+    """1536 -> '1.5 KB' (powers of 1000, as disks and `free -h` report); from 1000 PB on, a
+    power of ten ('6.3e+24 bytes'), not a count of PB, and never a float overflow."""
+    if n >= 1000**6:  # (Decimal: exact for an integer of any size, where float() overflows)
+        return f"{Decimal(n):.1e} bytes"
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if n < 1000 or unit == "PB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
