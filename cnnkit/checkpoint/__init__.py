@@ -11,6 +11,7 @@ from cnnkit.checkpoint.locate import (
     check_not_a_record,
     checkpoint_path,
     dated_run_hint,
+    holds_runs,
     no_checkpoint_in,
     trained_files,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "check_not_a_record",
     "checkpoint_path",
     "dated_run_hint",
+    "holds_runs",
     "export_ema_error",
     "export_settings",
     "is_checkpoint",
