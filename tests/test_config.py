@@ -49,6 +49,23 @@ def test_run_file_naming_a_network_file_beside_it(tmp_path):
     assert config.model.network == str(tmp_path / "net.yaml") and config.name == "run"
 
 
+@pytest.mark.parametrize("model", ["{LAYERS}", "{network: {LAYERS}}"])
+def test_a_network_written_in_a_run_file_names_it_in_its_layer_errors(tmp_path, monkeypatch,
+                                                                       model):  # fmt: skip
+    """A `model:` mapping written in the run file is named as a network file is (it was
+    `layer 1 (add): ...` alone)."""
+    from cnnkit import build_model
+
+    layers = ("input: [1, 8, 8], layers: [{name: c1, type: conv, out_channels: 4, kernel_size: "
+              "3}, {name: add, type: add, inputs: [c1, c9]}]")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    Path("inline.yaml").write_text(f"model: {model.replace('LAYERS', layers)}\n"
+                                   "data: {source: digits}\n")  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        build_model(load_run("inline.yaml").model.spec())
+    assert str(error.value) == "inline.yaml: model: layer 1 (add): inputs: unknown layer 'c9'"
+
+
 def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
     """`model: {network:, weights:}` is what info, show and build_model read too."""
     import torch

@@ -45,6 +45,8 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
     config = validate_run(raw)
+    if isinstance(config.model.network, dict) and not isinstance(run, dict):
+        config.model._source = f"{run}: model"  # (a network file names itself)
     data = config.data  # a new run (a resumed one keeps the settings it started with)
     if getattr(data, "val_fraction", None) == 0 and not getattr(data, "val_path", None):
         raise ConfigError("data.val_fraction: 0 leaves no held-out images, which best.pt, early "

@@ -15,6 +15,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    PrivateAttr,
     field_validator,
     model_validator,
 )
@@ -23,6 +24,7 @@ from cnnkit.data import DataConfig, check_source
 from cnnkit.data.base import Section
 from cnnkit.errors import brief, plural
 from cnnkit.nn import read_spec, with_input
+from cnnkit.nn.spec import Described
 
 DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # fullmatch ($ passes "cpu\n")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
@@ -194,6 +196,9 @@ class ModelConfig(Section):
         max_length=3,
         description="[C, H, W] in place of the network's own (a zoo network at the data's size)",
     )
+    # where a network mapping written in a run file was read (`run.yaml: model`): its layer
+    # errors name it, as a network file's name that file
+    _source: str | None = PrivateAttr(None)
 
     @model_validator(mode="before")
     @classmethod
@@ -221,7 +226,11 @@ class ModelConfig(Section):
 
     def spec(self) -> dict[str, Any]:
         """The network's `model:` mapping (what the graph builder reads), with `input`."""
-        spec = read_spec(self.network)
+        network = self.network
+        if isinstance(network, dict) and self._source is not None:
+            network = Described(network)
+            network.source = self._source
+        spec = read_spec(network)
         return spec if self.input is None else with_input(spec, self.input)
 
 
