@@ -104,6 +104,17 @@ class TrainConfig(Section):
             raise ValueError(f"{v!r} is not one of auto, cpu, cuda, cuda:N")
         return v
 
+    @field_validator("milestones", mode="before")
+    @classmethod
+    def _milestones_as_a_list(cls, value: Any) -> Any:
+        """torchvision's `--lr-steps 30 60` habit, `train.milestones=30,60`: how to give them."""
+        one = isinstance(value, int) and not isinstance(value, bool)  # (=30: YAML's number)
+        if one or isinstance(value, str) and re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", value):
+            epochs = ",".join(str(value).replace(" ", "").split(","))
+            raise ValueError(f"give the epochs as a list: train.milestones=[{epochs}] (got "
+                             f"{value!r})")  # fmt: skip
+        return value
+
     @field_validator("betas")
     @classmethod
     def _check_betas(cls, v: tuple[float, float]) -> tuple[float, float]:
@@ -151,6 +162,22 @@ def schedule_notes(train: TrainConfig) -> list[str]:
     late = [m for m in train.milestones if m >= epochs] if train.schedule == "multistep" else []
     if late:
         notes.append(f"train.milestones {late} at or past the last epoch ({epochs}): no drop there")
+    return notes + (_milestone_notes(train.milestones) if train.schedule == "multistep" else [])
+
+
+def _milestone_notes(milestones: list[int]) -> list[str]:
+    """Repeated or unsorted milestones, which torch's MultiStepLR takes (as our schedule does):
+    what it will do with them."""
+    notes = []
+    repeated = sorted({m for m in milestones if milestones.count(m) > 1})
+    for m in repeated:
+        times = milestones.count(m)
+        notes.append(f"train.milestones {milestones}: {m} is given {times} times: the lr "
+                     f"drops by gamma**{times} at once there, as torch's MultiStepLR does")  # fmt: skip
+    if milestones != sorted(milestones):
+        notes.append(f"train.milestones {milestones} are not in increasing order: the lr drops "
+                     f"at each all the same (at {sorted(milestones)}), as torch's MultiStepLR "
+                     "counts them in any order")  # fmt: skip
     return notes
 
 
