@@ -161,3 +161,26 @@ def test_milestones_given_as_torchvisions_lr_steps_or_one_by_one_say_how(overrid
     with pytest.raises(ConfigError) as error:
         load_run("digits", ["train.schedule=multistep", override])
     assert str(error.value) == line
+
+
+@pytest.mark.parametrize(
+    "overrides, note",
+    [
+        (["train.optimizer=adam", "train.momentum=0.9"],
+         "train.optimizer adam does not use train.momentum (train.optimizer=sgd or nesterov "
+         "would use it)"),
+        (["train.optimizer=sgd", "train.betas=[0.8,0.99]"],
+         "train.optimizer sgd does not use train.betas (train.optimizer=adam or adamw would use "
+         "it)"),
+        (["train.optimizer=adamw", "train.betas=[0.8,0.99]"], None),
+        (["train.optimizer=adam"], None),  # momentum's default is not given
+    ],
+)  # fmt: skip
+def test_settings_the_optimizer_does_not_read_are_said(overrides, note, tmp_path):
+    """Adam given momentum (its betas do that job): said as the schedule's unread settings
+    are; a resolved config.yaml of the same run says it too, its defaults never."""
+    config = load_run("digits", overrides)
+    assert schedule_notes(config.train) == ([note] if note else [])
+    dump_run(config, tmp_path / "c.yaml")
+    resolved = schedule_notes(load_run(tmp_path / "c.yaml").train)
+    assert resolved == ([note] if note and "betas" in note else [])  # (momentum 0.9: default)

@@ -146,13 +146,23 @@ SCHEDULE_SETTINGS: dict[str, tuple[str, ...]] = {
     "cosine": ("min_lr",),
 }
 
+# the settings each optimizer reads beside lr and weight_decay (Adam's betas do momentum's job)
+OPTIMIZER_SETTINGS: dict[str, tuple[str, ...]] = {
+    "sgd": ("momentum",),
+    "nesterov": ("momentum",),
+    "adam": ("betas",),
+    "adamw": ("betas",),
+}
+
 
 def schedule_notes(train: TrainConfig) -> list[str]:
-    """Schedule settings the run never uses: given to a schedule that does not read them (a
-    torchvision user's step_size under the default schedule), or never reached in this many
-    epochs (a forgotten override, or a short trial of a long recipe): said, not refused."""
-    unused = _unused_schedule_settings(train)
-    notes, epochs = [unused] if unused else [], train.epochs
+    """Schedule and optimizer settings the run never uses: given to a schedule or optimizer
+    that does not read them (a torchvision user's step_size under the default schedule, Adam
+    given momentum), or never reached in this many epochs (a forgotten override, or a short
+    trial of a long recipe): said, not refused."""
+    unused = [_unused_settings(train, "schedule", SCHEDULE_SETTINGS),
+              _unused_settings(train, "optimizer", OPTIMIZER_SETTINGS)]  # fmt: skip
+    notes, epochs = [note for note in unused if note], train.epochs
     counted = plural(epochs, "epoch")
     if train.warmup_epochs >= epochs:
         notes.append(f"train.warmup_epochs {train.warmup_epochs:g} of {counted}: the lr "
@@ -181,25 +191,25 @@ def _milestone_notes(milestones: list[int]) -> list[str]:
     return notes
 
 
-def _unused_schedule_settings(train: TrainConfig) -> str | None:
-    """Which given settings the run's schedule does not read, and the train.schedule that
-    would. A resolved config (config.yaml, a checkpoint's) gives every field: there only those
-    off their default count as given."""
-    used, fields = SCHEDULE_SETTINGS[train.schedule], TrainConfig.model_fields
+def _unused_settings(train: TrainConfig, kind: str,
+                     reads: dict[str, tuple[str, ...]]) -> str | None:  # fmt: skip
+    """Which given settings the run's schedule or optimizer (`kind`, `reads`: what each one
+    reads) does not read, and the train.KIND that would. A resolved config (config.yaml, a
+    checkpoint's) gives every field: there only those off their default count as given."""
+    chosen, fields = getattr(train, kind), TrainConfig.model_fields
     resolved = train.model_fields_set >= set(fields)
-    unused = [f for f in fields if any(f in read for read in SCHEDULE_SETTINGS.values())
-              and f not in used and f in train.model_fields_set and not (resolved and
+    unused = [f for f in fields if any(f in read for read in reads.values())
+              and f not in reads[chosen] and f in train.model_fields_set and not (resolved and
               getattr(train, f) == fields[f].get_default(call_default_factory=True))]  # fmt: skip
     if not unused:
         return None
-    users = [name for name, read in SCHEDULE_SETTINGS.items() if set(unused) <= set(read)]
+    users = [name for name, read in reads.items() if set(unused) <= set(read)]
     if users:
-        would = f"train.schedule={' or '.join(users)} would use {'them' if unused[1:] else 'it'}"
+        would = f"train.{kind}={' or '.join(users)} would use {'them' if unused[1:] else 'it'}"
     else:  # no one schedule reads them all (step_size and milestones)
-        would = "; ".join(f"train.schedule={name} uses {', '.join(f for f in unused if f in read)}"
-                          for name, read in SCHEDULE_SETTINGS.items()
-                          if any(f in read for f in unused))  # fmt: skip
-    return (f"train.schedule {train.schedule} does not use "
+        would = "; ".join(f"train.{kind}={name} uses {', '.join(f for f in unused if f in read)}"
+                          for name, read in reads.items() if any(f in read for f in unused))  # fmt: skip
+    return (f"train.{kind} {chosen} does not use "
             f"{', '.join(f'train.{f}' for f in unused)} ({would})")  # fmt: skip
 
 
