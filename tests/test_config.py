@@ -349,6 +349,19 @@ def test_the_names_peers_give_a_training_setting_are_met_with_ours(key, meant):
     assert str(caught.value) == f"{key}: unknown field{said}"
 
 
+@pytest.mark.parametrize("key, hint", [
+    ("train.LR", "(did you mean 'lr'?)"), ("train.Momentum", "(did you mean 'momentum'?)"),
+    ("model.WEIGHTS", "(did you mean 'weights'?)"),
+    ("train.SEED", "(it belongs at the top level: seed)"),
+    ("data.PATH", "(data.path is a setting of data.source folder / packed, not digits)"),
+])  # fmt: skip
+def test_a_field_written_in_capitals_is_met_with_the_one_meant(key, hint):
+    """The hint is case-insensitive (train.LR was `unknown field` alone, while Train.lr got one)."""
+    with pytest.raises(ConfigError) as caught:
+        load_run("digits", [f"{key}=1"])
+    assert str(caught.value) == f"{key}: unknown field {hint}"
+
+
 def test_a_new_run_needs_held_out_images(tmp_path):
     """val_fraction 0 without val_path is refused for a new run (best.pt would be epoch 1's);
     a checkpoint saved with it before still validates, so it resumes."""
