@@ -362,6 +362,21 @@ def test_a_field_written_in_capitals_is_met_with_the_one_meant(key, hint):
     assert str(caught.value) == f"{key}: unknown field {hint}"
 
 
+def test_num_classes_beside_a_runs_network_says_where_the_class_count_comes_from(tmp_path):
+    """`model: {network: net.yaml, num_classes: 10}` was `unknown field` alone."""
+    (tmp_path / "net.yaml").write_text(
+        "model: {input: [1, 8, 8], layers: [{type: flatten}, {type: linear}]}\n"
+    )
+    (tmp_path / "run.yaml").write_text(
+        "model: {network: net.yaml, num_classes: 10}\ndata: {source: digits}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_run(tmp_path / "run.yaml")
+    assert str(caught.value) == ("model.num_classes: unknown field (training takes the class "
+                                 "count from the data set, in place of a network file's "
+                                 "num_classes)")  # fmt: skip
+
+
 def test_a_new_run_needs_held_out_images(tmp_path):
     """val_fraction 0 without val_path is refused for a new run (best.pt would be epoch 1's);
     a checkpoint saved with it before still validates, so it resumes."""

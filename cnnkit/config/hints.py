@@ -98,6 +98,13 @@ PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the sect
 }
 
 
+# fields a run has no place for, as its data gives them (synthetic data's num_classes aside)
+TAKEN_FROM_DATA = {
+    "num_classes": "training takes the class count from the data set, in place of a network "
+    "file's num_classes",
+}
+
+
 def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None) -> str:
     """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section
     (`source_said`: the data source as a message names it, where the run names none)."""
@@ -111,6 +118,8 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
         kind = getattr(annotation, "annotation", None)
         section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
     key = parts[-1].lower().replace("-", "_")
+    if key in TAKEN_FROM_DATA and parts[:1] != ["data"]:  # model.num_classes
+        return f" ({TAKEN_FROM_DATA[key]})"
     known, meant = key in PEER_NAMES, PEER_NAMES.get(key, ())
     meant = (meant,) if isinstance(meant, str) else meant
     peer = next((m for m in meant if m in section.model_fields), meant[0] if meant else None)
