@@ -49,6 +49,23 @@ def test_run_file_naming_a_network_file_beside_it(tmp_path):
     assert config.model.network == str(tmp_path / "net.yaml") and config.name == "run"
 
 
+@pytest.mark.parametrize("model", ["{LAYERS}", "{network: {LAYERS}}"])
+def test_a_network_written_in_a_run_file_names_it_in_its_layer_errors(tmp_path, monkeypatch,
+                                                                       model):  # fmt: skip
+    """A `model:` mapping written in the run file is named as a network file is (it was
+    `layer 1 (add): ...` alone)."""
+    from cnnkit import build_model
+
+    layers = ("input: [1, 8, 8], layers: [{name: c1, type: conv, out_channels: 4, kernel_size: "
+              "3}, {name: add, type: add, inputs: [c1, c9]}]")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    Path("inline.yaml").write_text(f"model: {model.replace('LAYERS', layers)}\n"
+                                   "data: {source: digits}\n")  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        build_model(load_run("inline.yaml").model.spec())
+    assert str(error.value) == "inline.yaml: model: layer 1 (add): inputs: unknown layer 'c9'"
+
+
 def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):
     """`model: {network:, weights:}` is what info, show and build_model read too."""
     import torch
@@ -341,6 +358,34 @@ def test_the_names_peers_give_a_training_setting_are_met_with_ours(key, meant):
         load_run("digits", [f"{key}=1"])
     said = f" (did you mean {meant!r}?)" if meant else ""
     assert str(caught.value) == f"{key}: unknown field{said}"
+
+
+@pytest.mark.parametrize("key, hint", [
+    ("train.LR", "(did you mean 'lr'?)"), ("train.Momentum", "(did you mean 'momentum'?)"),
+    ("model.WEIGHTS", "(did you mean 'weights'?)"),
+    ("train.SEED", "(it belongs at the top level: seed)"),
+    ("data.PATH", "(data.path is a setting of data.source folder / packed, not digits)"),
+])  # fmt: skip
+def test_a_field_written_in_capitals_is_met_with_the_one_meant(key, hint):
+    """The hint is case-insensitive (train.LR was `unknown field` alone, while Train.lr got one)."""
+    with pytest.raises(ConfigError) as caught:
+        load_run("digits", [f"{key}=1"])
+    assert str(caught.value) == f"{key}: unknown field {hint}"
+
+
+def test_num_classes_beside_a_runs_network_says_where_the_class_count_comes_from(tmp_path):
+    """`model: {network: net.yaml, num_classes: 10}` was `unknown field` alone."""
+    (tmp_path / "net.yaml").write_text(
+        "model: {input: [1, 8, 8], layers: [{type: flatten}, {type: linear}]}\n"
+    )
+    (tmp_path / "run.yaml").write_text(
+        "model: {network: net.yaml, num_classes: 10}\ndata: {source: digits}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_run(tmp_path / "run.yaml")
+    assert str(caught.value) == ("model.num_classes: unknown field (training takes the class "
+                                 "count from the data set, in place of a network file's "
+                                 "num_classes)")  # fmt: skip
 
 
 def test_a_new_run_needs_held_out_images(tmp_path):

@@ -136,6 +136,32 @@ def test_a_folder_given_as_the_run_says_what_it_is(tmp_path, capsys, monkeypatch
         assert code == 2 and err == line
 
 
+def test_config_of_a_folder_of_runs_or_a_trained_model_says_what_to_give(tmp_path, capsys,
+                                                                          monkeypatch):  # fmt: skip
+    """`cnnkit config runs` names a run in it (it was `a folder of images`: the runs' curves),
+    a checkpoint in a run directory shows that run's settings, and a trained model elsewhere
+    says what reads it (it was `not a text file: give ... a trained model`)."""
+    from cnnkit.config import dump_run, load_run
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "d1"
+    run.mkdir(parents=True)
+    dump_run(load_run("digits", ["train.epochs=3"]), run / "config.yaml")
+    (run / "best.pt").write_bytes(b"PK\x03\x04")
+    (run / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / "d.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    code, err = _fails(["config", "runs"], capsys)
+    assert code == 2 and err == ("cnnkit: error: runs: holds run directories, not a run of its "
+                                 "own: name one, e.g. runs/d1")  # fmt: skip
+    code, out, _ = run_cli(["config", "runs/d1/best.pt", "--changed"], capsys)
+    assert code == 0 and "runs/d1/config.yaml" in out and "train.epochs" in out
+    code, err = _fails(["config", "d.safetensors"], capsys)
+    assert code == 2 and err.startswith("cnnkit: error: d.safetensors: a trained model outside "
+                                        "a run directory: `cnnkit config` lists the settings of "
+                                        "a run (give the run directory it came from), `cnnkit "
+                                        "info d.safetensors` shows its network")  # fmt: skip
+
+
 def test_data_paths_that_are_not_the_source_say_which_setting(tmp_path, capsys, monkeypatch):
     """A folder source's missing folders name their setting, as a pack's do (it was
     '/abs/imagenet-val: not a folder' for a val_path the user never wrote), and an image

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cnnkit.config import TrainConfig, dump_run, load_run, schedule_notes
+from cnnkit.errors import ConfigError
 from cnnkit.train.optim import Schedule
 
 
@@ -122,3 +123,64 @@ def test_a_resolved_config_says_only_the_settings_off_their_default(tmp_path):
     ]
     dump_run(load_run("digits"), tmp_path / "plain.yaml")
     assert schedule_notes(load_run(tmp_path / "plain.yaml").train) == []
+
+
+@pytest.mark.parametrize(
+    "milestones, note",
+    [
+        ("[2,2]", "train.milestones [2, 2]: 2 is given 2 times: the lr drops by gamma**2 at "
+                  "once there, as torch's MultiStepLR does"),
+        ("[4,2]", "train.milestones [4, 2] are not in increasing order: the lr drops at each all "
+                  "the same (at [2, 4]), as torch's MultiStepLR counts them in any order"),
+        ("[2,4]", None),
+    ],
+)  # fmt: skip
+def test_repeated_or_unsorted_milestones_are_said_with_what_torch_does(milestones, note):
+    """MultiStepLR takes [30, 30] (two drops at once) and [4, 2]: said, not refused."""
+    train = load_run("digits", ["train.epochs=6", "train.schedule=multistep",
+                                f"train.milestones={milestones}"]).train  # fmt: skip
+    assert schedule_notes(train) == ([note] if note else [])
+    schedule = Schedule(TrainConfig(lr=0.1, schedule="multistep", milestones=train.milestones))
+    ours = [schedule.lr(epoch) for epoch in range(6)]  # what the note says torch does
+    assert ours == pytest.approx(_torch_lrs(lambda o: torch.optim.lr_scheduler.MultiStepLR(
+        o, train.milestones), 6), rel=1e-9, abs=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("train.milestones=30,60", "train.milestones: give the epochs as a list: "
+                                   "train.milestones=[30,60] (got '30,60')"),
+        ("train.milestones=30", "train.milestones: give the epochs as a list: "
+                                "train.milestones=[30] (got 30)"),
+        ("train.milestones.0=3", "override 'train.milestones.0=3': list items cannot be set one "
+                                 "by one: give the whole list, e.g. train.milestones=[...]"),
+    ],
+)  # fmt: skip
+def test_milestones_given_as_torchvisions_lr_steps_or_one_by_one_say_how(override, line):
+    with pytest.raises(ConfigError) as error:
+        load_run("digits", ["train.schedule=multistep", override])
+    assert str(error.value) == line
+
+
+@pytest.mark.parametrize(
+    "overrides, note",
+    [
+        (["train.optimizer=adam", "train.momentum=0.9"],
+         "train.optimizer adam does not use train.momentum (train.optimizer=sgd or nesterov "
+         "would use it)"),
+        (["train.optimizer=sgd", "train.betas=[0.8,0.99]"],
+         "train.optimizer sgd does not use train.betas (train.optimizer=adam or adamw would use "
+         "it)"),
+        (["train.optimizer=adamw", "train.betas=[0.8,0.99]"], None),
+        (["train.optimizer=adam"], None),  # momentum's default is not given
+    ],
+)  # fmt: skip
+def test_settings_the_optimizer_does_not_read_are_said(overrides, note, tmp_path):
+    """Adam given momentum (its betas do that job): said as the schedule's unread settings
+    are; a resolved config.yaml of the same run says it too, its defaults never."""
+    config = load_run("digits", overrides)
+    assert schedule_notes(config.train) == ([note] if note else [])
+    dump_run(config, tmp_path / "c.yaml")
+    resolved = schedule_notes(load_run(tmp_path / "c.yaml").train)
+    assert resolved == ([note] if note and "betas" in note else [])  # (momentum 0.9: default)

@@ -53,18 +53,15 @@ def no_checkpoint_in(folder: Path) -> str:
     """What a folder without a checkpoint of its own is, and what to give instead: a folder of
     runs (runs/), a mining run still in its rounds, a run stopped before its first checkpoint,
     one that trained and lost its checkpoints, or no run at all."""
-    try:
-        runs = [p for p in folder.iterdir() if p.is_dir() and _run_file(p) is not None]
-    except OSError:
-        runs = []
-    ready = [p for p in runs if _run_file(p).suffix == ".pt"]  # the newest run with a checkpoint
-    newest = max(ready or runs, key=lambda p: _run_file(p).stat().st_mtime, default=None)
+    runs = _runs_in(folder)
     rounds = [p for p in runs if re.fullmatch(r"round-\d+", p.name)]
     if rounds and (folder / "config.yaml").is_file():
         return (f"{folder}: a mining run whose rounds have not all finished (the best round's "
-                f"checkpoints are copied here at its end): name a round, e.g. {newest}")  # fmt: skip
-    if newest is not None:
-        return f"{folder}: holds run directories, not a run of its own: name one, e.g. {newest}"
+                f"checkpoints are copied here at its end): name a round, e.g. "
+                f"{_newest(runs)}")  # fmt: skip
+    held = holds_runs(folder)
+    if held is not None:
+        return held
     if not (folder / "config.yaml").is_file():
         return (f"{folder}: not a run directory (no best.pt or last.pt in it): give a run "
                 "directory, a checkpoint (.pt) or a .safetensors export")  # fmt: skip
@@ -75,6 +72,29 @@ def no_checkpoint_in(folder: Path) -> str:
                 "starting it again would overwrite them)")  # fmt: skip
     return (f"{folder}: a run with no checkpoint yet (it stopped before saving its first; "
             f"`cnnkit train --resume {folder}` starts it again)")  # fmt: skip
+
+
+def holds_runs(folder: Path) -> str | None:
+    """`runs: holds run directories, not a run of its own: name one, e.g. runs/d1` for a folder
+    of runs (the newest with a checkpoint named), else None."""
+    newest = _newest(_runs_in(folder))
+    if newest is None:
+        return None
+    return f"{folder}: holds run directories, not a run of its own: name one, e.g. {newest}"
+
+
+def _runs_in(folder: Path) -> list[Path]:
+    """The run directories in a folder (each with a checkpoint or a config.yaml)."""
+    try:
+        return [p for p in folder.iterdir() if p.is_dir() and _run_file(p) is not None]
+    except OSError:
+        return []
+
+
+def _newest(runs: list[Path]) -> Path | None:
+    """The newest of `runs` with a checkpoint, else the newest of them."""
+    ready = [p for p in runs if _run_file(p).suffix == ".pt"]
+    return max(ready or runs, key=lambda p: _run_file(p).stat().st_mtime, default=None)
 
 
 def trained_files(run_dir: Path) -> list[str]:

@@ -165,7 +165,9 @@ def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restart
 
 
 def show_config(
-    run: str = typer.Argument(..., help="A zoo run, a run file or a run directory."),
+    run: str = typer.Argument(
+        ..., help="A zoo run, a run file, a run directory or a checkpoint in one."
+    ),
     overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
     changed: bool = typer.Option(False, "--changed", help="Only the settings off their default."),
 ) -> None:
@@ -178,6 +180,8 @@ def show_config(
     from cnnkit.tables import wide_console
     from cnnkit.train.runfile import edited_run_config
 
+    if Path(run).suffix.lower() in TRAINED_SUFFIXES and Path(run).is_file():
+        run = _run_dir_of(Path(run))
     if Path(run).is_dir() and (Path(run) / "config.yaml").is_file():  # a run directory's own
         run = str(Path(run) / "config.yaml")
         if edited_run_config(Path(run)) is not None and (Path(run).parent / "last.pt").is_file():
@@ -195,6 +199,22 @@ def show_config(
         table.add_row(*(Text(c) for c in (key, _short(value), _short(default), description)),
                       style=mark)  # fmt: skip
     wide_console().print(table)
+
+
+def _run_dir_of(model: Path) -> str:
+    """The run directory a checkpoint or export lies in, whose settings config shows; a
+    trained model elsewhere holds no run file to show: what reads it is said instead."""
+    from cnnkit.errors import ConfigError
+    from cnnkit.train.rundir import WEIGHTS_SUFFIXES
+
+    if (model.parent / "config.yaml").is_file():
+        return str(model.parent)
+    if model.suffix.lower() not in WEIGHTS_SUFFIXES:  # an export: read_yaml says what it is
+        return str(model)
+    raise ConfigError(f"{model}: a trained model outside a run directory: `cnnkit config` lists "
+                      "the settings of a run (give the run directory it came from), `cnnkit "
+                      f"info {model}` shows its network, and a run file with model: {{network: "
+                      f"NET, weights: {model}}} trains from its weights")  # fmt: skip
 
 
 def _edit_note(run_dir: Path) -> str:

@@ -98,6 +98,13 @@ PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the sect
 }
 
 
+# fields a run has no place for, as its data gives them (synthetic data's num_classes aside)
+TAKEN_FROM_DATA = {
+    "num_classes": "training takes the class count from the data set, in place of a network "
+    "file's num_classes",
+}
+
+
 def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None) -> str:
     """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section
     (`source_said`: the data source as a message names it, where the run names none)."""
@@ -111,32 +118,35 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
         kind = getattr(annotation, "annotation", None)
         section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
     key = parts[-1].lower().replace("-", "_")
+    if key in TAKEN_FROM_DATA and parts[:1] != ["data"]:  # model.num_classes
+        return f" ({TAKEN_FROM_DATA[key]})"
     known, meant = key in PEER_NAMES, PEER_NAMES.get(key, ())
     meant = (meant,) if isinstance(meant, str) else meant
     peer = next((m for m in meant if m in section.model_fields), meant[0] if meant else None)
     if peer in section.model_fields:
         return f" (did you mean {peer!r}?)"
-    close = difflib.get_close_matches(parts[-1], list(section.model_fields), n=1)
+    close = difflib.get_close_matches(key, list(section.model_fields), n=1)  # (train.LR: lr)
     if close and not known:  # (image_size is not batch_size, where a source has no crop)
         return f" (did you mean {close[0]!r}?)"
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     elsewhere = {"": RunConfig, "train.": TrainConfig, "model.": ModelConfig,
                  "data.": SOURCES.get(data.get("source"), RunConfig)}  # fmt: skip
     for prefix, other in elsewhere.items():
-        if other is not section and (peer or parts[-1]) in other.model_fields:
+        if other is not section and (peer or key) in other.model_fields:
             where = "at the top level" if not prefix else f"in {prefix[:-1]}"
-            return f" (it belongs {where}: {prefix}{peer or parts[-1]})"
-    owners = [name for name, kind in SOURCES.items() if (peer or parts[-1]) in kind.model_fields]
+            return f" (it belongs {where}: {prefix}{peer or key})"
+    owners = [name for name, kind in SOURCES.items() if (peer or key) in kind.model_fields]
     this = source_said or data.get("source")
-    if peer and owners and parts[:1] == ["data"] and data.get("source") in SOURCES:
-        return f" (data.{peer} is a setting of data.source {' / '.join(owners)}, not {this})"
+    renamed = peer or (key if key != parts[-1] else None)  # (data.PATH: path)
+    if renamed and owners and parts[:1] == ["data"] and data.get("source") in SOURCES:
+        return f" (data.{renamed} is a setting of data.source {' / '.join(owners)}, not {this})"
     if parts[:1] == ["data"] and owners and data.get("source") in SOURCES:
         return (f" (a setting of data.source {' / '.join(owners)}, not {this}: "
                 f"data.{parts[-1]}=null leaves it out, or start from a run file written for "
                 f"{data['source']} data)")  # fmt: skip
     if parts[:1] == ["data"] and data.get("source") in SOURCES and not known:  # data.pth on digits
         every = sorted({f for kind in SOURCES.values() for f in kind.model_fields})
-        near = difflib.get_close_matches(parts[-1], every, n=1)
+        near = difflib.get_close_matches(key, every, n=1)
         owners = [name for name, kind in SOURCES.items() if near and near[0] in kind.model_fields]
         if owners:
             return (f" (data.{near[0]} is a setting of data.source {' / '.join(owners)}, not "

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from cnnkit.checkpoint.locate import holds_runs
 from cnnkit.config.hints import data_typo, did_you_mean, meant_otherwise, other_sources_fields
 from cnnkit.config.sections import ModelConfig, RunConfig
 from cnnkit.data import SOURCES, check_source
@@ -44,6 +45,8 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
     config = validate_run(raw)
+    if isinstance(config.model.network, dict) and not isinstance(run, dict):
+        config.model._source = f"{run}: model"  # (a network file names itself)
     data = config.data  # a new run (a resumed one keeps the settings it started with)
     if getattr(data, "val_fraction", None) == 0 and not getattr(data, "val_path", None):
         raise ConfigError("data.val_fraction: 0 leaves no held-out images, which best.pt, early "
@@ -188,6 +191,10 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Set `a.b.c=value` in a nested mapping; the value is parsed as YAML (numbers, lists...)."""
     key, sep, text = item.partition("=")
+    if sep and re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*", key) and re.search(r"\.\d", key):
+        whole = key[: re.search(r"\.\d", key).start()]  # train.milestones.0=3
+        raise ConfigError(f"override {item!r}: list items cannot be set one by one: give the "
+                          f"whole list, e.g. {whole}=[...]")  # fmt: skip
     if not sep or not key or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", key):
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.02")
     try:
@@ -245,6 +252,9 @@ def _folder_given(path: Path) -> str:
     if anew or (path / "last.pt").is_file():
         return (f"{name} is a run directory, not a run file: `cnnkit train --resume {name}` "
                 f"continues it{anew}")  # fmt: skip
+    held = holds_runs(path)  # (runs/ holds the runs' curves.png: no folder of images)
+    if held is not None:
+        return held
     if holds_images(path):
         return (f"{name} is a folder of images, not a run file (a YAML file with model:, data: "
                 f"and train:): `cnnkit train resnet18 data.path={name}` trains ResNet-18 on it, "

@@ -15,6 +15,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    PrivateAttr,
     field_validator,
     model_validator,
 )
@@ -23,6 +24,7 @@ from cnnkit.data import DataConfig, check_source
 from cnnkit.data.base import Section
 from cnnkit.errors import brief, plural
 from cnnkit.nn import read_spec, with_input
+from cnnkit.nn.spec import Described
 
 DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # fullmatch ($ passes "cpu\n")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
@@ -102,6 +104,17 @@ class TrainConfig(Section):
             raise ValueError(f"{v!r} is not one of auto, cpu, cuda, cuda:N")
         return v
 
+    @field_validator("milestones", mode="before")
+    @classmethod
+    def _milestones_as_a_list(cls, value: Any) -> Any:
+        """torchvision's `--lr-steps 30 60` habit, `train.milestones=30,60`: how to give them."""
+        one = isinstance(value, int) and not isinstance(value, bool)  # (=30: YAML's number)
+        if one or isinstance(value, str) and re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", value):
+            epochs = ",".join(str(value).replace(" ", "").split(","))
+            raise ValueError(f"give the epochs as a list: train.milestones=[{epochs}] (got "
+                             f"{value!r})")  # fmt: skip
+        return value
+
     @field_validator("betas")
     @classmethod
     def _check_betas(cls, v: tuple[float, float]) -> tuple[float, float]:
@@ -133,13 +146,23 @@ SCHEDULE_SETTINGS: dict[str, tuple[str, ...]] = {
     "cosine": ("min_lr",),
 }
 
+# the settings each optimizer reads beside lr and weight_decay (Adam's betas do momentum's job)
+OPTIMIZER_SETTINGS: dict[str, tuple[str, ...]] = {
+    "sgd": ("momentum",),
+    "nesterov": ("momentum",),
+    "adam": ("betas",),
+    "adamw": ("betas",),
+}
+
 
 def schedule_notes(train: TrainConfig) -> list[str]:
-    """Schedule settings the run never uses: given to a schedule that does not read them (a
-    torchvision user's step_size under the default schedule), or never reached in this many
-    epochs (a forgotten override, or a short trial of a long recipe): said, not refused."""
-    unused = _unused_schedule_settings(train)
-    notes, epochs = [unused] if unused else [], train.epochs
+    """Schedule and optimizer settings the run never uses: given to a schedule or optimizer
+    that does not read them (a torchvision user's step_size under the default schedule, Adam
+    given momentum), or never reached in this many epochs (a forgotten override, or a short
+    trial of a long recipe): said, not refused."""
+    unused = [_unused_settings(train, "schedule", SCHEDULE_SETTINGS),
+              _unused_settings(train, "optimizer", OPTIMIZER_SETTINGS)]  # fmt: skip
+    notes, epochs = [note for note in unused if note], train.epochs
     counted = plural(epochs, "epoch")
     if train.warmup_epochs >= epochs:
         notes.append(f"train.warmup_epochs {train.warmup_epochs:g} of {counted}: the lr "
@@ -149,28 +172,44 @@ def schedule_notes(train: TrainConfig) -> list[str]:
     late = [m for m in train.milestones if m >= epochs] if train.schedule == "multistep" else []
     if late:
         notes.append(f"train.milestones {late} at or past the last epoch ({epochs}): no drop there")
+    return notes + (_milestone_notes(train.milestones) if train.schedule == "multistep" else [])
+
+
+def _milestone_notes(milestones: list[int]) -> list[str]:
+    """Repeated or unsorted milestones, which torch's MultiStepLR takes (as our schedule does):
+    what it will do with them."""
+    notes = []
+    repeated = sorted({m for m in milestones if milestones.count(m) > 1})
+    for m in repeated:
+        times = milestones.count(m)
+        notes.append(f"train.milestones {milestones}: {m} is given {times} times: the lr "
+                     f"drops by gamma**{times} at once there, as torch's MultiStepLR does")  # fmt: skip
+    if milestones != sorted(milestones):
+        notes.append(f"train.milestones {milestones} are not in increasing order: the lr drops "
+                     f"at each all the same (at {sorted(milestones)}), as torch's MultiStepLR "
+                     "counts them in any order")  # fmt: skip
     return notes
 
 
-def _unused_schedule_settings(train: TrainConfig) -> str | None:
-    """Which given settings the run's schedule does not read, and the train.schedule that
-    would. A resolved config (config.yaml, a checkpoint's) gives every field: there only those
-    off their default count as given."""
-    used, fields = SCHEDULE_SETTINGS[train.schedule], TrainConfig.model_fields
+def _unused_settings(train: TrainConfig, kind: str,
+                     reads: dict[str, tuple[str, ...]]) -> str | None:  # fmt: skip
+    """Which given settings the run's schedule or optimizer (`kind`, `reads`: what each one
+    reads) does not read, and the train.KIND that would. A resolved config (config.yaml, a
+    checkpoint's) gives every field: there only those off their default count as given."""
+    chosen, fields = getattr(train, kind), TrainConfig.model_fields
     resolved = train.model_fields_set >= set(fields)
-    unused = [f for f in fields if any(f in read for read in SCHEDULE_SETTINGS.values())
-              and f not in used and f in train.model_fields_set and not (resolved and
+    unused = [f for f in fields if any(f in read for read in reads.values())
+              and f not in reads[chosen] and f in train.model_fields_set and not (resolved and
               getattr(train, f) == fields[f].get_default(call_default_factory=True))]  # fmt: skip
     if not unused:
         return None
-    users = [name for name, read in SCHEDULE_SETTINGS.items() if set(unused) <= set(read)]
+    users = [name for name, read in reads.items() if set(unused) <= set(read)]
     if users:
-        would = f"train.schedule={' or '.join(users)} would use {'them' if unused[1:] else 'it'}"
+        would = f"train.{kind}={' or '.join(users)} would use {'them' if unused[1:] else 'it'}"
     else:  # no one schedule reads them all (step_size and milestones)
-        would = "; ".join(f"train.schedule={name} uses {', '.join(f for f in unused if f in read)}"
-                          for name, read in SCHEDULE_SETTINGS.items()
-                          if any(f in read for f in unused))  # fmt: skip
-    return (f"train.schedule {train.schedule} does not use "
+        would = "; ".join(f"train.{kind}={name} uses {', '.join(f for f in unused if f in read)}"
+                          for name, read in reads.items() if any(f in read for f in unused))  # fmt: skip
+    return (f"train.{kind} {chosen} does not use "
             f"{', '.join(f'train.{f}' for f in unused)} ({would})")  # fmt: skip
 
 
@@ -194,6 +233,9 @@ class ModelConfig(Section):
         max_length=3,
         description="[C, H, W] in place of the network's own (a zoo network at the data's size)",
     )
+    # where a network mapping written in a run file was read (`run.yaml: model`): its layer
+    # errors name it, as a network file's name that file
+    _source: str | None = PrivateAttr(None)
 
     @model_validator(mode="before")
     @classmethod
@@ -221,7 +263,11 @@ class ModelConfig(Section):
 
     def spec(self) -> dict[str, Any]:
         """The network's `model:` mapping (what the graph builder reads), with `input`."""
-        spec = read_spec(self.network)
+        network = self.network
+        if isinstance(network, dict) and self._source is not None:
+            network = Described(network)
+            network.source = self._source
+        spec = read_spec(network)
         return spec if self.input is None else with_input(spec, self.input)
 
 
