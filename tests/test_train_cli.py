@@ -150,9 +150,10 @@ def test_config_of_a_folder_of_runs_or_a_trained_model_says_what_to_give(tmp_pat
     (run / "best.pt").write_bytes(b"PK\x03\x04")
     (run / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     (tmp_path / "d.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
-    code, err = _fails(["config", "runs"], capsys)
-    assert code == 2 and err == ("cnnkit: error: runs: holds run directories, not a run of its "
-                                 "own: name one, e.g. runs/d1")  # fmt: skip
+    for command in ("config", "train"):
+        code, err = _fails([command, "runs"], capsys)
+        assert code == 2 and err == ("cnnkit: error: runs: holds run directories, not a run of "
+                                     "its own: name one, e.g. runs/d1")  # fmt: skip
     code, out, _ = run_cli(["config", "runs/d1/best.pt", "--changed"], capsys)
     assert code == 0 and "runs/d1/config.yaml" in out and "train.epochs" in out
     code, err = _fails(["config", "d.safetensors"], capsys)

@@ -54,6 +54,7 @@ def train(
                           f"{given} cannot be given with it (key=value overrides can)")  # fmt: skip
     if run is not None and resume is None:
         _not_a_trained_model(run)
+        _check_not_runs(run)
     if (max_restarts or oversubscribe) and nproc is None:
         from cnnkit.errors import ConfigError
 
@@ -107,6 +108,19 @@ def _config(run, overrides: list[str], resume):
         return load_run(resume / "config.yaml", overrides)
     state = resume_state(resume)
     return resume_config(state, overrides) if state else load_run(resume / "config.yaml")
+
+
+def _check_not_runs(run: str) -> None:
+    """A folder of runs given where a run file goes (`cnnkit config runs`): name a run in it,
+    as show and classify do (its runs' curves.png would have it taken for images)."""
+    from cnnkit.checkpoint import holds_runs
+    from cnnkit.errors import ConfigError
+
+    path = Path(run)
+    if path.is_dir() and not (path / "config.yaml").is_file():
+        held = holds_runs(path)
+        if held is not None:
+            raise ConfigError(held)
 
 
 def _check_group(config, nproc: int, resume, oversubscribe: bool = False) -> None:
@@ -188,6 +202,7 @@ def show_config(
             note = _edit_note(Path(run).parent)
             if note:
                 print(f"cnnkit: note: {note}", file=sys.stderr)
+    _check_not_runs(run)
     config = load_run(run, list(overrides or []))
     table = Table(title=Text(f"{config.name}: {run}"), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("key", "value", "default", "description"):

@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cnnkit.checkpoint.locate import holds_runs
 from cnnkit.config.hints import data_typo, did_you_mean, meant_otherwise, other_sources_fields
 from cnnkit.config.sections import ModelConfig, RunConfig
 from cnnkit.data import SOURCES, check_source
@@ -252,9 +251,6 @@ def _folder_given(path: Path) -> str:
     if anew or (path / "last.pt").is_file():
         return (f"{name} is a run directory, not a run file: `cnnkit train --resume {name}` "
                 f"continues it{anew}")  # fmt: skip
-    held = holds_runs(path)  # (runs/ holds the runs' curves.png: no folder of images)
-    if held is not None:
-        return held
     if holds_images(path):
         return (f"{name} is a folder of images, not a run file (a YAML file with model:, data: "
                 f"and train:): `cnnkit train resnet18 data.path={name}` trains ResNet-18 on it, "
