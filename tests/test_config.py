@@ -373,6 +373,21 @@ def test_a_field_written_in_capitals_is_met_with_the_one_meant(key, hint):
     assert str(caught.value) == f"{key}: unknown field {hint}"
 
 
+@pytest.mark.parametrize("key, hint", [
+    ("train.batch_size", "(it belongs in data: data.batch_size)"),  # was 'step_size'
+    ("train.batchsize", "(it belongs in data: data.batch_size)"),
+    ("train.workers", "(data.workers is a setting of data.source folder / packed)"),
+    ("model.crop", "(data.crop is a setting of data.source folder / packed)"),
+])  # fmt: skip
+def test_another_sections_own_field_is_named_before_a_near_spelling_here(key, hint):
+    """Many training scripts keep the batch size with the optimizer's settings: train.batch_size
+    is cnnkit's data.batch_size, not train.step_size; an image set's field on digits names the
+    sources that have it."""
+    with pytest.raises(ConfigError) as caught:
+        load_run("digits", [f"{key}=1"])
+    assert str(caught.value) == f"{key}: unknown field {hint}"
+
+
 def test_num_classes_beside_a_runs_network_says_where_the_class_count_comes_from(tmp_path):
     """`model: {network: net.yaml, num_classes: 10}` was `unknown field` alone."""
     (tmp_path / "net.yaml").write_text(
