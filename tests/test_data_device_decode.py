@@ -256,6 +256,18 @@ def test_a_ring_has_no_more_slots_than_its_epoch_has_batches(sets):
         assert len(list(stream)) == batches  # every batch, the slots reused
 
 
+def test_a_ring_holds_no_more_images_a_batch_than_the_set_has(sets):
+    """A validation set of 6 images under an eval batch of 100 takes slots of 6 images, not
+    100 (bench loader's --batch 100000 over 16 images asked for 100 GB); an empty one takes
+    none, and is not counted beside training's."""
+    bundle = data_config({**sections(sets)[1], "workers": 1, "eval_batch_size": 100}).build(CPU)
+    assert bundle.val.sampler.largest() == 6 and bundle.val._slot_shape()[0] == 6
+    images = sum(len(y) for _, y in bundle.val)
+    assert images == 6
+    alone = data_config({**sections(sets)[1], "workers": 1, "val_fraction": 0.0}).build(CPU)
+    assert alone.val.ring_bytes() == 0 and alone.train._ring_needs() == ("data.workers=1", 0)
+
+
 def test_shared_memory_is_counted_for_every_process_on_the_machine(sets, monkeypatch):
     """Each local rank makes its own rings, and their pages are taken only as batches fill
     them: room for one rank's but not for 4 is refused before any worker starts, naming both."""

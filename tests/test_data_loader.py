@@ -499,3 +499,14 @@ def test_a_preprocessing_a_source_makes_that_is_not_valid_is_a_config_error():
         ConfigError, match=r"valid: channels: Input should be less than or equal to 4"
     ):
         Preprocess.of_data(5, 8, mean=[0.0] * 5)
+
+
+def test_the_largest_batch_is_what_each_rank_is_given():
+    """A ring's slots hold a batch, or a rank's whole share where it is smaller: exactly the
+    largest batch the sampler hands out."""
+    for n, batch, world, shuffle in ((10, 8, 3, False), (10, 2, 3, False), (50, 8, 2, True),
+                                     (5, 8, 1, True), (0, 4, 1, False)):  # fmt: skip
+        for rank in range(world):
+            sampler = EpochBatchSampler(n, batch, rank, world, seed=0, shuffle=shuffle)
+            sizes = [len(b) for b in sampler.batches()]
+            assert sampler.largest() == max(sizes, default=0)

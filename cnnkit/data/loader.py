@@ -99,13 +99,13 @@ class ImageBatches:
 
     def _slot_shape(self) -> tuple[int, ...]:
         side = self.augment.crop if self.mode == "crops" else self.dataset.size
-        return (self.sampler.batch, 3, side, side)
+        return (self.sampler.largest(), 3, side, side)  # (a set smaller than a batch: its own)
 
     def ring_slots(self) -> int:
         """Shared-memory slots of this stream's ring: every batch in flight (no more than an
         epoch has: a validation set of 7 batches needs no 32 slots of 50 MB), plus two (none
-        where batches are views or JPEG bytes)."""
-        if self.mode not in ("crops", "whole"):
+        where batches are views or JPEG bytes, or the stream has no images)."""
+        if self.mode not in ("crops", "whole") or not self.sampler.largest():
             return 0
         return min(max(self.workers, 1) * self.prefetch, max(self.sampler.total(), 1)) + 2
 

@@ -52,9 +52,20 @@ class EpochBatchSampler(Sampler[list[int]]):
         cut = len(mine) - len(mine) % self.batch if full else len(mine)
         return [mine[i : i + self.batch] for i in range(0, cut, self.batch)]
 
+    def _per_rank(self) -> int:
+        """This rank's images an epoch (validation's contiguous slice, or training's share)."""
+        if self.shuffle:
+            return self.n // self.world
+        return (self.rank + 1) * self.n // self.world - self.rank * self.n // self.world
+
+    def largest(self) -> int:
+        """The most images one of this rank's batches holds: the batch, or all of this rank's
+        images where they are fewer (0 for none)."""
+        return min(self.batch, self._per_rank())
+
     def total(self) -> int:
         """Batches per epoch for this rank."""
-        per = self.n // self.world if self.shuffle else len(self._mine())
+        per = self._per_rank()
         if self.shuffle and per >= self.batch:
             return per // self.batch
         return -(-per // self.batch)
