@@ -190,3 +190,30 @@ def test_ceil_mode_pooling_with_a_window_larger_than_its_input(kind, ref):
                          ({"kernel_size": 7, "stride": 2, "ceil_mode": True}, [4, 5, 5])):  # fmt: skip
         with pytest.raises(ConfigError, match="kernel_size: kernel .* is larger than its input"):
             one_layer({"type": kind, **layer}, shape)
+
+
+@pytest.mark.parametrize("p", [0.5, 0.1, 0.3])
+def test_dropout_on_a_cpu_keeps_what_torchs_keeps_and_scales_it_exactly(p):
+    """The CPU's 16-bit mask (nn/modules.Dropout) against torch.nn.Dropout's contract: each
+    value kept with probability 1 - p, scaled so the mean is unchanged, gradients through the
+    same mask, identity in eval, seeded by torch's generator."""
+    from cnnkit.nn.modules import Dropout
+
+    layer = Dropout(p).train()
+    assert isinstance(layer, nn.Dropout) and repr(layer) == repr(nn.Dropout(p))
+    x = torch.ones(400, 2500, requires_grad=True)  # 10^6 draws: the keep rate to ~0.1%
+    torch.manual_seed(0)
+    y = layer(x)
+    kept = y != 0
+    scale = 65536 / (65536 - round(p * 65536))
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.002
+    assert torch.equal(y[kept], torch.full_like(y[kept], scale))  # one exact scale
+    assert abs(y.mean().item() - 1) < 0.005
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # the gradient passes where the value did
+    torch.manual_seed(0)
+    assert torch.equal(layer(x), y)  # reproducible from the seed (exact resume)
+    assert not torch.equal(layer(x), y)  # and a new mask at each call
+    assert torch.equal(layer.eval()(x), x)
+    rows = layer.train()(torch.ones(8, 3, dtype=torch.bfloat16))  # any size, any float type
+    assert rows.dtype == torch.bfloat16 and rows.shape == (8, 3)

@@ -18,6 +18,9 @@ from cnnkit.nn.modules import (
     ChannelSplit as ChannelSplitModule,
 )
 from cnnkit.nn.modules import (
+    Dropout as DropoutModule,
+)
+from cnnkit.nn.modules import (
     Merge,
     ScaledTanh,
 )
@@ -130,7 +133,7 @@ class Dropout(Layer):
     p: Real = Field(0.5, ge=0, lt=1)
 
     def build(self, shapes: list[Shape]) -> nn.Module:
-        return nn.Dropout(self.p)
+        return DropoutModule(self.p)
 
 
 class StochasticDepth(Layer):
