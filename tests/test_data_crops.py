@@ -299,20 +299,3 @@ def test_photos_smaller_than_size_are_cropped_where_the_box_says(photos, mode):
         )
         ref = stream.augment.train(whole.pixels, params)
         torch.testing.assert_close(x, ref, rtol=0, atol=1e-5)  # float rounding only
-
-
-@pytest.mark.parametrize("flip", [False, True])
-def test_crops_cut_through_scratch_memory_are_each_their_own(tmp_path, flip):
-    from cnnkit.data.decode import Scratch
-
-    scratch, paths = Scratch(), []
-    for k in range(3):
-        paths.append(tmp_path / f"{k}.jpg")
-        Image.fromarray(photo(40, 40, seed=k)).save(paths[-1], quality=95)
-    for box in ((0, 0, 40, 40), (4, 2, 30, 36)):  # the first neither resized nor mirrored
-        got = [load_region(open_image(p), box[:2] + (box[0] + box[2], box[1] + box[3]), 40,
-                           flip, scratch) for p in paths]  # fmt: skip
-        ref = [load_region(open_image(p), box[:2] + (box[0] + box[2], box[1] + box[3]), 40,
-                           flip) for p in paths]  # fmt: skip
-        for a, b in zip(got, ref, strict=True):
-            np.testing.assert_array_equal(a.numpy(), b.numpy())

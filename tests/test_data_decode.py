@@ -191,36 +191,6 @@ def test_a_32_bit_integer_image_reads_as_pillow_converts_it(tmp_path):
     np.testing.assert_array_equal(read_image(tmp_path / "grey16.png")[0][..., 0], ints.clip(0, 255))
 
 
-def test_decodes_into_scratch_memory_equal_fresh_ones_and_reuse_it():
-    if decode.simplejpeg is None:
-        pytest.skip("simplejpeg not installed")
-    scratch = decode.Scratch()
-    first, second = jpeg_bytes(photo(40, 56, seed=1)), jpeg_bytes(photo(48, 32, seed=2))
-    a = decode.decode_data(first, scratch=scratch).array
-    kept = a.copy()
-    np.testing.assert_array_equal(kept, decode.decode_data(first).array)
-    b = decode.decode_data(second, scratch=scratch).array
-    np.testing.assert_array_equal(b, decode.decode_data(second).array)
-    assert np.shares_memory(a, b)  # one memory: the first decode was overwritten
-    record = decode.decode_jpeg_bytes(first, 40, scratch)
-    np.testing.assert_array_equal(record, kept)
-    assert np.shares_memory(record, b)
-
-
-def test_scratch_memory_stays_small_and_is_never_pickled(monkeypatch):
-    import pickle
-
-    scratch = decode.Scratch()
-    assert scratch.take(100).nbytes == 1 << 20  # one size for the usual photos
-    assert scratch.take(3 << 20).nbytes == 3 << 20  # grown for a larger one
-    assert scratch.take(decode.Scratch.LIMIT + 1) is None  # a huge one: an array of its own
-    assert pickle.loads(pickle.dumps(scratch))._memory is None  # workers start empty
-    monkeypatch.setattr(decode.Scratch, "LIMIT", 100)
-    data = jpeg_bytes(photo(40, 56))
-    a = decode.decode_data(data, scratch=scratch).array
-    assert not np.shares_memory(a, scratch._memory)
-
-
 def test_fast_decoding_stays_within_a_level_of_the_exact_one():
     data = jpeg_bytes(photo(120, 160, seed=5), quality=90)
     exact = decode.decode_data(data).array.astype(int)

@@ -141,32 +141,8 @@ def dct_factor(h: int, w: int, size: int | None, mode: ResizeMode,
     return max(factor, 1)
 
 
-class Scratch:
-    """A decode's output memory, reused from image to image: a fresh array per image costs
-    its pages' faults every time (about 0.13 ms of a 0.75 ms decode of a 500 x 375 photo) and
-    lands out of cache. A decode into it holds until the next one: copy out what is kept.
-    One per loader worker (a dataset's own; pickled empty); larger images get arrays of
-    their own, so no worker holds hundreds of MB."""
-
-    LIMIT = 32 << 20  # bytes
-
-    def __init__(self) -> None:
-        self._memory: np.ndarray | None = None
-
-    def __reduce__(self) -> tuple:
-        return Scratch, ()
-
-    def take(self, nbytes: int) -> np.ndarray | None:
-        """At least `nbytes` to decode into, None past LIMIT."""
-        if nbytes > self.LIMIT:
-            return None
-        if self._memory is None or self._memory.nbytes < nbytes:
-            self._memory = np.empty(max(nbytes, 1 << 20), np.uint8)
-        return self._memory
-
-
 def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool,
-                  factor: int | None, scratch: Scratch | None = None) -> Decoded | None:  # fmt: skip
+                  factor: int | None) -> Decoded | None:  # fmt: skip
     """Decode an RGB/grey JPEG with simplejpeg (DCT-scaled by `factor`, else as `size` allows),
     or None to let Pillow do it."""
     if simplejpeg is None:
@@ -183,8 +159,6 @@ def _decode_turbo(data: bytes, size: int | None, mode: ResizeMode, fast: bool,
     note = "greyscale -> RGB" if colorspace == "Gray" else None  # as Pillow's path says
     args = {"colorspace": "RGB", "min_height": min_h, "min_width": min_w, "fastupsample": fast,
             "fastdct": fast}  # fmt: skip
-    if scratch is not None:  # room for the full size: whatever scale libjpeg picks fits
-        args["buffer"] = scratch.take(h * w * 3)
     try:
         return Decoded(simplejpeg.decode_jpeg(data, **args), note, factor, (h, w))
     except ValueError as e:
@@ -327,15 +301,13 @@ def decode_image(
 
 
 def decode_data(data: bytes, size: int | None = None, mode: ResizeMode = "squash",
-                fast: bool = False, suffix: str = "", factor: int | None = None,
-                scratch: Scratch | None = None) -> Decoded:  # fmt: skip
+                fast: bool = False, suffix: str = "", factor: int | None = None) -> Decoded:  # fmt: skip
     """decode_image of a file's bytes (`suffix`: its name's, for notes); `factor`: the DCT
-    scaling to decode a JPEG at, instead of the one `size` allows; `scratch`: a JPEG's pixels
-    may be decoded into it (valid until its next use)."""
+    scaling to decode a JPEG at, instead of the one `size` allows."""
     if not data:
         raise BadImage("empty file")
     if data.startswith(_JPEG_MAGIC):
-        decoded = _decode_turbo(data, size, mode, fast, factor, scratch)
+        decoded = _decode_turbo(data, size, mode, fast, factor)
         if decoded is not None:
             return decoded
     return _decode_pillow(data, size, mode, suffix, factor)
@@ -384,16 +356,12 @@ def device_jpeg(path: str | Path) -> bytes | None:
     return data if colorspace in ("RGB", "YCbCr", "Gray") else None
 
 
-def decode_jpeg_bytes(data: bytes | memoryview, size: int | None = None,
-                      scratch: Scratch | None = None) -> np.ndarray:  # fmt: skip
-    """Decode JPEG bytes (a packed shard's record) to (H, W, 3) uint8 RGB (in `scratch`, valid
-    until its next use, where one is given and the record's header reads)."""
+def decode_jpeg_bytes(data: bytes | memoryview, size: int | None = None) -> np.ndarray:
+    """Decode JPEG bytes (a packed shard's record) to (H, W, 3) uint8 RGB."""
     if simplejpeg is not None:
-        args = {"colorspace": "RGB", "min_height": size or 0, "min_width": size or 0}
-        if scratch is not None:
-            h, w, _, _ = simplejpeg.decode_jpeg_header(data)
-            args["buffer"] = scratch.take(h * w * 3)
-        return simplejpeg.decode_jpeg(data, **args)
+        return simplejpeg.decode_jpeg(
+            data, colorspace="RGB", min_height=size or 0, min_width=size or 0
+        )
     im = Image.open(io.BytesIO(data))
     if size:
         im.draft("RGB", (size, size))

@@ -25,7 +25,7 @@ from cnnkit.data.base import (
     holdout_split,
 )
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import BadImage, Scratch, device_jpeg, image_shape, load_resized
+from cnnkit.data.decode import BadImage, device_jpeg, image_shape, load_resized
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
 from cnnkit.data.regions import (
@@ -56,7 +56,6 @@ class FolderImages(Dataset):
                  size: int, mode: str) -> None:  # fmt: skip
         self.root, self.files, self.size, self.resize_mode = root, files, size, mode
         self.labels, self.ids = np.asarray(labels, np.int64), ids
-        self.scratch = Scratch()  # training crops' decodes (each worker's own)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -123,7 +122,7 @@ class FolderImages(Dataset):
                     box = rrc_boxes(c.draws[k : k + 1], *image.shape, c.ratio)[0]
                 top, left, h, w = box.tolist()
                 region = (top, left, top + h, left + w)
-            return load_region(image, region, c.side, bool(c.flip[k]), self.scratch), image.shape
+            return load_region(image, region, c.side, bool(c.flip[k])), image.shape
 
         return cut
 

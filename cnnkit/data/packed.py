@@ -23,7 +23,7 @@ from cnnkit.data.base import (
     holdout_split,
 )
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import BadImage, Scratch, decode_jpeg_bytes
+from cnnkit.data.decode import BadImage, decode_jpeg_bytes
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
 from cnnkit.data.packfiles import RESIZE_FLAG, read_index, read_meta
@@ -56,7 +56,6 @@ class PackedImages(Dataset):
         self._source_hw = self.index.get("source") if self.resize_mode == "squash" else None
         self._shards: list[np.memmap] | None = None  # opened lazily in each process
         self._files: list[str] | None = None  # files.txt, read at the first damaged record
-        self._scratch = Scratch()  # JPEG records decode into it (each worker's own)
 
     def subset(self, ids: np.ndarray) -> PackedImages:
         """The same set restricted to images `ids` (the index is shared, not read again)."""
@@ -83,13 +82,13 @@ class PackedImages(Dataset):
         return self.shards()[self.index["shard"][i]][offset : offset + self.index["length"][i]]
 
     def _image(self, i: int) -> torch.Tensor:
-        """Image i as (3, size, size) uint8: a view of a raw shard, or decoded into scratch
-        memory the next decode overwrites (BadImage for a damaged JPEG record)."""
+        """Image i as (3, size, size) uint8: a view of a raw shard, or decoded (BadImage for a
+        damaged JPEG record)."""
         s, record = self.size, self._record(i)
         if self.direct:
             return torch.from_numpy(record.reshape(3, s, s))
         try:
-            image = decode_jpeg_bytes(record, s, self._scratch)
+            image = decode_jpeg_bytes(record, s)
         except (ValueError, OSError) as e:  # simplejpeg / Pillow on damaged bytes
             raise BadImage(f"damaged JPEG record ({one_line(e, 80)})") from None
         if image.shape[:2] != (s, s):

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from cnnkit.data.decode import Scratch, decode_data, image_shape, read_file
+from cnnkit.data.decode import decode_data, image_shape, read_file
 from cnnkit.data.resize import ResizeMode, resize_crop, resize_uint8
 
 
@@ -59,24 +59,19 @@ def region_factor(region: tuple[int, int, int, int], crop: int) -> int:
 
 
 def load_region(image: ImageFile, region: tuple[int, int, int, int], crop: int,
-                flip: bool, scratch: Scratch | None = None) -> torch.Tensor:  # fmt: skip
+                flip: bool) -> torch.Tensor:  # fmt: skip
     """Region (y0, x0, y1, x1) of an image, in its own pixels, resized to crop x crop (mirrored
-    if flip): one decode (into `scratch` if given), DCT-scaled as far as the region allows,
-    one resize. Returns a (3, crop, crop) uint8 tensor of its own memory (any strides).
-    Raises BadImage like read_image."""
+    if flip): one decode, DCT-scaled as far as the region allows, one resize. Returns a
+    (3, crop, crop) uint8 tensor (any strides: copy it out). Raises BadImage like read_image."""
     factor = region_factor(region, crop)
-    array, _, factor, _ = decode_data(image.data, fast=True, suffix=image.suffix, factor=factor,
-                                      scratch=scratch)  # fmt: skip
+    array, _, factor, _ = decode_data(image.data, fast=True, suffix=image.suffix, factor=factor)
     y0, x0, y1, x1 = region
     if factor > 1:  # in decoded pixels: the nearest edges (under half a pixel of jitter)
         h, w = array.shape[:2]
         y0, x0 = min(round(y0 / factor), h - 1), min(round(x0 / factor), w - 1)
         y1 = min(max(round(y1 / factor), y0 + 1), h)
         x1 = min(max(round(x1 / factor), x0 + 1), w)
-    cut = torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1)
-    if not flip and cut.shape[1:] == (crop, crop):  # neither resized nor mirrored: a view
-        cut = cut.clone()  # (of the scratch memory the next decode overwrites)
-    return resize_crop(cut, crop, flip)
+    return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip)
 
 
 def smaller_than(shape: tuple[int, int], size: int, mode: ResizeMode) -> bool:
