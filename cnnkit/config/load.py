@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from cnnkit.config.hints import data_typo, did_you_mean, meant_otherwise, other_sources_fields
 from cnnkit.config.sections import ModelConfig, RunConfig
 from cnnkit.data import SOURCES, check_source
-from cnnkit.data.base import MAX_SIDE
+from cnnkit.data.base import resized_side
 from cnnkit.data.decode import holds_images
 from cnnkit.data.packfiles import is_pack
 from cnnkit.errors import ConfigError, brief, config_error, suggest
@@ -144,8 +144,10 @@ def _crop_for_network(raw: dict[str, Any]) -> None:
         return
     data["crop"] = side
     if "size" in source.model_fields and "size" not in data:
-        size, fit = source.model_fields["size"].default, round(side * 8 / 7)
-        data["size"] = size if side <= size <= fit else min(fit, max(side, MAX_SIDE))
+        size = source.model_fields["size"].default  # 256 for crops of 224 to 256
+        data["size"] = (
+            size if side <= size <= round(side * 8 / 7) else max(resized_side(side), side)
+        )
 
 
 DATA_FILES = ("path", "val_path", "val_labels", "negatives")  # a data section's files

@@ -163,6 +163,12 @@ class Batches(Protocol):
 MAX_SIDE = 8192  # the largest image side an evaluation may resize to (a bound, not a taste)
 
 
+def resized_side(crop: int) -> int:
+    """The side images are resized to before a crop of `crop` is cut: its 8/7, torchvision's
+    224 of 256 (at most MAX_SIDE)."""
+    return min(round(crop * 8 / 7), MAX_SIDE)
+
+
 def unit_mistake(name: str, values: Sequence[float] | None) -> str | None:
     """What to say where a mean or std, given on cnnkit's 0-255 scale, has the look of
     torchvision's 0-1 values (mean [0.485, 0.456, 0.406], std [0.229, 0.224, 0.225]): a mean

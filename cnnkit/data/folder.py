@@ -23,6 +23,7 @@ from cnnkit.data.base import (
     Preprocess,
     holdout_id,
     holdout_split,
+    resized_side,
 )
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, device_jpeg, image_shape, load_resized
@@ -190,7 +191,7 @@ class FolderConfig(ImageSetConfig):
             return data
         crop, default = data.get("crop"), cls.model_fields["size"].default
         if isinstance(crop, int) and not isinstance(crop, bool) and default < crop <= MAX_SIDE:
-            data = {**data, "size": min(round(crop * 8 / 7), MAX_SIDE)}
+            data = {**data, "size": resized_side(crop)}
         return data
 
     _evaluating: bool = PrivateAttr(False)  # evaluated_as: an empty class folder is skipped
@@ -204,7 +205,7 @@ class FolderConfig(ImageSetConfig):
             notes.append("data.val_labels is not used: it labels a flat data.val_path, and "
                          "none is given")  # fmt: skip
         if self.crop < 0.75 * self.size:
-            fit = round(self.crop / 0.875)
+            fit = resized_side(self.crop)
             notes.append(f"data.crop {self.crop} of data.size {self.size}: images are resized to "
                          f"{self.size} x {self.size} first, so a crop sees "
                          f"{self.crop / self.size:.0%} of their side (torchvision's 224 of 256: "

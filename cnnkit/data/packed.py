@@ -21,6 +21,7 @@ from cnnkit.data.base import (
     Preprocess,
     holdout_id,
     holdout_split,
+    resized_side,
 )
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes
@@ -247,7 +248,7 @@ class PackedConfig(ImageSetConfig):
         if self.crop < 0.75 * side:
             notes.append(f"data.crop {self.crop} of a set packed at {side} px: a crop sees "
                          f"{self.crop / side:.0%} of an image's side (torchvision's 224 of 256: "
-                         f"88%); `cnnkit pack SRC DST --size {round(self.crop / 0.875)}` packs "
+                         f"88%); `cnnkit pack SRC DST --size {resized_side(self.crop)}` packs "
                          "it for this network")  # fmt: skip
         return notes
 
