@@ -215,5 +215,21 @@ def test_dropout_on_a_cpu_keeps_what_torchs_keeps_and_scales_it_exactly(p):
     assert torch.equal(layer(x), y)  # reproducible from the seed (exact resume)
     assert not torch.equal(layer(x), y)  # and a new mask at each call
     assert torch.equal(layer.eval()(x), x)
-    rows = layer.train()(torch.ones(8, 3, dtype=torch.bfloat16))  # any size, any float type
-    assert rows.dtype == torch.bfloat16 and rows.shape == (8, 3)
+    lanes = (y != 0).float().flatten()  # the four 16-bit lanes of a word: independent draws
+    for shift in (1, 2, 3, 4):
+        corr = torch.corrcoef(torch.stack([lanes[:-shift], lanes[shift:]]))[0, 1]
+        assert abs(corr.item()) < 0.01
+    rows = layer.train()(torch.ones(7, 3, dtype=torch.bfloat16))  # any size, any float type
+    assert rows.dtype == torch.bfloat16 and rows.shape == (7, 3)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace.*is deprecated:FutureWarning")
+def test_dropout_a_16_bit_draw_cannot_make_is_torchs_and_tracing_sees_torchs():
+    from cnnkit.nn.modules import Dropout
+
+    x = torch.ones(1000, 1000)
+    assert (Dropout(1e-6).train()(x) == 0).any()  # p under 2^-17: still drops (torch's)
+    assert (Dropout(1 - 1e-6).train()(x) != 0).sum() < 100  # no division by a zero keep rate
+    net = nn.Sequential(nn.Linear(8, 8), Dropout(0.5)).train()  # a model starts training
+    traced = torch.jit.trace(net, torch.randn(4, 8), check_trace=False)
+    assert traced(torch.randn(4, 8)).shape == (4, 8)

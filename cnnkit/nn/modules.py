@@ -174,13 +174,16 @@ class Dropout(nn.Dropout):
     """torch's Dropout, whose mask on a CPU is drawn 16 bits at a time: four keep-or-drop
     draws per 64-bit random word, 5x faster than torch's CPU bernoulli_ (which spent 7 ms of an
     AlexNet step at batch 64). The keep probability is 1 - p to 2^-16 and the survivors are
-    scaled by its inverse exactly. On other devices, compiled, or in place: torch's own."""
+    scaled by its inverse (rounded to x's type, as torch's is). On other devices, traced or
+    compiled, in place, or for a p that 16 bits cannot draw (under 2^-17, over 1 - 2^-17):
+    torch's own."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not self.training or self.p == 0 or self.inplace or x.device.type != "cpu"
+        dropped = round(self.p * 65536)  # of 65536 equally likely 16-bit values
+        if (not self.training or not 0 < dropped < 65536 or self.inplace
+                or x.device.type != "cpu" or torch.jit.is_tracing()
                 or torch.compiler.is_compiling()):  # fmt: skip
             return super().forward(x)
-        dropped = round(self.p * 65536)  # of 65536 equally likely 16-bit values
         words = torch.randint(-(2**63), 2**63 - 1, (-(-x.numel() // 4),), dtype=torch.int64)
         draws = words.view(torch.int16)[: x.numel()].view(x.shape)  # uniform in [-2^15, 2^15)
         keep = (draws >= dropped - 32768).to(x.dtype)
