@@ -378,6 +378,7 @@ def test_a_field_written_in_capitals_is_met_with_the_one_meant(key, hint):
     ("train.batchsize", "(it belongs in data: data.batch_size)"),
     ("train.workers", "(data.workers is a setting of data.source folder / packed)"),
     ("model.crop", "(data.crop is a setting of data.source folder / packed)"),
+    ("train.size", "(data.size is a setting of data.source folder)"),  # was 'step_size'
 ])  # fmt: skip
 def test_another_sections_own_field_is_named_before_a_near_spelling_here(key, hint):
     """Many training scripts keep the batch size with the optimizer's settings: train.batch_size
@@ -386,6 +387,15 @@ def test_another_sections_own_field_is_named_before_a_near_spelling_here(key, hi
     with pytest.raises(ConfigError) as caught:
         load_run("digits", [f"{key}=1"])
     assert str(caught.value) == f"{key}: unknown field {hint}"
+
+
+def test_num_classes_on_synthetic_data_belongs_in_its_data_section():
+    """Synthetic data's class count is its own setting: said so, not 'taken from the data'."""
+    with pytest.raises(ConfigError) as caught:
+        load_run({"model": {"network": "lenet5"}, "data": {"source": "synthetic"}},
+                 ["model.num_classes=10"])  # fmt: skip
+    assert str(caught.value) == ("model.num_classes: unknown field (it belongs in data: "
+                                 "data.num_classes)")  # fmt: skip
 
 
 def test_num_classes_beside_a_runs_network_says_where_the_class_count_comes_from(tmp_path):

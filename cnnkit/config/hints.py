@@ -118,27 +118,27 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
         kind = getattr(annotation, "annotation", None)
         section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
     key = parts[-1].lower().replace("-", "_")
-    if key in TAKEN_FROM_DATA and parts[:1] != ["data"]:  # model.num_classes
-        return f" ({TAKEN_FROM_DATA[key]})"
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    source = SOURCES.get(data.get("source"), RunConfig)  # (synthetic data has num_classes)
+    if key in TAKEN_FROM_DATA and parts[:1] != ["data"] and key not in source.model_fields:
+        return f" ({TAKEN_FROM_DATA[key]})"  # model.num_classes
     known, meant = key in PEER_NAMES, PEER_NAMES.get(key, ())
     meant = (meant,) if isinstance(meant, str) else meant
     peer = next((m for m in meant if m in section.model_fields), meant[0] if meant else None)
     if peer in section.model_fields:
         return f" (did you mean {peer!r}?)"
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
-    elsewhere = {"": RunConfig, "train.": TrainConfig, "model.": ModelConfig,
-                 "data.": SOURCES.get(data.get("source"), RunConfig)}  # fmt: skip
+    elsewhere = {"": RunConfig, "train.": TrainConfig, "model.": ModelConfig, "data.": source}
     for prefix, other in elsewhere.items():  # another section's own field, before a near one
         if other is not section and (peer or key) in other.model_fields:  # (train.batch_size)
             where = "at the top level" if not prefix else f"in {prefix[:-1]}"
             return f" (it belongs {where}: {prefix}{peer or key})"
+    owners = [name for name, kind in SOURCES.items() if (peer or key) in kind.model_fields]
+    if owners and parts[:1] != ["data"] and len(parts) > 1:  # train.workers: an image set's
+        return f" (data.{peer or key} is a setting of data.source {' / '.join(owners)})"
     close = difflib.get_close_matches(key, list(section.model_fields), n=1)  # (train.LR: lr)
     if close and not known:  # (image_size is not batch_size, where a source has no crop)
         return f" (did you mean {close[0]!r}?)"
-    owners = [name for name, kind in SOURCES.items() if (peer or key) in kind.model_fields]
     this = source_said or data.get("source")
-    if owners and parts[:1] != ["data"] and len(parts) > 1:  # train.workers: an image set's
-        return f" (data.{peer or key} is a setting of data.source {' / '.join(owners)})"
     renamed = peer or (key if key != parts[-1] else None)  # (data.PATH: path)
     if renamed and owners and parts[:1] == ["data"] and data.get("source") in SOURCES:
         return f" (data.{renamed} is a setting of data.source {' / '.join(owners)}, not {this})"
