@@ -292,7 +292,7 @@ def decode_image(
 ) -> Decoded:
     """Decode a file to uint8 RGB, at least `size` after resizing (DCT-scaled JPEGs).
 
-    fast: libjpeg-turbo's fast chroma upsampling and integer IDCT (10% faster; values within
+    fast: libjpeg-turbo's fast chroma upsampling and fast IDCT (10% faster; values within
     about a level of the exact decode's on average: for training crops, not for packing).
     Raises BadImage with the reason when the file cannot be used.
     """
