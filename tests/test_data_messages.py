@@ -114,13 +114,13 @@ def test_a_validation_class_the_training_set_lacks_is_explained(flat, tmp_path):
 def test_counts_of_one_are_singular(flat, tmp_path, capsys):
     """'no label for 1 images', '1 epochs', '1 more entries' read as English: 1 image."""
     from cnnkit.config import TrainConfig
-    from cnnkit.config.sections import schedule_notes
+    from cnnkit.config.sections import train_notes
     from cnnkit.data.scan import REPORTED_LINES, report_skipped, scan_images
 
     (tmp_path / "val.txt").write_text("".join(f"VAL_{i:08d}.JPEG cat\n" for i in range(1, 4)))
     with pytest.raises(DataError, match=r"no label for 1 image in .*VAL_00000004.JPEG\)$"):
         scan_images(flat, tmp_path / "val.txt")
-    notes = schedule_notes(TrainConfig(epochs=1, warmup_epochs=1, schedule="step", step_size=1))
+    notes = train_notes(TrainConfig(epochs=1, warmup_epochs=1, schedule="step", step_size=1))
     assert any("train.warmup_epochs 1 of 1 epoch: the lr never" in note for note in notes), notes
     assert "train.step_size 1 of 1 epoch: the lr never drops" in notes, notes
     report_skipped([(f"x{i}", "hidden file") for i in range(REPORTED_LINES + 1)])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cnnkit.config import TrainConfig, dump_run, load_run, schedule_notes
+from cnnkit.config import TrainConfig, dump_run, load_run, train_notes
 from cnnkit.errors import ConfigError
 from cnnkit.train.optim import Schedule
 
@@ -110,7 +110,7 @@ def test_apply_sets_each_group_by_its_multiplier():
 def test_settings_the_schedule_does_not_read_are_said(overrides, note):
     """A torchvision user's step_size or milestones under the run's cosine schedule: said with
     the schedule that reads them, not silently ignored; only settings given, never defaults."""
-    notes = schedule_notes(load_run("digits", ["train.epochs=3", *overrides]).train)
+    notes = train_notes(load_run("digits", ["train.epochs=3", *overrides]).train)
     assert notes == ([note] if note else [])
 
 
@@ -118,11 +118,11 @@ def test_a_resolved_config_says_only_the_settings_off_their_default(tmp_path):
     """config.yaml holds every setting: read back (a resume, a rerun of it), only the unused
     ones off their default are said, not every default it wrote."""
     dump_run(load_run("digits", ["train.step_size=1", "train.gamma=0.1"]), tmp_path / "c.yaml")
-    assert schedule_notes(load_run(tmp_path / "c.yaml").train) == [
+    assert train_notes(load_run(tmp_path / "c.yaml").train) == [
         "train.schedule cosine does not use train.step_size (train.schedule=step would use it)"
     ]
     dump_run(load_run("digits"), tmp_path / "plain.yaml")
-    assert schedule_notes(load_run(tmp_path / "plain.yaml").train) == []
+    assert train_notes(load_run(tmp_path / "plain.yaml").train) == []
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_repeated_or_unsorted_milestones_are_said_with_what_torch_does(milestone
     """MultiStepLR takes [30, 30] (two drops at once) and [4, 2]: said, not refused."""
     train = load_run("digits", ["train.epochs=6", "train.schedule=multistep",
                                 f"train.milestones={milestones}"]).train  # fmt: skip
-    assert schedule_notes(train) == ([note] if note else [])
+    assert train_notes(train) == ([note] if note else [])
     schedule = Schedule(TrainConfig(lr=0.1, schedule="multistep", milestones=train.milestones))
     ours = [schedule.lr(epoch) for epoch in range(6)]  # what the note says torch does
     assert ours == pytest.approx(_torch_lrs(lambda o: torch.optim.lr_scheduler.MultiStepLR(
@@ -180,7 +180,7 @@ def test_settings_the_optimizer_does_not_read_are_said(overrides, note, tmp_path
     """Adam given momentum (its betas do that job): said as the schedule's unread settings
     are; a resolved config.yaml of the same run says it too, its defaults never."""
     config = load_run("digits", overrides)
-    assert schedule_notes(config.train) == ([note] if note else [])
+    assert train_notes(config.train) == ([note] if note else [])
     dump_run(config, tmp_path / "c.yaml")
-    resolved = schedule_notes(load_run(tmp_path / "c.yaml").train)
+    resolved = train_notes(load_run(tmp_path / "c.yaml").train)
     assert resolved == ([note] if note and "betas" in note else [])  # (momentum 0.9: default)

@@ -19,7 +19,7 @@ from cnnkit.config.sections import (
     ModelConfig,
     RunConfig,
     TrainConfig,
-    schedule_notes,
+    train_notes,
 )
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "dump_run",
     "load_run",
     "run_dict",
-    "schedule_notes",
+    "train_notes",
     "source_follows_path",
     "validate_run",
 ]

@@ -192,8 +192,10 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Set `a.b.c=value` in a nested mapping; the value is parsed as YAML (numbers, lists...)."""
     key, sep, text = item.partition("=")
-    if sep and re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*", key) and re.search(r"\.\d", key):
-        whole = key[: re.search(r"\.\d", key).start()]  # train.milestones.0=3
+    dotted = sep and re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*", key)
+    index = re.search(r"\.\d", key) if dotted else None  # train.milestones.0=3
+    if index:
+        whole = key[: index.start()]
         raise ConfigError(f"override {item!r}: list items cannot be set one by one: give the "
                           f"whole list, e.g. {whole}=[...]")  # fmt: skip
     if not sep or not key or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", key):

@@ -155,7 +155,7 @@ OPTIMIZER_SETTINGS: dict[str, tuple[str, ...]] = {
 }
 
 
-def schedule_notes(train: TrainConfig) -> list[str]:
+def train_notes(train: TrainConfig) -> list[str]:
     """Schedule and optimizer settings the run never uses: given to a schedule or optimizer
     that does not read them (a torchvision user's step_size under the default schedule, Adam
     given momentum), or never reached in this many epochs (a forgotten override, or a short

@@ -16,7 +16,7 @@ import torch
 
 import cnnkit.distributed as distributed
 from cnnkit.checkpoint import set_rng_state
-from cnnkit.config import RunConfig, load_run, schedule_notes
+from cnnkit.config import RunConfig, load_run, train_notes
 from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError, plural
@@ -265,7 +265,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
         f"{plural(len(data.train), 'step')} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
-    _schedule_notes(config, main)
+    _train_notes(config, main)
     mining = getattr(config.data, "hard_negatives", None)
     if mining is not None and mining.rounds:  # the dry run above is the first round's
         console.print(f"note: {mining.describe()}")
@@ -306,7 +306,7 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
         f"{data.val.num_samples} held-out images{classes}{_crops(config)}, batch "
         f"{config.data.batch_size} -> {ctx.run_dir}"
     )
-    _schedule_notes(config, ctx.dist.is_main)
+    _train_notes(config, ctx.dist.is_main)
 
 
 def _crops(config: RunConfig) -> str:
@@ -326,10 +326,10 @@ def _train_images(data: DataBundle) -> str:
     return f"{every} train ({taken} an epoch: whole batches, reshuffled each epoch)"
 
 
-def _schedule_notes(config: RunConfig, main: bool) -> None:
-    """Warn of schedule settings the run never reaches, on stderr (rank 0; --quiet or not)."""
+def _train_notes(config: RunConfig, main: bool) -> None:
+    """Say which schedule and optimizer settings the run never uses or reaches, on stderr (rank 0; --quiet or not)."""
     if main:
-        for note in schedule_notes(config.train):
+        for note in train_notes(config.train):
             print(f"cnnkit: note: {note}", file=sys.stderr)
 
 
