@@ -273,6 +273,61 @@ def test_concat_along_the_channels_however_caffe_names_the_axis(axis):
         translate(parse_prototxt(text.replace(axis, "axis: -1")))
 
 
+def _pooled(params: str, side: int = 8) -> nn.Module:
+    """A network of one Pooling over a (1, side, side) input, imported from its params."""
+    text = INPUT.replace(
+        "input_dim: 3 input_dim: 8 input_dim: 8",
+        f"input_dim: 1 input_dim: {side} input_dim: {side}",
+    )
+    return build_model(
+        translate(
+            parse_prototxt(
+                text + _layer("p", "Pooling", ["data"], "p", f"pooling_param {{ {params} }}")
+            )
+        )
+    )
+
+
+@pytest.mark.parametrize("fork,bvlc", [("ceil_mode: false", "round_mode: FLOOR"),
+                                       ("ceil_mode: true", "round_mode: CEIL"),
+                                       ("ceil_mode: true round_mode: CEIL", "")])  # fmt: skip
+def test_the_forks_ceil_mode_reads_as_round_mode(fork, bvlc):
+    """DenseNet's and ResNeXt's prototxts were written for forks that spell round_mode
+    `ceil_mode`; the same network either way (8 px: the two roundings differ)."""
+    pool = "pool: MAX kernel_size: 3 stride: 2"
+    net = _pooled(f"{pool} {fork}")
+    assert net.output_shape == _pooled(f"{pool} {bvlc}").output_shape
+    assert net.output_shape == ((1, 3, 3) if "false" in fork else (1, 4, 4))
+    x = torch.randn(1, 1, 8, 8)
+    expected = caffe_pool(x[0].double().numpy(), 3, 2, 0, "max") if "true" in fork else None
+    if expected is not None:
+        torch.testing.assert_close(net(x)[0].double(), torch.from_numpy(expected))
+    with pytest.raises(ConfigError, match="ceil_mode: false and round_mode: CEIL disagree"):
+        _pooled(f"{pool} ceil_mode: false round_mode: CEIL")
+
+
+def test_pooling_caffe_sizes_otherwise_is_one_line():
+    """A kernel under its stride, rounding up without padding: Caffe computes one more output
+    than torch's pooling where the last window starts past the input; refused, naming both
+    counts (with padding, or rounding down, or where the windows fit, the sizes agree). A pad
+    over half the kernel, which Caffe takes and torch's pooling does not, says so."""
+    with pytest.raises(
+        ConfigError, match=r"kernel 1 under stride 2.*Caffe computes 5 outputs.*cnnkit computes 4"
+    ):
+        _pooled("pool: AVE kernel_size: 1 stride: 2")
+    assert _pooled("pool: AVE kernel_size: 1 stride: 2", side=7).output_shape == (1, 4, 4)
+    assert _pooled("pool: AVE kernel_size: 1 stride: 2 round_mode: FLOOR").output_shape == (1, 4, 4)
+    x = torch.randn(1, 1, 8, 8)
+    net = _pooled("pool: MAX kernel_size: 2 stride: 3 pad: 1")
+    torch.testing.assert_close(
+        net(x)[0].double(), torch.from_numpy(caffe_pool(x[0].double().numpy(), 2, 3, 1, "max"))
+    )
+    with pytest.raises(
+        ConfigError, match="Pooling pad 2 over half its kernel 3: Caffe pads that far"
+    ):
+        _pooled("pool: MAX kernel_size: 3 stride: 2 pad: 2")
+
+
 def _mults(net: nn.Module, param: str) -> tuple[float, float]:
     """The (lr, weight decay) the optimizer gives `param` of a built network (lr 1, decay 1)."""
     target = net.get_parameter(param)

@@ -76,11 +76,46 @@ class LayerTypes:
             self.here, p, "stride", 1
         )  # Caffe's default is 1, torch's the kernel
         _put(spec, "padding", sizes(self.here, p, "pad", 0), 0)
-        mode = enum(self.here, p, "round_mode", tuple(_ROUND_MODES), "CEIL")  # Caffe rounds up
-        require(self.here, mode in _ROUND_MODES, f"pooling_param round_mode: {brief(mode)} is "
-                "not CEIL or FLOOR")  # fmt: skip
-        spec["ceil_mode"] = _ROUND_MODES[mode]
+        for k, pad in zip(_pair(spec["kernel_size"]), _pair(spec.get("padding", 0)), strict=True):
+            require(self.here, pad <= k // 2, f"Pooling pad {pad} over half its kernel {k}: "
+                    f"Caffe pads that far, torch's pooling (and so cnnkit's) {k // 2} at most")  # fmt: skip
+        spec["ceil_mode"] = self._ceil_mode(p)
+        if spec["ceil_mode"]:
+            self._check_ceil_sizes(layer, spec)
         self._emit(layer, spec)
+
+    def _ceil_mode(self, p: Message) -> bool:
+        """Whether a pooling rounds its output size up: BVLC's `round_mode` (CEIL by default),
+        or the `ceil_mode: true / false` of the forks that DenseNet's and ResNeXt's prototxts
+        were written for (both given: they must agree)."""
+        here = self.here
+        mode = enum(here, p, "round_mode", tuple(_ROUND_MODES), "CEIL")  # Caffe rounds up
+        require(here, mode in _ROUND_MODES, f"pooling_param round_mode: {brief(mode)} is "
+                "not CEIL or FLOOR")  # fmt: skip
+        if p.get("ceil_mode") is None:
+            return _ROUND_MODES[mode]
+        ceil = flag(here, p, "ceil_mode", True)
+        agree = p.get("round_mode") is None or ceil == _ROUND_MODES[mode]
+        require(here, agree, f"pooling_param ceil_mode: {str(ceil).lower()} and round_mode: "
+                f"{mode} disagree (give one)")  # fmt: skip
+        return ceil
+
+    def _check_ceil_sizes(self, layer: Message, spec: dict[str, Any]) -> None:
+        """Caffe drops a last window that starts past the input only where there is padding;
+        without padding, a kernel smaller than its stride may leave Caffe one more output row
+        or column, from outside the image, than torch's pooling (and so cnnkit's) computes."""
+        shape = self.shapes[self._first_bottom(layer)]
+        if len(shape) != 3:
+            return  # (the network's own check says what is wrong with the input)
+        kernel, stride = _pair(spec["kernel_size"]), _pair(spec["stride"])
+        if any(_pair(spec.get("padding", 0))):  # (Caffe: pad_h or pad_w checks both sides)
+            return
+        for side, k, s in zip(shape[1:], kernel, stride, strict=True):
+            caffe = -(-(side - k) // s) + 1  # Caffe's and torch's count, before the last check
+            require(self.here, side < k or (caffe - 1) * s < side,
+                    f"Pooling kernel {k} under stride {s}, rounding up, no padding, over {side} "
+                    f"pixels: Caffe computes {caffe} outputs, the last from outside the image; "
+                    f"cnnkit computes {caffe - 1}, as round_mode: FLOOR does in both")  # fmt: skip
 
     def _lrn(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("lrn_param"), self.here
@@ -216,6 +251,13 @@ SUPPORTED = (
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")
 _LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
 _ROUND_MODES = {"CEIL": True, "FLOOR": False}  # ceil_mode
+
+
+def _pair(size: int | list[int]) -> tuple[int, int]:
+    """A size field's (h, w)."""
+    return (size[0], size[1]) if isinstance(size, list) else (size, size)
+
+
 _ELTWISE = {"PROD": "mul", "SUM": "add", "MAX": "max"}
 
 

@@ -30,7 +30,7 @@ PARAM_FIELDS: dict[str, set[str]] = {
                             "transpose"},
     "pooling_param": {"pool", "pad", "pad_h", "pad_w", "kernel_size", "kernel_h", "kernel_w",
                       "stride", "stride_h", "stride_w", "engine", "global_pooling",
-                      "round_mode"},
+                      "round_mode", "ceil_mode"},  # ceil_mode: forks' (DenseNet, ResNeXt)
     "lrn_param": {"local_size", "alpha", "beta", "norm_region", "k", "engine"},
     "prelu_param": {"filler", "channel_shared"},
     "relu_param": {"negative_slope", "engine"},
