@@ -5,6 +5,7 @@ fillers it keeps; and the command that writes the network file."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,22 @@ def test_lenet_v1_syntax_with_fillers():
     assert net.output_shape == (10,) and model["input"] == [1, 28, 28]
     assert model["layers"][0]["init"]["bias"] == 0.0
     assert float(net.conv1.bias.detach().abs().max()) == 0.0  # the constant filler was applied
+
+
+def test_every_v1_type_name_reads_as_its_layer_type():
+    """The old syntax's enum names, all of them: a Deconvolution imports (as the new syntax's),
+    a train_val's DATA / SOFTMAX_LOSS get the deploy hint, others name the type by today's
+    name."""
+    v1 = 'input: "data"\ninput_dim: 1 input_dim: 2 input_dim: 4 input_dim: 4\n'
+    deconv = ('layers { name: "up" type: DECONVOLUTION bottom: "data" top: "up" '
+              "convolution_param { num_output: 3 kernel_size: 4 stride: 2 pad: 1 } }\n")  # fmt: skip
+    net = build_model(translate(parse_prototxt(v1 + deconv)))
+    assert isinstance(net.up, nn.ConvTranspose2d) and net.output_shape == (3, 8, 8)
+    for kind, words in [("DATA", "a train_val prototxt?"), ("SOFTMAX_LOSS", "a train_val prototxt?"),
+                        ("MVN", "type 'MVN', which cnnkit cannot import")]:  # fmt: skip
+        layer = f'layers {{ name: "x" type: {kind} bottom: "data" top: "x" }}\n'
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            translate(parse_prototxt(v1 + layer))
 
 
 def caffe_pool(x: np.ndarray, k: int, s: int, pad: int, mode: str) -> np.ndarray:

@@ -12,11 +12,19 @@ from cnnkit.caffe.schema import NET_STATE_FIELDS, RULE_FIELDS, check_fields
 from cnnkit.errors import brief
 from cnnkit.prototxt import Message
 
-V1_TYPES = {  # the old `layers { type: CONVOLUTION }` enum names
-    "CONVOLUTION": "Convolution", "POOLING": "Pooling", "LRN": "LRN", "RELU": "ReLU",
-    "TANH": "TanH", "SIGMOID": "Sigmoid", "INNER_PRODUCT": "InnerProduct", "DROPOUT": "Dropout",
-    "SOFTMAX": "Softmax", "CONCAT": "Concat", "ELTWISE": "Eltwise", "FLATTEN": "Flatten",
-    "SPLIT": "Split",
+V1_TYPES = {  # the old `layers { type: CONVOLUTION }` enum names (V1LayerParameter's, all)
+    "ABSVAL": "AbsVal", "ACCURACY": "Accuracy", "ARGMAX": "ArgMax", "BNLL": "BNLL",
+    "CONCAT": "Concat", "CONTRASTIVE_LOSS": "ContrastiveLoss", "CONVOLUTION": "Convolution",
+    "DATA": "Data", "DECONVOLUTION": "Deconvolution", "DROPOUT": "Dropout",
+    "DUMMY_DATA": "DummyData", "EUCLIDEAN_LOSS": "EuclideanLoss", "ELTWISE": "Eltwise",
+    "EXP": "Exp", "FLATTEN": "Flatten", "HDF5_DATA": "HDF5Data", "HDF5_OUTPUT": "HDF5Output",
+    "HINGE_LOSS": "HingeLoss", "IM2COL": "Im2col", "IMAGE_DATA": "ImageData",
+    "INFOGAIN_LOSS": "InfogainLoss", "INNER_PRODUCT": "InnerProduct", "LRN": "LRN",
+    "MEMORY_DATA": "MemoryData", "MULTINOMIAL_LOGISTIC_LOSS": "MultinomialLogisticLoss",
+    "MVN": "MVN", "POOLING": "Pooling", "POWER": "Power", "RELU": "ReLU", "SIGMOID": "Sigmoid",
+    "SIGMOID_CROSS_ENTROPY_LOSS": "SigmoidCrossEntropyLoss", "SILENCE": "Silence",
+    "SOFTMAX": "Softmax", "SOFTMAX_LOSS": "SoftmaxWithLoss", "SPLIT": "Split",
+    "SLICE": "Slice", "TANH": "TanH", "WINDOW_DATA": "WindowData", "THRESHOLD": "Threshold",
 }  # fmt: skip
 
 
