@@ -45,15 +45,28 @@ def test_a_train_val_prototxt_points_at_the_deploy_one(tmp_path, kind):
         import_caffe(prototxt)
 
 
-def test_eltwise_coefficients_are_refused_saying_so(tmp_path):
-    prototxt = tmp_path / "el.prototxt"
-    prototxt.write_text(
-        'layer { name: "d" type: "Input" top: "d" input_param { shape { dim: 1 dim: 3 dim: 4 '
-        'dim: 4 } } }\nlayer { name: "e" type: "Eltwise" bottom: "d" bottom: "d" top: "e" '
-        "eltwise_param { coeff: 1 coeff: -1 } }\n"
+def test_eltwise_coefficients_weigh_the_sum_as_caffes(tmp_path):
+    """Inception-ResNet's scaled residual: Eltwise SUM with a coeff per bottom is an add with
+    coeff; coefficients on a PROD or MAX, or not one per bottom, Caffe refuses, and so does the
+    import."""
+    head = ('layer { name: "d" type: "Input" top: "d" input_param { shape { dim: 1 dim: 3 dim: 4 '
+            'dim: 4 } } }\nlayer { name: "c" type: "Convolution" bottom: "d" top: "c" '
+            "convolution_param { num_output: 3 kernel_size: 1 } }\n")  # fmt: skip
+    eltwise = 'layer {{ name: "e" type: "Eltwise" bottom: "d" bottom: "c" top: "e" eltwise_param {{ {} }} }}\n'
+    net = build_model(
+        translate(parse_prototxt(head + eltwise.format("coeff: 1 coeff: -0.17")))
+    ).eval()
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), x - 0.17 * net.c(x))
+    assert (
+        "coeff"
+        not in translate(parse_prototxt(head + eltwise.format("coeff: 1 coeff: 1")))["layers"][1]
     )
-    with pytest.raises(ConfigError, match="coeff other than 1 is not imported"):
-        import_caffe(prototxt)
+    for params, words in [("operation: PROD coeff: 1 coeff: 2", "Eltwise PROD takes no coeff"),
+                          ("coeff: 0.5", "coeff: 1 given for 2 bottoms")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            translate(parse_prototxt(head + eltwise.format(params)))
 
 
 def test_unsupported_type_names_type_and_line():

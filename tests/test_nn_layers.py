@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from cnnkit import build_model
+from cnnkit import ConfigError, build_model
 
 
 def one_layer(layer: dict, input_shape: list[int]) -> torch.nn.Module:
@@ -112,6 +112,23 @@ def test_elementwise_merges(kind, op):
     x = torch.randn(2, 3, 4, 4)
     with torch.no_grad():
         torch.testing.assert_close(model(x), op(model.a(x), model.b(x)))
+
+
+def test_an_add_weighs_its_inputs_by_coeff():
+    """Caffe's Eltwise coeff (Inception-ResNet's 0.17 residual scale), and how a wrong one is
+    told: one number per input, never fewer than two, numbers only."""
+    conv = {"name": "a", "type": "conv", "out_channels": 3, "kernel_size": 1}
+    spec = {"input": [3, 4, 4], "layers": [conv, {"name": "m", "type": "add", "coeff": [1, -0.17],
+                                                  "inputs": ["input", "a"]}]}  # fmt: skip
+    model = build_model(spec).eval()
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), x - 0.17 * model.a(x))
+    for coeff, words in [([1, 2, 3], "gives 3 numbers for 2 inputs"), ([1], "at least 2"),
+                         (["a", 1], "number")]:  # fmt: skip
+        bad = {**spec, "layers": [conv, {**spec["layers"][1], "coeff": coeff}]}
+        with pytest.raises(ConfigError, match=words):
+            build_model(bad)
 
 
 def test_concat_joins_channels():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cnnkit.caffe.fields import (
+    as_real,
     enum,
     fillers,
     flag,
@@ -182,13 +183,15 @@ class LayerTypes:
         p = layer.sub("eltwise_param")
         op = enum(self.here, p, "operation", tuple(_ELTWISE), "SUM")
         require(self.here, op in _ELTWISE, f"Eltwise operation {brief(op)}: SUM, PROD or MAX")
-        coeffs = p.all("coeff")
-        require(
-            self.here,
-            all(c == 1 for c in coeffs),
-            "Eltwise coeff other than 1 is not imported (cnnkit's add sums its inputs as they are)",
-        )
-        self._emit(layer, {"type": _ELTWISE[op]})
+        coeffs = [as_real(self.here, "coeff", c) for c in p.all("coeff")]
+        spec = {"type": _ELTWISE[op]}
+        if coeffs:  # as Caffe checks them: for a sum, one per input
+            require(self.here, op == "SUM", f"Eltwise {op} takes no coeff (Caffe: SUM only)")
+            bottoms = len(layer.all("bottom"))
+            require(self.here, len(coeffs) == bottoms, f"Eltwise coeff: {len(coeffs)} given "
+                    f"for {bottoms} bottoms (Caffe: one per bottom)")  # fmt: skip
+            _put(spec, "coeff", coeffs, [1.0] * bottoms)
+        self._emit(layer, spec)
 
     def _batchnorm(self, layer: Message, last: bool) -> None:
         p = layer.sub("batch_norm_param")

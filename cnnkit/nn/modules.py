@@ -244,15 +244,18 @@ class ChannelSplit(nn.Module):
 
 
 class Merge(nn.Module):
-    """Combine several tensors: sum, product, maximum (broadcasting) or channel concatenation."""
+    """Combine several tensors: sum (each weighed by its `coeff`, where given), product, maximum
+    (broadcasting) or channel concatenation."""
 
-    def __init__(self, op: str):
+    def __init__(self, op: str, coeff: list[float] | None = None):
         super().__init__()
-        self.op = op
+        self.op, self.coeff = op, coeff
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
         if self.op == "concat":
             return torch.cat(xs, dim=1)
+        if self.coeff is not None:  # (a weight of 1 multiplies nothing)
+            xs = tuple(x if c == 1 else x * c for x, c in zip(xs, self.coeff, strict=True))
         out = xs[0]
         for x in xs[1:]:
             if self.op == "add":
@@ -264,4 +267,4 @@ class Merge(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return self.op
+        return self.op if self.coeff is None else f"{self.op}, coeff={self.coeff}"

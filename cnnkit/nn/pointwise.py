@@ -231,7 +231,19 @@ class _Merge(Layer):
 
 
 class Add(_Merge):
+    """The sum of the inputs; `coeff` weighs each by a fixed number first (Caffe's Eltwise
+    coeff: Inception-ResNet's residual scaled by 0.17 is `coeff: [1, 0.17]`)."""
+
     type: Literal["add"]
+    coeff: list[Real] | None = Field(None, min_length=2)
+
+    def output_shape(self, shapes: list[Shape]) -> Shape:
+        if self.coeff is not None and len(self.coeff) != len(shapes):
+            raise ShapeError("coeff", f"gives {len(self.coeff)} numbers for {len(shapes)} inputs")
+        return super().output_shape(shapes)
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return Merge(self.type, self.coeff)
 
 
 class Mul(_Merge):
