@@ -345,6 +345,46 @@ def test_pooling_caffe_sizes_otherwise_is_one_line():
         _pooled("pool: MAX kernel_size: 3 stride: 2 pad: 2")
 
 
+def test_a_reshape_that_flattens_or_keeps_the_shape_imports():
+    """TensorFlow ports end in `dim: 0 dim: 0` over (N, C, 1, 1) scores; `dim: 0 dim: -1`
+    flattens anything; a reshape to the same shape is nothing; any other is one line."""
+    pool = _layer("g", "Pooling", ["data"], "g", "pooling_param { pool: AVE global_pooling: true }")
+
+    def reshaped(bottom: str, *dims: int) -> dict:
+        shape = " ".join(f"dim: {d}" for d in dims)
+        reshape = _layer("r", "Reshape", [bottom], "r", f"reshape_param {{ shape {{ {shape} }} }}")
+        return translate(parse_prototxt(INPUT + (pool if bottom == "g" else "") + reshape))
+
+    assert reshaped("g", 0, 0)["layers"][-1] == {"name": "r", "type": "flatten"}
+    flat = reshaped("data", 0, -1)
+    assert flat["layers"][-1]["type"] == "flatten" and build_model(flat).output_shape == (192,)
+    kept = reshaped("g", 0, 0, 1, -1)["layers"]  # (then the flatten a (C, 1, 1) end gets)
+    assert [layer["name"] for layer in kept] == ["g", "flatten"]
+    for dims, words in [((0, 8, 24), r"Reshape of \(3, 8, 8\) by dims \[0, 8, 24\]: only a flatten"),
+                        ((1, -1), "the first dim must be 0")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            reshaped("data", *dims)
+
+
+def test_the_forks_depthwise_convolution_is_a_group_per_channel():
+    dw = "convolution_param {{ num_output: {} kernel_size: 3 pad: 1 {} }}"
+    net = build_model(
+        translate(
+            parse_prototxt(
+                INPUT + _layer("d", "ConvolutionDepthwise", ["data"], "d", dw.format(3, ""))
+            )
+        )
+    )
+    assert net.d.groups == net.d.in_channels == net.d.out_channels == 3
+    assert net.d.weight.shape == (3, 1, 3, 3)
+    with pytest.raises(ConfigError, match="over 3 channels needs num_output 3"):
+        translate(
+            parse_prototxt(
+                INPUT + _layer("d", "ConvolutionDepthwise", ["data"], "d", dw.format(6, "group: 3"))
+            )
+        )
+
+
 def _mults(net: nn.Module, param: str) -> tuple[float, float]:
     """The (lr, weight decay) the optimizer gives `param` of a built network (lr 1, decay 1)."""
     target = net.get_parameter(param)

@@ -223,6 +223,24 @@ def test_transposed_inner_product_computes_x_times_w(tmp_path, v1):
         import_caffe_weights(prototxt, tmp_path / "t.caffemodel")
 
 
+def test_the_forks_depthwise_convolution_takes_its_caffemodel_weights(tmp_path):
+    """MobileNet's ports: ConvolutionDepthwise's blobs are a grouped Convolution's."""
+    prototxt = prototxt_file(
+        tmp_path,
+        """layer { name: "dw" type: "ConvolutionDepthwise"
+        bottom: "data" top: "dw" convolution_param { num_output: 2 kernel_size: 3 pad: 1 } }""",
+    )
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(2, 1, 3, 3, generator=g), torch.randn(2, generator=g)
+    write_caffemodel(tmp_path / "dw.caffemodel", {"dw": [w, b]})
+    model, state = import_caffe_weights(prototxt, tmp_path / "dw.caffemodel")
+    net = build_model(model).eval()
+    net.load_state_dict(state)
+    x = torch.randn(3, 2, 4, 4, generator=g)
+    with torch.no_grad():  # (a 2-channel input: no RGB turn)
+        torch.testing.assert_close(net(x), F.conv2d(x, w, b, padding=1, groups=2))
+
+
 FORK = """layer { name: "bn1" type: "BatchNorm" bottom: "data" top: "bn1" }
 layer { name: "sc1" type: "Scale" bottom: "bn1" top: "sc1" scale_param { bias_term: true } }
 layer { name: "sum" type: "Eltwise" bottom: "bn1" bottom: "sc1" top: "sum" }

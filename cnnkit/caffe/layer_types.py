@@ -3,9 +3,11 @@ layer's params read with Caffe's defaults and semantics into a cnnkit layer spec
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from cnnkit.caffe.fields import (
+    as_integer,
     as_real,
     enum,
     fillers,
@@ -18,6 +20,7 @@ from cnnkit.caffe.fields import (
     sizes,
 )
 from cnnkit.errors import brief
+from cnnkit.nn.layers import fmt_shape
 from cnnkit.prototxt import Message
 
 
@@ -25,7 +28,8 @@ class LayerTypes:
     """The `_<type>` handlers the Translator dispatches to, by the Caffe type in lower case;
     each reads the layer's params and emits its cnnkit layer (or aliases its blobs)."""
 
-    def _convolution(self, layer: Message, last: bool, kind: str = "conv") -> None:
+    def _convolution(self, layer: Message, last: bool, kind: str = "conv",
+                     groups: int | None = None) -> None:  # fmt: skip
         p, here = layer.sub("convolution_param"), self.here
         what = "Convolution" if kind == "conv" else "Deconvolution"
         require(here, integer(here, p, "axis", 1) == 1, f"{what} axis must be 1")
@@ -35,10 +39,20 @@ class LayerTypes:
         _put(spec, "stride", sizes(here, p, "stride", 1), 1)
         _put(spec, "padding", sizes(here, p, "pad", 0, alone=True), 0)  # Caffe: pad_w 0
         _put(spec, "dilation", sizes(here, p, "dilation", 1), 1)
-        _put(spec, "groups", integer(here, p, "group", 1), 1)
+        _put(spec, "groups", groups or integer(here, p, "group", 1), 1)
         bias = flag(here, p, "bias_term", True)
         _put(spec, "bias", bias, True)
         self._emit(layer, {**spec, **learning(here, layer, p, self.notes, bias)})
+
+    def _convolutiondepthwise(self, layer: Message, last: bool) -> None:
+        """The depthwise Convolution of the forks that MobileNet's and Xception's ports were
+        written for: one filter per input channel, as a Convolution with a group for each."""
+        p, channels = layer.sub("convolution_param"), self.shapes[self._first_bottom(layer)][0]
+        out, group = integer(self.here, p, "num_output", 0), integer(self.here, p, "group", None)
+        require(self.here, out == channels and group in (None, channels), "ConvolutionDepthwise "
+                f"over {channels} channels needs num_output {channels} (and group {channels} or "
+                f"none), not {out} and {group}")  # fmt: skip
+        self._convolution(layer, last, groups=channels)
 
     def _deconvolution(self, layer: Message, last: bool) -> None:
         """Caffe's Deconvolution: torch's ConvTranspose2d with no output_padding; its weight
@@ -166,6 +180,34 @@ class LayerTypes:
         require(here, ok, "Flatten supports axis 1 to the end only")
         self._emit(layer, {"type": "flatten"})
 
+    def _reshape(self, layer: Message, last: bool) -> None:
+        """A Reshape that flattens (`dim: 0 dim: -1`, or TensorFlow ports' `dim: 0 dim: 0` over
+        (N, C, 1, 1) scores) or changes nothing: 0 copies the bottom's size on its axis, -1
+        takes what is left, as in Caffe; any other is refused."""
+        p, here, held = layer.sub("reshape_param"), self.here, self._first_bottom(layer)
+        whole = integer(here, p, "axis", 0) == 0 and integer(here, p, "num_axes", -1) == -1
+        require(here, whole, "Reshape supports the whole shape only (axis 0, num_axes -1)")
+        shape = p.get("shape")
+        dims = (
+            [as_integer(here, "dim", d) for d in shape.all("dim")]
+            if isinstance(shape, Message)
+            else []
+        )
+        source = self.shapes[held]  # per image: Caffe's axis i is source[i - 1]
+        require(here, dims[:1] == [0], "Reshape: the first dim must be 0 (the batch as it is)")
+        sizes = [
+            source[i - 1] if d == 0 and i <= len(source) else d for i, d in enumerate(dims[1:], 1)
+        ]
+        known = math.prod(n for n in sizes if n != -1)
+        if sizes.count(-1) == 1 and known > 0 and math.prod(source) % known == 0:
+            sizes[sizes.index(-1)] = math.prod(source) // known
+        kept = tuple(sizes) == tuple(source)
+        require(here, kept or sizes == [math.prod(source)], f"Reshape of {fmt_shape(source)} "
+                f"by dims {dims}: only a flatten (or a reshape that changes nothing) is imported")  # fmt: skip
+        if kept:
+            return self._alias(layer, "Reshape")
+        self._emit(layer, {"type": "flatten"})
+
     def _concat(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("concat_param"), self.here
         axis = integer(here, p, "axis", integer(here, p, "concat_dim", 1))
@@ -249,6 +291,7 @@ class LayerTypes:
 SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
+    "Reshape", "ConvolutionDepthwise",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")

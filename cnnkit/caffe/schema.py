@@ -44,6 +44,7 @@ PARAM_FIELDS: dict[str, set[str]] = {
     "batch_norm_param": {"use_global_stats", "moving_average_fraction", "eps"},
     "scale_param": {"axis", "num_axes", "filler", "bias_term", "bias_filler"},
     "input_param": {"shape"},
+    "reshape_param": {"shape", "axis", "num_axes"},
 }  # fmt: skip
 SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
               "shape": {"dim"}}  # fmt: skip
