@@ -71,6 +71,7 @@ def test_alexnet_caffemodel_imports_with_the_logits_of_its_weights(tmp_path, cap
     assert params < 2_000_000  # (60,965,224 at full width)
     text = out.read_text()
     assert "weights: alexnet.safetensors" in text and "conv1: input channels reversed" in text
+    assert "std to 1 / its transform_param scale" in text  # (a deploy prototxt lacks it)
     imported = build_model(str(out)).eval()  # the network file loads its weights
     x = torch.randn(2, 3, 227, 227) * 50
     with torch.no_grad():  # cnnkit's RGB is Caffe's BGR reversed

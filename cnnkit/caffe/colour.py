@@ -37,7 +37,9 @@ def bgr_to_rgb(model: dict[str, Any], state: dict[str, Any]) -> list[str]:
     notes = [f"{names}: input channels reversed from Caffe's BGR to RGB (import-caffe "
              "--keep-bgr: not, for a net trained on RGB images)",
              "preprocess: Caffe's 0-255 pixels less ImageNet's mean (ilsvrc_2012_mean, per "
-             "channel, RGB): set mean to your training set's if it was not ImageNet"]  # fmt: skip
+             "channel, RGB), unscaled: set mean to your training set's if it was not ImageNet, "
+             "and std to 1 / its transform_param scale if it had one (scale 0.017, as "
+             "MobileNet's and DenseNet's ports: std 58.8)"]  # fmt: skip
     height, width = (model["input"] + [0, 0])[1:3]
     if height == width and IMAGENET_CROPS[0] <= height <= IMAGENET_CROPS[1]:
         model["preprocess"]["resize"] = CAFFE_RESIZE
