@@ -594,3 +594,9 @@ def test_model_input_of_other_channels_or_size_carries_the_preprocess_that_still
     (tmp_path / "run.yaml").write_text(json.dumps(grey))
     code, out, err = run_cli(["info", str(tmp_path / "run.yaml")], capsys)
     assert (code, err) == (0, "") and "input 1x64x64" in out
+    for shape in ([3, 48, 72], [2, 64, 64]):  # not an image classify reads: none at all (info
+        other = {**grey, "model": {"network": "resnet18", "input": shape}}  # and export
+        assert "preprocess" not in load_run(other).model.spec()  # refused the zoo's)
+        (tmp_path / "run.yaml").write_text(json.dumps(other))
+        code, out, err = run_cli(["info", str(tmp_path / "run.yaml")], capsys)
+        assert (code, err) == (0, "") and "input {}x{}x{}".format(*shape) in out

@@ -252,11 +252,15 @@ def with_input(network: dict[str, Any], shape: list[int]) -> dict[str, Any]:
     """`network` reading `shape` in place of its own input (a run file's `model.input`). Its
     `preprocess:` describes the input its weights were made for: another channel count drops
     its mean and std (they are another colour space's), another size scales its resize so that
-    the crop keeps its share of the resized image (timm's crop_pct)."""
+    the crop keeps its share of the resized image (timm's crop_pct); an input that is not a
+    square grey or RGB image, which classify cannot feed, drops it."""
     out = copy.copy(network)  # (a Described keeps its source)
     out["input"] = list(shape)
     own, pre = network.get("input"), network.get("preprocess")
-    if not isinstance(pre, dict) or not isinstance(own, list) or len(own) != 3 or len(shape) != 3:
+    if len(shape) != 3 or shape[0] not in (1, 3) or shape[1] != shape[2]:
+        out.pop("preprocess", None)
+        return out
+    if not isinstance(pre, dict) or not isinstance(own, list) or len(own) != 3:
         return out
     pre = dict(pre)
     if own[0] != shape[0]:
