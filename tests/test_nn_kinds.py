@@ -6,7 +6,7 @@ import torch
 import torchvision
 from torch import nn
 
-from cnnkit import build_model
+from cnnkit import ConfigError, build_model
 from cnnkit.nn.kinds import KINDS
 
 
@@ -228,6 +228,18 @@ def test_parameter_counts_from_the_file_match_the_modules(kind):
     )
     if kind in EXAMPLES and EXAMPLES[kind][0].get("affine") is not False:
         assert model.param_count > 0
+
+
+def test_a_pad_value_outside_constant_mode_is_refused():
+    """reflect and replicate pad with the input's pixels: a `value` there would be ignored."""
+    with pytest.raises(ConfigError, match="value: for mode constant only"):
+        build_model(
+            {
+                "input": [3, 8, 8],
+                "layers": [{"type": "pad", "padding": 1, "mode": "reflect", "value": 3}],
+            }
+        )
+    build_model({"input": [3, 8, 8], "layers": [{"type": "pad", "padding": 1, "value": 3}]})
 
 
 def test_transposed_conv_shapes_and_refusals_are_torchs():

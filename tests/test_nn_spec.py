@@ -249,7 +249,9 @@ def test_init_rules_that_cannot_fill_their_tensor_fail_validation_on_meta_too():
     for device in ("meta", None):  # `cnnkit info` builds on meta and must say what building will
         with pytest.raises(ConfigError) as e:
             build_model(spec, device=device)
-        assert str(e.value).startswith("layer 1 (bn): init: ") and "\n" not in str(e.value)
+        assert str(e.value).startswith("layer 1 (bn): init: weight (4): ") and "\n" not in str(
+            e.value
+        )
     fits = net(conv("c", init={"weight": "kaiming_normal"}), {"type": "batchnorm"})
     assert build_model(fits, device="meta").c.weight.is_meta
 

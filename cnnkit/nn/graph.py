@@ -145,8 +145,10 @@ class Network(nn.Module):
                     continue
                 try:
                     apply_rule(tensor, rule)
-                except ValueError as e:
-                    raise ConfigError(f"layer {node.index} ({node.name}): init: {e}") from None
+                except ValueError as e:  # (torch's "Fan in and fan out ...": say of what)
+                    shape = "x".join(map(str, tensor.shape))
+                    raise ConfigError(f"layer {node.index} ({node.name}): init: {pname} "
+                                      f"({shape}): {e}") from None  # fmt: skip
 
     def multipliers(self) -> dict[str, tuple[float, float]]:
         """Parameter name -> (lr multiplier, weight-decay multiplier) from the network file."""

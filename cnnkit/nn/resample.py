@@ -111,6 +111,13 @@ class Pad(Layer):
     value: Real = Field(0.0, description="constant mode's value")
     sides: ClassVar[tuple[str, ...]] = ("left", "right", "top", "bottom")
 
+    @model_validator(mode="after")
+    def _value_for_constant(self) -> Pad:
+        if self.mode != "constant" and "value" in self.model_fields_set:
+            raise ValueError(f"value: for mode constant only ({self.mode} pads with the input's "
+                             "own pixels)")  # fmt: skip
+        return self
+
     def _sides(self) -> tuple[int, int, int, int]:
         p = self.padding
         return (p, p, p, p) if isinstance(p, int) else tuple(p)  # type: ignore[return-value]
