@@ -413,12 +413,40 @@ def test_a_ceil_mode_pool_that_drops_its_last_window_exports_what_torch_computes
     assert all(m.ceil_mode for m in pools)  # the network itself is as built
 
 
+@pytest.mark.parametrize("pool", ["maxpool", "avgpool"])
+def test_a_ceil_mode_pool_whose_axes_round_apart_exports_what_torch_computes(tmp_path, pool):
+    """8 x 9, kernel 3, stride 3, padding 1: the rows drop their last window (it would start in
+    the padding: 3, as floor mode), the columns keep theirs (4, as ceil mode); neither mode
+    gives ONNX both, so the pool is exported as an end padding and a floor-mode pool."""
+    import onnxruntime as ort
+
+    net = tmp_path / "net.yaml"
+    net.write_text(f"""model:
+  input: [2, 8, 9]
+  layers:
+    - {{name: p, type: {pool}, kernel_size: 3, stride: 3, padding: 1, ceil_mode: true}}
+    - {{name: n, type: lrn, size: 3, convention: caffe}}
+""")
+    loaded = load_network(str(net))
+    assert loaded.model.output_shape == (2, 3, 4)
+    out = tmp_path / "net.onnx"
+    export(loaded, "onnx", out)
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    x = torch.randn(3, 2, 8, 9)
+    with torch.no_grad():
+        expected = loaded.model(x).numpy()
+    got = session.run(None, {"image": x.numpy()})[0]
+    assert got.shape == expected.shape == (3, 2, 3, 4)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert loaded.model.p.ceil_mode and "forward" not in vars(loaded.model.p)  # as built
+
+
 def test_an_onnx_model_onnx_runtime_cannot_load_is_never_written(tmp_path, capsys, monkeypatch):
     import cnnkit.infer.export as export_module
 
     net = tmp_path / "net.yaml"
     net.write_text(CEIL_NET.replace("POOL", "maxpool").replace("AFTER", AFTER["add"]))
-    monkeypatch.setattr(export_module, "_floor_windowed", lambda model, example: [])  # as before
+    monkeypatch.setattr(export_module, "_ceil_pools", lambda model, example: ([], {}))  # as before
     out = tmp_path / "net.onnx"
     code, _, err = run_cli(["export", str(net), "-o", str(out)], capsys)
     assert code == 1 and len(err.splitlines()) == 1, err
