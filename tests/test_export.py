@@ -389,6 +389,15 @@ AFTER = {"lrn": "{type: lrn, size: 3, convention: caffe, inputs: p}",
          "add": "{type: add, inputs: [p, q]}", "concat": "{type: concat, inputs: [p, q]}"}  # fmt: skip
 
 
+def onnx_and_torch(loaded, x: torch.Tensor, tmp_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The ONNX export of `loaded` run in ONNX Runtime on `x`, and the network itself."""
+    out = tmp_path / "net.onnx"
+    export(loaded, "onnx", out)
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        return session.run(None, {"image": x.numpy()})[0], loaded.model(x).numpy()
+
+
 @pytest.mark.parametrize("pool", ["maxpool", "avgpool"])
 @pytest.mark.parametrize("after", list(AFTER))
 def test_a_ceil_mode_pool_that_drops_its_last_window_exports_what_torch_computes(
@@ -400,13 +409,8 @@ def test_a_ceil_mode_pool_that_drops_its_last_window_exports_what_torch_computes
     net = tmp_path / "net.yaml"
     net.write_text(CEIL_NET.replace("POOL", pool).replace("AFTER", AFTER[after]))
     loaded = load_network(str(net))
-    out = tmp_path / "net.onnx"
-    export(loaded, "onnx", out)
-    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    x = torch.randn(3, 3, 5, 5)
-    with torch.no_grad():
-        expected = loaded.model(x).numpy()
-    np.testing.assert_allclose(session.run(None, {"image": x.numpy()})[0], expected, atol=1e-5)
+    got, expected = onnx_and_torch(loaded, torch.randn(3, 3, 5, 5), tmp_path)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
     pools = [
         m for m in loaded.model.modules() if isinstance(m, (torch.nn.MaxPool2d, torch.nn.AvgPool2d))
     ]
@@ -418,7 +422,6 @@ def test_a_ceil_mode_pool_whose_axes_round_apart_exports_what_torch_computes(tmp
     """8 x 9, kernel 3, stride 3, padding 1: the rows drop their last window (it would start in
     the padding: 3, as floor mode), the columns keep theirs (4, as ceil mode); neither mode
     gives ONNX both, so the pool is exported as an end padding and a floor-mode pool."""
-    import onnxruntime as ort
 
     net = tmp_path / "net.yaml"
     net.write_text(f"""model:
@@ -429,13 +432,7 @@ def test_a_ceil_mode_pool_whose_axes_round_apart_exports_what_torch_computes(tmp
 """)
     loaded = load_network(str(net))
     assert loaded.model.output_shape == (2, 3, 4)
-    out = tmp_path / "net.onnx"
-    export(loaded, "onnx", out)
-    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    x = torch.randn(3, 2, 8, 9)
-    with torch.no_grad():
-        expected = loaded.model(x).numpy()
-    got = session.run(None, {"image": x.numpy()})[0]
+    got, expected = onnx_and_torch(loaded, torch.randn(3, 2, 8, 9), tmp_path)
     assert got.shape == expected.shape == (3, 2, 3, 4)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert loaded.model.p.ceil_mode and "forward" not in vars(loaded.model.p)  # as built
