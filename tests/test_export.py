@@ -439,11 +439,11 @@ def test_a_ceil_mode_pool_whose_axes_round_apart_exports_what_torch_computes(tmp
 
 
 def test_an_onnx_model_onnx_runtime_cannot_load_is_never_written(tmp_path, capsys, monkeypatch):
-    import cnnkit.infer.export as export_module
+    import cnnkit.infer.pools as pools
 
     net = tmp_path / "net.yaml"
     net.write_text(CEIL_NET.replace("POOL", "maxpool").replace("AFTER", AFTER["add"]))
-    monkeypatch.setattr(export_module, "_ceil_pools", lambda model, example: ([], {}))  # as before
+    monkeypatch.setattr(pools, "_ceil_pools", lambda model, example: ([], {}))  # as before
     out = tmp_path / "net.onnx"
     code, _, err = run_cli(["export", str(net), "-o", str(out)], capsys)
     assert code == 1 and len(err.splitlines()) == 1, err
