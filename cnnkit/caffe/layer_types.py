@@ -195,14 +195,14 @@ class LayerTypes:
         )
         source = self.shapes[held]  # per image: Caffe's axis i is source[i - 1]
         require(here, dims[:1] == [0], "Reshape: the first dim must be 0 (the batch as it is)")
-        sizes = [
+        target = [
             source[i - 1] if d == 0 and i <= len(source) else d for i, d in enumerate(dims[1:], 1)
         ]
-        known = math.prod(n for n in sizes if n != -1)
-        if sizes.count(-1) == 1 and known > 0 and math.prod(source) % known == 0:
-            sizes[sizes.index(-1)] = math.prod(source) // known
-        kept = tuple(sizes) == tuple(source)
-        require(here, kept or sizes == [math.prod(source)], f"Reshape of {fmt_shape(source)} "
+        known = math.prod(n for n in target if n != -1)
+        if target.count(-1) == 1 and known > 0 and math.prod(source) % known == 0:
+            target[target.index(-1)] = math.prod(source) // known
+        kept = tuple(target) == tuple(source)
+        require(here, kept or target == [math.prod(source)], f"Reshape of {fmt_shape(source)} "
                 f"by dims {dims}: only a flatten (or a reshape that changes nothing) is imported")  # fmt: skip
         if kept:
             return self._alias(layer, "Reshape")
