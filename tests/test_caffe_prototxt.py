@@ -69,6 +69,36 @@ def test_eltwise_coefficients_weigh_the_sum_as_caffes(tmp_path):
             translate(parse_prototxt(head + eltwise.format(params)))
 
 
+def test_slice_cuts_the_channels_as_caffes(tmp_path):
+    """DPN's Slice: one channel_split per top, named after it, cut at the slice_points (or into
+    equal parts without them); another axis, or points not one fewer than the tops, refused."""
+    head = ('layer { name: "d" type: "Input" top: "d" input_param { shape { dim: 1 dim: 6 dim: 2 '
+            'dim: 2 } } }\n')  # fmt: skip
+    cut = 'layer {{ name: "s" type: "Slice" bottom: "d" {} slice_param {{ {} }} }}\n'
+    join = 'layer {{ name: "j" type: "Concat" {} top: "j" }}\n'
+    x = torch.randn(2, 6, 2, 2)
+    for tops, params, parts in [(["res/1", "dense"], "slice_point: 4", [4]),
+                                (["p", "q", "r"], "axis: -3", 3),
+                                (["p", "q", "r"], "slice_dim: 1 slice_point: 1 slice_point: 3", [1, 3])]:  # fmt: skip
+        tops_text = " ".join(f'top: "{t}"' for t in tops)
+        bottoms = " ".join(f'bottom: "{t}"' for t in reversed(tops))
+        model = translate(
+            parse_prototxt(head + cut.format(tops_text, params) + join.format(bottoms))
+        )
+        assert [n["name"] for n in model["layers"]] == [t.replace("/", "_") for t in tops] + ["j"]
+        net = build_model(model).eval()
+        with torch.no_grad():
+            assert torch.equal(net(x), torch.cat(x.tensor_split(parts, dim=1)[::-1], dim=1))
+    for tops, params, words in [('top: "a" top: "b"', "slice_point: 1 slice_point: 2",
+                                 "2 slice_point for 2 tops"),
+                                ('top: "a" top: "b"', "axis: 2", "Slice axis 2: only the channel"),
+                                ('top: "a"', "", "without slice_point needs 2 tops"),
+                                ('top: "a" top: "b"', "slice_point: 6", "points: .6. must rise"),
+                                ('top: "a" top: "b"', "slice_pont: 2", "'slice_pont' is not a field")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            translate(parse_prototxt(head + cut.format(tops, params) + join.format('bottom: "a"')))
+
+
 def test_unsupported_type_names_type_and_line():
     with pytest.raises(ConfigError) as err:
         import_caffe(DATA / "unsupported.prototxt")

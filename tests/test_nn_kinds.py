@@ -16,12 +16,14 @@ def one_layer(layer: dict, input_shape: list[int]) -> torch.nn.Module:
 
 
 class Chunk(nn.Module):
-    def __init__(self, part: int):
+    """torch.tensor_split's part `part` of the channels: of 2 equal parts, or cut at `points`."""
+
+    def __init__(self, part: int, points: list[int] | None = None):
         super().__init__()
-        self.part = part
+        self.part, self.points = part, points
 
     def forward(self, x):
-        return x.chunk(2, dim=1)[self.part]
+        return x.tensor_split(self.points or 2, dim=1)[self.part]
 
 
 class ChannelsLast(nn.Module):
@@ -42,6 +44,8 @@ CASES = [
     ({"type": "hardsigmoid"}, nn.Hardsigmoid()),
     ({"type": "channel_shuffle", "groups": 2}, nn.ChannelShuffle(2)),
     ({"type": "channel_split", "part": 1}, Chunk(1)),
+    ({"type": "channel_split", "points": [1, 5], "part": 1}, Chunk(1, [1, 5])),
+    ({"type": "channel_split", "points": [4], "part": 1}, Chunk(1, [4])),
     ({"type": "layernorm", "eps": 1e-6}, LayerNorm2d(6, eps=1e-6)),
     ({"type": "linear", "out_features": 5, "flatten": False}, ChannelsLast(nn.Linear(6, 5))),
     ({"type": "stochastic_depth", "p": 0.3}, torchvision.ops.StochasticDepth(0.3, "row")),
@@ -230,6 +234,18 @@ def test_parameter_counts_from_the_file_match_the_modules(kind):
         assert model.param_count > 0
 
 
+@pytest.mark.parametrize("fields, words", [
+    ({"points": [4, 2], "part": 0}, "points: .4, 2. must rise and stay below the 6 channels"),
+    ({"points": [6], "part": 0}, "points: .6. must rise and stay below the 6 channels"),
+    ({"points": [2], "part": 2}, "part: is counted from 0 and must be below the 2 parts"),
+    ({"points": [2], "parts": 3, "part": 0}, "parts: given with points: give one"),
+    ({"parts": 4, "part": 0}, "parts: must divide the 6 channels"),
+])  # fmt: skip
+def test_a_channel_split_that_does_not_fit_its_input_is_refused(fields, words):
+    with pytest.raises(ConfigError, match=words):
+        one_layer({"type": "channel_split", **fields}, [6, 2, 2])
+
+
 def test_a_pad_value_outside_constant_mode_is_refused():
     """reflect and replicate pad with the input's pixels: a `value` there would be ignored."""
     with pytest.raises(ConfigError, match="value: for mode constant only"):
@@ -284,6 +300,9 @@ def test_a_decoder_of_the_new_kinds_exports_to_onnx_as_it_computes(tmp_path):
     - {name: pad, type: pad, padding: [0, 1, 0, 1]}
     - {name: down, type: conv, out_channels: 8, kernel_size: 3, stride: 2}
     - {name: gn, type: groupnorm, num_groups: 4}
+    - {name: keep, type: channel_split, points: [6], part: 0}
+    - {name: dense, type: channel_split, points: [6], part: 1, inputs: gn}
+    - {name: joined, type: concat, inputs: [dense, keep]}
     - {type: elu}
     - {name: up, type: conv_transpose, out_channels: 4, kernel_size: 2, stride: 2}
     - {name: inorm, type: instancenorm, affine: true}

@@ -279,6 +279,24 @@ class LayerTypes:
                     "init": {"weight": 1.0, "bias": 0.0, **given.get("init", {})}, **learned}  # fmt: skip
             self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
 
+    def _slice(self, layer: Message, last: bool) -> None:
+        """Caffe's Slice of the channels: one channel_split per top, named after it, cut at the
+        slice_points (or into equal parts where none is given)."""
+        p, here, tops = layer.sub("slice_param"), self.here, layer.all("top")
+        bottoms, source = len(layer.all("bottom")), self._first_bottom(layer)
+        require(here, bottoms == 1, f"a Slice takes one bottom, not {bottoms} (as Caffe)")
+        dims = len(self.shapes[source]) + 1  # with the batch axis
+        axis = integer(here, p, "axis", integer(here, p, "slice_dim", 1))
+        require(here, -dims <= axis < dims and axis % dims == 1, f"Slice axis {axis}: only the "
+                "channel axis (1) is imported")  # fmt: skip
+        points = [as_integer(here, "slice_point", n) for n in p.all("slice_point")]
+        require(here, not points or len(points) == len(tops) - 1, f"Slice: {len(points)} "
+                f"slice_point for {len(tops)} tops (Caffe: one fewer than the tops)")  # fmt: skip
+        require(here, len(tops) >= 2 or points, "a Slice without slice_point needs 2 tops or more")
+        cut = {"points": points} if points else {"parts": len(tops)}
+        for part, top in enumerate(tops):
+            self._emit(layer, {"type": "channel_split", **cut, "part": part}, top=top)
+
     def _split(self, layer: Message, last: bool) -> None:
         self._alias(layer, "Split")
 
@@ -291,7 +309,7 @@ class LayerTypes:
 SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
-    "Reshape", "ConvolutionDepthwise",
+    "Reshape", "ConvolutionDepthwise", "Slice",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")

@@ -45,6 +45,7 @@ PARAM_FIELDS: dict[str, set[str]] = {
     "scale_param": {"axis", "num_axes", "filler", "bias_term", "bias_filler"},
     "input_param": {"shape"},
     "reshape_param": {"shape", "axis", "num_axes"},
+    "slice_param": {"axis", "slice_point", "slice_dim"},
 }  # fmt: skip
 SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
               "shape": {"dim"}}  # fmt: skip
@@ -75,6 +76,7 @@ REPEATED = {
                "loss_weight", "param"},
     "convolution_param": {"pad", "kernel_size", "stride", "dilation"},
     "eltwise_param": {"coeff"},
+    "slice_param": {"slice_point"},
     "input_param": {"shape"},
     "shape": {"dim"},
 }  # fmt: skip

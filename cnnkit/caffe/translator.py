@@ -128,13 +128,14 @@ class Translator(LayerTypes):
 
     # -- emitting -------------------------------------------------------------------------------
 
-    def _emit(self, layer: Message, spec: dict[str, Any]) -> str:
-        """Add one cnnkit layer reading the Caffe layer's bottoms and holding its tops; its name."""
+    def _emit(self, layer: Message, spec: dict[str, Any], top: str | None = None) -> str:
+        """Add one cnnkit layer reading the Caffe layer's bottoms and holding its tops (or the
+        one `top` given, named after it: one of a Slice's outputs); its name."""
         inputs = [self._bottom(b) for b in layer.all("bottom")]
         if not inputs:
             raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))} has no bottom")
         self._count_layer()
-        name = self._unique_name(layer.get("name") or spec["type"])
+        name = self._unique_name(top or layer.get("name") or spec["type"])
         previous = self.layers[-1]["name"] if self.layers else "input"
         spec = {"name": name, **spec}
         if inputs != [previous]:
@@ -142,8 +143,8 @@ class Translator(LayerTypes):
         self.shapes[name] = self._shape(spec, inputs)
         self.layers.append(spec)
         self.read.update(inputs)
-        for top in layer.all("top"):
-            self.blobs[top] = name
+        for held in [top] if top else layer.all("top"):
+            self.blobs[held] = name
         if spec["type"] in ("conv", "conv_transpose", "linear", "batchnorm", "prelu"):
             self.sources[name] = [(str(layer.get("name", "")), spec["type"])]
         return name

@@ -230,17 +230,17 @@ class ChannelShuffle(nn.Module):
 
 
 class ChannelSplit(nn.Module):
-    """One of `parts` equal slices of the channels (ShuffleNet v2's channel split)."""
+    """Channels [start, end) of the input: a view, as torch.tensor_split's parts are."""
 
-    def __init__(self, parts: int, part: int):
+    def __init__(self, start: int, end: int):
         super().__init__()
-        self.parts, self.part = parts, part
+        self.start, self.end = start, end
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.chunk(self.parts, dim=1)[self.part]
+        return x[:, self.start : self.end]
 
     def extra_repr(self) -> str:
-        return f"part {self.part} of {self.parts}"
+        return f"channels {self.start}:{self.end}"
 
 
 class Merge(nn.Module):

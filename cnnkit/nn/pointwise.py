@@ -4,6 +4,7 @@ concat). Fields follow torch.nn; shapes are per sample, no batch."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import ClassVar, Literal
 
@@ -180,21 +181,40 @@ class ChannelShuffle(Layer):
 
 
 class ChannelSplit(Layer):
-    """Slice `part` (from 0) of `parts` equal slices of the channels (ShuffleNet v2)."""
+    """Slice `part` (from 0) of the channels: of `parts` equal slices (ShuffleNet v2's split),
+    or of the slices that cutting at `points` makes (Caffe's Slice slice_point, the indices of
+    torch.tensor_split: `points: [256]` gives channels 0-255 as part 0, the rest as part 1)."""
 
     type: Literal["channel_split"]
     parts: Count = 2
+    points: list[Count] | None = Field(None, min_length=1)
     part: NonNeg
 
     def output_shape(self, shapes: list[Shape]) -> Shape:
-        if shapes[0][0] % self.parts:
-            raise ShapeError("parts", f"must divide the {shapes[0][0]} channels")
-        if self.part >= self.parts:
-            raise ShapeError("part", f"is counted from 0 and must be below parts={self.parts}")
-        return (shapes[0][0] // self.parts, *shapes[0][1:])
+        start, end = self.bounds(shapes[0][0])
+        return (end - start, *shapes[0][1:])
+
+    def bounds(self, channels: int) -> tuple[int, int]:
+        """The channels [start, end) of the part taken, checked against the input's count."""
+        if self.points is None:
+            if channels % self.parts:
+                raise ShapeError("parts", f"must divide the {channels} channels")
+            cuts = [channels * i // self.parts for i in range(self.parts + 1)]
+        else:
+            if "parts" in self.model_fields_set:
+                raise ShapeError("parts", "given with points: give one (points cut the channels "
+                                 "where they say, parts into equal slices)")  # fmt: skip
+            cuts = [0, *self.points, channels]
+            if any(a >= b for a, b in itertools.pairwise(cuts)):
+                raise ShapeError("points", f"{self.points} must rise and stay below the "
+                                 f"{channels} channels")  # fmt: skip
+        if self.part >= len(cuts) - 1:
+            raise ShapeError("part", f"is counted from 0 and must be below the {len(cuts) - 1} "
+                             "parts")  # fmt: skip
+        return cuts[self.part], cuts[self.part + 1]
 
     def build(self, shapes: list[Shape]) -> nn.Module:
-        return ChannelSplitModule(self.parts, self.part)
+        return ChannelSplitModule(*self.bounds(shapes[0][0]))
 
 
 # --- merges: several inputs -> one -------------------------------------------------------------
