@@ -345,9 +345,10 @@ def test_pooling_caffe_sizes_otherwise_is_one_line():
         _pooled("pool: MAX kernel_size: 3 stride: 2 pad: 2")
 
 
-def test_a_reshape_that_flattens_or_keeps_the_shape_imports():
+def test_a_reshape_imports_as_a_flatten_a_reshape_or_nothing():
     """TensorFlow ports end in `dim: 0 dim: 0` over (N, C, 1, 1) scores; `dim: 0 dim: -1`
-    flattens anything; a reshape to the same shape is nothing; any other is one line."""
+    flattens anything; a reshape to the same shape is nothing; any other reshapes each image as
+    Caffe does (0 copies a size, -1 takes the rest); one beyond (C, H, W) is one line."""
     pool = _layer("g", "Pooling", ["data"], "g", "pooling_param { pool: AVE global_pooling: true }")
 
     def reshaped(bottom: str, *dims: int) -> dict:
@@ -360,7 +361,12 @@ def test_a_reshape_that_flattens_or_keeps_the_shape_imports():
     assert flat["layers"][-1]["type"] == "flatten" and build_model(flat).output_shape == (192,)
     kept = reshaped("g", 0, 0, 1, -1)["layers"]  # (then the flatten a (C, 1, 1) end gets)
     assert [layer["name"] for layer in kept] == ["g", "flatten"]
-    for dims, words in [((0, 8, 24), r"Reshape of \(3, 8, 8\) by dims \[0, 8, 24\]: only a flatten"),
+    net = build_model(reshaped("data", 0, 8, -1)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(net(x), x.reshape(2, 8, 24))
+    for dims, words in [((0, 1, 3, 8, 8), r"Reshape of \(3, 8, 8\) by dims \[0, 1, 3, 8, 8\]: "
+                                         r"cnnkit's shapes are \(C, H, W\)"),
+                        ((0, 5, -1), r"shape: \[5, -1\] does not hold the 192 values"),
                         ((1, -1), "the first dim must be 0")]:  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             reshaped("data", *dims)
@@ -480,3 +486,56 @@ def test_a_softmax_or_split_takes_exactly_one_bottom(kind, bottoms):
     with pytest.raises(ConfigError, match=rf"^t:4: layer 's':? {words}$"):
         translate(parse_prototxt(text, "t"), "t")
     assert translate(parse_prototxt(INPUT + fc + _layer("s", kind, ["fc"], "s")))["layers"]
+
+
+def test_scales_anywhere_and_squeeze_excitation_gates_import():
+    """A Scale away from a BatchNorm is a `scale` (a depthwise convolution with its shift);
+    SE-BN-Inception's Scale by a second bottom and SENet's Axpy are the gate's product with the
+    map (after a reshape of linear outputs to (C, 1, 1)) and its sum with the shortcut."""
+    gap = "pooling_param { pool: AVE global_pooling: true }"
+    text = INPUT + "".join([
+        _layer("c", "Convolution", ["data"], "c", CONV.format(4)),
+        _layer("s1", "Scale", ["c"], "s1"),
+        _layer("s2", "Scale", ["s1"], "s2", "scale_param { bias_term: true }"),
+        _layer("g", "Pooling", ["s2"], "g", gap),
+        _layer("fc", "InnerProduct", ["g"], "fc", "inner_product_param { num_output: 4 }"),
+        _layer("fc_prob", "Sigmoid", ["fc"], "fc"),
+        _layer("by", "Scale", ["s2", "fc"], "by", "scale_param { axis: 0 }"),
+        _layer("q", "Convolution", ["g"], "q", CONV.format(4)),
+        _layer("q_prob", "Sigmoid", ["q"], "q"),
+        _layer("out", "Axpy", ["q", "by", "s2"], "out"),
+    ])  # fmt: skip
+    model = translate(parse_prototxt(text))
+    assert [(n["name"], n["type"]) for n in model["layers"]] == [
+        ("c", "conv"), ("s1", "scale"), ("s2", "conv"), ("g", "adaptive_avgpool"),
+        ("fc", "linear"), ("fc_prob", "sigmoid"), ("by_factors", "reshape"), ("by", "mul"),
+        ("q", "conv"), ("q_prob", "sigmoid"), ("out_ax", "mul"), ("out", "add")]  # fmt: skip
+    net = build_model(model).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn_like(p))
+        x = torch.randn(2, 3, 8, 8)
+        s2 = net.s2(net.c(x) * net.s1.weight)
+        assert net.s2.groups == 4 and net.s2.kernel_size == (1, 1)
+        g = s2.mean((2, 3), keepdim=True)
+        by = s2 * torch.sigmoid(net.fc(g.flatten(1)))[:, :, None, None]
+        torch.testing.assert_close(net(x), torch.sigmoid(net.q(g)) * by + s2)
+    for layer, words in [
+        (_layer("b", "Scale", ["c", "fc"], "b", "scale_param { axis: 1 }"), "axis 0 only"),
+        (_layer("b", "Scale", ["c", "fc"], "b", "scale_param { axis: 0 bias_term: true }"),
+         "with bias_term is not imported"),
+        (_layer("b", "Scale", ["c", "h"], "b", "scale_param { axis: 0 }"),
+         r"Scale of \(4, 8, 8\) by \(3\): the factors' shape must be the first"),
+        (_layer("b", "Axpy", ["q", "c"], "b"), r"an Axpy takes 3 bottoms \(a, x, y\), not 2"),
+        (_layer("b", "Axpy", ["fc", "c", "data"], "b"), "a is one factor per channel of x, and y"),
+        (_layer("b", "Axpy", ["h", "c", "c"], "b"), r"Axpy of a \(3\), x \(4, 8, 8\)"),
+    ]:  # fmt: skip
+        head = INPUT + "".join([
+            _layer("c", "Convolution", ["data"], "c", CONV.format(4)),
+            _layer("g", "Pooling", ["c"], "g", gap),
+            _layer("fc", "InnerProduct", ["g"], "fc", "inner_product_param { num_output: 4 }"),
+            _layer("h", "InnerProduct", ["g"], "h", "inner_product_param { num_output: 3 }"),
+            _layer("q", "Convolution", ["g"], "q", CONV.format(4)),
+        ])  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            translate(parse_prototxt(head + layer))

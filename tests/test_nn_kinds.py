@@ -46,6 +46,11 @@ CASES = [
     ({"type": "channel_split", "part": 1}, Chunk(1)),
     ({"type": "channel_split", "points": [1, 5], "part": 1}, Chunk(1, [1, 5])),
     ({"type": "channel_split", "points": [4], "part": 1}, Chunk(1, [4])),
+    ({"type": "reshape", "shape": [6, 35]}, nn.Sequential(nn.Flatten(1), nn.Unflatten(1, (6, 35)))),
+    (
+        {"type": "reshape", "shape": [-1, 7, 1]},
+        nn.Sequential(nn.Flatten(1), nn.Unflatten(1, (30, 7, 1))),
+    ),
     ({"type": "layernorm", "eps": 1e-6}, LayerNorm2d(6, eps=1e-6)),
     ({"type": "linear", "out_features": 5, "flatten": False}, ChannelsLast(nn.Linear(6, 5))),
     ({"type": "stochastic_depth", "p": 0.3}, torchvision.ops.StochasticDepth(0.3, "row")),
@@ -218,6 +223,7 @@ def test_parameter_counts_from_the_file_match_the_modules(kind):
     fields = {**fields, "p": 0.1} if kind == "stochastic_depth" else fields
     fields = {**fields, "scale_factor": 2} if kind == "upsample" else fields
     fields = {**fields, "padding": 1} if kind == "pad" else fields
+    fields = {**fields, "shape": [-1]} if kind == "reshape" else fields
     layers = [{"name": "x", "type": kind, **fields}]
     if KINDS[kind].many_inputs:
         layers = [
@@ -244,6 +250,18 @@ def test_parameter_counts_from_the_file_match_the_modules(kind):
 def test_a_channel_split_that_does_not_fit_its_input_is_refused(fields, words):
     with pytest.raises(ConfigError, match=words):
         one_layer({"type": "channel_split", **fields}, [6, 2, 2])
+
+
+@pytest.mark.parametrize("shape, words", [
+    ([7, -1], r"shape: \[7, -1\] does not hold the 24 values of \(6, 2, 2\)"),
+    ([6, 2, 3], r"shape: \[6, 2, 3\] does not hold the 24 values"),
+    ([-1, -1], "one -1 at most"),
+    ([0, 24], "shape.0: "),
+    ([1, 1, 2, 12], "shape: List should have at most 3 items"),
+])  # fmt: skip
+def test_a_reshape_that_does_not_hold_its_input_is_refused(shape, words):
+    with pytest.raises(ConfigError, match=words):
+        one_layer({"type": "reshape", "shape": shape}, [6, 2, 2])
 
 
 def test_a_pad_value_outside_constant_mode_is_refused():
@@ -306,6 +324,11 @@ def test_a_decoder_of_the_new_kinds_exports_to_onnx_as_it_computes(tmp_path):
     - {type: elu}
     - {name: up, type: conv_transpose, out_channels: 4, kernel_size: 2, stride: 2}
     - {name: inorm, type: instancenorm, affine: true}
+    - {name: se_pool, type: global_avgpool}
+    - {name: se_fc, type: linear, out_features: 4}
+    - {name: se_gate, type: sigmoid}
+    - {name: se_shape, type: reshape, shape: [-1, 1, 1]}
+    - {name: se, type: mul, inputs: [inorm, se_shape]}
     - {type: mish}
     - {name: big, type: upsample, scale_factor: 2, mode: bilinear}
     - {name: pool, type: maxpool, kernel_size: 3, stride: 2, dilation: 2}

@@ -181,9 +181,10 @@ class LayerTypes:
         self._emit(layer, {"type": "flatten"})
 
     def _reshape(self, layer: Message, last: bool) -> None:
-        """A Reshape that flattens (`dim: 0 dim: -1`, or TensorFlow ports' `dim: 0 dim: 0` over
-        (N, C, 1, 1) scores) or changes nothing: 0 copies the bottom's size on its axis, -1
-        takes what is left, as in Caffe; any other is refused."""
+        """Caffe's Reshape of each image (the batch kept: the first dim 0): 0 copies the
+        bottom's size on its axis, -1 takes what is left, as in Caffe. A flatten (TensorFlow
+        ports' `dim: 0 dim: 0` over (N, C, 1, 1) scores) is a `flatten`, one that changes
+        nothing no layer, any other a `reshape`."""
         p, here, held = layer.sub("reshape_param"), self.here, self._first_bottom(layer)
         whole = integer(here, p, "axis", 0) == 0 and integer(here, p, "num_axes", -1) == -1
         require(here, whole, "Reshape supports the whole shape only (axis 0, num_axes -1)")
@@ -201,12 +202,13 @@ class LayerTypes:
         known = math.prod(n for n in target if n != -1)
         if target.count(-1) == 1 and known > 0 and math.prod(source) % known == 0:
             target[target.index(-1)] = math.prod(source) // known
-        kept = tuple(target) == tuple(source)
-        require(here, kept or target == [math.prod(source)], f"Reshape of {fmt_shape(source)} "
-                f"by dims {dims}: only a flatten (or a reshape that changes nothing) is imported")  # fmt: skip
-        if kept:
+        if tuple(target) == tuple(source):
             return self._alias(layer, "Reshape")
-        self._emit(layer, {"type": "flatten"})
+        if target == [math.prod(source)]:
+            return self._emit(layer, {"type": "flatten"})
+        require(here, 1 <= len(target) <= 3, f"Reshape of {fmt_shape(source)} by dims {dims}: "
+                "cnnkit's shapes are (C, H, W), (C, L) or (F) per image")  # fmt: skip
+        self._emit(layer, {"type": "reshape", "shape": target})
 
     def _concat(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("concat_param"), self.here
@@ -246,13 +248,15 @@ class LayerTypes:
         self._emit(layer, spec)
 
     def _scale(self, layer: Message, last: bool) -> None:
-        """Caffe's BatchNorm has no scale and shift: the Scale after it adds them, folded into
-        the BatchNorm (torch's affine) where nothing else reads the un-scaled output."""
-        held, caffe_name = self._first_bottom(layer), str(layer.get("name", ""))
-        norm = self.layers[-1] if self.layers else {}
-        ok = norm.get("name") == held and norm.get("type") == "batchnorm" and not norm["affine"]
-        ok = ok and len(layer.all("bottom")) == 1
-        require(self.here, ok, "Scale is supported only right after a BatchNorm (one bottom)")
+        """Caffe's Scale: a learned factor per channel (and shift, with bias_term). After a
+        BatchNorm that nothing else reads, it is folded into it (torch's affine); elsewhere it
+        is a `scale` layer, or with a shift a depthwise 1x1 convolution. With a second bottom,
+        the first is multiplied by the second (`_scale_by`)."""
+        held, bottoms = self._first_bottom(layer), len(layer.all("bottom"))
+        if bottoms == 2:
+            return self._scale_by(layer)
+        require(self.here, bottoms == 1, f"a Scale takes 1 or 2 bottoms, not {bottoms}")
+        caffe_name = str(layer.get("name", ""))
         p, dims = layer.sub("scale_param"), len(self.shapes[held]) + 1  # with the batch axis
         axis, count = integer(self.here, p, "axis", 1), integer(self.here, p, "num_axes", 1)
         per_channel = axis % dims == 1 if -dims <= axis < dims else False
@@ -263,21 +267,65 @@ class LayerTypes:
         learned = multipliers(self.here, layer, ("weight", "bias") if bias else ("weight",))
         blocks = {"weight": "filler", "bias": "bias_filler"} if bias else {"weight": "filler"}
         given = fillers(self.here, p, blocks, self.notes)  # Caffe's defaults: 1 and 0
+        norm = self.layers[-1] if self.layers else {}
+        fold = norm.get("name") == held and norm.get("type") == "batchnorm" and layer in self.folds
         if not bias:  # x * gamma
             name = self._emit(layer, {"type": "scale", **learned, **given})
             self.sources[name] = [(caffe_name, "channel_scale")]
-        elif layer in self.folds:
+        elif fold and not norm["affine"]:
             norm.update(affine=True, **learned, **given)
             self.sources[held].append((caffe_name, "scale"))
             for top in layer.all("top"):
                 self.blobs[top] = held
-        else:  # gamma * x + beta beside a reader of x: a depthwise 1x1 convolution computes it
+        else:  # gamma * x + beta: a depthwise 1x1 convolution computes it
             shape = self.shapes[held]
-            why = "Scale with bias_term beside another reader of its (N, F) BatchNorm output"
-            require(self.here, len(shape) == 3, f"{why}: cnnkit cannot express it")
+            require(self.here, len(shape) == 3, f"Scale with bias_term of {fmt_shape(shape)} "
+                    "features: cnnkit imports it after a BatchNorm only")  # fmt: skip
             conv = {"type": "conv", "out_channels": shape[0], "kernel_size": 1, "groups": shape[0],
                     "init": {"weight": 1.0, "bias": 0.0, **given.get("init", {})}, **learned}  # fmt: skip
             self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
+
+    def _scale_by(self, layer: Message) -> None:
+        """A Scale of its first bottom by its second, with axis 0: each image's factors, of
+        the shape its first axes have, broadcast over the rest (SE-BN-Inception's gate, (C,)
+        over a (C, H, W) map): a `mul`, after a `reshape` of the factors to (C, 1, 1)."""
+        p, here = layer.sub("scale_param"), self.here
+        x, factors = (self._bottom(b) for b in layer.all("bottom"))
+        shape, by = self.shapes[x], self.shapes[factors]
+        axis, dims = integer(here, p, "axis", 1), len(shape) + 1
+        require(here, axis % dims == 0 if -dims <= axis < dims else False, "Scale by a second "
+                f"bottom: axis 0 only (each image's own factors), not axis {axis}")  # fmt: skip
+        require(here, not flag(here, p, "bias_term", False), "Scale by a second bottom with "
+                "bias_term is not imported")  # fmt: skip
+        require(here, shape[: len(by)] == by, f"Scale of {fmt_shape(shape)} by {fmt_shape(by)}: "
+                "the factors' shape must be the first of the input's (as Caffe's)")  # fmt: skip
+        self._emit(layer, {"type": "mul"}, inputs=[x, self._broadcast(layer, factors, shape)])
+
+    def _axpy(self, layer: Message, last: bool) -> None:
+        """SENet's Axpy (its own Caffe's layer): a * x + y, the squeeze-excitation gate `a`,
+        (C, 1, 1) or (C,), times the block's map x, plus the shortcut y: a `mul` then an `add`."""
+        bottoms = [self._bottom(b) for b in layer.all("bottom")]
+        require(self.here, len(bottoms) == 3, f"an Axpy takes 3 bottoms (a, x, y), not "
+                f"{len(bottoms)}")  # fmt: skip
+        a, x, y = bottoms
+        shape, gate = self.shapes[x], self.shapes[a]
+        require(self.here, shape == self.shapes[y] and len(shape) == 3 and gate in (
+            (shape[0],), (shape[0], 1, 1)), f"Axpy of a {fmt_shape(gate)}, x {fmt_shape(shape)} "
+            f"and y {fmt_shape(self.shapes[y])}: a is one factor per channel of x, and y x's shape")  # fmt: skip
+        name = f"{layer.get('name') or 'axpy'}_ax"
+        scaled = self._emit(layer, {"type": "mul"}, inputs=[x, self._broadcast(layer, a, shape)],
+                            tops=[], name=name)  # fmt: skip
+        self._emit(layer, {"type": "add"}, inputs=[scaled, y])
+
+    def _broadcast(self, layer: Message, factors: str, shape: tuple[int, ...]) -> str:
+        """`factors` as a value that broadcasts over `shape` (its first axes): itself where it
+        has shape's rank, else a `reshape` to it with 1s after (named after the layer)."""
+        by = self.shapes[factors]
+        if len(by) == len(shape):
+            return factors
+        spec = {"type": "reshape", "shape": [*by, *[1] * (len(shape) - len(by))]}
+        return self._emit(layer, spec, inputs=[factors], tops=[],
+                          name=f"{layer.get('name') or 'scale'}_factors")  # fmt: skip
 
     def _slice(self, layer: Message, last: bool) -> None:
         """Caffe's Slice of the channels: one channel_split per top, named after it, cut at the
@@ -295,7 +343,7 @@ class LayerTypes:
         require(here, len(tops) >= 2 or points, "a Slice without slice_point needs 2 tops or more")
         cut = {"points": points} if points else {"parts": len(tops)}
         for part, top in enumerate(tops):
-            self._emit(layer, {"type": "channel_split", **cut, "part": part}, top=top)
+            self._emit(layer, {"type": "channel_split", **cut, "part": part}, tops=[top], name=top)
 
     def _split(self, layer: Message, last: bool) -> None:
         self._alias(layer, "Split")
@@ -309,7 +357,7 @@ class LayerTypes:
 SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
-    "Reshape", "ConvolutionDepthwise", "Slice",
+    "Reshape", "ConvolutionDepthwise", "Slice", "Axpy",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")

@@ -128,14 +128,17 @@ class Translator(LayerTypes):
 
     # -- emitting -------------------------------------------------------------------------------
 
-    def _emit(self, layer: Message, spec: dict[str, Any], top: str | None = None) -> str:
-        """Add one cnnkit layer reading the Caffe layer's bottoms and holding its tops (or the
-        one `top` given, named after it: one of a Slice's outputs); its name."""
-        inputs = [self._bottom(b) for b in layer.all("bottom")]
+    def _emit(self, layer: Message, spec: dict[str, Any], *, tops: list[str] | None = None,
+              inputs: list[str] | None = None, name: str | None = None) -> str:  # fmt: skip
+        """Add one cnnkit layer reading the Caffe layer's bottoms (or the cnnkit `inputs`
+        given) and holding its tops (or the `tops` given: one of a Slice's outputs, or none: a
+        step of a layer that takes two), named after it (or `name`); its name."""
+        if inputs is None:
+            inputs = [self._bottom(b) for b in layer.all("bottom")]
         if not inputs:
             raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))} has no bottom")
         self._count_layer()
-        name = self._unique_name(top or layer.get("name") or spec["type"])
+        name = self._unique_name(name or layer.get("name") or spec["type"])
         previous = self.layers[-1]["name"] if self.layers else "input"
         spec = {"name": name, **spec}
         if inputs != [previous]:
@@ -143,8 +146,8 @@ class Translator(LayerTypes):
         self.shapes[name] = self._shape(spec, inputs)
         self.layers.append(spec)
         self.read.update(inputs)
-        for held in [top] if top else layer.all("top"):
-            self.blobs[held] = name
+        for top in layer.all("top") if tops is None else tops:
+            self.blobs[top] = name
         if spec["type"] in ("conv", "conv_transpose", "linear", "batchnorm", "prelu"):
             self.sources[name] = [(str(layer.get("name", "")), spec["type"])]
         return name

@@ -243,6 +243,20 @@ class ChannelSplit(nn.Module):
         return f"channels {self.start}:{self.end}"
 
 
+class Reshape(nn.Module):
+    """Each sample in `shape` (its values in the same order)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], *self.shape)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}"
+
+
 class Merge(nn.Module):
     """Combine several tensors: sum (each weighed by its `coeff`, where given), product, maximum
     (broadcasting) or channel concatenation."""

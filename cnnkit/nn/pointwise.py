@@ -26,6 +26,9 @@ from cnnkit.nn.modules import (
     ScaledTanh,
 )
 from cnnkit.nn.modules import (
+    Reshape as ReshapeModule,
+)
+from cnnkit.nn.modules import (
     StochasticDepth as StochasticDepthModule,
 )
 
@@ -160,6 +163,27 @@ class Flatten(Layer):
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         return nn.Flatten(1)
+
+
+class Reshape(Layer):
+    """Each sample's values in another shape, in the same order (torch's `x.reshape(len(x),
+    *shape)`, Keras's and Caffe's Reshape): `shape: [256, 1, 1]` makes a squeeze-excitation's
+    (C,) gate from linear layers broadcast over a (C, H, W) map; one -1 takes what is left."""
+
+    type: Literal["reshape"]
+    shape: list[Count | Literal[-1]] = Field(min_length=1, max_length=3)
+
+    def output_shape(self, shapes: list[Shape]) -> Shape:
+        size, known = math.prod(shapes[0]), math.prod(n for n in self.shape if n != -1)
+        free = self.shape.count(-1)
+        if free > 1 or (size % known if free else size != known):
+            several = "; one -1 at most" if free > 1 else ""
+            raise ShapeError("shape", f"{self.shape} does not hold the {size:,} values of "
+                             f"{fmt_shape(shapes[0])}{several}")  # fmt: skip
+        return tuple(size // known if n == -1 else n for n in self.shape)
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return ReshapeModule(self.output_shape(shapes))
 
 
 class ChannelShuffle(Layer):
