@@ -129,6 +129,8 @@ RUNS = [
     ("inline repeat 10^7", RUN.format(model=INLINE.replace("layers: [", "blocks: {b: {layers: [{type: relu}]}}, layers: [{name: s, block: b, repeat: 10000000}, ")), "repeat: must be a whole number from 1 to 20,000"),
     ("inline 400 TB", RUN.format(model=INLINE.replace("out_features", "x").replace("[{name: c, type: conv, out_channels: 8, kernel_size: 3}, ", "[{name: big, type: linear, out_features: 10000000}, {name: big2, type: linear, out_features: 10000000}, ")), "available (MemAvailable in /proc/meminfo)"),
     ("input mismatch", RUN.format(model=INLINE.replace("[1, 8, 8]", "[3, 8, 8]")), "does not match the data's images"),
+    ("zoo net, other images", RUN.format(model="resnet18"), "model resnet18: input [3, 224, 224] does not match the data's images [1, 8, 8] (model.input=[1, 8, 8] builds the network for the data's images"),
+    ("no classifier at the end", RUN.format(model=INLINE.replace(", {name: fc, type: linear}", "")), "run.yaml: model: the last layer c (conv) gives [8, 6, 6], not scores for the data's 10 classes"),
     ("negative lr", RUN.format(model="digitnet").replace("epochs: 1,", "epochs: 1, lr: -1,"), "train.lr: Input should be greater than 0"),
     ("zero epochs", RUN.format(model="digitnet").replace("epochs: 1", "epochs: 0"), "train.epochs: Input should be greater than 0"),
     ("section typo", RUN.format(model="digitnet") + "trian: {}\n", "trian: unknown field"),

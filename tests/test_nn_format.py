@@ -411,3 +411,38 @@ def test_a_block_given_the_wrong_number_of_inputs_is_one_line(line, message):
         build_model(
             net(conv("c"), {"block": "up", "inputs": ["c", "c"], "out": 4}, blocks={"up": clash})
         )
+
+
+def _one_block(*layers, **line):
+    """A network of a conv `stem`, then block `b` of `layers` used once (the line's fields)."""
+    return net(conv("stem"), {"name": "x", "block": "b", **line},
+               blocks={"b": {"params": {"c": 8, "s": 1}, "layers": list(layers)}})  # fmt: skip
+
+
+@pytest.mark.parametrize("spec, message", [
+    (_one_block(conv(out_channels="$c / 2")),
+     r"x.conv0\): out_channels: Input should be a valid integer \(got 4.0\) \('\$c / 2': / "
+     r"divides to a real number, // to a whole one\)"),
+    (_one_block(conv("c1", inputs="stem")), r"inputs: 'stem' is outside this block, whose "
+     r"layers read `input` and one another \(give the block line `inputs: stem`\)"),
+    (_one_block(conv("c1", inputs="c2"), conv("c2")), r"inputs: 'c2' comes later"),
+    (_one_block(conv("c1", **{"if": "s == 2"})),
+     r"if: must be true or false, got 's == 2' \(parameters are read with \$: '\$s == 2'\)"),
+    (_one_block(conv("c1", **{"if": "yes"})), r"got 'yes' \(a condition is true, false or an "
+     r"expression of \$parameters\)"),
+    (_one_block(conv("c1", out_channels="$index")),
+     r"x.c1\): out_channels: \$index is the copy's number where a block line repeats"),
+    (net({"block": None}), r"^layer 0: block: the name of a block under model.blocks, got None$"),
+])  # fmt: skip
+def test_what_a_network_file_gets_wrong_in_blocks_is_said_with_the_fix(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        build_model(spec)
+    assert build_model(_one_block(conv(out_channels="$c // 2"))).x.conv0.out_channels == 4
+
+
+def test_a_folder_given_for_a_network_says_so(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"run' is a folder, not a network file \(a trained "
+                                          r"run's: model: \{network: NET, weights: FILE\}\)$"):  # fmt: skip
+        build_model(str(tmp_path / "run"))

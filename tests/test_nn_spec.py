@@ -95,8 +95,11 @@ def test_kaimings_a_is_torchs_leaky_relu_slope():
 BAD = [
     (
         net({"type": "convv", "out_channels": 4, "kernel_size": 3}),
-        "layer 0 (convv0): type: unknown type 'convv' (did you mean 'conv'?)",
+        "layer 0: type: unknown type 'convv' (did you mean 'conv'?)",
     ),
+    (net({"type": None}), "layer 0: type: missing"),  # (not `layer 0 (None0)`)
+    (net({"typ": "conv"}), "layer 0: type: missing (is 'typ' meant to be type?)"),
+    (net({"name": "x", "type": "convv"}), "layer 0 (x): type: unknown type 'convv'"),
     (net({"type": "conv", "kernel_size": 3}), "layer 0 (conv0): out_channels: Field required"),
     (net(conv(kernal_size=3)), "layer 0 (conv0): kernal_size: unknown field"),
     (  # the typo, not the required field it left out, and the field meant

@@ -10,6 +10,7 @@ bounded by MAX_ENTRIES as the layers made are by MAX_LAYERS.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,11 +113,19 @@ class Expander:
         kind = raw.get("type")
         if is_expression(kind):
             kind = self._sub(f"layer {scope.index}", "type", kind, scope.params)
+        if not isinstance(kind, str) or kind not in KINDS:  # (named as written, if it is)
+            where = f"in {scope.prefix[:-1]}" if scope.prefix else ""
+            named = layer_label(scope.index, scope.prefix + self._short(raw, "", scope))
+            label = named if "name" in raw else f"layer {scope.index}{f' ({where})' * bool(where)}"
+            typo = next(
+                (k for k in raw if k != "type" and isinstance(k, str) and suggest(k, ["type"])),
+                None,
+            )
+            missing = f"missing (is {brief(typo)} meant to be type?)" if typo else "missing"
+            what = f"unknown type {brief(kind)}{suggest(kind, KINDS)}" if kind else missing
+            raise ConfigError(f"{label}: type: {what}")
         short = self._short(raw, f"{kind}{position}", scope)
         label = layer_label(scope.index, scope.prefix + short)
-        if not isinstance(kind, str) or kind not in KINDS:
-            what = f"unknown type {brief(kind)}{suggest(kind, KINDS)}" if kind else "missing"
-            raise ConfigError(f"{label}: type: {what}")
         fields = with_defaults(raw, self.net.defaults.get(kind, {}))
         head = any(reads(v, scope.sized) for v in fields.values())  # a classifier (or defaults')
         names = self._sub(label, "inputs", fields.pop("inputs", None), scope.params)
@@ -130,10 +139,14 @@ class Expander:
         env = {**scope.params, **shape_params(in_shapes[0])}
         if not self._present(label, condition, env):
             return self._alias(scope, short, inputs[0])
+        written = fields
         fields = self._sub(label, None, {**fields, "type": kind}, env)
-        layer = validate_layer(
-            label, kind, {**fields, "name": scope.prefix + short, "inputs": names}
-        )
+        try:
+            layer = validate_layer(
+                label, kind, {**fields, "name": scope.prefix + short, "inputs": names}
+            )
+        except ConfigError as e:
+            raise ConfigError(f"{e}{_division_hint(str(e), label, written, fields)}") from None
         check_own_init(label, raw, layer)
         if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
             layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
@@ -145,6 +158,9 @@ class Expander:
     def _block(self, raw: dict[str, Any], position: int, scope: _Scope) -> None:
         condition = raw.pop("if", None)
         block_name = self._sub(f"layer {scope.index}", "block", raw.pop("block"), scope.params)
+        if not isinstance(block_name, str):
+            raise ConfigError(f"layer {scope.index}: block: the name of a block under "
+                              f"model.blocks, got {brief(block_name)}")  # fmt: skip
         short = self._short(raw, f"{block_name}{position}", scope)
         named = raw.pop("name", None) is not None
         label = layer_label(scope.index, scope.prefix + short)
@@ -314,7 +330,12 @@ class Expander:
             return True
         value = self._sub(label, "if", condition, env)
         if not isinstance(value, bool):
-            raise ConfigError(f"{label}: if: must be true or false, got {brief(value)}")
+            hint = ""
+            if isinstance(condition, str) and not is_expression(condition):
+                meant = _with_dollars(condition, env)
+                hint = (f" (parameters are read with $: {brief(meant)})" if meant != condition
+                        else " (a condition is true, false or an expression of $parameters)")  # fmt: skip
+            raise ConfigError(f"{label}: if: must be true or false, got {brief(value)}{hint}")
         return value
 
     def _sub(self, label: str, key: str | None, value: Any, env: dict[str, Any]) -> Any:
@@ -342,15 +363,39 @@ class Expander:
                 out.append(pool[ref])
             elif ref == short:
                 raise ConfigError(f"{label}: inputs: names itself (a cycle)")
-            elif scope.local is None and ref in self.later:
+            elif ref in (self.later if scope.local is None else scope.named):
                 raise ConfigError(
                     f"{label}: inputs: {brief(ref)} comes later; inputs may only name earlier layers"
+                )
+            elif scope.local is not None and ref in self.value_of:  # a layer outside the block
+                raise ConfigError(
+                    f"{label}: inputs: {brief(ref)} is outside this block, whose layers read "
+                    f"`input` and one another (give the block line `inputs: {ref if is_name(ref) else brief(ref)}`)"
                 )
             else:
                 raise ConfigError(
                     f"{label}: inputs: unknown layer {brief(ref)}{suggest(ref, pool)}"
                 )
         return out
+
+
+def _division_hint(message: str, label: str, written: dict[str, Any],
+                   values: dict[str, Any]) -> str:  # fmt: skip
+    """Where a field refused as no whole number came from `$c / 2`: that / gives real numbers."""
+    for key, text in written.items():
+        divides = is_expression(text) and re.search(r"(?<!/)/(?!/)", text)
+        if (
+            divides
+            and isinstance(values.get(key), float)
+            and message.startswith(f"{label}: {key}:")
+        ):
+            return f" ({brief(text)}: / divides to a real number, // to a whole one)"
+    return ""
+
+
+def _with_dollars(text: str, params: dict[str, Any]) -> str:
+    """`text` with each word that names a parameter read as one: `s == 2` -> `$s == 2`."""
+    return re.sub(r"\b[A-Za-z_]\w*\b", lambda m: f"${m[0]}" if m[0] in params else m[0], text)
 
 
 def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[NetSpec, list, int]:

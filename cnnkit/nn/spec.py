@@ -345,6 +345,10 @@ def _read_yaml_or_zoo(spec: str) -> tuple[Any, str]:
     path = Path(spec)
     if not path.is_file():
         zoo_file = net_path(spec)
+        if zoo_file is None and path.is_dir():
+            trained = " (a trained run's: model: {network: NET, weights: FILE})" * any(
+                path.glob("*.pt"))  # fmt: skip
+            raise ConfigError(f"{brief(spec, 80)} is a folder, not a network file{trained}")
         if zoo_file is None:
             raise ConfigError(f"{brief(spec, 80)} is neither a zoo network ('cnnkit zoo' lists "
                               f"them) nor a file{suggest(spec, zoo_names())}")  # fmt: skip

@@ -71,19 +71,27 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
                         f"classifier needs at least 2{hint}")  # fmt: skip
     network = build_model(config.model.spec(), num_classes=len(data.classes),
                           weights=config.model.weights)  # fmt: skip
-    last = network.table[-1]
+    last, model = network.table[-1], _model_named(config)
     if network.num_classes != len(data.classes):
         raise ConfigError(
-            f"model: the last layer {last.name} ({last.type}) gives {list(network.output_shape)}, "
+            f"{model}: the last layer {last.name} ({last.type}) gives {list(network.output_shape)}, "
             f"not scores for the data's {len(data.classes)} classes (end with a linear layer, "
             "out_features left out, after a flatten or global_avgpool)"
         )
     if tuple(network.input_shape) != tuple(data.input_shape):
         raise ConfigError(
-            f"model: input {list(network.input_shape)} does not match the data's images "
+            f"{model}: input {list(network.input_shape)} does not match the data's images "
             f"{list(data.input_shape)}{_shape_hint(config, network.input_shape, data.input_shape)}"
         )
     return network
+
+
+def _model_named(config: RunConfig) -> str:
+    """How messages name the run's network: `model net.yaml`, or the run file's own mapping."""
+    network = config.model.network
+    if isinstance(network, str) and network.isprintable() and len(network) <= 200:
+        return f"model {network}"
+    return config.model._source or "model"
 
 
 def _shape_hint(config: RunConfig, want: tuple[int, ...], have: tuple[int, ...]) -> str:
@@ -100,7 +108,10 @@ def _shape_hint(config: RunConfig, want: tuple[int, ...], have: tuple[int, ...])
             if not grey:
                 hints[-1] += (f"; or model.input={list(have)} builds the network for the "
                               "data's images, where its layers allow")  # fmt: skip
-    return f" ({'; '.join(hints)})" if hints else ""
+    if not hints:
+        hints.append(f"model.input={list(have)} builds the network for the data's images, where "
+                     "its layers allow")  # fmt: skip
+    return f" ({'; '.join(hints)})"
 
 
 def build_run_engine(config: RunConfig, data: DataBundle, device: torch.device,
