@@ -49,6 +49,31 @@ def test_info_reads_prototxts_runs_checkpoints_and_exports(digits_run, tmp_path,
     assert code == 1 and "(no best.pt or last.pt in it)" in err and err.count("\n") == 1
 
 
+def test_info_of_a_run_file_sizes_the_head_by_its_datas_classes(tmp_path, capsys, monkeypatch):
+    """As training builds it: the classes of the run's data (synthetic's count, a folder's
+    class folders), not the network file's; data that cannot be read here is a note."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)  # (data paths are the working directory's, as training's)
+    (tmp_path / "imgs" / ".cache").mkdir(parents=True)
+    for name in ("cat", "dog", "owl"):
+        (tmp_path / "imgs" / name).mkdir()
+    network = {"input": [1, 8, 8], "num_classes": 1000,
+               "layers": [{"type": "conv", "out_channels": 4, "kernel_size": 3},
+                          {"type": "global_avgpool"}, {"name": "fc", "type": "linear"}]}  # fmt: skip
+    for data, output, note in [
+        ({"source": "synthetic", "num_classes": 7, "shape": [1, 8, 8]}, 7, None),
+        ({"path": "imgs", "crop": 8, "grey": True}, 3, None),
+        ({"source": "folder", "path": "elsewhere", "crop": 8, "grey": True}, 1000,
+         "its data's classes are not known here (data.path "),
+    ]:  # fmt: skip
+        run = tmp_path / "run.yaml"
+        run.write_text(yaml.safe_dump({"model": network, "data": data}))
+        code, out, err = run_cli(["info", str(run)], capsys)
+        assert code == 0 and f"output: {output}" in out, err
+        assert (note in err) if note else err == "", err
+
+
 def test_info_of_an_export_under_any_name_or_size_says_what_it_is(tmp_path, capsys):
     """`export -f torchscript -o d.ts` then `info d.ts` said `not a text file`, and an ONNX
     export over 16 MiB `larger than 16 MiB: not a network or run file`: each is said to be the

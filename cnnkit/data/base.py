@@ -124,6 +124,12 @@ class DataConfigBase(Section):
         machine, which share its cores among their loader workers)."""
         raise NotImplementedError
 
+    def class_names(self) -> list[str] | None:
+        """The classes a run of this data trains, where they are known without reading its
+        images (`cnnkit info RUN.yaml` sizes the network's head by them); None where only a
+        scan would tell; DataError where the data cannot be read."""
+        return None
+
     def training_notes(self) -> list[str]:
         """What a training run should say of these settings (given, but unused, or doing less
         than they seem), at its start: said, not refused. ConfigError for settings that would

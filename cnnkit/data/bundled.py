@@ -84,6 +84,9 @@ class BundledConfig(DataConfigBase):
         return DataBundle(train, val, classes, (1, h, w), pre, torch.from_numpy(train_y),
                           holdout=drawn)  # fmt: skip
 
+    def class_names(self) -> list[str]:
+        return self.load()[2]
+
     def extra_training(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Images added to the training split only (none here; faces adds mined negatives)."""
         return x, y

@@ -6,6 +6,7 @@ bad images are reported and skipped.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -223,6 +224,16 @@ class FolderConfig(ImageSetConfig):
         out = super().evaluated_as(preprocess, mean_image).model_copy()
         out._evaluating = True
         return out
+
+    def class_names(self) -> list[str]:
+        """The class folders of data.path: its subfolders, hidden ones aside, as a scan takes
+        them (which refuses one without images)."""
+        try:
+            with os.scandir(self.path) as entries:
+                names = [e.name for e in entries if not e.name.startswith(".") and e.is_dir()]
+        except OSError as e:
+            raise DataError(f"data.path {printable(self.path)}: {e.strerror}") from None
+        return sorted(names)
 
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
               seed: int = 0, local_ranks: int = 1) -> DataBundle:  # fmt: skip

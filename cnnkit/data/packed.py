@@ -193,6 +193,9 @@ class PackedConfig(ImageSetConfig):
     path: str = Field(description="packed training set (cnnkit pack output)")
     val_path: str | None = Field(None, description="packed validation set (default: hold out)")
 
+    def class_names(self) -> list[str]:
+        return read_meta(self.path, "data.path")["classes"]
+
     def build(self, device: torch.device, rank: int = 0, world_size: int = 1,
               seed: int = 0, local_ranks: int = 1) -> DataBundle:  # fmt: skip
         """Open the packed sets and make this rank's streams."""

@@ -59,5 +59,8 @@ class SyntheticConfig(DataConfigBase):
         train = TensorBatches(train_x, train_y, self.batch_size, train=True, **common)
         eval_batch = self.eval_batch_size or self.batch_size
         val = TensorBatches(val_x, val_y, eval_batch, train=False, **common)
-        classes = [f"class{i}" for i in range(self.num_classes)]
-        return DataBundle(train, val, classes, (c, h, self.shape[2]), pre, train_y.cpu())
+        return DataBundle(train, val, self.class_names(), (c, h, self.shape[2]), pre,
+                          train_y.cpu())  # fmt: skip
+
+    def class_names(self) -> list[str]:
+        return [f"class{i}" for i in range(self.num_classes)]

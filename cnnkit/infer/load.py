@@ -26,7 +26,14 @@ from cnnkit.checkpoint import (
     uses_mean_image,
 )
 from cnnkit.data.base import MAX_SIDE, Preprocess, unit_mistake
-from cnnkit.errors import CheckpointError, ConfigError, one_line, suggest, validation_message
+from cnnkit.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    one_line,
+    suggest,
+    validation_message,
+)
 from cnnkit.nn import Network, build_model, read_spec
 from cnnkit.nn.memory import check_fits
 from cnnkit.nn.weights import MEAN_IMAGE_KEY
@@ -243,6 +250,8 @@ def network_of(target: str, num_classes: int | None = None, weights_note: bool =
     elif path.suffix == ".safetensors" and path.is_file():
         spec, saved = _export_spec(path)
         num_classes, network_file = num_classes or saved, False  # (as a checkpoint)
+    elif num_classes is None:
+        num_classes = _run_classes(target)
     network = build_model(spec, num_classes=num_classes, device="meta")
     if network_file:  # its preprocess: checked as classify would
         described = read_spec(spec) if isinstance(spec, str) else spec
@@ -253,6 +262,32 @@ def network_of(target: str, num_classes: int | None = None, weights_note: bool =
             print(f"cnnkit: note: {target}: weights: {weights}: {what} (classify, eval and "
                   "export need it)", file=sys.stderr)  # fmt: skip
     return network
+
+
+def _run_classes(target: str) -> int | None:
+    """The class count a run file's data gives its network, as training builds it (None for a
+    network file, or data whose classes only a scan would tell); data that cannot be read
+    here (a folder on another machine) is said in a note, and the network's own count kept."""
+    from cnnkit.config import load_run
+    from cnnkit.nn.yamlio import read_yaml
+    from cnnkit.zoo import RUNS
+
+    path = Path(target)
+    if target not in RUNS and not (path.suffix.lower() in (".yaml", ".yml") and path.is_file()):
+        return None
+    if target not in RUNS:
+        data = read_yaml(path)
+        if not isinstance(data, dict) or "data" not in data:
+            return None
+    try:
+        names = load_run(target).data.class_names()
+        why = "no class folders" if names == [] else "a scan of its images would tell them"
+    except (ConfigError, DataError) as e:
+        names, why = None, one_line(e)
+    if not names:
+        print(f"cnnkit: note: {target}: its data's classes are not known here ({why}): the "
+              "network's own class count is shown", file=sys.stderr)  # fmt: skip
+    return len(names) if names else None
 
 
 def _export_spec(path: Path) -> tuple[dict[str, Any], int | None]:
