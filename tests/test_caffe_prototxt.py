@@ -102,7 +102,7 @@ def test_slice_cuts_the_channels_as_caffes(tmp_path):
 def test_unsupported_type_names_type_and_line():
     with pytest.raises(ConfigError) as err:
         import_caffe(DATA / "unsupported.prototxt")
-    assert "unsupported.prototxt:7:" in str(err.value) and "'Crop'" in str(err.value)
+    assert "unsupported.prototxt:7:" in str(err.value) and "'SPP'" in str(err.value)
 
 
 def test_softmax_in_the_middle_and_missing_bottom_are_errors():

@@ -258,7 +258,7 @@ def test_cli_writes_a_network_file_and_reports_errors(tmp_path, capsys):
     assert network_yaml(import_caffe(DATA / "alexnet.prototxt")) in out.read_text()
     assert run_cli(["import-caffe", str(DATA / "unsupported.prototxt")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'Crop'" in err
+    assert err.count("\n") == 1 and "'SPP'" in err
 
 
 def test_layers_named_like_module_attributes_are_renamed(tmp_path, capsys):
@@ -539,3 +539,32 @@ def test_scales_anywhere_and_squeeze_excitation_gates_import():
         ])  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             translate(parse_prototxt(head + layer))
+
+
+def test_a_crop_is_fcns_alignment_of_a_score_map_with_the_image():
+    """Caffe's Crop (axis 2): the first bottom cut to the second's height and width from the
+    offsets (one for both sides, or top and left); other axes, or 3 offsets, one line."""
+    up = ("convolution_param { num_output: 2 kernel_size: 4 stride: 2 bias_term: false "
+          "weight_filler { type: 'bilinear' } }")  # fmt: skip
+    for offsets, top, left in [
+        ("", 0, 0),
+        ("offset: 3", 3, 3),
+        ("axis: -2 offset: 2 offset: 5", 2, 5),
+    ]:
+        text = INPUT + _layer("up", "Deconvolution", ["data"], "up", up) + _layer(
+            "score", "Crop", ["up", "data"], "score", f"crop_param {{ {offsets} }}")  # fmt: skip
+        model = translate(parse_prototxt(text))
+        net = build_model(model).eval()
+        x = torch.randn(2, 3, 8, 8)
+        with torch.no_grad():
+            assert torch.equal(net(x), net.up(x)[:, :, top : top + 8, left : left + 8])
+        assert model["layers"][-1]["inputs"] == ["up", "input"]
+    for params, words in [("crop_param { axis: 1 }", "Crop supports the height and width"),
+                          ("crop_param { offset: 1 offset: 2 offset: 3 }", "3 offsets for 2 axes"),
+                          ("crop_param { offset: 11 }", r"offset: \[11, 11\]: a 8 x 8 window")]:  # fmt: skip
+        text = INPUT + _layer("up", "Deconvolution", ["data"], "up", up) + _layer(
+            "score", "Crop", ["up", "data"], "score", params)  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            translate(parse_prototxt(text))
+    with pytest.raises(ConfigError, match="a Crop takes 2 bottoms"):
+        translate(parse_prototxt(INPUT + _layer("c", "Crop", ["data"], "c")))

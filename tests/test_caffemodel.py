@@ -481,6 +481,15 @@ layer { name: "conv1" type: "Convolution" bottom: "both" top: "conv1"
         convolution_param { num_output: 4 kernel_size: 3 } }
 layer { name: "fc8" type: "InnerProduct" bottom: "conv1" top: "fc8" inner_product_param { num_output: 5 } }
 """  # the Scale beside another reader of the batch norm: a depthwise convolution
+CROP = """layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 2 } }
+layer { name: "crop" type: "Crop" bottom: "conv1" bottom: "data" top: "crop" crop_param { offset: 1 } }
+layer { name: "datac" type: "Crop" bottom: "data" bottom: "crop" top: "datac" }
+layer { name: "conv2" type: "Convolution" bottom: "datac" top: "conv2"
+        convolution_param { num_output: 4 kernel_size: 1 } }
+layer { name: "sum" type: "Eltwise" bottom: "crop" bottom: "conv2" top: "sum" }
+layer { name: "fc8" type: "InnerProduct" bottom: "sum" top: "fc8" inner_product_param { num_output: 5 } }
+"""  # FCN's crops to the image's size: the image read for its size only, or cropped itself
 CONCAT = """layer { name: "relu" type: "ReLU" bottom: "data" top: "r" }
 layer { name: "cat" type: "Concat" bottom: "data" bottom: "r" top: "cat" }
 layer { name: "conv1" type: "Convolution" bottom: "cat" top: "conv1"
@@ -494,9 +503,10 @@ layer { name: "fc8" type: "InnerProduct" bottom: "conv1" top: "fc8" inner_produc
     [
         (BN_FIRST, "data_bn, act, conv1, conv2"),
         (SCALE_BESIDE, "data_bn, data_scale, conv1"),
+        (CROP, "conv1, conv2"),
         (CONCAT, None),
     ],
-    ids=["bn-first", "scale-beside", "concat"],
+    ids=["bn-first", "scale-beside", "crop", "concat"],
 )
 def test_layers_before_the_first_convolutions_are_turned_to_rgb_too(
     tmp_path, layers, reversed_layers

@@ -264,6 +264,32 @@ def test_a_reshape_that_does_not_hold_its_input_is_refused(shape, words):
         one_layer({"type": "reshape", "shape": shape}, [6, 2, 2])
 
 
+def test_a_crop_takes_the_second_inputs_size_from_its_offset():
+    """FCN's alignment: an upsampled map cut to the input's size, as slicing it would."""
+    net = build_model({"input": [3, 10, 12], "layers": [
+        {"name": "up", "type": "conv_transpose", "out_channels": 2, "kernel_size": 4, "stride": 2},
+        {"name": "c", "type": "crop", "offset": [3, 5], "inputs": ["up", "input"]},
+        {"name": "d", "type": "crop", "offset": 1, "inputs": ["up", "c"]}]}).eval()  # fmt: skip
+    x = torch.randn(2, 3, 10, 12)
+    with torch.no_grad():
+        up = net.up(x)
+        assert torch.equal(net(x), up[:, :, 1:11, 1:13]) and net.table[-2].output_shape == (
+            2,
+            10,
+            12,
+        )
+        assert torch.equal(net.c(up, x), up[:, :, 3:13, 5:17])
+    for layer, words in [
+        ({"offset": [13, 0], "inputs": ["up", "input"]}, r"offset: \[13, 0\]: a 10 x 12 window from it leaves the 22 x 26 input"),
+        ({"inputs": "up"}, r"inputs: takes 2 \(what to crop, and an input of the size to crop it to\), got 1"),
+        ({"inputs": ["input", "up"]}, "leaves the 10 x 12 input"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            build_model({"input": [3, 10, 12], "layers": [
+                {"name": "up", "type": "conv_transpose", "out_channels": 2, "kernel_size": 4, "stride": 2},
+                {"name": "c", "type": "crop", **layer}]})  # fmt: skip
+
+
 def test_a_pad_value_outside_constant_mode_is_refused():
     """reflect and replicate pad with the input's pixels: a `value` there would be ignored."""
     with pytest.raises(ConfigError, match="value: for mode constant only"):

@@ -15,7 +15,7 @@ IMAGENET_CROPS = (224, 227)
 # reversed, their output's is reversed too, with their per-channel parameters (LRN across
 # channels sums a window centred on c, the same window reversed)
 CHANNELWISE = ("batchnorm", "scale", "prelu", "relu", "leaky_relu", "tanh", "sigmoid", "dropout",
-               "maxpool", "avgpool", "adaptive_avgpool", "lrn")  # fmt: skip
+               "maxpool", "avgpool", "adaptive_avgpool", "lrn", "crop")  # fmt: skip
 ELEMENTWISE = ("add", "mul", "max")  # of inputs reversed alike: reversed alike
 
 
@@ -57,6 +57,8 @@ def _reversed_order(model: dict[str, Any], state: dict[str, Any]) -> dict[str, i
         name, kind, inputs = layer["name"], layer["type"], layer.get("inputs", [previous])
         inputs, previous = [inputs] if isinstance(inputs, str) else inputs, name
         held = [value in reversed_values for value in inputs]
+        if kind == "crop":  # (its second input gives a size only)
+            held = held[:1]
         if not any(held):
             continue
         own = {k: v for k, v in state.items() if k == name or k.startswith(f"{name}.")}
@@ -72,7 +74,7 @@ def _reversed_order(model: dict[str, Any], state: dict[str, Any]) -> dict[str, i
             layer.get("groups") == layer.get("out_channels") == len(weight))  # fmt: skip
         if (
             (kind in CHANNELWISE or depthwise)
-            and len(inputs) == 1
+            and len(held) == 1
             or (kind in ELEMENTWISE and all(held))
         ):
             flips.update({key: 0 for key, value in own.items() if value.ndim >= 1})

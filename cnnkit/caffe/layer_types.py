@@ -345,6 +345,23 @@ class LayerTypes:
         for part, top in enumerate(tops):
             self._emit(layer, {"type": "channel_split", **cut, "part": part}, tops=[top], name=top)
 
+    def _crop(self, layer: Message, last: bool) -> None:
+        """Caffe's Crop of the first bottom to the second's height and width (axis 2), from
+        the offsets (none: 0; one: both sides; two: top and left): FCN's."""
+        p, here, bottoms = layer.sub("crop_param"), self.here, layer.all("bottom")
+        require(here, len(bottoms) == 2, f"a Crop takes 2 bottoms (what to crop, and one of the "
+                f"size to crop it to), not {len(bottoms)}")  # fmt: skip
+        shape = self.shapes[self._first_bottom(layer)]
+        dims, axis = len(shape) + 1, integer(here, p, "axis", 2)
+        require(here, len(shape) == 3 and -dims <= axis < dims and axis % dims == 2, "Crop "
+                f"supports the height and width (axis 2 of an (N, C, H, W) blob) only, not axis "
+                f"{axis} of {fmt_shape(shape)}")  # fmt: skip
+        offsets = [as_integer(here, "offset", n) for n in p.all("offset")]
+        require(here, len(offsets) <= 2, f"Crop: {len(offsets)} offsets for 2 axes (Caffe: none, "
+                "one for both, or one each)")  # fmt: skip
+        offset = (offsets * 2)[:2] if offsets else [0, 0]
+        self._emit(layer, {"type": "crop", **({"offset": offset} if any(offset) else {})})
+
     def _split(self, layer: Message, last: bool) -> None:
         self._alias(layer, "Split")
 
@@ -357,7 +374,7 @@ class LayerTypes:
 SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
-    "Reshape", "ConvolutionDepthwise", "Slice", "Axpy",
+    "Reshape", "ConvolutionDepthwise", "Slice", "Axpy", "Crop",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")

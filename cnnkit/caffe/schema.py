@@ -46,6 +46,7 @@ PARAM_FIELDS: dict[str, set[str]] = {
     "input_param": {"shape"},
     "reshape_param": {"shape", "axis", "num_axes"},
     "slice_param": {"axis", "slice_point", "slice_dim"},
+    "crop_param": {"axis", "offset"},
 }  # fmt: skip
 SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
               "shape": {"dim"}}  # fmt: skip
@@ -77,6 +78,7 @@ REPEATED = {
     "convolution_param": {"pad", "kernel_size", "stride", "dilation"},
     "eltwise_param": {"coeff"},
     "slice_param": {"slice_point"},
+    "crop_param": {"offset"},
     "input_param": {"shape"},
     "shape": {"dim"},
 }  # fmt: skip

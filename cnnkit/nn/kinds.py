@@ -37,7 +37,7 @@ from cnnkit.nn.pointwise import (
     StochasticDepth,
     Tanh,
 )
-from cnnkit.nn.resample import ConvTranspose, Pad, Upsample
+from cnnkit.nn.resample import ConvTranspose, Crop, Pad, Upsample
 from cnnkit.nn.windows import LRN, AdaptiveAvgPool, AvgPool, GlobalAvgPool, MaxPool
 
 KINDS: dict[str, type[Layer]] = {
@@ -81,4 +81,5 @@ KINDS: dict[str, type[Layer]] = {
     "mul": Mul,
     "max": Max,
     "concat": Concat,
+    "crop": Crop,
 }

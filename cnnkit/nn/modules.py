@@ -243,6 +243,21 @@ class ChannelSplit(nn.Module):
         return f"channels {self.start}:{self.end}"
 
 
+class Crop(nn.Module):
+    """The (rows, cols) window of the first input from (top, left); the second input, which
+    gave its size, is not read."""
+
+    def __init__(self, top: int, left: int, rows: int, cols: int):
+        super().__init__()
+        self.top, self.left, self.rows, self.cols = top, left, rows, cols
+
+    def forward(self, x: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+        return x[:, :, self.top : self.top + self.rows, self.left : self.left + self.cols]
+
+    def extra_repr(self) -> str:
+        return f"offset=({self.top}, {self.left}), size=({self.rows}, {self.cols})"
+
+
 class Reshape(nn.Module):
     """Each sample in `shape` (its values in the same order)."""
 

@@ -24,6 +24,7 @@ from cnnkit.nn.layers import (
     need_image,
     pair,
 )
+from cnnkit.nn.modules import Crop as CropModule
 
 
 class ConvTranspose(ConvFields):
@@ -99,6 +100,31 @@ class Upsample(Layer):
             )
         factor = tuple(float(f) for f in pair(self.scale_factor))
         return nn.Upsample(scale_factor=factor, mode=self.mode, align_corners=self.align_corners)
+
+
+class Crop(Layer):
+    """The window of the first input that is the size (H, W) of the second, from `offset`
+    (one number or [top, left]): Caffe's Crop, with which FCN aligns an upsampled score map to
+    its skip connection's and to the image (`inputs: [upscore8, input]`)."""
+
+    type: Literal["crop"]
+    offset: NonNegPair = 0
+    many_inputs: ClassVar[bool] = True
+
+    def output_shape(self, shapes: list[Shape]) -> Shape:
+        if len(shapes) != 2:
+            raise ShapeError("inputs", f"takes 2 (what to crop, and an input of the size to crop "
+                             f"it to), got {len(shapes)}")  # fmt: skip
+        (c, h, w), (_, rows, cols) = need_image(shapes[0]), need_image(shapes[1])
+        top, left = pair(self.offset)
+        if top + rows > h or left + cols > w:
+            shown = self.offset if isinstance(self.offset, int) else list(self.offset)
+            raise ShapeError("offset", f"{shown}: a {rows} x {cols} window from it leaves "
+                             f"the {h} x {w} input")  # fmt: skip
+        return (c, rows, cols)
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return CropModule(*pair(self.offset), *self.output_shape(shapes)[1:])
 
 
 class Pad(Layer):
