@@ -568,3 +568,33 @@ def test_a_crop_is_fcns_alignment_of_a_score_map_with_the_image():
             translate(parse_prototxt(text))
     with pytest.raises(ConfigError, match="a Crop takes 2 bottoms"):
         translate(parse_prototxt(INPUT + _layer("c", "Crop", ["data"], "c")))
+
+
+def _bnll(x: torch.Tensor) -> torch.Tensor:
+    """Caffe's BNLL as its layer computes it, overflow-free: log(1 + exp(x))."""
+    return torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
+
+
+@pytest.mark.parametrize("kind, params, reference", [
+    ("ELU", "elu_param { alpha: 0.5 }", lambda x: F.elu(x, 0.5)),
+    ("ELU", "", F.elu),
+    ("Swish", "swish_param { beta: 1 }", F.silu),
+    ("BNLL", "", _bnll),
+    ("Clip", "clip_param { min: 0 max: 6 }", F.relu6),
+    ("ReLU6", "", F.relu6),
+])  # fmt: skip
+def test_activations_import_as_caffe_computes_them(kind, params, reference):
+    net = build_model(translate(parse_prototxt(INPUT + _layer("a", kind, ["data"], "a", params))))
+    x = torch.randn(2, 3, 8, 8) * 8
+    with torch.no_grad():
+        torch.testing.assert_close(net.eval()(x), reference(x))
+
+
+@pytest.mark.parametrize("kind, params, words", [
+    ("Swish", "swish_param { beta: 2 }", "Swish beta 2: only beta 1"),
+    ("Clip", "clip_param { min: -1 max: 1 }", r"Clip from -1 to 1: only 0 to 6 \(ReLU6\)"),
+    ("Clip", "clip_param { min: 0 }", r"Clip needs min and max \(as Caffe\)"),
+])  # fmt: skip
+def test_activations_caffe_computes_otherwise_are_one_line(kind, params, words):
+    with pytest.raises(ConfigError, match=words):
+        translate(parse_prototxt(INPUT + _layer("a", kind, ["data"], "a", params)))

@@ -15,7 +15,8 @@ IMAGENET_CROPS = (224, 227)
 # reversed, their output's is reversed too, with their per-channel parameters (LRN across
 # channels sums a window centred on c, the same window reversed)
 CHANNELWISE = ("batchnorm", "scale", "prelu", "relu", "leaky_relu", "tanh", "sigmoid", "dropout",
-               "maxpool", "avgpool", "adaptive_avgpool", "lrn", "crop")  # fmt: skip
+               "maxpool", "avgpool", "adaptive_avgpool", "lrn", "crop", "elu", "silu", "softplus",
+               "relu6")  # fmt: skip
 ELEMENTWISE = ("add", "mul", "max")  # of inputs reversed alike: reversed alike
 
 

@@ -164,6 +164,34 @@ class LayerTypes:
         spec = {"type": "leaky_relu", "negative_slope": slope} if slope else {"type": "relu"}
         self._emit(layer, spec)
 
+    def _elu(self, layer: Message, last: bool) -> None:
+        alpha = real(self.here, layer.sub("elu_param"), "alpha", 1.0)
+        self._emit(layer, {"type": "elu", **({"alpha": alpha} if alpha != 1.0 else {})})
+
+    def _swish(self, layer: Message, last: bool) -> None:
+        beta = real(self.here, layer.sub("swish_param"), "beta", 1.0)
+        require(self.here, beta == 1.0, f"Swish beta {beta:g}: only beta 1 (x * sigmoid(x), "
+                "torch's SiLU) is imported")  # fmt: skip
+        self._emit(layer, {"type": "silu"})
+
+    def _bnll(self, layer: Message, last: bool) -> None:
+        """Caffe's BNLL, log(1 + exp(x)): torch's Softplus (linear past 20, within 2e-9)."""
+        self._emit(layer, {"type": "softplus"})
+
+    def _clip(self, layer: Message, last: bool) -> None:
+        """Caffe's Clip between min and max: MobileNet's ReLU6 where they are 0 and 6."""
+        p = layer.sub("clip_param")
+        require(self.here, None not in (p.get("min"), p.get("max")), "Clip needs min and max "
+                "(as Caffe)")  # fmt: skip
+        low, high = real(self.here, p, "min", None), real(self.here, p, "max", None)
+        require(self.here, (low, high) == (0.0, 6.0), f"Clip from {low:g} to {high:g}: only 0 to 6 "
+                "(ReLU6) is imported")  # fmt: skip
+        self._emit(layer, {"type": "relu6"})
+
+    def _relu6(self, layer: Message, last: bool) -> None:
+        """The forks' ReLU6 (MobileNet v2's ports)."""
+        self._emit(layer, {"type": "relu6"})
+
     def _tanh(self, layer: Message, last: bool) -> None:
         self._emit(layer, {"type": "tanh"})
 
@@ -374,7 +402,8 @@ class LayerTypes:
 SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
-    "Reshape", "ConvolutionDepthwise", "Slice", "Axpy", "Crop",
+    "Reshape", "ConvolutionDepthwise", "Slice", "Axpy", "Crop", "ELU", "Swish", "BNLL", "Clip",
+    "ReLU6",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")
