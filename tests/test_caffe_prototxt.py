@@ -94,9 +94,22 @@ def test_slice_cuts_the_channels_as_caffes(tmp_path):
                                 ('top: "a" top: "b"', "axis: 2", "Slice axis 2: only the channel"),
                                 ('top: "a"', "", "without slice_point needs 2 tops"),
                                 ('top: "a" top: "b"', "slice_point: 6", "points: .6. must rise"),
-                                ('top: "a" top: "b"', "slice_pont: 2", "'slice_pont' is not a field")]:  # fmt: skip
+                                ('top: "a" top: "b"', "slice_pont: 2", "'slice_pont' is not a field"),
+                                ('top: "a" top: "b" top: "c" top: "e"', "",
+                                 "Slice of 6 channels into 4 equal tops: 4 does not divide 6")]:  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             translate(parse_prototxt(head + cut.format(tops, params) + join.format('bottom: "a"')))
+
+
+def test_a_silenced_top_is_computed_and_dropped():
+    """DPN-style: a Slice whose second top a Silence takes; the network's output is the first."""
+    text = ('layer { name: "d" type: "Input" top: "d" input_param { shape { dim: 1 dim: 6 dim: 2 '
+            'dim: 2 } } }\nlayer { name: "s" type: "Slice" bottom: "d" top: "a" top: "b" '
+            'slice_param { slice_point: 2 } }\nlayer { name: "q" type: "Silence" bottom: "b" }\n')  # fmt: skip
+    net = build_model(translate(parse_prototxt(text))).eval()
+    x = torch.randn(2, 6, 2, 2)
+    with torch.no_grad():
+        assert torch.equal(net(x), x[:, :2])
 
 
 def test_unsupported_type_names_type_and_line():

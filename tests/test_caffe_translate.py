@@ -364,12 +364,27 @@ def test_a_reshape_imports_as_a_flatten_a_reshape_or_nothing():
     net = build_model(reshaped("data", 0, 8, -1)).eval()
     x = torch.randn(2, 3, 8, 8)
     assert torch.equal(net(x), x.reshape(2, 8, 24))
-    for dims, words in [((0, 1, 3, 8, 8), r"Reshape of \(3, 8, 8\) by dims \[0, 1, 3, 8, 8\]: "
+    assert build_model(reshaped("data", -1, 8, 24)).output_shape == (8, 24)  # the batch as -1
+    assert reshaped("data", 1, -1)["layers"][-1]["type"] == "flatten"  # or as 1 (deploy's N)
+    axis1 = _layer(
+        "r", "Reshape", ["data"], "r", "reshape_param { axis: 1 shape { dim: 0 dim: -1 } }"
+    )
+    assert build_model(translate(parse_prototxt(INPUT + axis1))).output_shape == (3, 64)
+    for dims, words in [((0, 1, 3, 8, 8), r"Reshape of \(3, 8, 8\) to \[1, 3, 8, 8\]: "
                                          r"cnnkit's shapes are \(C, H, W\)"),
                         ((0, 5, -1), r"shape: \[5, -1\] does not hold the 192 values"),
-                        ((1, -1), "the first dim must be 0")]:  # fmt: skip
+                        ((2, -1), r"the first is the batch \(0: as it is, or -1 or 1\)"),
+                        ((-1, 3, -1), "one -1 at most"),
+                        ((0, 0, 0, 0, 0), r"dim 0 at axis 4 copies an axis the \(3, 8, 8\) bottom")]:  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             reshaped("data", *dims)
+    two = _layer(
+        "r", "Reshape", ["data", "data"], "r", "reshape_param { shape { dim: 0 dim: -1 } }"
+    )
+    with pytest.raises(
+        ConfigError, match=r"prototxt:3: layer 'r': a Reshape takes one bottom, not 2"
+    ):
+        translate(parse_prototxt(INPUT + two))
 
 
 def test_the_forks_depthwise_convolution_is_a_group_per_channel():
@@ -506,6 +521,17 @@ def test_scales_anywhere_and_squeeze_excitation_gates_import():
         _layer("out", "Axpy", ["q", "by", "s2"], "out"),
     ])  # fmt: skip
     model = translate(parse_prototxt(text))
+    vectors = INPUT + "".join([
+        _layer("g", "Pooling", ["data"], "g", gap),
+        _layer("a", "InnerProduct", ["g"], "a", "inner_product_param { num_output: 4 }"),
+        _layer("x", "InnerProduct", ["g"], "x", "inner_product_param { num_output: 4 }"),
+        _layer("y", "Axpy", ["a", "x", "a"], "y"),
+    ])  # fmt: skip
+    net = build_model(translate(parse_prototxt(vectors))).eval()
+    with torch.no_grad():
+        x = torch.randn(2, 3, 8, 8)
+        a = net.a(x.mean((2, 3)))
+        torch.testing.assert_close(net(x), a * net.x(x.mean((2, 3))) + a)
     assert [(n["name"], n["type"]) for n in model["layers"]] == [
         ("c", "conv"), ("s1", "scale"), ("s2", "conv"), ("g", "adaptive_avgpool"),
         ("fc", "linear"), ("fc_prob", "sigmoid"), ("by_factors", "reshape"), ("by", "mul"),
@@ -528,6 +554,12 @@ def test_scales_anywhere_and_squeeze_excitation_gates_import():
          r"Scale of \(4, 8, 8\) by \(3\): the factors' shape must be the first"),
         (_layer("b", "Axpy", ["q", "c"], "b"), r"an Axpy takes 3 bottoms \(a, x, y\), not 2"),
         (_layer("b", "Axpy", ["fc", "c", "data"], "b"), "a is one factor per channel of x, and y"),
+        (_layer("b", "Axpy", ["fc", "fc", "h"], "b"), r"Axpy of a \(4\), x \(4\) and y \(3\)"),
+        (_layer("bn", "BatchNorm", ["fc"], "bn") + _layer("s", "Scale", ["bn"], "s", "scale_param "
+         "{ bias_term: true }") + _layer("e", "Eltwise", ["s", "bn"], "e"),
+         r"Scale with bias_term of \(4\) features beside another reader of its BatchNorm's"),
+        (_layer("s", "Scale", ["fc"], "s", "scale_param { bias_term: true }"),
+         r"Scale with bias_term of \(4\) features not right after a BatchNorm"),
         (_layer("b", "Axpy", ["h", "c", "c"], "b"), r"Axpy of a \(3\), x \(4, 8, 8\)"),
     ]:  # fmt: skip
         head = INPUT + "".join([

@@ -429,6 +429,23 @@ def test_only_the_input_readers_turn_rgb_and_a_squeezenet_end_is_a_vector(tmp_pa
     assert resize == (256 if side == 224 else None)  # Caffe's ImageNet images: 256, cropped
 
 
+def test_a_non_square_colour_net_turns_rgb_and_its_file_describes(tmp_path, capsys):
+    """A network file's preprocess is for square images: a 7 x 5 colour net gets its weights
+    turned to RGB and a note on what to feed it, and the file it writes is one info reads."""
+    prototxt = prototxt_file(tmp_path, INPUT_NAMED, "dim: 1 dim: 3 dim: 7 dim: 5")
+    g = torch.Generator().manual_seed(0)
+    blobs = {n: [torch.randn(4, c, 1, 1, generator=g), torch.randn(4, generator=g)]
+             for n, c in (("input_proj", 3), ("branch_a", 4), ("branch_b", 4))}  # fmt: skip
+    write_caffemodel(tmp_path / "n.caffemodel", blobs)
+    out = tmp_path / "n.yaml"
+    code, _, err = run_cli(["import-caffe", str(prototxt), str(tmp_path / "n.caffemodel"), "-o",
+                            str(out)], capsys)  # fmt: skip
+    assert code == 0, err
+    text = out.read_text()
+    assert "preprocess" not in text and "feed it RGB 0-255 pixels less the training" in text
+    assert run_cli(["info", str(out)], capsys)[0] == 0
+
+
 DECONV = """layer { name: "up" type: "Deconvolution" bottom: "data" top: "up"
         param { lr_mult: 0 } convolution_param { num_output: 2 group: 2 kernel_size: 4 stride: 2
         pad: 1 bias_term: false weight_filler { type: "bilinear" } } }

@@ -421,8 +421,11 @@ def _one_block(*layers, **line):
 
 @pytest.mark.parametrize("spec, message", [
     (_one_block(conv(out_channels="$c / 2")),
-     r"x.conv0\): out_channels: Input should be a valid integer \(got 4.0\) \('\$c / 2': / "
-     r"divides to a real number, // to a whole one\)"),
+     r"x.conv0\): out_channels: Input should be a valid integer \(got 4.0\) \('\$c / 2' is "
+     r"4.0, a real number: // divides to a whole one, / to a real one\)"),
+    (_one_block(conv(out_channels="$s"), s="$in_channels / 2"), r"\('\$s' is 2.0, a real"),
+    (_one_block({"type": "channel_split", "points": ["$in_channels / 8"], "part": 0}),
+     r"points.0: .*\(got 0.5\) \('\$in_channels / 8' is 0.5, a real number"),
     (_one_block(conv("c1", inputs="stem")), r"inputs: 'stem' is outside this block, whose "
      r"layers read `input` and one another \(give the block line `inputs: stem`\)"),
     (_one_block(conv("c1", inputs="c2"), conv("c2")), r"inputs: 'c2' comes later"),
@@ -431,7 +434,8 @@ def _one_block(*layers, **line):
     (_one_block(conv("c1", **{"if": "yes"})), r"got 'yes' \(a condition is true, false or an "
      r"expression of \$parameters\)"),
     (_one_block(conv("c1", out_channels="$index")),
-     r"x.c1\): out_channels: \$index is the copy's number where a block line repeats"),
+     r"x.c1\): out_channels: \$index is the copy's number on the parameters of a block line "
+     r"that repeats \(`\{block: b, repeat: N, k: \$index\}`\), not inside the block"),
     (net({"block": None}), r"^layer 0: block: the name of a block under model.blocks, got None$"),
 ])  # fmt: skip
 def test_what_a_network_file_gets_wrong_in_blocks_is_said_with_the_fix(spec, message):

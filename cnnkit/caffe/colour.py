@@ -33,15 +33,20 @@ def bgr_to_rgb(model: dict[str, Any], state: dict[str, Any]) -> list[str]:
                 "channel order (feed images accordingly)"]  # fmt: skip
     for key, dim in flipped.items():
         state[key] = state[key].flip(dim).contiguous()
-    model["preprocess"] = {"mean": list(CAFFE_IMAGENET_MEAN), "std": [1.0, 1.0, 1.0]}
     names = ", ".join(dict.fromkeys(key.rsplit(".", 1)[0] for key in flipped))
-    notes = [f"{names}: input channels reversed from Caffe's BGR to RGB (import-caffe "
-             "--keep-bgr: not, for a net trained on RGB images)",
-             "preprocess: Caffe's 0-255 pixels less ImageNet's mean (ilsvrc_2012_mean, per "
-             "channel, RGB), unscaled: set mean to your training set's if it was not ImageNet, "
-             "and std to 1 / its transform_param scale if it had one (scale 0.017, as "
-             "MobileNet's and DenseNet's ports: std 58.8)"]  # fmt: skip
+    notes = [
+        f"{names}: input channels reversed from Caffe's BGR to RGB (import-caffe "
+        "--keep-bgr: not, for a net trained on RGB images)"
+    ]
     height, width = (model["input"] + [0, 0])[1:3]
+    if height != width:  # (a network file's preprocess is for square images only)
+        return [*notes, "feed it RGB 0-255 pixels less the training set's mean (ImageNet's: "
+                f"{', '.join(map(str, CAFFE_IMAGENET_MEAN))}), as Caffe's were"]  # fmt: skip
+    model["preprocess"] = {"mean": list(CAFFE_IMAGENET_MEAN), "std": [1.0, 1.0, 1.0]}
+    notes.append("preprocess: Caffe's 0-255 pixels less ImageNet's mean (ilsvrc_2012_mean, per "
+                 "channel, RGB), unscaled: set mean to your training set's if it was not "
+                 "ImageNet, and std to 1 / its transform_param scale if it had one (scale 0.017, "
+                 "as MobileNet's and DenseNet's ports: std 58.8)")  # fmt: skip
     if height == width and IMAGENET_CROPS[0] <= height <= IMAGENET_CROPS[1]:
         model["preprocess"]["resize"] = CAFFE_RESIZE
         notes.append(f"preprocess: images squashed to {CAFFE_RESIZE} x {CAFFE_RESIZE}, then "

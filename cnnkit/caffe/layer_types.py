@@ -209,24 +209,28 @@ class LayerTypes:
         self._emit(layer, {"type": "flatten"})
 
     def _reshape(self, layer: Message, last: bool) -> None:
-        """Caffe's Reshape of each image (the batch kept: the first dim 0): 0 copies the
-        bottom's size on its axis, -1 takes what is left, as in Caffe. A flatten (TensorFlow
-        ports' `dim: 0 dim: 0` over (N, C, 1, 1) scores) is a `flatten`, one that changes
-        nothing no layer, any other a `reshape`."""
+        """Caffe's Reshape of each image: from axis 0, the first dim is the batch (0 as it is,
+        or -1 or 1), from axis 1 the dims are the image's; 0 copies the bottom's size on its
+        axis, -1 takes what is left, as in Caffe. A flatten (TensorFlow ports' `dim: 0 dim: 0`
+        over (N, C, 1, 1) scores) is a `flatten`, one that changes nothing no layer, any other
+        a `reshape`."""
         p, here, held = layer.sub("reshape_param"), self.here, self._first_bottom(layer)
-        whole = integer(here, p, "axis", 0) == 0 and integer(here, p, "num_axes", -1) == -1
-        require(here, whole, "Reshape supports the whole shape only (axis 0, num_axes -1)")
+        axis, count = integer(here, p, "axis", 0), integer(here, p, "num_axes", -1)
+        require(here, axis in (0, 1) and count == -1, f"Reshape from axis {axis} over {count} "
+                "axes: cnnkit reshapes from axis 0 or 1 to the last (num_axes -1)")  # fmt: skip
         shape = p.get("shape")
-        dims = (
-            [as_integer(here, "dim", d) for d in shape.all("dim")]
-            if isinstance(shape, Message)
-            else []
-        )
-        source = self.shapes[held]  # per image: Caffe's axis i is source[i - 1]
-        require(here, dims[:1] == [0], "Reshape: the first dim must be 0 (the batch as it is)")
-        target = [
-            source[i - 1] if d == 0 and i <= len(source) else d for i, d in enumerate(dims[1:], 1)
-        ]
+        dims = [as_integer(here, "dim", d) for d in shape.all("dim")] if isinstance(
+            shape, Message) else []  # fmt: skip
+        if axis == 0:
+            require(here, dims[:1] in ([0], [-1], [1]) and dims[1:].count(-1) <= (dims[0] != -1),
+                    f"Reshape dims {dims}: the first is the batch (0: as it is, or -1 or 1), "
+                    "and one -1 at most")  # fmt: skip
+            dims = dims[1:]
+        source = self.shapes[held]  # per image: dims[i] is axis i + 1 of Caffe's blob
+        for i, d in enumerate(dims):
+            require(here, d != 0 or i < len(source), f"Reshape dim 0 at axis {i + 1} copies an "
+                    f"axis the {fmt_shape(source)} bottom has not")  # fmt: skip
+        target = [source[i] if d == 0 else d for i, d in enumerate(dims)]
         known = math.prod(n for n in target if n != -1)
         if target.count(-1) == 1 and known > 0 and math.prod(source) % known == 0:
             target[target.index(-1)] = math.prod(source) // known
@@ -234,7 +238,7 @@ class LayerTypes:
             return self._alias(layer, "Reshape")
         if target == [math.prod(source)]:
             return self._emit(layer, {"type": "flatten"})
-        require(here, 1 <= len(target) <= 3, f"Reshape of {fmt_shape(source)} by dims {dims}: "
+        require(here, 1 <= len(target) <= 3, f"Reshape of {fmt_shape(source)} to {target}: "
                 "cnnkit's shapes are (C, H, W), (C, L) or (F) per image")  # fmt: skip
         self._emit(layer, {"type": "reshape", "shape": target})
 
@@ -296,7 +300,8 @@ class LayerTypes:
         blocks = {"weight": "filler", "bias": "bias_filler"} if bias else {"weight": "filler"}
         given = fillers(self.here, p, blocks, self.notes)  # Caffe's defaults: 1 and 0
         norm = self.layers[-1] if self.layers else {}
-        fold = norm.get("name") == held and norm.get("type") == "batchnorm" and layer in self.folds
+        after = norm.get("name") == held and norm.get("type") == "batchnorm"
+        fold = after and layer in self.folds  # (the BatchNorm's output read by it alone)
         if not bias:  # x * gamma
             name = self._emit(layer, {"type": "scale", **learned, **given})
             self.sources[name] = [(caffe_name, "channel_scale")]
@@ -307,8 +312,10 @@ class LayerTypes:
                 self.blobs[top] = held
         else:  # gamma * x + beta: a depthwise 1x1 convolution computes it
             shape = self.shapes[held]
+            why = "beside another reader of its BatchNorm's output" if after else (
+                "not right after a BatchNorm")  # fmt: skip
             require(self.here, len(shape) == 3, f"Scale with bias_term of {fmt_shape(shape)} "
-                    "features: cnnkit imports it after a BatchNorm only")  # fmt: skip
+                    f"features {why}: cnnkit folds such a Scale into its BatchNorm only")  # fmt: skip
             conv = {"type": "conv", "out_channels": shape[0], "kernel_size": 1, "groups": shape[0],
                     "init": {"weight": 1.0, "bias": 0.0, **given.get("init", {})}, **learned}  # fmt: skip
             self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
@@ -337,9 +344,9 @@ class LayerTypes:
                 f"{len(bottoms)}")  # fmt: skip
         a, x, y = bottoms
         shape, gate = self.shapes[x], self.shapes[a]
-        require(self.here, shape == self.shapes[y] and len(shape) == 3 and gate in (
-            (shape[0],), (shape[0], 1, 1)), f"Axpy of a {fmt_shape(gate)}, x {fmt_shape(shape)} "
-            f"and y {fmt_shape(self.shapes[y])}: a is one factor per channel of x, and y x's shape")  # fmt: skip
+        require(self.here, shape == self.shapes[y] and gate in ((shape[0],), (shape[0], 1, 1)[
+            : len(shape)]), f"Axpy of a {fmt_shape(gate)}, x {fmt_shape(shape)} and y "
+            f"{fmt_shape(self.shapes[y])}: a is one factor per channel of x, and y x's shape")  # fmt: skip
         name = f"{layer.get('name') or 'axpy'}_ax"
         scaled = self._emit(layer, {"type": "mul"}, inputs=[x, self._broadcast(layer, a, shape)],
                             tops=[], name=name)  # fmt: skip
@@ -369,6 +376,10 @@ class LayerTypes:
         require(here, not points or len(points) == len(tops) - 1, f"Slice: {len(points)} "
                 f"slice_point for {len(tops)} tops (Caffe: one fewer than the tops)")  # fmt: skip
         require(here, len(tops) >= 2 or points, "a Slice without slice_point needs 2 tops or more")
+        channels = self.shapes[source][0]
+        require(here, points or channels % len(tops) == 0, f"Slice of {channels} channels into "
+                f"{len(tops)} equal tops: {len(tops)} does not divide {channels} (give the "
+                "slice_points)")  # fmt: skip
         cut = {"points": points} if points else {"parts": len(tops)}
         for part, top in enumerate(tops):
             self._emit(layer, {"type": "channel_split", **cut, "part": part}, tops=[top], name=top)
@@ -390,6 +401,17 @@ class LayerTypes:
         offset = (offsets * 2)[:2] if offsets else [0, 0]
         self._emit(layer, {"type": "crop", **({"offset": offset} if any(offset) else {})})
 
+    def _silence(self, layer: Message, last: bool) -> None:
+        """Caffe's Silence: its bottoms are computed and dropped (a Slice's unused top); the
+        last layer, silenced and read by no other, is left out (cnnkit's output is the last)."""
+        for value in [self._bottom(b) for b in layer.all("bottom")]:
+            end = self.layers[-1] if self.layers else {}
+            if end.get("name") == value and value not in self.read and value not in self.sources:
+                self.layers.pop()
+                self.blobs = {blob: held for blob, held in self.blobs.items() if held != value}
+            else:
+                self.read.add(value)
+
     def _split(self, layer: Message, last: bool) -> None:
         self._alias(layer, "Split")
 
@@ -403,7 +425,7 @@ SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
     "Reshape", "ConvolutionDepthwise", "Slice", "Axpy", "Crop", "ELU", "Swish", "BNLL", "Clip",
-    "ReLU6",
+    "ReLU6", "Silence",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")

@@ -137,6 +137,9 @@ class Translator(LayerTypes):
             inputs = [self._bottom(b) for b in layer.all("bottom")]
         if not inputs:
             raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))} has no bottom")
+        if len(inputs) > 1 and not KINDS[spec["type"]].many_inputs:
+            raise ConfigError(f"{self.here}: layer {brief(layer.get('name'))}: a "
+                              f"{layer_type(layer)} takes one bottom, not {len(inputs)}")  # fmt: skip
         self._count_layer()
         name = self._unique_name(name or layer.get("name") or spec["type"])
         previous = self.layers[-1]["name"] if self.layers else "input"

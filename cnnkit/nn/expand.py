@@ -10,6 +10,7 @@ bounded by MAX_ENTRIES as the layers made are by MAX_LAYERS.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -381,15 +382,19 @@ class Expander:
 
 def _division_hint(message: str, label: str, written: dict[str, Any],
                    values: dict[str, Any]) -> str:  # fmt: skip
-    """Where a field refused as no whole number came from `$c / 2`: that / gives real numbers."""
+    """Where a field refused as no whole number is a real one an expression gave (`$c / 2`,
+    or `$w` of a parameter `$c / 2` made): / divides to a real number, // to a whole one."""
     for key, text in written.items():
-        divides = is_expression(text) and re.search(r"(?<!/)/(?!/)", text)
-        if (
-            divides
-            and isinstance(values.get(key), float)
-            and message.startswith(f"{label}: {key}:")
-        ):
-            return f" ({brief(text)}: / divides to a real number, // to a whole one)"
+        pairs = [("", text, values.get(key))]
+        if isinstance(text, list) and isinstance(values.get(key), list):  # (points.0: ...)
+            pairs = [
+                (f".{i}", t, v) for i, (t, v) in enumerate(zip(text, values[key], strict=True))
+            ]
+        for index, part, value in pairs:
+            real = isinstance(value, float) and math.isfinite(value)
+            if is_expression(part) and real and message.startswith(f"{label}: {key}{index}:"):
+                return (f" ({brief(part)} is {value!r}, a real number: // divides to a whole one, "
+                        "/ to a real one)")  # fmt: skip
     return ""
 
 

@@ -81,8 +81,9 @@ def _lookup(name: str, params: dict[str, Any]) -> Any:
         raise ExprError("$num_classes: the network has no num_classes (set model.num_classes; "
                         "training takes it from the data set)")  # fmt: skip
     if name == "index" and name not in params:
-        raise ExprError("$index is the copy's number where a block line repeats (repeat: N); "
-                        "this one does not")  # fmt: skip
+        raise ExprError("$index is the copy's number on the parameters of a block line that "
+                        "repeats (`{block: b, repeat: N, k: $index}`), not inside the block: "
+                        "pass it in as a parameter")  # fmt: skip
     if name not in params or params[name] is None:
         known = ", ".join(sorted(k for k, v in params.items() if v is not None))
         raise ExprError(f"${name[:40]} is not a parameter here (known: {known[:120]})")
