@@ -5,6 +5,7 @@ naming the problem, no traceback, and nothing written."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from helpers import run_cli
@@ -130,6 +131,8 @@ RUNS = [
     ("inline 400 TB", RUN.format(model=INLINE.replace("out_features", "x").replace("[{name: c, type: conv, out_channels: 8, kernel_size: 3}, ", "[{name: big, type: linear, out_features: 10000000}, {name: big2, type: linear, out_features: 10000000}, ")), "available (MemAvailable in /proc/meminfo)"),
     ("input mismatch", RUN.format(model=INLINE.replace("[1, 8, 8]", "[3, 8, 8]")), "does not match the data's images"),
     ("zoo net, other images", RUN.format(model="resnet18"), "model resnet18: input [3, 224, 224] does not match the data's images [1, 8, 8] (model.input=[1, 8, 8] builds the network for the data's images"),
+    ("a NUL in a data path", RUN.format(model="digitnet").replace("{source: digits,", '{source: folder, path: "a\\0b", grey: true, crop: 8,'), "data.path: a NUL character (\\0) names no file or setting"),
+    ("a prototxt for the model", RUN.format(model=Path(__file__).parent / "data" / "caffe" / "alexnet.prototxt"), "alexnet.prototxt: a Caffe prototxt: `cnnkit import-caffe"),
     ("no classifier at the end", RUN.format(model=INLINE.replace(", {name: fc, type: linear}", "")), "run.yaml: model: the last layer c (conv) gives [8, 6, 6], not scores for the data's 10 classes"),
     ("negative lr", RUN.format(model="digitnet").replace("epochs: 1,", "epochs: 1, lr: -1,"), "train.lr: Input should be greater than 0"),
     ("zero epochs", RUN.format(model="digitnet").replace("epochs: 1", "epochs: 0"), "train.epochs: Input should be greater than 0"),

@@ -67,11 +67,13 @@ def test_info_of_a_run_file_sizes_the_head_by_its_datas_classes(tmp_path, capsys
         ({"source": "folder", "path": "elsewhere", "crop": 8, "grey": True}, 1000,
          "its data's classes are not known here (data.path "),
     ]:  # fmt: skip
-        run = tmp_path / "run.yaml"
-        run.write_text(yaml.safe_dump({"model": network, "data": data}))
+        run = tmp_path / "run.yaml"  # (a train section info does not read: not its business)
+        run.write_text(yaml.safe_dump({"model": network, "data": data, "train": {"epochs": -1}}))
         code, out, err = run_cli(["info", str(run)], capsys)
         assert code == 0 and f"output: {output}" in out, err
         assert (note in err) if note else err == "", err
+        code, _, err = run_cli(["show", "net", str(run), "-o", str(tmp_path / "net.svg")], capsys)
+        assert code == 0 and f">linear {output}<" in (tmp_path / "net.svg").read_text(), err
 
 
 def test_info_of_an_export_under_any_name_or_size_says_what_it_is(tmp_path, capsys):

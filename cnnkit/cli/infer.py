@@ -229,14 +229,16 @@ def show_net(
     out: Path = typer.Option(..., "-o", "--out", help="Image file: .png, .svg or .pdf."),
 ) -> None:
     """Draw the layer graph (layered like graphviz's dot; every edge in sight; SVG text is text)."""
-    from cnnkit.infer.load import load_for_inference
+    from cnnkit.checkpoint import check_not_a_record
+    from cnnkit.infer.load import network_of
     from cnnkit.infer.show import NET_SUFFIXES, check_suffix, draw_net
 
     _writable(out, net, example="net.png", picture=True)
     check_suffix(out, NET_SUFFIXES)
-    loaded = load_for_inference(net)
-    draw_net(loaded.model, out)
-    typer.echo(f"wrote {out}: {plural(len(loaded.model.table), 'layer')}")
+    check_not_a_record(Path(net))  # (as info: the graph, built as info builds it, no weights)
+    network = network_of(net)
+    draw_net(network, out)
+    typer.echo(f"wrote {out}: {plural(len(network.table), 'layer')}")
 
 
 def show_filters(

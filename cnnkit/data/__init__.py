@@ -40,6 +40,10 @@ def check_source(section: Any) -> Any:
     else an image folder (as timm reads a data folder by what it holds)."""
     if not isinstance(section, dict):
         return section  # pydantic says what it expected
+    for key, value in section.items():  # (a path with one names no file: no OS call takes it)
+        if isinstance(value, str) and "\0" in value:
+            raise ConfigError(f"data.{str(key)[:40]}: a NUL character (\\0) names no file or "
+                              "setting")  # fmt: skip
     source = section.get("source")
     typo = difflib.get_close_matches("source", [str(k) for k in section], n=1)
     if source is None and "source" not in section and typo:  # `sorce: digits`

@@ -265,22 +265,22 @@ def network_of(target: str, num_classes: int | None = None, weights_note: bool =
 
 
 def _run_classes(target: str) -> int | None:
-    """The class count a run file's data gives its network, as training builds it (None for a
-    network file, or data whose classes only a scan would tell); data that cannot be read
-    here (a folder on another machine) is said in a note, and the network's own count kept."""
-    from cnnkit.config import load_run
+    """The class count a run file's `data:` gives its network, as training builds it (None for
+    a network file, or data whose classes only a scan would tell); data that cannot be read
+    here (a folder on another machine) is said in a note, and the network's own count kept.
+    The run's other sections are not read here (the network's errors are build_model's)."""
+    from cnnkit.data import data_config
     from cnnkit.nn.yamlio import read_yaml
-    from cnnkit.zoo import RUNS
+    from cnnkit.zoo import RUNS, net_path
 
-    path = Path(target)
-    if target not in RUNS and not (path.suffix.lower() in (".yaml", ".yml") and path.is_file()):
+    path = net_path(target) if target in RUNS else Path(target)
+    if path is None or path.suffix.lower() not in (".yaml", ".yml") or not path.is_file():
         return None
-    if target not in RUNS:
-        data = read_yaml(path)
-        if not isinstance(data, dict) or "data" not in data:
-            return None
+    raw = read_yaml(path)
+    if not isinstance(raw, dict) or "model" not in raw or "data" not in raw:
+        return None
     try:
-        names = load_run(target).data.class_names()
+        names = data_config(raw["data"]).class_names()
         why = "no class folders" if names == [] else "a scan of its images would tell them"
     except (ConfigError, DataError) as e:
         names, why = None, one_line(e)

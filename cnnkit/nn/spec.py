@@ -353,4 +353,7 @@ def _read_yaml_or_zoo(spec: str) -> tuple[Any, str]:
             raise ConfigError(f"{brief(spec, 80)} is neither a zoo network ('cnnkit zoo' lists "
                               f"them) nor a file{suggest(spec, zoo_names())}")  # fmt: skip
         path = zoo_file
+    if path.suffix.lower() == ".prototxt":  # (info and show read one: not a run file's model)
+        raise ConfigError(f"{spec[:200]}: a Caffe prototxt: `cnnkit import-caffe "
+                          f"{spec[:200]} -o NET.yaml` makes a network file of it")  # fmt: skip
     return read_yaml(path), str(path)
