@@ -187,16 +187,22 @@ def test_zen4s_avx512_counts_at_half_the_rate_of_512_bit_units():
 def test_a_cpus_peak_matmul_is_sized_to_what_its_units_do_in_time(monkeypatch, probe_s, side):
     """bf16 on a CPU without bf16 units (AVX2 only: 1 GFLOP/s) took a minute a call at 2048,
     whatever --max-seconds said: the side is the largest whose call takes ~0.25 s, from one
-    timed call at 256 (here, calls that take probe_s x (n / 256)^3)."""
-    import time
+    timed call at 256 (here, calls that take probe_s x (n / 256)^3 on a clock of the test's
+    own: a sleep of 0.2 ms ran past 0.49 ms on a loaded machine, and the test failed)."""
+    import types
 
     from cnnkit.bench import peak
 
+    clock = [0.0]
+
     def slow(device, precision, n):
-        return peak.Kernel(f"matmul {n}", precision, 2.0 * n**3,
-                           lambda _: time.sleep(probe_s * (n / 256) ** 3))  # fmt: skip
+        def run(_):
+            clock[0] += probe_s * (n / 256) ** 3
+
+        return peak.Kernel(f"matmul {n}", precision, 2.0 * n**3, run)
 
     monkeypatch.setattr(peak, "_matmul", slow)
+    monkeypatch.setattr(peak, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     assert peak._matmul_side(CPU, "bf16", 2048) == side
     assert peak._matmul_side(CPU, "bf16", 512) == min(side, 512)  # quick: 512 at most
 
