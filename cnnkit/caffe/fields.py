@@ -183,3 +183,9 @@ def _scaled_filler(here: str, block: Message, kind: str) -> Any:
         return {"xavier_uniform": 1.0} if kind == "xavier" else {"xavier_normal": math.sqrt(2.0)}
     name, gain = ("kaiming_uniform", "linear") if kind == "xavier" else ("kaiming_normal", "relu")
     return {name: {"mode": mode, "nonlinearity": gain}}
+
+
+def put(spec: dict[str, Any], key: str, value: Any, default: Any) -> None:
+    """`spec[key] = value` unless it is Caffe's default (the network file leaves it out)."""
+    if value != default:
+        spec[key] = value

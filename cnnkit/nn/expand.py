@@ -10,15 +10,20 @@ bounded by MAX_ENTRIES as the layers made are by MAX_LAYERS.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from cnnkit.errors import ConfigError, brief, suggest, validation_message
-from cnnkit.nn.expr import ExprError, evaluate, is_expression, reads
+from cnnkit.nn.expr import (
+    ExprError,
+    division_hint,
+    evaluate,
+    is_expression,
+    reads,
+    with_dollars,
+)
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layer_line import (
     check_own_init,
@@ -147,7 +152,7 @@ class Expander:
                 label, kind, {**fields, "name": scope.prefix + short, "inputs": names}
             )
         except ConfigError as e:
-            raise ConfigError(f"{e}{_division_hint(str(e), label, written, fields)}") from None
+            raise ConfigError(f"{e}{division_hint(str(e), label, written, fields)}") from None
         check_own_init(label, raw, layer)
         if isinstance(layer, Linear) and layer.out_features is None and self.net.num_classes:
             layer, head = layer.model_copy(update={"out_features": self.net.num_classes}), True
@@ -333,7 +338,7 @@ class Expander:
         if not isinstance(value, bool):
             hint = ""
             if isinstance(condition, str) and not is_expression(condition):
-                meant = _with_dollars(condition, env)
+                meant = with_dollars(condition, env)
                 hint = (f" (parameters are read with $: {brief(meant)})" if meant != condition
                         else " (a condition is true, false or an expression of $parameters)")  # fmt: skip
             raise ConfigError(f"{label}: if: must be true or false, got {brief(value)}{hint}")
@@ -378,29 +383,6 @@ class Expander:
                     f"{label}: inputs: unknown layer {brief(ref)}{suggest(ref, pool)}"
                 )
         return out
-
-
-def _division_hint(message: str, label: str, written: dict[str, Any],
-                   values: dict[str, Any]) -> str:  # fmt: skip
-    """Where a field refused as no whole number is a real one an expression gave (`$c / 2`,
-    or `$w` of a parameter `$c / 2` made): / divides to a real number, // to a whole one."""
-    for key, text in written.items():
-        pairs = [("", text, values.get(key))]
-        if isinstance(text, list) and isinstance(values.get(key), list):  # (points.0: ...)
-            pairs = [
-                (f".{i}", t, v) for i, (t, v) in enumerate(zip(text, values[key], strict=True))
-            ]
-        for index, part, value in pairs:
-            real = isinstance(value, float) and math.isfinite(value)
-            if is_expression(part) and real and message.startswith(f"{label}: {key}{index}:"):
-                return (f" ({brief(part)} is {value!r}, a real number: // divides to a whole one, "
-                        "/ to a real one)")  # fmt: skip
-    return ""
-
-
-def _with_dollars(text: str, params: dict[str, Any]) -> str:
-    """`text` with each word that names a parameter read as one: `s == 2` -> `$s == 2`."""
-    return re.sub(r"\b[A-Za-z_]\w*\b", lambda m: f"${m[0]}" if m[0] in params else m[0], text)
 
 
 def parse_spec(model: dict[str, Any], num_classes: int | None = None) -> tuple[NetSpec, list, int]:

@@ -6,6 +6,7 @@ Python, no calls, no code).
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections.abc import Collection
@@ -228,3 +229,26 @@ def _arith(op: str, left: Any, right: Any) -> int | float:
     if isinstance(result, int) and result.bit_length() > MAX_BITS:
         raise ExprError(f"{op!r}: the result is too large (over {MAX_BITS} bits)")
     return result
+
+
+def division_hint(message: str, label: str, written: dict[str, Any],
+                   values: dict[str, Any]) -> str:  # fmt: skip
+    """Where a field refused as no whole number is a real one an expression gave (`$c / 2`,
+    or `$w` of a parameter `$c / 2` made): / divides to a real number, // to a whole one."""
+    for key, text in written.items():
+        pairs = [("", text, values.get(key))]
+        if isinstance(text, list) and isinstance(values.get(key), list):  # (points.0: ...)
+            pairs = [
+                (f".{i}", t, v) for i, (t, v) in enumerate(zip(text, values[key], strict=True))
+            ]
+        for index, part, value in pairs:
+            real = isinstance(value, float) and math.isfinite(value)
+            if is_expression(part) and real and message.startswith(f"{label}: {key}{index}:"):
+                return (f" ({brief(part)} is {value!r}, a real number: // divides to a whole one, "
+                        "/ to a real one)")  # fmt: skip
+    return ""
+
+
+def with_dollars(text: str, params: dict[str, Any]) -> str:
+    """`text` with each word that names a parameter read as one: `s == 2` -> `$s == 2`."""
+    return re.sub(r"\b[A-Za-z_]\w*\b", lambda m: f"${m[0]}" if m[0] in params else m[0], text)
