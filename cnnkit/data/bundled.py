@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -28,6 +28,8 @@ from cnnkit.errors import DataError
 
 class BundledConfig(DataConfigBase):
     """Fields shared by the bundled sets: split and batched device-side augmentation."""
+
+    classes: ClassVar[tuple[str, ...]]  # the set's class names, by label
 
     val_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="held-out share (stratified)")
     split_seed: int = Field(0, ge=0, description="fixes the held-out split (not the run seed)")
@@ -85,7 +87,7 @@ class BundledConfig(DataConfigBase):
                           holdout=drawn)  # fmt: skip
 
     def class_names(self) -> list[str]:
-        return self.load()[2]
+        return list(self.classes)
 
     def extra_training(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Images added to the training split only (none here; faces adds mined negatives)."""
@@ -96,12 +98,13 @@ class DigitsConfig(BundledConfig):
     """scikit-learn's handwritten digits: 1,797 grey 8x8 images, 10 classes (0-16 -> 0-255)."""
 
     source: Literal["digits"] = "digits"
+    classes: ClassVar[tuple[str, ...]] = tuple(str(d) for d in range(10))
     batch_size: int = Field(64, gt=0, description="global batch")
 
     def load(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
         pixels, target = _digits()
         images = np.rint(pixels.reshape(-1, 8, 8) * (255.0 / 16.0)).astype(np.uint8)
-        return images, target, [str(d) for d in range(10)]
+        return images, target, list(self.classes)
 
 
 def _digits() -> tuple[np.ndarray, np.ndarray]:
@@ -128,6 +131,7 @@ class FacesConfig(BundledConfig):
     """scikit-image's LFW subset: 100 faces + 100 non-face patches, grey 25x25."""
 
     source: Literal["faces"] = "faces"
+    classes: ClassVar[tuple[str, ...]] = ("non-face", "face")  # labels 0 and 1
     batch_size: int = Field(32, gt=0, description="global batch")
     val_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="held-out share (stratified)")
     padding: Literal["zeros", "border"] = Field("border", description="fill outside the image")
@@ -160,7 +164,7 @@ class FacesConfig(BundledConfig):
             raise DataError(f"faces: cannot load skimage.data.lfw_subset(): {e}") from None
         images = np.rint(patches * 255.0).astype(np.uint8)
         labels = np.array([1] * 100 + [0] * 100)
-        return images, labels, ["non-face", "face"]
+        return images, labels, list(self.classes)
 
 
 # scikit-image pictures that hold no human face (checked by eye); astronaut is the test image
