@@ -17,7 +17,7 @@ from cnnkit.data.batch import BatchJob
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
 from cnnkit.data.regions import load_region, open_image, region_factor
-from cnnkit.data.resize import box_region, resize_uint8
+from cnnkit.data.resize import box_region, planar, resize_crop, resize_uint8
 from cnnkit.data.sampling import EpochBatchSampler, JobSampler, batch_generator
 from cnnkit.data.slots import SlotRing
 
@@ -59,6 +59,32 @@ def test_same_size_box_is_an_exact_crop(tmp_path):
     got = load_box(path, 32, "squash", (5, 7, 24, 24), 24, True)
     ref = np.asarray(Image.open(path)).transpose(2, 0, 1)[:, 5:29, 7:31][..., ::-1]
     np.testing.assert_array_equal(got.numpy(), ref)
+
+
+@pytest.mark.parametrize("flip", [False, True])
+@pytest.mark.parametrize("layout", ["hwc view", "channels-last", "planar slice"])
+def test_planar_copies_any_layout_as_torch_does(layout, flip):
+    hwc = torch.from_numpy(photo(40, 52, seed=5))
+    image = {"hwc view": hwc.permute(2, 0, 1),
+             "channels-last": hwc.permute(2, 0, 1)[None].contiguous(
+                 memory_format=torch.channels_last)[0],
+             "planar slice": hwc.permute(2, 0, 1).contiguous()[:, 3:30, 5:41]}[layout]  # fmt: skip
+    want = (image.flip(-1) if flip else image).contiguous()
+    got = planar(image, flip=flip)
+    assert got.is_contiguous() and torch.equal(got, want)
+    slots = torch.zeros(3, *image.shape, dtype=torch.uint8)
+    assert planar(image, slots[1], flip).data_ptr() == slots[1].data_ptr()
+    assert torch.equal(slots[1], want) and not slots[0].any() and not slots[2].any()
+
+
+def test_resize_crop_into_a_slot_equals_torchs_resize():
+    region = torch.from_numpy(photo(90, 120, seed=6)).permute(2, 0, 1)[:, 5:80, 10:100]
+    want = F.interpolate(region[None].contiguous(), size=(48, 48), mode="bilinear",
+                         antialias=True)[0]  # fmt: skip
+    slot = torch.empty(3, 48, 48, dtype=torch.uint8)
+    assert torch.equal(resize_crop(region, 48, False, slot), want)
+    assert torch.equal(slot, want)
+    assert torch.equal(resize_crop(region, 48, True), want.flip(-1))
 
 
 def test_box_region_maps_to_the_source():

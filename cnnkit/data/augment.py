@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cnnkit.data.resize import resize_crop
 from cnnkit.runtime import torch_threads
 
 # ImageNet RGB principal components (0-1 pixel units) used by AlexNet re-implementations
@@ -331,8 +332,7 @@ class CropAugment:
                 mean[:, top : top + s, left : left + s] if mean.shape[-1] > 1 else mean
             ).numpy()
         top, left, h, w = place
-        box = img[None, :, top : top + h, left : left + w]  # antialiased uint8 resize
-        src = F.interpolate(box, size=(s, s), mode="bilinear", antialias=True)[0].numpy()
+        src = resize_crop(img[:, top : top + h, left : left + w], s, False).numpy()
         if mean.shape[-1] > 1:
             mean = F.interpolate(mean[None, :, top : top + h, left : left + w], size=(s, s),
                                  mode="bilinear", antialias=True)[0]  # fmt: skip

@@ -80,9 +80,9 @@ class FolderImages(Dataset):
             try:  # odd images are converted
                 if cut is None:
                     image, _, source = load_resized(path, self.size, self.resize_mode)
+                    x[len(kept)].copy_(image)
                 else:
-                    image, source = cut(k)
-                x[len(kept)].copy_(image)
+                    source = cut(k, x[len(kept)])
             except BadImage as e:
                 bad.append((str(path), str(e)))
                 continue
@@ -94,8 +94,9 @@ class FolderImages(Dataset):
         return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad,
                            sources=self._sources(sources))  # fmt: skip
 
-    def _crops(self, paths: list[Path], c: Crops) -> Callable[[int], tuple]:
-        """Image k's crop and size, for k in the batch. The boxes of photos squashed whole are
+    def _crops(self, paths: list[Path], c: Crops) -> Callable[[int, torch.Tensor], tuple]:
+        """A function that writes image k's crop into `out` and returns the image's size, for k
+        in the batch. The boxes of photos squashed whole are
         drawn on the photos, all at once as the main process draws them: every file's size is
         read from its header first (one file's bytes in memory at a time)."""
         sizes: list[tuple[int, int] | None] = [None] * len(paths)
@@ -109,14 +110,14 @@ class FolderImages(Dataset):
             shapes = torch.tensor([s or (1, 1) for s in sizes])
             on_photos = c.on_sources(shapes)
 
-        def cut(k: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        def cut(k: int, out: torch.Tensor) -> tuple[int, int]:
             image = open_image(paths[k])
             if on_photos is None:
                 box = c.boxes[k].tolist()
                 if smaller_than(image.shape, self.size, self.resize_mode):
                     flip = bool(c.flip[k])
-                    crop = load_square_box(image, box, self.size, self.resize_mode, c.side, flip)
-                    return crop, image.shape
+                    load_square_box(image, box, self.size, self.resize_mode, c.side, flip, out)
+                    return image.shape
                 region = box_region(image.shape, box, self.size, self.resize_mode)
             else:
                 box = on_photos[k]
@@ -124,7 +125,8 @@ class FolderImages(Dataset):
                     box = rrc_boxes(c.draws[k : k + 1], *image.shape, c.ratio)[0]
                 top, left, h, w = box.tolist()
                 region = (top, left, top + h, left + w)
-            return load_region(image, region, c.side, bool(c.flip[k])), image.shape
+            load_region(image, region, c.side, bool(c.flip[k]), out)
+            return image.shape
 
         return cut
 

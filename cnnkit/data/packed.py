@@ -28,7 +28,7 @@ from cnnkit.data.decode import BadImage, decode_jpeg_bytes
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
 from cnnkit.data.packfiles import RESIZE_FLAG, read_index, read_meta
-from cnnkit.data.resize import resize_crop
+from cnnkit.data.resize import planar, resize_crop
 from cnnkit.data.scan import unknown_classes
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError, one_line
@@ -150,11 +150,11 @@ class PackedImages(Dataset):
                 if c is None and self.direct:
                     slot.view(-1).copy_(torch.from_numpy(self._record(i)))
                 elif c is None:
-                    slot.copy_(self._image(i))
+                    planar(self._image(i), slot)
                 else:
                     top, left, h, w = boxes[k].tolist()
                     region = self._image(i)[:, top : top + h, left : left + w]
-                    slot.copy_(resize_crop(region, c.side, bool(c.flip[k])))
+                    resize_crop(region, c.side, bool(c.flip[k]), slot)
             except BadImage as e:
                 bad.append((f"{self.name(i)} (packed from {self.source(i)})", str(e)))
                 continue

@@ -59,7 +59,7 @@ def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash", fact
     y0, y1 = top // factor, -(-(top + side_h) // factor)
     x0, x1 = left // factor, -(-(left + side_w) // factor)
     x = torch.from_numpy(image[y0:y1, x0:x1]).permute(2, 0, 1).unsqueeze(0)  # channels-last
-    return resize_region(x, (side_h / factor, side_w / factor), (size, size))[0].contiguous()
+    return planar(resize_region(x, (side_h / factor, side_w / factor), (size, size))[0])
 
 
 def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int,
@@ -76,9 +76,10 @@ def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int
     return oy + y0, ox + x0, oy + y1, ox + x1
 
 
-def resize_crop(region: torch.Tensor, crop: int, flip: bool) -> torch.Tensor:
+def resize_crop(region: torch.Tensor, crop: int, flip: bool,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """(3, h, w) uint8, any memory layout -> (3, crop, crop) by antialiased bilinear resizing,
-    mirrored if flip (torch's flip: a copy 7x faster than numpy's of a reversed view).
+    mirrored if flip, written into `out` when given (see planar).
 
     The region is first copied channels-last and contiguous: torch's uint8 kernel then takes
     its vectorised RGB path, and copy plus resize cost 25-50% less than resizing a planar
@@ -87,4 +88,22 @@ def resize_crop(region: torch.Tensor, crop: int, flip: bool) -> torch.Tensor:
     if x.shape[-2:] != (crop, crop):
         x = x.contiguous(memory_format=torch.channels_last)
         x = F.interpolate(x, size=(crop, crop), mode="bilinear", antialias=True)
-    return x[0].flip(-1) if flip else x[0]
+    return planar(x[0], out, flip)
+
+
+def planar(image: torch.Tensor, out: torch.Tensor | None = None,
+           flip: bool = False) -> torch.Tensor:  # fmt: skip
+    """A (C, H, W) uint8 CPU image of any strides (a channels-last resize's output, a view of
+    a decoded (H, W, C) array) as contiguous (C, H, W), written into `out` when given,
+    mirrored if flip.
+
+    numpy's strided copy: channels-last to planar uint8 runs 3.5x faster than torch's copy_
+    (0.07 against 0.24 ms at 227 x 227 on a Zen 3 core), and a mirror is only a view of it
+    (torch's flip is a copy of its own)."""
+    src = image.numpy()
+    if flip:
+        src = src[..., ::-1]
+    if out is None:
+        return torch.from_numpy(np.ascontiguousarray(src))
+    np.copyto(out.numpy(), src)
+    return out
