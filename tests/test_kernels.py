@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from cnnkit.config import TrainConfig
-from cnnkit.nn import Network, tuning
+from cnnkit.nn import Network, kernel_plan, tuning
 from cnnkit.nn.kernels import Conv2d, NnpackConv, nnpack_ready, options, set_kernel, set_kernels
 from cnnkit.nn.modules import FlatLinear
 from cnnkit.nn.onednn import freeze, onednn_ready
-from cnnkit.train import kernel_plan
 from cnnkit.train import settings as settings_module
 from cnnkit.train.engine import build_engine, train_step
 from cnnkit.train.settings import Settings
@@ -205,7 +204,7 @@ def test_a_first_layer_without_weights_is_timed_forward_only():
 def test_each_layer_is_timed_with_its_input_in_the_format_the_layer_before_leaves(monkeypatch):
     seen = []
 
-    def fake(module, x, grad_input=True):
+    def fake(module, x, grad_input=True, forward_only=False):
         seen.append((x.is_contiguous(memory_format=torch.channels_last), grad_input))
         return "nhwc" if len(seen) == 1 else options(module)[0]
 
@@ -216,6 +215,30 @@ def test_each_layer_is_timed_with_its_input_in_the_format_the_layer_before_leave
     assert list(plan) == ["c1", "c2", "pool", "c3", linear]  # in the order they run
     # c1 gets the batch (NCHW, no gradient); c2 gets c1's NHWC output; after c2 (NCHW), NCHW
     assert seen == [(False, False), (True, True), (False, True), (False, True), (False, True)]
+
+
+def test_an_inference_plan_times_forward_passes_of_frozen_layers_in_inference_mode(monkeypatch):
+    """Classification's kernel per layer: each kernel's forward alone, in inference mode (no
+    gradient, no backward), on a frozen copy (oneDNN's packed linear weight), in the order the
+    layers run; the plan's layers still compute what the plain ones do."""
+    calls = []
+    real = kernel_plan._time_forward
+
+    def spy(module, x):
+        took, out = real(module, x)
+        calls.append((out[0].is_inference(), x.requires_grad, module.training))
+        return took, out
+
+    monkeypatch.setattr(kernel_plan, "_time_forward", spy)
+    monkeypatch.setattr(kernel_plan, "_time_once", lambda *a: pytest.fail("a backward timed"))
+    net = Network(SPEC).eval()
+    x = torch.randn(4, 3, 20, 20)
+    plan = kernel_plan.plan_kernels(net, x, threads=1, forward_only=True)
+    assert calls and all(c == (True, False, False) for c in calls)
+    assert set(plan) <= {"c1", "c2", "pool", "c3", net.table[-1].name}
+    planned = set_kernels(copy.deepcopy(net), plan)
+    with torch.inference_mode():
+        torch.testing.assert_close(planned(x), net(x), rtol=1e-4, atol=1e-5)
 
 
 @needs_onednn

@@ -190,8 +190,9 @@ def test_a_compiled_run_has_settings_of_its_own():
 
 def test_inference_kernels_are_timed_forward_only_once_then_cached(tmp_path, monkeypatch):
     """Classification's kernels: NCHW / channels_last x the linear layers' products (F.linear's,
-    its transpose, oneDNN's where torch has it), forward passes timed in inference mode at the
-    batch (up to INFER_BATCH), the answer cached apart from the training settings."""
+    its transpose, oneDNN's where torch has it), and the kernel per layer the layers' own
+    timings pick, forward passes timed in inference mode at the batch (up to INFER_BATCH), the
+    answer cached apart from the training settings."""
     from cnnkit.nn.kernels import options
     from cnnkit.nn.tuning import INFER_BATCH, choose_inference_kernels
 
@@ -203,12 +204,24 @@ def test_inference_kernels_are_timed_forward_only_once_then_cached(tmp_path, mon
         timed.append((self.batch, self.forward_only, candidate[1], candidate[3]))
         return real(self, candidate)
 
+    layer_plans = []
+    real_plan = tuning.plan_kernels
+
+    def plan_spy(network, x, threads, forward_only=False):
+        assert forward_only and len(x) == INFER_BATCH
+        layer_plans.append(tuple(real_plan(network, x, threads, forward_only).items()))
+        return dict(layer_plans[-1])
+
     monkeypatch.setattr(tuning.CandidateTimer, "_call", spy)
+    monkeypatch.setattr(tuning, "plan_kernels", plan_spy)
     first = choose_inference_kernels(net, CPU, 500, cache=cache)
     assert {t[0] for t in timed} == {INFER_BATCH} and all(t[1] for t in timed)
     plans = [(), *((("fc3", p), ("output", p)) for p in options(net.fc3)[1:])]
     assert len(plans) == (3 if onednn_ready() else 2)
-    assert {(t[2], t[3]) for t in timed} == {(cl, p) for cl in (False, True) for p in plans}
+    grid = {(cl, p) for cl in (False, True) for p in plans}
+    (per_layer,) = layer_plans  # measured once; a candidate unless it is the plain network
+    assert {(t[2], t[3]) for t in timed} == grid | ({(False, per_layer)} if per_layer else set())
+    plans.append(per_layer)
     measured = len(timed)
     assert choose_inference_kernels(net, CPU, 500, cache=cache) == first and len(timed) == measured
     entry = next(iter(json.loads(cache.read_text()).values()))

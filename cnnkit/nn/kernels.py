@@ -1,7 +1,7 @@
 """Per-layer CPU kernels: a convolution or pooling layer may run in a memory format of its own
 (NCHW or NHWC), a stride-1 convolution may run on NNPACK, whose Winograd and FFT convolutions
 take fewer multiplies than oneDNN's direct ones, and a flattening linear layer may run as
-(W x^T)^T or on oneDNN instead of the BLAS (train/kernel_plan.py and nn/tuning.py measure which
+(W x^T)^T or on oneDNN instead of the BLAS (nn/kernel_plan.py and nn/tuning.py measure which
 is fastest). The first kernel of each layer's options is the plain one. The network's
 parameters and state_dict are unchanged.
 

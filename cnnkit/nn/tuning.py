@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from cnnkit.nn import Network
+from cnnkit.nn.kernel_plan import plan_kernels
 from cnnkit.nn.kernels import FORMATS, options, set_kernels
 from cnnkit.nn.onednn import freeze
 from cnnkit.runtime import machine_name, torch_threads
@@ -29,7 +30,7 @@ MARGIN = 1.03  # a choice other than the plain one must be this much faster to b
 BUDGET_S = 2.0  # timing rounds stop after this (at least MIN_ROUNDS)
 MIN_ROUNDS, MAX_ROUNDS = 2, 5
 INFER_BATCH = 16  # the largest batch inference kernels are timed at
-INFER_METHOD = 3  # how they are measured (3: formats x linear products, oneDNN's among them)
+INFER_METHOD = 4  # how they are measured (4: formats x linear products, and a kernel per layer)
 Plan = tuple[tuple[str, str], ...]  # (layer name, kernel) pairs; () for none
 Candidate = tuple[str, bool, int, Plan]  # precision, channels_last, threads, kernels
 
@@ -135,13 +136,20 @@ def valid_plan(network: Network, plan: Any) -> bool:
 
 
 def _measure_inference(network: Network, device: torch.device, batch: int) -> dict[str, Any]:
+    """Whole forward passes, interleaved: NCHW and channels_last, each with every linear
+    product, and the kernel per layer that timing the layers alone picks (NNPACK's Winograd for
+    one convolution, NHWC for the next...)."""
     threads = torch.get_num_threads()
     linear = [n for n, m in network.named_modules() if "wxt" in options(m)]
     products = options(network.get_submodule(linear[0]))[1:] if linear else ()  # not the plain
     plans = [(), *(tuple((n, p) for n in linear) for p in products)]
     grid = [("fp32", cl, threads, plan) for cl in (False, True) for plan in plans]
     with torch.random.fork_rng(devices=[]):
-        times = CandidateTimer(network, device, batch, exact=True, forward_only=True).run(grid)
+        timer = CandidateTimer(network, device, batch, exact=True, forward_only=True)
+        layers = plan_kernels(network, timer.x, threads, forward_only=True)
+        if layers:  # each layer's input in the format its kernel leaves: the batch comes NCHW
+            grid.append(("fp32", False, threads, tuple(layers.items())))
+        times = timer.run(grid)
     plain, best = grid[0], min(grid, key=times.get)
     chosen = best if times[best] * MARGIN < times[plain] else plain
     return {"precision": "fp32", "channels_last": chosen[1], "threads": threads,

@@ -7,7 +7,7 @@ with the kernel plan), the fastest wins (reduced precision only when it is clear
 since fp32 keeps the most accuracy), and the choice is cached per machine, torch version,
 network and batch in ~/.cache/cnnkit, so the next run reuses it.
 Where fp32 on the CPU wins and the memory format is left on auto, each convolution and pooling
-layer then gets its own fastest kernel (NCHW, NHWC or NNPACK: train/kernel_plan.py), kept if the
+layer then gets its own fastest kernel (NCHW, NHWC or NNPACK: nn/kernel_plan.py), kept if the
 whole step runs faster with them. The timer and the cache are cnnkit/nn/tuning.py's. Explicit settings always win; `train.calibrate: false` or
 `deterministic: true` falls back to the static rules (a timing-dependent choice would make a run
 unrepeatable).
@@ -27,6 +27,7 @@ import torch
 from cnnkit.config import TrainConfig
 from cnnkit.errors import ConfigError, plural
 from cnnkit.nn import Network
+from cnnkit.nn.kernel_plan import plan_kernels
 from cnnkit.nn.tuning import (
     MARGIN,
     MIN_ROUNDS,
@@ -41,7 +42,6 @@ from cnnkit.nn.tuning import (
     write_cache,
 )
 from cnnkit.runtime import available_cores
-from cnnkit.train.kernel_plan import plan_kernels
 
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
