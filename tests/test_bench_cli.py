@@ -204,3 +204,69 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
     assert " ".join(report["settings"].split()) in table and " thread" in report["settings"]
     assert [layer["name"] for layer in report["layers"]][-1] == "loss"
     assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
+
+
+BN_ON_VECTORS = {"name": "bn2", "input": [3, 16, 16], "num_classes": 3, "layers": [
+    {"name": "c1", "type": "conv", "out_channels": 8, "kernel_size": 3},
+    {"name": "pool", "type": "adaptive_avgpool", "output_size": 1},
+    {"name": "bn", "type": "batchnorm"}, {"type": "flatten"}, {"name": "fc", "type": "linear"},
+]}  # fmt: skip
+
+
+def test_a_batchnorm_on_one_value_per_channel_is_benched_or_refused_in_one_line(tmp_path, capsys):
+    """A BatchNorm over 1 x 1 maps: the peak's look at the convolutions runs it in eval mode
+    (it crashed at any --batch); a training batch of 1 is refused as `cnnkit train` refuses it."""
+    net = tmp_path / "bn2.yaml"
+    net.write_text(yaml.safe_dump({"model": BN_ON_VECTORS}))
+    for command in ("infer", "train"):
+        args = ["bench", command, str(net), "--batch", "2", "--repeats", "1", "--quick"]
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
+    for command in ("train", "layers"):
+        code, _, err = run_cli(["bench", command, str(net), "--batch", "1"], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("cnnkit: error: --batch: micro-batches of 1 image(s), and "
+                              "BatchNorm layer bn (8x1x1) needs at least 2 values per channel")  # fmt: skip
+
+
+def test_a_run_files_mistakes_are_its_one_line_and_its_data_sizes_the_head(tmp_path, capsys):
+    """bench reads a run file as `cnnkit train` does: a mistyped field is refused (it was
+    dropped, and the run's batch with it), and the head has the data's classes (info's)."""
+    run = tmp_path / "r.yaml"
+    run.write_text(yaml.safe_dump({"name": "m", "model": "lenet5",
+                                   "data": {"source": "synthetic", "batch_size": 8},
+                                   "train": {"epochs": 1, "precison": "fp32"}}))  # fmt: skip
+    code, _, err = run_cli(["bench", "train", str(run), "--repeats", "1", "--quick"], capsys)
+    assert (code, err) == (2, "cnnkit: error: train.precison: unknown field (did you mean "
+                              "'precision'?)\n")  # fmt: skip
+    run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "synthetic",
+                                                            "num_classes": 5, "batch_size": 16,
+                                                            "shape": [1, 8, 8]}}))  # fmt: skip
+    code, out, err = run_cli(["bench", "layers", str(run), "--repeats", "1", "--json"], capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and report["batch"] == 16, err
+    from cnnkit.cli.bench import _network_of
+
+    assert _network_of(str(run), None) == (str(run), 5)  # the data's, not the file's 3
+
+
+def test_bench_reads_what_info_reads_and_refuses_what_info_refuses(tmp_path, capsys, monkeypatch):
+    """A run's metrics.csv, a --num-classes that sizes no layer and runs/NAME for a dated run
+    are each info's one line (bench built the zoo's run, or timed without a word)."""
+    (tmp_path / "run" / "x").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.csv").write_text("epoch,train_loss\n")
+    code, _, err = run_cli(["bench", "layers", str(tmp_path / "run" / "metrics.csv")], capsys)
+    assert code == 1 and "a CSV file, not a checkpoint or network: give " in err
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(yaml.safe_dump({"model": {"input": [4], "layers": [
+        {"type": "linear", "out_features": 5}]}}))  # fmt: skip
+    for command in (["info"], ["bench", "train"]):
+        code, _, err = run_cli([*command, str(fixed), "--num-classes", "3"], capsys)
+        assert (code, err) == (2, f"cnnkit: error: --num-classes 3: no layer of {fixed} is "
+                                  "sized by num_classes (its output is 5)\n")  # fmt: skip
+    (tmp_path / "runs" / "digits-20261207-090000").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for command in (["info"], ["bench", "layers"], ["show", "net", "-o", "n.png"]):
+        code, _, err = run_cli([*command[:2], "runs/digits", *command[2:]], capsys)
+        assert code == 1 and err.endswith("(did you mean runs/digits-20261207-090000, the "
+                                          "newest dated run of that name?)\n"), (command, err)  # fmt: skip

@@ -104,6 +104,32 @@ def test_scaling_writes_json_and_png(tmp_path):
     assert "QUICK: a smoke run, not figures" in console.file.getvalue()
 
 
+def test_a_failed_write_keeps_the_last_pair_or_writes_neither(tmp_path, monkeypatch):
+    """scaling.json and scaling.png are one study: a JSON that cannot be written (a full disk)
+    leaves the last run's pair as it was, or an empty folder, never a new drawing beside it."""
+    from cnnkit.bench import scaling
+
+    entries = [Entry("tiny", "x1", TINY, 2)]
+    report = run_scaling(([CPU], "CPU only"), "fp32", quick=True, entries=entries)
+    real = scaling.write_atomic
+
+    def full(path, data, private=False):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(scaling, "write_atomic", full)
+    with pytest.raises(OSError):
+        write_outputs(report, tmp_path / "fresh")
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == []
+    monkeypatch.setattr(scaling, "write_atomic", real)
+    json_path, png_path = write_outputs(report, tmp_path / "out")
+    before = json_path.read_bytes(), png_path.read_bytes()
+    monkeypatch.setattr(scaling, "write_atomic", full)
+    with pytest.raises(OSError):
+        write_outputs({**report, "note": "another study"}, tmp_path / "out")
+    assert (json_path.read_bytes(), png_path.read_bytes()) == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["scaling.json", "scaling.png"]
+
+
 def test_cli_scaling_refuses_what_it_cannot_do_before_any_timing(capsys):
     code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "--out", "/proc"], capsys)
     assert code == 2 and not out and err.startswith("cnnkit: error: --out: cannot write in /proc")

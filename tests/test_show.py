@@ -139,6 +139,12 @@ def test_show_filters_of_a_trained_run(digits_run, tmp_path, capsys):
     assert (title < 128).any()  # the title is written above the grid
     code, _, err = run_cli(["show", "filters", str(digits_run), "-o", str(out) + ".txt"], capsys)
     assert code == 2 and "use one of" in err
+    settings = str(digits_run / "config.yaml")  # the run's settings: its learned filters lie beside
+    code, _, err = run_cli(["show", "filters", settings, "-o", str(tmp_path / "f.png")], capsys)
+    assert code == 2 and err == (f"cnnkit: error: {settings}: the settings of run {digits_run}, "
+                                 f"without its weights: give the run directory {digits_run} to "
+                                 "draw what it learned\n")  # fmt: skip
+    assert not (tmp_path / "f.png").exists()
 
 
 def test_filters_without_trained_weights_say_so(tmp_path, capsys):

@@ -31,13 +31,17 @@ def load_network(
 
 
 def check_batch(net: str | Path | dict[str, Any], batch: int, device: torch.device,
-                num_classes: int | None = None) -> None:  # fmt: skip
+                num_classes: int | None = None, training: bool = False) -> None:  # fmt: skip
     """One line before any timing when `batch` images cannot fit on `device` (not a traceback
-    from the allocator minutes later)."""
+    from the allocator minutes later), or, `training`, cannot train (a BatchNorm layer given
+    one value per channel), as `cnnkit train` says it."""
     from cnnkit.nn.memory import check_batch_fits
+    from cnnkit.train.checks import check_batchnorm
 
     model = build_model(net, num_classes=num_classes, device="meta")
     check_batch_fits(model.name, model.param_count, model.activation_count, batch, device)
+    if training:
+        check_batchnorm(model, batch, field="--batch")
 
 
 def synthetic_batch(

@@ -89,7 +89,7 @@ def conv_inputs(model: Network) -> dict[str, tuple[int, ...]]:
 
         return hook
 
-    meta = Network(model.spec, num_classes=model.num_classes, device="meta")
+    meta = Network(model.spec, num_classes=model.num_classes, device="meta").eval()
     hooks = [m.register_forward_hook(record(name)) for name, m in meta.named_modules()
              if isinstance(m, torch.nn.Conv2d)]  # fmt: skip
     with torch.no_grad():

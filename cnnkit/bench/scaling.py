@@ -19,7 +19,7 @@ from cnnkit.bench.throughput import make_infer_step, make_train_step, train_conf
 from cnnkit.bench.timing import check_precision, measure
 from cnnkit.errors import ConfigError
 from cnnkit.nn import read_spec
-from cnnkit.runtime import atomic, cannot_write, machine_name, write_atomic
+from cnnkit.runtime import atomic, cannot_write, machine_name, temporary_name, write_atomic
 
 MODES = ("train", "infer")
 
@@ -272,8 +272,13 @@ def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
     out = ensure_dir(out)
     check_replaceable(out, report.get("quick") is True)
     json_path, png_path = out / "scaling.json", out / "scaling.png"
-    plot_scaling(report, png_path)  # first: a failed drawing leaves the last run's pair whole
-    write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), private=True)
+    staged = out / temporary_name(png_path.name, private=True, kind="new")
+    try:  # the pair or neither: the drawing waits beside them until the figures are written
+        plot_scaling(report, staged)
+        write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), private=True)
+        os.replace(staged, png_path)
+    finally:
+        staged.unlink(missing_ok=True)
     return [json_path, png_path]
 
 

@@ -115,7 +115,7 @@ def layers(
     run.pop("compile")  # (per-layer times run the layers eagerly)
     batch, (net, num_classes) = run["batch"], _network_of(net, num_classes)
     _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
-    check_batch(net, batch, dev, num_classes)
+    check_batch(net, batch, dev, num_classes, training=True)
     s = settings_for(net, dev, num_classes=num_classes, **run)
     with deterministic_mode(run["deterministic"], dev), torch_threads(s.threads):
         report = bench_layers(net, batch, dev, s.precision, s.channels_last, warmup, repeats,
@@ -226,7 +226,7 @@ def _throughput(
     if threads is not None:
         _positive(threads=threads)
     dev = resolve_device(device)
-    check_batch(net, options["batch"], dev, options["num_classes"])
+    check_batch(net, options["batch"], dev, options["num_classes"], training=mode == "train")
     with deterministic_mode(options.get("deterministic", False), dev):
         report = bench_throughput(net, mode, device=dev, quick_peak=quick, threads=threads,
                                   **options)  # fmt: skip
@@ -242,7 +242,6 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
     checkpoint in one: its config.yaml), its data.batch_size and what its `train:` and
     `deterministic` set (options given here win); for a network, the options."""
     from cnnkit.config import load_run
-    from cnnkit.errors import CnnkitError
     from cnnkit.zoo import NETS
 
     chosen = {"batch": DEFAULT_BATCH if batch is None else batch, "precision": precision,
@@ -254,10 +253,9 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
     folder = path if path.is_dir() else path.parent if path.suffix in (".pt", ".pth") else None
     if folder is not None and (folder / "config.yaml").is_file():
         net = str(folder / "config.yaml")
-    try:
-        run = load_run(net)
-    except (CnnkitError, OSError):  # a network file (or one `build_model` will say is wrong)
+    if not _a_run_file(net):  # a network file: build_model says what is wrong with it
         return chosen
+    run = load_run(net)  # a run's mistakes are its one line, as `cnnkit train` says them
     train = run.train
     return {"batch": run.data.batch_size if batch is None else batch,
             "precision": train.precision if precision == "auto" else precision,
@@ -267,18 +265,38 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
             "calibrate": train.calibrate, "deterministic": run.deterministic}  # fmt: skip
 
 
-def _network_of(net: str, num_classes: int | None) -> tuple[str | dict, int | None]:
-    """(what the benchmarks build, its class count): a run directory, checkpoint, .safetensors
-    export or Caffe prototxt read as `cnnkit info` reads it, to its network's description; a
-    zoo name or a network / run file as given."""
-    from cnnkit.infer.load import network_of, run_folder
+def _a_run_file(net: str) -> bool:
+    """Whether NET is a run file (a zoo run, or YAML with a `data:` or `train:` section beside
+    its `model:`), not a network file."""
+    from cnnkit.nn.yamlio import read_yaml
+    from cnnkit.zoo import RUNS
 
+    path = Path(net)
+    if net in RUNS or path.suffix.lower() == ".pt" or path.is_dir():
+        return True
+    if path.suffix.lower() not in (".yaml", ".yml") or not path.is_file():
+        return False
+    try:
+        raw = read_yaml(path)
+    except Exception:  # noqa: BLE001 - unreadable: build_model's line says why
+        return False
+    return isinstance(raw, dict) and "model" in raw and bool({"data", "train"} & set(raw))
+
+
+def _network_of(net: str, num_classes: int | None) -> tuple[str | dict, int | None]:
+    """(what the benchmarks build, its class count), as `cnnkit info` reads NET: a run
+    directory, checkpoint, .safetensors export or Caffe prototxt to its network's description;
+    a zoo name or a network / run file as given, a run file's head sized by its data's
+    classes."""
+    from cnnkit.cli.net import network_for
+    from cnnkit.infer.load import run_folder
+
+    network = network_for(net, num_classes)
     path = Path(net)
     trained = path.suffix in (".pt", ".pth", ".safetensors") and path.is_file()
     if run_folder(path) or trained or path.suffix == ".prototxt":
-        network = network_of(net, num_classes)
         return network.spec, network.num_classes
-    return net, num_classes
+    return net, num_classes if num_classes is not None else network.num_classes
 
 
 def _say(text: str) -> None:

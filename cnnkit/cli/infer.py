@@ -229,14 +229,12 @@ def show_net(
     out: Path = typer.Option(..., "-o", "--out", help="Image file: .png, .svg or .pdf."),
 ) -> None:
     """Draw the layer graph (layered like graphviz's dot; every edge in sight; SVG text is text)."""
-    from cnnkit.checkpoint import check_not_a_record
-    from cnnkit.infer.load import network_of
+    from cnnkit.cli.net import network_for
     from cnnkit.infer.show import NET_SUFFIXES, check_suffix, draw_net
 
     _writable(out, net, example="net.png", picture=True)
     check_suffix(out, NET_SUFFIXES)
-    check_not_a_record(Path(net))  # (as info: the graph, built as info builds it, no weights)
-    network = network_of(net)
+    network = network_for(net, None)  # (as info: the graph, built as info builds it, no weights)
     draw_net(network, out)
     typer.echo(f"wrote {out}: {plural(len(network.table), 'layer')}")
 
@@ -246,9 +244,15 @@ def show_filters(
     out: Path = typer.Option(..., "-o", "--out", help="Image file (.png, .jpg, .webp, ...)."),
 ) -> None:
     """Draw the first convolution's filters as an enlarged, titled grid (the 2012 paper's fig. 3)."""
+    from cnnkit.checkpoint import run_of_settings
+    from cnnkit.errors import ConfigError
     from cnnkit.infer.load import load_for_inference
     from cnnkit.infer.show import IMAGE_SUFFIXES, check_suffix, draw_filters
 
+    run = run_of_settings(target)
+    if run is not None:  # its random initial filters, where the learned ones lie beside it
+        raise ConfigError(f"{target}: the settings of run {run}, without its weights: give the "
+                          f"run directory {run} to draw what it learned")  # fmt: skip
     _writable(out, target, example="filters.png", picture=True)
     check_suffix(out, IMAGE_SUFFIXES)
     loaded = load_for_inference(target)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -41,16 +42,22 @@ def info(
     ),
 ) -> None:
     """Print the layer table: output shape, parameters and multiply-adds per layer, then totals."""
-    from cnnkit.checkpoint import check_not_a_record
-    from cnnkit.infer.load import network_of
     from cnnkit.nn.summary import print_layer_table
     from cnnkit.tables import wide_console
 
-    check_not_a_record(Path(net))  # a run's metrics.csv: its run directory, as classify says
-    network = network_of(net, num_classes, weights_note=True)
-    if num_classes is not None and not network.heads:  # no layer is sized by it
-        from cnnkit.errors import ConfigError
+    print_layer_table(network_for(net, num_classes, weights_note=True), wide_console())
 
+
+def network_for(net: str, num_classes: int | None, weights_note: bool = False) -> Any:
+    """The network NET names, built on the meta device, as info, show net and bench read it:
+    a run's metrics.csv and a --num-classes that sizes no layer are one line each."""
+    from cnnkit.checkpoint import check_not_a_record
+    from cnnkit.errors import ConfigError
+    from cnnkit.infer.load import network_of
+
+    check_not_a_record(Path(net))  # a run's metrics.csv: its run directory, as classify says
+    network = network_of(net, num_classes, weights_note=weights_note)
+    if num_classes is not None and not network.heads:  # no layer is sized by it
         raise ConfigError(f"--num-classes {num_classes}: no layer of {net} is sized by "
                           f"num_classes (its output is {' x '.join(map(str, network.output_shape))})")  # fmt: skip
-    print_layer_table(network, wide_console())
+    return network

@@ -239,6 +239,10 @@ def network_of(target: str, num_classes: int | None = None, weights_note: bool =
     describes the network all the same)."""
     spec: Any = target
     path, network_file = Path(target), True
+    hint = "" if path.exists() or "/" not in str(target) else dated_run_hint(target)
+    if hint:  # runs/digits for runs/digits-20261130-115642: not the zoo's digits
+        raise CheckpointError(f"{target}: no such run directory, checkpoint, export or "
+                              f"network{hint}")  # fmt: skip
     if path.suffix == ".prototxt":
         from cnnkit.caffe import import_caffe
 

@@ -56,12 +56,14 @@ def check_batch(config: RunConfig, world_size: int) -> None:
                           f"images{' per process' if world_size > 1 else ''}: at most {share}")  # fmt: skip
 
 
-def check_batchnorm(network: Network, micro: int, accumulating: bool) -> None:
+def check_batchnorm(network: Network, micro: int, accumulating: bool = False,
+                    field: str | None = None) -> None:  # fmt: skip
     """ConfigError where a BatchNorm layer would see one value per channel in a training
-    micro-batch (batch 1 through a BatchNorm on vectors or 1x1 maps): torch refuses it."""
+    micro-batch (batch 1 through a BatchNorm on vectors or 1x1 maps): torch refuses it.
+    `field`: what the message blames (bench's --batch), else the run's setting."""
     for row in network.table:
         if row.type == "batchnorm" and micro * math.prod(row.output_shape[1:]) < 2:
-            field = "train.accumulate" if accumulating else "data.batch_size"
+            field = field or ("train.accumulate" if accumulating else "data.batch_size")
             raise ConfigError(f"{field}: micro-batches of {micro} image(s), and BatchNorm layer "
                               f"{row.name} ({'x'.join(map(str, row.output_shape))}) needs at "
                               "least 2 values per channel to train: use larger batches")  # fmt: skip
