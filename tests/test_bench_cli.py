@@ -270,3 +270,29 @@ def test_bench_reads_what_info_reads_and_refuses_what_info_refuses(tmp_path, cap
         code, _, err = run_cli([*command[:2], "runs/digits", *command[2:]], capsys)
         assert code == 1 and err.endswith("(did you mean runs/digits-20261207-090000, the "
                                           "newest dated run of that name?)\n"), (command, err)  # fmt: skip
+
+
+def test_bench_blames_what_was_given(tmp_path, capsys):
+    """A run's fp16 on a CPU is the run's train.precision (bench said --precision, not given);
+    threads over the cores say so as train's start line does; a network whose parameters alone
+    do not fit is refused as such, not as a --batch that none could lower."""
+    run = tmp_path / "r5.yaml"
+    run.write_text(yaml.safe_dump({"model": "lenet5", "data": {"source": "synthetic"},
+                                   "train": {"precision": "fp16"}}))  # fmt: skip
+    for command in ("train", "layers"):
+        code, _, err = run_cli(["bench", command, str(run), "--repeats", "1"], capsys)
+        assert (code, err) == (2, f"cnnkit: error: {run}: train.precision: fp16 needs a CUDA "
+                                  "device (give --precision bf16 or fp32 to time it on the "
+                                  "CPU)\n")  # fmt: skip
+    args = ["bench", "train", "lenet5", "--batch", "2", "--threads", "100000", "--repeats", "1",
+            "--quick", "--json"]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "(100000 asked; " in json.loads(out.strip().splitlines()[-1])["settings"]["describe"]
+    big = tmp_path / "big.yaml"
+    big.write_text(yaml.safe_dump({"model": {"name": "big", "input": [300000], "layers": [
+        {"type": "linear", "out_features": 300000}]}}))  # fmt: skip  # 360 GB: no machine here
+    code, _, err = run_cli(["bench", "infer", str(big), "--batch", "1"], capsys)
+    assert code == 2 and err.startswith("cnnkit: error: big does not fit here at any batch: its "
+                                        "90,000,300,000 parameters and one image's "
+                                        "activations need at least 360.0 GB but "), err  # fmt: skip

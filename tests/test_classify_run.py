@@ -163,7 +163,7 @@ def test_cli_nothing_to_classify_is_one_error(digits_run, digit_pngs, tmp_path, 
     Image.new("P", (8, 8)).save(gifs / "a.gif")
     code, out, err = run_cli(["classify", str(digits_run), str(gifs)], capsys)
     (line,) = err.splitlines()
-    assert code == 1 and "1 entries skipped" in line and "a.gif: not a supported image type" in line
+    assert code == 1 and "1 entry skipped" in line and "a.gif: not a supported image type" in line
     # beside images, files that are not images are named and skipped: no failure
     (gifs / "0.png").write_bytes(digit_pngs[0][0].read_bytes())
     code, out, err = run_cli(["classify", str(digits_run), str(gifs)], capsys)

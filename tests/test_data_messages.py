@@ -194,3 +194,42 @@ def test_bench_loader_names_its_own_flags_when_shared_memory_is_short(tmp_path, 
 
     died = "data.workers=2: a loader worker process died (x): lower data.workers or data.prefetch"
     assert as_flags(died) == "--workers 2: a loader worker process died (x): lower --workers"
+
+
+def test_a_file_where_a_folder_belongs_and_a_full_disk_are_said_of_their_paths(tmp_path, capsys,
+                                                                              monkeypatch):  # fmt: skip
+    """synth under a file (mine.svg/sub) said "mine.svg: File exists", show -o there that the
+    folder "does not exist"; a worker's full disk named no path at all; synth's counts read
+    as English (1 image of 1 class)."""
+    from cnnkit.data import synth
+
+    (tmp_path / "mine.svg").write_text("<svg/>")
+    code, _, err = run_cli(["synth", "shapes", str(tmp_path / "mine.svg" / "sub")], capsys)
+    assert (code, err) == (2, f"cnnkit: error: {tmp_path / 'mine.svg' / 'sub'}: "
+                              f"{tmp_path / 'mine.svg'} is a file, not a folder\n")  # fmt: skip
+    out = tmp_path / "mine.svg" / "x.png"
+    code, _, err = run_cli(["show", "net", "lenet5", "-o", str(out)], capsys)
+    assert (code, err) == (2, f"cnnkit: error: -o {out}: the folder {out.parent} is a file, "
+                              "not a folder\n")  # fmt: skip
+
+    def full(job):
+        raise OSError(28, "No space left on device")  # as a pool hands a worker's back
+
+    monkeypatch.setattr(synth, "_write_class", full)
+    code, _, err = run_cli(["synth", "shapes", str(tmp_path / "s"), "--per-class", "1"], capsys)
+    assert (code, err) == (1, f"cnnkit: error: {tmp_path / 's'}: No space left on device "
+                              "(nothing half-written was kept)\n")  # fmt: skip
+    monkeypatch.undo()
+    code, out, _ = run_cli(["synth", "shapes", str(tmp_path / "one"), "--classes", "1",
+                            "--per-class", "1", "--size", "16"], capsys)  # fmt: skip
+    assert code == 0 and out.startswith("wrote 1 image of 1 class to ")
+
+
+def test_a_crop_no_size_could_hold_is_said_so(tmp_path, capsys):
+    """--crop 100000 said it was larger than data.size 256, as if a size could hold it."""
+    from cnnkit.data.synth import synth_shapes
+
+    synth_shapes(tmp_path / "src", classes=2, per_class=2, size=16, workers=1)
+    code, _, err = run_cli(["bench", "loader", str(tmp_path / "src"), "--crop", "100000"], capsys)
+    assert (code, err) == (2, "cnnkit: error: --crop: 100000 is over the largest side a network "
+                              "may read (8192)\n")  # fmt: skip

@@ -221,7 +221,7 @@ def _report(model, mode, batch, device, settings: Settings, cfg, timings, block,
         "torch": torch.__version__, "batch": batch,
         "precision": settings.precision, "channels_last": settings.channels_last,
         "threads": settings.threads, "kernels": dict(settings.kernels), "compile": cfg.compile, "math": math_mode(device, settings.precision),
-        "settings": {"how": settings.how, "describe": settings.describe()},
+        "settings": {"how": settings.how, "describe": settings.describe(cfg.threads)},
         "images_per_second": images_per_second, "step_ms": step_ms, "step": _per_step(chosen, block),
         "steps_per_measurement": block,
         "flops_per_image": flops_per_image, "flops_per_second": flops_per_second,
@@ -265,7 +265,7 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
         else "each step synced"
     )
     say(f"  {r['images_per_second']:.1f} images/s steady state ({steady}); step median "
-        f"{s['median_ms']:.2f} ms  min {s['min_ms']:.2f}  max {s['max_ms']:.2f}  ({s['repeats']} repeats)")  # fmt: skip
+        f"{s['median_ms']:.2f} ms  min {s['min_ms']:.2f}  max {s['max_ms']:.2f}  ({plural(s['repeats'], 'repeat')})")  # fmt: skip
     if "synced" in r:
         say(
             f"  {r['synced']['images_per_second']:.1f} images/s one step at a time (synced each step)"

@@ -61,6 +61,10 @@ COMPILE = typer.Option(
     None, "--compile/--no-compile",
     help="torch.compile the model (default: as the run sets train.compile; a network: off).",
 )  # fmt: skip
+INFER_COMPILE = typer.Option(
+    None, "--compile/--no-compile",
+    help="torch.compile the model (default: off, as cnnkit classify runs it).",
+)  # fmt: skip
 MAX_SECONDS = typer.Option(
     120.0, "--max-seconds", min=1.0,
     help="Stop repeating after this long (at least one repeat of each timed step): keep it "
@@ -111,7 +115,7 @@ def layers(
     from cnnkit.train.run import deterministic_mode
 
     dev = resolve_device(device)
-    run = _as_the_run_sets(net, batch, precision, channels_last, threads)
+    run = _as_the_run_sets(net, batch, precision, channels_last, threads, device=dev)
     run.pop("compile")  # (per-layer times run the layers eagerly)
     batch, (net, num_classes) = run["batch"], _network_of(net, num_classes)
     _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
@@ -120,7 +124,7 @@ def layers(
     with deterministic_mode(run["deterministic"], dev), torch_threads(s.threads):
         report = bench_layers(net, batch, dev, s.precision, s.channels_last, warmup, repeats,
                               num_classes=num_classes, progress=_say, kernels=dict(s.kernels))  # fmt: skip
-    report["settings"] = s.describe()
+    report["settings"] = s.describe(run["threads"])
     print_layers(report)
     _emit(report, as_json)
 
@@ -153,7 +157,7 @@ def infer(
     device: str = DEVICE,
     precision: str = PRECISION,
     channels_last: bool = CHANNELS_LAST,
-    compile: bool = COMPILE,
+    compile: bool = INFER_COMPILE,
     repeats: int = REPEATS,
     warmup: int = WARMUP,
     num_classes: int = CLASSES,
@@ -217,7 +221,7 @@ def _throughput(
     if mode == "train":  # (infer: classification's settings, whatever the run trains with)
         options.update(_as_the_run_sets(net, options["batch"], options["precision"],
                                         options["channels_last"], threads,
-                                        options["compile"]))  # fmt: skip
+                                        options["compile"], resolve_device(device)))  # fmt: skip
         threads = options.pop("threads")
     options["compile"] = bool(options["compile"])  # infer: off unless asked
     options["batch"] = DEFAULT_BATCH if options["batch"] is None else options["batch"]
@@ -235,13 +239,14 @@ def _throughput(
 
 
 def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last: bool | None,
-                     threads: int | None, compile: bool | None = None
-                     ) -> dict[str, Any]:  # fmt: skip
+                     threads: int | None, compile: bool | None = None,
+                     device: Any = None) -> dict[str, Any]:  # fmt: skip
     """batch, precision, channels_last, threads, compile, calibrate and deterministic as
     `cnnkit train` runs NET: where NET is a run (a zoo run, a run file, a run directory or a
     checkpoint in one: its config.yaml), its data.batch_size and what its `train:` and
     `deterministic` set (options given here win); for a network, the options."""
     from cnnkit.config import load_run
+    from cnnkit.errors import ConfigError
     from cnnkit.zoo import NETS
 
     chosen = {"batch": DEFAULT_BATCH if batch is None else batch, "precision": precision,
@@ -257,6 +262,10 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
         return chosen
     run = load_run(net)  # a run's mistakes are its one line, as `cnnkit train` says them
     train = run.train
+    cuda = device is None or device.type == "cuda"
+    if precision == "auto" and train.precision == "fp16" and not cuda:  # not --precision's
+        raise ConfigError(f"{net}: train.precision: fp16 needs a CUDA device (give --precision "
+                          "bf16 or fp32 to time it on the CPU)")  # fmt: skip
     return {"batch": run.data.batch_size if batch is None else batch,
             "precision": train.precision if precision == "auto" else precision,
             "channels_last": train.channels_last if channels_last is None else channels_last,

@@ -76,9 +76,11 @@ def shapes(
 ) -> None:
     """Coloured shapes on textured backgrounds, as JPEGs in ImageNet's folder layout."""
     from cnnkit.data.synth import synth_shapes
+    from cnnkit.errors import plural
 
     names = synth_shapes(dst, classes, per_class, size, seed)
-    print(f"wrote {len(names) * per_class} images of {len(names)} classes to {dst}")
+    images, kinds = plural(len(names) * per_class, "image"), plural(len(names), "class", "classes")
+    print(f"wrote {images} of {kinds} to {dst}")
 
 
 def loader(

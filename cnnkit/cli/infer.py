@@ -96,7 +96,7 @@ def _nothing_to_classify(paths: list[str], skipped: list[tuple[str, str]]) -> st
     if not skipped:
         return f"no images to classify in {where}"
     first = f"{printable(skipped[0][0])}: {skipped[0][1]}"
-    return f"no images to classify in {where} ({len(skipped)} entries skipped; first {first})"
+    return f"no images to classify in {where} ({plural(len(skipped), 'entry', 'entries')} skipped; first {first})"
 
 
 def export(
@@ -311,7 +311,7 @@ def detect(
         typer.echo(json.dumps(d) if as_json else text)
     if out is not None:
         draw_boxes(picture, boxes, out)
-        typer.echo(f"wrote {out}: {len(boxes)} boxes", err=as_json)
+        typer.echo(f"wrote {out}: {plural(len(boxes), 'box', 'boxes')}", err=as_json)
 
 
 def _writable(out: Path | None, *inputs: str | Path | None, example: str,
@@ -349,7 +349,8 @@ def _writable(out: Path | None, *inputs: str | Path | None, example: str,
             raise ConfigError(f"-o {out}: exists, and is not a picture cnnkit drew (the only "
                               "file a drawing replaces): give a new name")  # fmt: skip
     if out is not None and not out.parent.is_dir():
-        raise ConfigError(f"-o {out}: the folder {out.parent} does not exist")
+        what = "is a file, not a folder" if out.parent.exists() else "does not exist"
+        raise ConfigError(f"-o {out}: the folder {out.parent} {what}")
     if out is not None:  # before any work
         from cnnkit.runtime import cannot_write
 

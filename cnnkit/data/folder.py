@@ -242,6 +242,9 @@ class FolderConfig(ImageSetConfig):
         """Scan the folders and make this rank's streams."""
         if self.normalize == "mean_image" and self._mean_image is None:  # see evaluated_as
             raise ConfigError("data.normalize: mean_image needs a packed set (cnnkit pack)")
+        if self.crop > MAX_SIDE:  # (no data.size could hold it: not one to suggest)
+            raise ConfigError(f"data.crop: {self.crop} is over the largest side a network may "
+                              f"read ({MAX_SIDE})")  # fmt: skip
         if self.crop > self.size:
             raise ConfigError(f"data.crop: {self.crop} is larger than data.size {self.size}")
         root = Path(self.path)

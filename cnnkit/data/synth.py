@@ -132,6 +132,9 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
         what = "not empty" if final.is_dir() else "exists and is not a folder"
         raise ConfigError(f"{dst}: {what} (synth writes a new set: give a new folder)")
     names = class_names(classes)
+    blocker = next((p for p in final.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # (mkdir would say "File exists" of it)
+        raise ConfigError(f"{dst}: {blocker} is a file, not a folder")
     final.parent.mkdir(parents=True, exist_ok=True)
     # the whole set, or nothing, at DST: made beside it, or inside it where it is a folder already
     work = final / SCRATCH if final.exists() else final.parent / f".{final.name}.partial"
@@ -151,6 +154,8 @@ def synth_shapes(dst: str | Path, classes: int = 10, per_class: int = 100, size:
         name = str(getattr(e, "filename", None) or "")
         if isinstance(e, OSError) and name.startswith(str(work)):  # said of DST, not the scratch
             raise OSError(e.errno, e.strerror, str(final) + name[len(str(work)) :]) from None
+        if isinstance(e, OSError) and not name and e.errno:  # a worker's (the pool drops names)
+            raise OSError(e.errno, e.strerror, str(final)) from None
         raise
     return names
 
