@@ -117,12 +117,13 @@ def draw_net(model: Network, path: Path) -> Layout:
     params = sum(p.numel() for p in model.parameters())
     heading = f"{model.name}: {len(model.table)} layers, {params:,} parameters"
     margin, title = 0.15, 0.35
-    width = max(layout.width, _text_width(heading) * (FONT_SIZE + 2) / FONT_SIZE)
+    width = max(layout.width, 1.1 * _text_width(heading) * (FONT_SIZE + 2) / FONT_SIZE)
+    top = max([0.0, *(y + h / 2 for _, y, _, h in layout.boxes.values())])  # the first boxes' tops
     with plt.rc_context({"svg.fonttype": "none", "pdf.fonttype": 42}):
-        fig = plt.figure(figsize=(width + 2 * margin, layout.height + 2 * margin + title))
+        fig = plt.figure(figsize=(width + 2 * margin, layout.height + top + 2 * margin + title))
         ax = fig.add_axes((0, 0, 1, 1))
         ax.set_xlim(-margin, width + margin)
-        ax.set_ylim(-layout.height - margin, margin + title)
+        ax.set_ylim(-layout.height - margin, top + margin + title)
         ax.axis("off")
         for _, _, points in layout.edges:
             ax.add_patch(_arrow(points))
@@ -133,7 +134,12 @@ def draw_net(model: Network, path: Path) -> Layout:
             ax.text(x, y, labels[name], ha="center", va="center", fontsize=FONT_SIZE,
                     linespacing=1.25, parse_math=False)  # fmt: skip
         ax.text(
-            0, margin + title / 2, heading, fontsize=FONT_SIZE + 2, va="center", parse_math=False
+            0,
+            top + margin + title / 2,
+            heading,
+            fontsize=FONT_SIZE + 2,
+            va="center",
+            parse_math=False,
         )  # a name with $ in it is words, not mathtext
         with atomic(Path(path), private=True) as f:  # an existing drawing stays whole if this fails
             fmt = Path(path).suffix[1:].lower()
