@@ -61,9 +61,9 @@ class ImageBatches:
         self.augment = augment.to(self.device)
         self.workers, self.prefetch, self.num_samples = workers, prefetch, num_samples
         self.num_images = len(dataset)
-        if workers > (cores := available_cores()):
-            say_more_workers_than_cores(workers, cores)
         self.mode: Mode = self._mode(decode)
+        if workers > (cores := available_cores()) and self.mode != "views":  # (views: none start)
+            say_more_workers_than_cores(workers, cores)
         self._loader: DataLoader | None = None
         self._ring: SlotRing | None = None
         self._feed = DeviceFeed(self.device) if self.device.type == "cuda" else None
