@@ -119,8 +119,8 @@ def inference_settings(network: Network, cfg: TrainConfig, device: torch.device,
                        cache: Path | bool = True) -> Settings | None:  # fmt: skip
     """What a forward pass in eval mode runs with (evaluation, `cnnkit bench infer`): on a CPU
     in fp32 with the memory format on auto, the kernels classification measures as fastest
-    (cnnkit/nn/tuning.py: channels_last or not, the linear layers' product); else None, the
-    training settings' rules."""
+    (cnnkit/nn/tuning.py: channels_last or not, the linear layers' product, a kernel per
+    layer); else None, the training settings' rules."""
     rules = static_settings(network, cfg, device, batch)
     if device.type != "cpu" or rules.precision != "fp32" or cfg.channels_last is not None:
         return None
