@@ -270,6 +270,11 @@ def test_bench_reads_what_info_reads_and_refuses_what_info_refuses(tmp_path, cap
         code, _, err = run_cli([*command[:2], "runs/digits", *command[2:]], capsys)
         assert code == 1 and err.endswith("(did you mean runs/digits-20261207-090000, the "
                                           "newest dated run of that name?)\n"), (command, err)  # fmt: skip
+    for command in ("config", "train"):  # (a run file's place: a usage error)
+        code, _, err = run_cli([command, "runs/digits"], capsys)
+        assert (code, err) == (2, "cnnkit: error: runs/digits: no such run file or run directory "
+                                  "(did you mean runs/digits-20261207-090000, the newest dated "
+                                  "run of that name?)\n")  # fmt: skip
 
 
 def test_bench_blames_what_was_given(tmp_path, capsys):

@@ -112,11 +112,16 @@ def _config(run, overrides: list[str], resume):
 
 def _check_not_runs(run: str) -> None:
     """A folder of runs given where a run file goes (`cnnkit config runs`): name a run in it,
-    as show and classify do (its runs' curves.png would have it taken for images)."""
+    as show and classify do (its runs' curves.png would have it taken for images); runs/NAME
+    where only dated runs runs/NAME-TIME are: the newest, not the zoo's run NAME."""
     from cnnkit.checkpoint import holds_runs
+    from cnnkit.checkpoint.locate import dated_run_hint
     from cnnkit.errors import ConfigError
 
     path = Path(run)
+    dated = "" if path.exists() or "/" not in run else dated_run_hint(path)
+    if dated:
+        raise ConfigError(f"{run}: no such run file or run directory{dated}")
     if path.is_dir() and not (path / "config.yaml").is_file():
         held = holds_runs(path)
         if held is not None:
