@@ -123,8 +123,15 @@ def test_bench_takes_a_run_directory_checkpoint_or_export_as_info_does(tmp_path,
         run_cli(["export", str(run), "--format", "safetensors", "-o", str(export)], capsys)[0] == 0
     )
     quick = ["-b", "2", "--repeats", "1", "-p", "fp32", "--no-channels-last", "--threads", "1"]
-    for command, target in (("infer", run), ("infer", run / "best.pt"), ("layers", export)):
-        extra = ["--warmup", "0", "--quick"] if command == "infer" else ["--warmup", "0"]
+    targets = (
+        ("infer", run),
+        ("infer", run / "best.pt"),
+        ("layers", export),
+        ("train", run / "best.pt"),
+        ("layers", run / "best.pt"),
+    )  # (no config.yaml beside)
+    for command, target in targets:
+        extra = ["--warmup", "0", "--quick"] if command != "layers" else ["--warmup", "0"]
         code, out, err = run_cli(["bench", command, str(target), *quick, *extra, "--json"], capsys)
         report = json.loads(out.strip().splitlines()[-1]) if code == 0 else {}
         assert code == 0 and report["net"] == "tiny" and report["batch"] == 2, err

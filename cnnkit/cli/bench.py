@@ -281,7 +281,7 @@ def _a_run_file(net: str) -> bool:
     from cnnkit.zoo import RUNS
 
     path = Path(net)
-    if net in RUNS or path.suffix.lower() == ".pt" or path.is_dir():
+    if net in RUNS:
         return True
     if path.suffix.lower() not in (".yaml", ".yml") or not path.is_file():
         return False
