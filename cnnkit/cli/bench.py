@@ -218,10 +218,11 @@ def _throughput(
     from cnnkit.distributed import resolve_device
     from cnnkit.train.run import deterministic_mode
 
+    dev = resolve_device(device)
     if mode == "train":  # (infer: classification's settings, whatever the run trains with)
         options.update(_as_the_run_sets(net, options["batch"], options["precision"],
                                         options["channels_last"], threads,
-                                        options["compile"], resolve_device(device)))  # fmt: skip
+                                        options["compile"], dev))  # fmt: skip
         threads = options.pop("threads")
     options["compile"] = bool(options["compile"])  # infer: off unless asked
     options["batch"] = DEFAULT_BATCH if options["batch"] is None else options["batch"]
@@ -229,7 +230,6 @@ def _throughput(
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
     if threads is not None:
         _positive(threads=threads)
-    dev = resolve_device(device)
     check_batch(net, options["batch"], dev, options["num_classes"], training=mode == "train")
     with deterministic_mode(options.get("deterministic", False), dev):
         report = bench_throughput(net, mode, device=dev, quick_peak=quick, threads=threads,
@@ -277,6 +277,7 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
 def _a_run_file(net: str) -> bool:
     """Whether NET is a run file (a zoo run, or YAML with a `data:` or `train:` section beside
     its `model:`), not a network file."""
+    from cnnkit.errors import CnnkitError
     from cnnkit.nn.yamlio import read_yaml
     from cnnkit.zoo import RUNS
 
@@ -287,7 +288,7 @@ def _a_run_file(net: str) -> bool:
         return False
     try:
         raw = read_yaml(path)
-    except Exception:  # noqa: BLE001 - unreadable: build_model's line says why
+    except (CnnkitError, OSError):  # unreadable: build_model's line says why
         return False
     return isinstance(raw, dict) and "model" in raw and bool({"data", "train"} & set(raw))
 

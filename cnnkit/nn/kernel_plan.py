@@ -46,7 +46,7 @@ def plan_kernels(network: Network, x: torch.Tensor, threads: int,
             if sample.dim() == 4:
                 sample = sample.contiguous(memory_format=arrives)
             layer = model.get_submodule(name)
-            plan[name] = fastest_kernel(layer, sample, not (first or forward_only), forward_only)
+            plan[name] = fastest_kernel(layer, sample, not first, forward_only)
             arrives = FORMATS[plan[name]]  # what this layer's output keeps
     plain = all(k == options(model.get_submodule(n))[0] for n, k in plan.items())
     return {} if plain else plan

@@ -70,14 +70,14 @@ def check_fits(name: str, params: int, activations: int, device: Any) -> None:
 def check_batch_fits(name: str, params: int, activations: int, batch: int, device: Any) -> None:
     """Refuse, in one line, a batch whose activations alone (float32, the forward pass's, from
     the layer table: a lower bound) with the parameters exceed the memory available."""
-    alone = _shortfall(params + activations, device)
-    if alone is not None:  # no batch is small enough: the network itself does not fit
+    short = _shortfall(params + batch * activations, device)
+    alone = short and _shortfall(params + activations, device)
+    if alone:  # no batch is small enough: the network itself does not fit
         raise ConfigError(
             f"{name} does not fit here at any batch: its {params:,} parameters and one image's "
             f"activations need at least {format_bytes(alone[0])} but {format_bytes(alone[1])} is "
             f"available ({alone[2]})"
         )
-    short = _shortfall(params + batch * activations, device)
     if short is not None:
         raise ConfigError(
             f"--batch {batch}: {name} needs at least {format_bytes(short[0])} ({activations:,} "
