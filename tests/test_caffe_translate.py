@@ -630,3 +630,45 @@ def test_activations_import_as_caffe_computes_them(kind, params, reference):
 def test_activations_caffe_computes_otherwise_are_one_line(kind, params, words):
     with pytest.raises(ConfigError, match=words):
         translate(parse_prototxt(INPUT + _layer("a", kind, ["data"], "a", params)))
+
+
+def _caffe_shuffle(x: torch.Tensor, group: int) -> torch.Tensor:
+    """ShuffleNet's Caffe ShuffleChannel as its layer's loop copies it: the input's channel
+    row * columns + column (`group` rows) becomes the output's column * group + row."""
+    out, columns = torch.empty_like(x), x.shape[1] // group
+    for row in range(group):
+        for column in range(columns):
+            out[:, column * group + row] = x[:, row * columns + column]
+    return out
+
+
+def test_the_shufflenet_ports_shuffle_channel_is_torchs_channel_shuffle():
+    """ShuffleNet v1 and v2's Caffe ports: ShuffleChannel after a Concat, then a Slice of the
+    shuffled channels (v2's split); the output as Caffe's loop computes it and as torch's."""
+    body = _layer("c", "Convolution", ["data"], "c", CONV.format(9)) + _layer(
+        "cat", "Concat", ["c", "data"], "cat") + _layer(
+        "shuffle", "ShuffleChannel", ["cat"], "shuffle", "shuffle_channel_param { group: 3 }") + (
+        'layer { name: "split" type: "Slice" bottom: "shuffle" top: "a" top: "b" '
+        "slice_param { slice_point: 6 } }\n") + _layer("add", "Eltwise", ["a", "b"], "y")  # fmt: skip
+    model = translate(parse_prototxt(INPUT + body))
+    assert model["layers"][2] == {"name": "shuffle", "type": "channel_shuffle", "groups": 3}
+    net = build_model(model).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        cat = torch.cat([net.c(x), x], 1)
+        expected = _caffe_shuffle(cat, 3)
+        torch.testing.assert_close(expected, nn.ChannelShuffle(3)(cat), rtol=0, atol=0)
+        torch.testing.assert_close(net(x), expected[:, :6] + expected[:, 6:], rtol=0, atol=0)
+    plain = translate(parse_prototxt(INPUT + _layer("s", "ShuffleChannel", ["data"], "s")))
+    assert plain["layers"] == [{"name": "s", "type": "channel_shuffle", "groups": 1}]
+
+
+@pytest.mark.parametrize("params, words", [
+    ("shuffle_channel_param { group: 2 }", r"groups: must divide the channels .* \(3, 8, 8\)"),
+    ("shuffle_channel_param { group: 0 }", "ShuffleChannel group 0: must be 1 or more"),
+    ("shuffle_channel_param { groups: 3 }", "'groups' is not a field of Caffe's "
+     "shuffle_channel_param.*group"),
+])  # fmt: skip
+def test_a_shuffle_channel_caffe_would_refuse_is_one_line(params, words):
+    with pytest.raises(ConfigError, match=words):
+        translate(parse_prototxt(INPUT + _layer("s", "ShuffleChannel", ["data"], "s", params)))

@@ -253,6 +253,14 @@ class LayerTypes(ShapeTypes):
                     "init": {"weight": 1.0, "bias": 0.0, **given.get("init", {})}, **learned}  # fmt: skip
             self.sources[self._emit(layer, conv)] = [(caffe_name, "scale_conv")]
 
+    def _shufflechannel(self, layer: Message, last: bool) -> None:
+        """The ShuffleChannel of the forks that ShuffleNet's ports (v1 and v2) were written
+        for: the channels read as `group` rows and written out by columns, torch's (and
+        torchvision's ShuffleNet's) channel shuffle."""
+        group = integer(self.here, layer.sub("shuffle_channel_param"), "group", 1)
+        require(self.here, group >= 1, f"ShuffleChannel group {group}: must be 1 or more")
+        self._emit(layer, {"type": "channel_shuffle", "groups": group})
+
     def _softmax(self, layer: Message, last: bool) -> None:
         require(self.here, last, "Softmax is supported only as the last layer (it is dropped)")
         require(self.here, len(layer.all("top")) == 1, "a Softmax has one top (as Caffe)")
@@ -263,7 +271,7 @@ SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
     "Reshape", "ConvolutionDepthwise", "Slice", "Axpy", "Crop", "ELU", "Swish", "BNLL", "Clip",
-    "ReLU6", "Silence",
+    "ReLU6", "Silence", "ShuffleChannel",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")

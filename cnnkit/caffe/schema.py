@@ -50,6 +50,7 @@ PARAM_FIELDS: dict[str, set[str]] = {
     "reshape_param": {"shape", "axis", "num_axes"},
     "slice_param": {"axis", "slice_point", "slice_dim"},
     "crop_param": {"axis", "offset"},
+    "shuffle_channel_param": {"group"},  # the ShuffleNet ports' fork
 }  # fmt: skip
 SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
               "shape": {"dim"}}  # fmt: skip
