@@ -614,6 +614,8 @@ def _bnll(x: torch.Tensor) -> torch.Tensor:
     ("BNLL", "", _bnll),
     ("Clip", "clip_param { min: 0 max: 6 }", F.relu6),
     ("ReLU6", "", F.relu6),
+    ("Power", "power_param { power: 2 scale: 0.5 shift: 1 }", lambda x: (1 + 0.5 * x) ** 2),
+    ("Power", "power_param { scale: -3 }", lambda x: -3 * x),
 ])  # fmt: skip
 def test_activations_import_as_caffe_computes_them(kind, params, reference):
     net = build_model(translate(parse_prototxt(INPUT + _layer("a", kind, ["data"], "a", params))))
@@ -626,6 +628,7 @@ def test_activations_import_as_caffe_computes_them(kind, params, reference):
     ("Swish", "swish_param { beta: 2 }", "Swish beta 2: only beta 1"),
     ("Clip", "clip_param { min: -1 max: 1 }", r"Clip from -1 to 1: only 0 to 6 \(ReLU6\)"),
     ("Clip", "clip_param { min: 0 }", r"Clip needs min and max \(as Caffe\)"),
+    ("Power", "power_param { exponent: 2 }", "'exponent' is not a field of Caffe's power_param"),
 ])  # fmt: skip
 def test_activations_caffe_computes_otherwise_are_one_line(kind, params, words):
     with pytest.raises(ConfigError, match=words):
@@ -672,3 +675,40 @@ def test_the_shufflenet_ports_shuffle_channel_is_torchs_channel_shuffle():
 def test_a_shuffle_channel_caffe_would_refuse_is_one_line(params, words):
     with pytest.raises(ConfigError, match=words):
         translate(parse_prototxt(INPUT + _layer("s", "ShuffleChannel", ["data"], "s", params)))
+
+
+def _hard_sigmoid(name: str, bottom: str) -> str:
+    """MobileNet v3's Caffe ports' hard sigmoid: Power (+3), ReLU6, Power (/6); top NAME_c."""
+    plus, by = "power_param { power: 1 scale: 1 shift: 3 }", "power_param { scale: 0.16666667 }"
+    return (_layer(f"{name}_a", "Power", [bottom], f"{name}_a", plus)
+            + _layer(f"{name}_b", "ReLU6", [f"{name}_a"], f"{name}_b")
+            + _layer(f"{name}_c", "Power", [f"{name}_b"], f"{name}_c", by))  # fmt: skip
+
+
+def test_mobilenet_v3_ports_hard_swish_and_gate_from_power_and_relu6_are_torchs():
+    """MobileNet v3's Caffe ports: hard-swish as a hard sigmoid times its input (an Eltwise
+    PROD); the squeeze-excitation gate a hard sigmoid between Concats of one bottom (which
+    Caffe passes through), applied by a Scale of axis 0; the forks' DepthwiseConvolution."""
+    depthwise = "convolution_param { num_output: 4 kernel_size: 3 pad: 1 bias_term: false }"
+    pool = "pooling_param { pool: AVE global_pooling: true }"
+    fc, prod = "inner_product_param { num_output: 4 }", "eltwise_param { operation: PROD }"
+    body = (_layer("c", "Convolution", ["data"], "c", CONV.format(4)) + _hard_sigmoid("hs", "c")
+            + _layer("swish", "Eltwise", ["c", "hs_c"], "swish", prod)
+            + _layer("dw", "DepthwiseConvolution", ["swish"], "dw", depthwise)
+            + _layer("pool", "Pooling", ["dw"], "pool", pool)
+            + _layer("route1", "Concat", ["pool"], "route1")
+            + _layer("fc", "InnerProduct", ["route1"], "fc", fc)
+            + _hard_sigmoid("gate", "fc") + _layer("route2", "Concat", ["gate_c"], "route2")
+            + _layer("se", "Scale", ["dw", "route2"], "se", "scale_param { axis: 0 }")
+            + _layer("still", "Power", ["se"], "out", "power_param { power: 1 }"))  # fmt: skip
+    model = translate(parse_prototxt(INPUT + body))
+    kinds = [layer["type"] for layer in model["layers"]]
+    assert kinds.count("power") == 4 and "concat" not in kinds and kinds[-1] == "mul"
+    assert model["layers"][1] == {"name": "hs_a", "type": "power", "shift": 3.0}
+    net = build_model(model).eval()
+    x = torch.randn(2, 3, 8, 8) * 4
+    with torch.no_grad():
+        swish = F.hardswish(net.c(x))
+        dw = F.conv2d(swish, net.dw.weight, None, 1, 1, 1, 4)
+        gate = F.hardsigmoid(net.fc(dw.mean((2, 3))))
+        torch.testing.assert_close(net(x), dw * gate[:, :, None, None])

@@ -491,13 +491,16 @@ layer { name: "conv2" type: "Convolution" bottom: "data" top: "conv2"
 layer { name: "sum" type: "Eltwise" bottom: "conv1" bottom: "conv2" top: "sum" }
 layer { name: "fc8" type: "InnerProduct" bottom: "sum" top: "fc8" inner_product_param { num_output: 5 } }
 """  # the input normalised by a batch norm first, as some Caffe ResNets do, and read again
-SCALE_BESIDE = """layer { name: "data_bn" type: "BatchNorm" bottom: "data" top: "bn" }
+SCALE_BESIDE = """layer { name: "input_scale" type: "Power" bottom: "data" top: "scaled"
+        power_param { scale: 0.017 shift: -1 } }
+layer { name: "data_bn" type: "BatchNorm" bottom: "scaled" top: "bn" }
 layer { name: "data_scale" type: "Scale" bottom: "bn" top: "sc" scale_param { bias_term: true } }
 layer { name: "both" type: "Eltwise" bottom: "sc" bottom: "bn" top: "both" }
 layer { name: "conv1" type: "Convolution" bottom: "both" top: "conv1"
         convolution_param { num_output: 4 kernel_size: 3 } }
 layer { name: "fc8" type: "InnerProduct" bottom: "conv1" top: "fc8" inner_product_param { num_output: 5 } }
-"""  # the Scale beside another reader of the batch norm: a depthwise convolution
+"""  # the input scaled (a Power), then a Scale beside another reader of the batch norm: a
+# depthwise convolution
 CROP = """layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
         convolution_param { num_output: 4 kernel_size: 3 pad: 2 } }
 layer { name: "crop" type: "Crop" bottom: "conv1" bottom: "data" top: "crop" crop_param { offset: 1 } }
@@ -529,7 +532,7 @@ def test_layers_before_the_first_convolutions_are_turned_to_rgb_too(
     tmp_path, layers, reversed_layers
 ):
     """The BGR order is followed from the input through batch norms, Scales, PReLU, LRN,
-    pooling and sums to the convolutions: the import reads RGB as the Caffe net read BGR, and
+    Power, pooling and sums to the convolutions: the import reads RGB as the Caffe net read BGR, and
     says Caffe's preprocessing. Where it cannot be followed, the net keeps BGR and says so."""
     from cnnkit.caffe import read_caffe
 

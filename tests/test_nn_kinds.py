@@ -37,6 +37,17 @@ class ChannelsLast(nn.Module):
         return self.inner(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
+class Affine(nn.Module):
+    """Caffe's Power layer, written out: (shift + scale * x) ** power."""
+
+    def __init__(self, power: float, scale: float, shift: float):
+        super().__init__()
+        self.power, self.scale, self.shift = power, scale, shift
+
+    def forward(self, x):
+        return torch.pow(self.shift + self.scale * x, self.power)
+
+
 LayerNorm2d = torchvision.models.convnext.LayerNorm2d
 CASES = [
     ({"type": "relu6"}, nn.ReLU6()),
@@ -59,6 +70,9 @@ CASES = [
     ({"type": "elu", "alpha": 0.5}, nn.ELU(0.5)),
     ({"type": "softplus", "beta": 2.0}, nn.Softplus(2.0)),
     ({"type": "mish"}, nn.Mish()),
+    ({"type": "power", "power": 2.0, "scale": 0.5, "shift": 3.0}, Affine(2.0, 0.5, 3.0)),
+    ({"type": "power", "scale": -0.25, "shift": 1.5}, Affine(1.0, -0.25, 1.5)),
+    ({"type": "power", "power": 3.0}, Affine(3.0, 1.0, 0.0)),
     ({"type": "softmax"}, nn.Softmax(dim=1)),
     ({"type": "pad", "padding": [1, 2, 0, 3]}, nn.ConstantPad2d((1, 2, 0, 3), 0.0)),
     ({"type": "pad", "padding": 2, "mode": "reflect"}, nn.ReflectionPad2d(2)),
@@ -356,6 +370,7 @@ def test_a_decoder_of_the_new_kinds_exports_to_onnx_as_it_computes(tmp_path):
     - {name: se_shape, type: reshape, shape: [-1, 1, 1]}
     - {name: se, type: mul, inputs: [inorm, se_shape]}
     - {type: mish}
+    - {type: power, power: 2.0, scale: 0.5, shift: 1.0}
     - {name: big, type: upsample, scale_factor: 2, mode: bilinear}
     - {name: pool, type: maxpool, kernel_size: 3, stride: 2, dilation: 2}
     - {type: global_avgpool}

@@ -16,7 +16,7 @@ IMAGENET_CROPS = (224, 227)
 # channels sums a window centred on c, the same window reversed)
 CHANNELWISE = ("batchnorm", "scale", "prelu", "relu", "leaky_relu", "tanh", "sigmoid", "dropout",
                "maxpool", "avgpool", "adaptive_avgpool", "lrn", "crop", "elu", "silu", "softplus",
-               "relu6")  # fmt: skip
+               "relu6", "power")  # fmt: skip
 ELEMENTWISE = ("add", "mul", "max")  # of inputs reversed alike: reversed alike
 
 

@@ -69,6 +69,8 @@ class ShapeTypes:
             -dims <= axis < dims and axis % dims == 1,
             "Concat supports the channel axis (1, or -3 of 4) only",
         )
+        if len(layer.all("bottom")) == 1:  # Caffe's top shares the bottom's data
+            return self._alias(layer, "Concat")
         self._emit(layer, {"type": "concat"})
 
     def _eltwise(self, layer: Message, last: bool) -> None:

@@ -54,6 +54,11 @@ class LayerTypes(ShapeTypes):
                 f"none), not {out} and {group}")  # fmt: skip
         self._convolution(layer, last, groups=channels)
 
+    def _depthwiseconvolution(self, layer: Message, last: bool) -> None:
+        """The other forks' name for ConvolutionDepthwise (yonghenglh6's, which MobileNet v3's
+        ports use)."""
+        self._convolutiondepthwise(layer, last)
+
     def _deconvolution(self, layer: Message, last: bool) -> None:
         """Caffe's Deconvolution: torch's ConvTranspose2d with no output_padding; its weight
         blob is (in, out / group, kh, kw) as torch's."""
@@ -192,6 +197,17 @@ class LayerTypes(ShapeTypes):
         """The forks' ReLU6 (MobileNet v2's ports)."""
         self._emit(layer, {"type": "relu6"})
 
+    def _power(self, layer: Message, last: bool) -> None:
+        """Caffe's Power, (shift + scale * x) ** power: a `power` layer (none where it changes
+        nothing)."""
+        p = layer.sub("power_param")
+        spec = {"type": "power"}
+        for field, default in (("power", 1.0), ("scale", 1.0), ("shift", 0.0)):
+            put(spec, field, real(self.here, p, field, default), default)
+        if len(spec) == 1:
+            return self._alias(layer, "Power")
+        self._emit(layer, spec)
+
     def _tanh(self, layer: Message, last: bool) -> None:
         self._emit(layer, {"type": "tanh"})
 
@@ -271,7 +287,7 @@ SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
     "Reshape", "ConvolutionDepthwise", "Slice", "Axpy", "Crop", "ELU", "Swish", "BNLL", "Clip",
-    "ReLU6", "Silence", "ShuffleChannel",
+    "ReLU6", "Silence", "ShuffleChannel", "Power", "DepthwiseConvolution",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")

@@ -51,6 +51,7 @@ PARAM_FIELDS: dict[str, set[str]] = {
     "slice_param": {"axis", "slice_point", "slice_dim"},
     "crop_param": {"axis", "offset"},
     "shuffle_channel_param": {"group"},  # the ShuffleNet ports' fork
+    "power_param": {"power", "scale", "shift"},
 }  # fmt: skip
 SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
               "shape": {"dim"}}  # fmt: skip

@@ -16,6 +16,25 @@ class ScaledTanh(nn.Module):
         return 1.7159 * torch.tanh(x * (2.0 / 3.0))
 
 
+class Power(nn.Module):
+    """(shift + scale * x) ** power, element by element (Caffe's Power layer); the steps that
+    change nothing are left out."""
+
+    def __init__(self, power: float, scale: float, shift: float):
+        super().__init__()
+        self.power, self.scale, self.shift = power, scale, shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            x = x * self.scale
+        if self.shift != 0.0:
+            x = x + self.shift
+        return x if self.power == 1.0 else x.pow(self.power)
+
+    def extra_repr(self) -> str:
+        return f"power={self.power:g}, scale={self.scale:g}, shift={self.shift:g}"
+
+
 class FlatLinear(nn.Linear):
     """nn.Linear that flattens a (B, C, H, W) input first, as Caffe's InnerProduct does.
 

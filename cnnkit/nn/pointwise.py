@@ -26,6 +26,9 @@ from cnnkit.nn.modules import (
     ScaledTanh,
 )
 from cnnkit.nn.modules import (
+    Power as PowerModule,
+)
+from cnnkit.nn.modules import (
     Reshape as ReshapeModule,
 )
 from cnnkit.nn.modules import (
@@ -99,6 +102,19 @@ class Softplus(Layer):
 
     def build(self, shapes: list[Shape]) -> nn.Module:
         return nn.Softplus(self.beta, self.threshold)
+
+
+class Power(Layer):
+    """(shift + scale * x) ** power, element by element: Caffe's Power layer (with power 1, a
+    fixed affine map: MobileNet v3 ports build hard-swish from it and relu6)."""
+
+    type: Literal["power"]
+    power: Real = 1.0
+    scale: Real = 1.0
+    shift: Real = 0.0
+
+    def build(self, shapes: list[Shape]) -> nn.Module:
+        return PowerModule(self.power, self.scale, self.shift)
 
 
 class Softmax(_Plain):
