@@ -316,12 +316,12 @@ def test_gpu_decoding_on_a_cpu_and_too_many_workers_are_said_once(sets, monkeypa
     assert [line for line in err if "decode: gpu on a cpu device" in line] == [
         "cnnkit: note: data.decode: gpu on a cpu device: the main process decodes each batch's JPEGs "
         "there (libjpeg-turbo; the workers only read bytes)"]  # fmt: skip
-    assert sum("data.workers=2 is more than the 1 cores" in line for line in err) == 1, err
+    assert sum("note: 2 loader workers are more than the 1 core this" in line for line in err) == 1
     workers_module.say_more_workers_than_cores.cache_clear()  # raw shards on a CPU: none start
     raw = {**sections(sets)[1], "path": str(sets / "raw"), "workers": 2}
     bundle = data_config(raw).build(CPU)
     assert bundle.train.mode == "views" and next(iter(bundle.train))
-    assert "more than the 1 cores" not in capfd.readouterr().err
+    assert "more than the 1 core" not in capfd.readouterr().err
 
 
 @contextmanager

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from cnnkit.data.slots import mapped_afresh
+from cnnkit.errors import plural
 
 
 @contextmanager
@@ -29,8 +30,11 @@ def no_worker_count_warning() -> Iterator[None]:
 
 @functools.cache
 def say_more_workers_than_cores(workers: int, cores: int) -> None:
-    print(f"cnnkit: note: data.workers={workers} is more than the {cores} cores this process may use: "
-          "they take turns (the default is one fewer than the cores)", file=sys.stderr)  # fmt: skip
+    """Said in the loader's words, not a setting's: `train` sets data.workers, `bench loader`
+    --workers."""
+    print(f"cnnkit: note: {plural(workers, 'loader worker')} are more than the "
+          f"{plural(cores, 'core')} this process may use: they take turns (the default is one "
+          "fewer than the cores)", file=sys.stderr)  # fmt: skip
 
 
 def start_worker(worker_id: int) -> None:
