@@ -170,6 +170,38 @@ def test_num_classes_for_a_network_that_does_not_size_by_it_is_one_line(tmp_path
     assert code == 0 and "output: 7x8x8" in out, err
 
 
+def test_show_net_and_export_size_a_network_without_a_class_count(tmp_path, capsys):
+    """A network file that leaves num_classes to the data: drawn and exported with
+    --num-classes, as info describes it; a trained run keeps its own classes."""
+    import onnx
+
+    net = tmp_path / "small.yaml"
+    net.write_text("model:\n  input: [3, 8, 8]\n  layers:\n    - {type: conv, out_channels: 4, "
+                   "kernel_size: 3}\n    - {type: global_avgpool}\n    - {name: fc, type: linear}\n")  # fmt: skip
+    code, _, err = run_cli(["show", "net", str(net), "-o", str(tmp_path / "net.svg")], capsys)
+    assert code == 2 and "info, show net, export and bench take --num-classes N" in err
+    code, out, err = run_cli(["show", "net", str(net), "-o", str(tmp_path / "net.svg"),
+                              "--num-classes", "3"], capsys)  # fmt: skip
+    assert code == 0 and "wrote" in out and ">linear 3</text>" in (tmp_path / "net.svg").read_text()
+    code, out, err = run_cli(["export", str(net), "-o", str(tmp_path / "n.onnx"),
+                              "--num-classes", "5"], capsys)  # fmt: skip
+    assert code == 0, err
+    graph = onnx.load(str(tmp_path / "n.onnx")).graph
+    assert graph.output[0].type.tensor_type.shape.dim[1].dim_value == 5
+    seven = tmp_path / "seven.yaml"
+    seven.write_text("model:\n  input: [3, 8, 8]\n  layers:\n    - {type: flatten}\n"
+                     "    - {type: linear, out_features: 7}\n")  # fmt: skip
+    code, _, err = run_cli(["export", str(seven), "-o", str(tmp_path / "s.onnx"), "--num-classes",
+                            "3"], capsys)  # fmt: skip
+    assert code == 2 and "no layer of" in err and "(its output is 7)" in err
+    assert not (tmp_path / "s.onnx").exists()
+    run = tmp_path / "run.pt"
+    run.write_bytes(b"not read: refused first")
+    code, _, err = run_cli(["export", str(run), "-o", str(tmp_path / "r.onnx"), "--num-classes",
+                            "3"], capsys)  # fmt: skip
+    assert code == 2 and "was trained for its own classes" in err, err
+
+
 @pytest.mark.parametrize("size", [[1, 1, 16000], [1, 9000, 9000]])
 def test_inputs_larger_than_an_evaluation_image_are_described(tmp_path, capsys, size):
     """A signal (1 x 16000) or a very large image is a network `info` describes; only classify,

@@ -115,6 +115,9 @@ def export(
         False, "--check", help="Compare the export with PyTorch (ONNX: in ONNX Runtime)."
     ),
     ema: bool = typer.Option(False, "--ema", help=EMA_HELP),
+    num_classes: int = typer.Option(
+        None, "--num-classes", min=1, help="A network's class count (with fresh weights)."
+    ),
 ) -> None:
     """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
     from cnnkit.checkpoint import is_checkpoint, run_of_settings
@@ -135,7 +138,7 @@ def export(
         raise ConfigError(f"-o {out}: is a checkpoint (a torch.save file), which an export "
                           "would replace: give the export a name of its own")  # fmt: skip
     check_replaceable(out, fmt)
-    loaded = load_for_inference(target, ema=ema)
+    loaded = load_for_inference(target, ema=ema, num_classes=num_classes)
     if check:  # written only once it passes
         r = export_checked(loaded, fmt, out)
         typer.echo(_check_line(fmt, r))
@@ -227,6 +230,9 @@ def import_caffe(
 def show_net(
     net: str = typer.Argument(..., help="A zoo name, network file, Caffe prototxt, run or export."),
     out: Path = typer.Option(..., "-o", "--out", help="Image file: .png, .svg or .pdf."),
+    num_classes: int = typer.Option(
+        None, "--num-classes", min=1, help="Override the file's class count."
+    ),
 ) -> None:
     """Draw the layer graph (layered like graphviz's dot; every edge in sight; SVG text is text)."""
     from cnnkit.cli.net import network_for
@@ -234,7 +240,7 @@ def show_net(
 
     _writable(out, net, example="net.png", picture=True)
     check_suffix(out, NET_SUFFIXES)
-    network = network_for(net, None)  # (as info: the graph, built as info builds it, no weights)
+    network = network_for(net, num_classes)  # (as info: the graph, built as info builds it)
     draw_net(network, out)
     typer.echo(f"wrote {out}: {plural(len(network.table), 'layer')}")
 

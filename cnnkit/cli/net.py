@@ -52,12 +52,9 @@ def network_for(net: str, num_classes: int | None, weights_note: bool = False) -
     """The network NET names, built on the meta device, as info, show net and bench read it:
     a run's metrics.csv and a --num-classes that sizes no layer are one line each."""
     from cnnkit.checkpoint import check_not_a_record
-    from cnnkit.errors import ConfigError
-    from cnnkit.infer.load import network_of
+    from cnnkit.infer.load import check_sized_by, network_of
 
     check_not_a_record(Path(net))  # a run's metrics.csv: its run directory, as classify says
     network = network_of(net, num_classes, weights_note=weights_note)
-    if num_classes is not None and not network.heads:  # no layer is sized by it
-        raise ConfigError(f"--num-classes {num_classes}: no layer of {net} is sized by "
-                          f"num_classes (its output is {' x '.join(map(str, network.output_shape))})")  # fmt: skip
+    check_sized_by(num_classes, network, net)
     return network

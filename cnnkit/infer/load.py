@@ -54,9 +54,11 @@ class Loaded:
     ran: dict[str, Any] | None = None  # a checkpoint's settings (precision, channels_last, device)
 
 
-def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = False) -> Loaded:
+def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = False,
+                       num_classes: int | None = None) -> Loaded:  # fmt: skip
     """Load a run directory, checkpoint, .safetensors file or network description (`ema`: a
-    run's moving average of the weights, from its best_ema.pt where it has one)."""
+    run's moving average of the weights, from its best_ema.pt where it has one; `num_classes`:
+    a network description's class count, where it sets none or another)."""
     from cnnkit.zoo import net_path, zoo_names
 
     path = Path(target)
@@ -73,6 +75,10 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
     if ema and not (run_folder(path) or path.suffix in (".pt", ".pth")):
         raise ConfigError(f"--ema: {target} is not a run directory or checkpoint (only those keep "
                           "a moving average of the weights)")  # fmt: skip
+    trained = path.suffix in (".safetensors", ".pt", ".pth") or run_folder(path)
+    if num_classes is not None and trained:
+        raise ConfigError(f"--num-classes {num_classes}: {target} was trained for its own "
+                          "classes (--num-classes sizes a network with fresh weights)")  # fmt: skip
     if path.suffix == ".safetensors":
         return load_safetensors(path, device)
     if run_folder(path) or path.suffix in (".pt", ".pth"):
@@ -83,11 +89,12 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
         return Loaded(model, list(meta["classes"]), preprocess, meta.get("path", str(path)),
                       mean_image=image, mean_averaged=averaged, ran=meta.get("settings"))  # fmt: skip
     check_not_a_record(path)  # metrics.csv: said as such, not as a network file's error
-    return load_network(str(target), device)
+    return load_network(str(target), device, num_classes)
 
 
-def load_network(spec: str, device: Any = "cpu") -> Loaded:
-    """A network file, zoo name or Caffe prototxt with fresh weights (for export and drawing)."""
+def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None) -> Loaded:
+    """A network file, zoo name or Caffe prototxt with fresh weights (for export and drawing);
+    `num_classes` sizes its class-count layers (none of them: one line)."""
     if spec.endswith(".prototxt"):
         from cnnkit.caffe import import_caffe
 
@@ -98,9 +105,11 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
     with torch.random.fork_rng(devices=[]):  # the same fresh weights at every export, drawn
         torch.default_generator.manual_seed(0)  # by the CPU's generator (CUDA's untouched)
         try:
-            model = build_model(description, device="meta" if target.type == "meta" else "cpu")
+            model = build_model(description, num_classes=num_classes,
+                                device="meta" if target.type == "meta" else "cpu")  # fmt: skip
         except CheckpointError as e:  # its weights: file (beside it): say whose
             raise CheckpointError(f"{spec}: weights: {e}") from None
+    check_sized_by(num_classes, model, spec)
     if target.type not in ("cpu", "meta"):  # refused in one line if it does not fit there
         check_fits(model.name, model.param_count, model.activation_count, target)
     model = model.to(target)
@@ -109,6 +118,13 @@ def load_network(spec: str, device: Any = "cpu") -> Loaded:
     outputs = model.num_classes or (out[0] if len(out) == 1 else 0)
     classes = class_names(description.get("classes"), outputs, spec)
     return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
+
+
+def check_sized_by(num_classes: int | None, network: Network, name: str) -> None:
+    """A --num-classes that sizes no layer of the network (its output fixed) is one line."""
+    if num_classes is not None and not network.heads:
+        raise ConfigError(f"--num-classes {num_classes}: no layer of {name} is sized by "
+                          f"num_classes (its output is {' x '.join(map(str, network.output_shape))})")  # fmt: skip
 
 
 def class_names(given: list[str] | str | None, outputs: int, spec: str) -> list[str]:

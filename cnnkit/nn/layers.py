@@ -257,7 +257,8 @@ class Linear(ParamLayer):
             raise ShapeError(
                 "out_features",
                 "is not set and the network has no num_classes "
-                "(training takes it from the data; info takes --num-classes N)",
+                "(training takes it from the data; info, show net, export and bench take "
+                "--num-classes N)",
             )
         return (self.out_features,) if self.flatten else (self.out_features, *shapes[0][1:])
 
