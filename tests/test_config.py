@@ -315,6 +315,22 @@ def test_the_names_peers_give_a_data_setting_are_met_with_ours(source, key, mean
     assert str(caught.value) == f"data.{key}: unknown field {meant}".strip()
 
 
+@pytest.mark.parametrize("model, network", [
+    ("digitnet", "digitnet"),
+    ({"network": "digitnet", "input": [1, 8, 8]}, "digitnet"),
+    ({"network": {"input": [1, 8, 8], "layers": [{"type": "flatten"}]}}, None),
+])  # fmt: skip
+def test_an_image_folder_given_to_the_digits_run_points_to_its_network(model, network):
+    """`cnnkit train digits data.path=DIR`: its network trains on a folder, not the run."""
+    with pytest.raises(ConfigError) as caught:
+        validate_run({"model": model, "data": {"source": "digits", "path": "shapes"}})
+    said = "data.path: unknown field (a setting of data.source folder / packed, not digits: "
+    assert str(caught.value) == said + (
+        f"`cnnkit train {network} data.path=...` trains the run's network, {network}, on such "
+        "data)" if network else "data.path=null leaves it out, or start from a run file "
+        "written for digits data)")  # fmt: skip
+
+
 @pytest.mark.parametrize("data, line", [
     ({"img_size": 3}, "data.img_size: unknown field (did you mean 'crop'?)"),
     ({"batch_sise": 3}, "data.batch_sise: unknown field (did you mean 'batch_size'?)"),
