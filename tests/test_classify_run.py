@@ -205,6 +205,37 @@ def test_exports_that_cannot_classify_are_refused_on_load(digits_run, digit_pngs
         Classifier(loaded)
 
 
+def test_a_checkpoint_or_export_whose_tensors_do_not_fit_names_them(digits_run, digit_pngs,
+                                                                   tmp_path, capsys):  # fmt: skip
+    """Weights edited or damaged in a checkpoint or an export: each key that does not fit is
+    named with both shapes, as a weights file's are (not torch's load_state_dict text)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from cnnkit.infer.load import load_for_inference, save_safetensors
+
+    state = torch.load(digits_run / "best.pt", weights_only=False)
+    state["model"]["conv1.weight"] = torch.zeros(3)
+    state["model"]["extra.bias"] = torch.zeros(2)
+    torch.save(state, tmp_path / "edited.pt")
+    save_safetensors(load_for_inference(digits_run), tmp_path / "m.safetensors")
+    weights = load_file(tmp_path / "m.safetensors")
+    with safe_open(tmp_path / "m.safetensors", framework="pt") as f:  # its metadata, kept
+        meta = f.metadata()
+    del weights["fc3.bias"]
+    save_file(weights, tmp_path / "cut.safetensors", metadata=meta)
+    for target, said in [
+        ("edited.pt", "1 unexpected (extra.bias); 1 mis-shaped (conv1.weight: file (3), network "
+         "(32, 1, 3, 3))"),
+        ("cut.safetensors", "1 missing (fc3.bias)"),
+    ]:  # fmt: skip
+        code, out, err = run_cli(["classify", str(tmp_path / target), str(digit_pngs[0][0])],
+                                 capsys)  # fmt: skip
+        assert (code, out) == (1, "") and err == (
+            f"cnnkit: error: {tmp_path / target}: does not fit digitnet: {said}\n"
+        ), err
+
+
 def test_a_mean_image_run_says_its_mean_is_approximated(digits_run, capsys, monkeypatch):
     """A checkpoint from before they kept the mean image has its channel averages only:
     classifying with such a run says so; a per-channel run (and drawing one) says nothing."""

@@ -21,7 +21,7 @@ from cnnkit.errors import (
     validation_message,
 )
 from cnnkit.nn import build_model
-from cnnkit.nn.weights import MEAN_IMAGE_KEY, check_finite_weights
+from cnnkit.nn.weights import MEAN_IMAGE_KEY, check_finite_weights, check_state_fits
 
 
 def load_trained(target: str | Path, device: Any = "cpu",
@@ -41,6 +41,7 @@ def load_trained(target: str | Path, device: Any = "cpu",
         if ema and not state.get("ema"):
             raise CheckpointError(f"{path}: no moving average of the weights (train.ema was 0)")
         weights = state["ema"] if ema else state["model"]
+        check_state_fits(model, weights, path)  # (each key named, as a weights file's)
         model.load_state_dict(weights)
         check_finite_weights(weights, path)
     except CheckpointError:
@@ -102,6 +103,7 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         raise CheckpointError(f"{path}: no cnnkit metadata (expected format {EXPORT_FORMAT!r})")
     try:
         model = build_model(json.loads(meta["model_spec"]), json.loads(meta["num_classes"]))
+        check_state_fits(model, weights, path)
         model.load_state_dict(weights)
         classes = json.loads(meta["classes"])
         preprocess = Preprocess.from_dict(json.loads(meta["preprocess"]))
@@ -111,6 +113,8 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         raise CheckpointError(
             f"{path}: a damaged export: preprocess.{validation_message(e)}"
         ) from None
+    except CheckpointError:  # (check_state_fits: each key named)
+        raise
     except (CnnkitError, KeyError, RuntimeError, TypeError, ValueError) as e:
         raise CheckpointError(
             f"{path}: its metadata or weights do not fit ({one_line(e)})"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -151,21 +151,10 @@ def load_weights(network: nn.Module, path: str | Path) -> list[str]:
     check_finite_weights(state, path)
     own = network.state_dict()
     heads = tuple(f"{h}." for h in getattr(network, "heads", ()))
-    missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
-    unexpected = [k for k in state if k not in own]
-    misshaped = [k for k in own if k in state and state[k].shape != own[k].shape]
-    fresh = [k for k in misshaped if k.startswith(heads)]
-    misshaped = [k for k in misshaped if k not in fresh]
-    if missing or unexpected or misshaped:
-        problems = [
-            _named(missing, "missing", lambda k: k),
-            _named(unexpected, "unexpected", lambda k: k),
-            _named(misshaped, "mis-shaped", lambda k: f"{k}: file {_dims(state[k])}, network {_dims(own[k])}"),
-        ]  # fmt: skip
-        name = getattr(network, "name", type(network).__name__)
-        raise CheckpointError(
-            f"{path}: does not fit {name}: " + "; ".join(p for p in problems if p)
-        )
+    fresh = [
+        k for k in own if k.startswith(heads) and k in state and state[k].shape != own[k].shape
+    ]
+    check_state_fits(network, {k: v for k, v in state.items() if k not in fresh}, path, fresh)
     state = {**state, **{k: own[k] for k in fresh}}  # heads keep their fresh initialisation
     with torch.no_grad():
         network.load_state_dict(state)
@@ -192,6 +181,32 @@ def published_keys(state: dict[str, torch.Tensor], spec: dict) -> dict[str, torc
     return out
 
 
+def check_state_fits(network: nn.Module, state: Mapping[str, Any], source: Any,
+                     fresh: Collection[str] = ()) -> None:  # fmt: skip
+    """CheckpointError naming the keys that keep `state` from loading into `network`: missing
+    (but those in `fresh`), unexpected and mis-shaped ones, with both shapes."""
+    own = network.state_dict()
+    missing = [k for k in own if k not in state and k not in fresh
+               and not k.endswith("num_batches_tracked")]  # fmt: skip
+    unexpected = [k for k in state if k not in own]
+    misshaped = [k for k in own if k in state and _shape(state[k]) != own[k].shape]
+    if missing or unexpected or misshaped:
+        problems = [
+            _named(missing, "missing", lambda k: k),
+            _named(unexpected, "unexpected", lambda k: k),
+            _named(misshaped, "mis-shaped", lambda k: f"{k}: file {_dims(state[k])}, network {_dims(own[k])}"),
+        ]  # fmt: skip
+        name = getattr(network, "name", type(network).__name__)
+        raise CheckpointError(
+            f"{source}: does not fit {name}: " + "; ".join(p for p in problems if p)
+        )
+
+
+def _shape(value: Any) -> Any:
+    """A tensor's shape (anything else, as not a tensor: never a network's shape)."""
+    return value.shape if torch.is_tensor(value) else ("not a tensor", type(value).__name__)
+
+
 def _named(keys: list[str], what: str, show: Callable[[str], str]) -> str:
     if not keys:
         return ""
@@ -199,5 +214,7 @@ def _named(keys: list[str], what: str, show: Callable[[str], str]) -> str:
     return f"{len(keys)} {what} ({listed}{', ...' if len(keys) > SHOWN else ''})"
 
 
-def _dims(t: torch.Tensor) -> str:
+def _dims(t: Any) -> str:
+    if not torch.is_tensor(t):
+        return f"a {type(t).__name__}, not a tensor"
     return "(" + ", ".join(map(str, t.shape)) + ")"
