@@ -259,6 +259,11 @@ def test_cli_writes_a_network_file_and_reports_errors(tmp_path, capsys):
     assert run_cli(["import-caffe", str(DATA / "unsupported.prototxt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'SPP'" in err
+    assert run_cli(["import-caffe", str(out)]) == 2
+    assert "alexnet.yaml: a network file is cnnkit's own already" in capsys.readouterr().err
+    assert run_cli(["import-caffe", str(DATA / "lenet.prototxt"), "--keep-bgr"]) == 0
+    assert capsys.readouterr().err == ("cnnkit: note: --keep-bgr changes nothing without a "
+        ".caffemodel: a network with fresh weights learns whichever order it is trained on\n")  # fmt: skip
 
 
 def test_layers_named_like_module_attributes_are_renamed(tmp_path, capsys):

@@ -182,8 +182,9 @@ def import_caffe(
     keep_bgr: bool = typer.Option(
         False,
         "--keep-bgr",
-        help="Keep the first convolution reading Caffe's BGR order, with no preprocess: for a "
-        "net trained on RGB images (by default its input channels are reversed to RGB).",
+        help="With a .caffemodel: keep the first convolution reading Caffe's BGR order, with no "
+        "preprocess, for a net trained on RGB images (by default its input channels are "
+        "reversed to RGB and Caffe's preprocess written).",
     ),
 ) -> None:
     """Translate a Caffe prototxt (and its .caffemodel weights) into a cnnkit network file."""
@@ -193,6 +194,9 @@ def import_caffe(
     from cnnkit.nn import build_model
 
     _writable(out, prototxt, caffemodel, example="net.yaml")
+    if prototxt.suffix.lower() in (".yaml", ".yml"):
+        raise ConfigError(f"{prototxt}: a network file is cnnkit's own already (info, train and "
+                          "classify read it); import-caffe reads a Caffe .prototxt")  # fmt: skip
     if caffemodel is not None and out is None:
         raise ConfigError(
             "import-caffe with a .caffemodel needs -o NET.yaml: its weights go beside it"
@@ -206,6 +210,9 @@ def import_caffe(
     if caffemodel is not None and weights.exists() and not _imported_beside(out, weights):
         raise ConfigError(f"{weights}: exists, and is not the weights of an earlier import to "
                           f"{out.name}: move it, or give -o another name")  # fmt: skip
+    if keep_bgr and caffemodel is None:  # fresh weights: no colour order, no preprocess
+        typer.echo("cnnkit: note: --keep-bgr changes nothing without a .caffemodel: a network "
+                   "with fresh weights learns whichever order it is trained on", err=True)  # fmt: skip
     imported = read_caffe(prototxt, caffemodel, keep_bgr)  # weights checked against the network
     model, state = imported.model, imported.state
     net = build_model(model, device="meta")  # checks every shape before anything is written
