@@ -288,6 +288,17 @@ def test_a_path_given_on_the_command_line_brings_its_source(shapes, tmp_path):
         load_run(run, [f"data.path={tmp_path / 'packed'}", "data.source=packed"])
 
 
+def test_resize_mode_takes_packs_name_for_shorter_side_resizing(shapes):
+    """`pack --resize shorter-side-crop` is data.resize_mode shorter: either name, in either."""
+    from cnnkit.data.base import Preprocess
+
+    config = load_run("resnet18", [f"data.path={shapes}", "data.resize_mode=shorter-side-crop"])
+    assert config.data.resize_mode == "shorter"
+    assert Preprocess(channels=3, crop=8, resize_mode="shorter-side-crop").resize_mode == "shorter"
+    with pytest.raises(ConfigError, match="data.resize_mode: Input should be 'squash' or"):
+        load_run("resnet18", [f"data.path={shapes}", "data.resize_mode=short"])
+
+
 def test_a_crop_left_out_fits_before_the_crops_own_checks(shapes):
     """data.size 32 for lenet5 was refused as smaller than AlexNet's crop of 227."""
     config = load_run({"model": "lenet5", "data": {"path": str(shapes), "size": 32}})

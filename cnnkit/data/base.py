@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from cnnkit.data.resize import ResizeSetting
 from cnnkit.data.scan import printable
 from cnnkit.errors import ConfigError, validation_message
 
@@ -200,7 +201,7 @@ class Preprocess(Section):
     channels: int = Field(ge=1, le=4, description="1 (grey) or 3 (RGB)")
     crop: int = Field(ge=1, le=MAX_SIDE, description="network input height = width")
     resize: int | None = Field(None, ge=1, le=MAX_SIDE, description="resize to this first")
-    resize_mode: Literal["squash", "shorter"] = "squash"
+    resize_mode: ResizeSetting = "squash"
     mean: list[float] = Field(default_factory=lambda: [0.0], min_length=1, max_length=4)
     std: list[float] = Field(default_factory=lambda: [255.0], min_length=1, max_length=4)
 

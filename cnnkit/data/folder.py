@@ -37,7 +37,7 @@ from cnnkit.data.regions import (
     open_image,
     smaller_than,
 )
-from cnnkit.data.resize import box_region
+from cnnkit.data.resize import ResizeSetting, box_region
 from cnnkit.data.scan import printable, scan_folder
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError
@@ -178,9 +178,7 @@ class FolderConfig(ImageSetConfig):
         f"{MAX_SIDE}: what a trained network may read; left out with crop: 8/7 of the "
         "network's side, 256 from 224 to 256; left out with a data.crop over 256: its 8/7)",
     )
-    resize_mode: Literal["squash", "shorter"] = Field(
-        "squash", description="or shorter side + crop"
-    )
+    resize_mode: ResizeSetting = Field("squash", description="or shorter side + crop")
 
     default_stats = (IMAGENET_MEAN, IMAGENET_STD)  # (ClassVar)
 

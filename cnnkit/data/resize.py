@@ -4,13 +4,18 @@ one torchvision's resize runs) throughout."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import BeforeValidator
 
 ResizeMode = Literal["squash", "shorter"]
+# a setting's: `pack --resize`'s name for shorter, shorter-side-crop, read as it too
+ResizeSetting = Annotated[
+    ResizeMode, BeforeValidator(lambda v: "shorter" if v == "shorter-side-crop" else v)
+]
 
 
 Flipped = tuple[bool, bool]  # (rows, columns) reversed when the picture is turned upright
