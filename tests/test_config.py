@@ -450,7 +450,7 @@ def test_a_new_run_needs_held_out_images(tmp_path):
 
 
 def test_missing_run_file_or_zoo_name(tmp_path):
-    with pytest.raises(ConfigError, match="neither a zoo run"):
+    with pytest.raises(ConfigError, match="neither a zoo run or network"):
         load_run("no-such-run")
     (tmp_path / "run.yaml").write_text("name: x\nmodel: digitnet\n")
     with pytest.raises(ConfigError, match=f"did you mean '{tmp_path / 'run.yaml'}'"):

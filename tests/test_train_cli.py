@@ -21,7 +21,7 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(
     "argv, code, words",
     [
-        (["train", "nosuchrun"], 2, "neither a zoo run"),
+        (["train", "nosuchrun"], 2, "neither a zoo run or network"),
         (["train", "digts"], 2, "nor a run file (did you mean 'digits'?)"),
         (
             ["train", "alexnet"],

@@ -17,7 +17,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
 
 def train(
-    run: str = typer.Argument(None, help="A zoo run (digits, faces, ...) or a run file."),
+    run: str = typer.Argument(
+        None,
+        help="A zoo run (digits, faces, ...), a run file, or a zoo network or network "
+        "file with its data (NET data.path=DIR).",
+    ),
     overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<name>-<time>)."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory."),
@@ -185,7 +189,9 @@ def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restart
 
 def show_config(
     run: str = typer.Argument(
-        ..., help="A zoo run, a run file, a run directory or a checkpoint in one."
+        ...,
+        help="A zoo run, a run file, a network with its data (NET data.path=DIR), a run "
+        "directory or a checkpoint in one.",
     ),
     overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
     changed: bool = typer.Option(False, "--changed", help="Only the settings off their default."),

@@ -287,8 +287,9 @@ def _read_run(run: str | Path | dict[str, Any],
             raise ConfigError(_folder_given(path))
         if str(run) not in RUNS:
             files = _yaml_files_beside(path) if path.suffix.lower() in (".yaml", ".yml") else []
-            raise ConfigError(f"{brief(str(run), 80)} is neither a zoo run ('cnnkit zoo' lists "
-                              f"them) nor a run file{suggest(str(run), [*RUNS, *NETS, *files])}")  # fmt: skip
+            raise ConfigError(f"{brief(str(run), 80)} is neither a zoo run or network ('cnnkit "
+                              f"zoo' lists them) nor a run file"
+                              f"{suggest(str(run), [*RUNS, *NETS, *files])}")  # fmt: skip
         path = net_path(str(run))
     data = read_yaml(path)
     if not isinstance(data, dict) or "model" not in data:
