@@ -34,9 +34,11 @@ def test_sync_batchnorm_conversion_keeps_the_network_running_its_layers():
     assert ran  # the converted layer is the one that runs
 
 
-def test_sync_batchnorm_on_cpus_is_one_line():
+def test_sync_batchnorm_on_cpus_is_one_line(capsys):
+    """Several CPU processes are refused; one process keeps ordinary batch norms, said."""
     from cnnkit.distributed import Local
     from cnnkit.errors import ConfigError
+    from cnnkit.train.checks import check_processes
 
     class TwoOnCpus(Local):  # the check comes before any collective
         world_size = 2
@@ -44,6 +46,11 @@ def test_sync_batchnorm_on_cpus_is_one_line():
     config = validate_run({**BASE, "train": {**BASE["train"], "sync_bn": True}})
     with pytest.raises(ConfigError, match="sync_bn: SyncBatchNorm runs on CUDA devices only"):
         fit(config, Path("/nonexistent/never-written"), quiet=True, dist=TwoOnCpus())
+    capsys.readouterr()
+    check_processes(config, 1, torch.device("cpu"), None)
+    assert capsys.readouterr().err == ("cnnkit: note: train.sync_bn: one process, so its batch "
+        "norms stay ordinary ones (SyncBatchNorm shares statistics between processes: --nproc "
+        "N)\n")  # fmt: skip
 
 
 def test_a_step_on_an_all_unreadable_batch_leaves_batchnorms_statistics_alone():

@@ -5,6 +5,7 @@ devices), the micro-batches a BatchNorm sees, the epochs a resume asks for."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,9 @@ def check_processes(config: RunConfig, world_size: int, device: torch.device,
     if config.train.sync_bn and world_size > 1 and device.type != "cuda":
         raise ConfigError("train.sync_bn: SyncBatchNorm runs on CUDA devices only; leave it out "
                           f"on {device.type} (each process then keeps its own statistics)")  # fmt: skip
+    if config.train.sync_bn and world_size == 1:
+        print("cnnkit: note: train.sync_bn: one process, so its batch norms stay ordinary ones "
+              "(SyncBatchNorm shares statistics between processes: --nproc N)", file=sys.stderr)  # fmt: skip
 
 
 def check_world_size(state: dict[str, Any], world_size: int) -> None:
