@@ -213,6 +213,18 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
     assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
 
 
+def test_layers_header_says_kernels_per_layer_where_layers_run_their_own():
+    """A plan of kernels per layer runs some layers channels-last whatever the input's layout:
+    the header says so, not NCHW alone."""
+    from cnnkit.bench.layers import bench_layers
+
+    cpu = torch.device("cpu")
+    planned = bench_layers({"model": TINY}, 2, cpu, repeats=1, kernels={"c1": "nhwc"})
+    plain = bench_layers({"model": TINY}, 2, cpu, repeats=1)
+    assert planned["memory_format"] == "NCHW input, kernels per layer"
+    assert plain["memory_format"] == "NCHW"
+
+
 BN_ON_VECTORS = {"name": "bn2", "input": [3, 16, 16], "num_classes": 3, "layers": [
     {"name": "c1", "type": "conv", "out_channels": 8, "kernel_size": 3},
     {"name": "pool", "type": "adaptive_avgpool", "output_size": 1},

@@ -136,6 +136,8 @@ def bench_layers(
     per layer (nn/kernels.py), as training runs them."""
     runner = Runner(device, precision, warmup, repeats)
     layout = "channels_last" if channels_last else "NCHW"
+    if kernels:  # each layer in its own kernel's layout: the settings line names them
+        layout = f"{layout} input, kernels per layer"
     model = load_network(net, device, num_classes, channels_last).train()  # as in training
     set_kernels(model, kernels or {})
     x, y = synthetic_batch(model, batch, device, channels_last)
