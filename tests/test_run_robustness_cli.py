@@ -57,7 +57,8 @@ OVERRIDES = [  # (override, a piece of the message)
     ("=5", "expected key=value"),
     ("train", "expected key=value"),
     ("train..lr=1", "expected key=value"),
-    ("data=5", "data: Input should be a valid dictionary"),
+    ("data=5", "override 'data=5': data is a section: set its settings one by one (data.KEY"),
+    ("train=5", "override 'train=5': train is a section: set its settings one by one"),
     ("train.lr.x=1", "lr is not a section"),
 ]
 

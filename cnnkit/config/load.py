@@ -189,6 +189,12 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
         raise error from None
 
 
+MAPPING_SECTIONS = (
+    "data",
+    "train",
+)  # a run's sections that only a mapping sets (model: a name too)
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Set `a.b.c=value` in a nested mapping; the value is parsed as YAML (numbers, lists...)."""
     key, sep, text = item.partition("=")
@@ -206,6 +212,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = text
     node = raw
     *parents, leaf = key.split(".")
+    if not parents and leaf in MAPPING_SECTIONS and not isinstance(value, dict):
+        raise ConfigError(f"override {item!r}: {leaf} is a section: set its settings one by "
+                          f"one ({leaf}.KEY=VALUE)")  # fmt: skip
     for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
