@@ -213,16 +213,22 @@ def test_cli_layers_json_is_the_last_line(tmp_path, capsys):
     assert report["precision"] == "fp32" and report["forward_whole_ms"] > 0
 
 
-def test_layers_header_says_kernels_per_layer_where_layers_run_their_own():
+def test_layers_header_says_where_layers_run_in_their_own_layouts():
     """A plan of kernels per layer runs some layers channels-last whatever the input's layout:
-    the header says so, not NCHW alone."""
-    from cnnkit.bench.layers import bench_layers
+    the header says so, not NCHW alone (a plan in the input's own layout changes nothing)."""
+    from rich.console import Console
+
+    from cnnkit.bench.layers import bench_layers, print_layers
 
     cpu = torch.device("cpu")
     planned = bench_layers({"model": TINY}, 2, cpu, repeats=1, kernels={"c1": "nhwc"})
-    plain = bench_layers({"model": TINY}, 2, cpu, repeats=1)
-    assert planned["memory_format"] == "NCHW input, kernels per layer"
-    assert plain["memory_format"] == "NCHW"
+    assert (planned["memory_format"], planned["layouts_per_layer"]) == ("NCHW", True)
+    for kernels in ({}, {"c1": "nchw", "fc": "onednn"}):
+        plain = bench_layers({"model": TINY}, 2, cpu, repeats=1, kernels=kernels)
+        assert (plain["memory_format"], plain["layouts_per_layer"]) == ("NCHW", False)
+    console = Console(width=200, record=True)
+    print_layers(planned, console)
+    assert "fp32  NCHW input, layouts per layer  median of 1" in console.export_text()
 
 
 BN_ON_VECTORS = {"name": "bn2", "input": [3, 16, 16], "num_classes": 3, "layers": [

@@ -260,7 +260,9 @@ def test_cli_writes_a_network_file_and_reports_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'SPP'" in err
     assert run_cli(["import-caffe", str(out)]) == 2
-    assert "alexnet.yaml: a network file is cnnkit's own already" in capsys.readouterr().err
+    assert "alexnet.yaml: a cnnkit YAML file (info, train and classify" in capsys.readouterr().err
+    assert run_cli(["import-caffe", str(tmp_path / "nosuch.yaml")]) == 2
+    assert "nosuch.yaml" in (err := capsys.readouterr().err) and "cnnkit YAML" not in err
     assert run_cli(["import-caffe", str(DATA / "lenet.prototxt"), "--keep-bgr"]) == 0
     assert capsys.readouterr().err == ("cnnkit: note: --keep-bgr changes nothing without a "
         ".caffemodel: a network with fresh weights learns whichever order it is trained on\n")  # fmt: skip
@@ -403,12 +405,10 @@ def test_the_forks_depthwise_convolution_is_a_group_per_channel():
     )
     assert net.d.groups == net.d.in_channels == net.d.out_channels == 3
     assert net.d.weight.shape == (3, 1, 3, 3)
-    with pytest.raises(ConfigError, match="over 3 channels needs num_output 3"):
-        translate(
-            parse_prototxt(
-                INPUT + _layer("d", "ConvolutionDepthwise", ["data"], "d", dw.format(6, "group: 3"))
-            )
-        )
+    for kind in ("ConvolutionDepthwise", "DepthwiseConvolution"):  # each fork's own name
+        with pytest.raises(ConfigError, match=f"{kind} over 3 channels needs num_output 3"):
+            translate(parse_prototxt(INPUT + _layer("d", kind, ["data"], "d",
+                                                    dw.format(6, "group: 3"))))  # fmt: skip
 
 
 def _mults(net: nn.Module, param: str) -> tuple[float, float]:
@@ -621,6 +621,8 @@ def _bnll(x: torch.Tensor) -> torch.Tensor:
     ("ReLU6", "", F.relu6),
     ("Power", "power_param { power: 2 scale: 0.5 shift: 1 }", lambda x: (1 + 0.5 * x) ** 2),
     ("Power", "power_param { scale: -3 }", lambda x: -3 * x),
+    ("Power", "power_param { power: 2 scale: 0 shift: 3 }", lambda x: torch.full_like(x, 9.0)),
+    ("Power", "power_param { power: 0 scale: 2 }", torch.ones_like),
 ])  # fmt: skip
 def test_activations_import_as_caffe_computes_them(kind, params, reference):
     net = build_model(translate(parse_prototxt(INPUT + _layer("a", kind, ["data"], "a", params))))
@@ -667,8 +669,11 @@ def test_the_shufflenet_ports_shuffle_channel_is_torchs_channel_shuffle():
         expected = _caffe_shuffle(cat, 3)
         torch.testing.assert_close(expected, nn.ChannelShuffle(3)(cat), rtol=0, atol=0)
         torch.testing.assert_close(net(x), expected[:, :6] + expected[:, 6:], rtol=0, atol=0)
-    plain = translate(parse_prototxt(INPUT + _layer("s", "ShuffleChannel", ["data"], "s")))
-    assert plain["layers"] == [{"name": "s", "type": "channel_shuffle", "groups": 1}]
+    for params in ("", "shuffle_channel_param { group: 9 }"):  # 1 or 9 rows of 9: the same order
+        same = INPUT + _layer("c", "Convolution", ["data"], "c", CONV.format(9)) + _layer(
+            "s", "ShuffleChannel", ["c"], "s", params) + _layer("r", "ReLU", ["s"], "r")  # fmt: skip
+        assert [layer["type"] for layer in translate(parse_prototxt(same))["layers"]] == [
+            "conv", "relu"]  # fmt: skip
 
 
 @pytest.mark.parametrize("params, words", [

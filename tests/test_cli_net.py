@@ -170,7 +170,7 @@ def test_num_classes_for_a_network_that_does_not_size_by_it_is_one_line(tmp_path
     assert code == 0 and "output: 7x8x8" in out, err
 
 
-def test_show_net_and_export_size_a_network_without_a_class_count(tmp_path, capsys):
+def test_show_net_and_export_size_a_network_without_a_class_count(tmp_path, capsys, digits_run):
     """A network file that leaves num_classes to the data: drawn and exported with
     --num-classes, as info describes it; a trained run keeps its own classes."""
     import onnx
@@ -195,11 +195,23 @@ def test_show_net_and_export_size_a_network_without_a_class_count(tmp_path, caps
                             "3"], capsys)  # fmt: skip
     assert code == 2 and "no layer of" in err and "(its output is 7)" in err
     assert not (tmp_path / "s.onnx").exists()
-    run = tmp_path / "run.pt"
-    run.write_bytes(b"not read: refused first")
-    code, _, err = run_cli(["export", str(run), "-o", str(tmp_path / "r.onnx"), "--num-classes",
-                            "3"], capsys)  # fmt: skip
-    assert code == 2 and "was trained for its own classes" in err, err
+    named = tmp_path / "named.yaml"  # its class names, or weights trained for its own classes
+    named.write_text(net.read_text().replace("model:\n", "model:\n  classes: [a, b, c]\n"))
+    weighted = tmp_path / "weighted.yaml"
+    weighted.write_text(net.read_text().replace("model:\n", "model:\n  weights: w.safetensors\n"))
+    folder = tmp_path / "photos"  # not a run: said as such, not as trained
+    folder.mkdir()
+    for target, said in [(named, f"--num-classes 5: {named} names 3 classes (classes:)"),
+                         (weighted, f"--num-classes 5: {weighted} loads weights ({tmp_path}/w."
+                          "safetensors), trained for its own classes"),
+                         (folder, f"{folder}: not a run directory")]:  # fmt: skip
+        code, _, err = run_cli(["export", str(target), "-o", str(tmp_path / "x.onnx"),
+                                "--num-classes", "5"], capsys)  # fmt: skip
+        assert code in (1, 2) and said in err and not (tmp_path / "x.onnx").exists(), err
+    for trained in (digits_run, digits_run / "best.pt"):
+        code, _, err = run_cli(["export", str(trained), "-o", str(tmp_path / "r.onnx"),
+                                "--num-classes", "3"], capsys)  # fmt: skip
+        assert code == 2 and f"{trained} was trained for its own classes" in err, err
 
 
 @pytest.mark.parametrize("size", [[1, 1, 16000], [1, 9000, 9000]])

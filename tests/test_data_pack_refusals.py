@@ -60,6 +60,11 @@ def test_folders_that_would_change_the_classes_are_refused_and_nothing_is_writte
         code, _, err = run_cli(["pack", str(tmp_path / "empty class"), str(tmp_path / "dst"),
                                 *option], capsys)  # fmt: skip
         assert code == 2 and words in err and not (tmp_path / "dst").exists(), err
+    from cnnkit.data.pack import pack_folder  # either name of the mode, from Python too
+
+    pack_folder(tmp_path / "empty class", tmp_path / "dst", size=8, resize="shorter-side-crop",
+                progress=False)  # fmt: skip
+    assert json.loads((tmp_path / "dst/meta.json").read_text())["resize"] == "shorter"
 
 
 def test_a_failed_pack_keeps_the_users_own_files(tmp_path, capsys):

@@ -47,6 +47,8 @@ def test_sync_batchnorm_on_cpus_is_one_line(capsys):
     with pytest.raises(ConfigError, match="sync_bn: SyncBatchNorm runs on CUDA devices only"):
         fit(config, Path("/nonexistent/never-written"), quiet=True, dist=TwoOnCpus())
     capsys.readouterr()
+    check_processes(config, 1, torch.device("cpu"), None, notes=False)  # (--nproc's own check)
+    assert capsys.readouterr().err == ""
     check_processes(config, 1, torch.device("cpu"), None)
     assert capsys.readouterr().err == ("cnnkit: note: train.sync_bn: one process, so its batch "
         "norms stay ordinary ones (SyncBatchNorm shares statistics between processes: --nproc "

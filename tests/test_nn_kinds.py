@@ -125,6 +125,16 @@ def test_layer_matches_torch(layer, ref):
     assert tuple(model(x).shape[1:]) == model.output_shape
 
 
+def test_power_with_scale_or_power_zero_is_caffes_constant_whatever_the_input():
+    """Caffe's PowerLayer writes 1 (power 0) or shift ** power (scale 0) over every value."""
+    x = torch.tensor([[[[float("inf"), float("nan"), -2.0]]]])
+    with torch.no_grad():
+        scaled = one_layer({"type": "power", "power": 2.0, "scale": 0.0, "shift": 3.0}, [1, 1, 3])
+        assert torch.equal(scaled(x), torch.full_like(x, 9.0))
+        assert torch.equal(one_layer({"type": "power", "power": 0.0}, [1, 1, 3])(x),
+                           torch.ones_like(x))  # fmt: skip
+
+
 def test_layernorm_and_linear_on_vectors_are_torchs():
     norm = one_layer({"type": "layernorm"}, [6])
     fc = one_layer({"type": "linear", "out_features": 3, "flatten": False}, [6])

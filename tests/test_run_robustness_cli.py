@@ -63,6 +63,15 @@ OVERRIDES = [  # (override, a piece of the message)
 ]
 
 
+def test_a_section_left_empty_in_a_run_file_takes_its_defaults_and_overrides(tmp_path):
+    """`train:` with nothing under it (YAML's null) is the section's defaults, set key by key
+    as any other (it was pydantic's 'valid dictionary', then 'train is not a section')."""
+    run = tmp_path / "run.yaml"
+    run.write_text("model: digitnet\ndata: {source: digits}\ntrain:\n")
+    assert load_run(run).train.lr == 0.01
+    assert load_run(run, ["train.lr=0.1"]).train.lr == 0.1
+
+
 @pytest.mark.parametrize("override,expected", OVERRIDES, ids=[o for o, _ in OVERRIDES])
 def test_bad_override_is_one_line_and_writes_nothing(override, expected, tmp_path, capsys,
                                                      monkeypatch):  # fmt: skip

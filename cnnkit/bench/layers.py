@@ -20,7 +20,7 @@ from torch import nn
 from cnnkit.bench.model_setup import load_network, synthetic_batch
 from cnnkit.bench.timing import Timing, autocast, measure, timer_overhead
 from cnnkit.nn import Network
-from cnnkit.nn.kernels import set_kernels
+from cnnkit.nn.kernels import FORMATS, set_kernels
 from cnnkit.runtime import machine_name
 
 
@@ -136,8 +136,8 @@ def bench_layers(
     per layer (nn/kernels.py), as training runs them."""
     runner = Runner(device, precision, warmup, repeats)
     layout = "channels_last" if channels_last else "NCHW"
-    if kernels:  # each layer in its own kernel's layout: the settings line names them
-        layout = f"{layout} input, kernels per layer"
+    given = torch.channels_last if channels_last else torch.contiguous_format
+    mixed = any(FORMATS.get(kernel, given) != given for kernel in (kernels or {}).values())
     model = load_network(net, device, num_classes, channels_last).train()  # as in training
     set_kernels(model, kernels or {})
     x, y = synthetic_batch(model, batch, device, channels_last)
@@ -159,7 +159,7 @@ def bench_layers(
         progress("timing the whole forward, backward and step")
     whole = time_whole(model, x, y, runner)
     report = _report(model, rows, whole, runner, batch, timer_overhead(device))
-    return {**report, "memory_format": layout}
+    return {**report, "memory_format": layout, "layouts_per_layer": mixed}
 
 
 def _report(model: Network, rows: list[LayerTime], whole, runner: Runner, batch: int, overhead):
@@ -210,7 +210,7 @@ def print_layers(report: dict[str, Any], console: Any = None) -> None:
     console = console or wide_console()
     title = (
         f"{report['net']}  batch {report['batch']}  {report['device']}  {report['precision']}  "
-        f"{report['memory_format']}  "
+        f"{report['memory_format']}{' input, layouts per layer' if report.get('layouts_per_layer') else ''}  "
         f"median of {report['repeats']}"
     )
     if report.get("settings"):  # threads and kernels: the figures depend on them

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cnnkit.caffe.deploy import layer_type
 from cnnkit.caffe.fields import (
     enum,
     fillers,
@@ -49,7 +50,7 @@ class LayerTypes(ShapeTypes):
         written for: one filter per input channel, as a Convolution with a group for each."""
         p, channels = layer.sub("convolution_param"), self.shapes[self._first_bottom(layer)][0]
         out, group = integer(self.here, p, "num_output", 0), integer(self.here, p, "group", None)
-        require(self.here, out == channels and group in (None, channels), "ConvolutionDepthwise "
+        require(self.here, out == channels and group in (None, channels), f"{layer_type(layer)} "
                 f"over {channels} channels needs num_output {channels} (and group {channels} or "
                 f"none), not {out} and {group}")  # fmt: skip
         self._convolution(layer, last, groups=channels)
@@ -275,6 +276,9 @@ class LayerTypes(ShapeTypes):
         torchvision's ShuffleNet's) channel shuffle."""
         group = integer(self.here, layer.sub("shuffle_channel_param"), "group", 1)
         require(self.here, group >= 1, f"ShuffleChannel group {group}: must be 1 or more")
+        shape = self.shapes[self._first_bottom(layer)]
+        if group == 1 or (len(shape) == 3 and group == shape[0]):  # the order it had
+            return self._alias(layer, "ShuffleChannel")
         self._emit(layer, {"type": "channel_shuffle", "groups": group})
 
     def _softmax(self, layer: Message, last: bool) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 
 import typer
 
+from cnnkit.cli.net import NUM_CLASSES
+
 NET = typer.Argument(
     ..., help="A zoo name, network / run file, Caffe prototxt, run directory, checkpoint or "
     ".safetensors export (its network: the weights do not change the speed).",
@@ -40,7 +42,6 @@ WARMUP = typer.Option(
     min=0,
     help="Untimed warm-ups first (GPU: blocks of 10 steps; at least 2 with --compile).",
 )
-CLASSES = typer.Option(None, "--num-classes", min=1, help="Override the network's class count.")
 THREADS = typer.Option(
     None, "--threads", min=1, help="CPU threads (default: as cnnkit train picks)."
 )
@@ -98,7 +99,7 @@ def layers(
     channels_last: bool = CHANNELS_LAST,
     repeats: int = typer.Option(5, "--repeats", min=1, help="Timed repeats per measurement."),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Untimed calls before each measurement."),
-    num_classes: int = CLASSES,
+    num_classes: int = NUM_CLASSES,
     threads: int = THREADS,
     as_json: bool = JSON,
 ) -> None:
@@ -138,7 +139,7 @@ def train(
     compile: bool = COMPILE,
     repeats: int = REPEATS,
     warmup: int = WARMUP,
-    num_classes: int = CLASSES,
+    num_classes: int = NUM_CLASSES,
     baseline: bool = BASELINE,
     quick: bool = QUICK,
     threads: int = THREADS,
@@ -160,7 +161,7 @@ def infer(
     compile: bool = INFER_COMPILE,
     repeats: int = REPEATS,
     warmup: int = WARMUP,
-    num_classes: int = CLASSES,
+    num_classes: int = NUM_CLASSES,
     baseline: bool = BASELINE,
     quick: bool = QUICK,
     threads: int = THREADS,

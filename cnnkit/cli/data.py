@@ -8,8 +8,6 @@ from pathlib import Path
 
 import typer
 
-RESIZE = {"squash": "squash", "shorter-side-crop": "shorter", "shorter": "shorter"}
-
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     """Add pack, synth and bench loader to the app."""
@@ -46,11 +44,9 @@ def pack(
     in DST/bad_images.tsv; a class folder with no images is refused. Resumes when run again.
     """
     from cnnkit.data.pack import pack_folder
-    from cnnkit.errors import ConfigError, plural
+    from cnnkit.errors import plural
 
-    if resize not in RESIZE:
-        raise ConfigError(f"--resize: {resize!r} is not squash or shorter-side-crop")
-    s = pack_folder(src, dst, size, RESIZE[resize], format, quality, workers, labels)
+    s = pack_folder(src, dst, size, resize, format, quality, workers, labels)
     done = f"{plural(s.images, 'image')} of {plural(s.classes, 'class', 'classes')}"
     if s.resumed_shards == s.shards:
         print(f"already packed: {done} in {dst}")

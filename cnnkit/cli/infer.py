@@ -1,4 +1,4 @@
-"""Inference commands: classify, export, import-caffe, show filters / show net."""
+"""Inference commands: classify, export, show filters / show net, detect (import-caffe: cli/caffe.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from cnnkit.cli.net import NUM_CLASSES
+from cnnkit.cli.outputs import writable_out
 from cnnkit.errors import CnnkitError, plural
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without torch
@@ -16,13 +18,14 @@ if TYPE_CHECKING:  # imported where used: the CLI starts without torch
 TARGET_HELP = ("A run directory, checkpoint (.pt), .safetensors export, or network file with "
                "weights: (a YAML file naming trained weights).")  # fmt: skip
 EMA_HELP = "The run's moving average of the weights (train.ema), from its best_ema.pt."
-IMPORT_HEADER = "imported by cnnkit import-caffe from"  # a network file's first line
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     """Add this area's commands to the app."""
     app.command("classify")(classify)
     app.command("export")(export)
+    from cnnkit.cli.caffe import import_caffe
+
     app.command("import-caffe")(import_caffe)
     app.command("detect")(detect)
     show = typer.Typer(
@@ -115,9 +118,7 @@ def export(
         False, "--check", help="Compare the export with PyTorch (ONNX: in ONNX Runtime)."
     ),
     ema: bool = typer.Option(False, "--ema", help=EMA_HELP),
-    num_classes: int = typer.Option(
-        None, "--num-classes", min=1, help="A network's class count (with fresh weights)."
-    ),
+    num_classes: int = NUM_CLASSES,
 ) -> None:
     """Export a trained model (or a network with fresh weights): ONNX, torch.export, safetensors."""
     from cnnkit.checkpoint import is_checkpoint, run_of_settings
@@ -131,7 +132,7 @@ def export(
         raise ConfigError(f"{target}: the settings of run {run}, without its weights: give the "
                           f"run directory {run} to export what it learned (a copy of the file "
                           "elsewhere exports the network's random initial weights)")  # fmt: skip
-    _writable(out, target, _weights_of(target), example="model.onnx")
+    writable_out(out, target, _weights_of(target), example="model.onnx")
     fmt = export_format(out, fmt)
 
     if is_checkpoint(out):
@@ -171,81 +172,16 @@ def _check_line(fmt: str, r: CheckResult) -> str:
     )
 
 
-def import_caffe(
-    prototxt: Path = typer.Argument(..., help="A Caffe deploy.prototxt."),
-    caffemodel: Path = typer.Argument(
-        None, help="Its trained .caffemodel: the weights go beside the network file."
-    ),
-    out: Path = typer.Option(
-        None, "-o", "--out", help="Write the network file here (default: print it)."
-    ),
-    keep_bgr: bool = typer.Option(
-        False,
-        "--keep-bgr",
-        help="With a .caffemodel: keep the first convolution reading Caffe's BGR order, with no "
-        "preprocess, for a net trained on RGB images (by default its input channels are "
-        "reversed to RGB and Caffe's preprocess written).",
-    ),
-) -> None:
-    """Translate a Caffe prototxt (and its .caffemodel weights) into a cnnkit network file."""
-    from cnnkit.caffe import network_yaml, read_caffe
-    from cnnkit.caffe.output import write_import
-    from cnnkit.errors import ConfigError
-    from cnnkit.nn import build_model
-
-    _writable(out, prototxt, caffemodel, example="net.yaml")
-    if prototxt.suffix.lower() in (".yaml", ".yml"):
-        raise ConfigError(f"{prototxt}: a network file is cnnkit's own already (info, train and "
-                          "classify read it); import-caffe reads a Caffe .prototxt")  # fmt: skip
-    if caffemodel is not None and out is None:
-        raise ConfigError(
-            "import-caffe with a .caffemodel needs -o NET.yaml: its weights go beside it"
-        )
-    if out is not None and out.suffix.lower() not in (".yaml", ".yml"):
-        raise ConfigError(f"-o {out}: import-caffe writes a network file: name it .yaml")
-    if out is not None and out.exists() and not _written_by_import(out):
-        raise ConfigError(f"-o {out}: exists, and is not the network file of an earlier "
-                          "import (its first line says so): move it, or give -o another name")  # fmt: skip
-    weights = out.with_suffix(".safetensors") if out is not None else None
-    if caffemodel is not None and weights.exists() and not _imported_beside(out, weights):
-        raise ConfigError(f"{weights}: exists, and is not the weights of an earlier import to "
-                          f"{out.name}: move it, or give -o another name")  # fmt: skip
-    if keep_bgr and caffemodel is None:  # fresh weights: no colour order, no preprocess
-        typer.echo("cnnkit: note: --keep-bgr changes nothing without a .caffemodel: a network "
-                   "with fresh weights learns whichever order it is trained on", err=True)  # fmt: skip
-    imported = read_caffe(prototxt, caffemodel, keep_bgr)  # weights checked against the network
-    model, state = imported.model, imported.state
-    net = build_model(model, device="meta")  # checks every shape before anything is written
-    header = f"{IMPORT_HEADER} {prototxt.name}"
-    if state is not None:
-        model = {**model, "weights": out.with_suffix(".safetensors").name}
-        header += f" and {caffemodel.name}"
-    text = network_yaml(model, "\n".join([header, *imported.notes]))
-    if out is None:
-        typer.echo(text, nl=False)
-        return
-    write_import(out, text, state)
-    params = sum(p.numel() for p in net.parameters())
-    shape = "x".join(map(str, net.output_shape))
-    also = f" and {out.with_suffix('.safetensors')}" if state is not None else ""
-    typer.echo(
-        f"wrote {out}{also}: {plural(len(net.table), 'layer')}, {params:,} parameters, "
-        f"output {shape}"
-    )
-
-
 def show_net(
     net: str = typer.Argument(..., help="A zoo name, network file, Caffe prototxt, run or export."),
     out: Path = typer.Option(..., "-o", "--out", help="Image file: .png, .svg or .pdf."),
-    num_classes: int = typer.Option(
-        None, "--num-classes", min=1, help="Override the file's class count."
-    ),
+    num_classes: int = NUM_CLASSES,
 ) -> None:
     """Draw the layer graph (layered like graphviz's dot; every edge in sight; SVG text is text)."""
     from cnnkit.cli.net import network_for
     from cnnkit.infer.show import NET_SUFFIXES, check_suffix, draw_net
 
-    _writable(out, net, example="net.png", picture=True)
+    writable_out(out, net, example="net.png", picture=True)
     check_suffix(out, NET_SUFFIXES)
     network = network_for(net, num_classes)  # (as info: the graph, built as info builds it)
     draw_net(network, out)
@@ -266,7 +202,7 @@ def show_filters(
     if run is not None:  # its random initial filters, where the learned ones lie beside it
         raise ConfigError(f"{target}: the settings of run {run}, without its weights: give the "
                           f"run directory {run} to draw what it learned")  # fmt: skip
-    _writable(out, target, example="filters.png", picture=True)
+    writable_out(out, target, example="filters.png", picture=True)
     check_suffix(out, IMAGE_SUFFIXES)
     loaded = load_for_inference(target)
     shape = draw_filters(loaded.model, out, loaded.trained, source=target)
@@ -305,7 +241,7 @@ def detect(
     from cnnkit.runtime import keep_freed_memory
 
     keep_freed_memory()  # window batch after window batch: the same large buffers
-    _writable(out, target, image, example="boxes.png", picture=True)
+    writable_out(out, target, image, example="boxes.png", picture=True)
     if out is not None:
         check_suffix(out, IMAGE_SUFFIXES)  # before the search, not after it
     picture = to_hwc(image)
@@ -327,51 +263,6 @@ def detect(
         typer.echo(f"wrote {out}: {plural(len(boxes), 'box', 'boxes')}", err=as_json)
 
 
-def _writable(out: Path | None, *inputs: str | Path | None, example: str,
-              picture: bool = False) -> None:  # fmt: skip
-    """One clear line instead of a traceback when -o points into a missing folder or names one
-    (`example`: a file name to suggest in it), and instead of overwriting a file the command
-    reads (`inputs`), or, for a `picture`, any file but a picture cnnkit drew."""
-    from cnnkit.errors import ConfigError
-
-    for given in inputs:
-        if out is not None and given is not None and _same_file(out, Path(given)):
-            raise ConfigError(f"-o {out}: is the input {given}; give the output a name of its own")
-    if out is not None and out.is_dir():
-        raise ConfigError(f"-o {out}: is a folder; give the file to write (e.g. {out / example})")
-    if out is not None and out.exists() and not out.is_file():  # never read, nor renamed over
-        from cnnkit.data.decode import file_kind
-
-        raise ConfigError(f"-o {out}: is {file_kind(out.stat().st_mode)}, not a file to write; "
-                          "give a file name")  # fmt: skip
-    from cnnkit.train.rundir import RUN_FILES
-
-    own = (*RUN_FILES, "curves.png")
-    if (
-        out is not None
-        and out.name in own
-        and out.exists()
-        and (out.parent / "config.yaml").is_file()
-    ):
-        raise ConfigError(f"-o {out}: is a file of the run in {out.parent}, which this would "
-                          "replace: give the output a name of its own")  # fmt: skip
-    if picture and out is not None and out.is_file():
-        from cnnkit.infer.images import drawn_by_cnnkit
-
-        if not drawn_by_cnnkit(out):
-            raise ConfigError(f"-o {out}: exists, and is not a picture cnnkit drew (the only "
-                              "file a drawing replaces): give a new name")  # fmt: skip
-    if out is not None and not out.parent.is_dir():
-        what = "is a file, not a folder" if out.parent.exists() else "does not exist"
-        raise ConfigError(f"-o {out}: the folder {out.parent} {what}")
-    if out is not None:  # before any work
-        from cnnkit.runtime import cannot_write
-
-        reason = cannot_write(out.parent)
-        if reason is not None:
-            raise ConfigError(f"-o {out}: cannot write in {out.parent} ({reason})")
-
-
 def _weights_of(target: str) -> str | None:
     """The weights file a network file names (read when exporting it), else None."""
     if Path(target).suffix.lower() not in (".yaml", ".yml") or not Path(target).is_file():
@@ -379,34 +270,3 @@ def _weights_of(target: str) -> str | None:
     from cnnkit.nn import read_spec
 
     return read_spec(target).get("weights")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and b.exists() and a.samefile(b)
-    except OSError:
-        return False
-
-
-def _written_by_import(path: Path) -> bool:
-    """Whether a network file was written by import-caffe (its first line says so)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.readline().startswith(f"# {IMPORT_HEADER}")
-    except (OSError, UnicodeDecodeError):
-        return False
-
-
-def _imported_beside(out: Path, weights: Path) -> bool:
-    """True if network file `out` was written by an earlier import (its first line says so)
-    and names `weights` as its weights: that import's, which a new one may replace. A network
-    file of the user's own that names NET.safetensors does not make its weights ours."""
-    from cnnkit.errors import CnnkitError
-    from cnnkit.nn.yamlio import read_yaml
-
-    try:
-        net = read_yaml(out) if _written_by_import(out) else None
-    except (CnnkitError, OSError, UnicodeDecodeError):
-        return False
-    model = net.get("model", net) if isinstance(net, dict) else None
-    return isinstance(model, dict) and model.get("weights") == weights.name

@@ -9,6 +9,14 @@ import typer
 
 from cnnkit.zoo import NETS, RUNS
 
+# info's, show net's, export's and bench's
+NUM_CLASSES = typer.Option(
+    None,
+    "--num-classes",
+    min=1,
+    help="The network's class count, where its file sets none or another (fresh weights).",
+)
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     app.command("zoo")(zoo)
@@ -37,9 +45,7 @@ def info(
         ...,
         help="A zoo name, network / run file, Caffe prototxt, run directory, checkpoint or export.",
     ),
-    num_classes: int = typer.Option(
-        None, "--num-classes", min=1, help="Override the file's class count."
-    ),
+    num_classes: int = NUM_CLASSES,
 ) -> None:
     """Print the layer table: output shape, parameters and multiply-adds per layer, then totals."""
     from cnnkit.nn.summary import print_layer_table

@@ -151,7 +151,7 @@ def _check_group(config, nproc: int, resume, oversubscribe: bool = False) -> Non
         resolve_device(config.train.device, "train.device")
     cuda = config.train.device != "cpu" and torch.cuda.is_available()  # as each rank chooses
     state = resume_state(resume) if resume is not None else None
-    check_processes(config, nproc, torch.device("cuda" if cuda else "cpu"), state)
+    check_processes(config, nproc, torch.device("cuda" if cuda else "cpu"), state, notes=False)
     if not cuda and not oversubscribe:
         _check_cores(nproc)
 

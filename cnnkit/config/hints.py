@@ -146,8 +146,9 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
         model = raw.get("model")  # `model: digitnet` or `model: {network: digitnet, ...}`
         network = model.get("network") if isinstance(model, dict) else model
         if isinstance(network, str):  # `train digits data.path=DIR`: the network on that data
+            also = "" if key == "path" else f" data.{parts[-1]}=..."
             return (f" (a setting of data.source {' / '.join(owners)}, not {this}: `cnnkit "
-                    f"train {network} data.{parts[-1]}=...` trains the run's network, "
+                    f"train {network} data.path=DIR{also}` trains the run's network, "
                     f"{network}, on such data)")  # fmt: skip
         return (f" (a setting of data.source {' / '.join(owners)}, not {this}: "
                 f"data.{parts[-1]}=null leaves it out, or start from a run file written for "

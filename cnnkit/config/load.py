@@ -166,8 +166,9 @@ def absolute_data(raw: dict[str, Any]) -> None:
 def validate_run(raw: dict[str, Any]) -> RunConfig:
     """Validate a run mapping; the first problem becomes one ConfigError naming the field (and,
     for a mistyped one, the field meant)."""
+    empty = {s: {} for s in MAPPING_SECTIONS if s in raw and raw[s] is None}  # `train:` alone
     try:
-        return RunConfig.model_validate(raw)
+        return RunConfig.model_validate({**raw, **empty})
     except ValidationError as e:
         error = config_error(e, hide=SOURCES)
         unknown = next((x for x in e.errors() if x["type"] == "extra_forbidden"), None)
@@ -189,10 +190,8 @@ def validate_run(raw: dict[str, Any]) -> RunConfig:
         raise error from None
 
 
-MAPPING_SECTIONS = (
-    "data",
-    "train",
-)  # a run's sections that only a mapping sets (model: a name too)
+# a run's sections that only a mapping sets (model: a name too); `train:` alone: its defaults
+MAPPING_SECTIONS = ("data", "train")
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -216,6 +215,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError(f"override {item!r}: {leaf} is a section: set its settings one by "
                           f"one ({leaf}.KEY=VALUE)")  # fmt: skip
     for part in parents:
+        if node is raw and part in MAPPING_SECTIONS and node.get(part) is None:
+            node[part] = {}  # `train:` with nothing under it: the section's defaults
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: {part} is not a section")

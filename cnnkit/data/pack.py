@@ -42,6 +42,7 @@ from cnnkit.data.decode import ResizeMode
 from cnnkit.data.pack_dst import check_no_clash, shards_done, shards_to_pack, tidy, write_error
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
 from cnnkit.data.packfiles import PACK_FORMAT, is_plan, read_index, read_meta
+from cnnkit.data.resize import resize_mode
 from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError, Interrupted, one_line
 from cnnkit.runtime import atomic, available_cores
@@ -302,8 +303,10 @@ def _check_options(src: Path, size: int, resize: str, format: str, quality: int,
     if size > MAX_SIDE:  # (MAX_SIDE squared is within decode.MAX_PIXELS)
         raise ConfigError(f"--size {size}: over the limit of {MAX_SIDE} px a side (the largest "
                           "a network trained on the pack may read)")  # fmt: skip
-    if resize not in ("squash", "shorter"):
-        raise ConfigError(f"--resize: {resize!r} is not squash or shorter-side-crop")
+    try:
+        resize_mode(resize, "--resize")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if format not in SHARD_SUFFIX:
         raise ConfigError(f"--format: {format!r} is not {' or '.join(SHARD_SUFFIX)}")
 
@@ -358,6 +361,7 @@ def pack_folder(
     """Pack an image folder (class subfolders, or flat + labels file) into DST; resumable."""
     src, dst = Path(src), Path(dst)
     _check_options(src, size, resize, format, quality, shard_size)
+    resize = resize_mode(resize)  # (shorter-side-crop: shorter, as meta.json says it)
     if dst.resolve().is_relative_to(src.resolve()):  # its shards would become a class
         raise ConfigError(f"{printable(str(dst))}: inside the folder being packed "
                           f"({printable(str(src))}); pack into a folder outside it")  # fmt: skip

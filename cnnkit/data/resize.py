@@ -4,7 +4,7 @@ one torchvision's resize runs) throughout."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
@@ -12,10 +12,20 @@ import torch.nn.functional as F
 from pydantic import BeforeValidator
 
 ResizeMode = Literal["squash", "shorter"]
-# a setting's: `pack --resize`'s name for shorter, shorter-side-crop, read as it too
-ResizeSetting = Annotated[
-    ResizeMode, BeforeValidator(lambda v: "shorter" if v == "shorter-side-crop" else v)
-]
+# every name a setting takes: `pack --resize` says shorter-side-crop for shorter
+RESIZE_NAMES = {"squash": "squash", "shorter": "shorter", "shorter-side-crop": "shorter"}
+
+
+def resize_mode(name: Any, what: str = "") -> ResizeMode:
+    """The resize mode `name` stands for (either name of shorter); ValueError naming `what`
+    (a flag) and the names there are, for any other."""
+    if not isinstance(name, str) or name not in RESIZE_NAMES:
+        raise ValueError(f"{what}{what and ': '}{name!r} is not squash or shorter "
+                         "(shorter-side-crop)")  # fmt: skip
+    return RESIZE_NAMES[name]  # type: ignore[return-value]
+
+
+ResizeSetting = Annotated[ResizeMode, BeforeValidator(resize_mode)]  # a setting's
 
 
 Flipped = tuple[bool, bool]  # (rows, columns) reversed when the picture is turned upright

@@ -75,14 +75,11 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
     if ema and not (run_folder(path) or path.suffix in (".pt", ".pth")):
         raise ConfigError(f"--ema: {target} is not a run directory or checkpoint (only those keep "
                           "a moving average of the weights)")  # fmt: skip
-    trained = path.suffix in (".safetensors", ".pt", ".pth") or run_folder(path)
-    if num_classes is not None and trained:
-        raise ConfigError(f"--num-classes {num_classes}: {target} was trained for its own "
-                          "classes (--num-classes sizes a network with fresh weights)")  # fmt: skip
     if path.suffix == ".safetensors":
-        return load_safetensors(path, device)
+        return _fresh_only(load_safetensors(path, device), num_classes)
     if run_folder(path) or path.suffix in (".pt", ".pth"):
-        model, meta = load_trained(path, device, ema)
+        model, meta = load_trained(path, device, ema)  # (a folder not a run: said there)
+        _fresh_only(target, num_classes)
         preprocess = Preprocess.from_dict(meta["preprocess"])
         image = meta.get("mean_image")
         averaged = image is None and uses_mean_image(meta.get("config", {}))
@@ -90,6 +87,15 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
                       mean_image=image, mean_averaged=averaged, ran=meta.get("settings"))  # fmt: skip
     check_not_a_record(path)  # metrics.csv: said as such, not as a network file's error
     return load_network(str(target), device, num_classes)
+
+
+def _fresh_only(loaded: Any, num_classes: int | None) -> Any:
+    """`loaded` (a trained model, or its name), where no --num-classes was given."""
+    if num_classes is not None:
+        name = loaded.source if isinstance(loaded, Loaded) else loaded
+        raise ConfigError(f"--num-classes {num_classes}: {name} was trained for its own "
+                          "classes (--num-classes sizes a network with fresh weights)")  # fmt: skip
+    return loaded
 
 
 def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None) -> Loaded:
@@ -101,6 +107,10 @@ def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None)
         description = import_caffe(spec)
     else:
         description = read_spec(spec)
+    if num_classes is not None and "weights" in description:  # its head would stay untrained
+        raise ConfigError(f"--num-classes {num_classes}: {spec} loads weights ("
+                          f"{description['weights']}), trained for its own classes "
+                          "(--num-classes sizes a network with fresh weights)")  # fmt: skip
     target = torch.device(device)
     with torch.random.fork_rng(devices=[]):  # the same fresh weights at every export, drawn
         torch.default_generator.manual_seed(0)  # by the CPU's generator (CUDA's untouched)
@@ -116,7 +126,11 @@ def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None)
     preprocess = network_preprocess(spec, tuple(model.input_shape), description.get("preprocess"))
     out = tuple(model.output_shape)  # a vector of scores: one name per output
     outputs = model.num_classes or (out[0] if len(out) == 1 else 0)
-    classes = class_names(description.get("classes"), outputs, spec)
+    named = description.get("classes")
+    if num_classes is not None and isinstance(named, list) and len(named) != num_classes:
+        raise ConfigError(f"--num-classes {num_classes}: {spec} names {len(named)} classes "
+                          "(classes:)")  # fmt: skip
+    classes = class_names(named, outputs, spec)
     return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
 
 

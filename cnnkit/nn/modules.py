@@ -18,13 +18,16 @@ class ScaledTanh(nn.Module):
 
 class Power(nn.Module):
     """(shift + scale * x) ** power, element by element (Caffe's Power layer); the steps that
-    change nothing are left out."""
+    change nothing are left out. Where power or scale is 0, the constant Caffe writes (1, or
+    shift ** power), whatever x holds (inf and nan too)."""
 
     def __init__(self, power: float, scale: float, shift: float):
         super().__init__()
         self.power, self.scale, self.shift = power, scale, shift
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.power * self.scale == 0.0:
+            return torch.full_like(x, 1.0 if self.power == 0.0 else self.shift**self.power)
         if self.scale != 1.0:
             x = x * self.scale
         if self.shift != 0.0:

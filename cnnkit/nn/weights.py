@@ -189,7 +189,7 @@ def check_state_fits(network: nn.Module, state: Mapping[str, Any], source: Any,
     missing = [k for k in own if k not in state and k not in fresh
                and not k.endswith("num_batches_tracked")]  # fmt: skip
     unexpected = [k for k in state if k not in own]
-    misshaped = [k for k in own if k in state and _shape(state[k]) != own[k].shape]
+    misshaped = [k for k in own if k in state and state[k].shape != own[k].shape]
     if missing or unexpected or misshaped:
         problems = [
             _named(missing, "missing", lambda k: k),
@@ -202,11 +202,6 @@ def check_state_fits(network: nn.Module, state: Mapping[str, Any], source: Any,
         )
 
 
-def _shape(value: Any) -> Any:
-    """A tensor's shape (anything else, as not a tensor: never a network's shape)."""
-    return value.shape if torch.is_tensor(value) else ("not a tensor", type(value).__name__)
-
-
 def _named(keys: list[str], what: str, show: Callable[[str], str]) -> str:
     if not keys:
         return ""
@@ -214,7 +209,5 @@ def _named(keys: list[str], what: str, show: Callable[[str], str]) -> str:
     return f"{len(keys)} {what} ({listed}{', ...' if len(keys) > SHOWN else ''})"
 
 
-def _dims(t: Any) -> str:
-    if not torch.is_tensor(t):
-        return f"a {type(t).__name__}, not a tensor"
+def _dims(t: torch.Tensor) -> str:
     return "(" + ", ".join(map(str, t.shape)) + ")"

@@ -20,16 +20,17 @@ from cnnkit.train.loop import Progress
 
 
 def check_processes(config: RunConfig, world_size: int, device: torch.device,
-                    resume: dict[str, Any] | None) -> None:  # fmt: skip
+                    resume: dict[str, Any] | None, notes: bool = True) -> None:  # fmt: skip
     """What the number of processes must fit, before anything is built: the batch split, a
-    mid-epoch checkpoint's own count, SyncBatchNorm's CUDA devices."""
+    mid-epoch checkpoint's own count, SyncBatchNorm's CUDA devices (`notes`: and what is
+    only said, which --nproc's own early check leaves to the run)."""
     check_batch(config, world_size)
     if resume:
         check_world_size(resume, world_size)
     if config.train.sync_bn and world_size > 1 and device.type != "cuda":
         raise ConfigError("train.sync_bn: SyncBatchNorm runs on CUDA devices only; leave it out "
                           f"on {device.type} (each process then keeps its own statistics)")  # fmt: skip
-    if config.train.sync_bn and world_size == 1:
+    if config.train.sync_bn and world_size == 1 and notes:
         print("cnnkit: note: train.sync_bn: one process, so its batch norms stay ordinary ones "
               "(SyncBatchNorm shares statistics between processes: --nproc N)", file=sys.stderr)  # fmt: skip
 
