@@ -1,4 +1,4 @@
-"""Inference commands: classify, export, show filters / show net, detect (import-caffe: cli/caffe.py)."""
+"""Inference commands: classify, export, show net / filters, detect (import-caffe: caffe.py)."""
 
 from __future__ import annotations
 
