@@ -118,11 +118,19 @@ def test_unsupported_type_names_type_and_line():
     assert "unsupported.prototxt:7:" in str(err.value) and "'SPP'" in str(err.value)
 
 
-def test_softmax_in_the_middle_and_missing_bottom_are_errors():
+def test_a_softmax_inside_the_net_is_a_layer_and_a_missing_bottom_an_error():
+    """A Softmax over the channels inside the net (the colorization net's colour bins) is a
+    `softmax` layer; the last one is dropped; one before an Accuracy names a train_val file."""
     base = 'input: "data" input_dim: 1 input_dim: 3 input_dim: 4 input_dim: 4\n'
     soft = _layer("s", "Softmax", ["data"], "s") + _layer("f", "Flatten", ["s"], "f")
-    with pytest.raises(ConfigError, match=":2: Softmax is supported only as the last"):
-        translate(parse_prototxt(base + soft))
+    model = translate(parse_prototxt(base + soft))
+    assert [layer["type"] for layer in model["layers"]] == ["softmax", "flatten"]
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(build_model(model)(x), torch.softmax(x, 1).flatten(1))
+    scored = _layer("s", "Softmax", ["data"], "s") + _layer("a", "Accuracy", ["s", "label"], "a")
+    with pytest.raises(ConfigError, match=":3: layer 'a' has type 'Accuracy'.*a train_val proto"):
+        translate(parse_prototxt(base + scored))
     with pytest.raises(ConfigError, match="bottom 'nope' is not produced"):
         translate(parse_prototxt(base + _layer("f", "Flatten", ["nope"], "f")))
 

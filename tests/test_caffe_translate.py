@@ -20,6 +20,7 @@ from torch import nn
 
 from cnnkit import ConfigError, build_model
 from cnnkit.caffe import import_caffe, network_yaml, parse_prototxt, translate
+from cnnkit.caffe.translator import Translator
 
 DATA = Path(__file__).parent / "data" / "caffe"
 
@@ -406,9 +407,15 @@ def test_the_forks_depthwise_convolution_is_a_group_per_channel():
     assert net.d.groups == net.d.in_channels == net.d.out_channels == 3
     assert net.d.weight.shape == (3, 1, 3, 3)
     for kind in ("ConvolutionDepthwise", "DepthwiseConvolution"):  # each fork's own name
-        with pytest.raises(ConfigError, match=f"{kind} over 3 channels needs num_output 3"):
-            translate(parse_prototxt(INPUT + _layer("d", kind, ["data"], "d",
-                                                    dw.format(6, "group: 3"))))  # fmt: skip
+        given = Translator(parse_prototxt(INPUT + _layer("d", kind, ["data"], "d", dw.format(
+            6, "group: 3"))), "t")  # fmt: skip
+        assert given.run()["layers"][0]["out_channels"] == given.layers[0]["groups"] == 3
+        assert given.notes == [f"layer 'd': a {kind} over 3 channels makes 3 (its fork reads no "
+                               "num_output or group; given 6 and 3)"]  # fmt: skip
+    none = "convolution_param { kernel_size: 3 }"  # the fork's layer needs no num_output
+    left_out = Translator(parse_prototxt(INPUT + _layer("d", "ConvolutionDepthwise", ["data"],
+                                                        "d", none)), "t")  # fmt: skip
+    assert left_out.run()["layers"][0]["out_channels"] == 3 and not left_out.notes
 
 
 def _mults(net: nn.Module, param: str) -> tuple[float, float]:
@@ -722,3 +729,17 @@ def test_mobilenet_v3_ports_hard_swish_and_gate_from_power_and_relu6_are_torchs(
         dw = F.conv2d(swish, net.dw.weight, None, 1, 1, 1, 4)
         gate = F.hardsigmoid(net.fc(dw.mean((2, 3))))
         torch.testing.assert_close(net(x), dw * gate[:, :, None, None])
+
+
+def test_a_legacy_bare_input_is_stripped_and_a_placeholder_size_is_said():
+    """`input: "data"` with no dims beside an Input layer is stripped, as Caffe's
+    UpgradeNetInput does; OpenPose's 1 x 1 placeholder input gets a note, not a flatten."""
+    layer = ('layer { name: "in" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 '
+             "dim: 8 dim: 8 } } }\n")  # fmt: skip
+    body = _layer("c", "Convolution", ["data"], "c", CONV.format(4))
+    assert translate(parse_prototxt('input: "data"\n' + layer + body))["input"] == [3, 8, 8]
+    one = Translator(parse_prototxt(INPUT.replace("dim: 8 input_dim: 8", "dim: 1 input_dim: 1")
+                                    + body), "t")  # fmt: skip
+    assert [layer["type"] for layer in one.run()["layers"]] == ["conv"]  # (4, 1, 1): no flatten
+    assert one.notes == ["input 1 x 1: a placeholder for the size the net runs at? Set input: "
+                         "[C, H, W] here to that size"]  # fmt: skip

@@ -30,11 +30,12 @@ class LayerTypes(ShapeTypes):
     that reshape, join or split blobs are ShapeTypes' (caffe/layer_shapes.py)."""
 
     def _convolution(self, layer: Message, last: bool, kind: str = "conv",
-                     groups: int | None = None) -> None:  # fmt: skip
+                     groups: int | None = None, out_channels: int | None = None) -> None:  # fmt: skip
         p, here = layer.sub("convolution_param"), self.here
         what = "Convolution" if kind == "conv" else "Deconvolution"
         require(here, integer(here, p, "axis", 1) == 1, f"{what} axis must be 1")
-        spec: dict[str, Any] = {"type": kind, "out_channels": integer(here, p, "num_output", 0)}
+        out = out_channels or integer(here, p, "num_output", 0)
+        spec: dict[str, Any] = {"type": kind, "out_channels": out}
         spec["kernel_size"] = sizes(here, p, "kernel", None)
         require(here, spec["kernel_size"] is not None, f"{what} needs kernel_size")
         put(spec, "stride", sizes(here, p, "stride", 1), 1)
@@ -47,13 +48,16 @@ class LayerTypes(ShapeTypes):
 
     def _convolutiondepthwise(self, layer: Message, last: bool) -> None:
         """The depthwise Convolution of the forks that MobileNet's and Xception's ports were
-        written for: one filter per input channel, as a Convolution with a group for each."""
+        written for: one filter per input channel, as a Convolution with a group for each.
+        Their layer makes as many channels as it reads whatever num_output and group say (left
+        out, or, in some ports, written wrong: said in a note)."""
         p, channels = layer.sub("convolution_param"), self.shapes[self._first_bottom(layer)][0]
-        out, group = integer(self.here, p, "num_output", 0), integer(self.here, p, "group", None)
-        require(self.here, out == channels and group in (None, channels), f"{layer_type(layer)} "
-                f"over {channels} channels needs num_output {channels} (and group {channels} or "
-                f"none), not {out} and {group}")  # fmt: skip
-        self._convolution(layer, last, groups=channels)
+        out, group = integer(self.here, p, "num_output", None), integer(self.here, p, "group", None)
+        if (out, group) != (channels, channels) and {out, group} - {None, channels}:
+            self.notes.append(f"layer {_clean_name(layer)}: a {layer_type(layer)} over {channels} "
+                              f"channels makes {channels} (its fork reads no num_output or "
+                              f"group; given {out} and {group})")  # fmt: skip
+        self._convolution(layer, last, groups=channels, out_channels=channels)
 
     def _depthwiseconvolution(self, layer: Message, last: bool) -> None:
         """The other forks' name for ConvolutionDepthwise (yonghenglh6's, which MobileNet v3's
@@ -282,9 +286,13 @@ class LayerTypes(ShapeTypes):
         self._emit(layer, {"type": "channel_shuffle", "groups": group})
 
     def _softmax(self, layer: Message, last: bool) -> None:
-        require(self.here, last, "Softmax is supported only as the last layer (it is dropped)")
+        """The last layer's Softmax is dropped (the network returns logits, which classify turns
+        to probabilities); one inside the net (over the channels: the colorization net's colour
+        bins) is a `softmax` layer."""
         require(self.here, len(layer.all("top")) == 1, "a Softmax has one top (as Caffe)")
-        self._alias(layer, "Softmax")  # the network returns logits
+        if not last:
+            return self._emit(layer, {"type": "softmax"})
+        self._alias(layer, "Softmax")
 
 
 SUPPORTED = (
@@ -297,6 +305,10 @@ SUPPORTED = (
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")
 _LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
 _ROUND_MODES = {"CEIL": True, "FLOOR": False}  # ceil_mode
+
+
+def _clean_name(layer: Message) -> str:
+    return brief(layer.get("name", "?"))
 
 
 def _pair(size: int | list[int]) -> tuple[int, int]:

@@ -88,7 +88,10 @@ class Translator(LayerTypes):
                 f"{self.layers[-1]['name']}); a cnnkit network has one"
             )
         last = self.layers[-1]["name"]
-        if len(self.shapes[last]) == 3 and self.shapes[last][1:] == (1, 1):  # SqueezeNet, NIN
+        if self.input[1:] == [1, 1]:  # OpenPose's prototxts: sizes "defined at runtime"
+            self.notes.append("input 1 x 1: a placeholder for the size the net runs at? Set "
+                              "input: [C, H, W] here to that size")  # fmt: skip
+        elif len(self.shapes[last]) == 3 and self.shapes[last][1:] == (1, 1):  # SqueezeNet, NIN
             self._count_layer()
             name = self._unique_name("flatten")  # Caffe's Softmax over (C, 1, 1): the class scores
             self.layers.append({"name": name, "type": "flatten"})
@@ -105,6 +108,8 @@ class Translator(LayerTypes):
         dims = self.net.all("input_dim") or [
             d for shape in self.net.all("input_shape") for d in shape.all("dim")
         ]
+        if not self.net.all("input_dim") and not self.net.all("input_shape"):
+            return  # a legacy `input:` alone, which Caffe strips (UpgradeNetInput)
         lines = [line for name, _, line in self.net.fields if name in ("input_dim", "input_shape")]
         self.here = f"{self.source}:{lines[0] if lines else self.net.line or 1}"  # the dims'
         self._set_input(names, dims)
