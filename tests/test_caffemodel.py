@@ -695,3 +695,42 @@ def test_a_long_output_name_and_a_failing_cleanup_name_the_users_file(
     code, _, err = run_cli(args, capsys)
     assert code == 1 and err.count("\n") == 1, err
     assert f"{out.with_suffix('.safetensors')}: cannot write: No space left on device" in err
+
+
+HEADS = """layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 3 kernel_size: 1 } }
+layer { name: "aux" type: "InnerProduct" bottom: "conv" top: "aux" inner_product_param { num_output: 4 } }
+layer { name: "aux_prob" type: "Softmax" bottom: "aux" top: "aux_prob" }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "main" type: "InnerProduct" bottom: "conv" top: "main/scores" inner_product_param { num_output: 5 } }
+"""  # two heads (GoogLeNet's auxiliary classifier, HED's side outputs): the file has both
+
+
+def test_output_picks_the_head_the_network_returns_and_leaves_the_others_out(tmp_path, capsys):
+    """--output BLOB keeps the layers that blob is computed from (its weights too); without
+    it, several heads are refused in one line that names the way out."""
+    from cnnkit.caffe import read_caffe
+
+    prototxt = prototxt_file(tmp_path, HEADS)
+    code, _, err = run_cli(["import-caffe", str(prototxt)], capsys)
+    assert code == 2 and "outputs (aux_prob and main); a cnnkit network has one (--output" in err
+    g = torch.Generator().manual_seed(0)
+    blobs = {"conv": [torch.randn(3, 2, 1, 1, generator=g), torch.randn(3, generator=g)],
+             "aux": [torch.randn(4, 48, generator=g), torch.randn(4, generator=g)],
+             "main": [torch.randn(5, 48, generator=g), torch.randn(5, generator=g)]}  # fmt: skip
+    write_caffemodel(tmp_path / "net.caffemodel", blobs)
+    for output in ("main/scores", "main"):  # a top, or the layer's name as the error shows it
+        imported = read_caffe(prototxt, tmp_path / "net.caffemodel", output=output)
+        assert [layer["name"] for layer in imported.model["layers"]] == ["conv", "relu", "main"]
+        assert imported.notes == [f"--output {output}: what does not feed it is left out, 2 "
+                                  "layers (aux, aux_prob)"]  # fmt: skip
+        net = build_model(imported.model).eval()
+        net.load_state_dict(imported.state)  # strict: aux's weights are not in it
+        x = torch.randn(2, 2, 4, 4, generator=g)
+        with torch.no_grad():
+            conv = F.relu(F.conv2d(x, blobs["conv"][0], blobs["conv"][1]))
+            torch.testing.assert_close(net(x), F.linear(conv.flatten(1), *blobs["main"]))
+    aux = read_caffe(prototxt, output="aux_prob").model  # a Softmax returned: dropped, as a
+    assert [layer["name"] for layer in aux["layers"]] == ["conv", "aux"]  # final one is
+    code, _, err = run_cli(["import-caffe", str(prototxt), "--output", "nope"], capsys)
+    assert code == 2 and "--output 'nope': no layer's top (the last tops:" in err

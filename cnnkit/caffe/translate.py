@@ -28,16 +28,17 @@ class CaffeImport:
 
 
 def read_caffe(path: str | Path, caffemodel: str | Path | None = None,
-               keep_bgr: bool = False) -> CaffeImport:  # fmt: skip
+               keep_bgr: bool = False, output: str | None = None) -> CaffeImport:  # fmt: skip
     """A Caffe deploy prototxt (and its trained .caffemodel) as a cnnkit network. Caffe's
     colour nets read BGR images (OpenCV's order) of 0-255 pixels less the mean: the trained
     weights of the layers reading a 3-channel input get their input channels reversed, so the
     network reads RGB as every cnnkit and torchvision path gives it, and the network file a
     `preprocess:` of Caffe's scale and ImageNet's mean (`keep_bgr`: neither, for a net that
-    was trained on RGB)."""
+    was trained on RGB). `output`: the blob the network returns, where the net has several
+    (the layers that do not feed it left out)."""
     from cnnkit.caffe.weights import caffe_state_dict, read_caffemodel
 
-    translator = _translator(path)
+    translator = _translator(path, output)
     model = translator.run()
     state = None
     if caffemodel is not None:
@@ -58,7 +59,7 @@ def import_caffe_weights(path: str | Path, caffemodel: str | Path) -> tuple[dict
     return imported.model, imported.state
 
 
-def _translator(path: str | Path) -> Translator:
+def _translator(path: str | Path, output: str | None = None) -> Translator:
     path = Path(path)
     try:
         text = path.read_text()
@@ -67,7 +68,7 @@ def _translator(path: str | Path) -> Translator:
                           ".caffemodel comes second)") from None  # fmt: skip
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or one_line(e, 160)}") from None
-    return Translator(parse_prototxt(text, str(path)), str(path))
+    return Translator(parse_prototxt(text, str(path)), str(path), output)
 
 
 def translate(net: Message, source: str = "prototxt") -> dict[str, Any]:

@@ -13,7 +13,7 @@ from cnnkit.caffe.deploy import deployed_layers, layer_type, net_stages, sole_re
 from cnnkit.caffe.fields import as_integer, require
 from cnnkit.caffe.layer_types import SUPPORTED, LayerTypes
 from cnnkit.caffe.schema import check_layer, check_net
-from cnnkit.errors import ConfigError, brief, suggest, validation_message
+from cnnkit.errors import ConfigError, brief, plural, suggest, validation_message
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Shape, ShapeError
 from cnnkit.nn.names import reserved_name
@@ -35,8 +35,8 @@ TRAIN_VAL_LAYERS = {
 class Translator(LayerTypes):
     """Walks Caffe's layers in order, keeping which cnnkit layer holds each Caffe blob."""
 
-    def __init__(self, net: Message, source: str):
-        self.net, self.source = net, source
+    def __init__(self, net: Message, source: str, output: str | None = None):
+        self.net, self.source, self.output = net, source, output  # output: the blob returned
         self.layers: list[dict[str, Any]] = []
         self.blobs: dict[str, str] = {}  # Caffe blob -> cnnkit value name
         self.shapes: dict[str, Shape] = {}  # cnnkit value name -> output shape
@@ -81,11 +81,14 @@ class Translator(LayerTypes):
             )
         if not self.layers:
             raise ConfigError(f"{self.source}: no layers to import")
+        if self.output is not None:
+            self._keep_what_feeds(self.output)
         unread = [n["name"] for n in self.layers[:-1] if n["name"] not in self.read]
         if unread:
             raise ConfigError(
                 f"{self.source}: several outputs ({', '.join(unread)} and "
-                f"{self.layers[-1]['name']}); a cnnkit network has one"
+                f"{self.layers[-1]['name']}); a cnnkit network has one (--output BLOB: the "
+                "one it returns, the layers that do not feed it left out)"
             )
         last = self.layers[-1]["name"]
         if self.input[1:] == [1, 1]:  # OpenPose's prototxts: sizes "defined at runtime"
@@ -98,6 +101,48 @@ class Translator(LayerTypes):
             self.shapes[name] = self.shapes[last][:1]
         model: dict[str, Any] = {"input": self.input, "layers": self.layers}
         return {"name": _clean(self.net.get("name")), **model} if self.net.get("name") else model
+
+    def _keep_what_feeds(self, blob: str) -> None:
+        """Only the layers that the Caffe blob `blob` is computed from, it last (a deploy file's
+        other heads, GoogLeNet's auxiliary classifiers, HED's side outputs, left out)."""
+        target = self.blobs.get(blob, blob if blob in self.shapes else None)  # (or a layer's name)
+        if target in (None, "input"):
+            tops = [b for b, held in self.blobs.items() if held != "input"]
+            shown = ", ".join(map(brief, tops[-8:]))
+            raise ConfigError(f"{self.source}: --output {brief(blob)}: no layer's top (the last "
+                              f"tops: {shown})")  # fmt: skip
+        reads, previous = {}, "input"
+        for layer in self.layers:  # each layer's inputs, named (a layer reads the one before)
+            given = layer.get("inputs", previous)
+            reads[layer["name"]] = [given] if isinstance(given, str) else list(given)
+            previous = layer["name"]
+        kinds = {layer["name"]: layer["type"] for layer in self.layers}
+        while kinds.get(target) == "softmax":  # a Softmax returned: dropped, as a final one is
+            target = reads[target][0]
+        needed, todo = set(), [target]
+        while todo:
+            name = todo.pop()
+            if name != "input" and name not in needed:
+                needed.add(name)
+                todo.extend(reads[name])
+        left_out = [layer["name"] for layer in self.layers if layer["name"] not in needed]
+        kept, previous = [], "input"
+        for layer in self.layers:
+            if layer["name"] in needed:
+                inputs = reads[layer["name"]]
+                layer = {k: v for k, v in layer.items() if k != "inputs"}
+                if inputs != [previous]:
+                    layer["inputs"] = inputs if len(inputs) > 1 else inputs[0]
+                kept.append(layer)
+                previous = layer["name"]
+        self.layers = kept
+        self.read = {name for inputs in (reads[k] for k in needed) for name in inputs}
+        self.sources = {k: v for k, v in self.sources.items() if k in needed}
+        if left_out:
+            more = ", ..." if len(left_out) > 6 else ""
+            self.notes.append(f"--output {blob}: what does not feed it is left out, "
+                              f"{plural(len(left_out), 'layer')} ({', '.join(left_out[:6])}"
+                              f"{more})")  # fmt: skip
 
     # -- inputs ---------------------------------------------------------------------------------
 

@@ -28,6 +28,12 @@ def import_caffe(
         "preprocess, for a net trained on RGB images (by default its input channels are "
         "reversed to RGB and Caffe's preprocess written).",
     ),
+    output: str = typer.Option(
+        None,
+        "--output",
+        help="The blob the network returns, where the net has several (HED's "
+        "side outputs, GoogLeNet's auxiliary heads): the layers that do not feed it are left out.",
+    ),
 ) -> None:
     """Translate a Caffe prototxt (and its .caffemodel weights) into a cnnkit network file."""
     from cnnkit.caffe import network_yaml, read_caffe
@@ -35,7 +41,7 @@ def import_caffe(
     from cnnkit.nn import build_model
 
     _check_import_paths(prototxt, caffemodel, out)
-    imported = read_caffe(prototxt, caffemodel, keep_bgr)  # weights checked against the network
+    imported = read_caffe(prototxt, caffemodel, keep_bgr, output)  # weights checked against it
     model, state = imported.model, imported.state
     net = build_model(model, device="meta")  # checks every shape before anything is written
     if keep_bgr and caffemodel is None:  # fresh weights: no colour order, no preprocess
