@@ -734,3 +734,72 @@ def test_output_picks_the_head_the_network_returns_and_leaves_the_others_out(tmp
     assert [layer["name"] for layer in aux["layers"]] == ["conv", "aux"]  # final one is
     code, _, err = run_cli(["import-caffe", str(prototxt), "--output", "nope"], capsys)
     assert code == 2 and "--output 'nope': no layer's top (the last tops:" in err
+
+
+def _caffe_interp(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Caffe's Interp (caffe_cpu_interp2) loop for loop: each output pixel from its four
+    neighbours at (H_in - 1) / (H_out - 1) steps, the last row and column clamped."""
+    _, _, h1, w1 = x.shape
+    out = torch.empty(*x.shape[:2], height, width, dtype=x.dtype)
+    rh = (h1 - 1) / (height - 1) if height > 1 else 0.0
+    rw = (w1 - 1) / (width - 1) if width > 1 else 0.0
+    for i in range(height):
+        y = int(rh * i)
+        dy, ly = int(y < h1 - 1), rh * i - int(rh * i)
+        for j in range(width):
+            xx = int(rw * j)
+            dx, lx = int(xx < w1 - 1), rw * j - int(rw * j)
+            out[:, :, i, j] = (1 - ly) * ((1 - lx) * x[:, :, y, xx] + lx * x[:, :, y, xx + dx]) \
+                + ly * ((1 - lx) * x[:, :, y + dy, xx] + lx * x[:, :, y + dy, xx + dx])  # fmt: skip
+    return out
+
+
+PSPNET = """layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 3 kernel_size: 1 bias_term: false } }
+layer { name: "conv/bn" type: "BN" bottom: "conv" top: "conv"
+        param { lr_mult: 1 decay_mult: 0 } param { lr_mult: 1 decay_mult: 0 }
+        param { lr_mult: 0 decay_mult: 0 } param { lr_mult: 0 decay_mult: 0 }
+        bn_param { slope_filler { type: "constant" value: 1 } bias_filler { type: "constant"
+        value: 0 } frozen: true eps: 1e-4 } }
+layer { name: "up" type: "Interp" bottom: "conv" top: "up" interp_param { zoom_factor: 3 } }
+"""  # PSPNet's layers: its fork's BN after a convolution, an Interp to the image's size
+
+
+def test_pspnets_bn_and_interp_compute_as_their_forks_layers(tmp_path, capsys):
+    """The fork's BN, blobs [slope, bias, mean, variance] of (1, C, 1, 1), at test time; the
+    Interp's corner-aligned bilinear resize, against Caffe's loop; the other forks' BN and a
+    cropping Interp refused in one line each."""
+    from cnnkit.caffe import read_caffe
+
+    g = torch.Generator().manual_seed(0)
+    slope, bias, mean = (torch.randn(1, 3, 1, 1, generator=g) for _ in range(3))
+    var = torch.rand(1, 3, 1, 1, generator=g) + 0.5
+    conv = torch.randn(3, 2, 1, 1, generator=g)
+    write_caffemodel(tmp_path / "net.caffemodel", {"conv": [conv],
+                                                   "conv/bn": [slope, bias, mean, var]})  # fmt: skip
+    imported = read_caffe(prototxt_file(tmp_path, PSPNET), tmp_path / "net.caffemodel")
+    bn, up = imported.model["layers"][1:]
+    assert bn["decay_mult"] == {"weight": 0.0, "bias": 0.0} and bn["eps"] == 1e-4
+    assert up == {"name": "up", "type": "upsample", "size": [10, 10], "mode": "bilinear",
+                  "align_corners": True}  # (4 - 1) * 3 + 1  # fmt: skip
+    net = build_model(imported.model).eval()
+    net.load_state_dict(imported.state)
+    x = torch.randn(2, 2, 4, 4, generator=g)
+    with torch.no_grad():
+        normed = slope * (F.conv2d(x, conv) - mean) / (var + 1e-4).sqrt() + bias
+        torch.testing.assert_close(net(x), _caffe_interp(normed, 10, 10), rtol=1e-5, atol=1e-5)
+    for params, sizes in [("height: 5 width: 7", [5, 7]), ("shrink_factor: 2", [2, 2]),
+                          ("shrink_factor: 2 zoom_factor: 4", [5, 5])]:  # fmt: skip
+        text = PSPNET.replace("zoom_factor: 3", params)
+        assert read_caffe(prototxt_file(tmp_path, text)).model["layers"][-1]["size"] == sizes
+    for text, words in [
+        (PSPNET.replace("frozen: true", "bn_mode: INFERENCE"),
+         r"bn_param \{ bn_mode \}: another fork's BN \(SegNet's and ENet's"),
+        (PSPNET.replace("zoom_factor: 3", "zoom_factor: 3 pad_beg: -1"), "Interp pad_beg -1"),
+        (PSPNET.replace("zoom_factor: 3", "height: 5"), "Interp needs zoom_factor, shrink_factor"),
+    ]:  # fmt: skip
+        code, _, err = run_cli(["import-caffe", str(prototxt_file(tmp_path, text))], capsys)
+        assert code == 2 and re.search(words, err) and err.count("\n") == 1, err
+    same = PSPNET.replace("zoom_factor: 3", "height: 4 width: 4")  # Caffe copies: no layer
+    assert [layer["type"] for layer in read_caffe(prototxt_file(tmp_path, same)).model["layers"]] \
+        == ["conv", "batchnorm"]  # fmt: skip

@@ -233,6 +233,60 @@ class LayerTypes(ShapeTypes):
         spec["momentum"] = round(1.0 - fraction, 9)
         self._emit(layer, spec)
 
+    def _bn(self, layer: Message, last: bool) -> None:
+        """The BN of the fork PSPNet was written for (hszhao/PSPNet's bn_layer): at test time
+        slope * (x - mean) / sqrt(var + eps) + bias with its moving averages, blobs [slope,
+        bias, mean, variance] of (1, C, 1, 1): torch's BatchNorm2d, affine. SegNet's and
+        ENet's BN, of the same name, holds other blobs and is refused."""
+        p, here = layer.sub("bn_param"), self.here
+        other = [f for f in _OTHER_BN_FIELDS if p.get(f) is not None]
+        require(here, not other, f"bn_param {{ {other[0] if other else ''} }}: another fork's BN "
+                "(SegNet's and ENet's: other blobs, other test-time statistics), not imported")  # fmt: skip
+        momentum = real(here, p, "momentum", 0.9)
+        require(here, 0 <= momentum <= 1, f"bn_param momentum: {momentum:g} is not within 0 "
+                "to 1 (each step keeps that part of the moving average)")  # fmt: skip
+        spec = {"type": "batchnorm", "eps": real(here, p, "eps", 1e-5),
+                "momentum": round(1.0 - momentum, 9)}  # fmt: skip
+        given = fillers(here, p, {"weight": "slope_filler", "bias": "bias_filler"}, self.notes)
+        learned = multipliers(here, layer, ("weight", "bias", "mean", "variance"))
+        learned = {k: {n: v for n, v in m.items() if n in ("weight", "bias")}
+                   for k, m in learned.items()}  # (the averages: never learned)  # fmt: skip
+        name = self._emit(layer, {**spec, **{k: m for k, m in learned.items() if m}, **given})
+        self.sources[name] = [(str(layer.get("name", "")), "bn_fork")]
+
+    def _interp(self, layer: Message, last: bool) -> None:
+        """The Interp of the forks PSPNet and DeepLab were written for: bilinear resizing with
+        the corners aligned ((H_in - 1) / (H_out - 1)), to height x width, or by zoom_factor
+        (H + (H - 1)(z - 1)) after shrink_factor ((H - 1) / s + 1); torch's align_corners."""
+        p, here = layer.sub("interp_param"), self.here
+        shape = self.shapes[self._first_bottom(layer)]
+        require(here, len(shape) == 3, f"Interp of {fmt_shape(shape)}: it resizes (C, H, W) maps")
+        pads = (integer(here, p, "pad_beg", 0), integer(here, p, "pad_end", 0))
+        require(here, pads == (0, 0), f"Interp pad_beg {pads[0]}, pad_end {pads[1]}: only 0 (no "
+                "cropping first) is imported")  # fmt: skip
+        zoom, shrink = (
+            integer(here, p, "zoom_factor", None),
+            integer(here, p, "shrink_factor", None),
+        )
+        height, width = integer(here, p, "height", None), integer(here, p, "width", None)
+        size = list(shape[1:])
+        if zoom is None and shrink is None:
+            require(here, None not in (height, width), "Interp needs zoom_factor, shrink_factor "
+                    "or height and width (as Caffe)")  # fmt: skip
+            size = [height, width]
+        for factor, what in ((shrink, "shrink_factor"), (zoom, "zoom_factor")):
+            require(here, factor is None or factor >= 1, f"Interp {what} {factor}: must be 1 or "
+                    "more")  # fmt: skip
+        if shrink is not None:
+            size = [(n - 1) // shrink + 1 for n in size]
+        if zoom is not None:
+            size = [n + (n - 1) * (zoom - 1) for n in size]
+        require(here, min(size) >= 1, f"Interp to {size}: sizes must be 1 or more")
+        if size == list(shape[1:]):  # Caffe copies
+            return self._alias(layer, "Interp")
+        self._emit(layer, {"type": "upsample", "size": size, "mode": "bilinear",
+                           "align_corners": True})  # fmt: skip
+
     def _scale(self, layer: Message, last: bool) -> None:
         """Caffe's Scale: a learned factor per channel (and shift, with bias_term). After a
         BatchNorm that nothing else reads, it is folded into it (torch's affine); elsewhere it
@@ -299,10 +353,13 @@ SUPPORTED = (
     "Input", "Convolution", "Deconvolution", "Pooling", "LRN", "ReLU", "TanH", "Sigmoid",
     "InnerProduct", "Dropout", "Softmax", "Concat", "Eltwise", "BatchNorm", "Scale", "Flatten", "Split", "PReLU",
     "Reshape", "ConvolutionDepthwise", "Slice", "Axpy", "Crop", "ELU", "Swish", "BNLL", "Clip",
-    "ReLU6", "Silence", "ShuffleChannel", "Power", "DepthwiseConvolution",
+    "ReLU6", "Silence", "ShuffleChannel", "Power", "DepthwiseConvolution", "BN", "Interp",
 )  # fmt: skip
 # caffe.proto's enums in the order of their numbers (the text format takes either)
 _POOL_METHODS = ("MAX", "AVE", "STOCHASTIC")
+# bn_param fields of the other forks' BN (SegNet's, ENet's; an older PSPNet's): not this one
+_OTHER_BN_FIELDS = ("scale_filler", "shift_filler", "bn_mode", "var_eps", "decay",
+                    "moving_average", "axis")  # fmt: skip
 _LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
 _ROUND_MODES = {"CEIL": True, "FLOOR": False}  # ceil_mode
 

@@ -52,9 +52,13 @@ PARAM_FIELDS: dict[str, set[str]] = {
     "crop_param": {"axis", "offset"},
     "shuffle_channel_param": {"group"},  # the ShuffleNet ports' fork
     "power_param": {"power", "scale", "shift"},
+    "bn_param": {"slope_filler", "bias_filler", "momentum", "eps", "frozen", "engine",  # PSPNet's
+                 "scale_filler", "shift_filler", "bn_mode", "var_eps", "decay", "moving_average",
+                 "axis"},  # (other forks': refused by name, not as misspellings)
+    "interp_param": {"height", "width", "zoom_factor", "shrink_factor", "pad_beg", "pad_end"},
 }  # fmt: skip
 SUB_FIELDS = {"weight_filler": _FILLER, "bias_filler": _FILLER, "filler": _FILLER,
-              "shape": {"dim"}}  # fmt: skip
+              "slope_filler": _FILLER, "shape": {"dim"}}  # fmt: skip
 PARAM_SPEC = {"name", "share_mode", "lr_mult", "decay_mult"}
 NET_BLOCKS = {"layer", "layers", "input_shape", "state"}  # NetParameter's fields that are messages
 NET_FIELDS = NET_BLOCKS | {"name", "input", "input_dim", "force_backward", "state", "debug_info"}

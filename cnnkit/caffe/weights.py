@@ -133,9 +133,8 @@ def caffe_state_dict(
             if caffe_name not in blobs:
                 raise CheckpointError(f"the .caffemodel has no weights for layer {caffe_name!r}")
             layer = _BlobReader(caffe_name, name, blobs[caffe_name])
-            state.update(
-                _batchnorm(layer, own) if role == "batchnorm" else _params(layer, role, own)
-            )
+            read = {"batchnorm": _batchnorm, "bn_fork": _bn_fork}.get(role)
+            state.update(read(layer, own) if read else _params(layer, role, own))
     for key, shape in own.items():
         if key.endswith("num_batches_tracked"):
             state[key] = torch.zeros(shape, dtype=torch.long)
@@ -225,6 +224,20 @@ def _batchnorm(layer: _BlobReader, own: dict[str, tuple[int, ...]]) -> dict:
         f"{layer.name}.running_mean": scaled["mean"],
         f"{layer.name}.running_var": scaled["variance"],
     }
+
+
+def _bn_fork(layer: _BlobReader, own: dict[str, tuple[int, ...]]) -> dict:
+    """A PSPNet fork's BN blobs: slope, bias, moving mean and variance, each (1, C, 1, 1)."""
+    keys = {"slope": "weight", "bias": "bias", "mean": "running_mean", "variance": "running_var"}
+    layer.count(list(keys))
+    want = own[f"{layer.name}.running_mean"]
+    state = {f"{layer.name}.{key}": torch.from_numpy(layer.read(i, blob, (1, *want, 1, 1))
+                                                     .reshape(want).copy())
+             for i, (blob, key) in enumerate(keys.items())}  # fmt: skip
+    if (state[f"{layer.name}.running_var"] < 0).any():
+        raise CheckpointError(f"layer {layer.caffe_name!r}: blob variance has negative values, "
+                              "as no trained batch norm has (the net would compute NaN)")  # fmt: skip
+    return state
 
 
 def _dims(shape: tuple[int, ...]) -> str:
