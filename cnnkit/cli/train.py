@@ -16,12 +16,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     app.command("config")(show_config)
 
 
+RUN_HELP = (
+    "A zoo run (digits, faces, ...), a run file, or a network with its data (NET data.path=DIR)."
+)
+
+
 def train(
-    run: str = typer.Argument(
-        None,
-        help="A zoo run (digits, faces, ...), a run file, or a zoo network or network "
-        "file with its data (NET data.path=DIR).",
-    ),
+    run: str = typer.Argument(None, help=RUN_HELP),
     overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<name>-<time>)."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory."),
