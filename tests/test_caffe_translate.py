@@ -738,6 +738,9 @@ def test_a_legacy_bare_input_is_stripped_and_a_placeholder_size_is_said():
              "dim: 8 dim: 8 } } }\n")  # fmt: skip
     body = _layer("c", "Convolution", ["data"], "c", CONV.format(4))
     assert translate(parse_prototxt('input: "data"\n' + layer + body))["input"] == [3, 8, 8]
+    with pytest.raises(ConfigError, match=r"^t:2: input 'data' has no dims \(input_dim or "
+                       r"input_shape\) and no Input layer gives it$"):  # fmt: skip
+        translate(parse_prototxt('input: "data"\n' + body, "t"), "t")
     one = Translator(parse_prototxt(INPUT.replace("dim: 8 input_dim: 8", "dim: 1 input_dim: 1")
                                     + body), "t")  # fmt: skip
     assert [layer["type"] for layer in one.run()["layers"]] == ["conv"]  # (4, 1, 1): no flatten

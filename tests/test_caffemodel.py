@@ -734,6 +734,10 @@ def test_output_picks_the_head_the_network_returns_and_leaves_the_others_out(tmp
     assert [layer["name"] for layer in aux["layers"]] == ["conv", "aux"]  # final one is
     code, _, err = run_cli(["import-caffe", str(prototxt), "--output", "nope"], capsys)
     assert code == 2 and "--output 'nope': no layer's top (the last tops:" in err
+    softmax = 'layer { name: "s" type: "Softmax" bottom: "data" top: "s" }\n'
+    code, _, err = run_cli(["import-caffe", str(prototxt_file(tmp_path, softmax + HEADS)),
+                            "--output", "s"], capsys)  # fmt: skip
+    assert code == 2 and "--output 's': the input's own softmax, no layer" in err
 
 
 def _caffe_interp(x: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -47,6 +47,7 @@ class Translator(LayerTypes):
         self.notes: list[str] = []  # what the network file's header should say
         self.folds: set[Message] = set()  # the Scale layers that fold into their BatchNorm
         self.suffixes: dict[str, int] = {}  # a name -> the last n of the `name_n` it was given
+        self.bare_inputs: set[str] = set()  # net-level `input:` names given no dims
 
     def run(self) -> dict[str, Any]:
         check_net(self.source, self.net)
@@ -119,6 +120,9 @@ class Translator(LayerTypes):
         kinds = {layer["name"]: layer["type"] for layer in self.layers}
         while kinds.get(target) == "softmax":  # a Softmax returned: dropped, as a final one is
             target = reads[target][0]
+        if target == "input":
+            raise ConfigError(f"{self.source}: --output {brief(blob)}: the input's own softmax, "
+                              "no layer of the network")  # fmt: skip
         needed, todo = set(), [target]
         while todo:
             name = todo.pop()
@@ -150,11 +154,12 @@ class Translator(LayerTypes):
         names = self.net.all("input")
         if not names:
             return
+        if not self.net.all("input_dim") and not self.net.all("input_shape"):
+            self.bare_inputs = set(names)  # a legacy `input:` alone, which Caffe strips
+            return  # (UpgradeNetInput): an Input layer may give it
         dims = self.net.all("input_dim") or [
             d for shape in self.net.all("input_shape") for d in shape.all("dim")
         ]
-        if not self.net.all("input_dim") and not self.net.all("input_shape"):
-            return  # a legacy `input:` alone, which Caffe strips (UpgradeNetInput)
         lines = [line for name, _, line in self.net.fields if name in ("input_dim", "input_shape")]
         self.here = f"{self.source}:{lines[0] if lines else self.net.line or 1}"  # the dims'
         self._set_input(names, dims)
@@ -226,6 +231,9 @@ class Translator(LayerTypes):
         return self._bottom(bottoms[0])
 
     def _bottom(self, blob: Any) -> str:
+        if blob not in self.blobs and blob in self.bare_inputs:
+            raise ConfigError(f"{self.here}: input {brief(blob)} has no dims (input_dim or "
+                              "input_shape) and no Input layer gives it")  # fmt: skip
         if blob not in self.blobs:
             raise ConfigError(
                 f"{self.here}: bottom {brief(blob)} is not produced by an earlier layer"
