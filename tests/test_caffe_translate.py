@@ -745,4 +745,24 @@ def test_a_legacy_bare_input_is_stripped_and_a_placeholder_size_is_said():
                                     + body), "t")  # fmt: skip
     assert [layer["type"] for layer in one.run()["layers"]] == ["conv"]  # (4, 1, 1): no flatten
     assert one.notes == ["input 1 x 1: a placeholder for the size the net runs at? Set input: "
-                         "[C, H, W] here to that size"]  # fmt: skip
+                         "[C, H, W] here to that size (or import with --input-size H,W)"]  # fmt: skip
+
+
+def test_input_size_replaces_a_placeholder_or_the_prototxts_size(tmp_path, capsys):
+    """--input-size H,W: the net at the size it runs at (OpenPose's 1 x 1 placeholders, a fully
+    convolutional net), said in the header; anything but one or two sides is one line."""
+    proto = tmp_path / "fcn.prototxt"
+    proto.write_text(INPUT.replace("dim: 8 input_dim: 8", "dim: 1 input_dim: 1")
+                     + _layer("c", "Convolution", ["data"], "c", CONV.format(4)))  # fmt: skip
+    out = tmp_path / "fcn.yaml"
+    assert run_cli(["import-caffe", str(proto), "--input-size", "24,32", "-o", str(out)]) == 0
+    assert "output 4x24x32" in capsys.readouterr().out
+    text = out.read_text()
+    assert (
+        "# input 24 x 32 (--input-size; the prototxt's: 1 x 1)" in text
+        and "placeholder" not in text
+    )
+    assert build_model(str(out), device="meta").input_shape == (3, 24, 32)
+    for bad in ("3x4x5", "abc", "0", "9000"):
+        assert run_cli(["import-caffe", str(proto), "--input-size", bad]) == 2
+        assert f"--input-size '{bad}': expected H,W (or one side)" in capsys.readouterr().err

@@ -27,18 +27,19 @@ class CaffeImport:
     notes: list[str] = field(default_factory=list)
 
 
-def read_caffe(path: str | Path, caffemodel: str | Path | None = None,
-               keep_bgr: bool = False, output: str | None = None) -> CaffeImport:  # fmt: skip
+def read_caffe(path: str | Path, caffemodel: str | Path | None = None, keep_bgr: bool = False,
+               output: str | None = None, size: tuple[int, int] | None = None) -> CaffeImport:  # fmt: skip
     """A Caffe deploy prototxt (and its trained .caffemodel) as a cnnkit network. Caffe's
     colour nets read BGR images (OpenCV's order) of 0-255 pixels less the mean: the trained
     weights of the layers reading a 3-channel input get their input channels reversed, so the
     network reads RGB as every cnnkit and torchvision path gives it, and the network file a
     `preprocess:` of Caffe's scale and ImageNet's mean (`keep_bgr`: neither, for a net that
     was trained on RGB). `output`: the blob the network returns, where the net has several
-    (the layers that do not feed it left out)."""
+    (the layers that do not feed it left out); `size`: the input's (H, W) in place of the
+    prototxt's."""
     from cnnkit.caffe.weights import caffe_state_dict, read_caffemodel
 
-    translator = _translator(path, output)
+    translator = _translator(path, output, size)
     model = translator.run()
     state = None
     if caffemodel is not None:
@@ -59,7 +60,8 @@ def import_caffe_weights(path: str | Path, caffemodel: str | Path) -> tuple[dict
     return imported.model, imported.state
 
 
-def _translator(path: str | Path, output: str | None = None) -> Translator:
+def _translator(path: str | Path, output: str | None = None,
+                size: tuple[int, int] | None = None) -> Translator:  # fmt: skip
     path = Path(path)
     try:
         text = path.read_text()
@@ -68,7 +70,7 @@ def _translator(path: str | Path, output: str | None = None) -> Translator:
                           ".caffemodel comes second)") from None  # fmt: skip
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or one_line(e, 160)}") from None
-    return Translator(parse_prototxt(text, str(path)), str(path), output)
+    return Translator(parse_prototxt(text, str(path)), str(path), output, size)
 
 
 def translate(net: Message, source: str = "prototxt") -> dict[str, Any]:

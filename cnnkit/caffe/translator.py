@@ -35,8 +35,10 @@ TRAIN_VAL_LAYERS = {
 class Translator(LayerTypes):
     """Walks Caffe's layers in order, keeping which cnnkit layer holds each Caffe blob."""
 
-    def __init__(self, net: Message, source: str, output: str | None = None):
+    def __init__(self, net: Message, source: str, output: str | None = None,
+                 size: tuple[int, int] | None = None):  # fmt: skip
         self.net, self.source, self.output = net, source, output  # output: the blob returned
+        self.size = size  # (H, W) in place of the prototxt's (a placeholder's)
         self.layers: list[dict[str, Any]] = []
         self.blobs: dict[str, str] = {}  # Caffe blob -> cnnkit value name
         self.shapes: dict[str, Shape] = {}  # cnnkit value name -> output shape
@@ -94,7 +96,8 @@ class Translator(LayerTypes):
         last = self.layers[-1]["name"]
         if self.input[1:] == [1, 1]:  # OpenPose's prototxts: sizes "defined at runtime"
             self.notes.append("input 1 x 1: a placeholder for the size the net runs at? Set "
-                              "input: [C, H, W] here to that size")  # fmt: skip
+                              "input: [C, H, W] here to that size (or import with "
+                              "--input-size H,W)")  # fmt: skip
         elif len(self.shapes[last]) == 3 and self.shapes[last][1:] == (1, 1):  # SqueezeNet, NIN
             self._count_layer()
             name = self._unique_name("flatten")  # Caffe's Softmax over (C, 1, 1): the class scores
@@ -177,6 +180,11 @@ class Translator(LayerTypes):
             raise ConfigError(f"{self.here}: {written}: expected N, C, H, W (or N, F)")
         what = "C, H and W" if len(dims) == 4 else "F"  # (N, the batch, cnnkit takes as given)
         require(self.here, min(dims[1:]) > 0, f"{written}: {what} must be 1 or more")
+        if self.size is not None:
+            require(self.here, len(dims) == 4, f"--input-size: {written} is no image's")
+            self.notes.append(f"input {self.size[0]} x {self.size[1]} (--input-size; the "
+                              f"prototxt's: {dims[2]} x {dims[3]})")  # fmt: skip
+            dims = [*dims[:2], *self.size]
         self.input = dims[1:]
         self.blobs[names[0]] = "input"
         self.shapes["input"] = tuple(self.input)

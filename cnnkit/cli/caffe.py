@@ -34,6 +34,13 @@ def import_caffe(
         help="The blob the network returns, where the net has several (HED's "
         "side outputs, GoogLeNet's auxiliary heads): the layers that do not feed it are left out.",
     ),
+    input_size: str = typer.Option(
+        None,
+        "--input-size",
+        metavar="H,W",
+        help="The input's height and width in place of the prototxt's (OpenPose's 1 x 1 "
+        "placeholders, a fully convolutional net at another size).",
+    ),
 ) -> None:
     """Translate a Caffe prototxt (and its .caffemodel weights) into a cnnkit network file."""
     from cnnkit.caffe import network_yaml, read_caffe
@@ -41,7 +48,8 @@ def import_caffe(
     from cnnkit.nn import build_model
 
     _check_import_paths(prototxt, caffemodel, out)
-    imported = read_caffe(prototxt, caffemodel, keep_bgr, output)  # weights checked against it
+    size = _input_size(input_size)
+    imported = read_caffe(prototxt, caffemodel, keep_bgr, output, size)  # weights checked too
     model, state = imported.model, imported.state
     net = build_model(model, device="meta")  # checks every shape before anything is written
     if keep_bgr and caffemodel is None:  # fresh weights: no colour order, no preprocess
@@ -63,6 +71,22 @@ def import_caffe(
         f"wrote {out}{also}: {plural(len(net.table), 'layer')}, {params:,} parameters, "
         f"output {shape}"
     )
+
+
+def _input_size(given: str | None) -> tuple[int, int] | None:
+    """--input-size H,W (or one number for both) as (H, W); one line for anything else."""
+    from cnnkit.errors import ConfigError
+
+    if given is None:
+        return None
+    try:
+        size = tuple(int(p) for p in given.replace("x", ",").split(","))
+    except ValueError:
+        size = ()
+    size = size * 2 if len(size) == 1 else size
+    if len(size) != 2 or min(size) < 1 or max(size) > 8192:
+        raise ConfigError(f"--input-size {given!r}: expected H,W (or one side), 1 to 8192 each")
+    return size  # type: ignore[return-value]
 
 
 def _check_import_paths(prototxt: Path, caffemodel: Path | None, out: Path | None) -> None:
