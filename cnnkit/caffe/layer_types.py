@@ -54,7 +54,7 @@ class LayerTypes(ShapeTypes):
         p, channels = layer.sub("convolution_param"), self.shapes[self._first_bottom(layer)][0]
         out, group = integer(self.here, p, "num_output", None), integer(self.here, p, "group", None)
         if (out, group) != (channels, channels) and {out, group} - {None, channels}:
-            self.notes.append(f"layer {_clean_name(layer)}: a {layer_type(layer)} over {channels} "
+            self.notes.append(f"layer {brief(layer.get('name', '?'))}: a {layer_type(layer)} over {channels} "
                               f"channels makes {channels} (its fork reads no num_output or "
                               f"group; given {out} and {group})")  # fmt: skip
         self._convolution(layer, last, groups=channels, out_channels=channels)
@@ -362,10 +362,6 @@ _OTHER_BN_FIELDS = ("scale_filler", "shift_filler", "bn_mode", "var_eps", "decay
                     "moving_average", "axis")  # fmt: skip
 _LRN_REGIONS = ("ACROSS_CHANNELS", "WITHIN_CHANNEL")
 _ROUND_MODES = {"CEIL": True, "FLOOR": False}  # ceil_mode
-
-
-def _clean_name(layer: Message) -> str:
-    return brief(layer.get("name", "?"))
 
 
 def _pair(size: int | list[int]) -> tuple[int, int]:

@@ -213,10 +213,7 @@ def _batchnorm(layer: _BlobReader, own: dict[str, tuple[int, ...]]) -> dict:
     factor = 0.0 if factor == 0 else 1.0 / factor
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf: named just below
         mean, var = mean * factor, var * factor
-    if (var < 0).any():  # a square's running average never is
-        raise CheckpointError(f"layer {layer.caffe_name!r}: blob variance (over the scale "
-                              "factor) has negative values, as no trained batch norm has (the "
-                              "net would compute NaN)")  # fmt: skip
+    _check_variance(layer, var, " (over the scale factor)")
     scaled = {"mean": torch.from_numpy(mean), "variance": torch.from_numpy(var)}
     check_finite_weights({f"blob {blob} (over the scale factor)": value
                           for blob, value in scaled.items()}, f"layer {layer.caffe_name!r}")  # fmt: skip
@@ -234,10 +231,16 @@ def _bn_fork(layer: _BlobReader, own: dict[str, tuple[int, ...]]) -> dict:
     state = {f"{layer.name}.{key}": torch.from_numpy(layer.read(i, blob, (1, *want, 1, 1))
                                                      .reshape(want).copy())
              for i, (blob, key) in enumerate(keys.items())}  # fmt: skip
-    if (state[f"{layer.name}.running_var"] < 0).any():
-        raise CheckpointError(f"layer {layer.caffe_name!r}: blob variance has negative values, "
-                              "as no trained batch norm has (the net would compute NaN)")  # fmt: skip
+    _check_variance(layer, state[f"{layer.name}.running_var"].numpy())
     return state
+
+
+def _check_variance(layer: _BlobReader, var: np.ndarray, what: str = "") -> None:
+    """A batch norm's variance blob (`what`: how it was read) is never negative: a square's
+    running average never is, and the net would compute NaN."""
+    if (var < 0).any():
+        raise CheckpointError(f"layer {layer.caffe_name!r}: blob variance{what} has negative "
+                              "values, as no trained batch norm has (the net would compute NaN)")  # fmt: skip
 
 
 def _dims(shape: tuple[int, ...]) -> str:
