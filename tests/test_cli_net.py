@@ -208,7 +208,11 @@ def test_show_net_and_export_size_a_network_without_a_class_count(tmp_path, caps
         code, _, err = run_cli(["export", str(target), "-o", str(tmp_path / "x.onnx"),
                                 "--num-classes", "5"], capsys)  # fmt: skip
         assert code in (1, 2) and said in err and not (tmp_path / "x.onnx").exists(), err
-    for trained in (digits_run, digits_run / "best.pt"):
+    from cnnkit.infer.load import load_for_inference, save_safetensors
+
+    export = tmp_path / "digits.safetensors"
+    save_safetensors(load_for_inference(digits_run), export)
+    for trained in (digits_run, digits_run / "best.pt", export):
         code, _, err = run_cli(["export", str(trained), "-o", str(tmp_path / "r.onnx"),
                                 "--num-classes", "3"], capsys)  # fmt: skip
         assert code == 2 and f"{trained} was trained for its own classes" in err, err

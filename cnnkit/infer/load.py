@@ -76,10 +76,12 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
         raise ConfigError(f"--ema: {target} is not a run directory or checkpoint (only those keep "
                           "a moving average of the weights)")  # fmt: skip
     if path.suffix == ".safetensors":
-        return _fresh_only(load_safetensors(path, device), num_classes)
+        loaded = load_safetensors(path, device)  # (a damaged file: said first)
+        _no_class_count(target, num_classes)
+        return loaded
     if run_folder(path) or path.suffix in (".pt", ".pth"):
         model, meta = load_trained(path, device, ema)  # (a folder not a run: said there)
-        _fresh_only(target, num_classes)
+        _no_class_count(target, num_classes)
         preprocess = Preprocess.from_dict(meta["preprocess"])
         image = meta.get("mean_image")
         averaged = image is None and uses_mean_image(meta.get("config", {}))
@@ -89,13 +91,11 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
     return load_network(str(target), device, num_classes)
 
 
-def _fresh_only(loaded: Any, num_classes: int | None) -> Any:
-    """`loaded` (a trained model, or its name), where no --num-classes was given."""
+def _no_class_count(target: str | Path, num_classes: int | None) -> None:
+    """A --num-classes given for trained weights (a run, checkpoint or export) is one line."""
     if num_classes is not None:
-        name = loaded.source if isinstance(loaded, Loaded) else loaded
-        raise ConfigError(f"--num-classes {num_classes}: {name} was trained for its own "
+        raise ConfigError(f"--num-classes {num_classes}: {target} was trained for its own "
                           "classes (--num-classes sizes a network with fresh weights)")  # fmt: skip
-    return loaded
 
 
 def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None) -> Loaded:
