@@ -197,3 +197,34 @@ def test_without_tensorboard_the_loss_is_not_read_for_its_scalars(tmp_path):
         console.step(StepInfo(1, 1, step, 60, Loss(), step, 0.1, 100.0, 0.0, 1.0))
     console.log.close()
     assert Loss.reads == 4  # steps 16, 32, 48 and the epoch's last, 60
+
+
+def test_the_progress_bar_shows_the_loss_read_where_the_loop_syncs_never_its_own():
+    """A terminal's bar refreshes 10 times a second, every few steps of a fast GPU: it shows the
+    loss last read at a step where the loop reads the device anyway, never a read (a sync) of
+    its own."""
+
+    class Loss:
+        reads = 0
+
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def __float__(self) -> float:
+            Loss.reads += 1
+            return self.value
+
+    console = Console()
+    console.terminal = True  # (capsys is not one)
+    console.start_epoch(1, 1, 40, 0)
+    shown = []
+    try:
+        for step in range(1, 41):
+            console._last = float("-inf")  # due a refresh at every step
+            console.step(StepInfo(1, 1, step, 40, Loss(step / 100), step, 0.1, 100.0, 0.0, 1.0))
+            shown.append(console.progress.tasks[0].fields["loss"])
+    finally:
+        console.close()
+    assert Loss.reads == 3  # steps 16, 32 and the epoch's last, 40
+    assert shown[:15] == ["-"] * 15 and shown[15] == shown[30] == "0.1600"
+    assert shown[31] == "0.3200" and shown[-1] == "0.4000"

@@ -234,6 +234,7 @@ class Console:
         self.progress = None
         self._task = None
         self._last = 0.0
+        self._loss = "-"  # the bar's: the loss last read at a step that reads the device
         self.console = RichConsole(highlight=False)  # stdout: `| tee` and `> log` keep it
         self.terminal = self.console.is_terminal
 
@@ -263,12 +264,19 @@ class Console:
             transient=True,
         )
         self.progress.start()
-        self._task = self.progress.add_task("", total=steps, completed=done, loss="-", speed="-")
+        self._task = self.progress.add_task(
+            "", total=steps, completed=done, loss=self._loss, speed="-"
+        )
 
     def step(self, info: StepInfo) -> None:
-        """Refresh the bar at most 10 times a second, or print a line every `every` seconds
-        (reading the loss syncs the device, so neither happens at every step)."""
-        if self.log is not None and reads_device(info.step, info.steps):
+        """Refresh the bar at most 10 times a second, or print a line every `every` seconds.
+        Reading the loss syncs the device: the bar shows the loss read where the loop reads
+        the device anyway (reads_device), never one read of its own (a refresh every few
+        steps of a fast GPU would stall it); a line every `every` seconds reads it."""
+        at_sync = reads_device(info.step, info.steps)
+        if at_sync and self.progress is not None:
+            self._loss = f"{float(info.loss):.4f}"
+        if self.log is not None and at_sync:
             self.log.write_step(info.global_step, info.loss, info.lr, info.images_per_second)
         if self.quiet:
             return
@@ -277,7 +285,7 @@ class Console:
             return
         self._last = now
         if self.progress is not None:
-            self.progress.update(self._task, completed=info.step, loss=f"{float(info.loss):.4f}",
+            self.progress.update(self._task, completed=info.step, loss=self._loss,
                                  speed=f"{info.images_per_second:.0f}")  # fmt: skip
             return
         left = info.seconds / max(info.step, 1) * (info.steps - info.step)
