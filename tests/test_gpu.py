@@ -1,7 +1,8 @@
 """The CUDA path end to end (run by `pytest -m gpu` on a GPU machine; skipped elsewhere):
 training through validation, evaluation and 10-crop on the device, the page-locked slot ring,
 JPEGs decoded on the GPU, a one-process NCCL group, the benchmark's steady-state figures, a
-training step that never waits for the GPU, and fp16 with loss scaling, the moving average,
+training step and the RandAugment / TrivialAugment policies that never wait for the
+GPU, and fp16 with loss scaling, the moving average,
 random-resized crops and erasing on the device, classified there as the run trained."""
 
 from __future__ import annotations
@@ -203,6 +204,29 @@ def test_a_training_step_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item() and int(engine.ema.n_averaged) == 6
+
+
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment"])
+def test_the_policies_never_wait_for_the_gpu_and_equal_the_cpus(policy):
+    """RandAugment / TrivialAugment on a CUDA batch (torchvision's ops copy a matrix or kernel
+    with a host wait each): no synchronising call after the first batch, and the CPU's result
+    for the same draws (nearest-neighbour resampling may round a rare pixel the other way)."""
+    from cnnkit.train.policy import augment
+
+    images = torch.randint(0, 256, (64, 3, 40, 48), dtype=torch.uint8)
+    on_gpu = images.to(CUDA)
+    augment(on_gpu, policy)  # first use: the cached grid and kernel
+    torch.manual_seed(5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = augment(on_gpu, policy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.manual_seed(5)
+    cpu = augment(images, policy)
+    diff = (out.cpu().int() - cpu.int()).abs()
+    assert (diff > 1).float().mean() < 0.001 and (diff > 0).float().mean() < 0.01
 
 
 def test_fp16_with_the_moving_average_resized_crops_and_erasing_then_classify(shapes, tmp_path):

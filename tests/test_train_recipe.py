@@ -152,7 +152,7 @@ def test_policies_change_images_not_their_shape_or_range(policy):
     back = out * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
     assert out.shape == x.shape and back.min() > -0.5 and back.max() < 255.5
     changed = [(out[i] - x[i]).abs().max() > 1e-4 for i in range(20)]
-    assert sum(changed) >= 10  # most groups drew an op that changes pixels
+    assert sum(changed) >= 10  # most images drew an op that changes pixels
 
 
 def test_random_erasing_boxes_per_image():

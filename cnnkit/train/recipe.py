@@ -1,5 +1,5 @@
 """Modern recipe pieces applied to the training batch on its device, after the loader:
-RandAugment / TrivialAugment (torchvision.transforms.v2, one draw per group of 8 images),
+RandAugment / TrivialAugment (train/policy.py: torchvision's ops, a draw per image, batched),
 random erasing (per image, one batched op), mixup / cutmix (torchvision.transforms.v2, soft
 labels); and the exponential moving average of the weights (torch.optim.swa_utils'
 AveragedModel, updated without a device sync).
@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.optim.swa_utils
 from torch import nn
-
-GROUP = 8  # images sharing one RandAugment / TrivialAugment draw (a v2 call per group)
 
 
 @dataclass(frozen=True)
@@ -50,13 +48,11 @@ class BatchRecipe:
 
     def _policy(self, x: torch.Tensor) -> torch.Tensor:
         """RandAugment / TrivialAugment on uint8 images: un-normalise, augment, normalise."""
-        from torchvision.transforms import v2
+        from cnnkit.train.policy import augment
 
         mean, std = _column(tuple(self.mean), x.device), _column(tuple(self.std), x.device)
         images = (x * std + mean).round_().clamp_(0, 255).to(torch.uint8)
-        op = v2.RandAugment() if self.policy == "randaugment" else v2.TrivialAugmentWide()
-        images = torch.cat([op(part) for part in images.split(GROUP)])
-        return (images.float() - mean) / std
+        return (augment(images, self.policy).float() - mean) / std
 
     def _mix(self, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple:
         from torchvision.transforms import v2

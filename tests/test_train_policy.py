@@ -1,0 +1,150 @@
+"""RandAugment and TrivialAugment-Wide, batched with a draw per image (train/policy.py), against
+torchvision.transforms.v2.functional applied to one image at a time with the same parameter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2 import functional as TF
+
+from cnnkit.train.policy import BINS, OPS, RANDAUGMENT, SIGNED, TRIVIALAUGMENT, apply, augment
+
+
+def _photos(n: int, h: int, w: int) -> torch.Tensor:
+    """n crops of scikit-image's bundled colour photos, uint8 (n, 3, h, w)."""
+    from skimage import data
+
+    sources = [torch.from_numpy(f()).permute(2, 0, 1) for f in (data.astronaut, data.coffee,
+                                                                  data.chelsea)]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        photo = sources[i % len(sources)]
+        top = int(torch.randint(photo.shape[1] - 4 * h, (1,), generator=g))
+        left = int(torch.randint(photo.shape[2] - 4 * w, (1,), generator=g))
+        out.append(photo[:, top : top + 4 * h : 4, left : left + 4 * w : 4])
+    images = torch.stack(out).contiguous()
+    images[-1] = 77  # a flat image: autocontrast and equalize leave it alone
+    return images
+
+
+def _torchvision(image: torch.Tensor, op: str, m: float) -> torch.Tensor:
+    """torchvision's v2 op, as its RandAugment and TrivialAugmentWide apply it to one image."""
+    near = InterpolationMode.NEAREST
+    if op == "identity":
+        return image
+    if op in ("shear_x", "shear_y"):
+        degrees = math.degrees(math.atan(m))
+        shear = [degrees, 0.0] if op == "shear_x" else [0.0, degrees]
+        return TF.affine(image, angle=0.0, translate=[0, 0], scale=1.0, shear=shear,
+                         interpolation=near, center=[0, 0])  # fmt: skip
+    if op in ("translate_x", "translate_y"):
+        shift = [int(m), 0] if op == "translate_x" else [0, int(m)]
+        return TF.affine(image, angle=0.0, translate=shift, scale=1.0, shear=[0.0, 0.0],
+                         interpolation=near)  # fmt: skip
+    if op == "rotate":
+        return TF.rotate(image, angle=m, interpolation=near)
+    colour = {"brightness": TF.adjust_brightness, "color": TF.adjust_saturation,
+              "contrast": TF.adjust_contrast, "sharpness": TF.adjust_sharpness}  # fmt: skip
+    if op in colour:
+        return colour[op](image, 1.0 + m)
+    if op == "posterize":
+        return TF.posterize(image, int(m))
+    if op == "solarize":
+        return TF.solarize(image, 255.0 * m)
+    return TF.autocontrast(image) if op == "autocontrast" else TF.equalize(image)
+
+
+def _magnitudes(space, op: int, n: int, h: int, w: int, g: torch.Generator) -> torch.Tensor:
+    """n magnitudes of op from the space, every bin and sign in turn (float64)."""
+    table = space.magnitudes(op, h, w).double()
+    m = table[torch.randint(BINS, (n,), generator=g)]
+    if op in SIGNED:
+        m = torch.where(torch.rand(n, generator=g) < 0.5, -m, m)
+    return m
+
+
+BLENDS = {"brightness", "color", "contrast", "sharpness"}
+
+
+@pytest.mark.parametrize("shape", [(36, 36), (30, 44)], ids=["square", "wide"])
+@pytest.mark.parametrize("op", OPS)
+def test_each_op_is_torchvisions_with_a_magnitude_per_image(op, shape):
+    """Every image of the batch its own magnitude (each bin and sign of TrivialAugment's wide
+    ranges, which hold RandAugment's), against torchvision's op on that image alone. The
+    blends add with one rounding fewer or more than torchvision's fused add: a pixel now and then
+    lands one level off; everything else is equal."""
+    h, w = shape
+    images = _photos(24, h, w)
+    g = torch.Generator().manual_seed(OPS.index(op))
+    ops = torch.full((24,), OPS.index(op))
+    m = _magnitudes(TRIVIALAUGMENT, OPS.index(op), 24, h, w, g)
+    if op == "rotate":
+        m[:4] = torch.tensor([90.0, -90.0, 0.0, 45.0])  # torchvision's rot90 and clone paths
+    ours = apply(images, ops, m)
+    theirs = torch.stack([_torchvision(images[i], op, float(m[i])) for i in range(24)])
+    assert ours.dtype == torch.uint8 and ours.shape == images.shape
+    diff = (ours.int() - theirs.int()).abs()
+    if op in BLENDS:
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 0.002
+    else:
+        assert torch.equal(ours, theirs)
+
+
+def test_a_batch_of_mixed_ops_is_each_image_given_its_own():
+    images = _photos(40, 32, 32)
+    g = torch.Generator().manual_seed(1)
+    ops = torch.randint(len(OPS), (40,), generator=g)
+    m = torch.stack([_magnitudes(RANDAUGMENT, int(k), 1, 32, 32, g)[0] for k in ops])
+    ours = apply(images, ops, m)
+    for i in range(40):
+        theirs = _torchvision(images[i], OPS[ops[i]], float(m[i]))
+        assert (ours[i].int() - theirs.int()).abs().max() <= (1 if OPS[ops[i]] in BLENDS else 0)
+
+
+def test_the_magnitudes_are_torchvisions():
+    """Each op's BINS levels equal those of torchvision's RandAugment and TrivialAugmentWide."""
+    names = {"ShearX": "shear_x", "ShearY": "shear_y", "TranslateX": "translate_x",
+             "TranslateY": "translate_y", "Rotate": "rotate", "Brightness": "brightness",
+             "Color": "color", "Contrast": "contrast", "Sharpness": "sharpness",
+             "Posterize": "posterize", "Solarize": "solarize"}  # fmt: skip
+    for theirs, ours in ((v2.RandAugment, RANDAUGMENT), (v2.TrivialAugmentWide, TRIVIALAUGMENT)):
+        space = theirs._AUGMENTATION_SPACE
+        assert {names.get(k, k.lower()) for k in space} == set(OPS)
+        for name, (levels, signed) in space.items():
+            op = OPS.index(names.get(name, name.lower()))
+            assert signed == (op in SIGNED)
+            table = levels(BINS, 30, 44)
+            if table is not None:
+                torch.testing.assert_close(
+                    ours.magnitudes(op, 30, 44), table.float(), rtol=0, atol=0
+                )
+
+
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment"])
+def test_a_policy_draws_per_image_from_torchs_generator(policy):
+    images = _photos(64, 24, 24)
+    torch.manual_seed(3)
+    once = augment(images, policy)
+    torch.manual_seed(3)
+    assert torch.equal(augment(images, policy), once)  # a resumed run repeats it
+    changed = (once != images).flatten(1).any(1)
+    assert 0.6 < changed.float().mean() < 1.0  # identity and no-op draws leave a few alone
+    assert augment(images[:0], policy).shape == (0, 3, 24, 24)
+
+
+def test_grey_images_take_the_policies():
+    images = _photos(16, 20, 20)[:, :1].contiguous()
+    torch.manual_seed(0)
+    for policy in ("randaugment", "trivialaugment"):
+        out = augment(images, policy)
+        assert out.shape == images.shape and out.dtype == torch.uint8
+    for op in ("color", "contrast", "sharpness", "autocontrast"):
+        m = torch.full((16,), 0.5, dtype=torch.float64)
+        theirs = torch.stack([_torchvision(images[i], op, 0.5) for i in range(16)])
+        diff = (apply(images, torch.full((16,), OPS.index(op)), m).int() - theirs.int()).abs()
+        assert diff.max() <= 1
