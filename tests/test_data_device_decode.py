@@ -95,7 +95,7 @@ def test_a_batch_of_only_corrupt_jpegs_is_empty_on_the_device(device):
     from cnnkit.data.device_decode import decode_batch
 
     class Set:
-        size, resize_mode = 16, "squash"
+        size, resize_mode, interpolation = 16, "squash", "bilinear"
 
     junk = [b"\xff\xd8\xff\xe0" + bytes(range(60)), b"\xff\xd8\xff\xdb" + bytes(40)]
     batch = WorkerBatch(torch.tensor([0, 1]), encoded=Encoded.join(junk), names=["a", "b"])

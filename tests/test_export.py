@@ -42,6 +42,7 @@ def test_onnx_export_of_the_digits_run(digits_run, tmp_path, capsys):
     assert json.loads(props["std"]) == loaded.preprocess.std
     assert json.loads(props["classes"]) == [str(d) for d in range(10)]
     assert int(props["crop"]) == 8 and int(props["channels"]) == 1
+    assert props["interpolation"] == "bilinear"  # the resize a reader of the file repeats
     batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
     assert batch.dim_param and not batch.dim_value  # symbolic: any batch size
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])

@@ -27,6 +27,9 @@ def pack(
     dst: Path = typer.Argument(..., help="Output folder (resumes if it holds an unfinished pack)."),
     size: int = typer.Option(256, "--size", help="Stored images are size x size (8 to 8192)."),
     resize: str = typer.Option("squash", "--resize", help="squash | shorter-side-crop"),
+    interpolation: str = typer.Option(
+        "bilinear", "--interpolation", help="The resize's filter: bilinear | bicubic."
+    ),
     format: str = typer.Option(
         "raw", "--format", help="raw (memory-mapped) | jpeg (5-10x smaller)"
     ),
@@ -46,7 +49,8 @@ def pack(
     from cnnkit.data.pack import pack_folder
     from cnnkit.errors import plural
 
-    s = pack_folder(src, dst, size, resize, format, quality, workers, labels)
+    s = pack_folder(src, dst, size, resize, format, quality, workers, labels,
+                    interpolation=interpolation)  # fmt: skip
     done = f"{plural(s.images, 'image')} of {plural(s.classes, 'class', 'classes')}"
     if s.resumed_shards == s.shards:
         print(f"already packed: {done} in {dst}")

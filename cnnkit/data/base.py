@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from cnnkit.data.resize import ResizeSetting
+from cnnkit.data.resize import Interpolation, ResizeSetting
 from cnnkit.data.scan import printable
 from cnnkit.errors import ConfigError, validation_message
 
@@ -202,15 +202,20 @@ class Preprocess(Section):
     crop: int = Field(ge=1, le=MAX_SIDE, description="network input height = width")
     resize: int | None = Field(None, ge=1, le=MAX_SIDE, description="resize to this first")
     resize_mode: ResizeSetting = "squash"
+    interpolation: Interpolation = Field(
+        "bilinear", description="the resize's filter: bilinear, or bicubic (timm's weights')"
+    )
     mean: list[float] = Field(default_factory=lambda: [0.0], min_length=1, max_length=4)
     std: list[float] = Field(default_factory=lambda: [255.0], min_length=1, max_length=4)
 
     def __init__(self, channels: int, crop: int, resize: int | None = None,
                  resize_mode: str = "squash", mean: list[float] | None = None,
-                 std: list[float] | None = None, **extra: Any) -> None:  # fmt: skip
+                 std: list[float] | None = None, interpolation: str = "bilinear",
+                 **extra: Any) -> None:  # fmt: skip
         super().__init__(channels=channels, crop=crop, resize=resize, resize_mode=resize_mode,
                          mean=[0.0] if mean is None else list(mean),
-                         std=[255.0] if std is None else list(std), **extra)  # fmt: skip
+                         std=[255.0] if std is None else list(std),
+                         interpolation=interpolation, **extra)  # fmt: skip
 
     @classmethod
     def of_data(cls, *args: Any, **kwargs: Any) -> Preprocess:

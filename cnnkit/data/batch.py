@@ -118,6 +118,7 @@ class BatchDataset(Protocol):
 
     size: int  # side of the stored (packed) or resized (folder) images
     resize_mode: str  # squash | shorter: how images of another size become size x size
+    interpolation: str  # bilinear | bicubic: the filter of that resize
     crops: bool  # can cut Crops itself (decoding once into the crop, CPU training)
     direct: bool  # a CPU device may read `views` in the main process (raw shards)
     jpeg: bool  # can hand back JPEG bytes for decoding on the device (BatchJob.encoded)

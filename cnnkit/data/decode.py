@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from cnnkit.data.resize import Flipped, ResizeMode, centre_offset, resize_uint8
+from cnnkit.data.resize import Flipped, Interpolation, ResizeMode, centre_offset, resize_uint8
 from cnnkit.data.tiff import libtiff_quiet, unopened_tiff
 
 try:  # libjpeg-turbo with DCT scaling straight into numpy; Pillow's draft is the fallback
@@ -390,9 +390,9 @@ class Resized(NamedTuple):
     source: tuple[int, int]
 
 
-def load_resized(
-    path: str | Path, size: int, mode: ResizeMode = "squash", fast: bool = False
-) -> Resized:
+def load_resized(path: str | Path, size: int, mode: ResizeMode = "squash", fast: bool = False,
+                 interpolation: Interpolation = "bilinear") -> Resized:  # fmt: skip
     """decode_image + resize_uint8."""
     array, note, factor, source = decode_image(path, size, mode, fast)
-    return Resized(resize_uint8(array, size, mode, factor, source), note, source)
+    resized = resize_uint8(array, size, mode, factor, source, interpolation=interpolation)
+    return Resized(resized, note, source)

@@ -101,9 +101,10 @@ def _say_decoded_on_the_cpu(device: str) -> None:
           "decoded on the CPU (correct, slower)", file=sys.stderr)  # fmt: skip
 
 
-def resize_on_device(images: torch.Tensor, size: int, mode: str) -> torch.Tensor:
+def resize_on_device(images: torch.Tensor, size: int, mode: str,
+                     interpolation: str = "bilinear") -> torch.Tensor:  # fmt: skip
     """(..., 3, H, W) uint8 -> (..., 3, size, size) uint8: squash, or shorter side + centre
-    crop, with antialiased bilinear resampling (what the workers' CPU path does)."""
+    crop, with antialiased bilinear (or bicubic) resampling (what the workers' CPU path does)."""
     h, w = images.shape[-2:]
     if mode == "shorter":
         side = min(h, w)
@@ -112,11 +113,12 @@ def resize_on_device(images: torch.Tensor, size: int, mode: str) -> torch.Tensor
     if images.shape[-2:] == (size, size):
         return images
     x = images.reshape(-1, *images.shape[-3:]).float()
-    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+    x = F.interpolate(x, size=(size, size), mode=interpolation, antialias=True)
     return x.round_().clamp_(0, 255).to(torch.uint8).reshape(*images.shape[:-2], size, size)
 
 
-def _resized(images: dict[int, torch.Tensor], size: int, mode: str) -> dict[int, torch.Tensor]:
+def _resized(images: dict[int, torch.Tensor], size: int, mode: str,
+             interpolation: str = "bilinear") -> dict[int, torch.Tensor]:  # fmt: skip
     """Each image resized as resize_on_device does, those of one size in one call: a batch of
     256 photos a few sizes share (ImageNet's 500x375 and 375x500) takes a few kernel launches
     per size, not five per photo."""
@@ -126,7 +128,7 @@ def _resized(images: dict[int, torch.Tensor], size: int, mode: str) -> dict[int,
     out = {}
     for ids in by_shape.values():
         group = images[ids[0]][None] if len(ids) == 1 else torch.stack([images[i] for i in ids])
-        out |= dict(zip(ids, resize_on_device(group, size, mode), strict=True))
+        out |= dict(zip(ids, resize_on_device(group, size, mode, interpolation), strict=True))
     return out
 
 
@@ -140,7 +142,8 @@ def decode_batch(pixels: torch.Tensor | None, batch: WorkerBatch, dataset: Batch
     decoded = decode_images(batch.encoded.items(), device) if coded else []
     image = dict(zip(coded, decoded, strict=True))
     keep = [i for i in range(n) if i in batch.decoded or image[i] is not None]
-    resized = _resized({i: im for i, im in image.items() if im is not None}, size, mode)
+    decoded = {i: im for i, im in image.items() if im is not None}
+    resized = _resized(decoded, size, mode, dataset.interpolation)
     parts = [batch.decoded[i].to(device, non_blocking=True) if i in batch.decoded
              else resized[i] for i in keep]  # fmt: skip
     empty = torch.empty((0, 3, size, size), dtype=torch.uint8, device=device)

@@ -27,7 +27,7 @@ from cnnkit.data.base import (
     resized_side,
 )
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
-from cnnkit.data.decode import BadImage, device_jpeg, image_shape, load_resized
+from cnnkit.data.decode import BadImage, Resized, device_jpeg, image_shape, load_resized
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
 from cnnkit.data.regions import (
@@ -37,7 +37,7 @@ from cnnkit.data.regions import (
     open_image,
     smaller_than,
 )
-from cnnkit.data.resize import ResizeSetting, box_region
+from cnnkit.data.resize import Interpolation, ResizeSetting, box_region
 from cnnkit.data.scan import printable, scan_folder
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError
@@ -55,8 +55,9 @@ class FolderImages(Dataset):
     slots: torch.Tensor | None = None  # the loader's shared ring (set before workers start)
 
     def __init__(self, root: Path, files: list[str], labels: list[int], ids: np.ndarray,
-                 size: int, mode: str) -> None:  # fmt: skip
+                 size: int, mode: str, interpolation: str = "bilinear") -> None:  # fmt: skip
         self.root, self.files, self.size, self.resize_mode = root, files, size, mode
+        self.interpolation = interpolation  # the whole image's resize; a crop's is bilinear
         self.labels, self.ids = np.asarray(labels, np.int64), ids
 
     def __len__(self) -> int:
@@ -79,7 +80,7 @@ class FolderImages(Dataset):
         for k, path in enumerate(paths):
             try:  # odd images are converted
                 if cut is None:
-                    image, _, source = load_resized(path, self.size, self.resize_mode)
+                    image, _, source = self._resized(path)
                     x[len(kept)].copy_(image)
                 else:
                     source = cut(k, x[len(kept)])
@@ -93,6 +94,9 @@ class FolderImages(Dataset):
         pixels = x[: len(kept)] if job.slot is None else None
         return WorkerBatch(labels, pixels, job.slot, alpha=alpha, bad=bad,
                            sources=self._sources(sources))  # fmt: skip
+
+    def _resized(self, path: Path) -> Resized:
+        return load_resized(path, self.size, self.resize_mode, interpolation=self.interpolation)
 
     def _crops(self, paths: list[Path], c: Crops) -> Callable[[int, torch.Tensor], tuple]:
         """A function that writes image k's crop into `out` and returns the image's size, for k
@@ -145,7 +149,7 @@ class FolderImages(Dataset):
             try:
                 data = device_jpeg(path)
                 if data is None:  # not a JPEG the device decoders take: decode it here
-                    image, _, source = load_resized(path, self.size, self.resize_mode)
+                    image, _, source = self._resized(path)
                     decoded[len(kept)] = image
                 else:
                     coded.append(data)
@@ -179,6 +183,11 @@ class FolderConfig(ImageSetConfig):
         "network's side, 256 from 224 to 256; left out with a data.crop over 256: its 8/7)",
     )
     resize_mode: ResizeSetting = Field("squash", description="or shorter side + crop")
+    interpolation: Interpolation = Field(
+        "bilinear",
+        description="the filter resizing a whole image to size: bilinear, or bicubic (timm's "
+        "and torchvision's EfficientNet weights'); a random crop's resize is bilinear",
+    )
 
     default_stats = (IMAGENET_MEAN, IMAGENET_STD)  # (ClassVar)
 
@@ -262,17 +271,17 @@ class FolderConfig(ImageSetConfig):
         train_ids, val_ids = holdout_split(labels, fraction, keys=files)
         drawn = holdout_id(files, val_ids, len(files)) if fraction else None
         drawn = OWN_VAL_SET if self.val_path else drawn
-        train = FolderImages(root, files, labels, train_ids, self.size, self.resize_mode)
+        resizing = (self.size, self.resize_mode, self.interpolation)
+        train = FolderImages(root, files, labels, train_ids, *resizing)
         if same:
-            val = FolderImages(root, files, labels, np.arange(len(files)), self.size,
-                               self.resize_mode)  # fmt: skip
+            val = FolderImages(root, files, labels, np.arange(len(files)), *resizing)
         elif self.val_path:
             vfiles, vlabels, _ = scan_folder(self.val_path, self.val_labels, classes,
                                              labels_option=self._labels_option)  # fmt: skip
             val = FolderImages(Path(self.val_path), vfiles, vlabels, np.arange(len(vfiles)),
-                               self.size, self.resize_mode)  # fmt: skip
+                               *resizing)  # fmt: skip
         else:
-            val = FolderImages(root, files, labels, val_ids, self.size, self.resize_mode)
+            val = FolderImages(root, files, labels, val_ids, *resizing)
         mean, std = self.mean or IMAGENET_MEAN, self.std or IMAGENET_STD
         image = self._mean_image
         if image is not None:  # a trained run's (evaluated_as): its channel averages to classify
@@ -280,7 +289,8 @@ class FolderConfig(ImageSetConfig):
         stats = {"mean": mean, "std": std, "lighting": imagenet_lighting(), "mean_image": image}
         train_s, val_s = build_streams(self, train, val, build_augment(self, stats), device, rank,
                                        world_size, seed, local_ranks)  # fmt: skip
-        pre = Preprocess.of_data(3, self.crop, self.size, self.resize_mode, list(mean), list(std))
+        pre = Preprocess.of_data(3, self.crop, self.size, self.resize_mode, list(mean), list(std),
+                                 interpolation=self.interpolation)  # fmt: skip
         labels = torch.from_numpy(train.labels[train.ids])
         return self.finish(
             DataBundle(

@@ -161,7 +161,8 @@ class ImageSetConfig(DataConfigBase):
         weights = torch.tensor([w * s / std for w, s in zip(LUMA, pre.std, strict=True)])
         for stream in (bundle.train, bundle.val):
             stream.grey = weights.view(1, 3, 1, 1).to(stream.device)
-        grey = Preprocess.of_data(1, pre.crop, pre.resize, pre.resize_mode, [mean], [std])
+        grey = Preprocess.of_data(1, pre.crop, pre.resize, pre.resize_mode, [mean], [std],
+                                  interpolation=pre.interpolation)  # fmt: skip
         return replace(bundle, input_shape=(1, *bundle.input_shape[1:]), preprocess=grey)
 
 

@@ -32,7 +32,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ from cnnkit.data.decode import ResizeMode
 from cnnkit.data.pack_dst import check_no_clash, shards_done, shards_to_pack, tidy, write_error
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
 from cnnkit.data.packfiles import PACK_FORMAT, is_plan, read_index, read_meta
-from cnnkit.data.resize import resize_mode
+from cnnkit.data.resize import Interpolation, resize_mode
 from cnnkit.data.scan import Scan, printable, scan_images
 from cnnkit.errors import ConfigError, DataError, Interrupted, one_line
 from cnnkit.runtime import atomic, available_cores
@@ -68,7 +68,9 @@ _OPTION = {
     "resize": "--resize",
     "storage": "--format",
     "quality": "--quality",
+    "interpolation": "--interpolation",
 }  # the pack's parameters as `cnnkit pack` names them
+OLDER = {"interpolation": "bilinear"}  # what a pack's plan made before a parameter was one meant
 
 
 def _shown(key: str, value: Any) -> str:
@@ -90,9 +92,10 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
         if not is_plan(plan):
             raise DataError(f"{printable(str(plan_path))}: not a cnnkit pack's plan; pack into "
                             "another folder (this one is not a pack)")  # fmt: skip
-        if plan["params"] != params:
-            diff = [f"{_OPTION.get(k, k)} {_shown(k, v)} here, {_shown(k, plan['params'].get(k))} "
-                    "there" for k, v in params.items() if plan["params"].get(k) != v]  # fmt: skip
+        then = {**OLDER, **plan["params"]}
+        if then != params:
+            diff = [f"{_OPTION.get(k, k)} {_shown(k, v)} here, {_shown(k, then.get(k))} there"
+                    for k, v in params.items() if then.get(k) != v]  # fmt: skip
             raise DataError(f"{dst}: holds a different pack ({'; '.join(diff)}); use another DST "
                             "or delete it")  # fmt: skip
         scan = scan_images(src, labels_file, labels_option="--labels")
@@ -161,6 +164,7 @@ def _jobs(plan: dict, src: Path, dst: Path) -> list[PackJob]:
             p["storage"],
             p["quality"],
             str(dst / "shards"),
+            p.get("interpolation", "bilinear"),
         )  # fmt: skip
         for s, a in enumerate(range(0, n, shard_size))
     ]
@@ -357,10 +361,13 @@ def pack_folder(
     labels_file: str | Path | None = None,
     shard_size: int | None = None,
     progress: bool = True,
+    interpolation: Interpolation = "bilinear",
 ) -> PackSummary:
     """Pack an image folder (class subfolders, or flat + labels file) into DST; resumable."""
     src, dst = Path(src), Path(dst)
     _check_options(src, size, resize, format, quality, shard_size)
+    if interpolation not in get_args(Interpolation):
+        raise ConfigError(f"--interpolation: {interpolation!r} is not bilinear or bicubic")
     resize = resize_mode(resize)  # (shorter-side-crop: shorter, as meta.json says it)
     if dst.resolve().is_relative_to(src.resolve()):  # its shards would become a class
         raise ConfigError(f"{printable(str(dst))}: inside the folder being packed "
@@ -369,7 +376,7 @@ def pack_folder(
         raise ConfigError(f"{printable(str(dst))}: exists and is not a folder (DST is the "
                           "folder the pack is written to)")  # fmt: skip
     params = {"source": str(src.resolve()), "size": size, "resize": resize, "storage": format,
-              "quality": quality}  # fmt: skip
+              "quality": quality, "interpolation": interpolation}  # fmt: skip
     check_no_clash(dst)
     created = not dst.exists()
     labels = Path(labels_file) if labels_file else None

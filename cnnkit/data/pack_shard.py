@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from cnnkit.data.decode import BadImage, ResizeMode, encode_jpeg, load_resized
+from cnnkit.data.resize import Interpolation
 from cnnkit.data.scan import printable
 from cnnkit.runtime import atomic
 
@@ -33,6 +34,7 @@ class PackJob:
     format: PackFormat
     quality: int
     out_dir: str
+    interpolation: Interpolation = "bilinear"
 
 
 def _image_stats(image: torch.Tensor, phase: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +79,8 @@ def _write_records(job: PackJob, out: IO[bytes]) -> dict[str, np.ndarray]:
     offset = 0
     for i, (rel, label) in enumerate(zip(job.files, job.labels, strict=True)):
         try:
-            image, note, source = load_resized(Path(job.root) / rel, size, job.resize)
+            image, note, source = load_resized(Path(job.root) / rel, size, job.resize,
+                                               interpolation=job.interpolation)  # fmt: skip
         except BadImage as e:
             report.append(f"{printable(rel)}\tskipped\t{e}")
             continue

@@ -51,6 +51,7 @@ class PackedImages(Dataset):
         self.labels = label_map[labels] if label_map is not None else labels
         self.ids = np.arange(len(labels)) if ids is None else ids
         self.size, self.resize_mode = self.meta["size"], self.meta["resize"]
+        self.interpolation = self.meta.get("interpolation", "bilinear")  # (older packs: none)
         self.direct = self.meta["storage"] == "raw"  # a CPU device crops from the page cache
         self.jpeg = self.meta["storage"] == "jpeg"
         # each photo's own (H, W), where it was squashed whole into the square
@@ -231,7 +232,8 @@ class PackedConfig(ImageSetConfig):
         train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed,
                                        local_ranks)  # fmt: skip
         mean, std = self._preprocess_stats(meta, stats)
-        pre = Preprocess.of_data(3, self.crop, meta["size"], meta["resize"], mean, std)
+        pre = Preprocess.of_data(3, self.crop, meta["size"], meta["resize"], mean, std,
+                                 interpolation=meta.get("interpolation", "bilinear"))  # fmt: skip
         labels = torch.from_numpy(train.labels[train.ids])
         return self.finish(DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop),
                                       pre, labels, image, drawn))  # fmt: skip

@@ -92,6 +92,7 @@ class PackMeta(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     size: int = Field(ge=1, le=MAX_SIDE)
     resize: Literal["squash", "shorter"]
+    interpolation: Literal["bilinear", "bicubic"] = "bilinear"  # (older packs: none)
     storage: Literal["raw", "jpeg"]
     classes: list[str] = Field(min_length=1)
     shards: list[Annotated[str, Field(pattern=r"^\d{5,}\.(u8|jpg)$")]]  # in DST/shards only

@@ -1,6 +1,6 @@
 """Resizing decoded uint8 images: squash or shorter side + centre crop, over a DCT-scaled
 decode's true extent, and the boxes of random crops; torch's antialiased bilinear kernel (the
-one torchvision's resize runs) throughout."""
+one torchvision's resize runs), or its bicubic one where the weights were made with it."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def resize_mode(name: Any, what: str = "") -> ResizeMode:
 
 
 ResizeSetting = Annotated[ResizeMode, BeforeValidator(resize_mode)]  # a setting's
+# the filter of a whole image's resize (torchvision's weights: bilinear; timm's, and
+# torchvision's EfficientNets: bicubic); a random crop's own resize is bilinear
+Interpolation = Literal["bilinear", "bicubic"]
 
 
 Flipped = tuple[bool, bool]  # (rows, columns) reversed when the picture is turned upright
@@ -40,32 +43,33 @@ def centre_offset(h: int, w: int, flipped: Flipped = (False, False)) -> tuple[in
     return (h - side - top if flipped[0] else top), (w - side - left if flipped[1] else left)
 
 
-def resize_region(x: torch.Tensor, extent: tuple[float, float],
-                  size: tuple[int, int]) -> torch.Tensor:  # fmt: skip
-    """(N, C, h, w) uint8 -> (N, C, *size): antialiased bilinear resizing of the image whose true
-    extent is `extent` (h, w) pixels, at most one pixel under the array's: a DCT-scaled JPEG's
-    last row and column cover only part of a block, so they are mapped as such, not stretched."""
+def resize_region(x: torch.Tensor, extent: tuple[float, float], size: tuple[int, int],
+                  interpolation: Interpolation = "bilinear") -> torch.Tensor:  # fmt: skip
+    """(N, C, h, w) uint8 -> (N, C, *size): antialiased resizing of the image whose true extent
+    is `extent` (h, w) pixels, at most one pixel under the array's: a DCT-scaled JPEG's last row
+    and column cover only part of a block, so they are mapped as such, not stretched."""
     if tuple(x.shape[-2:]) == tuple(extent):
         if x.shape[-2:] == size:
             return x
         x = x.contiguous(memory_format=torch.channels_last)  # see resize_crop
-        return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+        return F.interpolate(x, size=size, mode=interpolation, antialias=True,
+                             align_corners=False)  # fmt: skip
     x = x.contiguous(memory_format=torch.channels_last)
     scale = (size[0] / extent[0] * (1 + 1e-9), size[1] / extent[1] * (1 + 1e-9))
-    x = F.interpolate(x, scale_factor=scale, mode="bilinear", antialias=True,
+    x = F.interpolate(x, scale_factor=scale, mode=interpolation, antialias=True,
                       align_corners=False, recompute_scale_factor=False)  # fmt: skip
     return x[..., : size[0], : size[1]]
 
 
 def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash", factor: int = 1,
-                 source: tuple[int, int] | None = None,
-                 flipped: Flipped = (False, False)) -> torch.Tensor:  # fmt: skip
+                 source: tuple[int, int] | None = None, flipped: Flipped = (False, False),
+                 interpolation: Interpolation = "bilinear") -> torch.Tensor:  # fmt: skip
     """(h, w, 3) uint8 -> (3, size, size) uint8: squash, or shorter side to size + centre crop
     (the centre square of the source, then one resize). A DCT-scaled decode passes its factor
     and the source's (H, W) (see Decoded), so the resize covers the source's exact extent; an
     image turned upright after the resize passes what the turn reverses (see centre_offset).
 
-    Uses torch's uint8 antialiased bilinear kernel (about 4x faster than Pillow's resize).
+    Uses torch's uint8 antialiased kernels (bilinear about 4x faster than Pillow's resize).
     """
     h, w = source or image.shape[:2]
     top, left = centre_offset(h, w, flipped) if mode == "shorter" else (0, 0)
@@ -74,7 +78,8 @@ def resize_uint8(image: np.ndarray, size: int, mode: ResizeMode = "squash", fact
     y0, y1 = top // factor, -(-(top + side_h) // factor)
     x0, x1 = left // factor, -(-(left + side_w) // factor)
     x = torch.from_numpy(image[y0:y1, x0:x1]).permute(2, 0, 1).unsqueeze(0)  # channels-last
-    return planar(resize_region(x, (side_h / factor, side_w / factor), (size, size))[0])
+    extent = (side_h / factor, side_w / factor)
+    return planar(resize_region(x, extent, (size, size), interpolation)[0])
 
 
 def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int,

@@ -205,6 +205,7 @@ def export_onnx(loaded: Loaded, path: Path) -> None:
         "crop": str(pre.crop),
         "resize": json.dumps(pre.resize),
         "resize_mode": pre.resize_mode,
+        "interpolation": pre.interpolation,
         "channels": str(pre.channels),
     }
     del proto.metadata_props[:]

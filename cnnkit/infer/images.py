@@ -33,7 +33,7 @@ from cnnkit.data.decode import (
     read_file,
     to_8bit,
 )
-from cnnkit.data.resize import resize_uint8
+from cnnkit.data.resize import Interpolation, resize_uint8
 from cnnkit.data.scan import Walker, printable, skip_reason
 from cnnkit.errors import DataError
 from cnnkit.runtime import atomic
@@ -177,12 +177,14 @@ def _orientation(data: bytes) -> int:
         return 1
 
 
-def _resized_file(path: str | Path, size: int, mode: str) -> torch.Tensor:
+def _resized_file(path: str | Path, size: int, mode: str,
+                  interpolation: Interpolation = "bilinear") -> torch.Tensor:  # fmt: skip
     """A file resized as a folder's images are, then turned upright: (3, size, size) uint8.
     Turned before, a DCT-scaled decode's partial last row or column would come first, where
     the resize does not look for it (the picture shifted by part of a pixel, an edge smeared)."""
     (array, _, factor, source), orientation = _decode_stored(path, size, mode)
-    x = resize_uint8(array, size, mode, factor, source, REVERSED.get(orientation, (False, False)))
+    flipped = REVERSED.get(orientation, (False, False))
+    x = resize_uint8(array, size, mode, factor, source, flipped, interpolation)
     turn = UPRIGHT.get(orientation)
     if turn is None:
         return x
@@ -245,9 +247,9 @@ def resized(image: ImageInput, pre: Preprocess) -> torch.Tensor:
     size = pre.resize or pre.crop
     mode = pre.resize_mode if pre.resize else "squash"
     if isinstance(image, (str, Path)):
-        x = _resized_file(image, size, mode)
+        x = _resized_file(image, size, mode, pre.interpolation)
     else:
-        x = resize_uint8(to_hwc(image), size, mode)
+        x = resize_uint8(to_hwc(image), size, mode, interpolation=pre.interpolation)
     if x.shape[0] == pre.channels:
         return x
     hwc = np.ascontiguousarray(x.permute(1, 2, 0).numpy())

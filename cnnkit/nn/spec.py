@@ -155,7 +155,8 @@ class NetSpec(BaseModel):
     preprocess: dict[str, Any] | None = Field(
         None,
         description="how classify and export read images for these weights: mean, std "
-        "(0-255, per channel), resize, resize_mode (default: 0-1 pixels, no resize)",
+        "(0-255, per channel), resize, resize_mode, interpolation (default: 0-1 pixels, no "
+        "resize)",
     )
     classes: list[str] | str | None = Field(
         None,

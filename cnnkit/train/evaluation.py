@@ -71,15 +71,15 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
         if section.get("source") in ("folder", "packed"):  # unsaid: as the network trained
             section = {"crop": pre.crop, **section}
         if section.get("source") == "folder":
-            section = {"size": pre.resize or pre.crop, "resize_mode": pre.resize_mode, **section}
+            section = {"size": pre.resize or pre.crop, "resize_mode": pre.resize_mode,
+                       "interpolation": pre.interpolation, **section}  # fmt: skip
     elif Path(spec).is_dir():
         section = {"path": spec, "val_path": spec, "crop": pre.crop}
         if is_pack(spec):
             section["source"] = "packed"
         else:
-            section.update(
-                source="folder", size=pre.resize or pre.crop, resize_mode=pre.resize_mode
-            )
+            section.update(source="folder", size=pre.resize or pre.crop,
+                           resize_mode=pre.resize_mode, interpolation=pre.interpolation)  # fmt: skip
             if labels is not None:
                 section["val_labels"] = labels
     else:
@@ -127,7 +127,8 @@ def source_named(spec: str) -> bool:
 
 def check_pack_fits(spec: str | None, meta: dict[str, Any], pre: Preprocess) -> None:
     """DataError unless a packed set's images were resized as the network's were trained: the
-    same side (they are cropped, never resized again) and the same squash or centre square."""
+    same side (they are cropped, never resized again) and the same squash or centre square; a
+    note where another filter resized them (close, not the figures the weights were made for)."""
     stored, trained = meta["size"], pre.resize or pre.crop
     if stored != trained:
         raise DataError(f"--data {spec}: packed at {stored} px, but the network was trained on "
@@ -137,6 +138,12 @@ def check_pack_fits(spec: str | None, meta: dict[str, Any], pre: Preprocess) -> 
         raise DataError(f"--data {spec}: packed by --resize {flag[meta['resize']]}, but the "
                         f"network was trained on images resized by {flag[pre.resize_mode]} "
                         f"(pack it again with --resize {flag[pre.resize_mode]})")  # fmt: skip
+    packed = meta.get("interpolation", "bilinear")
+    if pre.resize and packed != pre.interpolation:
+        print(f"cnnkit: note: --data {spec}: packed with {packed} resizing, but the network's "
+              f"images were resized {pre.interpolation} (pack it again with --interpolation "
+              f"{pre.interpolation} for the figures its weights were made for)",
+              file=sys.stderr)  # fmt: skip
 
 
 def read_data_yaml(spec: str) -> Any:

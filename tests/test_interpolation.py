@@ -1,0 +1,138 @@
+"""The resize filter of a whole image (`preprocess.interpolation`, `data.interpolation`,
+`pack --interpolation`): bilinear, or bicubic as timm's and torchvision's EfficientNet weights
+were made; checked against torchvision's transforms."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+from skimage import data as skdata
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import InterpolationMode
+
+from cnnkit.data import data_config
+from cnnkit.data.base import Preprocess
+from cnnkit.data.decode import load_resized
+from cnnkit.data.pack import pack_folder
+from cnnkit.data.resize import resize_uint8
+from cnnkit.errors import ConfigError
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_a_squash_is_torchvisions_resize(interpolation):
+    photo = skdata.coffee()  # (400, 600, 3)
+    ours = resize_uint8(photo, 96, "squash", interpolation=interpolation)
+    mode = InterpolationMode(interpolation)
+    theirs = v2.functional.resize(torch.from_numpy(photo).permute(2, 0, 1), [96, 96],
+                                  interpolation=mode, antialias=True)  # fmt: skip
+    assert torch.equal(ours, theirs)
+    other = resize_uint8(photo, 96, "squash", interpolation="bicubic" if interpolation ==
+                         "bilinear" else "bilinear")  # fmt: skip
+    assert (ours.int() - other.int()).abs().max() > 4  # (the filters differ visibly)
+
+
+def test_efficientnet_weights_are_classified_as_torchvision_transforms_them(tmp_path):
+    """torchvision's EfficientNet-B0 weights were made with Resize(256, bicubic) and
+    CenterCrop(224): the zoo network reads images so (bilinear resizing made these weights
+    pick another class)."""
+    from cnnkit.infer.classify import Classifier
+
+    torch.manual_seed(0)
+    reference = torchvision.models.efficientnet_b0()
+    for bn in reference.modules():  # statistics of its own activations (fresh ones vanish)
+        if isinstance(bn, torch.nn.BatchNorm2d):
+            bn.momentum = None
+    with torch.no_grad():
+        reference(torch.rand(8, 3, 224, 224))
+    reference.eval()
+    torch.save(reference.state_dict(), tmp_path / "b0.pth")
+    (tmp_path / "run.yaml").write_text("model: {network: efficientnet_b0, weights: b0.pth}\n")
+    photo = Image.fromarray(np.asarray(skdata.astronaut())).resize((600, 400))
+    transform = v2.Compose([v2.PILToTensor(), v2.Resize(256, InterpolationMode.BICUBIC),
+                            v2.CenterCrop(224), v2.ToDtype(torch.float32, scale=True),
+                            v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])  # fmt: skip
+    with torch.no_grad():
+        expected = reference(transform(photo)[None]).softmax(1)[0]
+    classifier = Classifier.load(tmp_path / "run.yaml")
+    assert classifier.preprocess.interpolation == "bicubic"
+    got = classifier.predict(photo, top=3)
+    assert int(got.labels[0].removeprefix("class")) == int(expected.argmax())
+    assert got.probs == pytest.approx(expected.topk(3).values.tolist(), abs=0.01)
+
+
+def test_a_network_file_takes_interpolation_and_refuses_others(tmp_path):
+    from cnnkit.cli import app  # noqa: F401 - the command line's own check
+
+    net = tmp_path / "net.yaml"
+    net.write_text("model:\n  input: [3, 8, 8]\n  preprocess: {resize: 10, interpolation: "
+                   "nearest}\n  layers:\n    - {type: flatten}\n    - {type: linear, "
+                   "out_features: 2}\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "cnnkit", "classify", str(net), str(net)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "interpolation" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match="interpolation"):
+        Preprocess(channels=3, crop=8, interpolation="lanczos")
+
+
+def test_a_pack_resizes_with_its_filter_and_says_so(shapes, tmp_path):
+    pack_folder(shapes, tmp_path / "p", size=16, progress=False, workers=1,
+                interpolation="bicubic")  # fmt: skip
+    meta = json.loads((tmp_path / "p/meta.json").read_text())
+    assert meta["interpolation"] == "bicubic"
+    from data_images import all_images
+
+    x, _ = all_images(tmp_path / "p")
+    files = (tmp_path / "p/files.txt").read_text().split()
+    for i, rel in enumerate(files):
+        expected = load_resized(shapes / rel, 16, "squash", interpolation="bicubic").image
+        assert torch.equal(x[i], expected)
+    data = data_config({"source": "packed", "path": str(tmp_path / "p"), "crop": 12})
+    assert data.build(torch.device("cpu")).preprocess.interpolation == "bicubic"
+    with pytest.raises(ConfigError, match="--interpolation: 'box' is not bilinear or bicubic"):
+        pack_folder(shapes, tmp_path / "q", size=16, progress=False, interpolation="box")
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_pack_planned_before_the_setting_resumes_as_bilinear(shapes, tmp_path):
+    """An unfinished pack of an earlier cnnkit (its plan without the parameter) resumes: it
+    was bilinear; asked for bicubic, the folder is refused as a different pack."""
+    pack_folder(shapes, tmp_path / "p", size=16, progress=False, workers=1)
+    plan_path = tmp_path / "p/plan.json"
+    plan = json.loads(plan_path.read_text())
+    del plan["params"]["interpolation"]
+    plan_path.write_text(json.dumps(plan))
+    (tmp_path / "p/meta.json").unlink()
+    assert pack_folder(shapes, tmp_path / "p", size=16, progress=False).images == 15
+    with pytest.raises(Exception, match="--interpolation bicubic here, bilinear there"):
+        pack_folder(shapes, tmp_path / "p", size=16, progress=False, interpolation="bicubic")
+
+
+def test_a_folder_run_keeps_its_filter_for_evaluation(shapes, tmp_path):
+    section = {"source": "folder", "path": str(shapes), "size": 20, "crop": 16,
+               "val_fraction": 0.3, "batch_size": 4, "interpolation": "bicubic"}  # fmt: skip
+    bundle = data_config(section).build(torch.device("cpu"))
+    assert bundle.preprocess.interpolation == "bicubic"
+    with pytest.raises(ConfigError, match="interpolation"):
+        data_config({**section, "interpolation": "area"})
+
+
+def test_evaluating_on_a_pack_of_another_filter_says_so(capsys):
+    from cnnkit.train.evaluation import check_pack_fits
+
+    pre = Preprocess(channels=3, crop=224, resize=256, resize_mode="shorter",
+                     interpolation="bicubic")  # fmt: skip
+    meta = {"size": 256, "resize": "shorter"}  # an older pack: bilinear, unsaid
+    check_pack_fits("val/", meta, pre)
+    err = capsys.readouterr().err
+    assert err.startswith("cnnkit: note: --data val/: packed with bilinear resizing, but the ")
+    assert "--interpolation bicubic" in err
+    check_pack_fits("val/", {**meta, "interpolation": "bicubic"}, pre)
+    assert capsys.readouterr().err == ""
