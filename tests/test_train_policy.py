@@ -148,3 +148,32 @@ def test_grey_images_take_the_policies():
         theirs = torch.stack([_torchvision(images[i], op, 0.5) for i in range(16)])
         diff = (apply(images, torch.full((16,), OPS.index(op)), m).int() - theirs.int()).abs()
         assert diff.max() <= 1
+
+
+def test_randaugments_magnitude_and_ops_are_settings():
+    """data.magnitude (torchvision's --ra-magnitude) and data.num_ops (timm's n2): at magnitude 0
+    the ops change nothing but a few levels' pixels; more ops, more draws."""
+    from cnnkit.config import load_run
+    from cnnkit.data import data_config
+    from cnnkit.errors import ConfigError
+
+    images = _photos(64, 24, 24)
+    torch.manual_seed(0)
+    still = (augment(images, "randaugment", magnitude=0) != images).float().mean()
+    strong = (augment(images, "randaugment", magnitude=30) != images).float().mean()
+    assert still < 0.2 * strong
+    state = torch.get_rng_state()
+    augment(images, "randaugment", num_ops=3)
+    three = torch.get_rng_state()
+    torch.set_rng_state(state)
+    augment(images, "randaugment", num_ops=1)
+    assert not torch.equal(three, torch.get_rng_state())
+    section = {"source": "synthetic", "shape": [3, 8, 8], "num_classes": 2}
+    with pytest.raises(ConfigError, match="magnitude"):
+        data_config({**section, "magnitude": 31})
+    notes = data_config({**section, "magnitude": 5, "policy": "trivialaugment"}).training_notes()
+    assert notes == ["data.magnitude not used: RandAugment's (data.policy: randaugment), and "
+                     "the policy is trivialaugment"]  # fmt: skip
+    assert data_config({**section, "magnitude": 5, "policy": "randaugment"}).training_notes() == []
+    with pytest.raises(ConfigError, match=r"did you mean 'magnitude'\?"):
+        load_run("digits", ["data.ra_magnitude=5"])

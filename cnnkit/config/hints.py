@@ -72,6 +72,8 @@ PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the sect
     **dict.fromkeys(("num_workers", "j", "loader_workers"), "workers"),
     **dict.fromkeys(("hflip", "flip", "random_flip", "mirror_prob"), "mirror"),
     **dict.fromkeys(("auto_augment", "autoaugment", "aa"), "policy"),
+    **dict.fromkeys(("ra_magnitude", "randaugment_magnitude"), "magnitude"),
+    **dict.fromkeys(("ra_num_ops", "randaugment_num_ops"), "num_ops"),
     **dict.fromkeys(("reprob", "random_erase", "random_erasing", "re_prob"), "erasing"),
     **dict.fromkeys(("learning_rate", "base_lr", "lr0"), "lr"),
     **dict.fromkeys(("wd", "decay"), "weight_decay"),

@@ -109,6 +109,10 @@ class DataConfigBase(Section):
     policy: Literal["none", "randaugment", "trivialaugment"] = Field(
         "none", description="torchvision's RandAugment / TrivialAugment on the training batch"
     )
+    magnitude: int = Field(
+        9, ge=0, le=30, description="RandAugment's magnitude, 0-30 (torchvision's --ra-magnitude)"
+    )
+    num_ops: int = Field(2, ge=1, le=10, description="RandAugment's ops per image (timm's n2)")
     erasing: float = Field(0.0, ge=0.0, le=1.0, description="random erasing: chance per image")
     mixup: float = Field(0.0, ge=0.0, description="mixup's Beta(alpha, alpha) (0: off)")
     cutmix: float = Field(0.0, ge=0.0, description="cutmix's Beta(alpha, alpha) (0: off)")
@@ -135,6 +139,10 @@ class DataConfigBase(Section):
         """What a training run should say of these settings (given, but unused, or doing less
         than they seem), at its start: said, not refused. ConfigError for settings that would
         make its figures wrong."""
+        given = [k for k in ("magnitude", "num_ops") if k in self.model_fields_set]
+        if given and self.policy != "randaugment":
+            return [f"data.{' and data.'.join(given)} not used: RandAugment's "
+                    f"(data.policy: randaugment), and the policy is {self.policy}"]  # fmt: skip
         return []
 
     def stored_size(self) -> int | None:

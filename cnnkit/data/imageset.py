@@ -101,18 +101,19 @@ class ImageSetConfig(DataConfigBase):
     def training_notes(self) -> list[str]:
         """A validation set that is the training set is refused (its figures would not be held
         out); a held-out fraction beside a validation set is said to be unused."""
+        notes = super().training_notes()
         val_path = getattr(self, "val_path", None)
         if not val_path:
-            return []
+            return notes
         if Path(val_path).resolve() == Path(getattr(self, "path", "")).resolve():
             raise ConfigError("data.val_path: the training set itself (data.path), so the held-out "
                               "figures would be of training images (leave data.val_path out "
                               "to hold out data.val_fraction of data.path)")  # fmt: skip
         default = type(self).model_fields["val_fraction"].default
         if self.val_fraction != default:
-            return [f"data.val_fraction {self.val_fraction:g} is not used: data.val_path holds "
-                    "the held-out images"]  # fmt: skip
-        return []
+            notes.append(f"data.val_fraction {self.val_fraction:g} is not used: data.val_path "
+                         "holds the held-out images")  # fmt: skip
+        return notes
 
     def worker_count(self, local_ranks: int = 1) -> int:
         """`workers`, or the cores this process may use shared among the ranks on this machine,

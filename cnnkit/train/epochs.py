@@ -144,8 +144,9 @@ def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console
     steps, epochs = len(data.train), config.train.epochs
     after_step = _after_step(engine, schedule, progress, hooks, ctx, writer, stop)
     pre = data.preprocess
-    recipe = BatchRecipe(config.data.policy, config.data.erasing, config.data.mixup,
-                         config.data.cutmix, tuple(pre.mean), tuple(pre.std))  # fmt: skip
+    d = config.data
+    recipe = BatchRecipe(d.policy, d.magnitude, d.num_ops, d.erasing, d.mixup, d.cutmix,
+                         tuple(pre.mean), tuple(pre.std))  # fmt: skip
     try:
         while progress.epoch < epochs and not _early_stop(
             progress, config.train.early_stop, console

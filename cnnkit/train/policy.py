@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -60,10 +60,14 @@ TRIVIALAUGMENT = Space(rounds=1, bin=None, shear=0.99, translate=32.0, rotate=13
 SPACES = {"randaugment": RANDAUGMENT, "trivialaugment": TRIVIALAUGMENT}
 
 
-def augment(images: torch.Tensor, policy: str) -> torch.Tensor:
+def augment(images: torch.Tensor, policy: str, magnitude: int = 9,
+            num_ops: int = 2) -> torch.Tensor:  # fmt: skip
     """uint8 (B, C, H, W) on any device -> the batch with `policy` applied to each image, its
-    op and magnitude its own (drawn from torch's CPU generator, which checkpoints keep)."""
+    ops and magnitudes its own (drawn from torch's CPU generator, which checkpoints keep);
+    RandAugment's `magnitude` bin (0..BINS-1) and `num_ops`."""
     space = SPACES[policy]
+    if policy == "randaugment":
+        space = replace(space, rounds=num_ops, bin=magnitude)
     B, _, H, W = images.shape
     ops = torch.randint(len(OPS), (space.rounds, B))
     bins = torch.randint(BINS, (space.rounds, B)) if space.bin is None else None

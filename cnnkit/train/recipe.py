@@ -25,6 +25,8 @@ class BatchRecipe:
     """What `data:` asks for beyond crops and mirrors (all off by default)."""
 
     policy: str = "none"  # none | randaugment | trivialaugment
+    magnitude: int = 9  # RandAugment's bin of 0..30
+    num_ops: int = 2  # RandAugment's ops per image
     erasing: float = 0.0  # probability of erasing a random box of each image
     mixup: float = 0.0  # Beta(alpha, alpha) of mixup (0: off)
     cutmix: float = 0.0  # Beta(alpha, alpha) of cutmix (0: off); with mixup, one per batch
@@ -52,7 +54,8 @@ class BatchRecipe:
 
         mean, std = _column(tuple(self.mean), x.device), _column(tuple(self.std), x.device)
         images = (x * std + mean).round_().clamp_(0, 255).to(torch.uint8)
-        return (augment(images, self.policy).float() - mean) / std
+        images = augment(images, self.policy, self.magnitude, self.num_ops)
+        return (images.float() - mean) / std
 
     def _mix(self, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple:
         from torchvision.transforms import v2
