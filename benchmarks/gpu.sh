@@ -6,7 +6,8 @@
 #   the loader (raw shards, JPEG shards decoded on the GPU); `cnnkit train` from packed raw and
 #   JPEG shards; a one-process NCCL DDP run and a `sync: average` run; the 2012 AlexNet,
 #   inference; torch.compile; per-layer times; the CPU/GPU scaling study in fp32 and bf16; the loader
-#   on JPEGs decoded by the CPU; `cnnkit train` from synthetic data. The figures of the floors
+#   on JPEGs decoded by the CPU; `cnnkit train` from synthetic data; RandAugment and
+#   TrivialAugment against torchvision's per-image transforms. The figures of the floors
 #   come first: a step that would overrun the budget is one of the last. Each bench step times
 #   the peak kernels interleaved with its own steps (a second or two each), not one shared
 #   figure: the fraction of peak then compares rates under the same clocks and heat.
@@ -126,9 +127,11 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ $SMOKE == 1 ]]; then  # a slow CPU: every limit SLOW times longer
     DEV=cpu B=4 BIG=8 REPEATS=2 CLASSES=10 PER_CLASS=4 QUICK=--quick COMPILE=--no-compile SLOW=4
+    POLICY_SIZE=32
     LAYER_REPEATS=2 EPOCHS=2 BATCHES=6 JOBS=2 BUDGET_S=${BUDGET_S:-1800}
 else  # 12 x 1334 JPEGs: the prep's 12 processes leave 4 of the 16 cores to the CUDA tests
     DEV=cuda B=256 BIG=1024 REPEATS=10 CLASSES=12 PER_CLASS=1334 QUICK= COMPILE=--compile SLOW=1
+    POLICY_SIZE=224
     LAYER_REPEATS=10 EPOCHS=5 BATCHES=200 JOBS=12
 fi
 if [[ $DEV == cuda ]]; then
@@ -288,6 +291,10 @@ step scaling_bf16           80 "${CK[@]}" bench scaling --devices "cpu,$DEV" -p 
     -o "$OUT/scaling-bf16" --quick --json
 step loader_jpeg_cpu        40 "${L[@]}" "$RUN/jpeg" --batches $(( BATCHES / 2 ))
 step train_synthetic        60 "${CK[@]}" train "$RUN/synthetic.yaml" --out "$RUN/synthetic" --quiet
+# 7. RandAugment / TrivialAugment on the device: cnnkit's batched ops against torchvision's
+# per-image transforms (whose affine ops wait for the GPU)
+step policy                 30 "$PY" benchmarks/policy_vs_torchvision.py --batch "$B" \
+    --size "$POLICY_SIZE" --rounds 5 --device "$DEV"
 rm -rf "$RUN/shapes"  # the JPEGs are only input; the results stay
 
 touch "$OUT/complete"

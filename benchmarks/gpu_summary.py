@@ -216,6 +216,9 @@ def main() -> None:
         "speedup_vs_torchvision_careful": explore.get("speedup_vs_careful"),
         "peak_fraction": explore.get("peak_fraction"),
         "chosen_settings": explore.get("settings"),
+        # torchvision's per-image RandAugment / TrivialAugment time over cnnkit's batched one
+        "policy_speedup_vs_torchvision": (section("policy", lambda: load(out, "policy"))
+                                          or {}).get("ratio"),
         "gpu": section("gpu_trace", lambda: gpu_trace(out)),
         "gpu_tests": tests,
         "gpu_tests_passed": tests["ok"] if tests else None,

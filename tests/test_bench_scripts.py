@@ -18,6 +18,8 @@ import torch
      "error: --device: 'foo' is not a device"),
     ("loader_vs_torchvision.py", ["--device", "cuda:99", "--work", "WORK"],
      "error: --device: 'cuda:99'"),
+    ("policy_vs_torchvision.py", ["--device", "foo"], "error: --device: 'foo' is not a device"),
+    ("policy_vs_torchvision.py", ["--size", "4"], "error: --batch and --rounds must be >= 1"),
 ])  # fmt: skip
 def test_benchmark_scripts_refuse_bad_input_in_one_line(script, args, says, tmp_path, capsys,
                                                         monkeypatch):  # fmt: skip
