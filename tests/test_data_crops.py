@@ -325,3 +325,18 @@ def test_photos_smaller_than_size_are_cropped_where_the_box_says(photos, mode):
         )
         ref = stream.augment.train(whole.pixels, params)
         torch.testing.assert_close(x, ref, rtol=0, atol=1e-5)  # float rounding only
+
+
+def test_bicubic_folder_crops_are_cut_from_the_bicubic_square(photos):
+    """data.interpolation: bicubic: the workers' random crops are cut from each photo resized
+    whole with that filter (a region resized once would be a bilinear resize), so they equal
+    the CUDA device's path, which crops the square the workers resized, to float rounding."""
+    stream = folder(photos, train_crop="random", interpolation="bicubic").train
+    stream.set_epoch(2)
+    for position, (batch, (x, _)) in enumerate(zip(stream.sampler, stream, strict=True)):
+        whole = stream.dataset[BatchJob(batch)]
+        params = stream.augment.sample(
+            len(batch), 24, 24, batch_generator(stream.sampler, position), whole.sources
+        )
+        ref = stream.augment.train(whole.pixels, params)
+        assert (x - ref).abs().max() < 1e-4

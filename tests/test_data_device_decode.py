@@ -377,3 +377,26 @@ def test_images_of_one_size_are_resized_together_as_each_alone(mode):
     for i, image in images.items():
         assert torch.equal(out[i], resize_on_device(image, 24, mode)), i
         assert out[i].shape == (3, 24, 24) and out[i].dtype == torch.uint8
+
+
+def test_bicubic_device_decoding_equals_the_workers(tmp_path):
+    """data.interpolation: bicubic on the device's path (its resize in two passes, rounded and
+    clipped between as torch's uint8 kernel does) = the workers' within two levels, on the
+    hard edges of black and white blocks, where bicubic overshoots most (one pass: 4 levels)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for c in range(2):
+        (tmp_path / f"c{c}").mkdir()
+        for i in range(4):
+            blocks = (rng.random((12, 16, 3)) > 0.5).astype(np.uint8) * 255
+            image = np.kron(blocks, np.ones((5, 5, 1), np.uint8))  # 60 x 80
+            Image.fromarray(image).save(tmp_path / f"c{c}" / f"{i}.jpg", quality=100)
+    section = {"source": "folder", "path": str(tmp_path), "size": 32, "crop": 28,
+               "batch_size": 4, "val_fraction": 0.25, "interpolation": "bicubic", "workers": 0}  # fmt: skip
+    cpu = data_config(section).build(CPU, seed=1)
+    device = data_config({**section, "decode": "gpu"}).build(CPU, seed=1)
+    cpu.train.mode = "whole"
+    for a, b in ((cpu.train, device.train), (cpu.val, device.val)):
+        for (x1, _), (x2, _) in zip(epoch(a, 1), epoch(b, 1), strict=True):
+            assert (x1 - x2).abs().max() <= 2.01 * LEVEL

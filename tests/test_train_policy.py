@@ -175,5 +175,7 @@ def test_randaugments_magnitude_and_ops_are_settings():
     assert notes == ["data.magnitude not used: RandAugment's (data.policy: randaugment), and "
                      "the policy is trivialaugment"]  # fmt: skip
     assert data_config({**section, "magnitude": 5, "policy": "randaugment"}).training_notes() == []
+    dumped = data_config(section).model_dump()  # a run's config.yaml: every field written
+    assert data_config(dumped).training_notes() == []
     with pytest.raises(ConfigError, match=r"did you mean 'magnitude'\?"):
         load_run("digits", ["data.ra_magnitude=5"])

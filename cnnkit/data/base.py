@@ -139,7 +139,8 @@ class DataConfigBase(Section):
         """What a training run should say of these settings (given, but unused, or doing less
         than they seem), at its start: said, not refused. ConfigError for settings that would
         make its figures wrong."""
-        given = [k for k in ("magnitude", "num_ops") if k in self.model_fields_set]
+        fields = type(self).model_fields  # (a run's config.yaml holds every field: not "set")
+        given = [k for k in ("magnitude", "num_ops") if getattr(self, k) != fields[k].default]
         if given and self.policy != "randaugment":
             return [f"data.{' and data.'.join(given)} not used: RandAugment's "
                     f"(data.policy: randaugment), and the policy is {self.policy}"]  # fmt: skip

@@ -104,7 +104,12 @@ def _say_decoded_on_the_cpu(device: str) -> None:
 def resize_on_device(images: torch.Tensor, size: int, mode: str,
                      interpolation: str = "bilinear") -> torch.Tensor:  # fmt: skip
     """(..., 3, H, W) uint8 -> (..., 3, size, size) uint8: squash, or shorter side + centre
-    crop, with antialiased bilinear (or bicubic) resampling (what the workers' CPU path does)."""
+    crop, with antialiased bilinear (or bicubic) resampling (what the workers' CPU path does).
+
+    Bicubic overshoots: torch's uint8 kernel on the CPU (as Pillow) rounds and clips between
+    its horizontal and vertical passes, so on the device too the width is resized first, made
+    whole levels in 0..255, then the height (one float pass differed by up to 30 levels at
+    hard edges, this by 2)."""
     h, w = images.shape[-2:]
     if mode == "shorter":
         side = min(h, w)
@@ -113,6 +118,9 @@ def resize_on_device(images: torch.Tensor, size: int, mode: str,
     if images.shape[-2:] == (size, size):
         return images
     x = images.reshape(-1, *images.shape[-3:]).float()
+    if interpolation == "bicubic":
+        x = F.interpolate(x, size=(x.shape[-2], size), mode=interpolation, antialias=True)
+        x = x.round_().clamp_(0, 255)
     x = F.interpolate(x, size=(size, size), mode=interpolation, antialias=True)
     return x.round_().clamp_(0, 255).to(torch.uint8).reshape(*images.shape[:-2], size, size)
 

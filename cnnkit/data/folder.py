@@ -118,9 +118,13 @@ class FolderImages(Dataset):
             image = open_image(paths[k])
             if on_photos is None:
                 box = c.boxes[k].tolist()
-                if smaller_than(image.shape, self.size, self.resize_mode):
-                    flip = bool(c.flip[k])
-                    load_square_box(image, box, self.size, self.resize_mode, c.side, flip, out)
+                # resized whole first where the region would not do as well: an image smaller
+                # than the square, or a filter the crop's own (bilinear) resize is not
+                if self.interpolation != "bilinear" or smaller_than(
+                    image.shape, self.size, self.resize_mode
+                ):
+                    load_square_box(image, box, self.size, self.resize_mode, c.side,
+                                    bool(c.flip[k]), out, self.interpolation)  # fmt: skip
                     return image.shape
                 region = box_region(image.shape, box, self.size, self.resize_mode)
             else:

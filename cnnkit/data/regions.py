@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from cnnkit.data.decode import decode_data, image_shape, read_file
-from cnnkit.data.resize import ResizeMode, resize_crop, resize_uint8
+from cnnkit.data.resize import Interpolation, ResizeMode, resize_crop, resize_uint8
 
 
 class ImageFile(NamedTuple):
@@ -82,14 +82,15 @@ def smaller_than(shape: tuple[int, int], size: int, mode: ResizeMode) -> bool:
 
 
 def load_square_box(image: ImageFile, box: tuple[int, int, int, int], size: int,
-                    mode: ResizeMode, crop: int, flip: bool,
-                    out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    mode: ResizeMode, crop: int, flip: bool, out: torch.Tensor | None = None,
+                    interpolation: Interpolation = "bilinear") -> torch.Tensor:  # fmt: skip
     """Box (top, left, h, w) of the image resized whole to size x size, decoded and resized as
-    a pack does it, then resized to crop x crop (mirrored if flip; into `out` when given). For
-    images smaller than `size`: a region with
-    edges rounded to their pixels (load_region) would move the crop by up to size / side
-    output pixels, and draw fewer distinct crops."""
+    a pack does it (with `interpolation`), then resized to crop x crop (bilinear; mirrored if
+    flip; into `out` when given). For images smaller than `size`: a region with edges rounded
+    to their pixels (load_region) would move the crop by up to size / side output pixels, and
+    draw fewer distinct crops; for a bicubic resize, a region's one bilinear resize would not
+    be it."""
     array, _, factor, source = decode_data(image.data, size, mode, suffix=image.suffix)
     top, left, h, w = box
-    square = resize_uint8(array, size, mode, factor, source)
+    square = resize_uint8(array, size, mode, factor, source, interpolation=interpolation)
     return resize_crop(square[:, top : top + h, left : left + w], crop, flip, out)
