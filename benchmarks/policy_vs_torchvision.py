@@ -1,4 +1,4 @@
-"""cnnkit's RandAugment / TrivialAugment against torchvision's, on one device in one run.
+"""cnnkit's RandAugment / TrivialAugment / AutoAugment against torchvision's, on one device.
 
     python benchmarks/policy_vs_torchvision.py --batch 64 --size 224 --rounds 7 [--device cuda]
 
@@ -55,7 +55,8 @@ def photos(batch: int, size: int, device: torch.device) -> torch.Tensor:
 def variants(policy: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     from torchvision.transforms import v2
 
-    op = v2.RandAugment() if policy == "randaugment" else v2.TrivialAugmentWide()
+    op = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide,
+          "autoaugment": v2.AutoAugment}[policy]()  # fmt: skip
     return {
         "cnnkit": lambda x: augment(x, policy),
         "torchvision_per_image": lambda x: torch.stack([op(image) for image in x]),
@@ -83,7 +84,7 @@ def main() -> None:
                     "rounds": args.rounds, "ms_per_batch": {}, "ratio": {}}  # fmt: skip
     print(f"{args.batch} images of {args.size} px on {result['device']}, median of "
           f"{args.rounds} rounds")  # fmt: skip
-    for policy in ("randaugment", "trivialaugment"):
+    for policy in ("randaugment", "trivialaugment", "autoaugment"):
         runs = variants(policy)
         for fn in runs.values():  # warm-up: first calls, cached grids and kernels
             fn(x)

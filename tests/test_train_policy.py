@@ -11,7 +11,18 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
-from cnnkit.train.policy import BINS, OPS, RANDAUGMENT, SIGNED, TRIVIALAUGMENT, apply, augment
+from cnnkit.train.policy import (
+    AUTOAUGMENT,
+    BINS,
+    IMAGENET_POLICY,
+    OPS,
+    RANDAUGMENT,
+    SIGNED,
+    TRIVIALAUGMENT,
+    _imagenet_policy,
+    apply,
+    augment,
+)
 
 
 def _photos(n: int, h: int, w: int) -> torch.Tensor:
@@ -56,6 +67,8 @@ def _torchvision(image: torch.Tensor, op: str, m: float) -> torch.Tensor:
         return TF.posterize(image, int(m))
     if op == "solarize":
         return TF.solarize(image, 255.0 * m)
+    if op == "invert":
+        return TF.invert(image)
     return TF.autocontrast(image) if op == "autocontrast" else TF.equalize(image)
 
 
@@ -106,26 +119,51 @@ def test_a_batch_of_mixed_ops_is_each_image_given_its_own():
         assert (ours[i].int() - theirs.int()).abs().max() <= (1 if OPS[ops[i]] in BLENDS else 0)
 
 
-def test_the_magnitudes_are_torchvisions():
-    """Each op's BINS levels equal those of torchvision's RandAugment and TrivialAugmentWide."""
-    names = {"ShearX": "shear_x", "ShearY": "shear_y", "TranslateX": "translate_x",
-             "TranslateY": "translate_y", "Rotate": "rotate", "Brightness": "brightness",
-             "Color": "color", "Contrast": "contrast", "Sharpness": "sharpness",
-             "Posterize": "posterize", "Solarize": "solarize"}  # fmt: skip
-    for theirs, ours in ((v2.RandAugment, RANDAUGMENT), (v2.TrivialAugmentWide, TRIVIALAUGMENT)):
+NAMES = {
+    "ShearX": "shear_x",
+    "ShearY": "shear_y",
+    "TranslateX": "translate_x",
+    "TranslateY": "translate_y",
+}  # torchvision's op names, ours (the rest: lower case)
+
+
+def test_the_ops_and_magnitudes_are_torchvisions():
+    """Each policy's ops and their levels equal those of torchvision's RandAugment,
+    TrivialAugmentWide and AutoAugment."""
+    for theirs, ours in ((v2.RandAugment, RANDAUGMENT), (v2.TrivialAugmentWide, TRIVIALAUGMENT),
+                         (v2.AutoAugment, AUTOAUGMENT)):  # fmt: skip
         space = theirs._AUGMENTATION_SPACE
-        assert {names.get(k, k.lower()) for k in space} == set(OPS)
+        drawn = set(OPS[: ours.drawn]) if ours is not AUTOAUGMENT else set(OPS) - {"identity"}
+        assert {NAMES.get(k, k.lower()) for k in space} == drawn
         for name, (levels, signed) in space.items():
-            op = OPS.index(names.get(name, name.lower()))
+            op = OPS.index(NAMES.get(name, name.lower()))
             assert signed == (op in SIGNED)
-            table = levels(BINS, 30, 44)
+            table = levels(ours.bins, 30, 44)
             if table is not None:
                 torch.testing.assert_close(
                     ours.magnitudes(op, 30, 44), table.float(), rtol=0, atol=0
                 )
 
 
-@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment"])
+def test_autoaugment_is_the_imagenet_policy_drawn_per_image():
+    """The 25 sub-policies are torchvision's ImageNet ones; an image draws one, and each step
+    is applied with its probability (the identity where it is not)."""
+    theirs = v2.AutoAugment()._policies
+    assert [tuple((NAMES.get(n, n.lower()), p, b) for n, p, b in sub) for sub in theirs] == [
+        tuple(sub) for sub in IMAGENET_POLICY]  # fmt: skip
+    torch.manual_seed(0)
+    ops, _ = _imagenet_policy(40000)
+    skipped = sum(2 - p1 - p2 for (_, p1, _), (_, p2, _) in IMAGENET_POLICY) / 25 / 2
+    assert (ops == 0).double().mean() == pytest.approx(skipped, abs=0.01)
+    invert = sum((a == "invert") * p1 + (b == "invert") * p2
+                 for (a, p1, _), (b, p2, _) in IMAGENET_POLICY) / 25 / 2  # fmt: skip
+    assert (ops == OPS.index("invert")).double().mean() == pytest.approx(invert, abs=0.005)
+    images = _photos(32, 24, 24)
+    out = augment(images, "autoaugment")
+    assert out.shape == images.shape and (out != images).flatten(1).any(1).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
 def test_a_policy_draws_per_image_from_torchs_generator(policy):
     images = _photos(64, 24, 24)
     torch.manual_seed(3)
@@ -140,7 +178,7 @@ def test_a_policy_draws_per_image_from_torchs_generator(policy):
 def test_grey_images_take_the_policies():
     images = _photos(16, 20, 20)[:, :1].contiguous()
     torch.manual_seed(0)
-    for policy in ("randaugment", "trivialaugment"):
+    for policy in ("randaugment", "trivialaugment", "autoaugment"):
         out = augment(images, policy)
         assert out.shape == images.shape and out.dtype == torch.uint8
     for op in ("color", "contrast", "sharpness", "autocontrast"):

@@ -1,5 +1,6 @@
-"""RandAugment and TrivialAugment-Wide on a uint8 batch on its device, every image with draws of
-its own (as torchvision's transforms draw image by image, and timm's), in whole-batch ops.
+"""RandAugment, TrivialAugment-Wide and AutoAugment's ImageNet policy on a uint8 batch on its
+device, every image with draws of its own (as torchvision's transforms draw image by image, and
+timm's), in whole-batch ops.
 
 Each op computes what torchvision.transforms.v2.functional computes for one uint8 image given
 the same parameter (tests/test_train_policy.py compares them op by op). torchvision's ops take
@@ -20,17 +21,19 @@ import torch
 import torch.nn.functional as F
 
 OPS = ("identity", "shear_x", "shear_y", "translate_x", "translate_y", "rotate", "brightness",
-       "color", "contrast", "sharpness", "posterize", "solarize", "autocontrast", "equalize")  # fmt: skip
+       "color", "contrast", "sharpness", "posterize", "solarize", "autocontrast", "equalize",
+       "invert")  # fmt: skip
 GEOMETRIC = range(1, 6)  # shear_x .. rotate: one affine resampling
 SIGNED = frozenset(range(1, 10))  # a magnitude drawn + or - with equal chance
-BINS = 31  # magnitude levels (torchvision's num_magnitude_bins)
+BINS = 31  # magnitude levels of RandAugment and TrivialAugment (torchvision's num_magnitude_bins)
 PARAMS = 9  # per image: the affine grid's 6 numbers, a blend's ratio and 1 - ratio, a level
 
 
 @dataclass(frozen=True)
 class Space:
-    """A policy's ops and magnitude ranges (the RandAugment and TrivialAugment papers', as
-    torchvision states them): magnitude bin b of 0..BINS-1 is b / (BINS - 1) of the range."""
+    """A policy's ops and magnitude ranges (the RandAugment, TrivialAugment and AutoAugment
+    papers', as torchvision states them): magnitude bin b of 0..bins-1 is b / (bins - 1) of the
+    range."""
 
     rounds: int  # ops applied one after another to each image
     bin: int | None  # the magnitude bin of every op (RandAugment), None: drawn per image
@@ -39,25 +42,49 @@ class Space:
     rotate: float  # degrees
     colour: float  # brightness, colour, contrast, sharpness: factor 1 +- this
     posterize: float  # bits taken off the 8 at the top bin
+    bins: int = BINS
+    drawn: int = OPS.index("equalize") + 1  # the ops drawn from: OPS[:drawn] (no invert)
 
     def magnitudes(self, op: int, h: int, w: int) -> torch.Tensor:
-        """The BINS magnitudes of op (float32, as torchvision's linspace makes them)."""
-        name = OPS[op]
+        """The magnitudes of op's bins (float32, as torchvision's linspace makes them)."""
+        name, n = OPS[op], self.bins
         top = {"shear_x": self.shear, "shear_y": self.shear, "rotate": self.rotate,
                "translate_x": self.translate or 150.0 / 331.0 * w,
                "translate_y": self.translate or 150.0 / 331.0 * h}.get(name, self.colour)  # fmt: skip
         if name == "posterize":
-            return (8 - torch.arange(BINS) / ((BINS - 1) / self.posterize)).round().int().float()
+            return (8 - torch.arange(n) / ((n - 1) / self.posterize)).round().int().float()
         if name == "solarize":
-            return torch.linspace(1.0, 0.0, BINS)
-        return torch.linspace(0.0, top, BINS)
+            return torch.linspace(1.0, 0.0, n)
+        return torch.linspace(0.0, top, n)
 
 
 RANDAUGMENT = Space(rounds=2, bin=9, shear=0.3, translate=None, rotate=30.0, colour=0.9,
                     posterize=4)  # fmt: skip
 TRIVIALAUGMENT = Space(rounds=1, bin=None, shear=0.99, translate=32.0, rotate=135.0, colour=0.99,
                        posterize=6)  # fmt: skip
-SPACES = {"randaugment": RANDAUGMENT, "trivialaugment": TRIVIALAUGMENT}
+AUTOAUGMENT = Space(rounds=2, bin=None, shear=0.3, translate=None, rotate=30.0, colour=0.9,
+                    posterize=4, bins=10)  # fmt: skip
+SPACES = {"randaugment": RANDAUGMENT, "trivialaugment": TRIVIALAUGMENT,
+          "autoaugment": AUTOAUGMENT}  # fmt: skip
+
+# AutoAugment's ImageNet policy (Cubuk et al. 2019, its appendix): 25 sub-policies of two
+# (op, probability, magnitude bin of 10) steps; an image draws one, each step applied with
+# its probability. A bin of None: an op without a magnitude.
+IMAGENET_POLICY = (
+    (("posterize", 0.4, 8), ("rotate", 0.6, 9)), (("solarize", 0.6, 5), ("autocontrast", 0.6, None)),
+    (("equalize", 0.8, None), ("equalize", 0.6, None)), (("posterize", 0.6, 7), ("posterize", 0.6, 6)),
+    (("equalize", 0.4, None), ("solarize", 0.2, 4)), (("equalize", 0.4, None), ("rotate", 0.8, 8)),
+    (("solarize", 0.6, 3), ("equalize", 0.6, None)), (("posterize", 0.8, 5), ("equalize", 1.0, None)),
+    (("rotate", 0.2, 3), ("solarize", 0.6, 8)), (("equalize", 0.6, None), ("posterize", 0.4, 6)),
+    (("rotate", 0.8, 8), ("color", 0.4, 0)), (("rotate", 0.4, 9), ("equalize", 0.6, None)),
+    (("equalize", 0.0, None), ("equalize", 0.8, None)), (("invert", 0.6, None), ("equalize", 1.0, None)),
+    (("color", 0.6, 4), ("contrast", 1.0, 8)), (("rotate", 0.8, 8), ("color", 1.0, 2)),
+    (("color", 0.8, 8), ("solarize", 0.8, 7)), (("sharpness", 0.4, 7), ("invert", 0.6, None)),
+    (("shear_x", 0.6, 5), ("equalize", 1.0, None)), (("color", 0.4, 0), ("equalize", 0.6, None)),
+    (("equalize", 0.4, None), ("solarize", 0.2, 4)), (("solarize", 0.6, 5), ("autocontrast", 0.6, None)),
+    (("invert", 0.6, None), ("equalize", 1.0, None)), (("color", 0.6, 4), ("contrast", 1.0, 8)),
+    (("equalize", 0.8, None), ("equalize", 0.6, None)),
+)  # fmt: skip
 
 
 def augment(images: torch.Tensor, policy: str, magnitude: int = 9,
@@ -69,8 +96,11 @@ def augment(images: torch.Tensor, policy: str, magnitude: int = 9,
     if policy == "randaugment":
         space = replace(space, rounds=num_ops, bin=magnitude)
     B, _, H, W = images.shape
-    ops = torch.randint(len(OPS), (space.rounds, B))
-    bins = torch.randint(BINS, (space.rounds, B)) if space.bin is None else None
+    if policy == "autoaugment":
+        ops, bins = _imagenet_policy(B)
+    else:
+        ops = torch.randint(space.drawn, (space.rounds, B))
+        bins = torch.randint(space.bins, (space.rounds, B)) if space.bin is None else None
     flips = torch.rand(space.rounds, B) <= 0.5
     table = torch.stack([space.magnitudes(k, H, W) for k in range(len(OPS))]).double()
     for r in range(space.rounds):
@@ -80,6 +110,16 @@ def augment(images: torch.Tensor, policy: str, magnitude: int = 9,
         magnitude = torch.where(signed & flips[r], -magnitude, magnitude)
         images = apply(images, ops[r], magnitude)
     return images
+
+
+def _imagenet_policy(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2, n) ops and magnitude bins of AutoAugment's ImageNet policy: a sub-policy per image,
+    each step the identity where its probability does not draw it."""
+    steps = [[(OPS.index(op), p, b or 0) for op, p, b in sub] for sub in IMAGENET_POLICY]
+    table = torch.tensor(steps, dtype=torch.float64)  # (25, 2, 3): op, probability, bin
+    chosen = table[torch.randint(len(IMAGENET_POLICY), (n,))].transpose(0, 1)  # (2, n, 3)
+    taken = torch.rand(2, n, dtype=torch.float64) <= chosen[..., 1]
+    return torch.where(taken, chosen[..., 0], 0).long(), chosen[..., 2].long()
 
 
 def apply(images: torch.Tensor, ops: torch.Tensor, magnitudes: torch.Tensor) -> torch.Tensor:
@@ -260,6 +300,10 @@ def _autocontrast(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return f.sub_(low).div_(scale).clamp_(0, 255).to(torch.uint8)
 
 
+def _invert(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return 255 - x
+
+
 def _equalize(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     from torchvision.transforms.v2 import functional as TF
 
@@ -267,5 +311,6 @@ def _equalize(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 _OP = dict(enumerate((_identity, _affine, _affine, _affine, _affine, _affine, _brightness, _color,
-                      _contrast, _sharpness, _posterize, _solarize, _autocontrast, _equalize)))  # fmt: skip
+                      _contrast, _sharpness, _posterize, _solarize, _autocontrast, _equalize,
+                      _invert)))  # fmt: skip
 GROUPS = [(0,), tuple(GEOMETRIC), *((op,) for op in range(GEOMETRIC[-1] + 1, len(OPS)))]

@@ -1,8 +1,8 @@
 """Modern recipe pieces applied to the training batch on its device, after the loader:
-RandAugment / TrivialAugment (train/policy.py: torchvision's ops, a draw per image, batched),
-random erasing (per image, one batched op), mixup / cutmix (torchvision.transforms.v2, soft
-labels); and the exponential moving average of the weights (torch.optim.swa_utils'
-AveragedModel, updated without a device sync).
+RandAugment / TrivialAugment / AutoAugment (train/policy.py: torchvision's ops, a draw per
+image, batched), random erasing (per image, one batched op), mixup / cutmix
+(torchvision.transforms.v2, soft labels); and the exponential moving average of the weights
+(torch.optim.swa_utils' AveragedModel, updated without a device sync).
 
 Every random draw comes from torch's generators, whose states checkpoints keep: a resumed
 run repeats its augmentations exactly.
