@@ -1,4 +1,4 @@
-"""cnnkit's RandAugment / TrivialAugment / AutoAugment against torchvision's, on one device.
+"""cnnkit's RandAugment, TrivialAugment, AutoAugment, AugMix against torchvision's, one device.
 
     python benchmarks/policy_vs_torchvision.py --batch 64 --size 224 --rounds 7 [--device cuda]
 
@@ -56,7 +56,7 @@ def variants(policy: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     from torchvision.transforms import v2
 
     op = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide,
-          "autoaugment": v2.AutoAugment}[policy]()  # fmt: skip
+          "autoaugment": v2.AutoAugment, "augmix": v2.AugMix}[policy]()  # fmt: skip
     return {
         "cnnkit": lambda x: augment(x, policy),
         "torchvision_per_image": lambda x: torch.stack([op(image) for image in x]),
@@ -84,7 +84,7 @@ def main() -> None:
                     "rounds": args.rounds, "ms_per_batch": {}, "ratio": {}}  # fmt: skip
     print(f"{args.batch} images of {args.size} px on {result['device']}, median of "
           f"{args.rounds} rounds")  # fmt: skip
-    for policy in ("randaugment", "trivialaugment", "autoaugment"):
+    for policy in ("randaugment", "trivialaugment", "autoaugment", "augmix"):
         runs = variants(policy)
         for fn in runs.values():  # warm-up: first calls, cached grids and kernels
             fn(x)

@@ -206,9 +206,9 @@ def test_a_training_step_never_waits_for_the_gpu():
     assert torch.isfinite(loss).item() and int(engine.ema.n_averaged) == 6
 
 
-@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment", "augmix"])
 def test_the_policies_never_wait_for_the_gpu_and_equal_the_cpus(policy):
-    """RandAugment / TrivialAugment on a CUDA batch (torchvision's ops copy a matrix or kernel
+    """The policies on a CUDA batch (torchvision's ops copy a matrix or kernel
     with a host wait each): no synchronising call after the first batch, and the CPU's result
     for the same draws (nearest-neighbour resampling may round a rare pixel the other way)."""
     from cnnkit.train.policy import augment

@@ -12,8 +12,8 @@ from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
 from cnnkit.train.policy import (
+    AUGMIX,
     AUTOAUGMENT,
-    BINS,
     IMAGENET_POLICY,
     OPS,
     RANDAUGMENT,
@@ -75,7 +75,7 @@ def _torchvision(image: torch.Tensor, op: str, m: float) -> torch.Tensor:
 def _magnitudes(space, op: int, n: int, h: int, w: int, g: torch.Generator) -> torch.Tensor:
     """n magnitudes of op from the space, every bin and sign in turn (float64)."""
     table = space.magnitudes(op, h, w).double()
-    m = table[torch.randint(BINS, (n,), generator=g)]
+    m = table[torch.randint(space.bins, (n,), generator=g)]
     if op in SIGNED:
         m = torch.where(torch.rand(n, generator=g) < 0.5, -m, m)
     return m
@@ -129,11 +129,11 @@ NAMES = {
 
 def test_the_ops_and_magnitudes_are_torchvisions():
     """Each policy's ops and their levels equal those of torchvision's RandAugment,
-    TrivialAugmentWide and AutoAugment."""
+    TrivialAugmentWide, AutoAugment and AugMix."""
     for theirs, ours in ((v2.RandAugment, RANDAUGMENT), (v2.TrivialAugmentWide, TRIVIALAUGMENT),
-                         (v2.AutoAugment, AUTOAUGMENT)):  # fmt: skip
+                         (v2.AutoAugment, AUTOAUGMENT), (v2.AugMix, AUGMIX)):  # fmt: skip
         space = theirs._AUGMENTATION_SPACE
-        drawn = set(OPS[: ours.drawn]) if ours is not AUTOAUGMENT else set(OPS) - {"identity"}
+        drawn = {OPS[k] for k in ours.ops} if ours is not AUTOAUGMENT else set(OPS) - {"identity"}
         assert {NAMES.get(k, k.lower()) for k in space} == drawn
         for name, (levels, signed) in space.items():
             op = OPS.index(NAMES.get(name, name.lower()))
@@ -163,7 +163,7 @@ def test_autoaugment_is_the_imagenet_policy_drawn_per_image():
     assert out.shape == images.shape and (out != images).flatten(1).any(1).float().mean() > 0.5
 
 
-@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment", "augmix"])
 def test_a_policy_draws_per_image_from_torchs_generator(policy):
     images = _photos(64, 24, 24)
     torch.manual_seed(3)
@@ -171,14 +171,16 @@ def test_a_policy_draws_per_image_from_torchs_generator(policy):
     torch.manual_seed(3)
     assert torch.equal(augment(images, policy), once)  # a resumed run repeats it
     changed = (once != images).flatten(1).any(1)
-    assert 0.6 < changed.float().mean() < 1.0  # identity and no-op draws leave a few alone
+    assert 0.6 < changed.float().mean() <= 1.0
+    if policy != "augmix":  # (which mixes every image with its chains)
+        assert changed.float().mean() < 1.0  # identity and no-op draws leave a few alone
     assert augment(images[:0], policy).shape == (0, 3, 24, 24)
 
 
 def test_grey_images_take_the_policies():
     images = _photos(16, 20, 20)[:, :1].contiguous()
     torch.manual_seed(0)
-    for policy in ("randaugment", "trivialaugment", "autoaugment"):
+    for policy in ("randaugment", "trivialaugment", "autoaugment", "augmix"):
         out = augment(images, policy)
         assert out.shape == images.shape and out.dtype == torch.uint8
     for op in ("color", "contrast", "sharpness", "autocontrast"):
@@ -217,3 +219,55 @@ def test_randaugments_magnitude_and_ops_are_settings():
     assert data_config(dumped).training_notes() == []
     with pytest.raises(ConfigError, match=r"did you mean 'magnitude'\?"):
         load_run("digits", ["data.ra_magnitude=5"])
+
+
+@pytest.mark.parametrize("op", ["shear_x", "shear_y", "translate_x", "translate_y", "rotate"])
+def test_augmixs_geometric_ops_are_torchvisions_bilinear_ones(op):
+    """AugMix resamples bilinearly (torchvision's AugMix default), its own magnitudes."""
+    images = _photos(24, 30, 44)
+    g = torch.Generator().manual_seed(2)
+    m = _magnitudes(AUGMIX, OPS.index(op), 24, 30, 44, g)
+    ours = apply(images, torch.full((24,), OPS.index(op)), m, resample="bilinear")
+    bilinear = InterpolationMode.BILINEAR
+    theirs = []
+    for i in range(24):
+        k = float(m[i])
+        if op in ("shear_x", "shear_y"):
+            d = math.degrees(math.atan(k))
+            shear = [d, 0.0] if op == "shear_x" else [0.0, d]
+            theirs.append(TF.affine(images[i], angle=0.0, translate=[0, 0], scale=1.0,
+                                    shear=shear, interpolation=bilinear, center=[0, 0]))  # fmt: skip
+        elif op == "rotate":
+            theirs.append(TF.rotate(images[i], angle=k, interpolation=bilinear))
+        else:
+            shift = [int(k), 0] if op == "translate_x" else [0, int(k)]
+            theirs.append(TF.affine(images[i], angle=0.0, translate=shift, scale=1.0,
+                                    shear=[0.0, 0.0], interpolation=bilinear))  # fmt: skip
+    diff = (ours.int() - torch.stack(theirs).int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.002
+
+
+def test_augmix_mixes_its_chains_with_the_image_by_dirichlet_weights(monkeypatch):
+    """The image's share and the chains' weights (Dirichlet(1) draws, summing to 1) mix the
+    image with its chains, truncated to uint8 as torchvision's AugMix; each chain 1-3 ops."""
+    import cnnkit.train.policy as policy
+
+    images = _photos(16, 20, 20)
+    chains = []
+
+    def chain(x, space, ops, bins):
+        chains.append((ops != 0).sum(0))  # ops per image in this chain
+        return 255 - x
+
+    monkeypatch.setattr(policy, "_rounds", chain)
+    torch.manual_seed(4)
+    out = augment(images, "augmix")
+    torch.manual_seed(4)
+    share = torch.distributions.Dirichlet(torch.ones(16, 2)).sample()
+    mixing = torch.distributions.Dirichlet(torch.ones(16, 3)).sample() * share[:, 1:]
+    expected = images.float() * share[:, :1, None, None] + (255 - images).float() * mixing.sum(
+        1
+    ).view(16, 1, 1, 1)
+    assert (out.int() - expected.to(torch.uint8).int()).abs().max() <= 1
+    depths = torch.stack(chains)
+    assert len(chains) == 3 and depths.min() >= 1 and depths.max() <= 3

@@ -140,7 +140,7 @@ def test_mixing_gives_soft_labels_and_trains(tmp_path):
     assert summary["val_top1"] > 0.5  # it learns from soft labels
 
 
-@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment", "augmix"])
 def test_policies_change_images_not_their_shape_or_range(policy):
     torch.manual_seed(0)
     images = torch.randint(0, 256, (20, 3, 24, 24), dtype=torch.uint8)

@@ -106,10 +106,10 @@ class DataConfigBase(Section):
     )
     batch_size: PositiveInt = Field(128, description="global batch: split across ranks")
     eval_batch_size: PositiveInt | None = Field(None, description="default: batch_size")
-    policy: Literal["none", "randaugment", "trivialaugment", "autoaugment"] = Field(
+    policy: Literal["none", "randaugment", "trivialaugment", "autoaugment", "augmix"] = Field(
         "none",
         description="torchvision's RandAugment / TrivialAugment / AutoAugment (its ImageNet "
-        "policy) on the training batch",
+        "policy) / AugMix on the training batch",
     )
     magnitude: int = Field(
         9, ge=0, le=30, description="RandAugment's magnitude, 0-30 (torchvision's --ra-magnitude)"

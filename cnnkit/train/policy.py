@@ -1,6 +1,6 @@
-"""RandAugment, TrivialAugment-Wide and AutoAugment's ImageNet policy on a uint8 batch on its
-device, every image with draws of its own (as torchvision's transforms draw image by image, and
-timm's), in whole-batch ops.
+"""RandAugment, TrivialAugment-Wide, AutoAugment's ImageNet policy and AugMix on a uint8 batch
+on its device, every image with draws of its own (as torchvision's transforms draw image by
+image, and timm's), in whole-batch ops.
 
 Each op computes what torchvision.transforms.v2.functional computes for one uint8 image given
 the same parameter (tests/test_train_policy.py compares them op by op). torchvision's ops take
@@ -38,21 +38,24 @@ class Space:
     rounds: int  # ops applied one after another to each image
     bin: int | None  # the magnitude bin of every op (RandAugment), None: drawn per image
     shear: float  # tan of the shear angle
-    translate: float | None  # pixels (None: 150/331 of the side, RandAugment's)
+    translate: float | None  # pixels (None: side_share of the side)
     rotate: float  # degrees
     colour: float  # brightness, colour, contrast, sharpness: factor 1 +- this
-    posterize: float  # bits taken off the 8 at the top bin
+    posterize: float  # bits taken off `bits` at the top bin
     bins: int = BINS
-    drawn: int = OPS.index("equalize") + 1  # the ops drawn from: OPS[:drawn] (no invert)
+    ops: tuple[int, ...] = tuple(range(OPS.index("invert")))  # drawn from (no invert)
+    side_share: float = 150.0 / 331.0  # the largest translation without `translate`
+    bits: int = 8  # posterize's bits kept at bin 0
+    resample: str = "nearest"  # the geometric ops' sampling
 
     def magnitudes(self, op: int, h: int, w: int) -> torch.Tensor:
         """The magnitudes of op's bins (float32, as torchvision's linspace makes them)."""
         name, n = OPS[op], self.bins
         top = {"shear_x": self.shear, "shear_y": self.shear, "rotate": self.rotate,
-               "translate_x": self.translate or 150.0 / 331.0 * w,
-               "translate_y": self.translate or 150.0 / 331.0 * h}.get(name, self.colour)  # fmt: skip
+               "translate_x": self.translate or self.side_share * w,
+               "translate_y": self.translate or self.side_share * h}.get(name, self.colour)  # fmt: skip
         if name == "posterize":
-            return (8 - torch.arange(n) / ((n - 1) / self.posterize)).round().int().float()
+            return (self.bits - torch.arange(n) / ((n - 1) / self.posterize)).round().int().float()
         if name == "solarize":
             return torch.linspace(1.0, 0.0, n)
         return torch.linspace(0.0, top, n)
@@ -64,8 +67,15 @@ TRIVIALAUGMENT = Space(rounds=1, bin=None, shear=0.99, translate=32.0, rotate=13
                        posterize=6)  # fmt: skip
 AUTOAUGMENT = Space(rounds=2, bin=None, shear=0.3, translate=None, rotate=30.0, colour=0.9,
                     posterize=4, bins=10)  # fmt: skip
+# AugMix (Hendrycks et al. 2020) as torchvision's defaults: severity 3 (bins 0-2 of 10), 3
+# chains of 1-3 ops each (no identity, no invert), bilinear geometric ops, mixed by Dirichlet(1)
+# weights and then with the image by a Beta(1, 1) share
+AUGMIX = Space(rounds=3, bin=None, shear=0.3, translate=None, rotate=30.0, colour=0.9,
+               posterize=4, bins=10, ops=tuple(range(1, OPS.index("invert"))), side_share=1 / 3,
+               bits=4, resample="bilinear")  # fmt: skip
+SEVERITY, CHAINS = 3, 3
 SPACES = {"randaugment": RANDAUGMENT, "trivialaugment": TRIVIALAUGMENT,
-          "autoaugment": AUTOAUGMENT}  # fmt: skip
+          "autoaugment": AUTOAUGMENT, "augmix": AUGMIX}  # fmt: skip
 
 # AutoAugment's ImageNet policy (Cubuk et al. 2019, its appendix): 25 sub-policies of two
 # (op, probability, magnitude bin of 10) steps; an image draws one, each step applied with
@@ -95,21 +105,52 @@ def augment(images: torch.Tensor, policy: str, magnitude: int = 9,
     space = SPACES[policy]
     if policy == "randaugment":
         space = replace(space, rounds=num_ops, bin=magnitude)
-    B, _, H, W = images.shape
+    B = len(images)
+    if B == 0:
+        return images
+    if policy == "augmix":
+        return _augmix(images, space)
     if policy == "autoaugment":
         ops, bins = _imagenet_policy(B)
     else:
-        ops = torch.randint(space.drawn, (space.rounds, B))
+        ops = torch.tensor(space.ops)[torch.randint(len(space.ops), (space.rounds, B))]
         bins = torch.randint(space.bins, (space.rounds, B)) if space.bin is None else None
-    flips = torch.rand(space.rounds, B) <= 0.5
+    return _rounds(images, space, ops, bins)
+
+
+def _rounds(images: torch.Tensor, space: Space, ops: torch.Tensor,
+            bins: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """Round r gives image i op ops[r, i] at magnitude bin bins[r, i] (space.bin where None),
+    its sign drawn for a signed op."""
+    rounds, B = ops.shape
+    flips = torch.rand(rounds, B) <= 0.5
+    H, W = images.shape[-2:]
     table = torch.stack([space.magnitudes(k, H, W) for k in range(len(OPS))]).double()
-    for r in range(space.rounds):
+    signed = torch.tensor([k in SIGNED for k in range(len(OPS))])
+    for r in range(rounds):
         b = bins[r] if bins is not None else torch.full((B,), space.bin)
         magnitude = table[ops[r], b]
-        signed = torch.tensor([k in SIGNED for k in range(len(OPS))])[ops[r]]
-        magnitude = torch.where(signed & flips[r], -magnitude, magnitude)
-        images = apply(images, ops[r], magnitude)
+        magnitude = torch.where(signed[ops[r]] & flips[r], -magnitude, magnitude)
+        images = apply(images, ops[r], magnitude, space.resample)
     return images
+
+
+def _augmix(images: torch.Tensor, space: Space) -> torch.Tensor:
+    """AugMix: CHAINS chains of 1-3 ops from `space` per image (bins under SEVERITY), mixed by
+    Dirichlet weights, then with the image itself by a Beta share; truncated to uint8 as
+    torchvision's."""
+    B = len(images)
+    share = torch.distributions.Dirichlet(torch.ones(B, 2)).sample()  # image, chains
+    mixing = torch.distributions.Dirichlet(torch.ones(B, CHAINS)).sample() * share[:, 1:]
+    weights = _to(torch.cat([share[:, :1], mixing], 1), images.device)  # (B, 1 + CHAINS)
+    mix = images.float() * weights[:, 0].view(B, 1, 1, 1)
+    for chain in range(CHAINS):
+        depth = torch.randint(1, 4, (B,))
+        ops = torch.tensor(space.ops)[torch.randint(len(space.ops), (space.rounds, B))]
+        ops = torch.where(torch.arange(space.rounds)[:, None] < depth, ops, 0)  # then identity
+        bins = torch.randint(SEVERITY, (space.rounds, B))
+        mix.add_(weights[:, chain + 1].view(B, 1, 1, 1) * _rounds(images, space, ops, bins))
+    return mix.to(torch.uint8)
 
 
 def _imagenet_policy(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +163,10 @@ def _imagenet_policy(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(taken, chosen[..., 0], 0).long(), chosen[..., 2].long()
 
 
-def apply(images: torch.Tensor, ops: torch.Tensor, magnitudes: torch.Tensor) -> torch.Tensor:
-    """One round: image i given OPS[ops[i]] at magnitudes[i] (CPU tensors: int64, float64)."""
+def apply(images: torch.Tensor, ops: torch.Tensor, magnitudes: torch.Tensor,
+          resample: str = "nearest") -> torch.Tensor:  # fmt: skip
+    """One round: image i given OPS[ops[i]] at magnitudes[i] (CPU tensors: int64, float64); the
+    geometric ops sample `resample` (nearest, or bilinear)."""
     if not len(images):
         return images
     order = torch.argsort(ops, stable=True)  # the batch sorted by op, and back
@@ -135,7 +178,8 @@ def apply(images: torch.Tensor, ops: torch.Tensor, magnitudes: torch.Tensor) -> 
     for group in GROUPS:
         n = sum(counts[op] for op in group)
         if n:
-            pieces.append(_OP[group[0]](x[start : start + n], params[start : start + n]))
+            op, part, p = _OP[group[0]], x[start : start + n], params[start : start + n]
+            pieces.append(_affine(part, p, resample) if op is _affine else op(part, p))
         start += n
     return torch.cat(pieces).index_select(0, back)
 
@@ -216,15 +260,15 @@ def _centres(h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.
     return x.view(1, 1, w), y.view(1, h, 1)
 
 
-def _affine(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Nearest-neighbour resampling of each image through its map, zeros outside. The grid is
-    made elementwise, not by a matrix product as torchvision's: one in TF32 (a run's GPU
-    matmuls) would move it by up to a tenth of a pixel."""
+def _affine(x: torch.Tensor, p: torch.Tensor, resample: str = "nearest") -> torch.Tensor:
+    """Nearest-neighbour (or bilinear) resampling of each image through its map, zeros outside.
+    The grid is made elementwise, not by a matrix product as torchvision's: one in TF32 (a
+    run's GPU matmuls) would move it by up to a tenth of a pixel."""
     n, _, h, w = x.shape
     cx, cy = _centres(h, w, x.device)
     t = [p[:, k].view(n, 1, 1) for k in range(6)]  # (3, 2) row-major: x, y, 1 -> gx, gy
     grid = torch.stack([cx * t[0] + cy * t[2] + t[4], cx * t[1] + cy * t[3] + t[5]], -1)
-    out = F.grid_sample(x.float(), grid, mode="nearest", padding_mode="zeros",
+    out = F.grid_sample(x.float(), grid, mode=resample, padding_mode="zeros",
                         align_corners=False)  # fmt: skip
     return out.round_().to(torch.uint8)
 
@@ -265,9 +309,11 @@ def _contrast(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=8)
 def _smoothing(channels: int, device: torch.device) -> torch.Tensor:
-    """PIL's SMOOTH kernel (1s around a 5, over 13), one per channel."""
-    kernel = torch.full((3, 3), 1.0 / 13.0)
-    kernel[1, 1] = 5.0 / 13.0
+    """PIL's SMOOTH kernel times 13 (1s around a 5), one per channel: whole numbers, so the
+    sums are exact in float32 and in TF32 alike (a GPU's convolutions), and one division by 13
+    rounds as torchvision's kernel of thirteenths does (a thirteenth is never a half)."""
+    kernel = torch.ones(3, 3)
+    kernel[1, 1] = 5.0
     return _to(kernel.expand(channels, 1, 3, 3).contiguous(), device)
 
 
@@ -276,7 +322,8 @@ def _sharpness(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] <= 2 or x.shape[-2] <= 2:
         return x
     out = x.float().contiguous(memory_format=torch.channels_last)  # (5x faster on a CPU)
-    blurred = F.conv2d(out, _smoothing(x.shape[1], x.device), groups=x.shape[1]).round_()
+    blurred = F.conv2d(out, _smoothing(x.shape[1], x.device), groups=x.shape[1])
+    blurred = blurred.div_(13).round_()
     inner = out[..., 1:-1, 1:-1]
     inner.add_(blurred.sub_(inner).mul_(_column(p, 7)))
     return out.clamp_(0, 255).to(torch.uint8)

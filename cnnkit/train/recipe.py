@@ -1,6 +1,6 @@
 """Modern recipe pieces applied to the training batch on its device, after the loader:
-RandAugment / TrivialAugment / AutoAugment (train/policy.py: torchvision's ops, a draw per
-image, batched), random erasing (per image, one batched op), mixup / cutmix
+RandAugment / TrivialAugment / AutoAugment / AugMix (train/policy.py: torchvision's ops, a
+draw per image, batched), random erasing (per image, one batched op), mixup / cutmix
 (torchvision.transforms.v2, soft labels); and the exponential moving average of the weights
 (torch.optim.swa_utils' AveragedModel, updated without a device sync).
 
