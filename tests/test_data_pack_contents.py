@@ -160,8 +160,9 @@ def test_flat_val_folder_with_label_file(shapes, tmp_path):
     pack_folder(flat, tmp_path / "valc", size=16, resize="shorter",
                 labels_file=tmp_path / "labels.csv", progress=False)  # fmt: skip
     other = cfg.model_copy(update={"val_path": str(tmp_path / "valc")})  # centre squares
-    with pytest.raises(DataError, match="packed with --size 16 --resize shorter-side-crop, the "
-                       "training set with --size 16 --resize squash: pack both alike"):  # fmt: skip
+    with pytest.raises(DataError, match="packed with --size 16 --resize shorter-side-crop "
+                       "--interpolation bilinear, the training set with --size 16 --resize "
+                       "squash --interpolation bilinear: pack both alike"):  # fmt: skip
         other.build(torch.device("cpu"))
     from cnnkit.data.scan import read_label_file
 

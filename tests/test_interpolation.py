@@ -136,3 +136,45 @@ def test_evaluating_on_a_pack_of_another_filter_says_so(capsys):
     assert "--interpolation bicubic" in err
     check_pack_fits("val/", {**meta, "interpolation": "bicubic"}, pre)
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_from_weights_resizes_with_their_filter(shapes, tmp_path, capsys):
+    """Fine-tuning efficientnet_b0's weights on a folder resizes bicubic, as they were made
+    (data.interpolation left out; given, it stands); on a pack of another filter, a note."""
+    from cnnkit.config import load_run
+    from cnnkit.train.build import resized_for_weights
+
+    torch.save(torchvision.models.efficientnet_b0().state_dict(), tmp_path / "b0.pth")
+    model = {"network": "efficientnet_b0", "weights": str(tmp_path / "b0.pth")}
+    run = load_run({"model": model, "data": {"path": str(shapes)}})
+    adapted, note = resized_for_weights(run)
+    assert adapted.data.interpolation == "bicubic" and "from the network's preprocess" in note
+    given = load_run({"model": model, "data": {"path": str(shapes), "interpolation": "bilinear"}})
+    assert resized_for_weights(given) == (given, None)
+    fresh = load_run({"model": "efficientnet_b0", "data": {"path": str(shapes)}})
+    assert resized_for_weights(fresh) == (fresh, None)  # no weights: the data's own choice
+    pack_folder(shapes, tmp_path / "p", size=16, progress=False, workers=1)
+    packed = load_run({"model": model, "data": {"path": str(tmp_path / "p")}})
+    same, note = resized_for_weights(packed)
+    assert same is packed and note.startswith(f"data.path {tmp_path / 'p'}: packed with bilinear")
+
+
+def test_a_training_pack_and_its_validation_pack_must_share_a_filter(shapes, tmp_path):
+    from cnnkit.errors import DataError
+
+    pack_folder(shapes, tmp_path / "a", size=16, progress=False, workers=1)
+    pack_folder(shapes, tmp_path / "b", size=16, progress=False, workers=1,
+                interpolation="bicubic")  # fmt: skip
+    section = {"source": "packed", "path": str(tmp_path / "a"), "val_path": str(tmp_path / "b"),
+               "crop": 12}  # fmt: skip
+    with pytest.raises(DataError, match="--interpolation bicubic, the training set with "
+                       "--size 16 --resize squash --interpolation bilinear: pack both alike"):  # fmt: skip
+        data_config(section).build(torch.device("cpu"))
+
+
+def test_a_packs_filter_is_a_setting_of_the_pack(tmp_path):
+    from cnnkit.config import load_run
+
+    with pytest.raises(ConfigError, match=r"`cnnkit pack --interpolation` sets it"):
+        load_run({"model": "alexnet", "data": {"source": "packed", "path": str(tmp_path),
+                                               "interpolation": "bicubic"}})  # fmt: skip

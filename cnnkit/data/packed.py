@@ -208,12 +208,13 @@ class PackedConfig(ImageSetConfig):
         if self.val_path:
             train = PackedImages(self.path)
             val_meta = read_meta(self.val_path, "data.val_path")
-            if (val_meta["size"], val_meta["resize"]) != (meta["size"], meta["resize"]):
-                flag = RESIZE_FLAG
-                raise DataError(f"{self.val_path}: packed with --size {val_meta['size']} "
-                                f"--resize {flag[val_meta['resize']]}, the training set with "
-                                f"--size {meta['size']} --resize {flag[meta['resize']]}: pack "
-                                "both alike")  # fmt: skip
+            made = [(m["size"], m["resize"], m.get("interpolation", "bilinear"))
+                    for m in (val_meta, meta)]  # fmt: skip
+            if made[0] != made[1]:
+                said = [f"--size {s} --resize {RESIZE_FLAG[r]} --interpolation {i}"
+                        for s, r, i in made]  # fmt: skip
+                raise DataError(f"{self.val_path}: packed with {said[0]}, the training set with "
+                                f"{said[1]}: pack both alike")  # fmt: skip
             label_map = _val_label_map(meta["classes"], val_meta["classes"], self.val_path)
             val = PackedImages(self.val_path, label_map=label_map)
             drawn = OWN_VAL_SET

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from cnnkit.config import RunConfig
 from cnnkit.data import DataBundle
+from cnnkit.data.packfiles import is_pack, read_meta
 from cnnkit.distributed import Processes
 from cnnkit.errors import ConfigError, DataError, validation_message
 from cnnkit.nn import Network, build_model
@@ -50,6 +51,37 @@ def normalised_for_weights(config: RunConfig) -> tuple[RunConfig, str | None]:
         "and data.std to normalise otherwise)"
     )
     return config.model_copy(update={"data": data}), note
+
+
+def resized_for_weights(config: RunConfig) -> tuple[RunConfig, str | None]:
+    """A run that starts from weights resizes whole images with the filter of its network's
+    `preprocess:` (timm's pretrained models' interpolation): a folder's data.interpolation left
+    out takes it; a pack resized with another filter is said. Returns the run, and a note."""
+    spec = config.model.spec()
+    pre = spec.get("preprocess")
+    starts = config.model.weights is not None or spec.get("weights") is not None
+    wanted = pre.get("interpolation") if starts and isinstance(pre, dict) else None
+    data = config.data
+    if wanted not in ("bilinear", "bicubic"):
+        return config, None
+    if hasattr(data, "interpolation"):  # a folder, resized as it is read
+        if "interpolation" in data.model_fields_set or data.interpolation == wanted:
+            return config, None
+        data = data.model_copy(update={"interpolation": wanted})
+        return config.model_copy(update={"data": data}), (
+            f"data.interpolation {wanted} from the network's preprocess:, as its weights were "
+            "made for (set data.interpolation to resize otherwise)"
+        )
+    if data.source == "packed" and is_pack(data.path):
+        try:
+            packed = read_meta(data.path).get("interpolation", "bilinear")
+        except DataError:  # (said where the run opens it)
+            return config, None
+        if packed != wanted:
+            return config, (f"data.path {data.path}: packed with {packed} resizing, but the "
+                            f"network's weights were made for {wanted} (cnnkit pack "
+                            f"--interpolation {wanted} makes such a pack)")  # fmt: skip
+    return config, None
 
 
 def _three(values: Any) -> tuple[float, ...] | None:
