@@ -5,8 +5,6 @@ were made; checked against torchvision's transforms."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -67,17 +65,16 @@ def test_efficientnet_weights_are_classified_as_torchvision_transforms_them(tmp_
     assert got.probs == pytest.approx(expected.topk(3).values.tolist(), abs=0.01)
 
 
-def test_a_network_file_takes_interpolation_and_refuses_others(tmp_path):
-    from cnnkit.cli import app  # noqa: F401 - the command line's own check
+def test_a_network_file_takes_interpolation_and_refuses_others(tmp_path, capsys):
+    from helpers import run_cli
 
     net = tmp_path / "net.yaml"
     net.write_text("model:\n  input: [3, 8, 8]\n  preprocess: {resize: 10, interpolation: "
                    "nearest}\n  layers:\n    - {type: flatten}\n    - {type: linear, "
                    "out_features: 2}\n")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "cnnkit", "classify", str(net), str(net)],
-                          capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "interpolation" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    code, _, err = run_cli(["classify", str(net), str(net)], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "preprocess.interpolation: Input should be 'bilinear' or 'bicubic'" in err
     with pytest.raises(ValueError, match="interpolation"):
         Preprocess(channels=3, crop=8, interpolation="lanczos")
 
