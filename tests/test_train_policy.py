@@ -271,3 +271,16 @@ def test_augmix_mixes_its_chains_with_the_image_by_dirichlet_weights(monkeypatch
     assert (out.int() - expected.to(torch.uint8).int()).abs().max() <= 1
     depths = torch.stack(chains)
     assert len(chains) == 3 and depths.min() >= 1 and depths.max() <= 3
+
+
+def test_torchvisions_policy_names_are_taken_and_timms_strings_answered():
+    from cnnkit.data import data_config
+    from cnnkit.errors import ConfigError
+
+    section = {"source": "synthetic", "shape": [3, 8, 8], "num_classes": 2}
+    for theirs, ours in (("ra", "randaugment"), ("ta_wide", "trivialaugment"),
+                         ("imagenet", "autoaugment"), ("augmix", "augmix")):  # fmt: skip
+        assert data_config({**section, "policy": theirs}).policy == ours
+    with pytest.raises(ConfigError, match=r"'rand-m9-n2-mstd0.5' is timm's way of naming a "
+                       r"policy: here data.policy=randaugment data.magnitude=9"):  # fmt: skip
+        data_config({**section, "policy": "rand-m9-n2-mstd0.5"})

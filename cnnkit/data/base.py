@@ -14,12 +14,13 @@ import types
 import typing
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import numpy as np
 import torch
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PositiveInt,
@@ -96,6 +97,22 @@ def _kinds(annotation: Any) -> set:
     return {annotation if annotation in (int, float, bool) else object}
 
 
+# torchvision's reference scripts' --auto-augment names for the policies
+POLICY_ALIASES = {"ra": "randaugment", "ta_wide": "trivialaugment", "imagenet": "autoaugment"}
+
+
+def policy_name(value: Any) -> Any:
+    """data.policy: torchvision's names as ours; timm's `rand-m9-n2...` strings refused with
+    what says the same here."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith(("rand-", "augmix-", "original", "v0", "3a")):
+        raise ValueError(f"{value!r} is timm's way of naming a policy: here data.policy="
+                         "randaugment data.magnitude=9 data.num_ops=2 (rand-m9-n2), "
+                         "trivialaugment, autoaugment or augmix")  # fmt: skip
+    return POLICY_ALIASES.get(value, value)
+
+
 class DataConfigBase(Section):
     """Fields every `data:` section has; each source subclasses it with its own fields and the
     behaviour that depends on the source (how to build streams, how to evaluate)."""
@@ -106,10 +123,14 @@ class DataConfigBase(Section):
     )
     batch_size: PositiveInt = Field(128, description="global batch: split across ranks")
     eval_batch_size: PositiveInt | None = Field(None, description="default: batch_size")
-    policy: Literal["none", "randaugment", "trivialaugment", "autoaugment", "augmix"] = Field(
+    policy: Annotated[
+        Literal["none", "randaugment", "trivialaugment", "autoaugment", "augmix"],
+        BeforeValidator(policy_name),
+    ] = Field(
         "none",
         description="torchvision's RandAugment / TrivialAugment / AutoAugment (its ImageNet "
-        "policy) / AugMix on the training batch",
+        "policy) / AugMix on the training batch (its reference scripts' ra / ta_wide / "
+        "imagenet / augmix name them too)",
     )
     magnitude: int = Field(
         9, ge=0, le=30, description="RandAugment's magnitude, 0-30 (torchvision's --ra-magnitude)"
