@@ -318,13 +318,19 @@ def test_photos_smaller_than_size_are_cropped_where_the_box_says(photos, mode):
     pixels moved the crop by up to an output pixel here (0.4-0.5 normalised units off)."""
     stream = folder(photos, size=64, crop=56, resize_mode=mode, lighting=0.0).train
     stream.set_epoch(1)
+    for x, ref in beside_the_devices_path(stream, 64):
+        torch.testing.assert_close(x, ref, rtol=0, atol=1e-5)  # float rounding only
+
+
+def beside_the_devices_path(stream, side):
+    """Each batch of a CPU stream (its workers' crops) and the same draws on the CUDA device's
+    path: the whole images the workers resize to side x side, augmented as a batch."""
     for position, (batch, (x, _)) in enumerate(zip(stream.sampler, stream, strict=True)):
         whole = stream.dataset[BatchJob(batch)]
         params = stream.augment.sample(
-            len(batch), 64, 64, batch_generator(stream.sampler, position), whole.sources
+            len(batch), side, side, batch_generator(stream.sampler, position), whole.sources
         )
-        ref = stream.augment.train(whole.pixels, params)
-        torch.testing.assert_close(x, ref, rtol=0, atol=1e-5)  # float rounding only
+        yield x, stream.augment.train(whole.pixels, params)
 
 
 def test_bicubic_folder_crops_are_cut_from_the_bicubic_square(photos):
@@ -333,10 +339,5 @@ def test_bicubic_folder_crops_are_cut_from_the_bicubic_square(photos):
     the CUDA device's path, which crops the square the workers resized, to float rounding."""
     stream = folder(photos, train_crop="random", interpolation="bicubic").train
     stream.set_epoch(2)
-    for position, (batch, (x, _)) in enumerate(zip(stream.sampler, stream, strict=True)):
-        whole = stream.dataset[BatchJob(batch)]
-        params = stream.augment.sample(
-            len(batch), 24, 24, batch_generator(stream.sampler, position), whole.sources
-        )
-        ref = stream.augment.train(whole.pixels, params)
+    for x, ref in beside_the_devices_path(stream, 24):
         assert (x - ref).abs().max() < 1e-4
