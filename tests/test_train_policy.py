@@ -281,6 +281,9 @@ def test_torchvisions_policy_names_are_taken_and_timms_strings_answered():
     for theirs, ours in (("ra", "randaugment"), ("ta_wide", "trivialaugment"),
                          ("imagenet", "autoaugment"), ("augmix", "augmix")):  # fmt: skip
         assert data_config({**section, "policy": theirs}).policy == ours
-    with pytest.raises(ConfigError, match=r"'rand-m9-n2-mstd0.5' is timm's way of naming a "
-                       r"policy: here data.policy=randaugment data.magnitude=9"):  # fmt: skip
-        data_config({**section, "policy": "rand-m9-n2-mstd0.5"})
+    with pytest.raises(ConfigError, match=r"'rand-m9-n3-mstd0.5' is timm's way of naming a "
+                       r"policy; the closest here: data.policy=randaugment data.magnitude=27 "
+                       r"data.num_ops=3 \(timm's magnitudes are of 10"):  # fmt: skip
+        data_config({**section, "policy": "rand-m9-n3-mstd0.5"})
+    with pytest.raises(ConfigError, match=r"the closest here: data.policy=augmix \("):
+        data_config({**section, "policy": "augmix-m5-w4-d2"})

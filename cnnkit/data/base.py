@@ -107,9 +107,14 @@ def policy_name(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     if value.startswith(("rand-", "augmix-", "original", "v0", "3a")):
-        raise ValueError(f"{value!r} is timm's way of naming a policy: here data.policy="
-                         "randaugment data.magnitude=9 data.num_ops=2 (rand-m9-n2), "
-                         "trivialaugment, autoaugment or augmix")  # fmt: skip
+        m = re.search(r"-m(\d+)", value)
+        n = re.search(r"-n(\d+)", value)
+        closest = "data.policy=augmix" if value.startswith("augmix") else (
+            f"data.policy=randaugment data.magnitude={min(3 * int(m[1]), 30) if m else 9} "
+            f"data.num_ops={n[1] if n else 2}" if value.startswith("rand") else
+            "data.policy=autoaugment")  # fmt: skip
+        raise ValueError(f"{value!r} is timm's way of naming a policy; the closest here: "
+                         f"{closest} (timm's magnitudes are of 10, torchvision's of 30)")  # fmt: skip
     return POLICY_ALIASES.get(value, value)
 
 

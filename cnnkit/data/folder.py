@@ -190,7 +190,8 @@ class FolderConfig(ImageSetConfig):
     interpolation: Interpolation = Field(
         "bilinear",
         description="the filter resizing a whole image to size: bilinear, or bicubic (timm's "
-        "and torchvision's EfficientNet weights'); a random crop's resize is bilinear",
+        "and torchvision's EfficientNet weights'; left out in a run from weights: their "
+        "network's preprocess: filter); a random-resized crop's own resize is bilinear",
     )
 
     default_stats = (IMAGENET_MEAN, IMAGENET_STD)  # (ClassVar)

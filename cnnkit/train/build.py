@@ -60,7 +60,8 @@ def resized_for_weights(config: RunConfig) -> tuple[RunConfig, str | None]:
     spec = config.model.spec()
     pre = spec.get("preprocess")
     starts = config.model.weights is not None or spec.get("weights") is not None
-    wanted = pre.get("interpolation") if starts and isinstance(pre, dict) else None
+    resizes = starts and isinstance(pre, dict) and pre.get("resize")  # (else nothing to filter)
+    wanted = pre.get("interpolation", "bilinear") if resizes else None
     data = config.data
     if wanted not in ("bilinear", "bicubic"):
         return config, None

@@ -46,7 +46,9 @@ class Space:
     ops: tuple[int, ...] = tuple(range(OPS.index("invert")))  # drawn from (no invert)
     side_share: float = 150.0 / 331.0  # the largest translation without `translate`
     bits: int = 8  # posterize's bits kept at bin 0
-    resample: str = "nearest"  # the geometric ops' sampling
+    # the geometric ops' sampling: bilinear, as torchvision's reference scripts ask of every
+    # policy (its classes' default: nearest) and timm's
+    resample: str = "bilinear"
 
     def magnitudes(self, op: int, h: int, w: int) -> torch.Tensor:
         """The magnitudes of op's bins (float32, as torchvision's linspace makes them)."""
@@ -72,7 +74,7 @@ AUTOAUGMENT = Space(rounds=2, bin=None, shear=0.3, translate=None, rotate=30.0, 
 # weights and then with the image by a Beta(1, 1) share
 AUGMIX = Space(rounds=3, bin=None, shear=0.3, translate=None, rotate=30.0, colour=0.9,
                posterize=4, bins=10, ops=tuple(range(1, OPS.index("invert"))), side_share=1 / 3,
-               bits=4, resample="bilinear")  # fmt: skip
+               bits=4)  # fmt: skip
 SEVERITY, CHAINS = 3, 3
 SPACES = {"randaugment": RANDAUGMENT, "trivialaugment": TRIVIALAUGMENT,
           "autoaugment": AUTOAUGMENT, "augmix": AUGMIX}  # fmt: skip

@@ -24,7 +24,7 @@ from torch import nn
 class BatchRecipe:
     """What `data:` asks for beyond crops and mirrors (all off by default)."""
 
-    policy: str = "none"  # none | randaugment | trivialaugment
+    policy: str = "none"  # none | randaugment | trivialaugment | autoaugment | augmix
     magnitude: int = 9  # RandAugment's bin of 0..30
     num_ops: int = 2  # RandAugment's ops per image
     erasing: float = 0.0  # probability of erasing a random box of each image
