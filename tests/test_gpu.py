@@ -210,7 +210,7 @@ def test_a_training_step_never_waits_for_the_gpu():
 def test_the_policies_never_wait_for_the_gpu_and_equal_the_cpus(policy):
     """The policies on a CUDA batch (torchvision's ops copy a matrix or kernel
     with a host wait each): no synchronising call after the first batch, and the CPU's result
-    for the same draws (nearest-neighbour resampling may round a rare pixel the other way)."""
+    for the same draws (resampling and blends may round a rare pixel the other way)."""
     from cnnkit.train.policy import augment
 
     images = torch.randint(0, 256, (64, 3, 40, 48), dtype=torch.uint8)

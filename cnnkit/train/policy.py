@@ -3,7 +3,8 @@ on its device, every image with draws of its own (as torchvision's transforms dr
 image, and timm's), in whole-batch ops.
 
 Each op computes what torchvision.transforms.v2.functional computes for one uint8 image given
-the same parameter (tests/test_train_policy.py compares them op by op). torchvision's ops take
+the same parameter (tests/test_train_policy.py compares them op by op); the geometric ops
+resample bilinearly, as torchvision's reference scripts ask of every policy. torchvision's ops take
 one parameter for all the images they are given, and on a GPU each affine op and sharpness
 copies its matrix or kernel to the device with a host wait: some 45 waits per step at batch
 256, each stopping the CPU from running ahead of the GPU. Here the draws are made on the host,
