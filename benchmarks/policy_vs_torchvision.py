@@ -4,9 +4,9 @@
 
 cnnkit (train/policy.py) gives each image a draw of its own and applies each op once to the
 images that drew it, the parameters sent to the device in one non-blocking copy. torchvision's
-v2 transforms are timed as a per-image pipeline runs them (image by image: the same draws per
-image) and on groups of 8 images sharing a draw (fewer calls, coarser randomness: cnnkit's
-way before). On CUDA, torchvision's affine ops and sharpness wait for the GPU inside each
+v2 transforms (bilinear, as its reference scripts make them) are timed as a per-image
+pipeline runs them (image by image: the same draws per image) and on groups of 8 images
+sharing a draw (fewer calls, coarser randomness: cnnkit's way before). On CUDA, torchvision's affine ops and sharpness wait for the GPU inside each
 call; every timing here ends with a synchronisation. Photos of scikit-image (bundled: no
 download), cropped and resized to --size. Each round times every variant, the order reversed
 every other round; the median over rounds is reported, then one line of JSON.
@@ -55,8 +55,9 @@ def photos(batch: int, size: int, device: torch.device) -> torch.Tensor:
 def variants(policy: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     from torchvision.transforms import v2
 
-    op = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide,
-          "autoaugment": v2.AutoAugment, "augmix": v2.AugMix}[policy]()  # fmt: skip
+    kind = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide,
+            "autoaugment": v2.AutoAugment, "augmix": v2.AugMix}[policy]  # fmt: skip
+    op = kind(interpolation=v2.InterpolationMode.BILINEAR)  # as the reference scripts, and cnnkit
     return {
         "cnnkit": lambda x: augment(x, policy),
         "torchvision_per_image": lambda x: torch.stack([op(image) for image in x]),
