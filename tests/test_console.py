@@ -177,6 +177,18 @@ def test_the_start_line_says_when_the_data_sets_the_class_count(tmp_path, capsys
     )
 
 
+def test_the_start_line_names_the_batch_recipe():
+    """timm's start lines name the augmentation (`aa: rand-m9-n2`): so does this one."""
+    from cnnkit.train.run import _recipe
+
+    config = load_run("digits", ["data.policy=ra", "data.magnitude=12", "data.mixup=0.2"])
+    assert _recipe(config) == ", randaugment m12 n2, mixup 0.2"
+    assert _recipe(load_run("digits", ["data.policy=augmix", "data.erasing=0.25"])) == (
+        ", augmix, erasing 0.25"
+    )
+    assert _recipe(load_run("digits")) == ""
+
+
 def test_without_tensorboard_the_loss_is_not_read_for_its_scalars(tmp_path):
     """Reading the loss (a device tensor) syncs the GPU: a quiet run without TensorBoard never
     reads it for the per-step scalars it does not write."""

@@ -304,8 +304,8 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     console.print(
         f"{what} {config.name}{at}: {engine.network.name} on {engine.device}{processes} "
         f"({engine.settings.describe(config.train.threads)}), {_train_images(data)} / "
-        f"{data.val.num_samples} held-out images{classes}{_crops(config)}, batch "
-        f"{config.data.batch_size} -> {ctx.run_dir}"
+        f"{data.val.num_samples} held-out images{classes}{_crops(config)}{_recipe(config)}, "
+        f"batch {config.data.batch_size} -> {ctx.run_dir}"
     )
     _train_notes(config, ctx.dist.is_main)
 
@@ -317,6 +317,17 @@ def _crops(config: RunConfig) -> str:
     side = config.data.stored_size() if crop is not None else None
     kind = "random-resized " if getattr(config.data, "train_crop", None) == "resized" else ""
     return f", {kind}crops {crop} of {side} px" if side else ""
+
+
+def _recipe(config: RunConfig) -> str:
+    """', randaugment m9 n2, erasing 0.25, mixup 0.2' for what the batch recipe adds, or ''."""
+    d, parts = config.data, []
+    if d.policy != "none":
+        parts.append(f"{d.policy} m{d.magnitude} n{d.num_ops}" if d.policy == "randaugment"
+                     else d.policy)  # fmt: skip
+    parts += [f"{name} {getattr(d, name):g}" for name in ("erasing", "mixup", "cutmix")
+              if getattr(d, name)]  # fmt: skip
+    return "".join(f", {part}" for part in parts)
 
 
 def _train_images(data: DataBundle) -> str:
