@@ -98,6 +98,7 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
                     for k, v in params.items() if then.get(k) != v]  # fmt: skip
             raise DataError(f"{dst}: holds a different pack ({'; '.join(diff)}); use another DST "
                             "or delete it")  # fmt: skip
+        plan["params"] = then  # (an older plan's, with what it meant said)
         scan = scan_images(src, labels_file, labels_option="--labels")
         _check_outside(dst, src, scan)
         _check_unchanged(plan, scan, src, dst)
@@ -164,7 +165,7 @@ def _jobs(plan: dict, src: Path, dst: Path) -> list[PackJob]:
             p["storage"],
             p["quality"],
             str(dst / "shards"),
-            p.get("interpolation", "bilinear"),
+            p["interpolation"],
         )  # fmt: skip
         for s, a in enumerate(range(0, n, shard_size))
     ]
