@@ -170,7 +170,7 @@ def apply(images: torch.Tensor, ops: torch.Tensor, magnitudes: torch.Tensor,
           resample: str = "nearest") -> torch.Tensor:  # fmt: skip
     """One round: image i given OPS[ops[i]] at magnitudes[i] (CPU tensors: int64, float64); the
     geometric ops sample `resample` (nearest, or bilinear)."""
-    if not len(images):
+    if not len(images) or not ops.any():  # (nothing drawn but the identity: no copies)
         return images
     order = torch.argsort(ops, stable=True)  # the batch sorted by op, and back
     counts = torch.bincount(ops, minlength=len(OPS)).tolist()
