@@ -112,17 +112,21 @@ def test_resized_crop_identity_box_and_mirror():
     torch.testing.assert_close(same[1], x[1].flip(-1), rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
 @pytest.mark.parametrize("box, size", [((0, 0, 256, 256), 112), ((10, 10, 200, 180), 64),
-                                       ((30, 40, 100, 100), 224), ((5, 0, 251, 40), 32)])  # fmt: skip
-def test_the_device_resized_crop_is_torchvisions_antialiased_one(box, size):
+                                       ((30, 40, 100, 100), 224), ((5, 0, 251, 40), 32),
+                                       ((100, 7, 3, 2), 20)])  # fmt: skip
+def test_the_device_resized_crop_is_torchvisions_antialiased_one(box, size, interpolation):
     """The batched device path averages a shrunk crop as torchvision (and the CPU path) do; a
-    plain bilinear sample was up to 46 levels off (aliasing) where the crop shrinks 3x."""
+    plain bilinear sample was up to 46 levels off (aliasing) where the crop shrinks 3x. Its
+    bicubic filter is torchvision's too (Keys' a = -0.5, overshoots and all), up 10x or down."""
     torch.manual_seed(0)
     x = torch.nn.functional.avg_pool2d(torch.rand(2, 3, 256, 256) * 255, 3, 1, 1)
     flip = torch.tensor([False, True])
-    got = resized_crop_mirror(x, torch.tensor([box] * 2), flip, size)
+    got = resized_crop_mirror(x, torch.tensor([box] * 2), flip, size, interpolation)
+    mode = getattr(T.InterpolationMode, interpolation.upper())
     for i in range(2):
-        ref = TF.resized_crop(x[i], *box, [size, size], antialias=True)
+        ref = TF.resized_crop(x[i], *box, [size, size], mode, antialias=True)
         torch.testing.assert_close(got[i], ref.flip(-1) if flip[i] else ref, rtol=0, atol=2e-3)
 
 
@@ -232,15 +236,27 @@ def test_frame_boxes_map_photo_boxes_into_the_square():
     assert got[3] == [28, 36, 80, 120]  # exact at 4x
 
 
-def test_the_cpu_and_device_resized_crops_agree():
-    """The CPU path (uint8, per image) and the device path (float, batched) take the same
-    crops, shrunk or enlarged, to uint8 rounding."""
-    x = (torch.rand(4, 3, 96, 96, generator=torch.Generator().manual_seed(1)) * 255).to(torch.uint8)
-    aug = CropAugment(32, "resized", True, scale=(0.08, 1.0)).to(CPU)
-    p = aug.sample(4, 96, 96, torch.Generator().manual_seed(5))
-    ref = resized_crop_mirror(x.float(), p["boxes"], p["flip"], 32)
-    out = aug.train(x, p, out=torch.empty(4, 3, 32, 32))
-    assert (out - ref).abs().max() <= 1  # uint8 rounding, 0-255 units (std 1 here)
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("mean_image", [False, True])
+def test_the_cpu_and_device_resized_crops_agree(interpolation, mean_image):
+    """The CPU path (uint8, per image) and the device path (float, batched: what train runs on
+    CUDA) take the same crops, shrunk or enlarged, with the same filter, to uint8 rounding:
+    a bicubic crop's overshoot is clamped to the pixels' range on both (the device's float
+    would otherwise run past 255 at an edge, where the CPU's uint8 stops)."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.rand(8, 3, 96, 96, generator=g) * 255).to(torch.uint8)
+    x[:4, :, 40:] = 255  # a hard edge: bicubic rings past it
+    x[:4, :, :40] = 0
+    mean = torch.rand(3, 96, 96, generator=g) * 255 if mean_image else torch.tensor([9.0, 5, 7])
+    aug = CropAugment(32, "resized", True, mean=mean, scale=(0.08, 1.0),
+                      interpolation=interpolation).to(CPU)  # fmt: skip
+    p = aug.sample(8, 96, 96, torch.Generator().manual_seed(5))
+    device = aug._resized_crops(x, p["boxes"], p["flip"]).div_(aug.std)
+    out = aug.train(x, p, out=torch.empty(8, 3, 32, 32))
+    assert (out - device).abs().max() <= 1  # uint8 rounding, 0-255 units (std 1 here)
+    plain = resized_crop_mirror(x.float(), p["boxes"], p["flip"], 32, interpolation)
+    overshoot = (plain.amax() - 255).item(), (-plain.amin()).item()
+    assert max(overshoot) > 5 if interpolation == "bicubic" else max(overshoot) < 1e-3
 
 
 def test_lighting_shift_is_constant_per_image_and_off_at_zero():

@@ -28,7 +28,9 @@ def pack(
     size: int = typer.Option(256, "--size", help="Stored images are size x size (8 to 8192)."),
     resize: str = typer.Option("squash", "--resize", help="squash | shorter-side-crop"),
     interpolation: str = typer.Option(
-        "bilinear", "--interpolation", help="The resize's filter: bilinear | bicubic."
+        "bilinear",
+        "--interpolation",
+        help="The resize's filter, and the random-resized training crops': bilinear | bicubic.",
     ),
     format: str = typer.Option(
         "raw", "--format", help="raw (memory-mapped) | jpeg (5-10x smaller)"

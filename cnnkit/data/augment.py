@@ -1,5 +1,6 @@
 """Batched augmentation ON THE DEVICE of uint8 (B, C, H, W) batches: random crop + mirror as one
-gather, random-resized-crop as two batched matmuls (torchvision's antialiased resize),
+gather, random-resized-crop as two batched matmuls (torchvision's antialiased bilinear or
+bicubic resize),
 mean-image or per-channel normalisation, the 2012 paper's PCA lighting; centre crop and 10
 crops for evaluation. Random parameters are drawn on the
 CPU from a per-batch generator (tiny tensors), so a resumed epoch repeats them exactly.
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cnnkit.data.resize import resize_crop
+from cnnkit.data.resize import Interpolation, resize_crop
 from cnnkit.runtime import torch_threads
 
 # ImageNet RGB principal components (0-1 pixel units) used by AlexNet re-implementations
@@ -43,35 +44,61 @@ def crop_mirror(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: to
     return out.view(B, C, size, size)
 
 
-def resized_crop_mirror(x: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor,
-                        size: int) -> torch.Tensor:  # fmt: skip
+def resized_crop_mirror(x: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor, size: int,
+                        interpolation: Interpolation = "bilinear",
+                        pixels: bool = False) -> torch.Tensor:  # fmt: skip
     """Per-sample crops of boxes (B, 4: top, left, height, width) resized to size, mirrored
     where flip: x float (B, C, H, W) -> float (B, C, size, size), for a whole batch on the
     device in two batched matmuls.
 
-    torchvision's antialiased bilinear resize (PIL's triangle filter, widened by the scale
+    torchvision's antialiased resize (PIL's triangle or bicubic filter, widened by the scale
     when shrinking) written as per-sample weight matrices, so a crop shrunk 4x is averaged as
     the CPU path and torchvision average it, not aliased as a plain bilinear sample would be.
+    A bicubic result overshoots the input's range, as torchvision's float resize does; with
+    `pixels` (x in 0-255) each pass is clamped to that range, as PIL's and torch's uint8
+    resizes clamp between their two passes.
     """
     B, _, H, W = x.shape
     top, left, h, w = boxes.to(device=x.device, dtype=torch.float32).unbind(1)
-    rows = _resize_weights(top, h, size, H)  # (B, size, H)
-    cols = _resize_weights(left, w, size, W, flip.to(x.device))  # (B, size, W)
+    kernel = FILTERS[interpolation]
+    rows = _resize_weights(top, h, size, H, kernel)  # (B, size, H)
+    cols = _resize_weights(left, w, size, W, kernel, flip.to(x.device))  # (B, size, W)
     across = torch.matmul(x, cols.to(x.dtype).transpose(1, 2)[:, None])  # (B, C, H, size)
-    return torch.matmul(rows.to(x.dtype)[:, None], across)  # (B, C, size, size)
+    if pixels:
+        across.clamp_(0, 255)
+    out = torch.matmul(rows.to(x.dtype)[:, None], across)  # (B, C, size, size)
+    return out.clamp_(0, 255) if pixels else out
+
+
+def _triangle(d: torch.Tensor) -> torch.Tensor:
+    """The bilinear filter at distances d (in filter units): 1 - |d|, 0 from 1 on."""
+    return (1 - d.abs()).clamp_(min=0)
+
+
+def _cubic(d: torch.Tensor) -> torch.Tensor:
+    """The bicubic filter at distances d: Keys' cubic with a = -0.5 (PIL's and torch's
+    antialiased bicubic), 0 from 2 on."""
+    a, d = -0.5, d.abs()
+    near = ((a + 2) * d - (a + 3)) * d * d + 1
+    far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+    return torch.where(d < 1, near, torch.where(d < 2, far, torch.zeros_like(d)))
+
+
+FILTERS = {"bilinear": _triangle, "bicubic": _cubic}
 
 
 def _resize_weights(start: torch.Tensor, length: torch.Tensor, size: int, extent: int,
-                    flip: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    kernel=_triangle, flip: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """(B, size, extent) weights resizing [start, start + length) of an axis of `extent` pixels
-    to `size` pixels, as antialiased bilinear interpolation of that crop does (each row sums to
-    1 over the crop's pixels); the rows reversed where flip."""
+    to `size` pixels, as antialiased interpolation of that crop with `kernel` does (the filter
+    stretched by the scale when shrinking; each row sums to 1 over the crop's pixels); the rows
+    reversed where flip."""
     scale = length / size
-    support = scale.clamp(min=1.0)  # the triangle's half-width, in input pixels
+    stretch = scale.clamp(min=1.0)  # the filter's unit, in input pixels
     steps = torch.arange(size, device=start.device, dtype=torch.float32) + 0.5
     centre = start[:, None] + steps * scale[:, None]  # (B, size), in input pixels
     pixel = torch.arange(extent, device=start.device, dtype=torch.float32) + 0.5
-    weights = (1 - (pixel - centre[..., None]).abs() / support[:, None, None]).clamp_(min=0)
+    weights = kernel((pixel - centre[..., None]) / stretch[:, None, None])
     inside = (pixel >= start[:, None]) & (pixel < (start + length)[:, None])  # the crop alone
     weights = weights * inside[:, None, :]
     weights = weights / weights.sum(-1, keepdim=True)
@@ -202,6 +229,7 @@ class CropAugment:
     eigvec: torch.Tensor | None = None  # (3, 3) columns = principal axes
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    interpolation: Interpolation = "bilinear"  # a random-resized crop's filter
 
     def to(self, device: torch.device) -> CropAugment:
         """A copy on `device`, float32, mean as (C, 1, 1) or (C, H, W), std as (C, 1, 1)."""
@@ -212,7 +240,7 @@ class CropAugment:
         return CropAugment(self.crop, self.train_crop, self.mirror, self.lighting,
                        (mean.view(-1, 1, 1) if mean.dim() == 1 else mean).to(device),
                        std.view(-1, 1, 1).to(device), scale=self.scale, ratio=self.ratio,
-                       **lighting)  # fmt: skip
+                       interpolation=self.interpolation, **lighting)  # fmt: skip
 
     def sample(self, batch: int, height: int, width: int, generator: torch.Generator,
                sources: torch.Tensor | None = None) -> dict:  # fmt: skip
@@ -265,7 +293,7 @@ class CropAugment:
             return self._train_cpu(x, params, out)
         p = {k: v.to(x.device, non_blocking=True) for k, v in params.items()}
         if self.train_crop == "resized":
-            y = resized_crop_mirror(x.float() - self.mean, p["boxes"], p["flip"], self.crop)
+            y = self._resized_crops(x, p["boxes"], p["flip"])
         elif self.mean.shape[-1] > 1:  # mean image: subtract, then crop both at once
             y = crop_mirror(x.float() - self.mean, p["top"], p["left"], p["flip"], self.crop)
         else:
@@ -273,6 +301,20 @@ class CropAugment:
         y.div_(self.std)
         shift = self.light(p["alpha"])
         return y if shift is None else y.add_(shift)
+
+    def _resized_crops(self, x: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor
+                       ) -> torch.Tensor:  # fmt: skip
+        """The batch's random-resized crops less the mean, on the device. Bilinear weights
+        never leave the pixels' range, so the mean (an image too) goes in with them; bicubic
+        ones are clamped to 0-255 first, as PIL's resize and the CPU path's uint8 one are."""
+        if self.interpolation == "bilinear":
+            return resized_crop_mirror(x.float() - self.mean, boxes, flip, self.crop)
+        y = resized_crop_mirror(x.float(), boxes, flip, self.crop, self.interpolation, True)
+        mean = self.mean
+        if mean.shape[-1] > 1:  # the mean image's crops, resized alike
+            mean = resized_crop_mirror(mean.expand(len(y), -1, -1, -1), boxes, flip, self.crop,
+                                       self.interpolation)  # fmt: skip
+        return y.sub_(mean)
 
     def _train_cpu(self, x: torch.Tensor, p: dict, out: torch.Tensor | None) -> torch.Tensor:
         B, C, s = x.shape[0], x.shape[1], self.crop
@@ -332,10 +374,11 @@ class CropAugment:
                 mean[:, top : top + s, left : left + s] if mean.shape[-1] > 1 else mean
             ).numpy()
         top, left, h, w = place
-        src = resize_crop(img[:, top : top + h, left : left + w], s, False).numpy()
+        src = resize_crop(img[:, top : top + h, left : left + w], s, False,
+                          interpolation=self.interpolation).numpy()  # fmt: skip
         if mean.shape[-1] > 1:
             mean = F.interpolate(mean[None, :, top : top + h, left : left + w], size=(s, s),
-                                 mode="bilinear", antialias=True)[0]  # fmt: skip
+                                 mode=self.interpolation, antialias=True)[0]  # fmt: skip
         return src, mean.numpy()
 
     def eval(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

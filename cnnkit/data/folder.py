@@ -57,7 +57,7 @@ class FolderImages(Dataset):
     def __init__(self, root: Path, files: list[str], labels: list[int], ids: np.ndarray,
                  size: int, mode: str, interpolation: str = "bilinear") -> None:  # fmt: skip
         self.root, self.files, self.size, self.resize_mode = root, files, size, mode
-        self.interpolation = interpolation  # the whole image's resize; a crop's is bilinear
+        self.interpolation = interpolation  # every resize's filter, a random crop's too
         self.labels, self.ids = np.asarray(labels, np.int64), ids
 
     def __len__(self) -> int:
@@ -119,7 +119,7 @@ class FolderImages(Dataset):
             if on_photos is None:
                 box = c.boxes[k].tolist()
                 # resized whole first where the region would not do as well: an image smaller
-                # than the square, or a filter the crop's own (bilinear) resize is not
+                # than the square, or bicubic (see load_square_box)
                 if self.interpolation != "bilinear" or smaller_than(
                     image.shape, self.size, self.resize_mode
                 ):
@@ -133,7 +133,7 @@ class FolderImages(Dataset):
                     box = rrc_boxes(c.draws[k : k + 1], *image.shape, c.ratio)[0]
                 top, left, h, w = box.tolist()
                 region = (top, left, top + h, left + w)
-            load_region(image, region, c.side, bool(c.flip[k]), out)
+            load_region(image, region, c.side, bool(c.flip[k]), out, self.interpolation)
             return image.shape
 
         return cut
@@ -191,7 +191,8 @@ class FolderConfig(ImageSetConfig):
         "bilinear",
         description="the filter resizing a whole image to size: bilinear, or bicubic (timm's "
         "and torchvision's EfficientNet weights'; left out in a run from weights: their "
-        "network's preprocess: filter); a random-resized crop's own resize is bilinear",
+        "network's preprocess: filter); random-resized crops are resized with it too, as "
+        "torchvision's reference scripts' --interpolation does",
     )
 
     default_stats = (IMAGENET_MEAN, IMAGENET_STD)  # (ClassVar)
@@ -292,7 +293,7 @@ class FolderConfig(ImageSetConfig):
         if image is not None:  # a trained run's (evaluated_as): its channel averages to classify
             mean, std = image.mean(dim=(1, 2)).tolist(), [1.0, 1.0, 1.0]
         stats = {"mean": mean, "std": std, "lighting": imagenet_lighting(), "mean_image": image}
-        train_s, val_s = build_streams(self, train, val, build_augment(self, stats), device, rank,
+        train_s, val_s = build_streams(self, train, val, build_augment(self, stats, self.interpolation), device, rank,
                                        world_size, seed, local_ranks)  # fmt: skip
         pre = Preprocess.of_data(3, self.crop, self.size, self.resize_mode, list(mean), list(std),
                                  interpolation=self.interpolation)  # fmt: skip

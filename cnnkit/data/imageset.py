@@ -22,6 +22,7 @@ from pydantic import (
 
 from cnnkit.data.augment import CropAugment
 from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, unit_mistake
+from cnnkit.data.resize import Interpolation
 from cnnkit.errors import ConfigError, brief
 from cnnkit.runtime import available_cores
 
@@ -167,8 +168,10 @@ class ImageSetConfig(DataConfigBase):
         return replace(bundle, input_shape=(1, *bundle.input_shape[1:]), preprocess=grey)
 
 
-def build_augment(cfg: ImageSetConfig, stats: dict) -> CropAugment:
-    """The CropAugment of a config, given the data's stats: mean (C,) or mean image, std, lighting."""
+def build_augment(cfg: ImageSetConfig, stats: dict,
+                  interpolation: Interpolation = "bilinear") -> CropAugment:  # fmt: skip
+    """The CropAugment of a config, given the data's stats (mean (C,) or mean image, std,
+    lighting) and the filter its images were resized with (its random-resized crops' too)."""
     image_mean = cfg.normalize == "mean_image"
     mean = torch.as_tensor(
         stats["mean_image"] if image_mean else stats["mean"], dtype=torch.float32
@@ -176,4 +179,4 @@ def build_augment(cfg: ImageSetConfig, stats: dict) -> CropAugment:
     std = torch.ones(3) if image_mean else torch.as_tensor(stats["std"], dtype=torch.float32)
     eigval, eigvec = stats["lighting"]
     return CropAugment(cfg.crop, cfg.train_crop, cfg.mirror, cfg.lighting, mean, std, eigval,
-                       eigvec, scale=cfg.scale)  # fmt: skip
+                       eigvec, scale=cfg.scale, interpolation=interpolation)  # fmt: skip

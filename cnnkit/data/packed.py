@@ -155,7 +155,7 @@ class PackedImages(Dataset):
                 else:
                     top, left, h, w = boxes[k].tolist()
                     region = self._image(i)[:, top : top + h, left : left + w]
-                    resize_crop(region, c.side, bool(c.flip[k]), slot)
+                    resize_crop(region, c.side, bool(c.flip[k]), slot, self.interpolation)
             except BadImage as e:
                 bad.append((f"{self.name(i)} (packed from {self.source(i)})", str(e)))
                 continue
@@ -229,7 +229,7 @@ class PackedConfig(ImageSetConfig):
             image = torch.from_numpy(np.load(Path(self.path) / "mean.npy")).float()
         stats = {"mean": self.mean or meta["mean"], "std": self.std or dividing_std(meta["std"]),
                  "lighting": lighting_from_cov(meta["rgb_cov"]), "mean_image": image}  # fmt: skip
-        augment = build_augment(self, stats)
+        augment = build_augment(self, stats, meta.get("interpolation", "bilinear"))
         train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed,
                                        local_ranks)  # fmt: skip
         mean, std = self._preprocess_stats(meta, stats)

@@ -59,9 +59,11 @@ def region_factor(region: tuple[int, int, int, int], crop: int) -> int:
 
 
 def load_region(image: ImageFile, region: tuple[int, int, int, int], crop: int, flip: bool,
-                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """Region (y0, x0, y1, x1) of an image, in its own pixels, resized to crop x crop (mirrored
-    if flip): one decode, DCT-scaled as far as the region allows, one resize. Returns a
+                out: torch.Tensor | None = None,
+                interpolation: Interpolation = "bilinear") -> torch.Tensor:  # fmt: skip
+    """Region (y0, x0, y1, x1) of an image, in its own pixels, resized to crop x crop with
+    `interpolation` (mirrored if flip): one decode, DCT-scaled as far as the region allows,
+    one resize (torchvision's RandomResizedCrop of the photo). Returns a
     contiguous (3, crop, crop) uint8 tensor, `out` when given. Raises BadImage like
     read_image."""
     factor = region_factor(region, crop)
@@ -72,7 +74,8 @@ def load_region(image: ImageFile, region: tuple[int, int, int, int], crop: int, 
         y0, x0 = min(round(y0 / factor), h - 1), min(round(x0 / factor), w - 1)
         y1 = min(max(round(y1 / factor), y0 + 1), h)
         x1 = min(max(round(x1 / factor), x0 + 1), w)
-    return resize_crop(torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1), crop, flip, out)
+    region_pixels = torch.from_numpy(array[y0:y1, x0:x1]).permute(2, 0, 1)
+    return resize_crop(region_pixels, crop, flip, out, interpolation)
 
 
 def smaller_than(shape: tuple[int, int], size: int, mode: ResizeMode) -> bool:
@@ -85,12 +88,12 @@ def load_square_box(image: ImageFile, box: tuple[int, int, int, int], size: int,
                     mode: ResizeMode, crop: int, flip: bool, out: torch.Tensor | None = None,
                     interpolation: Interpolation = "bilinear") -> torch.Tensor:  # fmt: skip
     """Box (top, left, h, w) of the image resized whole to size x size, decoded and resized as
-    a pack does it (with `interpolation`), then resized to crop x crop (bilinear; mirrored if
-    flip; into `out` when given). For images smaller than `size`: a region with edges rounded
-    to their pixels (load_region) would move the crop by up to size / side output pixels, and
-    draw fewer distinct crops; for a bicubic resize, a region's one bilinear resize would not
-    be it."""
+    a pack does it, then resized to crop x crop (both with `interpolation`; mirrored if flip;
+    into `out` when given). For images smaller than `size`: a region with edges rounded to
+    their pixels (load_region) would move the crop by up to size / side output pixels, and
+    draw fewer distinct crops; for bicubic resizes, the crop the device path cuts from the
+    pack's or the square's bicubic pixels (a region resized once is bilinear's shortcut)."""
     array, _, factor, source = decode_data(image.data, size, mode, suffix=image.suffix)
     top, left, h, w = box
     square = resize_uint8(array, size, mode, factor, source, interpolation=interpolation)
-    return resize_crop(square[:, top : top + h, left : left + w], crop, flip, out)
+    return resize_crop(square[:, top : top + h, left : left + w], crop, flip, out, interpolation)

@@ -26,8 +26,8 @@ def resize_mode(name: Any, what: str = "") -> ResizeMode:
 
 
 ResizeSetting = Annotated[ResizeMode, BeforeValidator(resize_mode)]  # a setting's
-# the filter of a whole image's resize (torchvision's weights: bilinear; timm's, and
-# torchvision's EfficientNets: bicubic); a random crop's own resize is bilinear
+# the filter of every resize of a run's images, its random-resized crops' too (torchvision's
+# weights: bilinear; timm's, and torchvision's EfficientNets: bicubic)
 Interpolation = Literal["bilinear", "bicubic"]
 
 
@@ -96,10 +96,10 @@ def box_region(shape: tuple[int, int], box: tuple[int, int, int, int], size: int
     return oy + y0, ox + x0, oy + y1, ox + x1
 
 
-def resize_crop(region: torch.Tensor, crop: int, flip: bool,
-                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """(3, h, w) uint8, any memory layout -> (3, crop, crop) by antialiased bilinear resizing,
-    mirrored if flip, written into `out` when given (see planar).
+def resize_crop(region: torch.Tensor, crop: int, flip: bool, out: torch.Tensor | None = None,
+                interpolation: Interpolation = "bilinear") -> torch.Tensor:  # fmt: skip
+    """(3, h, w) uint8, any memory layout -> (3, crop, crop) by antialiased resizing (bilinear
+    or bicubic), mirrored if flip, written into `out` when given (see planar).
 
     The region is first copied channels-last and contiguous: torch's uint8 kernel then takes
     its vectorised RGB path, and copy plus resize cost 25-50% less than resizing a planar
@@ -107,7 +107,7 @@ def resize_crop(region: torch.Tensor, crop: int, flip: bool,
     x = region[None]
     if x.shape[-2:] != (crop, crop):
         x = x.contiguous(memory_format=torch.channels_last)
-        x = F.interpolate(x, size=(crop, crop), mode="bilinear", antialias=True)
+        x = F.interpolate(x, size=(crop, crop), mode=interpolation, antialias=True)
     return planar(x[0], out, flip)
 
 
