@@ -15,15 +15,12 @@ from cnnkit.data.augment import (
     CropAugment,
     center_crop,
     crop_mirror,
-    draw_boxes,
-    frame_boxes,
     imagenet_lighting,
     lighting_from_cov,
     resized_crop_mirror,
-    rrc_boxes,
-    sample_boxes,
     ten_crop,
 )
+from cnnkit.data.boxes import draw_boxes, frame_boxes, rrc_boxes, sample_boxes
 
 CPU = torch.device("cpu")
 

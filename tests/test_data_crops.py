@@ -14,8 +14,9 @@ from PIL import Image
 
 from cnnkit.data import data_config
 from cnnkit.data import regions as regions_module
-from cnnkit.data.augment import CropAugment, rrc_boxes
+from cnnkit.data.augment import CropAugment
 from cnnkit.data.batch import BatchJob
+from cnnkit.data.boxes import rrc_boxes
 from cnnkit.data.decode import decode_data
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from cnnkit.data.augment import rrc_boxes
+from cnnkit.data.boxes import rrc_boxes
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Crops:
     flip: torch.Tensor  # (B,) bool
     alpha: torch.Tensor  # (B, 3) lighting draws
     side: int  # output side (the network's input)
-    draws: torch.Tensor | None = None  # (B, DRAWS) random-resized-crop draws (augment.py)
+    draws: torch.Tensor | None = None  # (B, DRAWS) random-resized-crop draws (boxes.py)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)  # their aspect range
 
     def on_sources(self, sources: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ import torch
 from pydantic import Field, PositiveInt, PrivateAttr, model_validator
 from torch.utils.data import Dataset
 
-from cnnkit.data.augment import imagenet_lighting, rrc_boxes
+from cnnkit.data.augment import imagenet_lighting
 from cnnkit.data.base import (
     MAX_SIDE,
     OWN_VAL_SET,
@@ -27,6 +27,7 @@ from cnnkit.data.base import (
     resized_side,
 )
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
+from cnnkit.data.boxes import rrc_boxes
 from cnnkit.data.decode import BadImage, Resized, device_jpeg, image_shape, load_resized
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams

@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 from torch.utils.data import Dataset
 
-from cnnkit.data.augment import frame_boxes, lighting_from_cov
+from cnnkit.data.augment import lighting_from_cov
 from cnnkit.data.base import (
     OWN_VAL_SET,
     DataBundle,
@@ -24,6 +24,7 @@ from cnnkit.data.base import (
     resized_side,
 )
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
+from cnnkit.data.boxes import frame_boxes
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
