@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import random
 import sys
@@ -229,3 +230,23 @@ def restore_matmuls(before: tuple[str | None, str, str] | None) -> None:
 def in_tf32(setting: str) -> bool:
     """Whether a backend's fp32_precision means TF32 ('none': the global setting's)."""
     return setting == "tf32" or (setting == "none" and torch.backends.fp32_precision == "tf32")
+
+
+# torch's log lines that a compiled run prints and that say nothing its user can act on:
+# dynamo skipping the profiler ranges DDP's forward opens, inductor's C++ builder finding no
+# CUDA runtime on a CPU machine with a CUDA_HOME
+NOISE = (("torch._dynamo.variables.ctx_manager", "Profiler record function "),
+         ("torch.utils.cpp_extension", "No CUDA runtime is found"))  # fmt: skip
+
+
+def _not_noise(record: logging.LogRecord) -> bool:
+    return not any(record.name == name and record.getMessage().startswith(text)
+                   for name, text in NOISE)  # fmt: skip
+
+
+def quiet_compile_logs() -> None:
+    """Leave NOISE's lines out of torch.compile's logging (once per process)."""
+    for name, _ in NOISE:
+        logger = logging.getLogger(name)
+        if _not_noise not in logger.filters:
+            logger.addFilter(_not_noise)

@@ -347,6 +347,38 @@ def test_compiling_without_a_cpp_compiler_is_one_line(capsys, monkeypatch):
         ), line
 
 
+def test_a_compiled_runs_torch_log_lines_that_say_nothing_are_left_out():
+    """Under --nproc every rank printed dynamo's "Profiler record function ... will be
+    ignored" (DDP's forward) and, on a CPU machine with a CUDA_HOME, inductor's "No CUDA
+    runtime is found": those two lines alone are left out, once set, however often."""
+    import logging
+
+    from cnnkit.runtime import quiet_compile_logs
+
+    quiet_compile_logs()
+    quiet_compile_logs()
+    dynamo = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    builder = logging.getLogger("torch.utils.cpp_extension")
+    assert len(dynamo.filters) == len(builder.filters) == 1
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    for logger in (dynamo, builder):  # (torch's loggers do not propagate to the root's)
+        logger.addHandler(handler)
+    try:
+        dynamo.warning("Profiler record function %s will be ignored", "<class 'x'>")
+        builder.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+        dynamo.warning("Graph break: something a user may want to see")
+        builder.warning("Profiler record function from another logger")
+    finally:
+        for logger in (dynamo, builder):
+            logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == [
+        "Graph break: something a user may want to see",
+        "Profiler record function from another logger",
+    ]
+
+
 def test_the_start_line_says_an_image_sets_crops(shapes, tmp_path, capsys, monkeypatch):
     """The crop and the size it is cut from, which the network may have given (left out of
     the run): a resnet18 on a folder trained at 224 of 256 without a word of it."""

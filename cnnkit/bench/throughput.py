@@ -31,7 +31,13 @@ from cnnkit.errors import plural
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import set_kernels
 from cnnkit.nn.onednn import freeze
-from cnnkit.runtime import machine_name, restore_matmuls, tf32_matmuls, torch_threads
+from cnnkit.runtime import (
+    machine_name,
+    quiet_compile_logs,
+    restore_matmuls,
+    tf32_matmuls,
+    torch_threads,
+)
 from cnnkit.train.engine import Engine, build_engine, check_cpu_compiler, train_step
 from cnnkit.train.settings import Settings, candidates, choose_settings, inference_settings
 from cnnkit.train.settings import precisions as hardware_precisions
@@ -93,6 +99,8 @@ def _cnnkit_step(net: Any, mode: str, batch: int, device: torch.device, cfg: Tra
         freeze(set_kernels(model, dict(settings.kernels)))  # as classification runs
         if cfg.compile and device.type == "cpu":
             check_cpu_compiler()
+        if cfg.compile:
+            quiet_compile_logs()
         runnable = torch.compile(model) if cfg.compile else model
         step = make_infer_step(runnable.eval(), x, device, settings.precision)
 

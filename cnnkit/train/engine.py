@@ -24,6 +24,7 @@ from cnnkit.config import TrainConfig
 from cnnkit.errors import ConfigError
 from cnnkit.nn import Network
 from cnnkit.nn.kernels import set_kernels
+from cnnkit.runtime import quiet_compile_logs
 from cnnkit.train.optim import build_optimizer
 from cnnkit.train.recipe import build_ema
 from cnnkit.train.settings import Settings, static_settings
@@ -101,6 +102,7 @@ def build_engine(
     if cfg.compile:
         if device.type == "cpu":
             check_cpu_compiler()
+        quiet_compile_logs()
         model = torch.compile(model)
     return Engine(
         network=network,
