@@ -72,9 +72,11 @@ def test_a_network_file_takes_interpolation_and_refuses_others(tmp_path, capsys)
     net.write_text("model:\n  input: [3, 8, 8]\n  preprocess: {resize: 10, interpolation: "
                    "nearest}\n  layers:\n    - {type: flatten}\n    - {type: linear, "
                    "out_features: 2}\n")  # fmt: skip
-    code, _, err = run_cli(["classify", str(net), str(net)], capsys)
-    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert "preprocess.interpolation: Input should be 'bilinear' or 'bicubic'" in err
+    run = ["train", str(net), "data.source=synthetic", "data.shape=[3,8,8]", "--dry-run"]
+    for argv in (["classify", str(net), str(net)], run):
+        code, _, err = run_cli(argv, capsys)  # (train took the file and trained bilinear)
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert "preprocess.interpolation: Input should be 'bilinear' or 'bicubic'" in err, err
     with pytest.raises(ValueError, match="interpolation"):
         Preprocess(channels=3, crop=8, interpolation="lanczos")
 

@@ -13,9 +13,10 @@ import torch
 from cnnkit.checkpoint import note_mean_image
 from cnnkit.data.augment import center_crop, ten_crop
 from cnnkit.data.base import MAX_SIDE
+from cnnkit.data.preprocess import reads_images
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
 from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
-from cnnkit.infer.load import Loaded, load_for_inference, reads_images, require_trained
+from cnnkit.infer.load import Loaded, load_for_inference, require_trained
 from cnnkit.runtime import restore_matmuls, tf32_matmuls
 
 

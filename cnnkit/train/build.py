@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from cnnkit.config import RunConfig
 from cnnkit.data import DataBundle
 from cnnkit.data.packfiles import is_pack, read_meta
+from cnnkit.data.preprocess import network_preprocess
 from cnnkit.distributed import Processes
 from cnnkit.errors import ConfigError, DataError, validation_message
 from cnnkit.nn import Network, build_model
@@ -102,8 +103,11 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
         hint = " (is data.path the folder above the class folders?)" if path else ""
         raise DataError(f"data: {len(data.classes)} class ({', '.join(data.classes)}){where}: a "
                         f"classifier needs at least 2{hint}")  # fmt: skip
-    network = build_model(config.model.spec(), num_classes=len(data.classes),
-                          weights=config.model.weights)  # fmt: skip
+    spec = config.model.spec()
+    network = build_model(spec, num_classes=len(data.classes), weights=config.model.weights)
+    named = config.model.network if isinstance(config.model.network, str) else "run"
+    # its preprocess: what classify, eval and export will read, refused as they refuse it
+    network_preprocess(named, tuple(network.input_shape), spec.get("preprocess"))
     last, model = network.table[-1], _model_named(config)
     if network.num_classes != len(data.classes):
         raise ConfigError(
