@@ -158,6 +158,24 @@ def test_a_run_from_weights_resizes_with_their_filter(shapes, tmp_path, capsys):
     assert same is packed and note.startswith(f"data.path {tmp_path / 'p'}: packed with bilinear")
 
 
+def test_a_filter_named_without_a_resize_is_the_weights_filter_too(shapes, tmp_path):
+    """preprocess: {interpolation: bicubic} with no resize (classify squashes to the crop with
+    it): a run from those weights resizes its folder bicubic too; no filter and no resize named,
+    the data's own choice."""
+    from cnnkit.config import load_run
+    from cnnkit.train.build import resized_for_weights
+
+    layers = "  layers:\n    - {type: flatten}\n    - {type: linear}\n"
+    (tmp_path / "w.pth").write_bytes(b"")  # (read when the network is built)
+    for pre, wanted in (("{interpolation: bicubic}", "bicubic"), ("{mean: [0.5]}", "bilinear")):
+        net = tmp_path / "net.yaml"
+        net.write_text(f"model:\n  input: [3, 12, 12]\n  preprocess: {pre}\n{layers}")
+        model = {"network": str(net), "weights": str(tmp_path / "w.pth")}
+        run = load_run({"model": model, "data": {"path": str(shapes), "crop": 12}})
+        adapted, note = resized_for_weights(run)
+        assert adapted.data.interpolation == wanted and (note is None) == (wanted == "bilinear")
+
+
 def test_a_training_pack_and_its_validation_pack_must_share_a_filter(shapes, tmp_path):
     from cnnkit.errors import DataError
 

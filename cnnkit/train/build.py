@@ -56,13 +56,14 @@ def normalised_for_weights(config: RunConfig) -> tuple[RunConfig, str | None]:
 
 def resized_for_weights(config: RunConfig) -> tuple[RunConfig, str | None]:
     """A run that starts from weights resizes whole images with the filter of its network's
-    `preprocess:` (timm's pretrained models' interpolation): a folder's data.interpolation left
-    out takes it; a pack resized with another filter is said. Returns the run, and a note."""
+    `preprocess:` (timm's pretrained models' interpolation; bilinear where it resizes and
+    names no filter, none where it does neither): a folder's data.interpolation left out takes
+    it; a pack resized with another filter is said. Returns the run, and a note."""
     spec = config.model.spec()
     pre = spec.get("preprocess")
     starts = config.model.weights is not None or spec.get("weights") is not None
-    resizes = starts and isinstance(pre, dict) and pre.get("resize")  # (else nothing to filter)
-    wanted = pre.get("interpolation", "bilinear") if resizes else None
+    says = starts and isinstance(pre, dict) and ("interpolation" in pre or pre.get("resize"))
+    wanted = pre.get("interpolation", "bilinear") if says else None
     data = config.data
     if wanted not in ("bilinear", "bicubic"):
         return config, None
