@@ -282,10 +282,36 @@ def test_a_path_given_on_the_command_line_brings_its_source(shapes, tmp_path):
                                        "resize_mode": "shorter", "grey": True}}  # fmt: skip
     config = load_run(run, [f"data.path={tmp_path / 'packed'}", "data.crop=24"])
     assert config.data.source == "packed" and config.data.grey
+    assert config.data.mean is None  # a new run on a pack: the pack's own statistics
+    assert config._notes == [
+        f"data.path {tmp_path / 'packed'}: its images were packed with size 24, resize_mode "
+        "squash, the run's folder read them with size 37, resize_mode shorter (cnnkit pack "
+        "--size 37 --resize shorter-side-crop packs them as it did)"
+    ]
     back = load_run(yaml.safe_load(dump_run(config)), [f"data.path={shapes}"])
     assert back.data.source == "packed"  # a folder to a pack's run: said when it is opened
     with pytest.raises(ConfigError, match="data.size"):  # both given: as the user says
         load_run(run, [f"data.path={tmp_path / 'packed'}", "data.source=packed"])
+    with pytest.raises(ConfigError, match=r"^data.interpolation: unknown field \(a pack's "):
+        load_run(run, [f"data.path={tmp_path / 'packed'}", "data.interpolation=bicubic"])
+
+
+def test_a_folders_run_resumed_on_its_pack_keeps_its_normalisation(shapes, tmp_path):
+    """A folder's statistics left out are ImageNet's, a pack's its own: a run that trained on
+    the folder went on with the pack's after a resume on it, without a word. Given, they stand."""
+    from cnnkit.data.folder import IMAGENET_MEAN, IMAGENET_STD
+    from cnnkit.data.pack import pack_folder
+    from cnnkit.train.rundir import resume_config
+
+    pack_folder(shapes, tmp_path / "packed", size=24, progress=False)
+    trained = load_run({"model": "lenet5", "data": {"path": str(shapes), "size": 24,
+                                                    "grey": True}})  # fmt: skip
+    state = {"config": yaml.safe_load(dump_run(trained)), "model_spec": trained.model.spec()}
+    resumed = resume_config(state, [f"data.path={tmp_path / 'packed'}"])
+    assert resumed.data.source == "packed" and resumed._notes == []  # packed as it read them
+    assert (resumed.data.mean, resumed.data.std) == (IMAGENET_MEAN, IMAGENET_STD)
+    given = resume_config(state, [f"data.path={tmp_path / 'packed'}", "data.std=[50,50,50]"])
+    assert (given.data.mean, given.data.std) == (IMAGENET_MEAN, (50, 50, 50))
 
 
 def test_resize_mode_takes_packs_name_for_shorter_side_resizing(shapes):

@@ -21,8 +21,9 @@ from cnnkit.config.sections import ModelConfig, RunConfig
 from cnnkit.data import SOURCES, check_source
 from cnnkit.data.base import resized_side
 from cnnkit.data.decode import holds_images
-from cnnkit.data.packfiles import is_pack
-from cnnkit.errors import ConfigError, brief, config_error, suggest
+from cnnkit.data.folder import IMAGENET_MEAN, IMAGENET_STD
+from cnnkit.data.packfiles import RESIZE_FLAG, is_pack, read_meta
+from cnnkit.errors import ConfigError, DataError, brief, config_error, suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
 from cnnkit.runtime import write_atomic
 
@@ -36,7 +37,7 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
     for item in overrides or []:
         apply_override(raw, item)
-    source_follows_path(raw, overrides)
+    notes = source_follows_path(raw, overrides)
     _relative_to(raw, base)
     absolute_data(raw)
     _source_of_path(raw)
@@ -44,6 +45,7 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
     stem = Path(str(run)).stem if not isinstance(run, dict) else "run"
     raw.setdefault("name", re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.") or "run")
     config = validate_run(raw)
+    config._notes = notes
     if isinstance(config.model.network, dict) and not isinstance(run, dict):
         config.model._source = f"{run}: model"  # (a network file names itself)
     data = config.data  # a new run (a resumed one keeps the settings it started with)
@@ -93,23 +95,55 @@ def _file_at(name: str, base: Path | None) -> str:
     return name
 
 
-def source_follows_path(raw: dict[str, Any], overrides: list[str] | None) -> None:
+def source_follows_path(raw: dict[str, Any], overrides: list[str] | None,
+                        resumed: bool = False) -> list[str]:  # fmt: skip
     """`data.path=PACK` given on the command line to a run of a folder (a run directory's
     config.yaml names its source): the source is the pack, and the folder's own fields (its
-    size, resize_mode) are left behind, unless `data.source` is given too. (A folder given to
-    a pack's run is said, with how to pack it or train from it: a pack's settings, such as
-    its mean image, need not fit a folder.)"""
+    size, resize_mode, interpolation) are left behind, unless `data.source` is given too;
+    given on the command line too, they stay, for validation to refuse as a pack's run does.
+    A `resumed` run keeps its normalisation (a folder's statistics left out are ImageNet's, a
+    pack's its own). Returns notes where the pack's images were resized otherwise than the
+    run's folder said. (A folder given to a pack's run is said, with how to pack it or train
+    from it: a pack's settings, such as its mean image, need not fit a folder.)"""
     keys = {item.split("=", 1)[0].strip() for item in overrides or []}
     data = raw.get("data")
     if "data.path" not in keys or "data.source" in keys or not isinstance(data, dict):
-        return
+        return []
     if (
-        data.get("source") == "folder"
-        and isinstance(data.get("path"), str)
-        and is_pack(data["path"])
+        data.get("source") != "folder"
+        or not isinstance(data.get("path"), str)
+        or not is_pack(data["path"])
     ):
-        fields = SOURCES["packed"].model_fields
-        raw["data"] = {k: v for k, v in data.items() if k in fields} | {"source": "packed"}
+        return []
+    given = {k.removeprefix("data.") for k in keys}
+    fields = SOURCES["packed"].model_fields
+    moved = {k: v for k, v in data.items() if k in fields or k in given} | {"source": "packed"}
+    for name, imagenet in (("mean", IMAGENET_MEAN), ("std", IMAGENET_STD)):
+        if resumed and moved.get(name) is None and name not in given:
+            moved[name] = list(imagenet)
+    raw["data"] = moved
+    return _resized_otherwise(data, data["path"])
+
+
+def _resized_otherwise(folder: dict[str, Any], pack: str) -> list[str]:
+    """A note where pack's images were resized otherwise than `folder` (a data section) says
+    its images were: its size, resize mode or filter."""
+    try:
+        meta = read_meta(pack)
+    except DataError:
+        return []  # (said where the run opens it)
+    made = {"size": meta.get("size"), "resize_mode": meta.get("resize"),
+            "interpolation": meta.get("interpolation", "bilinear")}  # fmt: skip
+    said = {k: folder[k] for k in made if folder.get(k) is not None}
+    differ = [k for k in said if said[k] != made[k]]
+    if not differ:
+        return []
+    flags = {"size": "--size", "resize_mode": "--resize", "interpolation": "--interpolation"}
+    value = {**said, "resize_mode": RESIZE_FLAG.get(said.get("resize_mode"), "")}
+    return [f"data.path {pack}: its images were packed with "
+            + ", ".join(f"{k} {made[k]}" for k in differ) + ", the run's folder read them with "
+            + ", ".join(f"{k} {said[k]}" for k in differ) + " (cnnkit pack "
+            + " ".join(f"{flags[k]} {value[k]}" for k in differ) + " packs them as it did)"]  # fmt: skip
 
 
 def _source_of_path(raw: dict[str, Any]) -> None:

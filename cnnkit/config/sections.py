@@ -283,6 +283,8 @@ class RunConfig(Section):
         0, lt=2**63, description="seeds weights, data order and augmentation (63 bits)"
     )
     deterministic: bool = Field(False, description="bitwise repeatable CPU runs (slower)")
+    # what loading it had to say (a folder's run moved to a pack): `cnnkit train` prints them
+    _notes: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("data", mode="before")
     @classmethod

@@ -168,11 +168,13 @@ def fit(
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(config.name, None)
     device = dist.device(config.train.device)
     ranks = processes if dry_run and processes else dist.world_size
+    notes = list(config._notes)  # (what loading it had to say)
     if not resume:  # (a resumed run's config.yaml has the values it began with)
         for adapt in (normalised_for_weights, resized_for_weights):
             config, note = adapt(config)
-            if note and dist.is_main:
-                print(f"cnnkit: note: {note}", file=sys.stderr)
+            notes += [note] if note else []
+    for note in notes if dist.is_main else ():
+        print(f"cnnkit: note: {note}", file=sys.stderr)
     check_processes(config, ranks, device, resume)
     check_outside_data(run_dir, config.data)
     if not dry_run:

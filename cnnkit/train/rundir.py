@@ -173,7 +173,7 @@ def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> 
                               "(to fine-tune it as another run, give a new run model.weights: "
                               "RUN/best.pt)")  # fmt: skip
         apply_override(raw, item)
-    source_follows_path(raw, overrides)
+    notes = source_follows_path(raw, overrides, resumed=True)
     absolute_data(raw)  # (an older run's relative paths too: read from here, as before)
     if state.get("step"):
         _same_epoch_order(state, raw)
@@ -183,7 +183,9 @@ def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> 
             return validate_run(raw)
         except ConfigError as e:  # nothing of the user's: the checkpoint itself is damaged
             raise CheckpointError(f"last.pt: its run settings do not validate: {e}") from None
-    return validate_run(raw)
+    config = validate_run(raw)
+    config._notes = notes
+    return config
 
 
 OPTIMIZER_STATE = {"sgd": "momenta", "nesterov": "momenta", "adam": "moments",
