@@ -287,3 +287,13 @@ def test_torchvisions_policy_names_are_taken_and_timms_strings_answered():
         data_config({**section, "policy": "rand-m9-n3-mstd0.5"})
     with pytest.raises(ConfigError, match=r"the closest here: data.policy=augmix \("):
         data_config({**section, "policy": "augmix-m5-w4-d2"})
+    answers = {  # timm's magnitude left out is its 10 of 10, torchvision's 30
+        "rand-n3": "data.policy=randaugment data.magnitude=30 data.num_ops=3 (",
+        "original-mstd0.5": "data.policy=autoaugment (the same ImageNet policy)",
+        "v0r": "data.policy=autoaugment (the ImageNet policy, of which timm's v0 is",
+        "3a": "3-Augment (DeiT III: grey, solarize or blur per image) is not one here",
+    }
+    for timms, answer in answers.items():
+        with pytest.raises(ConfigError) as e:
+            data_config({**section, "policy": timms})
+        assert answer in str(e.value) and ("of 30" in str(e.value)) == timms.startswith("rand")

@@ -106,16 +106,30 @@ def policy_name(value: Any) -> Any:
     what says the same here."""
     if not isinstance(value, str):
         return value
-    if value.startswith(("rand-", "augmix-", "original", "v0", "3a")):
-        m = re.search(r"-m(\d+)", value)
-        n = re.search(r"-n(\d+)", value)
-        closest = "data.policy=augmix" if value.startswith("augmix") else (
-            f"data.policy=randaugment data.magnitude={min(3 * int(m[1]), 30) if m else 9} "
-            f"data.num_ops={n[1] if n else 2}" if value.startswith("rand") else
-            "data.policy=autoaugment")  # fmt: skip
-        raise ValueError(f"{value!r} is timm's way of naming a policy; the closest here: "
-                         f"{closest} (timm's magnitudes are of 10, torchvision's of 30)")  # fmt: skip
+    closest = _timm_policy(value)
+    if closest:
+        raise ValueError(f"{value!r} is timm's way of naming a policy; {closest}")
     return POLICY_ALIASES.get(value, value)
+
+
+def _timm_policy(value: str) -> str | None:
+    """What a timm augmentation string is closest to here (None: not such a string)."""
+    if value.startswith("rand-"):  # timm's magnitude left out is 10 (of 10), its ops 2
+        m, n = re.search(r"-m(\d+)", value), re.search(r"-n(\d+)", value)
+        return (f"the closest here: data.policy=randaugment data.magnitude="
+                f"{min(3 * int(m[1]) if m else 30, 30)} data.num_ops={n[1] if n else 2} "
+                "(timm's magnitudes are of 10, torchvision's of 30)")  # fmt: skip
+    if value.startswith("augmix-"):
+        return ("the closest here: data.policy=augmix (torchvision's AugMix: severity 3, 3 "
+                "chains of 1-3 ops, as timm's defaults; not set otherwise here)")  # fmt: skip
+    if value.startswith(("original", "v0")):
+        same = "the same ImageNet policy" if value.startswith("original") else (
+            "the ImageNet policy, of which timm's v0 is EfficientNet's variant")  # fmt: skip
+        return f"the closest here: data.policy=autoaugment ({same})"
+    if value.startswith("3a"):
+        return ("3-Augment (DeiT III: grey, solarize or blur per image) is not one here: "
+                "data.policy takes randaugment | trivialaugment | autoaugment | augmix")  # fmt: skip
+    return None
 
 
 class DataConfigBase(Section):
