@@ -177,9 +177,15 @@ def test_the_start_line_says_when_the_data_sets_the_class_count(tmp_path, capsys
     )
 
 
-def test_the_start_line_names_the_batch_recipe():
-    """timm's start lines name the augmentation (`aa: rand-m9-n2`): so does this one."""
+def test_the_start_line_names_the_batch_recipe(capsys):
+    """timm's start lines name the augmentation (`aa: rand-m9-n2`): so does this one, and a
+    dry run's line, where a user checks what an override did."""
+    from helpers import run_cli
+
     from cnnkit.train.run import _recipe
+
+    code, out, _ = run_cli(["train", "digits", "data.policy=augmix", "--dry-run"], capsys)
+    assert code == 0 and "held-out images, augmix, 22 steps an epoch" in out, out
 
     config = load_run("digits", ["data.policy=ra", "data.magnitude=12", "data.mixup=0.2"])
     assert _recipe(config) == ", randaugment m12 n2, mixup 0.2"

@@ -264,8 +264,8 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
     console.print(
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
         f"{engine.device}{many} ({engine.settings.describe(config.train.threads)}), "
-        f"{_train_images(data)} / {data.val.num_samples} held-out images{_crops(config)}, "
-        f"{plural(len(data.train), 'step')} an epoch from epoch "
+        f"{_train_images(data)} / {data.val.num_samples} held-out images{_crops(config)}"
+        f"{_recipe(config)}, {plural(len(data.train), 'step')} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
     _train_notes(config, main)
