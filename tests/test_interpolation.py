@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+import yaml
 from PIL import Image
 from skimage import data as skdata
 from torchvision.transforms import v2
@@ -139,7 +140,10 @@ def test_evaluating_on_a_pack_of_another_filter_says_so(capsys):
 
 def test_a_run_from_weights_resizes_with_their_filter(shapes, tmp_path, capsys):
     """Fine-tuning efficientnet_b0's weights on a folder resizes bicubic, as they were made
-    (data.interpolation left out; given, it stands); on a pack of another filter, a note."""
+    (data.interpolation left out; given, it stands), and `cnnkit config` shows it so; on a pack
+    of another filter, a note."""
+    from helpers import run_cli
+
     from cnnkit.config import load_run
     from cnnkit.train.build import resized_for_weights
 
@@ -148,6 +152,13 @@ def test_a_run_from_weights_resizes_with_their_filter(shapes, tmp_path, capsys):
     run = load_run({"model": model, "data": {"path": str(shapes)}})
     adapted, note = resized_for_weights(run)
     assert adapted.data.interpolation == "bicubic" and "from the network's preprocess" in note
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump({"model": model, "data": {"path": str(shapes)}})
+    )
+    code, out, err = run_cli(["config", str(tmp_path / "run.yaml"), "--changed"], capsys)
+    shown = [line.split()[:2] for line in out.splitlines() if "data.interpolation" in line]
+    assert code == 0 and shown == [["data.interpolation", "bicubic"]], out  # as train runs it
+    assert "cnnkit: note: data.interpolation bicubic from the network's preprocess:" in err
     given = load_run({"model": model, "data": {"path": str(shapes), "interpolation": "bilinear"}})
     assert resized_for_weights(given) == (given, None)
     fresh = load_run({"model": "efficientnet_b0", "data": {"path": str(shapes)}})

@@ -197,13 +197,15 @@ def show_config(
     overrides: list[str] = typer.Argument(None, help="key=value, e.g. train.lr=0.02"),
     changed: bool = typer.Option(False, "--changed", help="Only the settings off their default."),
 ) -> None:
-    """Every setting of a run: its value, its default and what it does."""
+    """Every setting of a run: its value, its default and what it does (what a run from weights
+    takes from its network's preprocess: included, with train's notes)."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
     from cnnkit.config import describe_run, load_run
     from cnnkit.tables import wide_console
+    from cnnkit.train.build import normalised_for_weights, resized_for_weights
     from cnnkit.train.runfile import edited_run_config
 
     if Path(run).suffix.lower() in TRAINED_SUFFIXES and Path(run).is_file():
@@ -216,6 +218,12 @@ def show_config(
                 print(f"cnnkit: note: {note}", file=sys.stderr)
     _check_not_runs(run)
     config = load_run(run, list(overrides or []))
+    notes = list(config._notes)
+    for adapt in (normalised_for_weights, resized_for_weights):  # what `train` would run
+        config, note = adapt(config)
+        notes += [note] if note else []
+    for note in notes:
+        print(f"cnnkit: note: {note}", file=sys.stderr)
     table = Table(title=Text(f"{config.name}: {run}"), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("key", "value", "default", "description"):
         table.add_column(column, overflow="fold")
