@@ -95,7 +95,8 @@ def test_a_pack_resizes_with_its_filter_and_says_so(shapes, tmp_path):
         expected = load_resized(shapes / rel, 16, "squash", interpolation="bicubic").image
         assert torch.equal(x[i], expected)
     data = data_config({"source": "packed", "path": str(tmp_path / "p"), "crop": 12})
-    assert data.build(torch.device("cpu")).preprocess.interpolation == "bicubic"
+    bundle = data.build(torch.device("cpu"))  # its random-resized crops' filter too
+    assert bundle.preprocess.interpolation == bundle.train.augment.interpolation == "bicubic"
     with pytest.raises(ConfigError, match="--interpolation: 'box' is not bilinear or bicubic"):
         pack_folder(shapes, tmp_path / "q", size=16, progress=False, interpolation="box")
     assert not (tmp_path / "q").exists()
