@@ -312,6 +312,14 @@ def test_a_folders_run_resumed_on_its_pack_keeps_its_normalisation(shapes, tmp_p
     assert (resumed.data.mean, resumed.data.std) == (IMAGENET_MEAN, IMAGENET_STD)
     given = resume_config(state, [f"data.path={tmp_path / 'packed'}", "data.std=[50,50,50]"])
     assert (given.data.mean, given.data.std) == (IMAGENET_MEAN, (50, 50, 50))
+    null = resume_config(state, [f"data.path={tmp_path / 'packed'}", "data.mean=null"])
+    assert (null.data.mean, null.data.std) == (IMAGENET_MEAN, IMAGENET_STD)  # the folder's null
+    shown = load_run(state["config"], [f"data.path={tmp_path / 'packed'}"], trained=True)
+    assert shown.data.mean == IMAGENET_MEAN  # `cnnkit config RUN_DIR data.path=PACK`: as resumed
+    held_out = {**state["config"], "data": {**state["config"]["data"], "val_path": str(shapes)}}
+    with pytest.raises(ConfigError, match=r"data.val_path .* the folder the run held out: give "
+                       r"data.val_path=VALPACK"):  # fmt: skip
+        resume_config({**state, "config": held_out}, [f"data.path={tmp_path / 'packed'}"])
 
 
 def test_resize_mode_takes_packs_name_for_shorter_side_resizing(shapes):

@@ -80,6 +80,14 @@ def test_a_network_file_takes_interpolation_and_refuses_others(tmp_path, capsys)
         assert "preprocess.interpolation: Input should be 'bilinear' or 'bicubic'" in err, err
     with pytest.raises(ValueError, match="interpolation"):
         Preprocess(channels=3, crop=8, interpolation="lanczos")
+    from cnnkit.config import load_run
+    from cnnkit.train.build import build_network
+
+    config = load_run(
+        str(net), ["data.source=synthetic", "data.shape=[3,8,8]", "data.num_classes=2"]
+    )
+    data = config.data.build(torch.device("cpu"))
+    assert build_network(config, data, fresh=False).num_classes == 2  # a run that began so
 
 
 def test_a_pack_resizes_with_its_filter_and_says_so(shapes, tmp_path):

@@ -217,7 +217,8 @@ def show_config(
             if note:
                 print(f"cnnkit: note: {note}", file=sys.stderr)
     _check_not_runs(run)
-    config = load_run(run, list(overrides or []))
+    trained = Path(run).name == "config.yaml" and (Path(run).parent / "last.pt").is_file()
+    config = load_run(run, list(overrides or []), trained=trained)  # (a resume's, if it trained)
     notes = list(config._notes)
     for adapt in (normalised_for_weights, resized_for_weights):  # what `train` would run
         config, note = adapt(config)

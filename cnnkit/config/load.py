@@ -28,8 +28,11 @@ from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
 from cnnkit.runtime import write_atomic
 
 
-def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
-    """Read a zoo run, YAML file or dict, apply `key=value` overrides, validate everything."""
+def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = None,
+             trained: bool = False) -> RunConfig:  # fmt: skip
+    """Read a zoo run, YAML file or dict, apply `key=value` overrides, validate everything.
+    `trained`: the run file is a run directory's that has trained (source_follows_path's
+    `resumed`: what its resume would take)."""
     given = {o.split("=", 1)[0].strip() for o in overrides or []}
     raw, base = _read_run(run, given)
     raw = copy.deepcopy(raw)
@@ -37,7 +40,7 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
     for item in overrides or []:
         apply_override(raw, item)
-    notes = source_follows_path(raw, overrides)
+    notes = source_follows_path(raw, overrides, resumed=trained)
     _relative_to(raw, base)
     absolute_data(raw)
     _source_of_path(raw)
@@ -116,10 +119,16 @@ def source_follows_path(raw: dict[str, Any], overrides: list[str] | None,
     ):
         return []
     given = {k.removeprefix("data.") for k in keys}
+    val = data.get("val_path")
+    if isinstance(val, str) and "val_path" not in given and not is_pack(val):
+        raise ConfigError(f"data.path={data['path']} is a pack, data.val_path {val} the folder "
+                          "the run held out: give data.val_path=VALPACK (that folder packed as "
+                          "the training set was), or data.val_path=null to hold out part of "
+                          "the pack")  # fmt: skip
     fields = SOURCES["packed"].model_fields
     moved = {k: v for k, v in data.items() if k in fields or k in given} | {"source": "packed"}
     for name, imagenet in (("mean", IMAGENET_MEAN), ("std", IMAGENET_STD)):
-        if resumed and moved.get(name) is None and name not in given:
+        if resumed and moved.get(name) is None:  # (=null too: the folder's meaning of it)
             moved[name] = list(imagenet)
     raw["data"] = moved
     return _resized_otherwise(data, data["path"])

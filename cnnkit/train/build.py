@@ -94,10 +94,12 @@ def _three(values: Any) -> tuple[float, ...] | None:
     return tuple(values) * (3 // len(values))  # (checked as data.mean and data.std are)
 
 
-def build_network(config: RunConfig, data: DataBundle) -> Network:
+def build_network(config: RunConfig, data: DataBundle, fresh: bool = True) -> Network:
     """The run's network with the data's class count, checked against the data's image shape,
     starting from `model.weights` when given (a classifier of another class count starts
-    fresh); a resumed run's own checkpoint replaces them."""
+    fresh); a resumed run's own checkpoint replaces them. A `fresh` run's network file's
+    `preprocess:` is checked as classify, eval and export check it (a resumed run keeps the
+    network it began with, right or not)."""
     if len(data.classes) < 2:  # one output: a softmax of 1, loss 0 and "100%" whatever it learns
         path = getattr(config.data, "path", None)
         where = f" in {path}" if path else ""
@@ -106,9 +108,11 @@ def build_network(config: RunConfig, data: DataBundle) -> Network:
                         f"classifier needs at least 2{hint}")  # fmt: skip
     spec = config.model.spec()
     network = build_model(spec, num_classes=len(data.classes), weights=config.model.weights)
-    named = config.model.network if isinstance(config.model.network, str) else "run"
-    # its preprocess: what classify, eval and export will read, refused as they refuse it
-    network_preprocess(named, tuple(network.input_shape), spec.get("preprocess"))
+    if fresh:
+        file = config.model.network
+        named = file if isinstance(file, str) else (config.model._source or "run: model")
+        network_preprocess(named.removesuffix(": model"), tuple(network.input_shape),
+                           spec.get("preprocess"))  # fmt: skip
     last, model = network.table[-1], _model_named(config)
     if network.num_classes != len(data.classes):
         raise ConfigError(
@@ -160,7 +164,7 @@ def build_run_engine(config: RunConfig, data: DataBundle, device: torch.device,
     the settings it began with (resumed_settings). `ranks`: the processes the choice is for
     (each takes its share of the batch and, from --nproc, of the cores: a dry run of N
     chooses what N ranks will run)."""
-    network = build_network(config, data)
+    network = build_network(config, data, fresh=resume is None)
     per_rank = config.data.batch_size // ranks
     if not (config.train.sync_bn and ranks > 1):  # (SyncBatchNorm counts every rank's values)
         images = min(per_rank, len(data.train_labels) // ranks)  # (a set smaller than a batch)
