@@ -355,8 +355,9 @@ def test_a_folders_random_resized_crops_are_torchvisions(photos, interpolation):
     """A folder's random-resized crops of squashed photos are torchvision's RandomResizedCrop of
     each photo, run with the run's filter on PIL images as its reference scripts run it: the
     box drawn on the photo, cut, resized once. From the same decoded pixels, to a level on
-    average 0.13 (two on a rare pixel, where torch's uint8 kernels round otherwise than
-    PIL's); data.interpolation: bicubic once resized the crop bilinearly, 4 levels off here."""
+    average 0.13 (two on a rare pixel, where torch's uint8 kernels round or order their passes
+    otherwise than PIL's); data.interpolation: bicubic once resized the crop bilinearly, 4
+    levels off here."""
     stream = folder(photos, train_crop="resized", interpolation=interpolation, lighting=0.0,
                     mirror=False).train  # fmt: skip
     mode = getattr(T.InterpolationMode, interpolation.upper())

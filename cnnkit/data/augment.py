@@ -48,21 +48,24 @@ def resized_crop_mirror(x: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor
                         pixels: bool = False) -> torch.Tensor:  # fmt: skip
     """Per-sample crops of boxes (B, 4: top, left, height, width) resized to size, mirrored
     where flip: x float (B, C, H, W) -> float (B, C, size, size), for a whole batch on the
-    device in two batched matmuls.
+    device in two batched matmuls; x (C, H, W): one image (a mean image) under every box.
 
     torchvision's antialiased resize (PIL's triangle or bicubic filter, widened by the scale
     when shrinking) written as per-sample weight matrices, so a crop shrunk 4x is averaged as
     the CPU path and torchvision average it, not aliased as a plain bilinear sample would be.
     A bicubic result overshoots the input's range, as torchvision's float resize does; with
-    `pixels` (x in 0-255) each pass is clamped to that range, as PIL's and torch's uint8
-    resizes clamp between their two passes.
+    `pixels` (x in 0-255) each pass is clamped to that range, as torch's uint8 resize clamps
+    between its two passes (width first).
     """
-    B, _, H, W = x.shape
+    H, W = x.shape[-2:]
     top, left, h, w = boxes.to(device=x.device, dtype=torch.float32).unbind(1)
     kernel = FILTERS[interpolation]
     rows = _resize_weights(top, h, size, H, kernel)  # (B, size, H)
     cols = _resize_weights(left, w, size, W, kernel, flip.to(x.device))  # (B, size, W)
-    across = torch.matmul(x, cols.to(x.dtype).transpose(1, 2)[:, None])  # (B, C, H, size)
+    if x.dim() == 3:  # one matmul for every box, not a copy of the image per box
+        across = torch.einsum("chw,bsw->bchs", x, cols.to(x.dtype))  # (B, C, H, size)
+    else:
+        across = torch.matmul(x, cols.to(x.dtype).transpose(1, 2)[:, None])
     if pixels:
         across.clamp_(0, 255)
     out = torch.matmul(rows.to(x.dtype)[:, None], across)  # (B, C, size, size)
@@ -229,14 +232,13 @@ class CropAugment:
                        ) -> torch.Tensor:  # fmt: skip
         """The batch's random-resized crops less the mean, on the device. Bilinear weights
         never leave the pixels' range, so the mean (an image too) goes in with them; bicubic
-        ones are clamped to 0-255 first, as PIL's resize and the CPU path's uint8 one are."""
+        ones are clamped to 0-255 first, as the CPU path's uint8 resize is."""
         if self.interpolation == "bilinear":
             return resized_crop_mirror(x.float() - self.mean, boxes, flip, self.crop)
         y = resized_crop_mirror(x.float(), boxes, flip, self.crop, self.interpolation, True)
         mean = self.mean
         if mean.shape[-1] > 1:  # the mean image's crops, resized alike
-            mean = resized_crop_mirror(mean.expand(len(y), -1, -1, -1), boxes, flip, self.crop,
-                                       self.interpolation)  # fmt: skip
+            mean = resized_crop_mirror(mean, boxes, flip, self.crop, self.interpolation)
         return y.sub_(mean)
 
     def _train_cpu(self, x: torch.Tensor, p: dict, out: torch.Tensor | None) -> torch.Tensor:

@@ -294,8 +294,9 @@ class FolderConfig(ImageSetConfig):
         if image is not None:  # a trained run's (evaluated_as): its channel averages to classify
             mean, std = image.mean(dim=(1, 2)).tolist(), [1.0, 1.0, 1.0]
         stats = {"mean": mean, "std": std, "lighting": imagenet_lighting(), "mean_image": image}
-        train_s, val_s = build_streams(self, train, val, build_augment(self, stats, self.interpolation), device, rank,
-                                       world_size, seed, local_ranks)  # fmt: skip
+        augment = build_augment(self, stats, self.interpolation)
+        train_s, val_s = build_streams(self, train, val, augment, device, rank, world_size, seed,
+                                       local_ranks)  # fmt: skip
         pre = Preprocess.of_data(3, self.crop, self.size, self.resize_mode, list(mean), list(std),
                                  interpolation=self.interpolation)  # fmt: skip
         labels = torch.from_numpy(train.labels[train.ids])
