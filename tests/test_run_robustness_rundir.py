@@ -180,6 +180,11 @@ def test_a_resume_keeps_an_optimizer_that_can_continue_the_saved_state(digits_ru
     assert resume_config(state, ["train.optimizer=sgd"]).train.optimizer == "sgd"  # the same
     with pytest.raises(ConfigError, match="train.optimizer=adam cannot continue nesterov's"):
         resume_config(state, ["train.optimizer=adam"])
+    # norm / bias decay given where it was not: other parameter groups than last.pt's
+    with pytest.raises(ConfigError, match=r"train.norm_weight_decay=0 regroups the optimizer's "
+                       r"state in last.pt, saved with it left out"):  # fmt: skip
+        resume_config(state, ["train.norm_weight_decay=0"])
+    assert resume_config(state, ["train.weight_decay=0"]).train.weight_decay == 0  # the same
 
 
 def _slow_holder(run_dir, said):  # (forked) a run whose lock text takes a second to make

@@ -97,6 +97,38 @@ def test_alexnet_biases_learn_twice_as_fast_without_decay():
     assert groups == {(0.01, 5e-4): 8, (0.02, 0.0): 8}  # 8 weights, 8 biases
 
 
+def test_norm_and_bias_decay_are_torchvisions():
+    """train.norm_weight_decay / bias_weight_decay as torchvision's reference scripts'
+    --norm-weight-decay / --bias-weight-decay group resnet18: its 20 BatchNorms' 40 parameters,
+    its 21 biases (a BatchNorm's bias is a bias); left out, every parameter takes weight_decay;
+    a layer's decay_mult still scales them (AlexNet's biases: none)."""
+    from cnnkit.nn import build_model
+    from cnnkit.train.optim import build_optimizer
+
+    net = build_model("resnet18", num_classes=10)
+    names = {id(p): n for n, p in net.named_parameters()}
+
+    def decays(**given) -> dict[str, float]:
+        cfg = TrainConfig(weight_decay=1e-4, **given)
+        return {names[id(p)]: g["weight_decay"] for g in build_optimizer(net, cfg).param_groups
+                for p in g["params"]}  # fmt: skip
+
+    assert set(decays().values()) == {1e-4}
+    norm = decays(norm_weight_decay=0.0)
+    assert sorted(n for n, d in norm.items() if d == 0) == sorted(
+        n for n, m in net.named_modules() if isinstance(m, torch.nn.BatchNorm2d)
+        for n in (f"{n}.weight", f"{n}.bias")
+    ) and len([d for d in norm.values() if d == 0]) == 40  # fmt: skip
+    both = decays(norm_weight_decay=0.0, bias_weight_decay=2e-5)
+    assert sorted(n for n, d in both.items() if d == 2e-5) == sorted(
+        n for n in names.values() if n.endswith(".bias")
+    ) and sum(d == 2e-5 for d in both.values()) == 21  # fmt: skip
+    assert sum(d == 1e-4 for d in both.values()) == 21  # 20 convolutions' weights and fc's
+    alexnet = build_model("alexnet", num_classes=10)  # decay_mult 0 on its biases
+    groups = build_optimizer(alexnet, TrainConfig(bias_weight_decay=1.0)).param_groups
+    assert {g["weight_decay"] for g in groups if g["decay_mult"] == 0} == {0.0}
+
+
 @pytest.mark.parametrize(
     "name, cls",
     [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)],

@@ -164,20 +164,40 @@ class Network(nn.Module):
                 out[f"{node.name}.{pname}"] = mults
         return out
 
-    def param_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:
-        """Optimizer parameter groups, one per distinct (lr_mult, decay_mult) pair: the same
-        groups whatever the base rates, so a resume may change `train.weight_decay` (to 0 too)
-        and still load the saved momenta group by group."""
-        groups: dict[tuple[float, float], list[nn.Parameter]] = {}
+    def param_groups(self, lr: float, weight_decay: float, norm_weight_decay: float | None = None,
+                     bias_weight_decay: float | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """Optimizer parameter groups, one per distinct (lr_mult, decay_mult, decay) triple: the
+        same groups whatever the base rates, so a resume may change `train.weight_decay` (to 0
+        too) and still load the saved momenta group by group. The decay of normalisation
+        layers' parameters is `norm_weight_decay`, of every bias `bias_weight_decay`, where
+        given (torchvision's reference's --norm-weight-decay and --bias-weight-decay: the bias
+        of a normalisation layer is a bias); the layers' decay_mult scale them all."""
+        rates = {"weight_decay": weight_decay, "norm_weight_decay": norm_weight_decay,
+                 "bias_weight_decay": bias_weight_decay}  # fmt: skip
+        norms = self.norm_parameters()
+        groups: dict[tuple[float, float, str], list[nn.Parameter]] = {}
         params = dict(self.named_parameters())
         for pname, mults in self.multipliers().items():
+            decay = "weight_decay"
+            if pname.rpartition(".")[2] == "bias" and bias_weight_decay is not None:
+                decay = "bias_weight_decay"
+            elif pname in norms and norm_weight_decay is not None:
+                decay = "norm_weight_decay"
             if params[pname].requires_grad:
-                groups.setdefault(mults, []).append(params[pname])
+                groups.setdefault((*mults, decay), []).append(params[pname])
         return [
-            {"params": ps, "lr": lr * lr_mult, "weight_decay": weight_decay * decay_mult,
+            {"params": ps, "lr": lr * lr_mult, "weight_decay": rates[decay] * decay_mult,
              "lr_mult": lr_mult, "decay_mult": decay_mult}
-            for (lr_mult, decay_mult), ps in groups.items()
+            for (lr_mult, decay_mult, decay), ps in groups.items()
         ]  # fmt: skip
+
+    def norm_parameters(self) -> set[str]:
+        """The names of the parameters of normalisation layers (batch, layer, group and
+        instance norms, torchvision's norm classes), inside composite layers too."""
+        kinds = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+        return {f"{name}.{pname}" if name else pname
+                for name, module in self.named_modules() if isinstance(module, kinds)
+                for pname, _ in module.named_parameters(recurse=False)}  # fmt: skip
 
 
 def build_model(

@@ -19,7 +19,8 @@ def build_optimizer(network: Network, cfg: TrainConfig) -> torch.optim.Optimizer
     Fused kernels where the parameters' device has them: one pass over each tensor instead of
     several; on this CPU that halved AlexNet's step (the update of 61 M weights is memory-bound).
     """
-    groups = network.param_groups(cfg.lr, cfg.weight_decay)
+    groups = network.param_groups(cfg.lr, cfg.weight_decay, cfg.norm_weight_decay,
+                                  cfg.bias_weight_decay)  # fmt: skip
     fused = all(p.device.type in ("cpu", "cuda") for p in network.parameters())
     if cfg.optimizer in ("sgd", "nesterov"):
         nesterov = cfg.optimizer == "nesterov"

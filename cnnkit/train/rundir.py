@@ -201,6 +201,15 @@ def _same_optimizer_state(state: dict[str, Any], raw: dict[str, Any]) -> None:
     if None not in kinds and kinds[0] != kinds[1]:
         raise ConfigError(f"--resume: train.optimizer={after} cannot continue {before}'s "
                           f"{kinds[0]} in last.pt: resume with {before}")  # fmt: skip
+    for name in ("norm_weight_decay", "bias_weight_decay"):  # given or not: the groups differ
+        was = (state["config"].get("train") or {}).get(name)
+        now = (raw.get("train") or {}).get(name)
+        if (was is None) != (now is None):
+            said = "left out" if was is None else f"at {was:g}"
+            raise ConfigError(f"--resume: train.{name}={'null' if now is None else now} "
+                              f"regroups the optimizer's state in last.pt, saved with it {said}:"
+                              " resume with it so (where it was given, another value is "
+                              "taken)")  # fmt: skip
 
 
 HARMLESS_DATA = {"workers", "prefetch", "eval_batch_size", "decode"}  # no effect on the order
