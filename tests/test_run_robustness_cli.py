@@ -57,6 +57,10 @@ OVERRIDES = [  # (override, a piece of the message)
     ("=5", "expected key=value"),
     ("train", "expected key=value"),
     ("train..lr=1", "expected key=value"),
+    (
+        "train.norm-weight-decay=0",
+        "underscores where command-line flags take dashes: train.norm_weight_decay=0",
+    ),
     ("data=5", "override 'data=5': data is a section: set its settings one by one (data.KEY"),
     ("train=5", "override 'train=5': train is a section: set its settings one by one"),
     ("train.lr.x=1", "lr is not a section"),

@@ -247,6 +247,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError(f"override {item!r}: list items cannot be set one by one: give the "
                           f"whole list, e.g. {whole}=[...]")  # fmt: skip
     if not sep or not key or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", key):
+        underscored = key.replace("-", "_")
+        if sep and "-" in key and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", underscored):
+            raise ConfigError(f"override {item!r}: settings take underscores where "
+                              f"command-line flags take dashes: {underscored}={text}")  # fmt: skip
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.02")
     try:
         value = load_yaml(text) if text else ""
