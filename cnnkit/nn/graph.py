@@ -174,7 +174,7 @@ class Network(nn.Module):
         of a normalisation layer is a bias); the layers' decay_mult scale them all."""
         rates = {"weight_decay": weight_decay, "norm_weight_decay": norm_weight_decay,
                  "bias_weight_decay": bias_weight_decay}  # fmt: skip
-        norms = self.norm_parameters()
+        norms = norm_parameters(self)
         groups: dict[tuple[float, float, str], list[nn.Parameter]] = {}
         params = dict(self.named_parameters())
         for pname, mults in self.multipliers().items():
@@ -191,13 +191,17 @@ class Network(nn.Module):
             for (lr_mult, decay_mult, decay), ps in groups.items()
         ]  # fmt: skip
 
-    def norm_parameters(self) -> set[str]:
-        """The names of the parameters of normalisation layers (batch, layer, group and
-        instance norms, torchvision's norm classes), inside composite layers too."""
-        kinds = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
-        return {f"{name}.{pname}" if name else pname
-                for name, module in self.named_modules() if isinstance(module, kinds)
-                for pname, _ in module.named_parameters(recurse=False)}  # fmt: skip
+
+NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+
+
+def norm_parameters(module: nn.Module) -> set[str]:
+    """The names of the parameters of normalisation layers in `module` (batch, layer, group and
+    instance norms: torchvision's norm classes), inside composite layers too. (Not a Network
+    method: a layer may take any name but the Network's own attributes'.)"""
+    return {f"{name}.{pname}" if name else pname
+            for name, sub in module.named_modules() if isinstance(sub, NORMS)
+            for pname, _ in sub.named_parameters(recurse=False)}  # fmt: skip
 
 
 def build_model(
