@@ -290,7 +290,8 @@ def test_eval_data_odd_cases_are_clear(digits_run, tmp_path, capsys, monkeypatch
     the input size names the network as the reason."""
     from cnnkit.data.pack import pack_folder
     from cnnkit.data.synth import synth_shapes
-    from cnnkit.train.evaluation import check_pack_fits, evaluate_checkpoint
+    from cnnkit.train.eval_data import check_pack_fits
+    from cnnkit.train.evaluation import evaluate_checkpoint
 
     synth_shapes(tmp_path / "src", classes=2, per_class=3, size=16)
     pack_folder(tmp_path / "src", tmp_path / "packed", size=16, workers=1, progress=False)
@@ -330,7 +331,8 @@ def test_classify_reads_a_large_jpeg_as_eval_reads_its_folder(digits_run, tmp_pa
     """Both decode at the network's size (DCT-scaled where the file is 2x larger or more), so
     classify's input is eval --data's to the grey level."""
     from cnnkit.infer.images import crops_of
-    from cnnkit.train.evaluation import eval_data, luma
+    from cnnkit.train.eval_data import eval_data
+    from cnnkit.train.evaluation import luma
 
     images, names = held_out_digits(6)
     for i, (image, name) in enumerate(zip(images, names, strict=True)):

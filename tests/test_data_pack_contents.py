@@ -107,7 +107,7 @@ def test_an_image_folder_holding_its_own_meta_or_plan_json_is_no_pack(shapes, tm
     a user's own file of either name leaves an image folder one (eval --data reads it so)."""
     from cnnkit.data.base import Preprocess
     from cnnkit.data.packfiles import is_pack
-    from cnnkit.train.evaluation import eval_data
+    from cnnkit.train.eval_data import eval_data
 
     pre = Preprocess(3, 16, mean=[0.0] * 3, std=[1.0] * 3)
     for name, text in (("meta.json", '{"author": "me"}'), ("plan.json", '{"steps": [1]}'),

@@ -134,7 +134,7 @@ def test_a_folder_run_keeps_its_filter_for_evaluation(shapes, tmp_path):
 
 
 def test_evaluating_on_a_pack_of_another_filter_says_so(capsys):
-    from cnnkit.train.evaluation import check_pack_fits
+    from cnnkit.train.eval_data import check_pack_fits
 
     pre = Preprocess(channels=3, crop=224, resize=256, resize_mode="shorter",
                      interpolation="bicubic")  # fmt: skip
