@@ -205,7 +205,7 @@ def show_config(
 
     from cnnkit.config import describe_run, load_run
     from cnnkit.tables import wide_console
-    from cnnkit.train.build import normalised_for_weights, resized_for_weights
+    from cnnkit.train.build import for_weights
     from cnnkit.train.runfile import edited_run_config
 
     if Path(run).suffix.lower() in TRAINED_SUFFIXES and Path(run).is_file():
@@ -219,11 +219,8 @@ def show_config(
     _check_not_runs(run)
     trained = Path(run).name == "config.yaml" and (Path(run).parent / "last.pt").is_file()
     config = load_run(run, list(overrides or []), trained=trained)  # (a resume's, if it trained)
-    notes = list(config._notes)
-    for adapt in (normalised_for_weights, resized_for_weights):  # what `train` would run
-        config, note = adapt(config)
-        notes += [note] if note else []
-    for note in notes:
+    config, adapted = for_weights(config)  # what `train` would run
+    for note in config._notes + adapted:
         print(f"cnnkit: note: {note}", file=sys.stderr)
     table = Table(title=Text(f"{config.name}: {run}"), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("key", "value", "default", "description"):

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from cnnkit.config.sections import ModelConfig, RunConfig, TrainConfig
 from cnnkit.data import SOURCES
+from cnnkit.data.packfiles import PACK_FLAGS
 from cnnkit.errors import ConfigError
 
 
@@ -144,10 +145,9 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
     renamed = peer or (key if key != parts[-1] else None)  # (data.PATH: path)
     if renamed and owners and parts[:1] == ["data"] and data.get("source") in SOURCES:
         return f" (data.{renamed} is a setting of data.source {' / '.join(owners)}, not {this})"
-    packing = {"size": "--size", "resize_mode": "--resize", "interpolation": "--interpolation"}
-    if parts[:1] == ["data"] and data.get("source") == "packed" and key in packing:
+    if parts[:1] == ["data"] and data.get("source") == "packed" and key in PACK_FLAGS:
         return (f" (a pack's images were resized when it was made: `cnnkit pack "
-                f"{packing[key]}` sets it)")  # fmt: skip
+                f"{PACK_FLAGS[key]}` sets it)")  # fmt: skip
     if parts[:1] == ["data"] and owners and data.get("source") in SOURCES:
         model = raw.get("model")  # `model: digitnet` or `model: {network: digitnet, ...}`
         network = model.get("network") if isinstance(model, dict) else model

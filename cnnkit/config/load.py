@@ -22,7 +22,7 @@ from cnnkit.data import SOURCES, check_source
 from cnnkit.data.base import resized_side
 from cnnkit.data.decode import holds_images
 from cnnkit.data.folder import IMAGENET_MEAN, IMAGENET_STD
-from cnnkit.data.packfiles import RESIZE_FLAG, is_pack, read_meta
+from cnnkit.data.packfiles import PACK_FLAGS, RESIZE_FLAG, is_pack, read_meta
 from cnnkit.errors import ConfigError, DataError, brief, config_error, suggest
 from cnnkit.nn.yamlio import load_yaml, plain_data, read_yaml
 from cnnkit.runtime import write_atomic
@@ -147,12 +147,11 @@ def _resized_otherwise(folder: dict[str, Any], pack: str) -> list[str]:
     differ = [k for k in said if said[k] != made[k]]
     if not differ:
         return []
-    flags = {"size": "--size", "resize_mode": "--resize", "interpolation": "--interpolation"}
     value = {**said, "resize_mode": RESIZE_FLAG.get(said.get("resize_mode"), "")}
     return [f"data.path {pack}: its images were packed with "
             + ", ".join(f"{k} {made[k]}" for k in differ) + ", the run's folder read them with "
             + ", ".join(f"{k} {said[k]}" for k in differ) + " (cnnkit pack "
-            + " ".join(f"{flags[k]} {value[k]}" for k in differ) + " packs them as it did)"]  # fmt: skip
+            + " ".join(f"{PACK_FLAGS[k]} {value[k]}" for k in differ) + " packs them as it did)"]  # fmt: skip
 
 
 def _source_of_path(raw: dict[str, Any]) -> None:

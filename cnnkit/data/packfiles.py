@@ -18,6 +18,8 @@ from cnnkit.errors import DataError, one_line, validation_message
 
 PACK_FORMAT = "cnnkit-packed/1"
 RESIZE_FLAG = {"squash": "squash", "shorter": "shorter-side-crop"}  # meta.json -> `pack --resize`
+# a folder's data settings that a pack fixes when it is made, as `cnnkit pack` names them
+PACK_FLAGS = {"size": "--size", "resize_mode": "--resize", "interpolation": "--interpolation"}
 
 
 def is_pack(path: str | Path) -> bool:

@@ -87,6 +87,16 @@ def resized_for_weights(config: RunConfig) -> tuple[RunConfig, str | None]:
     return config, None
 
 
+def for_weights(config: RunConfig) -> tuple[RunConfig, list[str]]:
+    """A new run as it takes its weights' statistics and filter (normalised_for_weights,
+    resized_for_weights), and the notes saying where that changed it."""
+    notes = []
+    for adapt in (normalised_for_weights, resized_for_weights):
+        config, note = adapt(config)
+        notes += [note] if note else []
+    return config, notes
+
+
 def _three(values: Any) -> tuple[float, ...] | None:
     """A preprocess: mean or std as the 3 per-channel values of an image set (1 value: all)."""
     if not isinstance(values, (list, tuple)) or len(values) not in (1, 3):

@@ -21,7 +21,7 @@ from cnnkit.data import DataBundle
 from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError, plural
 from cnnkit.runtime import mix_seed, restore_matmuls, seed_everything, tf32_matmuls, torch_threads
-from cnnkit.train.build import build_run_engine, normalised_for_weights, resized_for_weights
+from cnnkit.train.build import build_run_engine, for_weights
 from cnnkit.train.checks import check_epochs_left, check_processes, check_same_data
 from cnnkit.train.engine import Engine
 from cnnkit.train.epochs import Hooks, stop_on_interrupt, train_epochs
@@ -170,9 +170,8 @@ def fit(
     ranks = processes if dry_run and processes else dist.world_size
     notes = list(config._notes)  # (what loading it had to say)
     if not resume:  # (a resumed run's config.yaml has the values it began with)
-        for adapt in (normalised_for_weights, resized_for_weights):
-            config, note = adapt(config)
-            notes += [note] if note else []
+        config, adapted = for_weights(config)
+        notes += adapted
     for note in notes if dist.is_main else ():
         print(f"cnnkit: note: {note}", file=sys.stderr)
     check_processes(config, ranks, device, resume)
