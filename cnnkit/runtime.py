@@ -1,5 +1,6 @@
-"""Process-wide settings: torch's CPU threads, seeds, and glibc's memory setting; and files
-written whole or not at all (atomic, write_atomic).
+"""Process-wide settings: torch's CPU threads, seeds, and glibc's memory setting; the CPU
+time other processes take (OtherLoad); and files written whole or not at all (atomic,
+write_atomic).
 
 Every part of cnnkit sets thread counts and mixes seeds through these (devices are resolved
 by cnnkit.distributed.resolve_device: a process's device is part of its place in the group).
@@ -14,6 +15,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -56,6 +58,57 @@ def machine_name(device: torch.device) -> str:
     except OSError:
         pass
     return f"{model} ({available_cores()} cores)"
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds the cores this process may run on have spent busy since boot, the
+    hypervisor's steal included (Linux's per-core /proc/stat lines); None where unknown."""
+    try:
+        mine = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        with open("/proc/stat") as f:
+            rows = [line.split() for line in f if line.startswith("cpu")]
+        ticks = [[int(t) for t in row[1:9]] for row in rows if row[0] in mine]
+    except (AttributeError, OSError, ValueError):  # not Linux, or a /proc/stat of another shape
+        return None
+    if not ticks:
+        return None
+    busy = sum(sum(t) - t[3] - (t[4] if len(t) > 4 else 0) for t in ticks)  # less idle, iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """`with OtherLoad() as load:` then `load.cores`: the cores' worth of CPU that other
+    processes (and the hypervisor) took from this process's cores while the body ran; None
+    where the system does not say. A timing made beside them ranks candidates by luck."""
+
+    cores: float | None = None
+
+    def __enter__(self) -> OtherLoad:
+        self._start = (time.perf_counter(), _busy_seconds(), time.process_time())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall0, busy0, own0 = self._start
+        busy1, wall = _busy_seconds(), time.perf_counter() - wall0
+        if busy0 is not None and busy1 is not None and wall > 0:
+            self.cores = max(0.0, busy1 - busy0 - (time.process_time() - own0)) / wall
+
+
+def busy_machine(cores: float | None) -> bool:
+    """Whether others took enough of the cores (`OtherLoad.cores`) to sway a timing: a quarter
+    of a core, or a tenth of them all on a large machine."""
+    return cores is not None and cores >= max(0.25, 0.1 * available_cores())
+
+
+def idle_machine() -> bool:
+    """Whether the machine looks free of other work now: its one-minute load average under
+    busy_machine's bar (free to read; this process's own start adds a little). False where
+    there is none (not Unix): a choice is then kept as it was measured."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return False
+    return not busy_machine(load)
 
 
 def cpu_flags() -> set[str]:

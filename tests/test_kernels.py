@@ -135,7 +135,7 @@ def test_a_plan_is_kept_only_if_the_whole_step_is_faster(monkeypatch, faster):
     planned = ("fp32", False, 1, (("c2", "nhwc"), ("pool", "nhwc")))
     times = {("fp32", True, 1, ()): 1.0, planned: 0.8 if faster else 0.99}
     monkeypatch.setattr(tuning.CandidateTimer, "run", lambda self, cands: times)
-    chosen, gain = settings_module._with_kernels(net, CPU, 8, ("fp32", True, 1, ()))
+    chosen, gain, _ = settings_module._with_kernels(net, CPU, 8, ("fp32", True, 1, ()))
     assert (chosen, gain) == ((planned, 1.25) if faster else (("fp32", True, 1, ()), 1.0))
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from cnnkit import runtime
 from cnnkit.bench.throughput import bench_throughput
 from cnnkit.config import TrainConfig
 from cnnkit.nn import build_model, tuning
@@ -91,7 +92,7 @@ def test_a_damaged_cache_entry_is_measured_anew(tmp_path):
     damaged = [{k: v for k, v in entry.items() if k != "threads"}, "x", {**entry, "threads": "x"},
                {**entry, "precision": "fp64"}, {**entry, "kernels": [["conv9", "nhwc"]]},
                {**entry, "kernels": [["features.0", "fast"]]}, {**entry, "channels_last": "yes"},
-               {**entry, "kernels": 3}, {**entry, "speedup": "fast"}]  # fmt: skip
+               {**entry, "kernels": 3}, {**entry, "speedup": "fast"}, {**entry, "busy": "1"}]  # fmt: skip
     assert [settings_module._cached(bad, net, CPU) for bad in damaged] == [None] * len(damaged)
     assert not any(valid_plan(net, k) for k in (3, None, [["x", "nhwc"]], [["features.0"]]))
     cache.write_text(json.dumps({train_key: damaged[0], infer_key: {**infer, "kernels": 3}}))
@@ -289,3 +290,84 @@ def test_eval_on_the_cpu_runs_in_the_runs_precision_with_classifications_kernels
     assert results[True]["images"] == results[False]["images"] > 0
     assert results[True]["top1"] == pytest.approx(results[False]["top1"])
     assert results[True]["loss"] == pytest.approx(results[False]["loss"], rel=1e-5)
+
+
+class _Busy:
+    """OtherLoad as it reads beside a busy neighbour: one core's worth taken by others."""
+
+    cores: float | None = 1.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_a_choice_timed_beside_other_work_is_timed_again_once_the_machine_is_idle(
+    tmp_path, monkeypatch
+):
+    """Candidates timed while another process takes the CPU rank by luck (AlexNet on a busy
+    2-core Zen 4 cached fp32 where bf16 ran 2x faster). Such a choice says so, is kept while
+    the machine stays busy, and is timed again once it is idle; training and classification
+    alike. A checkpoint keeps the settings, not the machine's load."""
+    from cnnkit.nn.tuning import choose_inference_kernels
+
+    net, cache, cores = build_model("digitnet"), tmp_path / "c.json", available_cores()
+    monkeypatch.setattr(tuning, "OtherLoad", _Busy)
+    monkeypatch.setattr(_Busy, "cores", float(cores))  # others took every core
+    first = choose_settings(net, TrainConfig(), CPU, 8, cache=cache)
+    choose_inference_kernels(net, CPU, 8, cache=cache)
+    assert first.how == "measured" and first.busy == cores and "busy" not in first.saved()
+    assert f"measured while other processes took {cores:.1f} of {cores} cores" in (
+        first.describe()
+    ) and first.describe().endswith("measured again once the machine is idle")
+    timed = []
+    real = tuning.CandidateTimer.run
+    monkeypatch.setattr(tuning.CandidateTimer, "run",
+                        lambda self, c: timed.append(len(c)) or real(self, c))  # fmt: skip
+    kept = choose_settings(net, TrainConfig(), CPU, 8, cache=cache)  # still busy: kept
+    choose_inference_kernels(net, CPU, 8, cache=cache)
+    assert kept.how == "cached" and kept.busy == cores and not timed
+    monkeypatch.setattr(tuning, "idle_machine", lambda: True)
+    monkeypatch.setattr(_Busy, "cores", 0.0)  # the machine alone now
+    again = choose_settings(net, TrainConfig(), CPU, 8, cache=cache)
+    assert again.how == "measured" and again.busy == 0.0 and len(timed) >= 1
+    assert "other processes" not in again.describe()
+    measured = len(timed)
+    choose_inference_kernels(net, CPU, 8, cache=cache)
+    assert len(timed) > measured
+    assert [e["busy"] for e in json.loads(cache.read_text()).values()] == [0.0, 0.0]
+    measured = len(timed)  # timed on an idle machine: kept from now on
+    assert choose_settings(net, TrainConfig(), CPU, 8, cache=cache).how == "cached"
+    choose_inference_kernels(net, CPU, 8, cache=cache)
+    assert len(timed) == measured
+
+
+def test_other_processes_cpu_time_is_counted_and_this_ones_is_not(monkeypatch):
+    """OtherLoad: the busy time of this process's cores less its own CPU time, per second of
+    wall time. A child spinning while we wait counts; the arithmetic is checked exactly."""
+    import os
+    import subprocess
+    import sys
+    import types
+
+    with runtime.OtherLoad() as load:
+        spin = "import time\nt = time.time()\nwhile time.time() - t < 0.8: pass"
+        subprocess.run([sys.executable, "-c", spin], check=True)
+    if load.cores is None:
+        pytest.skip("no per-core /proc/stat here")
+    assert load.cores >= 0.5  # the child's core (and whatever else ran)
+    clock = iter([10.0, 12.0])  # perf_counter: 2 s of wall time
+    own = iter([5.0, 6.0])  # this process: 1 s of CPU
+    busy = iter([100.0, 104.0])  # the cores: 4 s busy in all
+    fake = types.SimpleNamespace(perf_counter=lambda: next(clock), process_time=lambda: next(own))
+    monkeypatch.setattr(runtime, "time", fake)
+    monkeypatch.setattr(runtime, "_busy_seconds", lambda: next(busy))
+    with runtime.OtherLoad() as load:
+        pass
+    assert load.cores == pytest.approx(1.5)  # (4 - 1) / 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.05, 1.0, 1.0))
+    assert runtime.idle_machine()
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
+    assert not runtime.idle_machine()

@@ -1,6 +1,7 @@
 """Choices measured on this machine, the way cudnn.benchmark picks kernels: a timer that runs
 copies of a network under each candidate (precision, memory format, threads, a kernel per
-layer) interleaved, and a per-machine cache of what won (~/.cache/cnnkit/settings.json). The
+layer) interleaved, and a per-machine cache of what won (~/.cache/cnnkit/settings.json; a
+choice timed while other processes took the CPU is timed again once the machine is idle). The
 training settings (train/settings.py) and classification's kernels (`choose_inference_kernels`,
 used by infer/ and by evaluation) are both measured with them.
 """
@@ -22,7 +23,7 @@ from cnnkit.nn import Network
 from cnnkit.nn.kernel_plan import plan_kernels
 from cnnkit.nn.kernels import FORMATS, options, set_kernels
 from cnnkit.nn.onednn import freeze
-from cnnkit.runtime import machine_name, torch_threads
+from cnnkit.runtime import OtherLoad, busy_machine, idle_machine, machine_name, torch_threads
 
 CACHE = Path("~/.cache/cnnkit/settings.json")
 TARGET_MACS = {"cpu": 1.5e10, "cuda": 2e12}  # work per timed call: enough to rank formats
@@ -55,6 +56,7 @@ class CandidateTimer:
         self.models: dict[tuple, Any] = {}
         self.network = network
         self.done: dict[tuple, float] = {}
+        self.busy: float | None = None  # the most cores others took during a run (OtherLoad)
 
     def _model(self, channels_last: bool, kernels: Plan):
         if (channels_last, kernels) not in self.models:
@@ -92,11 +94,14 @@ class CandidateTimer:
             self._call(c)
         seconds: dict[tuple, list[float]] = {c: [] for c in todo}
         start = time.perf_counter()
-        for r in range(MAX_ROUNDS if todo else 0):
-            for c in todo if r % 2 == 0 else todo[::-1]:
-                seconds[c].append(self._call(c))
-            if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > BUDGET_S:
-                break
+        with OtherLoad() as load:
+            for r in range(MAX_ROUNDS if todo else 0):
+                for c in todo if r % 2 == 0 else todo[::-1]:
+                    seconds[c].append(self._call(c))
+                if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > BUDGET_S:
+                    break
+        if todo and load.cores is not None:
+            self.busy = max(self.busy or 0.0, load.cores)
         self.done.update({c: statistics.median(s) for c, s in seconds.items()})
         return {c: self.done[c] for c in dict.fromkeys(cands)}
 
@@ -116,7 +121,7 @@ def choose_inference_kernels(network: Network, device: torch.device, batch: int,
     key = cache_key(network, device, [INFER_METHOD, batch, "infer"])
     found = read_cache(path).get(key) if path else None
     if not (isinstance(found, dict) and isinstance(found.get("channels_last"), bool)
-            and valid_plan(network, found.get("kernels"))):  # fmt: skip
+            and valid_plan(network, found.get("kernels")) and still_fair(found)):  # fmt: skip
         found = _measure_inference(network, device, batch)  # (missing, or an entry damaged)
         if path is not None:
             write_cache(path, key, found)
@@ -153,7 +158,16 @@ def _measure_inference(network: Network, device: torch.device, batch: int) -> di
     plain, best = grid[0], min(grid, key=times.get)
     chosen = best if times[best] * MARGIN < times[plain] else plain
     return {"precision": "fp32", "channels_last": chosen[1], "threads": threads,
-            "speedup": times[plain] / times[chosen], "kernels": [list(k) for k in chosen[3]]}  # fmt: skip
+            "speedup": times[plain] / times[chosen], "kernels": [list(k) for k in chosen[3]],
+            "busy": timer.busy}  # fmt: skip
+
+
+def still_fair(entry: dict[str, Any]) -> bool:
+    """False for a cached choice measured while other processes took the CPU (its `busy`),
+    once the machine is idle: measured again then, as cudnn.benchmark measures every run. On a
+    machine that stays busy the choice is kept (measuring again would be as swayed)."""
+    busy = entry.get("busy")
+    return not (isinstance(busy, (int, float)) and busy_machine(busy) and idle_machine())
 
 
 def sync(device: torch.device) -> None:

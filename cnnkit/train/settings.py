@@ -38,10 +38,11 @@ from cnnkit.nn.tuning import (
     choose_inference_kernels,
     macs,
     read_cache,
+    still_fair,
     valid_plan,
     write_cache,
 )
-from cnnkit.runtime import available_cores
+from cnnkit.runtime import available_cores, busy_machine
 
 SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mostly wait
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
@@ -60,9 +61,14 @@ class Settings:
     how: str  # set (explicitly) | measured | cached | rules | resumed (as the run began)
     speedup: float | None = None  # measured: images/s against fp32 NCHW at the same threads
     kernels: Plan = ()  # a kernel per layer (nn/kernels.py) on top of the format; () for none
+    busy: float | None = None  # measured/cached: the cores' worth other processes took meanwhile
 
     def __post_init__(self) -> None:  # the cache stores the plan as lists
         object.__setattr__(self, "kernels", tuple((str(n), str(k)) for n, k in self.kernels))
+
+    def saved(self) -> dict[str, Any]:
+        """The fields a checkpoint keeps (how busy the machine was is the cache's business)."""
+        return {k: v for k, v in asdict(self).items() if k != "busy"}
 
     def describe(self, threads_asked: int | None = None) -> str:
         """For the start line: "bf16 autocast, channels_last, 2 threads: fastest measured (1.4x
@@ -84,6 +90,9 @@ class Settings:
         plain = self.precision == "fp32" and not self.channels_last and not self.kernels
         if self.speedup is not None and self.how in ("measured", "cached") and not plain:
             why += f", {self.speedup:.2f}x fp32 NCHW"
+        if self.how in ("measured", "cached") and busy_machine(self.busy):
+            why += (f"; measured while other processes took {self.busy:.1f} of "
+                    f"{available_cores()} cores: measured again once the machine is idle")  # fmt: skip
         return f"{', '.join(parts)}: {why}"
 
 
@@ -146,7 +155,7 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
         return static_settings(network, cfg, device, batch)
     key = _cache_key(network, cfg, device, batch)
     found = _cached(read_cache(cache).get(key), network, device) if cache else None
-    if found is not None:
+    if found is not None and still_fair(asdict(found)):
         return found
     if notify is not None:
         where = f": cached in {cache}" if cache is not None else ""
@@ -170,7 +179,8 @@ def _cached(entry: Any, network: Network, device: torch.device) -> Settings | No
     threads, speedup = found.threads, found.speedup
     ok = found.precision in precisions(device) and isinstance(found.channels_last, bool)
     ok = ok and type(threads) is int and threads >= 1
-    return found if ok and (speedup is None or type(speedup) in (int, float)) else None
+    ok = ok and all(v is None or type(v) in (int, float) for v in (speedup, found.busy))
+    return found if ok else None
 
 
 def candidates(network: Network, cfg: TrainConfig, device: torch.device) -> dict[str, list]:
@@ -198,11 +208,13 @@ def measure_settings(network: Network, cfg: TrainConfig, device: torch.device,
         times = timer.run(grid)
         chosen = _fastest(times)
         speedup = times.get(("fp32", False, chosen[2], ()), times[chosen]) / times[chosen]
+        busy = timer.busy
         if _plans_kernels(network, cfg, device, chosen):
-            chosen, gain = _with_kernels(network, device, batch, chosen, times[chosen])
+            chosen, gain, plan_busy = _with_kernels(network, device, batch, chosen, times[chosen])
             speedup *= gain
+            busy = max((b for b in (busy, plan_busy) if b is not None), default=None)
     precision, channels_last, threads, kernels = chosen
-    return Settings(precision, channels_last, threads, "measured", speedup, kernels)
+    return Settings(precision, channels_last, threads, "measured", speedup, kernels, busy)
 
 
 def _plans_kernels(network: Network, cfg: TrainConfig, device: torch.device, chosen: tuple) -> bool:
@@ -214,19 +226,20 @@ def _plans_kernels(network: Network, cfg: TrainConfig, device: torch.device, cho
 
 
 def _with_kernels(network: Network, device: torch.device, batch: int, chosen: tuple,
-                  per_image_s: float | None = None) -> tuple[tuple, float]:  # fmt: skip
+                  per_image_s: float | None = None) -> tuple[tuple, float, float | None]:  # fmt: skip
     """`chosen` with the fastest kernel per layer if its step is MARGIN faster than without
-    (both timed again, interleaved), and that gain; else `chosen` and 1. Timed at the run's
-    own batch (which kernel wins changes with the batch), up to `plan_batch`'s."""
+    (both timed again, interleaved), and that gain; else `chosen` and 1; and the timer's
+    `busy`. Timed at the run's own batch (which kernel wins changes with the batch), up to
+    `plan_batch`'s."""
     timer = CandidateTimer(network, device, plan_batch(batch, per_image_s), exact=True)
     plan = plan_kernels(network, timer.x, chosen[2])
     if not plan:
-        return chosen, 1.0
+        return chosen, 1.0, None
     planned = ("fp32", False, chosen[2], tuple(sorted(plan.items())))
     times = timer.run([chosen, planned])
     if times[planned] * MARGIN < times[chosen]:
-        return planned, times[chosen] / times[planned]
-    return chosen, 1.0
+        return planned, times[chosen] / times[planned], timer.busy
+    return chosen, 1.0, timer.busy
 
 
 def plan_batch(batch: int, per_image_s: float | None) -> int:

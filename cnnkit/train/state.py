@@ -4,7 +4,7 @@ the inference contract (network, classes, preprocessing) plus the exact training
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,7 @@ def training_state(
         "partial_ranks": [rank[1] for rank in ranks],
         "rng": rngs[0],
         "rng_ranks": rngs,
-        "settings": {**asdict(engine.settings), "device": engine.device.type},
+        "settings": {**engine.settings.saved(), "device": engine.device.type},
     }
 
 
