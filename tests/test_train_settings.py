@@ -331,8 +331,12 @@ def test_a_choice_timed_beside_other_work_is_timed_again_once_the_machine_is_idl
     assert kept.how == "cached" and kept.busy == cores and not timed
     monkeypatch.setattr(tuning, "idle_machine", lambda: True)
     monkeypatch.setattr(_Busy, "cores", 0.0)  # the machine alone now
-    again = choose_settings(net, TrainConfig(), CPU, 8, cache=cache)
+    said = []
+    again = choose_settings(net, TrainConfig(), CPU, 8, cache=cache, notify=said.append)
     assert again.how == "measured" and again.busy == 0.0 and len(timed) >= 1
+    assert said[0].endswith(
+        "(again: the cached choice was timed while other processes took the CPU)"
+    )
     assert "other processes" not in again.describe()
     measured = len(timed)
     choose_inference_kernels(net, CPU, 8, cache=cache)

@@ -159,8 +159,10 @@ def choose_settings(network: Network, cfg: TrainConfig, device: torch.device, ba
         return found
     if notify is not None:
         where = f": cached in {cache}" if cache is not None else ""
+        why = f"once{where}" if found is None else (
+            "again: the cached choice was timed while other processes took the CPU")  # fmt: skip
         notify(f"measuring the fastest settings for {network.name} at batch {batch} on this "
-               f"machine (once{where})")  # fmt: skip
+               f"machine ({why})")  # fmt: skip
     chosen = measure_settings(network, cfg, device, batch)
     if cache is not None:
         write_cache(cache, key, {k: v for k, v in asdict(chosen).items() if k != "how"})
