@@ -28,7 +28,7 @@ from cnnkit.train.loop import (
     train_one_epoch,
     weights_finite,
 )
-from cnnkit.train.metrics import Console
+from cnnkit.train.metrics import Console, best_epoch
 from cnnkit.train.optim import Schedule
 from cnnkit.train.recipe import BatchRecipe
 from cnnkit.train.saver import CheckpointWriter, MidEpochSaves
@@ -129,7 +129,8 @@ def check_finite(engine: Engine, progress: Progress, dist: Any) -> None:
 
 
 def stale_epochs(history: list[dict[str, float]]) -> int:
-    """Epochs since the best held-out top-1 (0 when the last epoch is the best)."""
+    """Epochs since the best held-out top-1 was first reached (0 when the last epoch reached
+    it): a gain in top-1 alone resets it, not a tie at a lower loss (best.pt's tie-break)."""
     if not history:
         return 0
     best = max(range(len(history)), key=lambda i: (history[i]["val_top1"], -i))
@@ -283,11 +284,11 @@ def save_epoch(engine: Engine, schedule: Schedule, progress: Progress, ctx: RunC
     state = training_state(engine, schedule, progress, ctx, ranks)
     saves = []
     skip = ("optimizer", "scaler", "rng", "rng_ranks")
-    if row["val_top1"] > progress.best_top1:
+    last = len(progress.history) - 1  # this epoch's row
+    if best_epoch(progress.history) == last:
         progress.best_top1 = state["best_top1"] = row["val_top1"]
         saves.append(({k: v for k, v in state.items() if k not in skip}, ctx.run_dir / "best.pt"))
-    earlier = [r["val_top1_ema"] for r in progress.history[:-1] if "val_top1_ema" in r]
-    if "val_top1_ema" in row and row["val_top1_ema"] > max(earlier, default=-1.0):
+    if "val_top1_ema" in row and best_epoch(progress.history, "_ema") == last:
         best = {k: v for k, v in state.items() if k not in skip}
         saves.append((best, ctx.run_dir / "best_ema.pt"))
     ctx.log.log_epoch(row, progress.global_step)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -186,11 +187,25 @@ def _epoch_axis(ax, epochs: list[float]) -> None:
 
 
 def _best(epochs: list[float], history: list[dict[str, float]]) -> str:
-    val = [100 * (1 - r["val_top1"]) for r in history]
-    if not val:
+    best = best_epoch(history)
+    if best is None:
         return ""
-    best = min(range(len(val)), key=val.__getitem__)
+    val = [100 * (1 - r["val_top1"]) for r in history]
     return f" (val: best {val[best]:.1f}% at epoch {epochs[best]:g}, last {val[-1]:.1f}%)"
+
+
+def best_epoch(history: list[dict[str, float]], suffix: str = "") -> int | None:
+    """The index of the best held-out epoch, the one best.pt keeps: the highest top-1, ties
+    to the lower held-out loss (a small held-out set ties often: a run at 100% every epoch must
+    not keep its first), then to the earlier epoch. `suffix` "_ema": the moving average's
+    (best_ema.pt). None where no row has the figure."""
+    rows = [i for i, r in enumerate(history) if f"val_top1{suffix}" in r]
+
+    def rank(i: int) -> tuple[float, float, int]:
+        loss = history[i].get(f"val_loss{suffix}", math.inf)
+        return history[i][f"val_top1{suffix}"], -(loss if loss == loss else math.inf), -i  # NaN
+
+    return max(rows, key=rank, default=None)
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from cnnkit.distributed import Processes
 from cnnkit.errors import plural
 from cnnkit.train.engine import Engine
 from cnnkit.train.loop import Progress
-from cnnkit.train.metrics import Console, write_summary
+from cnnkit.train.metrics import Console, best_epoch, write_summary
 from cnnkit.train.optim import Schedule
 from cnnkit.train.state import RunContext
 
@@ -58,6 +58,7 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float |
         "val_top5": last.get("val_top5"),
         "val_loss": last.get("val_loss"),
         "best_val_top1": max((r["val_top1"] for r in history), default=None),
+        "best_epoch": int(history[best_epoch(history)]["epoch"]) if history else None,  # best.pt's
         "val_top1_ema": last.get("val_top1_ema"),
         "best_val_top1_ema": max(
             (r["val_top1_ema"] for r in history if "val_top1_ema" in r), default=None
@@ -95,7 +96,7 @@ def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bo
     split also chose best.pt), the best epoch beside them, time and place."""
     if not history:
         return f"done: no epoch trained -> {run_dir}"
-    best = max(history, key=lambda r: r["val_top1"])
+    best = history[best_epoch(history)]
     five = f" top-5 {summary['val_top5']:.2%}" if top5 else ""
     skipped = f", {summary['val_skipped']} unreadable skipped" if summary.get("val_skipped") else ""
     ema = (f"; the moving average's best {summary['best_val_top1_ema']:.2%}, kept as best_ema.pt"
