@@ -49,7 +49,12 @@ OVERRIDES = [  # (override, a piece of the message)
     ("data.shift=2", "data.shift: Input should be less than or equal to 0.5"),
     ("data.shfit=0.1", "data.shfit: unknown field (did you mean 'shift'?)"),
     ("name=../../x", "name: use letters, digits"),
-    ("name=", "name: use letters, digits"),
+    (
+        "name=",
+        "override 'name=': the value is empty (an unset shell variable?): give one, or "
+        "name=null for none",
+    ),
+    ("data.path=", "override 'data.path=': the value is empty (an unset shell variable?)"),
     ("model=nosuchnet", "'nosuchnet' is neither a zoo network"),
     ("model.weights=missing.pt", "'missing.pt': no such weights file"),
     ("seed=-1", "seed: Input should be greater than or equal to 0"),
