@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cnnkit import ConfigError, build_model
+from cnnkit.data.base import Preprocess
 
 
 def net(*layers, **extra):
@@ -265,6 +266,9 @@ def test_init_rules_that_cannot_fill_their_tensor_fail_validation_on_meta_too():
         ({"mean": [1, 2, 3], "sdt": [1, 1, 1]}, "model: preprocess.sdt: unknown field"),
         ({"std": [0, 1, 1]}, "model: preprocess.std: must be > 0"),
         ({"resize": "big"}, "model: preprocess.resize: Input should be a number"),
+        ({"mean": "123"}, "model: preprocess.mean: Input should be a valid list (got '123')"),
+        ({"std": 0.2}, "model: preprocess.std: [0.2] is on a 0-1 scale"),  # a traceback
+        ({"mean": True}, "model: preprocess.mean: Input should be a valid list (got true)"),
     ],
 )
 def test_preprocess_fields_are_validated_by_info(preprocess, message, tmp_path, capsys):
@@ -280,6 +284,10 @@ def test_preprocess_fields_are_validated_by_info(preprocess, message, tmp_path, 
                         "resize": 256, "resize_mode": "shorter"}  # fmt: skip
     path.write_text(yaml.safe_dump({"model": net(conv("c"), preprocess=torchvision_like)}))
     assert run_cli(["info", str(path)], capsys)[0] == 0
+    one_for_all = {"mean": 120, "std": 58}  # one number: every channel's (it was a traceback)
+    path.write_text(yaml.safe_dump({"model": net(conv("c"), preprocess=one_for_all)}))
+    assert run_cli(["info", str(path)], capsys)[0] == 0
+    assert Preprocess.from_dict({"channels": 3, "crop": 8, **one_for_all}).std == [58.0]
 
 
 def test_init_reads_numbers_yaml_gives_as_strings_as_other_numeric_fields_do():

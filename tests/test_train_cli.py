@@ -3,10 +3,13 @@ nothing in an existing run directory overwritten."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import one_error_line, run_cli
 
 from cnnkit.cli import main
+from cnnkit.data.packfiles import PACK_FORMAT
 
 
 def _fails(argv: list[str], capsys) -> tuple[int, str]:
@@ -171,6 +174,8 @@ def test_data_paths_that_are_not_the_source_say_which_setting(tmp_path, capsys, 
     (tmp_path / "imgs" / "cat").mkdir(parents=True)
     (tmp_path / "imgs" / "cat" / "1.JPEG").write_bytes(b"")
     folder = ["train", "alexnet-imagenet", "data.source=folder", "data.normalize=channel"]
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "packed" / "meta.json").write_text(json.dumps({"format": PACK_FORMAT}))
     for argv, line in (
         ([*folder, "data.path=imgs"],
          f"cnnkit: error: data.val_path {tmp_path / 'imagenet-val'}: no such folder (set "
@@ -180,6 +185,10 @@ def test_data_paths_that_are_not_the_source_say_which_setting(tmp_path, capsys, 
         (["train", "alexnet-imagenet", "data.path=imgs"],
          f"cnnkit: error: data.path {tmp_path / 'imgs'}: not a packed data set, no meta.json "
          "(it holds images: `cnnkit pack` it first, or train from it with data.source=folder)"),
+        ([*folder, "data.path=imgs", "data.val_path=packed"],  # was: no images in class folders
+         f"cnnkit: error: data.val_path {tmp_path / 'packed'}: a packed data set, and data.path "
+         "a folder: give the held-out images as a folder too, or train on a pack of data.path "
+         "(cnnkit pack)"),
     ):  # fmt: skip
         code, err = _fails(argv, capsys)
         assert code == 1 and err == line, err

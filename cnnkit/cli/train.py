@@ -310,6 +310,7 @@ def evaluate(
     ),
 ) -> None:
     """Loss, top-1 and top-5 accuracy on the held-out split (or --data)."""
+    from cnnkit.errors import plural
     from cnnkit.runtime import keep_freed_memory
     from cnnkit.train.evaluation import evaluate_checkpoint
 
@@ -323,9 +324,10 @@ def evaluate(
     skipped = f" ({result['skipped']} skipped)" if result.get("skipped") else ""
     top5 = result["classes"] > 5  # as training prints it: with 5 classes or fewer it is 100%
     what = f"{result['checkpoint']}{_which_epoch(result)}"
-    print(f"{what}: {result['images']} images{skipped}  {crop}{_figures(result, top5)}")
+    images = plural(result["images"], "image")
+    print(f"{what}: {images}{skipped}  {crop}{_figures(result, top5)}")
     if tencrop:
-        print(f"{' ' * len(what)}  {result['images']} images  10 crops     "
+        print(f"{' ' * len(what)}  {images}  10 crops     "
               f"{_figures(result['tencrop'], top5)}")  # fmt: skip
 
 

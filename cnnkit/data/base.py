@@ -25,6 +25,7 @@ from pydantic import (
     Field,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -244,6 +245,20 @@ def unit_mistake(name: str, values: Sequence[float] | None) -> str | None:
     )
 
 
+def _channel_values(values: Any, default: list[float]) -> Any:
+    """A mean or std as Preprocess() takes it: None the default, a sequence (list, tuple,
+    array) as a list; anything else as given, for validation (`_one_for_all`) to take or name
+    (a string is no list of characters)."""
+    if values is None:
+        return default
+    if isinstance(values, (str, bytes, dict)):
+        return values
+    try:
+        return list(values)
+    except TypeError:
+        return values
+
+
 class Preprocess(Section):
     """How a raw image becomes network input at evaluation time (stored in checkpoints and
     exports, and validated when read back: a tampered file cannot ask for a 60000 px resize)."""
@@ -264,8 +279,7 @@ class Preprocess(Section):
                  std: list[float] | None = None, interpolation: str = "bilinear",
                  **extra: Any) -> None:  # fmt: skip
         super().__init__(channels=channels, crop=crop, resize=resize, resize_mode=resize_mode,
-                         mean=[0.0] if mean is None else list(mean),
-                         std=[255.0] if std is None else list(std),
+                         mean=_channel_values(mean, [0.0]), std=_channel_values(std, [255.0]),
                          interpolation=interpolation, **extra)  # fmt: skip
 
     @classmethod
@@ -277,6 +291,13 @@ class Preprocess(Section):
         except ValidationError as e:
             raise ConfigError(f"data: makes a preprocessing that is not valid: "
                               f"{validation_message(e)}") from None  # fmt: skip
+
+    @field_validator("mean", "std", mode="before")
+    @classmethod
+    def _one_for_all(cls, values: Any) -> Any:
+        """One number (`std: 58`) is one value for every channel, as a list of one is."""
+        plain = isinstance(values, (int, float)) and not isinstance(values, bool)
+        return [values] if plain else values
 
     @model_validator(mode="after")
     def _per_channel(self) -> Preprocess:

@@ -31,6 +31,7 @@ from cnnkit.data.boxes import rrc_boxes
 from cnnkit.data.decode import BadImage, Resized, device_jpeg, image_shape, load_resized
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
+from cnnkit.data.packfiles import is_pack
 from cnnkit.data.regions import (
     file_shape,
     load_region,
@@ -268,6 +269,10 @@ class FolderConfig(ImageSetConfig):
                 unset = (", or data.val_path=null to hold out data.val_fraction of data.path"
                          if field == "data.val_path" else "")  # fmt: skip
                 raise DataError(f"{field} {printable(str(folder))}: {what} (set {field}{unset})")
+        if self.val_path and is_pack(self.val_path):  # (its shards are no class subfolders)
+            raise DataError(f"data.val_path {printable(str(self.val_path))}: a packed data set, "
+                            "and data.path a folder: give the held-out images as a folder too, "
+                            "or train on a pack of data.path (cnnkit pack)")  # fmt: skip
         same = self.val_path and Path(self.val_path).resolve() == root.resolve()
         # one folder evaluated whole (eval --data DIR [--labels FILE]): scanned once
         option = self._labels_option if same else None  # data.path itself takes none

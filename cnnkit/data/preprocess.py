@@ -21,8 +21,8 @@ def network_preprocess(spec: Any, shape: tuple[int, ...], given: dict | None) ->
                                                "std": [255.0] * c, **(given or {})})  # fmt: skip
         except ValidationError as e:
             raise ConfigError(f"{spec}: model: preprocess.{validation_message(e)}") from None
-        for name in ("mean", "std"):
-            mistake = given and unit_mistake(name, given.get(name))
+        for name in ("mean", "std"):  # (the values as validated: `std: 58` is [58.0])
+            mistake = name in (given or {}) and unit_mistake(name, getattr(preprocess, name))
             if mistake:
                 raise ConfigError(f"{spec}: model: preprocess.{name}: {mistake}")
         if preprocess.channels != c or preprocess.crop != shape[-1]:

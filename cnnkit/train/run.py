@@ -263,7 +263,7 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
     console.print(
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
         f"{engine.device}{many} ({engine.settings.describe(config.train.threads)}), "
-        f"{_train_images(data)} / {data.val.num_samples} held-out images{_crops(config)}"
+        f"{_train_images(data)} / {plural(data.val.num_samples, 'held-out image')}{_crops(config)}"
         f"{_recipe(config)}, {plural(len(data.train), 'step')} an epoch from epoch "
         f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
     )
@@ -305,7 +305,8 @@ def _describe(console: Console, ctx: RunContext, engine: Engine, progress: Progr
     console.print(
         f"{what} {config.name}{at}: {engine.network.name} on {engine.device}{processes} "
         f"({engine.settings.describe(config.train.threads)}), {_train_images(data)} / "
-        f"{data.val.num_samples} held-out images{classes}{_crops(config)}{_recipe(config)}, "
+        f"{plural(data.val.num_samples, 'held-out image')}{classes}{_crops(config)}"
+        f"{_recipe(config)}, "
         f"batch {config.data.batch_size} -> {ctx.run_dir}"
     )
     _train_notes(config, ctx.dist.is_main)
