@@ -14,8 +14,10 @@ from data_images import all_images, write_bad_folder
 from PIL import Image
 
 from cnnkit.data import data_config
+from cnnkit.data.base import holdout_id, holdout_split
 from cnnkit.data.decode import load_resized
 from cnnkit.data.pack import pack_folder
+from cnnkit.data.packed import PackedImages
 from cnnkit.errors import DataError
 
 
@@ -82,6 +84,37 @@ def test_a_file_name_that_is_not_utf8_is_held_out_alike_in_a_folder_and_its_pack
     packed = data_config({"source": "packed", "path": str(tmp_path / "p"), **common})
     f, p = folder.build(torch.device("cpu")), packed.build(torch.device("cpu"))
     assert f.holdout == p.holdout and f.val.num_samples == p.val.num_samples == 6
+
+
+def test_a_folder_with_unreadable_images_and_its_pack_hold_out_the_same_images(shapes,
+                                                                                tmp_path):  # fmt: skip
+    """The folder's split counts its unreadable files (skipped as they are read); the pack
+    left them out, and drew its split from fewer images: a folder run could not resume on its
+    pack. The pack now draws from the folder's scan (plan.json) and holds out the same readable
+    images; a split drawn the older way (a run made before) is drawn so again (drawn_as)."""
+    src = tmp_path / "src"
+    shutil.copytree(shapes, src)
+    classes = sorted(p for p in src.iterdir() if p.is_dir())
+    for k, folder in enumerate(classes):
+        for i in range(k + 1):  # a class with several: the held-out counts move
+            (folder / f"a{i}.JPEG").write_bytes(b"" if i % 2 else b"<html>404</html>")
+    pack_folder(src, tmp_path / "p", size=16, workers=1, progress=False)
+    common = {"crop": 16, "workers": 0, "val_fraction": 0.4}
+    folder = data_config({"source": "folder", "path": str(src), "size": 16, **common})
+    packed = data_config({"source": "packed", "path": str(tmp_path / "p"), **common})
+    f, p = folder.build(torch.device("cpu")), packed.build(torch.device("cpu"))
+    assert f.holdout == p.holdout
+    scored = [sum(len(y) for _, y in bundle.val) for bundle in (f, p)]
+    assert scored[0] == scored[1] == p.val.num_samples < f.val.num_samples  # the bad skipped
+    every = PackedImages(tmp_path / "p")
+    train_ids, val_ids = holdout_split(every.labels, 0.4, keys=every.keys())
+    before = holdout_id(every.keys(), val_ids, len(every.labels))  # a run made before
+    assert before != p.holdout
+    old = packed.drawn_as(before).build(torch.device("cpu"))
+    assert old.holdout == before and old.val.num_samples == len(val_ids)
+    assert packed.drawn_as(p.holdout).build(torch.device("cpu")).holdout == p.holdout
+    (tmp_path / "p" / "plan.json").unlink()  # a pack copied without it: its own split
+    assert packed.build(torch.device("cpu")).holdout == before
 
 
 def test_a_pack_with_a_constant_channel_trains_and_its_preprocessing_is_valid(tmp_path):

@@ -201,6 +201,13 @@ class DataConfigBase(Section):
         their statistics from the same images, so nothing changes."""
         return self
 
+    def drawn_as(self, holdout: str | None) -> DataConfigBase:
+        """This data, its held-out split drawn as a run's was (`holdout`: its checkpoint's
+        holdout_id), where the data can draw it two ways: a pack holding fewer images than
+        its folder (some unreadable) draws the folder's split, and the pack's own for runs
+        made before it did. Itself where there is one way."""
+        return self
+
 
 class Batches(Protocol):
     """A stream of batches for one rank: what the training loop and evaluation iterate.

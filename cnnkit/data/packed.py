@@ -11,7 +11,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import lighting_from_cov
@@ -28,9 +28,9 @@ from cnnkit.data.boxes import frame_boxes
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
-from cnnkit.data.packfiles import RESIZE_FLAG, read_index, read_meta
+from cnnkit.data.packfiles import RESIZE_FLAG, read_index, read_meta, scanned_images
 from cnnkit.data.resize import planar, resize_crop
-from cnnkit.data.scan import unknown_classes
+from cnnkit.data.scan import printable, unknown_classes
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError, one_line
 from cnnkit.runtime import torch_threads
@@ -178,6 +178,14 @@ class PackedImages(Dataset):
         return ImageList(views), torch.from_numpy(self.labels[ids]), self.sources(ids)
 
 
+def _subsequence(files: list[str], keys: list[str]) -> np.ndarray:
+    """The positions in `files` (as scanned) of `keys` (as files.txt writes them), in order."""
+    at, found = iter(enumerate(map(printable, files))), []
+    for key in keys:
+        found.append(next(i for i, name in at if name == key))
+    return np.asarray(found, np.int64)
+
+
 def _val_label_map(train_classes: list[str], val_classes: list[str], where: str) -> np.ndarray:
     """Index map from the val pack's class ids to the training pack's (matched by name)."""
     lookup = {name: k for k, name in enumerate(train_classes)}
@@ -194,6 +202,7 @@ class PackedConfig(ImageSetConfig):
     source: Literal["packed"] = "packed"
     path: str = Field(description="packed training set (cnnkit pack output)")
     val_path: str | None = Field(None, description="packed validation set (default: hold out)")
+    _holdout: str | None = PrivateAttr(None)  # the split a run drew (drawn_as)
 
     def class_names(self) -> list[str]:
         return read_meta(self.path, "data.path")["classes"]
@@ -221,10 +230,8 @@ class PackedConfig(ImageSetConfig):
             drawn = OWN_VAL_SET
         else:
             every = PackedImages(self.path)
-            keys = every.keys() if self.val_fraction else None
-            train_ids, val_ids = holdout_split(every.labels, self.val_fraction, keys=keys)
+            train_ids, val_ids, drawn = self._split(every)
             train, val = every.subset(train_ids), every.subset(val_ids)
-            drawn = holdout_id(keys, val_ids, len(every.labels)) if self.val_fraction else None
         image = self._mean_image  # a trained run's (evaluated_as), else the pack's own
         if image is None and self.normalize == "mean_image":
             image = torch.from_numpy(np.load(Path(self.path) / "mean.npy")).float()
@@ -239,6 +246,32 @@ class PackedConfig(ImageSetConfig):
         labels = torch.from_numpy(train.labels[train.ids])
         return self.finish(DataBundle(train_s, val_s, meta["classes"], (3, self.crop, self.crop),
                                       pre, labels, image, drawn))  # fmt: skip
+
+    def drawn_as(self, holdout: str | None) -> PackedConfig:
+        out = self.model_copy()
+        out._holdout = holdout
+        return out
+
+    def _split(self, every: PackedImages) -> tuple[np.ndarray, np.ndarray, str | None]:
+        """(training ids, held-out ids, holdout_id) of val_fraction: drawn from the images
+        the folder held where the pack left some out as unreadable (scanned_images), as a
+        folder run draws it (it counts them, skipped as read), so a run moves between a folder
+        and its pack; the pack's own images' split where it left none out, or where a run
+        made before drew that one (drawn_as)."""
+        if not self.val_fraction:
+            return np.arange(len(every.labels)), np.zeros(0, np.int64), None
+        keys = every.keys()
+        train_ids, val_ids = holdout_split(every.labels, self.val_fraction, keys=keys)
+        own = holdout_id(keys, val_ids, len(every.labels))
+        scanned = scanned_images(self.path, keys) if keys is not None else None
+        if scanned is None or self._holdout == own:
+            return train_ids, val_ids, own
+        files, labels = scanned
+        train_f, val_f = holdout_split(labels, self.val_fraction, keys=files)
+        packed = np.full(len(files), -1, np.int64)  # each scanned file's packed index, or -1
+        packed[_subsequence(files, keys)] = np.arange(len(keys))
+        kept = [packed[ids][packed[ids] >= 0] for ids in (train_f, val_f)]
+        return kept[0], kept[1], holdout_id(files, val_f, len(files))
 
     def stored_size(self) -> int:
         """The side the set was packed at."""

@@ -1,6 +1,7 @@
 """A pack's own files, read and checked before any image is: meta.json (the format, sizes,
 classes, shards and channel statistics), index.npz (a label, shard, offset and length per image)
-against its shards, and plan.json, which marks a pack `cnnkit pack` has yet to finish."""
+against its shards, and plan.json, which marks a pack `cnnkit pack` has yet to finish and keeps
+the folder's scan (what a folder run's held-out split is drawn from)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import holds_images
+from cnnkit.data.scan import printable
 from cnnkit.errors import DataError, one_line, validation_message
 
 PACK_FORMAT = "cnnkit-packed/1"
@@ -30,6 +32,23 @@ def is_pack(path: str | Path) -> bool:
     if isinstance(meta, dict) and meta.get("format") == PACK_FORMAT:
         return True
     return is_plan(_json_file(Path(path) / "plan.json"))
+
+
+def scanned_images(path: str | Path, keys: list[str]) -> tuple[list[str], np.ndarray] | None:
+    """(files, labels) as `cnnkit pack` scanned the folder (plan.json), where it lists images
+    the pack could not read: the list a folder run's split is drawn from, so that a pack and
+    its folder hold out the same images. None where nothing was left out, or where plan.json
+    is gone or does not list the packed `keys` (files.txt), in order."""
+    plan = _json_file(Path(path) / "plan.json")
+    if not is_plan(plan) or len(plan["files"]) <= len(keys) or not all(
+        isinstance(f, str) for f in plan["files"]
+    ) or len(plan["labels"]) != len(plan["files"]):  # fmt: skip
+        return None
+    names = [printable(f) for f in plan["files"]]  # as files.txt writes them
+    it = iter(names)
+    if not all(any(name == key for name in it) for key in keys):  # keys: a subsequence
+        return None
+    return plan["files"], np.asarray(plan["labels"], np.int64)
 
 
 def is_plan(plan: Any) -> bool:

@@ -87,6 +87,8 @@ def evaluate_checkpoint(
     if batch_size is not None:
         cfg = cfg.model_copy(update={"eval_batch_size": batch_size})
     dev = resolve_device(device)
+    if data is None:  # the run's own split, drawn as it was
+        cfg = cfg.drawn_as(meta.get("holdout"))
     bundle = cfg.build(dev, 0, 1, config.get("seed", 0))
     if data is None:  # the run's own split: drawn from the training images as they are now
         check_same_classes(meta["classes"], bundle, str(target), OWN_SPLIT_CHANGED)

@@ -202,7 +202,8 @@ def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quie
     if dist.is_main and not resume:
         for note in notes:
             print(f"cnnkit: note: {note}", file=sys.stderr)
-    data = config.data.build(
+    source = config.data.drawn_as(resume.get("holdout")) if resume else config.data
+    data = source.build(
         device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
     )
     if hasattr(data.train, "check_room"):  # (image streams: their shared memory, up front)
