@@ -407,3 +407,27 @@ def test_the_start_line_says_an_image_sets_crops(shapes, tmp_path, capsys, monke
     assert code == 0 and ", crops 32 of 64 px, " in out, err
     assert "cnnkit: note: data.crop 32 of a set packed at 64 px: a crop sees 50%" in err
     assert "`cnnkit pack SRC DST --size 37` packs it for this network" in err
+
+
+def test_a_pack_class_whose_every_file_was_unreadable_is_refused(tmp_path, capsys):
+    """`cnnkit pack` keeps such a class (with a warning), and training gave the network an
+    output that never learns, without a word; an empty class folder is refused alike."""
+    import numpy as np
+    from PIL import Image
+
+    from cnnkit.data.pack import pack_folder
+
+    for name in ("a", "b", "c"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+    for name in ("a", "b"):
+        for i in range(3):
+            pixels = np.full((20, 20, 3), 40 * i, np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "src" / name / f"{i}.png")
+    (tmp_path / "src" / "c" / "x.jpg").write_bytes(b"")
+    (tmp_path / "src" / "c" / "y.png").write_text("junk")
+    pack_folder(tmp_path / "src", tmp_path / "p", size=16, workers=1, progress=False)
+    code, err = _fails(["train", "digitnet", f"data.path={tmp_path / 'p'}",
+                        "model.input=[3,16,16]", "--out", str(tmp_path / "r")], capsys)  # fmt: skip
+    assert code == 1 and err.startswith(f"cnnkit: error: data.path {tmp_path / 'p'}: class 'c' "
+                                        "has no image to train on"), err  # fmt: skip
+    assert not (tmp_path / "r").exists()

@@ -14,7 +14,7 @@ import torch
 from cnnkit.config import RunConfig
 from cnnkit.data import DataBundle
 from cnnkit.data.base import OWN_VAL_SET
-from cnnkit.errors import ConfigError, plural
+from cnnkit.errors import ConfigError, DataError, plural
 from cnnkit.nn import Network
 from cnnkit.train.loop import Progress
 
@@ -85,6 +85,21 @@ def check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> N
         raise ConfigError(f"train.epochs={config.train.epochs}: {run_dir} is in the middle of "
                           f"epoch {progress.epoch + 1} ({plural(progress.step, 'step')} done): "
                           f"ask for at least {progress.epoch + 1} to finish it")  # fmt: skip
+
+
+def check_every_class_trains(data: DataBundle, path: str | None = None) -> None:
+    """DataError where a class of the data (at `path`) has no image to train on (a pack that
+    could read none of its files keeps it, with none): its output would never learn; an
+    empty class folder is refused alike."""
+    counts = torch.bincount(data.train_labels, minlength=len(data.classes))
+    empty = [data.classes[k] for k in torch.nonzero(counts == 0).flatten().tolist()]
+    if empty:
+        more = f" (and {plural(len(empty) - 1, 'other')})" if len(empty) > 1 else ""
+        where = f"data.path {path}: " if path else ""
+        raise DataError(f"{where}class {empty[0]!r}{more} has no image to train on (a pack "
+                        "keeps a class whose every file was unreadable: see its "
+                        "bad_images.tsv); fix its images, or remove its folder and pack "
+                        "again")  # fmt: skip
 
 
 def check_same_data(state: dict[str, Any], data: DataBundle, run_dir: Path) -> None:

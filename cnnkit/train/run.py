@@ -22,7 +22,12 @@ from cnnkit.distributed import Local, Processes
 from cnnkit.errors import CheckpointError, ConfigError, plural
 from cnnkit.runtime import mix_seed, restore_matmuls, seed_everything, tf32_matmuls, torch_threads
 from cnnkit.train.build import build_run_engine, for_weights
-from cnnkit.train.checks import check_epochs_left, check_processes, check_same_data
+from cnnkit.train.checks import (
+    check_epochs_left,
+    check_every_class_trains,
+    check_processes,
+    check_same_data,
+)
 from cnnkit.train.engine import Engine
 from cnnkit.train.epochs import Hooks, stop_on_interrupt, train_epochs
 from cnnkit.train.loop import Progress, StepHook
@@ -210,6 +215,8 @@ def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quie
         data.train.check_room()
     if resume:
         check_same_data(resume, data, run_dir)
+    else:  # (a run that trained so before is not stopped now)
+        check_every_class_trains(data, getattr(config.data, "path", None))
     engine = build_run_engine(config, data, device, dist, Console(quiet or not dist.is_main),
                               resume, ranks)  # fmt: skip
     if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
