@@ -206,6 +206,7 @@ def test_a_rename_rule_whose_replacement_does_not_fit_its_match_is_refused(rule,
 @pytest.mark.parametrize("key,hint", [
     ("weigths", "(did you mean 'weights'?)"),
     ("preprocess", "(preprocess: goes in the network file, beside its layers)"),
+    ("num_classes", "(the outputs are the data's classes: a run needs no count"),  # not 'classes?'
 ])  # fmt: skip
 def test_a_run_files_model_mapping_refuses_what_it_does_not_take(tmp_path, capsys, key, hint):
     """As `cnnkit train` does: `info` and `export` used to drop the key silently (an export of

@@ -307,11 +307,11 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
     unknown = sorted(set(model) - {"network", "weights", "input", "classes"}, key=str)
     if unknown:  # as `cnnkit train` refuses them: never dropped silently (a mistyped weights)
         where = f"{source}: " if source else ""
-        hint = (
-            " (preprocess: goes in the network file, beside its layers)"
-            if unknown[0] == "preprocess"
-            else suggest(unknown[0], ("network", "weights", "input", "classes"))
-        )
+        hint = {
+            "preprocess": " (preprocess: goes in the network file, beside its layers)",
+            "num_classes": " (the outputs are the data's classes: a run needs no count; "
+            "classes: names them, `cnnkit info NET --num-classes N` shows a table)",
+        }.get(unknown[0]) or suggest(unknown[0], ("network", "weights", "input", "classes"))
         raise ConfigError(f"{where}model.{unknown[0]}: unknown field (a run file's model: takes "
                           f"network, weights, input and classes){hint}")  # fmt: skip
     base = Path(source).parent if source else Path.cwd()
