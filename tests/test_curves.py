@@ -34,7 +34,7 @@ def test_every_point_is_drawn_even_at_zero_error():
         assert len(ys) == len(rows) and all(lo < y < hi for y in ys), (line.get_label(), ys)
     val = next(line for line in error.get_lines() if line.get_label() == "val")
     assert list(val.get_ydata())[2:] == [0.0] * 4  # the 0% epochs, in percent
-    assert "best 0.0% at epoch 6" in error.get_title()  # best.pt's: the tie at the lowest loss
+    assert "best 0.0% at epoch 3" in error.get_title()  # best.pt's: the first of a tie
     assert list(lr.get_lines()[0].get_ydata()) == pytest.approx([r["lr"] for r in rows])
     assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train", "val"]
 

@@ -20,7 +20,7 @@ from cnnkit.errors import ConfigError, DataError
 from cnnkit.train.engine import build_engine, train_step
 from cnnkit.train.evaluation import evaluate_ten_crops
 from cnnkit.train.loop import evaluate
-from cnnkit.train.metrics import best_epoch
+from cnnkit.train.metrics import best_epoch, tied_after
 from cnnkit.train.optim import build_optimizer
 from cnnkit.train.run import fit
 
@@ -359,23 +359,22 @@ def test_tf32_settings_keep_torchs_two_apis_agreeing(monkeypatch, program):
             backend.fp32_precision = value
 
 
-def test_best_epoch_ties_go_to_the_lower_held_out_loss():
-    """A small held-out set ties often (100% every epoch): the first epoch at that top-1 was
-    kept as best.pt however far the loss fell later. Ties go to the lower loss (NaN counts as
-    the worst), then to the earlier epoch; "_ema" ranks the moving average's figures."""
-    rows = [{"val_top1": 1.0, "val_loss": 0.30}, {"val_top1": 0.9, "val_loss": 0.01},
-            {"val_top1": 1.0, "val_loss": 0.05}, {"val_top1": 1.0, "val_loss": 0.05},
-            {"val_top1": 1.0, "val_loss": float("nan")}]  # fmt: skip
-    assert best_epoch(rows) == 2 and best_epoch([]) is None
-    assert best_epoch([{"val_top1": 0.5}, {"val_top1": 0.5}]) == 0  # no loss: the earlier
-    ema = [{"val_top1": 1.0}, {"val_top1": 0.2, "val_top1_ema": 0.8, "val_loss_ema": 0.5},
-           {"val_top1": 0.1, "val_top1_ema": 0.8, "val_loss_ema": 0.4}]  # fmt: skip
+def test_best_epoch_is_the_first_of_a_tie_and_later_ties_are_counted():
+    """best.pt, best_ema.pt, the last line, early stopping and the curves take one rule: the
+    highest held-out top-1, the first of a tie (timm's and Lightning's); "_ema" ranks the
+    moving average's figures."""
+    rows = [{"val_top1": 0.9}, {"val_top1": 1.0}, {"val_top1": 0.8}, {"val_top1": 1.0}]
+    assert best_epoch(rows) == 1 and best_epoch([]) is None and tied_after(rows, 1) == 1
+    ema = [{"val_top1": 1.0}, {"val_top1": 0.2, "val_top1_ema": 0.8},
+           {"val_top1": 0.1, "val_top1_ema": 0.9}]  # fmt: skip
     assert best_epoch(ema, "_ema") == 2 and best_epoch(rows, "_ema") is None
 
 
-def test_best_pt_is_the_tied_epoch_with_the_lowest_loss(tmp_path, monkeypatch):
-    """Every epoch at held-out top-1 100%, the loss falling: best.pt holds the last epoch, and
-    summary.json and the last line name it."""
+def test_a_tie_keeps_the_first_epoch_and_the_last_line_says_later_ones_tied(tmp_path,
+                                                                             monkeypatch, capsys):  # fmt: skip
+    """Every epoch at held-out top-1 100% (a held-out set too small to tell them apart, a
+    user's 300-epoch run kept epoch 1 without a word): best.pt holds the first, summary.json
+    names it, and the last line says how many later epochs tied it."""
     from cnnkit.train import epochs as epochs_module
 
     real = epochs_module._evaluate
@@ -385,6 +384,10 @@ def test_best_pt_is_the_tied_epoch_with_the_lowest_loss(tmp_path, monkeypatch):
         return {**row, "val_top1": 1.0, "val_loss": 1.0 / row["epoch"]}
 
     monkeypatch.setattr(epochs_module, "_evaluate", tied)
-    summary = fit(validate_run({**TINY, "train": {**TINY["train"], "epochs": 3}}), tmp_path / "r")
-    assert summary["best_epoch"] == 3
-    assert load_checkpoint(tmp_path / "r" / "best.pt")["epoch"] == 3
+    summary = fit(validate_run({**TINY, "train": {**TINY["train"], "epochs": 3}}), tmp_path / "r",
+                  quiet=False)  # fmt: skip
+    assert summary["best_epoch"] == 1
+    assert load_checkpoint(tmp_path / "r" / "best.pt")["epoch"] == 1
+    assert "best 100.00% at epoch 1 (and 2 later epochs), kept as best.pt" in (
+        capsys.readouterr().out
+    )

@@ -251,7 +251,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {item!r}: settings take underscores where "
                               f"command-line flags take dashes: {underscored}={text}")  # fmt: skip
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.02")
-    if not text:  # `data.path=$DATA` with DATA unset: never a value (null unsets one)
+    if not text.strip():  # `data.path=$DATA` with DATA unset: never a value (null unsets one)
         raise ConfigError(f"override {item!r}: the value is empty (an unset shell variable?): "
                           f"give one, or {key}=null for none")  # fmt: skip
     try:

@@ -129,12 +129,10 @@ def check_finite(engine: Engine, progress: Progress, dist: Any) -> None:
 
 
 def stale_epochs(history: list[dict[str, float]]) -> int:
-    """Epochs since the best held-out top-1 was first reached (0 when the last epoch reached
-    it): a gain in top-1 alone resets it, not a tie at a lower loss (best.pt's tie-break)."""
+    """Epochs since the best held-out top-1 (0 when the last epoch is the best)."""
     if not history:
         return 0
-    best = max(range(len(history)), key=lambda i: (history[i]["val_top1"], -i))
-    return len(history) - 1 - best
+    return len(history) - 1 - best_epoch(history)
 
 
 def train_epochs(engine: Engine, schedule: Schedule, progress: Progress, console: Console,
@@ -239,7 +237,7 @@ def _stopped_after_epoch(hooks: Hooks, row: dict[str, float], stop: StopRequest,
 def _early_stop(progress: Progress, patience: int, console: Console) -> bool:
     if not patience or stale_epochs(progress.history) < patience:
         return False
-    best = max(progress.history, key=lambda r: r["val_top1"])
+    best = progress.history[best_epoch(progress.history)]
     console.print(
         f"early stop: no held-out gain for {plural(patience, 'epoch')} (best "
         f"{best['val_top1']:.2%} at epoch {int(best['epoch'])})"

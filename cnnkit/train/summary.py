@@ -12,7 +12,7 @@ from cnnkit.distributed import Processes
 from cnnkit.errors import plural
 from cnnkit.train.engine import Engine
 from cnnkit.train.loop import Progress
-from cnnkit.train.metrics import Console, best_epoch, write_summary
+from cnnkit.train.metrics import Console, best_epoch, tied_after, write_summary
 from cnnkit.train.optim import Schedule
 from cnnkit.train.state import RunContext
 
@@ -96,7 +96,9 @@ def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bo
     split also chose best.pt), the best epoch beside them, time and place."""
     if not history:
         return f"done: no epoch trained -> {run_dir}"
-    best = history[best_epoch(history)]
+    at = best_epoch(history)
+    best, tied = history[at], tied_after(history, at)
+    tie = f" (and {plural(tied, 'later epoch')})" if tied else ""
     five = f" top-5 {summary['val_top5']:.2%}" if top5 else ""
     skipped = f", {summary['val_skipped']} unreadable skipped" if summary.get("val_skipped") else ""
     ema = (f"; the moving average's best {summary['best_val_top1_ema']:.2%}, kept as best_ema.pt"
@@ -105,5 +107,6 @@ def done_line(summary: dict[str, Any], history: list[dict[str, float]], top5: bo
     return (
         f"done: held-out top-1 {summary['val_top1']:.2%}{five} at the last epoch "
         f"({plural(images, 'image')}{skipped}; best {best['val_top1']:.2%} at epoch "
-        f"{int(best['epoch'])}, kept as best.pt{ema}), {summary['wall_seconds']:.1f}s -> {run_dir}"
+        f"{int(best['epoch'])}{tie}, kept as best.pt{ema}), {summary['wall_seconds']:.1f}s -> "
+        f"{run_dir}"
     )
