@@ -60,6 +60,14 @@ def machine_name(device: torch.device) -> str:
     return f"{model} ({available_cores()} cores)"
 
 
+def affinity_cores() -> int:
+    """The cores this process may run on (its affinity mask; no container quota applied)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def _busy_seconds() -> float | None:
     """CPU seconds the cores this process may run on have spent busy since boot, the
     hypervisor's steal included (Linux's per-core /proc/stat lines); None where unknown."""
@@ -95,20 +103,18 @@ class OtherLoad:
 
 
 def busy_machine(cores: float | None) -> bool:
-    """Whether others took enough of the cores (`OtherLoad.cores`) to sway a timing: a quarter
-    of a core, or a tenth of them all on a large machine."""
-    return cores is not None and cores >= max(0.25, 0.1 * available_cores())
+    """Whether others took enough of this process's cores (`OtherLoad.cores`, counted over
+    the same cores) to sway a timing: a quarter of a core, or a tenth of them on a large
+    machine."""
+    return cores is not None and cores >= max(0.25, 0.1 * affinity_cores())
 
 
-def idle_machine() -> bool:
-    """Whether the machine looks free of other work now: its one-minute load average under
-    busy_machine's bar (free to read; this process's own start adds a little). False where
-    there is none (not Unix): a choice is then kept as it was measured."""
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return False
-    return not busy_machine(load)
+def idle_machine(seconds: float = 0.25) -> bool:
+    """Whether others leave this process's cores alone now, as OtherLoad counts them (steal
+    included) over a short look; False where the system does not say."""
+    with OtherLoad() as load:
+        time.sleep(seconds)
+    return load.cores is not None and not busy_machine(load.cores)
 
 
 def cpu_flags() -> set[str]:

@@ -313,13 +313,13 @@ def test_a_choice_timed_beside_other_work_is_timed_again_once_the_machine_is_idl
     alike. A checkpoint keeps the settings, not the machine's load."""
     from cnnkit.nn.tuning import choose_inference_kernels
 
-    net, cache, cores = build_model("digitnet"), tmp_path / "c.json", available_cores()
+    net, cache, cores = build_model("digitnet"), tmp_path / "c.json", runtime.affinity_cores()
     monkeypatch.setattr(tuning, "OtherLoad", _Busy)
     monkeypatch.setattr(_Busy, "cores", float(cores))  # others took every core
     first = choose_settings(net, TrainConfig(), CPU, 8, cache=cache)
     choose_inference_kernels(net, CPU, 8, cache=cache)
     assert first.how == "measured" and first.busy == cores and "busy" not in first.saved()
-    assert f"measured while other processes took {cores:.1f} of {cores} cores" in (
+    assert f"measured while other processes took {cores:.1f} cores' worth of CPU" in (
         first.describe()
     ) and first.describe().endswith("measured again once the machine is idle")
     timed = []
@@ -351,7 +351,6 @@ def test_a_choice_timed_beside_other_work_is_timed_again_once_the_machine_is_idl
 def test_other_processes_cpu_time_is_counted_and_this_ones_is_not(monkeypatch):
     """OtherLoad: the busy time of this process's cores less its own CPU time, per second of
     wall time. A child spinning while we wait counts; the arithmetic is checked exactly."""
-    import os
     import subprocess
     import sys
     import types
@@ -371,7 +370,11 @@ def test_other_processes_cpu_time_is_counted_and_this_ones_is_not(monkeypatch):
     with runtime.OtherLoad() as load:
         pass
     assert load.cores == pytest.approx(1.5)  # (4 - 1) / 2
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.05, 1.0, 1.0))
-    assert runtime.idle_machine()
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
-    assert not runtime.idle_machine()
+    monkeypatch.setattr(runtime, "affinity_cores", lambda: 2)  # (the bar: a quarter of a core)
+    for others, idle in ((0.1, True), (1.5, False), (None, False)):  # None: the system says not
+        clock, own, busy = iter([0.0, 1.0]), iter([0.0, 0.0]), iter([0.0, others])
+        fake = types.SimpleNamespace(perf_counter=clock.__next__, process_time=own.__next__,
+                                     sleep=lambda s: None)  # fmt: skip
+        monkeypatch.setattr(runtime, "time", fake)
+        monkeypatch.setattr(runtime, "_busy_seconds", busy.__next__)
+        assert runtime.idle_machine() is idle

@@ -91,8 +91,8 @@ class Settings:
         if self.speedup is not None and self.how in ("measured", "cached") and not plain:
             why += f", {self.speedup:.2f}x fp32 NCHW"
         if self.how in ("measured", "cached") and busy_machine(self.busy):
-            why += (f"; measured while other processes took {self.busy:.1f} of "
-                    f"{available_cores()} cores: measured again once the machine is idle")  # fmt: skip
+            why += (f"; measured while other processes took {self.busy:.1f} cores' worth of "
+                    "CPU: measured again once the machine is idle")  # fmt: skip
         return f"{', '.join(parts)}: {why}"
 
 
