@@ -113,8 +113,28 @@ def test_a_folder_with_unreadable_images_and_its_pack_hold_out_the_same_images(s
     old = packed.drawn_as(before).build(torch.device("cpu"))
     assert old.holdout == before and old.val.num_samples == len(val_ids)
     assert packed.drawn_as(p.holdout).build(torch.device("cpu")).holdout == p.holdout
+    assert packed.drawn_as(None).build(torch.device("cpu")).holdout == before  # before holdouts
     (tmp_path / "p" / "plan.json").unlink()  # a pack copied without it: its own split
     assert packed.build(torch.device("cpu")).holdout == before
+
+
+def test_a_pack_keeps_a_readable_image_of_each_class_to_train_on(tmp_path):
+    """The folder's split may hold out a class's only readable image (it counts the
+    unreadable one as the image left to train on); the pack then takes its own split, which
+    keeps each class an image to train on (the diff review)."""
+    for name, count in (("a", 1), ("b", 4)):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        for i in range(count):
+            Image.fromarray(np.full((8, 8, 3), 60 * i, np.uint8)).save(
+                tmp_path / "src" / name / f"{i}.png"
+            )
+    (tmp_path / "src" / "a" / "zz.png").write_text("junk")
+    pack_folder(tmp_path / "src", tmp_path / "p", size=8, workers=1, progress=False)
+    for fraction in (0.2, 0.3, 0.4, 0.5, 0.6):
+        cfg = data_config({"source": "packed", "path": str(tmp_path / "p"), "crop": 8,
+                           "workers": 0, "val_fraction": fraction})  # fmt: skip
+        bundle = cfg.build(torch.device("cpu"))
+        assert set(bundle.train_labels.tolist()) == {0, 1}, fraction
 
 
 def test_a_pack_with_a_constant_channel_trains_and_its_preprocessing_is_valid(tmp_path):

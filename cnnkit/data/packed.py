@@ -30,7 +30,7 @@ from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
 from cnnkit.data.packfiles import RESIZE_FLAG, read_index, read_meta, scanned_images
 from cnnkit.data.resize import planar, resize_crop
-from cnnkit.data.scan import printable, unknown_classes
+from cnnkit.data.scan import unknown_classes
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError, one_line
 from cnnkit.runtime import torch_threads
@@ -178,14 +178,6 @@ class PackedImages(Dataset):
         return ImageList(views), torch.from_numpy(self.labels[ids]), self.sources(ids)
 
 
-def _subsequence(files: list[str], keys: list[str]) -> np.ndarray:
-    """The positions in `files` (as scanned) of `keys` (as files.txt writes them), in order."""
-    at, found = iter(enumerate(map(printable, files))), []
-    for key in keys:
-        found.append(next(i for i, name in at if name == key))
-    return np.asarray(found, np.int64)
-
-
 def _val_label_map(train_classes: list[str], val_classes: list[str], where: str) -> np.ndarray:
     """Index map from the val pack's class ids to the training pack's (matched by name)."""
     lookup = {name: k for k, name in enumerate(train_classes)}
@@ -203,6 +195,7 @@ class PackedConfig(ImageSetConfig):
     path: str = Field(description="packed training set (cnnkit pack output)")
     val_path: str | None = Field(None, description="packed validation set (default: hold out)")
     _holdout: str | None = PrivateAttr(None)  # the split a run drew (drawn_as)
+    _drawn: bool = PrivateAttr(False)  # a run's data (resumed, evaluated), not a new run's
 
     def class_names(self) -> list[str]:
         return read_meta(self.path, "data.path")["classes"]
@@ -249,29 +242,42 @@ class PackedConfig(ImageSetConfig):
 
     def drawn_as(self, holdout: str | None) -> PackedConfig:
         out = self.model_copy()
-        out._holdout = holdout
+        out._holdout, out._drawn = holdout, True
         return out
 
     def _split(self, every: PackedImages) -> tuple[np.ndarray, np.ndarray, str | None]:
         """(training ids, held-out ids, holdout_id) of val_fraction: drawn from the images
-        the folder held where the pack left some out as unreadable (scanned_images), as a
+        the folder held where the pack left some out as unreadable (_folders_split), as a
         folder run draws it (it counts them, skipped as read), so a run moves between a folder
-        and its pack; the pack's own images' split where it left none out, or where a run
-        made before drew that one (drawn_as)."""
+        and its pack; the pack's own images' split where it left none out, or for a run
+        (drawn_as) that drew another: made before, or before fingerprints."""
         if not self.val_fraction:
             return np.arange(len(every.labels)), np.zeros(0, np.int64), None
         keys = every.keys()
         train_ids, val_ids = holdout_split(every.labels, self.val_fraction, keys=keys)
-        own = holdout_id(keys, val_ids, len(every.labels))
-        scanned = scanned_images(self.path, keys) if keys is not None else None
-        if scanned is None or self._holdout == own:
-            return train_ids, val_ids, own
-        files, labels = scanned
+        own = (train_ids, val_ids, holdout_id(keys, val_ids, len(every.labels)))
+        folders = self._folders_split(every, keys)
+        if folders is None or (self._drawn and self._holdout != folders[2]):
+            return own  # (a run drawn otherwise: made before, or before fingerprints)
+        return folders
+
+    def _folders_split(self, every: PackedImages,
+                       keys: list[str] | None) -> tuple[np.ndarray, np.ndarray, str] | None:  # fmt: skip
+        """The folder's split of a pack that left images out, as packed ids; None where it
+        left none out (meta.json's count first: plan.json is read only then), where its scan
+        is not known, or where a class would keep no readable image to train on (its
+        readable ones all held out: the pack's own split keeps one)."""
+        scanned = scanned_images(self.path, keys) if keys and every.meta.get("skipped") else None
+        if scanned is None:
+            return None
+        files, labels, positions = scanned
         train_f, val_f = holdout_split(labels, self.val_fraction, keys=files)
         packed = np.full(len(files), -1, np.int64)  # each scanned file's packed index, or -1
-        packed[_subsequence(files, keys)] = np.arange(len(keys))
-        kept = [packed[ids][packed[ids] >= 0] for ids in (train_f, val_f)]
-        return kept[0], kept[1], holdout_id(files, val_f, len(files))
+        packed[positions] = np.arange(len(keys))
+        train, val = (packed[ids][packed[ids] >= 0] for ids in (train_f, val_f))
+        if np.setdiff1d(every.labels, every.labels[train]).size:
+            return None
+        return train, val, holdout_id(files, val_f, len(files))
 
     def stored_size(self) -> int:
         """The side the set was packed at."""

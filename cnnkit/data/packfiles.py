@@ -34,21 +34,26 @@ def is_pack(path: str | Path) -> bool:
     return is_plan(_json_file(Path(path) / "plan.json"))
 
 
-def scanned_images(path: str | Path, keys: list[str]) -> tuple[list[str], np.ndarray] | None:
-    """(files, labels) as `cnnkit pack` scanned the folder (plan.json), where it lists images
-    the pack could not read: the list a folder run's split is drawn from, so that a pack and
-    its folder hold out the same images. None where nothing was left out, or where plan.json
-    is gone or does not list the packed `keys` (files.txt), in order."""
+def scanned_images(path: str | Path,
+                   keys: list[str]) -> tuple[list[str], np.ndarray, np.ndarray] | None:  # fmt: skip
+    """(files, labels, where each packed image is among them) as `cnnkit pack` scanned the
+    folder (plan.json), where it lists images the pack could not read: the list a folder
+    run's split is drawn from. None where nothing was left out, or where plan.json is gone or
+    does not list the packed `keys` (files.txt) in order, with a whole-number label each."""
     plan = _json_file(Path(path) / "plan.json")
-    if not is_plan(plan) or len(plan["files"]) <= len(keys) or not all(
-        isinstance(f, str) for f in plan["files"]
-    ) or len(plan["labels"]) != len(plan["files"]):  # fmt: skip
+    if not is_plan(plan) or len(plan["files"]) <= len(keys):
         return None
-    names = [printable(f) for f in plan["files"]]  # as files.txt writes them
-    it = iter(names)
-    if not all(any(name == key for name in it) for key in keys):  # keys: a subsequence
+    files, labels = plan["files"], plan["labels"]
+    if len(labels) != len(files) or not all(isinstance(f, str) for f in files) or not all(
+        type(k) is int for k in labels
+    ):  # fmt: skip
         return None
-    return plan["files"], np.asarray(plan["labels"], np.int64)
+    at, positions = iter(enumerate(printable(f) for f in files)), []  # as files.txt has them
+    for key in keys:
+        positions.append(next((i for i, name in at if name == key), -1))
+        if positions[-1] < 0:  # not a subsequence: another scan's plan
+            return None
+    return files, np.asarray(labels, np.int64), np.asarray(positions, np.int64)
 
 
 def is_plan(plan: Any) -> bool:

@@ -88,9 +88,10 @@ def check_epochs_left(config: RunConfig, progress: Progress, run_dir: Path) -> N
 
 
 def check_every_class_trains(data: DataBundle, path: str | None = None) -> None:
-    """DataError where a class of the data (at `path`) has no image to train on (a pack that
-    could read none of its files keeps it, with none): its output would never learn; an
-    empty class folder is refused alike."""
+    """DataError where a class of a pack (at `path`) has no image to train on (`cnnkit pack`
+    keeps a class none of whose files it could read, with none): its output would never
+    learn; an empty class folder is refused alike. (Not for synthetic data, whose random
+    labels may leave classes out.)"""
     counts = torch.bincount(data.train_labels, minlength=len(data.classes))
     empty = [data.classes[k] for k in torch.nonzero(counts == 0).flatten().tolist()]
     if empty:

@@ -215,8 +215,8 @@ def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quie
         data.train.check_room()
     if resume:
         check_same_data(resume, data, run_dir)
-    else:  # (a run that trained so before is not stopped now)
-        check_every_class_trains(data, getattr(config.data, "path", None))
+    elif config.data.source == "packed":  # (new runs: one that trained so is not stopped now)
+        check_every_class_trains(data, config.data.path)
     engine = build_run_engine(config, data, device, dist, Console(quiet or not dist.is_main),
                               resume, ranks)  # fmt: skip
     if dist.world_size > 1:  # same initial weights everywhere, then each rank its own dropout
