@@ -25,6 +25,25 @@ def test_info_ends_with_parameter_total(name, total, capsys):
     assert "(256, 6, 6)" not in out and "256x6x6" in out
 
 
+def test_info_notes_layers_that_never_reach_the_output_and_sizes_small_counts(tmp_path, capsys):
+    """A branch nothing reads is counted in the table but never trained: said in a note (the
+    network knew, DDP is told); a small net's multiply-adds in K, not '(0.000 G)'; a pool's
+    padding past half its kernel names both."""
+    net = {"model": {"input": [3, 8, 8], "num_classes": 2, "layers": [
+        {"name": "c1", "type": "conv", "out_channels": 4, "kernel_size": 3},
+        {"name": "side", "type": "conv", "out_channels": 4, "kernel_size": 1, "inputs": ["c1"]},
+        {"name": "p", "type": "maxpool", "kernel_size": 2, "inputs": ["c1"]},
+        {"type": "flatten"}, {"type": "linear"}]}}  # fmt: skip
+    (tmp_path / "n.json").write_text(json.dumps(net))
+    code, out, _ = run_cli(["info", str(tmp_path / "n.json")], capsys)
+    assert code == 0 and "multiply-adds: 4,536 (4.536 K) per image" in out
+    assert "note: 1 layer with parameters never reaches the output (side)" in out
+    net["model"]["layers"][2]["padding"] = 2
+    (tmp_path / "n.json").write_text(json.dumps(net))
+    code, _, err = run_cli(["info", str(tmp_path / "n.json")], capsys)
+    assert code == 2 and "padding: 2 must be at most half of kernel_size 2" in err
+
+
 def test_info_resnet50_counts_torchvisions_parameters(capsys):
     code, out, _ = run_cli(["info", "resnet50"], capsys)
     assert code == 0 and "parameters: 25,557,032" in out and "layer4.2.relu3" in out

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from cnnkit.errors import plural
 from cnnkit.nn.graph import Network
 from cnnkit.nn.memory import format_bytes
 
@@ -43,7 +44,22 @@ def print_layer_table(model: Network, console: Console) -> None:
     )
     console.print(f"layers: {len(model.table)}   output: {_shape(model.output_shape)}   {memory}")
     console.print(f"parameters: {params:,}")
-    console.print(f"multiply-adds: {macs:,} ({macs / 1e9:.3f} G) per image")
+    console.print(f"multiply-adds: {macs:,} ({_short_count(macs)}) per image")
+    unreached = model.unreached()
+    if unreached:  # (a branch nothing reads: counted above, yet it never learns)
+        shown = ", ".join(unreached[:5]) + (", ..." if len(unreached) > 5 else "")
+        verb = "never reaches" if len(unreached) == 1 else "never reach"
+        console.print(f"note: {plural(len(unreached), 'layer')} with parameters {verb} the "
+                      f"output ({shown}): no gradient, never trained")  # fmt: skip
+
+
+def _short_count(n: int) -> str:
+    """'1.814 G' as torchvision's model tables give GFLOPS; a small net's in M or K, not
+    '0.000 G'."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 0.1 * size:
+            return f"{n / size:.3f} {unit}"
+    return str(n)
 
 
 def _shape(shape: tuple[int, ...]) -> str:

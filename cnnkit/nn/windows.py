@@ -35,7 +35,8 @@ class _Pool(Layer):
         (kh, kw), (ph, pw) = pair(self.kernel_size), pair(self.padding)
         sh, sw = pair(self.stride or self.kernel_size)
         if ph > kh // 2 or pw > kw // 2:
-            raise ShapeError("padding", "must be at most half of kernel_size")
+            raise ShapeError("padding", f"{self.padding} must be at most half of kernel_size "
+                             f"{self.kernel_size} (as torch's pools require)")  # fmt: skip
         ceil, (dh, dw) = self.ceil_mode, pair(getattr(self, "dilation", 1))
         return (c, window_out(h, kh, sh, ph, dh, ceil), window_out(w, kw, sw, pw, dw, ceil))
 
