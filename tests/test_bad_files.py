@@ -87,6 +87,8 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("layer not a mapping", layer("relu"), "layers.0: Input should be a valid dictionary"),
     ("unknown block", block_line("{name: s, block: bb}"), "block: unknown block 'bb' (did you mean 'b'?)"),
     ("unknown block param", block_line("{name: s, block: b, ww: 3}"), "block 'b' has no parameter 'ww' (it takes w)"),
+    ("block line keyword typo", block_line("{name: s, block: b, reapeat: 2}"), "has no parameter 'reapeat' (it takes w) (did you mean 'repeat'?)"),
+    ("default before its parameter", block_line("{name: s, block: b}").replace("params: {w: 4}", "params: {v: '$w + 1', w: 4}"), "block 'b': the default of v uses $w, a parameter after it: defaults are read in order, so list w first"),
     ("repeat 10^7", block_line("{name: s, block: b, repeat: 10000000}"), "repeat: must be a whole number from 1 to 20,000"),
     ("repeat 0", block_line("{name: s, block: b, repeat: 0}"), "repeat: must be a whole number from 1 to 20,000, got 0"),
     ("repeat true", block_line("{name: s, block: b, repeat: true}"), "repeat: must be a whole number"),

@@ -10,6 +10,7 @@ bounded by MAX_ENTRIES as the layers made are by MAX_LAYERS.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from cnnkit.nn.layer_line import (
 )
 from cnnkit.nn.layers import Layer, Linear, Shape
 from cnnkit.nn.names import check_name, given_names, input_names, is_name, written
-from cnnkit.nn.spec import BlockDef, NetSpec
+from cnnkit.nn.spec import BLOCK_LINE_KEYS, BlockDef, NetSpec
 from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
 MAX_BLOCK_DEPTH = 16
@@ -318,14 +319,21 @@ class Expander:
             takes = ", ".join(block.params) or "no parameters"
             if label.endswith(": first"):
                 takes += "; the line's parameters go to the first copy too"
+            hint = suggest(str(unknown[0]), [*block.params, *BLOCK_LINE_KEYS])
             raise ConfigError(f"{label}: block {brief(name)} has no parameter "
-                              f"{brief(unknown[0])} (it takes {takes})")  # fmt: skip
+                              f"{brief(unknown[0])} (it takes {takes}){hint}")  # fmt: skip
         shape_env = {k: v for k, v in env.items() if k.startswith("in_")}
         params: dict[str, Any] = {"num_classes": self.net.num_classes}
         for key, default in block.params.items():
             if key in given:
                 params[key] = self._sub(label, key, given[key], env)
             else:  # a default may use the parameters before it and the block's input shape
+                later = [k for k in re.findall(r"\$(\w+)", str(default))
+                         if k in block.params and k not in params]  # fmt: skip
+                if later:
+                    raise ConfigError(f"{label}: block {brief(name)}: the default of {key} uses "
+                                      f"${later[0]}, a parameter after it: defaults are read in "
+                                      f"order, so list {later[0]} first")  # fmt: skip
                 params[key] = self._sub(label, key, default, {**shape_env, **params})
             if params[key] is None:
                 raise ConfigError(f"{label}: block {brief(name)} needs parameter {brief(key)}")
