@@ -110,7 +110,7 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("init text std", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, init: {weight: {normal: {std: x}}}}"), "init 'normal': std must be a finite number, not 'x'"),
     ("lr_mult name", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, lr_mult: {bais: 2}}"), "lr_mult: names ['bais']"),
     ("concat shapes", NET.replace("{name: fc, type: linear}", "{name: p, type: maxpool, kernel_size: 2, inputs: input}\n    - {name: cat, type: concat, inputs: [c1, p]}"), "inputs: only channels may differ"),
-    ("no class count", NET.replace("  num_classes: 4\n", ""), "layer 1 (fc): out_features: is not set and the network has no num_classes (training takes it from the data; info, show net, export and bench take --num-classes N)"),
+    ("no class count", NET.replace("  num_classes: 4\n", ""), "layer 1 (fc): out_features: is not set and the network has no num_classes (set model.num_classes: N, which classes: does not count; training takes it from the data; info, show net, export and bench take --num-classes N)"),
     ("huge unknown type", layer("{name: c1, type: " + "t" * 100_000 + "}"), "type: unknown type 'tttt"),
     ("model names itself", "model: self.yaml\n", "files name each other more than 8 deep"),
 ]  # fmt: skip

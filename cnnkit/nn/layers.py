@@ -256,9 +256,9 @@ class Linear(ParamLayer):
         if self.out_features is None:
             raise ShapeError(
                 "out_features",
-                "is not set and the network has no num_classes "
-                "(training takes it from the data; info, show net, export and bench take "
-                "--num-classes N)",
+                "is not set and the network has no num_classes (set model.num_classes: N, "
+                "which classes: does not count; training takes it from the data; info, show "
+                "net, export and bench take --num-classes N)",
             )
         return (self.out_features,) if self.flatten else (self.out_features, *shapes[0][1:])
 
