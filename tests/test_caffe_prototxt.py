@@ -198,7 +198,9 @@ BAD_FIELDS = {
     "kernel_size: 3 num_output: 4 bias_term: 'false'": r"bias_term: expected true or false",
     "kernel_size: 3 num_output: 4 bias_term: 2": r"bias_term: expected true or false, got 2",
     "kernel_size: 3 num_output: 4 pad: -1": r"padding.* greater than or equal to 0 \(got -1\)",
-    "kernel_size: 3 num_output: 0": r"out_channels: Input should be greater than 0 \(got 0\)",
+    "kernel_size: 3 num_output: 0": r"Convolution needs num_output, a whole number above 0 "
+    r"\(in its convolution_param; got 0\)",
+    "kernel_size: 3": r"Convolution needs num_output",  # Caffe's own name, not out_channels
 }
 
 
@@ -488,4 +490,13 @@ def test_a_prototxt_of_more_layers_than_cnnkit_builds_names_the_file_and_line():
     text += "".join(relu.format(i) for i in range(MAX_LAYERS + 1))
     with pytest.raises(ConfigError, match=rf"^t:{MAX_LAYERS + 2}: the network has more than "
                        r"20,000 layers, more than cnnkit builds$"):  # fmt: skip
+        translate(parse_prototxt(text, "t"), "t")
+
+
+def test_an_inner_product_without_num_output_names_caffes_field():
+    """It said 'out_features: Input should be greater than 0 (got 0)': cnnkit's name for a
+    field the prototxt never wrote."""
+    text = INPUT + _layer("fc", "InnerProduct", ["data"], "fc", "inner_product_param { }")
+    with pytest.raises(ConfigError, match=r"t:3: InnerProduct needs num_output, a whole number "
+                                          r"above 0 \(in its inner_product_param; got 0\)"):  # fmt: skip
         translate(parse_prototxt(text, "t"), "t")

@@ -42,6 +42,8 @@ class LayerTypes(ShapeTypes):
         put(spec, "padding", sizes(here, p, "pad", 0, alone=True), 0)  # Caffe: pad_w 0
         put(spec, "dilation", sizes(here, p, "dilation", 1), 1)
         put(spec, "groups", groups or integer(here, p, "group", 1), 1)
+        require(here, out > 0, f"{what} needs num_output, a whole number above 0 (in its "
+                               f"convolution_param; got {out})")  # fmt: skip
         bias = flag(here, p, "bias_term", True)
         put(spec, "bias", bias, True)
         self._emit(layer, {**spec, **learning(here, layer, p, self.notes, bias)})
@@ -72,7 +74,10 @@ class LayerTypes(ShapeTypes):
     def _innerproduct(self, layer: Message, last: bool) -> None:
         p, here = layer.sub("inner_product_param"), self.here
         require(here, integer(here, p, "axis", 1) == 1, "InnerProduct axis must be 1")
-        spec: dict[str, Any] = {"type": "linear", "out_features": integer(here, p, "num_output", 0)}
+        out = integer(here, p, "num_output", 0)
+        require(here, out > 0, f"InnerProduct needs num_output, a whole number above 0 (in its "
+                               f"inner_product_param; got {out})")  # fmt: skip
+        spec: dict[str, Any] = {"type": "linear", "out_features": out}
         bias = flag(here, p, "bias_term", True)
         put(spec, "bias", bias, True)
         name = self._emit(layer, {**spec, **learning(here, layer, p, self.notes, bias)})
