@@ -424,6 +424,8 @@ def _one_block(*layers, **line):
      r"x.conv0\): out_channels: Input should be a valid integer \(got 4.0\) \('\$c / 2' is "
      r"4.0, a real number: // divides to a whole one, / to a real one\)"),
     (_one_block(conv(out_channels="$s"), s="$in_channels / 2"), r"\('\$s' is 2.0, a real"),
+    (_one_block(conv(out_channels="$c * 1.5")),  # no division to blame
+     r"\('\$c \* 1.5' is 12.0, a real number: a real factor makes one; sizes are whole"),
     (_one_block({"type": "channel_split", "points": ["$in_channels / 8"], "part": 0}),
      r"points.0: .*\(got 0.5\) \('\$in_channels / 8' is 0.5, a real number"),
     (_one_block(conv("c1", inputs="stem")), r"inputs: 'stem' is outside this block, whose "

@@ -126,6 +126,7 @@ def export(
     from cnnkit.infer.export import check_replaceable, export_checked, export_format
     from cnnkit.infer.export import export as export_model
     from cnnkit.infer.load import load_for_inference
+    from cnnkit.nn.memory import format_bytes
 
     run = run_of_settings(target)
     if run is not None:  # its random initial weights, where the learned ones lie beside it
@@ -152,7 +153,7 @@ def export(
         typer.echo(f"cnnkit: note: {target} has no trained weights: the export holds its random "
                    "initial ones, and says so (a run directory or checkpoint has learned ones)",
                    err=True)  # fmt: skip
-    typer.echo(f"wrote {out} ({fmt}, {out.stat().st_size / 1e6:.1f} MB)")
+    typer.echo(f"wrote {out} ({fmt}, {format_bytes(out.stat().st_size)})")
 
 
 def _check_line(fmt: str, r: CheckResult) -> str:

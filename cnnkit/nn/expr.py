@@ -244,8 +244,10 @@ def division_hint(message: str, label: str, written: dict[str, Any],
         for index, part, value in pairs:
             real = isinstance(value, float) and math.isfinite(value)
             if is_expression(part) and real and message.startswith(f"{label}: {key}{index}:"):
-                return (f" ({brief(part)} is {value!r}, a real number: // divides to a whole one, "
-                        "/ to a real one)")  # fmt: skip
+                factor = "*" in str(part) and "/" not in str(part)  # `$c * 1.5`: no division
+                why = ("a real factor makes one; sizes are whole numbers" if factor
+                       else "// divides to a whole one, / to a real one")  # fmt: skip
+                return f" ({brief(part)} is {value!r}, a real number: {why})"
     return ""
 
 
