@@ -120,6 +120,9 @@ def _first(error: Any, hide: Collection[str]) -> tuple[list[str], str]:
         parts = parts[:-1] if err["type"] == "missing" else parts
         msg = f"takes {counted} values, not {len(err['input'])}"
         msg += f" (got {_as_written(err['input'])})" if err["type"] == "missing" else ""
+    if err["type"] == "too_short" and not err.get("input"):  # pydantic: "List should have ..."
+        least = (err.get("ctx") or {}).get("min_length", 1)
+        return parts, "must not be empty" + (f": give at least {least}" if least > 1 else "")
     if "input" in err and err["type"] not in ("extra_forbidden", "missing", "value_error"):
         msg += f" (got {_as_written(err['input'])})"
     return parts, msg

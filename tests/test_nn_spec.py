@@ -188,7 +188,7 @@ BAD = [
         "layer 0 (a): init: init 'constant': value 1e+300 is beyond float32's range",
     ),
     ({"input": [3, 8], "layers": [conv()]}, "model: input: give [C, H, W]"),
-    ({"input": [3, 8, 8], "layers": []}, "model: layers: List should have at least 1 item"),
+    ({"input": [3, 8, 8], "layers": []}, "model: layers: must not be empty"),
     ({"input": [3, 8, 8]}, "no 'layers' list"),
 ]
 
