@@ -335,3 +335,12 @@ def test_a_missing_network_file_is_a_usage_error_in_every_command(argv, name, tm
     net = str(tmp_path / name)
     code, out, err = run_cli([a.format(f=net, d=tmp_path) for a in argv], capsys)
     assert code == 2 and not out and err.count("\n") == 1 and name in err, err
+
+
+def test_info_of_caffe_weights_points_to_import_caffe(tmp_path, capsys):
+    """A .caffemodel is no network file: it was 'expected a mapping with layers, got str'."""
+    (tmp_path / "w.caffemodel").write_bytes(b"\x0a\x05alexnet")
+    code, _, err = run_cli(["info", str(tmp_path / "w.caffemodel")], capsys)
+    assert (
+        code == 2 and "Caffe's weights, not a network: `cnnkit import-caffe deploy.prototxt" in err
+    )

@@ -211,6 +211,9 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
         if isinstance(spec, Described):  # read from a file before: its errors still name it
             data = Described(data)
             data.source = spec.source
+    elif str(spec).lower().endswith(".caffemodel"):  # Caffe's weights, not its network
+        raise ConfigError(f"{spec}: Caffe's weights, not a network: `cnnkit import-caffe "
+                          f"deploy.prototxt {spec} -o net.yaml` makes the network file")  # fmt: skip
     else:
         data, source = _read_yaml_or_zoo(str(spec))
     if data is None and source:  # no document, or only comments
