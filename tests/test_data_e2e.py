@@ -88,6 +88,22 @@ def test_bench_loader_json_last_line(tmp_path, capsys):
     assert "batch 64 (of " in out and "images: the set is smaller)" in out
     assert "in-process (no workers)" in out and "after 4 untimed batches" in out
     assert "coarse: under 0.2 CPU s measured" in out
+    main(
+        [
+            "bench",
+            "loader",
+            str(tmp_path / "p"),
+            "--batch",
+            "4",
+            "--batches",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+    )  # fmt: skip  (no --crop: AlexNet's 227 does not fit a 20 px pack)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["input_shape"] == [3, 17, 17]  # 7/8 of its side
     with pytest.raises(SystemExit) as done:  # the flags it was given, not data.* settings
         main(["bench", "loader", str(tmp_path / "p"), "--crop", "24"])
     err = capsys.readouterr().err

@@ -17,7 +17,7 @@ import torch
 from cnnkit.bench.timing import synchronize
 from cnnkit.data import data_config
 from cnnkit.data.base import Batches
-from cnnkit.data.packfiles import is_pack
+from cnnkit.data.packfiles import is_pack, read_meta
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import machine_name
 
@@ -26,12 +26,15 @@ def loader_config(
     data: str | Path, workers: int | None, batch: int, **options: Any
 ) -> dict[str, Any]:
     """A `data:` section for DATA: a packed set (an unfinished one is an error that says so),
-    else an image folder
-    (`workers` None: the loader's default for this machine)."""
+    else an image folder (`workers` None: the loader's default for this machine; no crop
+    given: 227, or 7/8 of a smaller pack's side)."""
     path = Path(data)
     if not path.is_dir():
         raise DataError(f"{path}: not a folder (give an image folder or a packed set)")
     source = "packed" if is_pack(path) else "folder"
+    if source == "packed" and "crop" not in options:  # 227 where it fits, else 7/8 of the side
+        side = read_meta(path, "data.path")["size"]
+        options = {**options, "crop": 227 if side >= 227 else max(1, side * 7 // 8)}
     section = {"source": source, "path": str(path), "batch_size": batch, "val_fraction": 0.0,
                **({} if workers is None else {"workers": workers}), **options}  # fmt: skip
     return section

@@ -98,7 +98,12 @@ def loader(
     ),
     batch: int = typer.Option(256, "--batch", "-b", help="Images per batch."),
     batches: int = typer.Option(20, "--batches", help="Timed batches."),
-    crop: int = typer.Option(None, "--crop", min=1, help="Network input side (default 227)."),
+    crop: int = typer.Option(
+        None,
+        "--crop",
+        min=1,
+        help="Network input side (default 227, or 7/8 of a smaller pack's side).",
+    ),
     resized: bool = typer.Option(False, "--resized-crop", help="Random-resized-crop, not crop."),
     decode: str = typer.Option("cpu", "--decode", help="JPEGs: cpu (workers) or gpu (device)."),
     device: str = typer.Option("auto", "--device", "-d", help="auto | cpu | cuda | cuda:N"),
