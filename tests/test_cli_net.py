@@ -15,6 +15,9 @@ from cnnkit.errors import ConfigError
 def test_zoo_lists_networks(capsys):
     code, out, _ = run_cli(["zoo"], capsys)
     assert code == 0 and "alexnet-owt" in out and "resnet18" in out
+    assert not [line for line in out.splitlines() if line != line.rstrip()]  # piped: unpadded
+    code, out, _ = run_cli(["info", "digitnet"], capsys)
+    assert code == 0 and "conv1" in out and all(line == line.rstrip() for line in out.splitlines())
 
 
 @pytest.mark.parametrize("name, total", [("alexnet", "60,965,224"), ("alexnet-owt", "61,100,840")])
