@@ -67,6 +67,10 @@ def test_info_reads_prototxts_runs_checkpoints_and_exports(digits_run, tmp_path,
         assert code == 0, err
         tables.append(out)
     assert len(set(tables)) == 1 and "digitnet" in tables[0] and "output: 10" in tables[0]
+    for target in (digits_run, export):  # as export refuses it: a trained head has its classes
+        code, _, err = run_cli(["info", str(target), "--num-classes", "3"], capsys)
+        assert code == 2 and "--num-classes 3: " in err and "trained for its own classes" in err
+        assert run_cli(["info", str(target), "--num-classes", "10"], capsys)[0] == 0  # its own
     code, _, err = run_cli(["info", str(tmp_path)], capsys)
     assert code == 1 and "(no best.pt or last.pt in it)" in err and err.count("\n") == 1
 

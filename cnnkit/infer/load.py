@@ -244,11 +244,13 @@ def network_of(target: str, num_classes: int | None = None, weights_note: bool =
         spec = import_caffe(path)
     elif run_folder(path) or (path.suffix in (".pt", ".pth") and path.exists()):
         state = load_checkpoint(checkpoint_path(path))
-        spec, num_classes = state["model_spec"], num_classes or state["num_classes"]
+        _no_class_count(target, None if num_classes == state["num_classes"] else num_classes)
+        spec, num_classes = state["model_spec"], state["num_classes"]
         network_file = False  # its preprocessing is the run's data's, kept beside the network
     elif path.suffix == ".safetensors" and path.is_file():
         spec, saved = _export_spec(path)
-        num_classes, network_file = num_classes or saved, False  # (as a checkpoint)
+        _no_class_count(target, None if num_classes == saved else num_classes)  # as export
+        num_classes, network_file = saved, False  # (as a checkpoint)
     elif num_classes is None:
         num_classes = _run_classes(target)
     network = build_model(spec, num_classes=num_classes, device="meta")
