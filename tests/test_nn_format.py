@@ -224,7 +224,10 @@ BAD = [
     (net({"name": "s", "block": "b", "first": 3}, blocks={"b": {"layers": [conv()]}}),
      "layer 0 (s): first: a mapping of the first copy's parameters, got 3"),
     (net({"name": "s", "block": "b", "inline": True}, blocks={"b": {"layers": [conv()]}}),
-     "layer 0 (s): inline: true or false, and an inline block has no name"),
+     "layer 0 (s): inline: true puts the block's layers in this list under their own names, so "
+     "the line takes no name: (drop one of the two)"),
+    (net({"block": "b", "inline": "yes"}, blocks={"b": {"layers": [conv()]}}),
+     "inline: true or false, got 'yes'"),
     (net({"name": "s", "block": "b"}, blocks={"b": {"params": {"in_channels": 3}, "layers": [conv()]}}),
      "model: blocks.b.params: 'in_channels' is set by cnnkit"),
     (net({"name": "s", "block": "b", "start": 0}, blocks={"b": {"params": {"start": 1}, "layers": [conv()]}}),

@@ -42,8 +42,11 @@ def stage_of(label: str, short: str, raw: dict[str, Any], named: bool, sequentia
         raise ConfigError(
             f"{label}: first: a mapping of the first copy's parameters, got {brief(first)}"
         )
-    if not isinstance(inline, bool) or (inline and named):
-        raise ConfigError(f"{label}: inline: true or false, and an inline block has no name")
+    if not isinstance(inline, bool):
+        raise ConfigError(f"{label}: inline: true or false, got {brief(inline)}")
+    if inline and named:
+        raise ConfigError(f"{label}: inline: true puts the block's layers in this list under "
+                          "their own names, so the line takes no name: (drop one of the two)")  # fmt: skip
     numbered = repeat > 1 or start is not None or first is not None or "$index" in short
     return Stage(repeat, start or 0, first, numbered, inline, sequential and not named)
 
