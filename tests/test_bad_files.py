@@ -86,6 +86,8 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("dotted name part", layer("{name: layer1.eval, type: relu}"), "name: 'eval' is taken by"),
     ("layer not a mapping", layer("relu"), "layers.0: Input should be a valid dictionary"),
     ("unknown block", block_line("{name: s, block: bb}"), "block: unknown block 'bb' (did you mean 'b'?)"),
+    ("torch's in_channels", layer("{name: c1, type: conv, in_channels: 3, out_channels: 8, kernel_size: 3}"), "in_channels: unknown field (cnnkit reads it from the layer's input: leave it out)"),  # not 'did you mean out_channels?'
+    ("torch's num_parameters", layer("{name: c1, type: prelu, num_parameters: 1}"), "num_parameters: unknown field (channelwise: true is torch's num_parameters=C"),
     ("unknown block param", block_line("{name: s, block: b, ww: 3}"), "block 'b' has no parameter 'ww' (it takes w)"),
     ("block line keyword typo", block_line("{name: s, block: b, reapeat: 2}"), "has no parameter 'reapeat' (it takes w) (did you mean 'repeat'?)"),
     ("default before its parameter", block_line("{name: s, block: b}").replace("params: {w: 4}", "params: {v: '$w + 1', w: 4}"), "block 'b': the default of v uses $w, a parameter after it: defaults are read in order, so list w first"),

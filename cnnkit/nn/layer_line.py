@@ -44,13 +44,25 @@ def infer_shape(label: str, layer: Layer, in_shapes: list[Shape]) -> Shape:
     return shape
 
 
+INFERRED = "cnnkit reads it from the layer's input: leave it out"
+TORCH_ARGUMENTS = {  # torch's arguments a line leaves out or names otherwise (a first try)
+    "in_channels": INFERRED, "in_features": INFERRED, "num_features": INFERRED,
+    "num_parameters": "channelwise: true is torch's num_parameters=C, false its 1",
+    "inplace": "leave it out: cnnkit builds the module",
+    "padding_mode": "convolutions pad with zeros; a pad layer before one pads with mode: "
+                    "reflect or replicate",
+}  # fmt: skip
+
+
 def validate_layer(label: str, kind: str, fields: dict[str, Any]) -> Layer:
     """A layer line's fields validated as its kind (a mistyped field named first)."""
     try:
         return KINDS[kind].model_validate(fields)
     except ValidationError as e:  # a mistyped field first: it is why a required one is missing
         typo = next((str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"), None)
-        what = f"{typo}: unknown field{suggest(typo, KINDS[kind].model_fields)}" if typo else None
+        hint = f" ({TORCH_ARGUMENTS[typo]})" if typo in TORCH_ARGUMENTS else None
+        hint = hint or (suggest(typo, KINDS[kind].model_fields) if typo else "")
+        what = f"{typo}: unknown field{hint}" if typo else None
         raise ConfigError(f"{label}: {what or validation_message(e)}") from None
 
 
