@@ -62,11 +62,40 @@ def fit(
     """
     from cnnkit.train.run import launch
 
+    overrides, callbacks = _checked_arguments(overrides, callbacks, on_step)
     hooks = {"quiet": quiet, "on_step": on_step, "callbacks": callbacks}
     mined = _fit_mining(run, overrides, out, resume, dry_run, hooks)
     if mined is not None:
         return mined
     return launch(run, overrides, out=out, resume=resume, dry_run=dry_run, **hooks)
+
+
+_HOOK_METHODS = ("on_step_end", "on_epoch_end")
+
+
+def _checked_arguments(overrides: Any, callbacks: Any, on_step: Any) -> tuple[list[str], list]:
+    """fit's overrides and callbacks checked before anything is built or written (a string
+    was read a character at a time; callbacks=5 failed after the run directory was made): one
+    callback alone is a list of one."""
+    from cnnkit.errors import ConfigError, brief
+
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides: a list of key=value strings ([{overrides!r}]), got the "
+                          f"string {brief(overrides)}")  # fmt: skip
+    if overrides is not None and not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f"overrides: a list of key=value strings, got {brief(overrides)}")
+    if any(hasattr(callbacks, m) for m in _HOOK_METHODS):
+        callbacks = [callbacks]
+    if not isinstance(callbacks, (list, tuple)) or not all(
+        any(callable(getattr(cb, m, None)) for m in _HOOK_METHODS) for cb in callbacks
+    ):  # fmt: skip
+        raise ConfigError(f"callbacks: objects with an on_step_end(epoch, step, global_step) "
+                          f"or on_epoch_end(row) method, got {brief(callbacks)}")  # fmt: skip
+    if on_step is not None and not callable(on_step):
+        raise ConfigError(
+            f"on_step: a function of (epoch, step, global_step), got {brief(on_step)}"
+        )
+    return list(overrides or []), list(callbacks)
 
 
 def _fit_mining(run, overrides, out, resume, dry_run: bool, hooks: dict) -> dict | None:

@@ -228,3 +228,29 @@ def test_callbacks_see_steps_and_epochs_and_can_stop(tmp_path, capsys):
     assert [r["epoch"] for r in seen.rows] == [1, 2] and seen.steps == 2 * 22 and seen.epoch == 2
     assert summary["epochs"] == 2 and load_checkpoint(tmp_path / "r" / "last.pt")["epoch"] == 2
     assert (tmp_path / "r" / "curves.png").is_file()
+
+
+def test_fits_overrides_and_callbacks_are_checked_before_anything_is_written(tmp_path):
+    """A string of overrides was read a character at a time ("override 't': expected
+    key=value"); callbacks=5 was a TypeError after the run directory was made, which a new run
+    there then refused. One callback alone is taken as a list of one."""
+
+    class Epochs:
+        def __init__(self):
+            self.rows = []
+
+        def on_epoch_end(self, row):
+            self.rows.append(row["epoch"])
+
+    for kwargs, message in (
+        ({"overrides": "train.epochs=1"}, r"overrides: a list of key=value strings \(\["),
+        ({"callbacks": 5}, r"callbacks: objects with an on_step_end\(epoch, step, global_step\)"),
+        ({"callbacks": [object()]}, "callbacks: objects with"),
+        ({"on_step": 3}, r"on_step: a function of \(epoch, step, global_step\), got 3"),
+    ):
+        with pytest.raises(cnnkit.CnnkitError, match=message):
+            cnnkit.fit("digits", out=tmp_path / "r", **kwargs)
+        assert not (tmp_path / "r").exists()
+    seen = Epochs()
+    cnnkit.fit("digits", ["train.epochs=1"], out=tmp_path / "r", quiet=True, callbacks=seen)
+    assert seen.rows == [1]
