@@ -38,6 +38,20 @@ def test_tencrop_averages_the_papers_ten_crops():
     assert not np.allclose(centre.probs, got.probs)
 
 
+def test_the_api_refuses_what_the_command_line_refuses():
+    """predict(top=0) returned no labels where `classify --top 0` is refused; a device that is
+    not here was torch's RuntimeError where `--device cuda` is one line."""
+    classifier = Classifier(load_network("digitnet"))
+    image = np.zeros((8, 8), np.uint8)
+    for top in (0, -1, True, 2.5):
+        with pytest.raises(CnnkitError, match="top: a whole number of classes, 1 or more, got "):
+            classifier.predict(image, top=top)
+    assert len(classifier.predict(image, top=2).labels) == 2
+    if not torch.cuda.is_available():
+        with pytest.raises(CnnkitError, match="device: 'cuda' asked for, but no CUDA device"):
+            Classifier(load_network("digitnet"), device="cuda")
+
+
 @pytest.mark.parametrize("mode", ["squash", "shorter"])
 def test_jpeg_crops_equal_the_folder_pipelines(tmp_path, mode):
     from cnnkit.data.augment import center_crop

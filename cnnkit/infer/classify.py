@@ -14,6 +14,7 @@ from cnnkit.checkpoint import note_mean_image
 from cnnkit.data.augment import center_crop, ten_crop
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.preprocess import reads_images
+from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError
 from cnnkit.infer.images import ImageInput, check_preprocess, crops_of, image_name
 from cnnkit.infer.load import Loaded, load_for_inference, require_trained
@@ -49,6 +50,7 @@ class Classifier:
 
     def __init__(self, loaded: Loaded, device: Any = "cpu"):
         check_loaded(loaded)
+        device = resolve_device(str(device), "device")  # 'cuda' without one: one line, as --device
         self.model = loaded.model.to(device).eval()
         self.classes = loaded.classes
         self.preprocess = loaded.preprocess
@@ -97,6 +99,8 @@ class Classifier:
         batch_size: int = 64,
     ) -> Iterator[Prediction]:
         """Classify images in batches, in order; an unreadable one yields a Prediction with error."""
+        if isinstance(top, bool) or not isinstance(top, int) or top < 1:  # as --top refuses it
+            raise ConfigError(f"top: a whole number of classes, 1 or more, got {top!r}")
         pre = self.preprocess
         if tencrop and not (pre.resize and pre.resize > pre.crop):  # 5 copies and 5 mirrors
             raise ConfigError(
