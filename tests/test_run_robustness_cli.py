@@ -296,3 +296,5 @@ def test_schedules_this_run_never_reaches_are_said(tmp_path, capsys):
     assert code == 0 and "cnnkit: note: train.warmup_epochs 30 of 2 epochs" in err  # --quiet too
     assert ("cnnkit: note: train.schedule cosine does not use train.step_size (train.schedule="
             "step would use it)\n") in err  # a setting the run's schedule never reads  # fmt: skip
+    code, _, said = run_cli(["config", "digits", "train.step_size=1"], capsys)
+    assert code == 0 and "train.schedule cosine does not use train.step_size" in said  # as train

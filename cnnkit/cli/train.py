@@ -203,7 +203,7 @@ def show_config(
     from rich.table import Table
     from rich.text import Text
 
-    from cnnkit.config import describe_run, load_run
+    from cnnkit.config import describe_run, load_run, train_notes
     from cnnkit.tables import wide_console
     from cnnkit.train.build import for_weights
     from cnnkit.train.runfile import edited_run_config
@@ -220,7 +220,7 @@ def show_config(
     trained = Path(run).name == "config.yaml" and (Path(run).parent / "last.pt").is_file()
     config = load_run(run, list(overrides or []), trained=trained)  # (a resume's, if it trained)
     config, adapted = for_weights(config)  # what `train` would run
-    for note in config._notes + adapted:
+    for note in config._notes + adapted + train_notes(config.train):  # (as train says them)
         print(f"cnnkit: note: {note}", file=sys.stderr)
     table = Table(title=Text(f"{config.name}: {run}"), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("key", "value", "default", "description"):
