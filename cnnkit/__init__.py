@@ -129,6 +129,11 @@ def _one_process() -> None:
         raise ConfigError("data.hard_negatives: mining runs in one process (no --nproc)")
 
 
+def __dir__() -> list[str]:
+    """The lazy attributes too, for tab completion and dir()."""
+    return sorted({*globals(), *_LAZY})
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib

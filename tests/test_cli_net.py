@@ -351,3 +351,12 @@ def test_info_of_caffe_weights_points_to_import_caffe(tmp_path, capsys):
     assert (
         code == 2 and "Caffe's weights, not a network: `cnnkit import-caffe deploy.prototxt" in err
     )
+
+
+def test_the_package_lists_its_lazy_attributes_without_importing_them():
+    """dir(cnnkit) and tab completion show build_model, Classifier, Network and StopTraining,
+    which load on first use (`import cnnkit` stays without torch)."""
+    code = ("import sys, cnnkit; names = dir(cnnkit); "
+            "assert {'build_model', 'Classifier', 'Network', 'StopTraining', 'fit'} <= set(names); "
+            "assert 'torch' not in sys.modules, 'dir imported torch'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True)
