@@ -360,6 +360,12 @@ def _describe(row: dict) -> str:
     )
 
 
+def _events(path: Path) -> bool:
+    """A TensorBoard events file: left in its round's folder (a copy beside the rounds made
+    `tensorboard --logdir RUN` show the kept round twice)."""
+    return path.name.startswith("events.out.tfevents.")
+
+
 def _keep_best(run_dir: Path, rounds: list[dict], seconds: float) -> dict[str, Any]:
     """Copy the best round's run files up into run_dir (an epoch trained, held-out top-1 >= 95%,
     then the most held-out faces over the clutter, then the earliest; not its config.yaml:
@@ -374,14 +380,14 @@ def _keep_best(run_dir: Path, rounds: list[dict], seconds: float) -> dict[str, A
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{source / 'summary.json'}: damaged or missing ({e})") from None
     for item in source.iterdir():  # each file whole or not at all (a kill mid-copy: a resume
-        if item.is_file() and item.name != "config.yaml":  # copies it again)
-            with open(item, "rb") as f, atomic(run_dir / item.name) as out:
+        if item.is_file() and item.name != "config.yaml" and not _events(item):  # copies it
+            with open(item, "rb") as f, atomic(run_dir / item.name) as out:  # again)
                 shutil.copyfileobj(f, out)
             shutil.copystat(item, run_dir / item.name)
-    kept = {item.name for item in source.iterdir()}
-    for other in run_dir.glob("round-*/*"):  # what an earlier kept round put there (its own
-        if other.name not in kept and (run_dir / other.name).is_file():  # TensorBoard file,
-            (run_dir / other.name).unlink()  # best_ema.pt): the run's files are one round's
+    kept = {item.name for item in source.iterdir() if not _events(item)}
+    for other in run_dir.glob("round-*/*"):  # what an earlier kept round put there (its
+        if other.name not in kept and (run_dir / other.name).is_file():  # best_ema.pt, or an
+            (run_dir / other.name).unlink()  # older cnnkit's TensorBoard copy): one round's
     summary.update(run_dir=str(run_dir), chosen_round=best["round"], rounds=rounds)
     summary["wall_seconds"] = round(seconds, 3)  # every round's training and mining
     write_summary(run_dir / "summary.json", summary)

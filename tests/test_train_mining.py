@@ -238,7 +238,9 @@ def test_mining_run_resumed_on_several_processes_is_refused(tmp_path):
 
 def test_a_newly_kept_round_leaves_none_of_the_old_rounds_files(tmp_path):
     """A resume whose best round differs from the one kept before: the run's files are then the
-    new round's only (its TensorBoard file has a name of its own; no stale best_ema.pt)."""
+    new round's only (no stale best_ema.pt). TensorBoard's events stay in their rounds' folders
+    (a copy made `tensorboard --logdir RUN` show the kept round twice); one an older cnnkit
+    copied up goes."""
     for r, files in (
         (0, ("events.out.tfevents.1.a", "best_ema.pt")),
         (1, ("events.out.tfevents.2.b",)),
@@ -253,12 +255,15 @@ def test_a_newly_kept_round_leaves_none_of_the_old_rounds_files(tmp_path):
         for r, beat in ((0, 0.9), (1, 0.1))
     ]
     mining._keep_best(tmp_path, rows, 1.0)
-    assert (tmp_path / "best_ema.pt").exists() and (tmp_path / "events.out.tfevents.1.a").exists()
+    assert (tmp_path / "best_ema.pt").exists() and not (
+        tmp_path / "events.out.tfevents.1.a"
+    ).exists()
+    (tmp_path / "events.out.tfevents.1.a").write_text("0")  # an older cnnkit's copy
     rows[1]["faces_over_clutter"] = 0.95  # the resumed run's rounds: round 1 now wins
     summary = mining._keep_best(tmp_path, rows, 2.0)
     assert summary["chosen_round"] == 1 and (tmp_path / "metrics.csv").read_text() == "1"
     files = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
-    assert files == ["events.out.tfevents.2.b", "metrics.csv", "summary.json"]
+    assert files == ["metrics.csv", "summary.json"]
 
 
 @pytest.mark.parametrize("change,message", [
