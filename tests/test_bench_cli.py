@@ -24,7 +24,7 @@ def test_bench_of_a_run_takes_its_train_settings(tmp_path, capsys):
         chosen = _as_the_run_sets(net, *options)
         return tuple(chosen[k] for k in ("batch", "precision", "channels_last", "threads"))
 
-    assert sets("faces", None, "auto", None, None) == (16, "fp32", None, None)
+    assert sets("faces", None, "auto", None, None) == (16, "fp32", False, 1)  # all fixed
     assert sets("faces", 8, "bf16", True, 2) == (8, "bf16", True, 2)  # options win
     assert sets("lenet5", None, "auto", None, None) == (64, "auto", None, None)  # a network
     run = tmp_path / "run.yaml"
