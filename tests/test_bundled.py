@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from cnnkit.data import data_config
-from cnnkit.data.base import Preprocess, holdout_split
+from cnnkit.data.base import Preprocess
 from cnnkit.data.bundled import DigitsConfig
+from cnnkit.data.holdout import holdout_split
 from cnnkit.data.memory import Jitter, TensorBatches
 from cnnkit.errors import ConfigError
 

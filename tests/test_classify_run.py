@@ -17,8 +17,9 @@ from helpers import CLI, ROOT, one_error_line, run_cli
 from PIL import Image
 
 from cnnkit import CnnkitError, DataError
-from cnnkit.data.base import Preprocess, holdout_split
+from cnnkit.data.base import Preprocess
 from cnnkit.data.bundled import DigitsConfig
+from cnnkit.data.holdout import holdout_split
 from cnnkit.infer import Classifier
 
 

@@ -14,8 +14,8 @@ from data_images import all_images, write_bad_folder
 from PIL import Image
 
 from cnnkit.data import data_config
-from cnnkit.data.base import holdout_id, holdout_split
 from cnnkit.data.decode import load_resized
+from cnnkit.data.holdout import holdout_id, holdout_split
 from cnnkit.data.pack import pack_folder
 from cnnkit.data.packed import PackedImages
 from cnnkit.errors import DataError

@@ -14,14 +14,8 @@ import numpy as np
 import torch
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from cnnkit.data.base import (
-    DataBundle,
-    DataConfigBase,
-    Preprocess,
-    Section,
-    holdout_id,
-    holdout_split,
-)
+from cnnkit.data.base import DataBundle, DataConfigBase, Preprocess, Section
+from cnnkit.data.holdout import holdout_id, holdout_split
 from cnnkit.data.memory import Jitter, TensorBatches
 from cnnkit.errors import DataError
 

@@ -17,18 +17,11 @@ from pydantic import Field, PositiveInt, PrivateAttr, model_validator
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import imagenet_lighting
-from cnnkit.data.base import (
-    MAX_SIDE,
-    OWN_VAL_SET,
-    DataBundle,
-    Preprocess,
-    holdout_id,
-    holdout_split,
-    resized_side,
-)
+from cnnkit.data.base import MAX_SIDE, DataBundle, Preprocess, resized_side
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.boxes import rrc_boxes
 from cnnkit.data.decode import BadImage, Resized, device_jpeg, image_shape, load_resized
+from cnnkit.data.holdout import OWN_VAL_SET, holdout_id, holdout_split
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
 from cnnkit.data.packfiles import is_pack

@@ -15,17 +15,11 @@ from pydantic import Field, PrivateAttr
 from torch.utils.data import Dataset
 
 from cnnkit.data.augment import lighting_from_cov
-from cnnkit.data.base import (
-    OWN_VAL_SET,
-    DataBundle,
-    Preprocess,
-    holdout_id,
-    holdout_split,
-    resized_side,
-)
+from cnnkit.data.base import DataBundle, Preprocess, resized_side
 from cnnkit.data.batch import BatchJob, Crops, Encoded, ImageList, WorkerBatch
 from cnnkit.data.boxes import frame_boxes
 from cnnkit.data.decode import BadImage, decode_jpeg_bytes
+from cnnkit.data.holdout import OWN_VAL_SET, holdout_id, holdout_split
 from cnnkit.data.imageset import ImageSetConfig, build_augment
 from cnnkit.data.loader import build_streams
 from cnnkit.data.packfiles import RESIZE_FLAG, read_index, read_meta, scanned_images

@@ -13,7 +13,7 @@ import torch
 
 from cnnkit.config import RunConfig
 from cnnkit.data import DataBundle
-from cnnkit.data.base import OWN_VAL_SET
+from cnnkit.data.holdout import OWN_VAL_SET
 from cnnkit.errors import ConfigError, DataError, plural
 from cnnkit.nn import Network
 from cnnkit.train.loop import Progress
