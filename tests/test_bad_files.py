@@ -90,7 +90,7 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("torch's num_parameters", layer("{name: c1, type: prelu, num_parameters: 1}"), "num_parameters: unknown field (channelwise: true is torch's num_parameters=C"),
     ("unknown block param", block_line("{name: s, block: b, ww: 3}"), "block 'b' has no parameter 'ww' (it takes w)"),
     ("block line keyword typo", block_line("{name: s, block: b, reapeat: 2}"), "has no parameter 'reapeat' (it takes w) (did you mean 'repeat'?)"),
-    ("default before its parameter", block_line("{name: s, block: b}").replace("params: {w: 4}", "params: {v: '$w + 1', w: 4}"), "block 'b': the default of v uses $w, a parameter after it: defaults are read in order, so list w first"),
+    ("default before its parameter", block_line("{name: s, block: b}").replace("params: {w: 4}", "params: {v: '$w + 1', w: 4}"), "blocks.b.params: the default of v uses $w, a parameter after it: defaults are read in order, so list w first"),
     ("repeat 10^7", block_line("{name: s, block: b, repeat: 10000000}"), "repeat: must be a whole number from 1 to 20,000"),
     ("repeat 0", block_line("{name: s, block: b, repeat: 0}"), "repeat: must be a whole number from 1 to 20,000, got 0"),
     ("repeat true", block_line("{name: s, block: b, repeat: true}"), "repeat: must be a whole number"),

@@ -10,7 +10,6 @@ bounded by MAX_ENTRIES as the layers made are by MAX_LAYERS.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,12 +327,6 @@ class Expander:
             if key in given:
                 params[key] = self._sub(label, key, given[key], env)
             else:  # a default may use the parameters before it and the block's input shape
-                later = [k for k in re.findall(r"\$(\w+)", str(default))
-                         if k in block.params and k not in params]  # fmt: skip
-                if later:
-                    raise ConfigError(f"{label}: block {brief(name)}: the default of {key} uses "
-                                      f"${later[0]}, a parameter after it: defaults are read in "
-                                      f"order, so list {later[0]} first")  # fmt: skip
                 params[key] = self._sub(label, key, default, {**shape_env, **params})
             if params[key] is None:
                 raise ConfigError(f"{label}: block {brief(name)} needs parameter {brief(key)}")

@@ -98,6 +98,13 @@ class BlockDef(BaseModel):
         if line:
             raise ValueError(f"{line[0]!r} is a keyword of the line that uses a block; call the "
                              "parameter otherwise")  # fmt: skip
+        for i, (key, default) in enumerate(v.items()):  # defaults are read in order
+            later = [k for k in re.findall(r"\$(\w+)", str(default)) if k in list(v)[i + 1 :]]
+            if later:
+                raise ValueError(
+                    f"the default of {key} uses ${later[0]}, a parameter after it: "
+                    f"defaults are read in order, so list {later[0]} first"
+                )
         return v
 
 
