@@ -248,12 +248,12 @@ class PackedConfig(ImageSetConfig):
         if not self.val_fraction:
             return np.arange(len(every.labels)), np.zeros(0, np.int64), None
         keys = every.keys()
-        train_ids, val_ids = holdout_split(every.labels, self.val_fraction, keys=keys)
-        own = (train_ids, val_ids, holdout_id(keys, val_ids, len(every.labels)))
         folders = self._folders_split(every, keys)
-        if folders is None or (self._drawn and self._holdout != folders[2]):
-            return own  # (a run drawn otherwise: made before, or before fingerprints)
-        return folders
+        if folders is not None and not (self._drawn and self._holdout != folders[2]):
+            return folders
+        train_ids, val_ids = holdout_split(every.labels, self.val_fraction, keys=keys)
+        return train_ids, val_ids, holdout_id(keys, val_ids, len(every.labels))  # (also a run
+        # drawn otherwise: made before, or before fingerprints)
 
     def _folders_split(self, every: PackedImages,
                        keys: list[str] | None) -> tuple[np.ndarray, np.ndarray, str] | None:  # fmt: skip
