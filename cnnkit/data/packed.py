@@ -252,8 +252,7 @@ class PackedConfig(ImageSetConfig):
         if folders is not None and not (self._drawn and self._holdout != folders[2]):
             return folders
         train_ids, val_ids = holdout_split(every.labels, self.val_fraction, keys=keys)
-        return train_ids, val_ids, holdout_id(keys, val_ids, len(every.labels))  # (also a run
-        # drawn otherwise: made before, or before fingerprints)
+        return train_ids, val_ids, holdout_id(keys, val_ids, len(every.labels))
 
     def _folders_split(self, every: PackedImages,
                        keys: list[str] | None) -> tuple[np.ndarray, np.ndarray, str] | None:  # fmt: skip
