@@ -294,6 +294,18 @@ def test_a_path_given_on_the_command_line_brings_its_source(shapes, tmp_path):
         load_run(run, [f"data.path={tmp_path / 'packed'}", "data.source=packed"])
     with pytest.raises(ConfigError, match=r"^data.interpolation: unknown field \(a pack's "):
         load_run(run, [f"data.path={tmp_path / 'packed'}", "data.interpolation=bicubic"])
+    written = {"model": "lenet5", "data": {"path": str(shapes), "size": 37, "grey": True}}
+    moved = load_run(written, [f"data.path={tmp_path / 'packed'}", "data.crop=24"])
+    assert moved.data.source == "packed" and moved.data.grey  # `source` left out: a folder's
+    assert moved._notes == [
+        config._notes[0]
+        .replace(", resize_mode shorter", "")
+        .replace(", resize_mode squash", "")
+        .replace(" --resize shorter-side-crop", "")
+    ]
+    misspelt = {"model": "lenet5", "data": {"path": str(shapes), "sorce": "folder"}}
+    with pytest.raises(ConfigError, match=r"^data\.sorce: unknown field \(did you mean 'source'"):
+        load_run(misspelt, [f"data.path={tmp_path / 'packed'}"])
 
 
 def test_a_folders_run_resumed_on_its_pack_keeps_its_normalisation(shapes, tmp_path):

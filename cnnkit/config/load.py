@@ -38,6 +38,8 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
     raw = copy.deepcopy(raw)
     if isinstance(raw.get("model"), str) and any(o.startswith("model.") for o in overrides or []):
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
+    if "data.path" in given and "data.source" not in given:
+        _folder_as_written(raw)
     for item in overrides or []:
         apply_override(raw, item)
     notes = source_follows_path(raw, overrides, resumed=trained)
@@ -152,6 +154,17 @@ def _resized_otherwise(folder: dict[str, Any], pack: str) -> list[str]:
             + ", ".join(f"{k} {made[k]}" for k in differ) + ", the run's folder read them with "
             + ", ".join(f"{k} {said[k]}" for k in differ) + " (cnnkit pack "
             + " ".join(f"{PACK_FLAGS[k]} {value[k]}" for k in differ) + " packs them as it did)"]  # fmt: skip
+
+
+def _folder_as_written(raw: dict[str, Any]) -> None:
+    """A run file's folder, its source left out (read as a folder: check_source), named
+    `source: folder` before `data.path=PACK` replaces it: the run then moves to the pack
+    (source_follows_path) as one that says `source: folder` does, not refused field by field."""
+    data = raw.get("data")
+    if isinstance(data, dict) and data.get("source") is None and isinstance(data.get("path"), str):
+        with suppress(ConfigError):  # (a misspelt `sorce:` is said when the run is validated)
+            if check_source(data).get("source") == "folder":
+                data["source"] = "folder"
 
 
 def _source_of_path(raw: dict[str, Any]) -> None:
