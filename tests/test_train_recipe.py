@@ -108,6 +108,15 @@ def test_ema_is_evaluated_saved_and_resumed(tmp_path, capsys):
         torch.testing.assert_close(exported[key], value)
     code, _, err = run_cli(["eval", str(tmp_path / "e.safetensors"), "--ema"], capsys)
     assert code == 2 and "the moving average itself" in err
+    named = cnnkit.Classifier.load(tmp_path / "straight" / "best_ema.pt")  # as --ema picks it
+    for key, value in named.model.state_dict().items():  # (was: the raw weights of that epoch)
+        torch.testing.assert_close(value, best["ema"][key])
+    code, out, err = run_cli(["eval", str(tmp_path / "straight" / "best_ema.pt"), "--json"], capsys)
+    assert code == 0 and json.loads(out)["top1"] == pytest.approx(max(scores), abs=1.5 / images)
+    from cnnkit.nn.weights import read_state_dict
+
+    for key, value in read_state_dict(tmp_path / "straight" / "best_ema.pt").items():
+        torch.testing.assert_close(value, best["ema"][key])  # as model.weights: to fine-tune
 
 
 def test_ema_with_an_export_is_one_usage_error_in_every_command(tmp_path, capsys):

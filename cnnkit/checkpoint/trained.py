@@ -28,7 +28,8 @@ def load_trained(target: str | Path, device: Any = "cpu",
                  ema: bool = False) -> tuple[torch.nn.Module, dict[str, Any]]:  # fmt: skip
     """(Network in eval mode on `device`, meta with classes, preprocess, config) from a run
     directory, a checkpoint file or a .safetensors export (whose config is empty: it records
-    no data section). `ema`: the moving average of the weights instead (train.ema)."""
+    no data section). `ema`: the moving average of the weights instead (train.ema), as named
+    best_ema.pt means (the epoch its moving average scored best: those are its weights)."""
     if Path(target).suffix == ".safetensors":
         if ema:
             raise export_ema_error(target)
@@ -36,6 +37,7 @@ def load_trained(target: str | Path, device: Any = "cpu",
         return model.to(device).eval(), meta
     path = checkpoint_path(target, ema)
     state = load_checkpoint(path)
+    ema = ema or (path.name == "best_ema.pt" and bool(state.get("ema")))
     try:
         model = build_model(state["model_spec"], num_classes=state["num_classes"])
         if ema and not state.get("ema"):

@@ -23,7 +23,8 @@ SHOWN = 3  # keys named per kind of mismatch
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file or a weights-only .pt / .pth (a bare state_dict or a
-    checkpoint holding one under `state_dict` / `model`), with DDP's `module.` prefix removed."""
+    checkpoint holding one under `state_dict` / `model`; a run's best_ema.pt its moving average),
+    with DDP's `module.` prefix removed."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"{path}: a folder, not a weights file (a .safetensors, .pt or "
@@ -31,6 +32,12 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such weights file")
     state = _read_safetensors(path) if path.suffix == ".safetensors" else _read_pt(path)
+    if (
+        path.name == "best_ema.pt"
+        and isinstance(state, dict)
+        and isinstance(state.get("ema"), dict)
+    ):
+        state = state["ema"]  # a cnnkit run's best moving average: its weights are those
     for key in WRAPPERS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
