@@ -355,3 +355,35 @@ def test_train_help_whose_reader_goes_stops_quietly(argv, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdout", _ClosedPipe())
     code, _, err = run_cli(argv, capsys)
     assert (code, err) == (141, "")
+
+
+def test_a_pngs_orientation_is_read_without_decoding_it(tmp_path, monkeypatch):
+    """Pillow's getexif decodes a whole PNG to look for an eXIf chunk after the pixels: every
+    PNG was decoded twice, and one over the pixel limit was decoded before it was refused.
+    The chunk is found by the chunks' lengths, before the image data or after it."""
+    import struct
+    import zlib
+
+    from PIL import PngImagePlugin
+
+    from cnnkit.infer.images import _orientation
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    early = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(early, "PNG", exif=exif)
+    plain = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(plain, "PNG")
+    payload = exif.tobytes()[6:]  # the PNG spec's eXIf: the TIFF header first, no "Exif\0\0"
+    chunk = struct.pack(">I", len(payload)) + b"eXIf" + payload
+    chunk += struct.pack(">I", zlib.crc32(b"eXIf" + payload))
+    at = plain.getvalue().rfind(b"IEND") - 4
+    late = plain.getvalue()[:at] + chunk + plain.getvalue()[at:]
+    assert Image.open(io.BytesIO(late)).getexif().get(0x0112) == 6  # as Pillow reads it
+
+    def decodes(self):
+        raise AssertionError("decoded to read the orientation")
+
+    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", decodes)
+    assert [_orientation(d) for d in (early.getvalue(), late, plain.getvalue())] == [6, 6, 1]
+    assert _orientation(plain.getvalue()[:40]) == 1  # a truncated file: as stored

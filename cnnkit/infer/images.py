@@ -166,15 +166,41 @@ def _decode_stored(path: str | Path, size: int | None, mode: str) -> tuple[Decod
         raise DataError(f"{path}: {e}") from None
 
 
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
 def _orientation(data: bytes) -> int:
-    """The EXIF orientation tag (1: upright), read from the header alone."""
+    """The EXIF orientation tag (1: upright), read from the header alone (a PNG's eXIf chunk
+    found by its chunks' lengths: Pillow's getexif decodes the whole PNG to look after it)."""
     try:
+        if data.startswith(_PNG_MAGIC):
+            chunk = _png_exif(data)
+            return int(_exif_of(chunk).get(0x0112, 1)) if chunk else 1
         with warnings.catch_warnings():  # a big image's DecompressionBombWarning: the decode
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checks its size
             with Image.open(io.BytesIO(data)) as image:
                 return int(image.getexif().get(0x0112, 1))
     except Exception:  # noqa: BLE001 - no EXIF, or none PIL can read: as stored
         return 1
+
+
+def _png_exif(data: bytes) -> bytes | None:
+    """A PNG's eXIf chunk (before its image data or after it), None where it has none."""
+    at = len(_PNG_MAGIC)
+    while at + 8 <= len(data):
+        length, kind = int.from_bytes(data[at : at + 4], "big"), data[at + 4 : at + 8]
+        if kind == b"eXIf":
+            return data[at + 8 : at + 8 + length]
+        if kind == b"IEND":
+            return None
+        at += 12 + length  # length, type, data, CRC
+    return None
+
+
+def _exif_of(chunk: bytes) -> Image.Exif:
+    exif = Image.Exif()
+    exif.load(chunk if chunk.startswith(b"Exif\x00\x00") else b"Exif\x00\x00" + chunk)
+    return exif
 
 
 def _resized_file(path: str | Path, size: int, mode: str,
