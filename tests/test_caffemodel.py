@@ -516,6 +516,13 @@ layer { name: "conv1" type: "Convolution" bottom: "cat" top: "conv1"
         convolution_param { num_output: 4 kernel_size: 3 } }
 layer { name: "fc8" type: "InnerProduct" bottom: "conv1" top: "fc8" inner_product_param { num_output: 5 } }
 """  # the reversed channels concatenated: their order cannot be followed
+LINEAR = """layer { name: "fc8" type: "InnerProduct" bottom: "data" top: "fc8" inner_product_param { num_output: 5 } }
+"""  # the pixels straight into a linear layer
+INTERP = """layer { name: "zoom" type: "Interp" bottom: "data" top: "zoom" interp_param { zoom_factor: 2 } }
+layer { name: "conv1" type: "Convolution" bottom: "zoom" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 } }
+layer { name: "fc8" type: "InnerProduct" bottom: "conv1" top: "fc8" inner_product_param { num_output: 5 } }
+"""  # a bilinear resize, per channel, before the first convolution
 
 
 @pytest.mark.parametrize(
@@ -525,15 +532,17 @@ layer { name: "fc8" type: "InnerProduct" bottom: "conv1" top: "fc8" inner_produc
         (SCALE_BESIDE, "data_bn, data_scale, conv1"),
         (CROP, "conv1, conv2"),
         (CONCAT, None),
+        (LINEAR, None),
+        (INTERP, "conv1"),
     ],
-    ids=["bn-first", "scale-beside", "crop", "concat"],
+    ids=["bn-first", "scale-beside", "crop", "concat", "linear", "interp"],
 )
 def test_layers_before_the_first_convolutions_are_turned_to_rgb_too(
     tmp_path, layers, reversed_layers
 ):
     """The BGR order is followed from the input through batch norms, Scales, PReLU, LRN,
     Power, pooling and sums to the convolutions: the import reads RGB as the Caffe net read BGR, and
-    says Caffe's preprocessing. Where it cannot be followed, the net keeps BGR and says so."""
+    says Caffe's preprocessing. Where it cannot be followed, a channel reversal goes first."""
     from cnnkit.caffe import read_caffe
 
     prototxt = prototxt_file(tmp_path, layers, "dim: 1 dim: 3 dim: 8 dim: 8")
@@ -560,12 +569,12 @@ def test_layers_before_the_first_convolutions_are_turned_to_rgb_too(
     rgb, imported = built(keep_bgr=False)
     x = torch.randn(2, 3, 8, 8, generator=g) * 40
     with torch.no_grad():
-        if reversed_layers is None:
-            assert "preprocess" not in imported.model
-            assert any("keep Caffe's BGR channel order" in n for n in imported.notes)
-            torch.testing.assert_close(rgb(x), caffe(x))
+        assert imported.model["preprocess"]["mean"] == [122.68, 116.67, 104.01]
+        if reversed_layers is None:  # (was: kept BGR, fed RGB by every command, without a word)
+            assert imported.model["layers"][0]["name"] == "rgb_to_bgr"
+            assert imported.notes[0].startswith("rgb_to_bgr: a 1x1 convolution that reverses")
+            torch.testing.assert_close(rgb(x), caffe(x.flip(1)), rtol=0, atol=0)
         else:
-            assert imported.model["preprocess"]["mean"] == [122.68, 116.67, 104.01]
             assert imported.notes[0].startswith(f"{reversed_layers}: input channels reversed")
             torch.testing.assert_close(rgb(x), caffe(x.flip(1)), rtol=1e-5, atol=1e-4)
 
