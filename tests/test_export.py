@@ -106,6 +106,17 @@ def test_safetensors_round_trip_and_classify(digits_run, tmp_path, capsys):
     (tmp_path / "x.png").write_bytes(b"")
     code, stdout, _ = run_cli(["classify", str(out), str(tmp_path / "x.png"), "--json"], capsys)
     assert code == 1 and json.loads(stdout)["error"].endswith("empty file")
+    # the export as a network file's weights: its preprocess and classes with it (were: 0-1
+    # pixels and class numbers, without a word), unless the file gives its own
+    spec = {**copy.model.spec, "weights": out.name}
+    (tmp_path / "net.yaml").write_text(yaml.safe_dump({"model": spec}))
+    named = load_for_inference(tmp_path / "net.yaml")
+    assert named.preprocess == original.preprocess and named.classes == original.classes
+    assert Classifier.load(tmp_path / "net.yaml").predict(image, top=10).probs == a.probs
+    own = {**spec, "preprocess": {"mean": [100], "std": [50]}, "classes": list("abcdefghij")}
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump({"model": own}))
+    mine = load_for_inference(tmp_path / "own.yaml")
+    assert (list(mine.preprocess.mean), mine.classes[0]) == ([100.0], "a")
 
 
 def test_eval_of_an_export_computes_in_its_runs_precision_else_fp32(digits_run, tmp_path):

@@ -122,15 +122,43 @@ def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None)
     if target.type not in ("cpu", "meta"):  # refused in one line if it does not fit there
         check_fits(model.name, model.param_count, model.activation_count, target)
     model = model.to(target)
-    preprocess = network_preprocess(spec, tuple(model.input_shape), description.get("preprocess"))
     out = tuple(model.output_shape)  # a vector of scores: one name per output
     outputs = model.num_classes or (out[0] if len(out) == 1 else 0)
-    named = description.get("classes")
+    given, named, image = exported_records(description.get("weights"), model, outputs)
+    given, named = description.get("preprocess", given), description.get("classes", named)
+    image = image if "preprocess" not in description else None
+    preprocess = network_preprocess(spec, tuple(model.input_shape), given)
     if num_classes is not None and isinstance(named, list) and len(named) != num_classes:
         raise ConfigError(f"--num-classes {num_classes}: {spec} names {len(named)} classes "
                           "(classes:)")  # fmt: skip
     classes = class_names(named, outputs, spec)
-    return Loaded(model.eval(), classes, preprocess, spec, "weights" in description)
+    return Loaded(model.eval(), classes, preprocess, spec, "weights" in description,
+                  mean_image=image)  # fmt: skip
+
+
+def exported_records(weights: Any, model: Network, outputs: int) -> tuple[dict | None, list | None,
+                                                                          torch.Tensor | None]:  # fmt: skip
+    """The preprocess, classes and mean image of a `cnnkit export` named as a network file's
+    weights (where it read the input this network reads, and has as many classes), which the
+    file's own `preprocess:` and `classes:` replace; (None, None, None) for any other file."""
+    if not isinstance(weights, str) or not weights.endswith(".safetensors"):
+        return None, None, None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(weights, framework="pt") as f:
+            meta = f.metadata() or {}
+            keys = set(f.keys())
+            image = f.get_tensor(MEAN_IMAGE_KEY).float() if MEAN_IMAGE_KEY in keys else None
+        if meta.get("format") != EXPORT_FORMAT:
+            return None, None, None
+        pre, classes = json.loads(meta["preprocess"]), json.loads(meta["classes"])
+    except (SafetensorError, OSError, ValueError, KeyError):
+        return None, None, None  # (build_model read its weights: nothing to add)
+    shape = tuple(model.input_shape)
+    fits = len(shape) == 3 and (pre.get("channels"), pre.get("crop")) == (shape[0], shape[-1])
+    named = classes if isinstance(classes, list) and len(classes) == outputs else None
+    return (pre, named, image) if fits else (None, named, None)
 
 
 def check_sized_by(num_classes: int | None, network: Network, name: str) -> None:
