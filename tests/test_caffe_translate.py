@@ -766,3 +766,12 @@ def test_input_size_replaces_a_placeholder_or_the_prototxts_size(tmp_path, capsy
     for bad in ("3x4x5", "abc", "0", "9000"):
         assert run_cli(["import-caffe", str(proto), "--input-size", bad]) == 2
         assert f"--input-size '{bad}': expected H,W (or one side)" in capsys.readouterr().err
+
+
+def test_a_prototxt_saved_with_a_byte_order_mark_is_read(tmp_path):
+    """Windows editors save UTF-8 with a byte-order mark: it was read as part of the first
+    field's name ("cannot read '\\ufeffname: ...'")."""
+    text = (DATA / "lenet.prototxt").read_text()
+    marked = tmp_path / "bom.prototxt"
+    marked.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert import_caffe(marked) == import_caffe(DATA / "lenet.prototxt")

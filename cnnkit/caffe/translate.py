@@ -64,7 +64,7 @@ def _translator(path: str | Path, output: str | None = None,
                 size: tuple[int, int] | None = None) -> Translator:  # fmt: skip
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # (a Windows editor's byte-order mark)
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file: a deploy .prototxt is text (a trained "
                           ".caffemodel comes second)") from None  # fmt: skip
