@@ -53,6 +53,11 @@ def test_a_data_yaml_is_scored_on_its_held_out_split(untrained, tmp_path, capsys
     code, out, _ = run_cli(["eval", "--help"], capsys)
     said = re.sub(r"[\s│]+", " ", out)
     assert "(every image in it is scored)" in said and "a data YAML (its held-out split" in said
+    (tmp_path / "dyt.yaml").write_text("path: sm\nval_fracton: 0.5\n")  # as train says it
+    code, _, err = run_cli(["eval", untrained, "--data", "dyt.yaml"], capsys)
+    assert one_error_line(code, err) == (
+        "cnnkit: error: data.val_fracton: unknown field (did you mean 'val_fraction'?)"
+    )
 
 
 def test_a_folder_named_as_a_bundled_set_is_read_as_a_folder(untrained, tmp_path, capsys):

@@ -3,6 +3,7 @@ made to fit the trained network: its crop, resizing, filter and normalisation.""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from cnnkit.checkpoint import NOT_HELD, note_mean_image
+from cnnkit.config.hints import did_you_mean
 from cnnkit.data import SOURCES, DataConfig, Preprocess, check_source, data_config
 from cnnkit.data.decode import is_image_name
 from cnnkit.data.packfiles import RESIZE_FLAG, is_pack, read_meta
@@ -72,7 +74,13 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
                 section["val_labels"] = labels
     else:
         raise DataError(f"--data {spec}: not a data source ({', '.join(SOURCES)}), file or folder")
-    cfg = data_config(section)
+    try:
+        cfg = data_config(section)
+    except ConfigError as e:  # a data YAML's misspelt field: the one meant, as train says it
+        typo = re.fullmatch(r"data\.(\w+): unknown field", str(e))
+        if typo is None:
+            raise
+        raise ConfigError(f"{e}{did_you_mean(('data', typo[1]), {'data': section})}") from None
     if section.get("source") == "packed":
         check_pack_fits(spec, read_meta(cfg.path), pre)
     cfg = cfg.evaluated_as(pre, mean_image)
