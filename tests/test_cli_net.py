@@ -116,10 +116,11 @@ def test_info_of_an_export_under_any_name_or_size_says_what_it_is(tmp_path, caps
         f.truncate(17 * 2**20)
     capsys.readouterr()
     for path, kind in ((script, "a TorchScript"), (big, "an ONNX")):
-        for command in (["info", str(path)], ["eval", str(path), "--data", "digits"]):
+        for command in (["info", str(path)], ["eval", str(path), "--data", "digits"],
+                        ["classify", str(path), str(path)]):  # fmt: skip
             code, _, err = run_cli(command, capsys)  # eval said: not a checkpoint (...neither)
             assert (
-                code in (1, 2)
+                code == 2  # a usage error in each (eval's was 1)
                 and len(err.splitlines()) == 1
                 and err.startswith(
                     f"cnnkit: error: {path}: {kind} export, which cnnkit writes but does not read "

@@ -18,6 +18,7 @@ from cnnkit.data.scan import unknown_classes
 from cnnkit.distributed import resolve_device
 from cnnkit.errors import CheckpointError, ConfigError, DataError, validation_message
 from cnnkit.nn.onednn import freeze
+from cnnkit.nn.yamlio import export_kind, export_said
 from cnnkit.runtime import restore_matmuls, tf32_matmuls
 from cnnkit.train.checks import check_same_classes, check_same_split
 from cnnkit.train.engine import Engine, build_engine
@@ -131,7 +132,11 @@ def _grey_for(cfg: DataConfig, pre: Preprocess) -> tuple[DataConfig, tuple[float
 
 def _trained(target: str | Path, ema: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
     """load_trained's network and meta; ConfigError for an export of fresh weights, whose
-    figures would be those of random weights."""
+    figures would be those of random weights; an ONNX, torch.export or TorchScript file is a
+    usage error, as every other command says it (exit status 2)."""
+    kind = export_kind(Path(target)) if Path(target).is_file() else None
+    if kind is not None:
+        raise ConfigError(f"{target}: {export_said(kind)}")
     network, meta = load_trained(target, ema=ema)
     if meta.get("trained") is False:
         raise ConfigError(f"{target}: the export of a network without trained weights (its "
