@@ -226,11 +226,15 @@ def test_show_net_and_export_size_a_network_without_a_class_count(tmp_path, caps
     named.write_text(net.read_text().replace("model:\n", "model:\n  classes: [a, b, c]\n"))
     weighted = tmp_path / "weighted.yaml"
     weighted.write_text(net.read_text().replace("model:\n", "model:\n  weights: w.safetensors\n"))
+    missing = tmp_path / "missing.yaml"  # its weights file named as missing, not as trained
+    missing.write_text(weighted.read_text().replace("w.safetensors", "gone.safetensors"))
+    (tmp_path / "w.safetensors").write_bytes(b"")
     folder = tmp_path / "photos"  # not a run: said as such, not as trained
     folder.mkdir()
     for target, said in [(named, f"--num-classes 5: {named} names 3 classes (classes:)"),
                          (weighted, f"--num-classes 5: {weighted} loads weights ({tmp_path}/w."
                           "safetensors), trained for its own classes"),
+                         (missing, "gone.safetensors: no such weights file"),
                          (folder, f"{folder}: not a run directory")]:  # fmt: skip
         code, _, err = run_cli(["export", str(target), "-o", str(tmp_path / "x.onnx"),
                                 "--num-classes", "5"], capsys)  # fmt: skip

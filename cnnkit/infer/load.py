@@ -106,7 +106,8 @@ def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None)
         description = import_caffe(spec)
     else:
         description = read_spec(spec)
-    if num_classes is not None and "weights" in description:  # its head would stay untrained
+    weights = description.get("weights")  # (a missing file: said as such, when it is built)
+    if num_classes is not None and weights and Path(weights).exists():  # its head: untrained
         raise ConfigError(f"--num-classes {num_classes}: {spec} loads weights ("
                           f"{description['weights']}), trained for its own classes "
                           "(--num-classes sizes a network with fresh weights)")  # fmt: skip
