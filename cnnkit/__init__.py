@@ -59,9 +59,12 @@ def fit(
     the network and its settings, print the start line and stop (nothing is written). `callbacks`: objects with `on_step_end(epoch,
     step, global_step)` and/or `on_epoch_end(row)` methods (a row: that epoch's metrics.csv
     figures); either may raise `cnnkit.StopTraining` to end the run there, files written.
+    `on_step(epoch, step, global_step)`: a function called as on_step_end is (epoch and step
+    from 1, as logged).
     """
     from cnnkit.train.run import launch
 
+    _check_resume(run, out, resume)
     overrides, callbacks = _checked_arguments(overrides, callbacks, on_step)
     hooks = {"quiet": quiet, "on_step": on_step, "callbacks": callbacks}
     mined = _fit_mining(run, overrides, out, resume, dry_run, hooks)
@@ -71,6 +74,19 @@ def fit(
 
 
 _HOOK_METHODS = ("on_step_end", "on_epoch_end")
+
+
+def _check_resume(run: Any, out: Any, resume: Any) -> None:
+    """resume= continues a run in its own directory, with its own settings: a run or an out
+    given with it is refused, as `cnnkit train --resume` refuses them (the run was ignored,
+    and out= named the run's directory in the summary, not the one given)."""
+    from cnnkit.errors import ConfigError, brief
+
+    if resume is not None and (out is not None or run is not None):
+        named = brief(run) if isinstance(run, dict) else run
+        given = f"out={out}" if out is not None else f"the run {named}"
+        raise ConfigError(f"resume={resume} continues that run in its own directory: {given} "
+                          "cannot be given with it (overrides can)")  # fmt: skip
 
 
 def _checked_arguments(overrides: Any, callbacks: Any, on_step: Any) -> tuple[list[str], list]:

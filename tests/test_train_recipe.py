@@ -263,3 +263,20 @@ def test_fits_overrides_and_callbacks_are_checked_before_anything_is_written(tmp
     seen = Epochs()
     cnnkit.fit("digits", ["train.epochs=1"], out=tmp_path / "r", quiet=True, callbacks=seen)
     assert seen.rows == [1]
+
+
+def test_fit_refuses_a_run_or_out_given_with_resume_and_counts_on_steps_epochs_from_1(tmp_path):
+    """fit(resume=R, out=O) trained on in R while its summary said so, and fit(RUN, resume=R)
+    ignored RUN: both refused, as `cnnkit train --resume` refuses them. on_step's epoch was
+    counted from 0, on_step_end's from 1: both from 1, as logged."""
+    from cnnkit.errors import ConfigError
+
+    heard = []
+    cnnkit.fit("digits", ["train.epochs=1", "train.calibrate=false", "data.batch_size=512"],
+               out=tmp_path / "r", quiet=True, on_step=lambda *a: heard.append(a))  # fmt: skip
+    assert heard[0] == (1, 1, 1) and heard[-1][0] == 1
+    with pytest.raises(ConfigError, match=r"continues that run in its own directory: out=\S+z "):
+        cnnkit.fit(resume=tmp_path / "r", out=tmp_path / "z")
+    with pytest.raises(ConfigError, match="the run digits cannot be given with it"):
+        cnnkit.fit("digits", resume=tmp_path / "r")
+    assert not (tmp_path / "z").exists()

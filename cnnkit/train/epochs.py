@@ -38,16 +38,17 @@ from cnnkit.train.summary import epoch_row
 
 @dataclass
 class Hooks:
-    """What the caller hears of a run: a step hook (epoch counted from 0) and callbacks
-    (objects with optional `on_step_end(epoch, step, global_step)` and `on_epoch_end(row)`
-    methods; epoch and step counted from 1, as the log and metrics.csv count them)."""
+    """What the caller hears of a run: a step hook `on_step(epoch, step, global_step)` and
+    callbacks (objects with optional `on_step_end(epoch, step, global_step)` and
+    `on_epoch_end(row)` methods); epoch and step counted from 1, as the log and metrics.csv
+    count them (on_step's epoch was counted from 0)."""
 
     on_step: StepHook | None = None
     callbacks: Sequence[Any] = field(default_factory=list)
 
     def step(self, epoch: int, step: int, global_step: int) -> None:
         if self.on_step is not None:
-            self.on_step(epoch, step, global_step)
+            self.on_step(epoch + 1, step, global_step)
         for cb in self.callbacks:
             if hasattr(cb, "on_step_end"):
                 cb.on_step_end(epoch + 1, step, global_step)
