@@ -60,17 +60,20 @@ def fit(
     step, global_step)` and/or `on_epoch_end(row)` methods (a row: that epoch's metrics.csv
     figures); either may raise `cnnkit.StopTraining` to end the run there, files written.
     `on_step(epoch, step, global_step)`: a function called as on_step_end is (epoch and step
-    from 1, as logged).
+    from 1, as logged). The run seeds torch, numpy and python from its `seed`; the caller's
+    generators are as they were when it returns.
     """
+    from cnnkit.runtime import random_state_kept
     from cnnkit.train.run import launch
 
     _check_resume(run, out, resume)
     overrides, callbacks = _checked_arguments(overrides, callbacks, on_step)
     hooks = {"quiet": quiet, "on_step": on_step, "callbacks": callbacks}
-    mined = _fit_mining(run, overrides, out, resume, dry_run, hooks)
-    if mined is not None:
-        return mined
-    return launch(run, overrides, out=out, resume=resume, dry_run=dry_run, **hooks)
+    with random_state_kept():
+        mined = _fit_mining(run, overrides, out, resume, dry_run, hooks)
+        if mined is not None:
+            return mined
+        return launch(run, overrides, out=out, resume=resume, dry_run=dry_run, **hooks)
 
 
 _HOOK_METHODS = ("on_step_end", "on_epoch_end")

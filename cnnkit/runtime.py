@@ -163,6 +163,21 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+@contextmanager
+def random_state_kept() -> Iterator[None]:
+    """The caller's random generators (python's, numpy's, torch's and those of the CUDA devices
+    already in use) as they were before, after what seeds them (fit: a notebook's draws go on
+    as if no run had seeded them)."""
+    state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(state[0])
+            np.random.set_state(state[1])
+
+
 def keep_freed_memory() -> bool:
     """Let glibc keep freed blocks instead of unmapping every one over 32 MB; True if applied.
 

@@ -268,13 +268,20 @@ def test_fits_overrides_and_callbacks_are_checked_before_anything_is_written(tmp
 def test_fit_refuses_a_run_or_out_given_with_resume_and_counts_on_steps_epochs_from_1(tmp_path):
     """fit(resume=R, out=O) trained on in R while its summary said so, and fit(RUN, resume=R)
     ignored RUN: both refused, as `cnnkit train --resume` refuses them. on_step's epoch was
-    counted from 0, on_step_end's from 1: both from 1, as logged."""
+    counted from 0, on_step_end's from 1: both from 1, as logged. The caller's random
+    generators are left as they were (fit reseeded them all)."""
+    import random
+
     from cnnkit.errors import ConfigError
 
     heard = []
+    torch.manual_seed(123), np.random.seed(5), random.seed(7)  # a notebook's own seeds
+    before = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
     cnnkit.fit("digits", ["train.epochs=1", "train.calibrate=false", "data.batch_size=512"],
                out=tmp_path / "r", quiet=True, on_step=lambda *a: heard.append(a))  # fmt: skip
     assert heard[0] == (1, 1, 1) and heard[-1][0] == 1
+    assert torch.equal(torch.get_rng_state(), before[0]) and torch.initial_seed() == 123
+    assert (np.random.get_state()[1] == before[1]).all() and random.getstate() == before[2]
     with pytest.raises(ConfigError, match=r"continues that run in its own directory: out=\S+z "):
         cnnkit.fit(resume=tmp_path / "r", out=tmp_path / "z")
     with pytest.raises(ConfigError, match="the run digits cannot be given with it"):
