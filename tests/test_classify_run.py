@@ -389,3 +389,22 @@ def test_eval_says_which_epochs_weights_it_scored(digits_run, capsys):
     assert out.startswith(f"{digits_run / 'best.pt'} (epoch {best}, the best held-out top-1): ")
     code, out, _ = run_cli(["eval", str(digits_run / "last.pt"), "--json"], capsys)
     assert code == 0 and json.loads(out)["epoch"] == last
+
+
+def test_probabilities_and_the_constructor_refuse_what_they_do_not_take(digits_run):
+    """Classifier.probabilities took 0-1 floats (confident, wrong), crops of another size, and
+    raised torch's broadcast error for a (B, C, H, W) batch; Classifier("runs/d") raised an
+    AttributeError. Each is one line saying what is taken."""
+    from cnnkit.errors import ConfigError
+
+    classifier = Classifier.load(digits_run)
+    c, s = classifier.preprocess.channels, classifier.preprocess.crop
+    good = torch.randint(0, 256, (2, 1, c, s, s), dtype=torch.uint8)
+    assert classifier.probabilities(good).shape == (2, 10)
+    for bad in (good.float() / 255, good[:, 0], good[..., :-1, :-1], good.numpy()):
+        with pytest.raises(
+            ConfigError, match=rf"^probabilities: uint8 crops \(B, N, {c}, {s}, {s}\)"
+        ):
+            classifier.probabilities(bad)
+    with pytest.raises(ConfigError, match=r"Classifier.load\(PATH\) loads a run"):
+        Classifier(str(digits_run))

@@ -49,6 +49,10 @@ class Classifier:
     """A model plus its class names and evaluation preprocessing."""
 
     def __init__(self, loaded: Loaded, device: Any = "cpu"):
+        if not isinstance(loaded, Loaded):  # Classifier("runs/d"): what was meant
+            raise ConfigError(f"Classifier({str(loaded)[:80]!r}): Classifier.load(PATH) loads a "
+                              "run, checkpoint, export or network file; Classifier() takes what "
+                              "cnnkit.infer.load.load_for_inference returns")  # fmt: skip
         check_loaded(loaded)
         device = resolve_device(str(device), "device")  # 'cuda' without one: one line, as --device
         self.model = loaded.model.to(device).eval()
@@ -124,7 +128,17 @@ class Classifier:
 
     @torch.no_grad()
     def probabilities(self, crops: torch.Tensor) -> torch.Tensor:
-        """uint8 (B, N, C, H, W) crops -> class probabilities (B, K), averaged over the N crops."""
+        """uint8 (B, N, C, H, W) crops -> class probabilities (B, K), averaged over the N crops
+        (pixels 0-255 as decoded, H and W the network's crop; predict reads images of any size)."""
+        pre = self.preprocess
+        want = (pre.channels, pre.crop, pre.crop)
+        if not (isinstance(crops, torch.Tensor) and crops.dtype == torch.uint8
+                and crops.dim() == 5 and tuple(crops.shape[2:]) == want):  # fmt: skip
+            got = (f"{crops.dtype} {tuple(crops.shape)}" if isinstance(crops, torch.Tensor)
+                   else type(crops).__name__)  # fmt: skip
+            raise ConfigError(f"probabilities: uint8 crops (B, N, {', '.join(map(str, want))}) "
+                              f"of 0-255 pixels, N crops of each of B images (1, or 10: the "
+                              f"ten-crop), got {got} (predict reads any image)")  # fmt: skip
         b, n = crops.shape[:2]
         x = self.preprocess.normalize(crops.flatten(0, 1).to(self.device))
         if self.mean_image is not None:
