@@ -298,10 +298,17 @@ def test_workers_default_from_the_cores_shared_by_local_ranks(sets, monkeypatch)
     assert bundle.train.workers == bundle.val.workers == 3
 
 
-def test_validation_workers_live_only_while_validating(sets):
+def test_validation_workers_are_started_once_as_trainings_are(sets):
+    """Forked afresh for every epoch's validation, a worker hung now and then in a --nproc run
+    on Python 3.11 (CPython's fork deadlock, while another thread held its thread-state lock):
+    one set a run, idle while training."""
     bundle = data_config({**sections(sets)[0], "workers": 2}).build(CPU)
-    assert bundle.train.loader().persistent_workers
-    assert not bundle.val.loader().persistent_workers
+    assert bundle.train.loader().persistent_workers and bundle.val.loader().persistent_workers
+    first = [y for _, y in bundle.val]  # two whole passes, as two epochs' validations
+    workers = bundle.val.loader()._iterator._workers
+    second = [y for _, y in bundle.val]
+    assert bundle.val.loader()._iterator._workers == workers  # the same processes, not new ones
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 def test_gpu_decoding_on_a_cpu_and_too_many_workers_are_said_once(sets, monkeypatch, capfd):

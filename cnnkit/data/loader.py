@@ -126,8 +126,10 @@ class ImageBatches:
             check_shared_memory(self.ring_bytes() + also, what, ranks=self.local_ranks)
 
     def loader(self) -> DataLoader:
-        """The torch DataLoader over this stream's jobs; training workers persist across epochs,
-        validation workers live only while validating (never two sets busy at once)."""
+        """The torch DataLoader over this stream's jobs. Its workers persist across epochs, the
+        validation ones idle while training (never two sets busy at once): forked once a run,
+        not once an epoch, as a fork while another thread holds CPython's thread-state lock
+        hangs the child on Python 3.10-3.11 (the rank of a --nproc run waited on it for good)."""
         if self._loader is None:
             if self.ring_slots():
                 what, also = self._ring_needs()
@@ -138,7 +140,7 @@ class ImageBatches:
             crops = self.augment if self.mode == "crops" else None
             jobs = JobSampler(self.sampler, self._ring, crops, self.dataset.size,
                               encoded=self.mode == "encoded")  # fmt: skip
-            extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.train}
+            extra = {"prefetch_factor": self.prefetch, "persistent_workers": True}
             # its own generator: starting workers draws a seed (unused: they draw nothing random)
             # that would otherwise come from the global one and shift a resumed run's dropout
             with no_worker_count_warning():
