@@ -674,3 +674,22 @@ def test_model_input_of_other_channels_or_size_carries_the_preprocess_that_still
         (tmp_path / "run.yaml").write_text(json.dumps(other))
         code, out, err = run_cli(["info", str(tmp_path / "run.yaml")], capsys)
         assert (code, err) == (0, "") and "input {}x{}x{}".format(*shape) in out
+
+
+def test_more_epochs_on_resume_says_the_cosine_schedule_stretches():
+    """`all 3 epochs done (train.epochs=N for more)`, followed, restarted the cosine curve
+    from near its peak without a word: the note says so, and what it is instead."""
+    from cnnkit.train.rundir import resume_config
+
+    trained = load_run("digits", ["train.epochs=3"])
+    state = {"config": yaml.safe_load(dump_run(trained)), "model_spec": trained.model.spec(),
+             "epoch": 3, "step": 0}  # fmt: skip
+    longer = resume_config(state, ["train.epochs=5"])
+    assert longer._notes == [
+        "train.epochs=5: the cosine schedule spans 5 epochs, not 3: the learning rate after "
+        "epoch 3 is 0.0173, not 0, and anneals to train.min_lr again (a new run from its "
+        "weights, model.weights=RUN/last.pt, has a schedule of its own)"]  # fmt: skip
+    assert resume_config(state, ["train.epochs=3"])._notes == []
+    stepped = {**state, "config": {**state["config"], "train": {
+        **state["config"]["train"], "schedule": "step"}}}  # fmt: skip
+    assert resume_config(stepped, ["train.epochs=5"])._notes == []  # (epochs move no step)

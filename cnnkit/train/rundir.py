@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import socket
@@ -184,8 +185,29 @@ def resume_config(state: dict[str, Any], overrides: list[str] | None = None) -> 
         except ConfigError as e:  # nothing of the user's: the checkpoint itself is damaged
             raise CheckpointError(f"last.pt: its run settings do not validate: {e}") from None
     config = validate_run(raw)
-    config._notes = notes
+    config._notes = notes + _schedule_stretched(state, config)
     return config
+
+
+def _schedule_stretched(state: dict[str, Any], config: RunConfig) -> list[str]:
+    """A note where train.epochs given on resume stretches a cosine schedule (or shrinks it):
+    its lr where the run stopped jumps (up, for a finished run given more epochs) and anneals
+    again, as timm's recomputed schedule does; unsaid, it looked like a bug in the curves."""
+    from cnnkit.train.optim import Schedule
+
+    was = (state["config"].get("train") or {}).get("epochs")
+    train = config.train
+    if train.schedule != "cosine" or not isinstance(was, int) or was == train.epochs:
+        return []
+    done = state.get("epoch", 0)
+    before = Schedule(train.model_copy(update={"epochs": was})).lr(done)
+    after = Schedule(train).lr(done)
+    if math.isclose(before, after, rel_tol=0.01):
+        return []
+    return [f"train.epochs={train.epochs}: the cosine schedule spans {train.epochs} epochs, "
+            f"not {was}: the learning rate after epoch {done} is {after:.3g}, not {before:.3g}, "
+            f"and anneals to train.min_lr again (a new run from its weights, model.weights="
+            f"RUN/last.pt, has a schedule of its own)"]  # fmt: skip
 
 
 OPTIMIZER_STATE = {"sgd": "momenta", "nesterov": "momenta", "adam": "moments",
