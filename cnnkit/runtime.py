@@ -163,6 +163,21 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+try:  # (torch.fx's own test: torch 2.11 and later have it)
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+except ImportError:  # pragma: no cover - a torch that moved it: no fx test
+
+    def is_fx_symbolic_tracing() -> bool:
+        return False
+
+
+def traced() -> bool:
+    """Whether torch.jit or torch.fx traces, or torch.compile compiles, what runs: cnnkit's
+    faster stand-ins then give way to torch's own modules, which those see (fx can follow no
+    branch on a tensor's dim or device)."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or is_fx_symbolic_tracing()
+
+
 @contextmanager
 def random_state_kept() -> Iterator[None]:
     """The caller's random generators (python's, numpy's, torch's and those of the CUDA devices

@@ -41,6 +41,23 @@ def test_torchvisions_weights_in_any_file_form_give_its_logits(tmp_path, squeeze
         torch.testing.assert_close(model(x), squeezenet(x), rtol=0, atol=1e-5)
 
 
+def test_a_state_dict_itself_is_weights_and_anything_else_one_line(squeezenet):
+    """build_model(weights=other.state_dict()) raised pathlib's TypeError, as did torchvision's
+    weights enum (which downloads: cnnkit does not)."""
+    model = build_model("squeezenet1_1", weights=squeezenet.state_dict()).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), squeezenet(x), rtol=0, atol=1e-5)
+    wrapped = {"model": {f"module.{k}": v for k, v in squeezenet.state_dict().items()}}
+    assert build_model("squeezenet1_1", weights=wrapped) is not None  # a checkpoint, loaded
+    enum = torchvision.models.SqueezeNet1_1_Weights.DEFAULT
+    with pytest.raises(ConfigError, match=r"^weights: a state_dict or the file of one .* got "
+                       r"SqueezeNet1_1_Weights .*: nothing is downloaded"):  # fmt: skip
+        build_model("squeezenet1_1", weights=enum)
+    with pytest.raises(CheckpointError, match=r"^weights \(a state_dict\): not a state_dict"):
+        build_model("squeezenet1_1", weights={"features.0.weight": [1.0]})
+
+
 def test_fine_tuning_keeps_a_fresh_classifier_for_other_classes(tmp_path):
     torch.manual_seed(0)
     ref = torchvision.models.resnet18(weights=None)

@@ -353,3 +353,22 @@ def test_group_hooks_of_every_forward_kind_run_and_backward_ones_are_refused():
         net(torch.zeros(1, 3, 64, 64))
     with pytest.raises(TypeError, match="takes no backward hooks"):
         net.layer4.register_full_backward_hook(lambda *args: None)
+
+
+@pytest.mark.filterwarnings("ignore:NOTE. The nodes obtained by tracing")
+@pytest.mark.parametrize("name", ["alexnet", "convnext_tiny", "digitnet"])
+def test_torch_fx_and_torchvisions_feature_extractor_trace_a_network(name):
+    """symbolic_trace and create_feature_extractor raised TraceError: cnnkit's own modules
+    branched on x.dim() and x.device (a flattening linear layer, LRN, dropout, channel norms).
+    Traced, they are torch's own; the traced graph computes what the network does."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    torch.manual_seed(0)
+    network = build_model(name).eval()
+    x = torch.randn(2, *network.input_shape)
+    traced = torch.fx.symbolic_trace(network)
+    torch.testing.assert_close(traced(x), network(x), rtol=1e-4, atol=1e-4)
+    first = next(n for n, m in network.named_modules() if isinstance(m, nn.Conv2d))
+    features = create_feature_extractor(network, {first: "f"})(x)["f"]
+    assert features.shape[0] == 2 and features.dim() == 4
+    torch.fx.symbolic_trace(build_model(name).train())  # dropout and stochastic depth too

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -208,12 +208,13 @@ def build_model(
     spec: str | Path | dict[str, Any],
     num_classes: int | None = None,
     device: Any = None,
-    weights: str | Path | None = None,
+    weights: str | Path | Mapping[str, Any] | None = None,
 ) -> Network:
     """Build a network from a zoo name, a YAML path or a dict; `num_classes` overrides the file's.
 
     `weights` (else the file's `weights:`) names a state_dict file, safetensors or a
-    weights-only .pt (torchvision's, timm's), loaded into it; not on the meta device."""
+    weights-only .pt (torchvision's, timm's), or is a state_dict (another model's
+    `state_dict()`), loaded into it; not on the meta device."""
     model = read_spec(spec)
     network = Network(model, num_classes=num_classes, device=device)
     weights = weights if weights is not None else model.get("weights")

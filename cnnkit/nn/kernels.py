@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from cnnkit.nn.modules import FlatLinear
 from cnnkit.nn.onednn import onednn_ready
+from cnnkit.runtime import traced
 
 KERNELS = ("nchw", "nhwc", "nnpack")
 # a flattening linear layer's product: F.linear's x @ W^T (the BLAS), (W @ x^T)^T, or oneDNN's
@@ -120,9 +121,8 @@ class Conv2d(nn.Conv2d):
 
 def _nnpack_applies(x: torch.Tensor) -> bool:
     return (
-        x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 4
+        not traced() and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 4
         and not torch.is_autocast_enabled("cpu")
-        and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
     )  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cnnkit.nn.onednn import linear as onednn_linear
+from cnnkit.runtime import traced
 
 
 class ScaledTanh(nn.Module):
@@ -49,8 +50,10 @@ class FlatLinear(nn.Linear):
     product = "xwt"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if traced():  # (flatten(1) whatever x is: fx follows no branch on x.dim())
+            return super().forward(x.flatten(1))
         x = x.flatten(1) if x.dim() > 2 else x
-        if self.product == "xwt" or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        if self.product == "xwt":
             return super().forward(x)
         if self.product == "onednn":  # packed weights only once frozen (onednn.freeze)
             return onednn_linear(x, self.weight, self.bias, self.__dict__.get("_packed"))
@@ -62,9 +65,7 @@ class FlatLinear(nn.Linear):
 class ChannelLinear(nn.Linear):
     """nn.Linear over the channels of each position: (B, C, H, W) -> (B, out, H, W)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            return super().forward(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # ((B, C): movedim moves nothing)
         return super().forward(x.movedim(1, -1)).movedim(-1, 1)
 
 
@@ -72,10 +73,8 @@ class ChannelLayerNorm(nn.LayerNorm):
     """nn.LayerNorm over the channels of each position of (B, C, H, W), as torchvision's
     ConvNeXt LayerNorm2d computes it (channels last, normalise, back)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            return super().forward(x)
-        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (no branch on x.dim(): fx traces it)
+        return super().forward(x.movedim(1, -1)).movedim(-1, 1)
 
 
 class ChannelScale(nn.Module):
@@ -121,8 +120,7 @@ class LocalResponseNorm(nn.LocalResponseNorm):
     written out. Exports, tracing and compiling see plain nn.LocalResponseNorm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plain = x.dim() != 4 or x.device.type not in ("cpu", "cuda")  # meta: shapes only
-        if plain or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        if traced() or x.dim() != 4 or x.device.type not in ("cpu", "cuda"):  # meta: shapes
             return super().forward(x)
         return _CrossChannelLRN.apply(x, self.size, self.alpha, self.beta, self.k)
 
@@ -202,9 +200,8 @@ class Dropout(nn.Dropout):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropped = round(self.p * 65536)  # of 65536 equally likely 16-bit values
-        if (not self.training or not 0 < dropped < 65536 or self.inplace
-                or x.device.type != "cpu" or torch.jit.is_tracing()
-                or torch.compiler.is_compiling()):  # fmt: skip
+        if (traced() or not self.training or not 0 < dropped < 65536 or self.inplace
+                or x.device.type != "cpu"):  # fmt: skip
             return super().forward(x)
         words = torch.randint(-(2**63), 2**63 - 1, (-(-x.numel() // 4),), dtype=torch.int64)
         draws = words.view(torch.int16)[: x.numel()].view(x.shape)  # uniform in [-2^15, 2^15)

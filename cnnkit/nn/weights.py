@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cnnkit.errors import CheckpointError
+from cnnkit.errors import CheckpointError, ConfigError
 from cnnkit.nn.yamlio import export_kind, export_said
 
 WRAPPERS = ("state_dict", "model", "model_state_dict")  # keys training scripts nest it under
@@ -21,10 +21,17 @@ MEAN_IMAGE_KEY = "cnnkit.mean_image"  # a safetensors export's tensor beside the
 SHOWN = 3  # keys named per kind of mismatch
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | Path | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file or a weights-only .pt / .pth (a bare state_dict or a
     checkpoint holding one under `state_dict` / `model`; a run's best_ema.pt its moving average),
-    with DDP's `module.` prefix removed."""
+    or of a state_dict given itself, with DDP's `module.` prefix removed."""
+    if isinstance(path, Mapping):  # model.state_dict(), or a checkpoint loaded already
+        return _plain_state(dict(path), "weights (a state_dict)")
+    if not isinstance(path, (str, Path)):  # torchvision's ResNet18_Weights.DEFAULT, True...
+        raise ConfigError(f"weights: a state_dict or the file of one (.safetensors, .pt, .pth), "
+                          f"got {type(path).__name__} {str(path)[:60]!r}: nothing is downloaded "
+                          f"(torchvision's weights: save model.state_dict() to a file once, "
+                          f"where it can download)")  # fmt: skip
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"{path}: a folder, not a weights file (a .safetensors, .pt or "
@@ -38,6 +45,12 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         and isinstance(state.get("ema"), dict)
     ):
         state = state["ema"]  # a cnnkit run's best moving average: its weights are those
+    return _plain_state(state, path)
+
+
+def _plain_state(state: Any, path: Any) -> dict[str, torch.Tensor]:
+    """The state_dict in `state` (itself, or under a training script's key), checked: names
+    to tensors, DDP's `module.` prefix removed; `path` names it in errors."""
     for key in WRAPPERS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -150,11 +163,12 @@ def check_finite_weights(weights: Mapping[str, Any], source: Any) -> None:
             )
 
 
-def load_weights(network: nn.Module, path: str | Path) -> list[str]:
-    """Load a state_dict file into `network` (names and shapes must agree) and return the keys
-    left as initialised: the classifier of a network built for another class count (its
-    `heads`), so fine-tuning starts from everything else."""
+def load_weights(network: nn.Module, path: str | Path | Mapping[str, Any]) -> list[str]:
+    """Load a state_dict file (or a state_dict) into `network` (names and shapes must agree)
+    and return the keys left as initialised: the classifier of a network built for another
+    class count (its `heads`), so fine-tuning starts from everything else."""
     state = published_keys(read_state_dict(path), getattr(network, "spec", {}))
+    path = "weights (a state_dict)" if isinstance(path, Mapping) else path  # (for messages)
     check_finite_weights(state, path)
     own = network.state_dict()
     heads = tuple(f"{h}." for h in getattr(network, "heads", ()))
