@@ -86,14 +86,18 @@ def test_predict_accepts_paths_pil_arrays_and_tensors(digits_run, digit_pngs):
     path = digit_pngs[0][0]
     classifier = Classifier.load(digits_run)
     grey = np.array(Image.open(path))
-    forms = [path, str(path), Image.open(path), Image.open(path).convert("RGB"), grey,
-             np.stack([grey] * 3, -1), torch.from_numpy(grey)[None]]  # fmt: skip
-    results = [classifier.predict(form, top=10) for form in forms]
-    for r in results[1:]:
+    rgb = np.stack([grey] * 3, -1)
+    forms = [path, str(path), Image.open(path), Image.open(path).convert("RGB"), grey, rgb,
+             torch.from_numpy(grey)[None], torch.from_numpy(rgb)]  # fmt: skip
+    results = [classifier.predict(form, top=np.int64(10)) for form in forms]  # (numpy's top)
+    for r in results[1:]:  # (a torch (H, W, C) tensor was refused, named (W, C, H))
         assert r.labels == results[0].labels
         assert np.allclose(r.probs, results[0].probs, atol=1e-6)
-    with pytest.raises(CnnkitError, match="uint8"):
+    assert len(classifier.predict(iter([grey, rgb]))) == 2  # (was taken as one image)
+    with pytest.raises(CnnkitError, match=r"uint8 \(0-255\), got float32 \(0-1 floats: "):
         classifier.predict(grey.astype(np.float32))
+    with pytest.raises(CnnkitError, match=r"got \(2, 8, 8, 3\) \(a batch: give list\(batch\)\)"):
+        classifier.predict(np.stack([rgb, rgb]))
 
 
 def test_cli_folder_with_a_corrupt_file(digits_run, digit_pngs, tmp_path):

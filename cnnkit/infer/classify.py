@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from cnnkit.checkpoint import note_mean_image
 from cnnkit.data.augment import center_crop, ten_crop
@@ -86,8 +89,10 @@ class Classifier:
     def predict(
         self, images: ImageInput | Sequence[ImageInput], top: int = 5, tencrop: bool = False
     ) -> Prediction | list[Prediction]:
-        """Classify one image (-> Prediction) or a list (-> list); an unreadable image raises."""
-        single = not isinstance(images, (list, tuple))
+        """Classify one image (-> Prediction) or a list or other iterable of them (-> list); an
+        unreadable image raises."""
+        single = isinstance(images, (str, Path, np.ndarray, torch.Tensor, Image.Image)) or not (
+            isinstance(images, Iterable))  # fmt: skip
         batch = [images] if single else list(images)
         results = list(self.iter_predict(batch, top, tencrop))
         failed = next((r for r in results if r.error), None)
@@ -103,8 +108,9 @@ class Classifier:
         batch_size: int = 64,
     ) -> Iterator[Prediction]:
         """Classify images in batches, in order; an unreadable one yields a Prediction with error."""
-        if isinstance(top, bool) or not isinstance(top, int) or top < 1:  # as --top refuses it
+        if isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 1:  # as --top
             raise ConfigError(f"top: a whole number of classes, 1 or more, got {top!r}")
+        top = int(top)  # (numpy's integers too)
         pre = self.preprocess
         if tencrop and not (pre.resize and pre.resize > pre.crop):  # 5 copies and 5 mirrors
             raise ConfigError(

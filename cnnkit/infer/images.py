@@ -220,24 +220,29 @@ def _resized_file(path: str | Path, size: int, mode: str,
 def to_hwc(image: ImageInput, size: int | None = None, mode: str = "squash") -> np.ndarray:
     """Any accepted image as (H, W, C) uint8 with C in 1, 3 (raises DataError when unreadable).
 
-    Arrays may be (H, W), (H, W, C) or (C, H, W) with C in 1, 3, 4; torch tensors are (C, H, W).
-    Files decode as the data pipeline decodes them (`size`, `mode`: its DCT-scaled JPEG hint).
+    Arrays and tensors may be (H, W), (H, W, C) or (C, H, W) with C in 1, 3, 4 (a tensor whose
+    first and last sides could both be channels is torch's (C, H, W), an array numpy's
+    (H, W, C)). Files decode as the data pipeline decodes them (`size`, `mode`: its DCT-scaled
+    JPEG hint) and are turned upright by their EXIF orientation; a PIL image is taken as given.
     """
     if isinstance(image, (str, Path)):
         return decode_file(image, size, mode).array
     if isinstance(image, Image.Image):
         image = _pil_array(image)
-    array = image.cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
-    if isinstance(image, torch.Tensor) and array.ndim == 3:
-        array = array.transpose(1, 2, 0)
+    tensor = isinstance(image, torch.Tensor)
+    array = image.detach().cpu().numpy() if tensor else np.asarray(image)
     if array.dtype != np.uint8:
-        raise DataError(f"image arrays must be uint8 (0-255), got {array.dtype}")
+        scaled = " (0-1 floats: (x * 255).round() as uint8)" if array.dtype.kind == "f" else ""
+        raise DataError(f"image arrays must be uint8 (0-255), got {array.dtype}{scaled}")
     if array.ndim == 2:
         array = array[:, :, None]
-    elif array.ndim == 3 and array.shape[0] in (1, 3, 4) and array.shape[2] not in (1, 3, 4):
+    elif array.ndim == 3 and array.shape[0] in (1, 3, 4) and (
+        tensor or array.shape[2] not in (1, 3, 4)):  # fmt: skip
         array = array.transpose(1, 2, 0)  # (C, H, W) -> (H, W, C)
     if array.ndim != 3 or array.shape[2] not in (1, 3, 4):
-        raise DataError(f"an image array must be (H, W), (H, W, C) or (C, H, W); got {array.shape}")
+        batch = " (a batch: give list(batch))" if array.ndim == 4 else ""
+        raise DataError(f"an image array must be (H, W), (H, W, C) or (C, H, W); got "
+                        f"{tuple(image.shape) if tensor else array.shape}{batch}")  # fmt: skip
     if 0 in array.shape[:2]:
         raise DataError(f"an empty image ({array.shape[0]} x {array.shape[1]} pixels)")
     return np.array(array[:, :, :3], order="C")  # a writable copy
