@@ -215,6 +215,7 @@ def build_model(
     `weights` (else the file's `weights:`) names a state_dict file, safetensors or a
     weights-only .pt (torchvision's, timm's), or is a state_dict (another model's
     `state_dict()`), loaded into it; not on the meta device."""
+    _not_trained_weights(spec)
     model = read_spec(spec)
     network = Network(model, num_classes=num_classes, device=device)
     weights = weights if weights is not None else model.get("weights")
@@ -223,6 +224,20 @@ def build_model(
 
         load_weights(network, weights)
     return network
+
+
+def _not_trained_weights(spec: Any) -> None:
+    """A checkpoint, export or run directory given to build_model, which builds a network from
+    its description: one line saying what loads it (pathlib's or the YAML reader's were none)."""
+    if not isinstance(spec, (str, Path)) or not Path(spec).exists():
+        return
+    path = Path(spec)
+    run = path.is_dir() and any((path / n).is_file() for n in ("best.pt", "last.pt"))
+    if run or path.suffix.lower() in (".pt", ".pth", ".safetensors", ".ckpt"):
+        raise ConfigError(f"{spec}: trained weights, not a network description: give the "
+                          "network with them (a run file's model: {network: NET, weights: "
+                          "FILE}; build_model(NET, weights=FILE)), or, in Python, "
+                          f"cnnkit.Classifier.load({str(spec)!r}).model")  # fmt: skip
 
 
 @contextmanager
