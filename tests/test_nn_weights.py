@@ -369,7 +369,6 @@ def test_only_what_a_fine_tuning_run_leaves_out_takes_the_weights_normalisation(
 def test_build_model_of_trained_weights_says_what_loads_them(digits_run):
     """build_model(RUN/best.pt) said "not a text file: give ... or a trained model", which
     build_model does not take."""
-    for target in (digits_run / "best.pt", digits_run):
-        with pytest.raises(ConfigError, match=r"trained weights, not a network description: "
-                           r".*build_model\(NET, weights=FILE\).*Classifier\.load"):  # fmt: skip
-            build_model(str(target))
+    with pytest.raises(ConfigError, match=r"trained weights, not a network description: "
+                       r".*build_model\(NET, weights=FILE\).*Classifier\.load"):  # fmt: skip
+        build_model(str(digits_run / "best.pt"))

@@ -227,13 +227,12 @@ def build_model(
 
 
 def _not_trained_weights(spec: Any) -> None:
-    """A checkpoint, export or run directory given to build_model, which builds a network from
-    its description: one line saying what loads it (pathlib's or the YAML reader's were none)."""
-    if not isinstance(spec, (str, Path)) or not Path(spec).exists():
+    """A checkpoint or export given to build_model, which builds a network from its
+    description: one line saying what loads it (the YAML reader's "not a text file ... or a
+    trained model" named what build_model does not take; a run directory is said there)."""
+    if not isinstance(spec, (str, Path)) or not Path(spec).is_file():
         return
-    path = Path(spec)
-    run = path.is_dir() and any((path / n).is_file() for n in ("best.pt", "last.pt"))
-    if run or path.suffix.lower() in (".pt", ".pth", ".safetensors", ".ckpt"):
+    if Path(spec).suffix.lower() in (".pt", ".pth", ".safetensors", ".ckpt"):
         raise ConfigError(f"{spec}: trained weights, not a network description: give the "
                           "network with them (a run file's model: {network: NET, weights: "
                           "FILE}; build_model(NET, weights=FILE)), or, in Python, "
