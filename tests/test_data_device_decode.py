@@ -301,14 +301,20 @@ def test_workers_default_from_the_cores_shared_by_local_ranks(sets, monkeypatch)
 def test_validation_workers_are_started_once_as_trainings_are(sets):
     """Forked afresh for every epoch's validation, a worker hung now and then in a --nproc run
     on Python 3.11 (CPython's fork deadlock, while another thread held its thread-state lock):
-    one set a run, idle while training."""
+    one set a run, forked with training's as its first epoch starts, idle while training."""
+    expected = [y for _, y in data_config({**sections(sets)[0], "workers": 0}).build(CPU).val]
     bundle = data_config({**sections(sets)[0], "workers": 2}).build(CPU)
     assert bundle.train.loader().persistent_workers and bundle.val.loader().persistent_workers
+    assert bundle.val.loader()._iterator is None
+    next(iter(bundle.train))  # training's first epoch starts: validation's workers with it
+    workers = bundle.val.loader()._iterator._workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
     first = [y for _, y in bundle.val]  # two whole passes, as two epochs' validations
     workers = bundle.val.loader()._iterator._workers
     second = [y for _, y in bundle.val]
     assert bundle.val.loader()._iterator._workers == workers  # the same processes, not new ones
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(first, expected, strict=True))
 
 
 def test_gpu_decoding_on_a_cpu_and_too_many_workers_are_said_once(sets, monkeypatch, capfd):

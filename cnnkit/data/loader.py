@@ -65,6 +65,7 @@ class ImageBatches:
         if workers > (cores := available_cores()) and self.mode != "views":  # (views: none start)
             say_more_workers_than_cores(workers, cores)
         self._loader: DataLoader | None = None
+        self._early: Iterator[WorkerBatch] | None = None  # a pass begun by start_workers
         self._ring: SlotRing | None = None
         self._feed = DeviceFeed(self.device) if self.device.type == "cuda" else None
         self._pool = BufferPool() if self.device.type == "cpu" else None
@@ -127,9 +128,10 @@ class ImageBatches:
 
     def loader(self) -> DataLoader:
         """The torch DataLoader over this stream's jobs. Its workers persist across epochs, the
-        validation ones idle while training (never two sets busy at once): forked once a run,
-        not once an epoch, as a fork while another thread holds CPython's thread-state lock
-        hangs the child on Python 3.10-3.11 (the rank of a --nproc run waited on it for good)."""
+        validation ones idle while training (never two sets busy at once), both forked as the
+        first epoch starts (start_workers): a fork while another thread holds CPython's
+        thread-state lock hangs the child on Python 3.10-3.11 (validation's, forked afresh
+        every epoch, left a --nproc run waiting for good now and then)."""
         if self._loader is None:
             if self.ring_slots():
                 what, also = self._ring_needs()
@@ -163,10 +165,32 @@ class ImageBatches:
             yield pixels, batch  # empty where every image was unreadable: still a step (the
             # other ranks of a group take theirs; the position of later batches stays)
 
+    def start_workers(self) -> None:
+        """Fork the workers now, their first pass begun (its batches read ahead): validation's
+        as training's first epoch starts, so that both sets are forked together, while the
+        process is young (its pages, which the idle workers keep while training rewrites
+        them, are then the ones training's workers keep too)."""
+        if not self.workers or self.mode == "views" or self._early is not None:
+            return
+        loader = self.loader()
+        if getattr(loader, "_iterator", None) is None:  # (not started yet)
+            self._early = self._begun(loader)
+
     def _started(self, loader: DataLoader) -> Iterator[WorkerBatch]:
         """The loader's batches; shared memory running out (as its workers start: their queues
         and semaphores live in /dev/shm too, or in a worker) and a worker that died (found as
         an epoch's workers resume, or while a batch is awaited) are one line each."""
+        if self.validation is not None and getattr(loader, "_iterator", None) is None:
+            self.validation.start_workers()  # training's first epoch: both sets forked now
+        batches = self._early if self._early is not None else self._begun(loader)
+        self._early = None
+        try:
+            yield from batches
+        except (RuntimeError, ConnectionError, EOFError) as e:
+            raise self._failed(e, batches) from None
+
+    def _begun(self, loader: DataLoader) -> Iterator[WorkerBatch]:
+        """iter(loader): the workers started, or woken (persistent ones), for a pass."""
         try:
             with no_worker_count_warning():
                 batches = iter(loader)  # (persistent workers: torch checks them here)
@@ -177,10 +201,7 @@ class ImageBatches:
                 raise
             raise self._no_shared_memory(e.strerror, "starting the loader's workers") from None
         deaths_found_here(batches)
-        try:
-            yield from batches
-        except (RuntimeError, ConnectionError, EOFError) as e:
-            raise self._failed(e, batches) from None
+        return batches
 
     def _failed(self, e: Exception, batches: Any) -> Exception:
         """The DataError of an error out of the DataLoader (a worker died, a worker ran out of
@@ -212,7 +233,7 @@ class ImageBatches:
                 batches._shutdown_workers()
         except Exception:  # noqa: BLE001 - best effort: the DataError says what happened
             pass
-        self._loader = None  # a next epoch starts workers afresh
+        self._loader, self._early = None, None  # a next epoch starts workers afresh
 
     def release(self, batch: WorkerBatch, copied: torch.cuda.Event | None = None) -> None:
         """The batch's slot is read (or will be once `copied` completes): it may take another."""
