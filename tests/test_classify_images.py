@@ -384,6 +384,13 @@ def test_a_pngs_orientation_is_read_without_decoding_it(tmp_path, monkeypatch):
     def decodes(self):
         raise AssertionError("decoded to read the orientation")
 
+    magick = io.BytesIO()  # ImageMagick's: the EXIF as hex in a text chunk, no eXIf chunk
+    text = PngImagePlugin.PngInfo()
+    hexed = exif.tobytes().hex()
+    text.add_text("Raw profile type exif", f"\nexif\n{len(hexed) // 2:8d}\n{hexed}\n", zip=True)
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(magick, "PNG", pnginfo=text)
+
     monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", decodes)
-    assert [_orientation(d) for d in (early.getvalue(), late, plain.getvalue())] == [6, 6, 1]
+    datas = (early.getvalue(), late, plain.getvalue(), magick.getvalue())
+    assert [_orientation(d) for d in datas] == [6, 6, 1, 6]
     assert _orientation(plain.getvalue()[:40]) == 1  # a truncated file: as stored

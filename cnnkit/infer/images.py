@@ -173,13 +173,13 @@ def _orientation(data: bytes) -> int:
     """The EXIF orientation tag (1: upright), read from the header alone (a PNG's eXIf chunk
     found by its chunks' lengths: Pillow's getexif decodes the whole PNG to look after it)."""
     try:
-        if data.startswith(_PNG_MAGIC):
-            chunk = _png_exif(data)
-            return int(_exif_of(chunk).get(0x0112, 1)) if chunk else 1
+        chunk = _png_exif(data) if data.startswith(_PNG_MAGIC) else None
+        if chunk:
+            return int(_exif_of(chunk).get(0x0112, 1))
         with warnings.catch_warnings():  # a big image's DecompressionBombWarning: the decode
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checks its size
-            with Image.open(io.BytesIO(data)) as image:
-                return int(image.getexif().get(0x0112, 1))
+            with Image.open(io.BytesIO(data)) as image:  # (a PNG's text chunks, read on open:
+                return int(Image.Image.getexif(image).get(0x0112, 1))  # ImageMagick's, XMP)
     except Exception:  # noqa: BLE001 - no EXIF, or none PIL can read: as stored
         return 1
 
