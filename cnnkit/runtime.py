@@ -180,17 +180,20 @@ def traced() -> bool:
 
 @contextmanager
 def random_state_kept() -> Iterator[None]:
-    """The caller's random generators (python's, numpy's, torch's and those of the CUDA devices
-    already in use) as they were before, after what seeds them (fit: a notebook's draws go on
-    as if no run had seeded them)."""
-    state = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    """The caller's random generators (python's, numpy's, torch's CPU and CUDA ones) as they
+    were before, after what seeds them (fit: a notebook's draws go on as if no run had seeded
+    them); CUDA first used inside, its generators seeded as torch.manual_seed left them."""
+    state, seed = (random.getstate(), np.random.get_state()), torch.initial_seed()
+    used = torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if used else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
             random.setstate(state[0])
             np.random.set_state(state[1])
+            if not used and torch.cuda.is_initialized():  # first used by the run: as seeded
+                torch.cuda.manual_seed_all(seed)  # (by torch.manual_seed, which seeds CUDA's)
 
 
 def keep_freed_memory() -> bool:

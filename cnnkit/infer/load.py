@@ -156,6 +156,8 @@ def exported_records(weights: Any, model: Network, outputs: int) -> tuple[dict |
         pre, classes = json.loads(meta["preprocess"]), json.loads(meta["classes"])
     except (SafetensorError, OSError, ValueError, KeyError):
         return None, None, None  # (build_model read its weights: nothing to add)
+    if not isinstance(pre, dict):
+        return None, None, None  # (not an export cnnkit wrote)
     shape = tuple(model.input_shape)
     fits = len(shape) == 3 and (pre.get("channels"), pre.get("crop")) == (shape[0], shape[-1])
     named = classes if isinstance(classes, list) and len(classes) == outputs else None
