@@ -336,6 +336,13 @@ def test_groups_index_and_hook_like_torchvisions_containers(one_thread):
         assert a.shape == c.shape and (a - c).abs().max() <= 1e-5 and (b - d).abs().max() <= 1e-5
     with pytest.raises(TypeError, match="runs as part of the network"):
         ours.layer4(x)
+    with pytest.raises(TypeError, match="is not replaced whole .* replace a layer"):
+        ours.layer4[1] = nn.Identity()  # (was: "'Group' object does not support item assignment")
+    ours.fc = nn.Linear(512, 7)  # a layer replaced: the network runs it
+    assert ours(x).shape == (2, 7)
+    setattr(ours.layer4, "1", nn.Identity())  # (was: KeyError 'conv1' out of forward)
+    with pytest.raises(TypeError, match=r"^layer4\.1\.conv1: no such layer in the network now"):
+        ours(x)
 
 
 def test_group_hooks_of_every_forward_kind_run_and_backward_ones_are_refused():

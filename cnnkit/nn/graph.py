@@ -98,8 +98,11 @@ class Network(nn.Module):
         values: list[torch.Tensor | None] = [x]
         for path, inputs, frees in self._steps:
             module = self
-            for part in path:  # plain dict lookups: get_submodule costs ~4 us a layer
-                module = module._modules[part]
+            try:
+                for part in path:  # plain dict lookups: get_submodule costs ~4 us a layer
+                    module = module._modules[part]
+            except KeyError:
+                raise TypeError(_gone(path)) from None
             values.append(module(*[values[i] for i in inputs]))
             for i in frees:  # drop what no later layer reads: less memory at inference
                 values[i] = None
@@ -117,7 +120,11 @@ class Network(nn.Module):
                 if first == step:
                     taken[id(group)] = tuple(args)
                     _call_pre_hooks(group, taken[id(group)])
-            values.append(self.get_submodule(".".join(path))(*args))
+            try:
+                module = self.get_submodule(".".join(path))
+            except AttributeError:
+                raise TypeError(_gone(path)) from None
+            values.append(module(*args))
             for _, last, group in hooked:
                 if last == step:
                     values[-1] = _call_hooks(group, taken.pop(id(group), ()), values[-1])
@@ -295,11 +302,22 @@ class Group(nn.Module):
     def __getitem__(self, index: int | slice) -> nn.Module | list[nn.Module]:
         return list(self._modules.values())[index]
 
+    def __setitem__(self, index: int, module: nn.Module) -> None:
+        raise TypeError("a group of a cnnkit network's layers is not replaced whole (the network "
+                        "runs its layers by name): replace a layer (model.layer4[1].conv1 = ..., "
+                        "model.fc = nn.Linear(...)), or change the network file")  # fmt: skip
+
     def __len__(self) -> int:
         return len(self._modules)
 
     def __iter__(self) -> Any:
         return iter(self._modules.values())
+
+
+def _gone(path: tuple[str, ...]) -> str:
+    return (f"{'.'.join(path)}: no such layer in the network now: it runs its layers by name, so "
+            "a group set whole (setattr(model.layer4, '1', ...)) leaves its layers out; replace "
+            "layers one by one (model.fc = nn.Linear(...)), or change the network file")  # fmt: skip
 
 
 def _call_pre_hooks(group: nn.Module, args: tuple) -> None:
