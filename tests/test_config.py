@@ -693,3 +693,18 @@ def test_more_epochs_on_resume_says_the_cosine_schedule_stretches():
     stepped = {**state, "config": {**state["config"], "train": {
         **state["config"]["train"], "schedule": "step"}}}  # fmt: skip
     assert resume_config(stepped, ["train.epochs=5"])._notes == []  # (epochs move no step)
+
+
+def test_a_section_given_as_a_mapping_on_the_command_line_sets_those_settings():
+    """`train={lr: 0.2}` replaced the zoo run's whole train section: its 25 epochs, cosine
+    schedule and warm-up went back to the defaults without a word. It sets those settings, as
+    OmegaConf merges; a data section of another source is that source's whole."""
+    base = load_run("digits")
+    merged = load_run("digits", ["train={lr: 0.2, epochs: 3}"])
+    assert (merged.train.lr, merged.train.epochs) == (0.2, 3)
+    assert (merged.train.schedule, merged.train.warmup_epochs) == (
+        base.train.schedule, base.train.warmup_epochs) == ("cosine", 1.0)  # fmt: skip
+    data = load_run("digits", ["data={batch_size: 32}"]).data
+    assert (data.batch_size, data.shift, data.rotate) == (32, base.data.shift, base.data.rotate)
+    other = load_run("digits", ["data={source: synthetic, num_classes: 3}"]).data
+    assert other.source == "synthetic"  # (digits' shift and rotate left behind)

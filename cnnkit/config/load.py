@@ -283,7 +283,20 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: {part} is not a section")
         node = child
-    node[leaf] = value
+    if _merges(node.get(leaf), value, leaf):  # `train={lr: 0.2}`: those settings, the rest kept
+        node[leaf] = {**node[leaf], **value}
+    else:
+        node[leaf] = value
+
+
+def _merges(section: Any, value: Any, name: str) -> bool:
+    """Whether `name={...}` on the command line sets those settings of a section, keeping its
+    others (it replaced the whole section: a zoo run's epochs, schedule and augmentation went
+    back to the defaults without a word), as OmegaConf merges; a data section given another
+    source is that source's section whole (`data={source: folder, path: DIR}`)."""
+    if not isinstance(section, dict) or not isinstance(value, dict):
+        return False
+    return not (name == "data" and "source" in value and value["source"] != section.get("source"))
 
 
 def run_dict(config: RunConfig) -> dict[str, Any]:
