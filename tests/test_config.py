@@ -708,3 +708,30 @@ def test_a_section_given_as_a_mapping_on_the_command_line_sets_those_settings():
     assert (data.batch_size, data.shift, data.rotate) == (32, base.data.shift, base.data.rotate)
     other = load_run("digits", ["data={source: synthetic, num_classes: 3}"]).data
     assert other.source == "synthetic"  # (digits' shift and rotate left behind)
+
+
+def test_command_line_paths_are_the_working_directorys_and_zoo_names_the_zoos(
+    tmp_path, monkeypatch
+):
+    """model=../nets/n.yaml from another folder took the file of that name beside the run file
+    (the run file's own paths are beside it; the command line's in the working directory), and
+    a file named `digitnet` (or `digits`) in the working directory took the zoo's place."""
+    from cnnkit import build_model
+    from cnnkit.zoo import net_path
+
+    lenet = net_path("lenet5").read_text()
+    for folder in ("nets", "proj/nets", "proj/runs", "other"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "nets" / "n.yaml").write_text(lenet)
+    (tmp_path / "proj" / "nets" / "n.yaml").write_text(lenet)
+    run = tmp_path / "proj" / "runs" / "r.yaml"
+    run.write_text("model: ../nets/n.yaml\ndata: {source: synthetic, num_classes: 3}\n")
+    monkeypatch.chdir(tmp_path / "other")
+    assert load_run(str(run)).model.network == str(tmp_path / "proj" / "nets" / "n.yaml")
+    given = load_run(str(run), ["model=../nets/n.yaml"]).model.network
+    assert given == str(tmp_path / "nets" / "n.yaml")
+    (tmp_path / "other" / "digitnet").write_text(lenet)  # a stray file of a zoo name
+    (tmp_path / "other" / "digits").write_text("x: 1\n")
+    assert load_run("digits").model.network == "digitnet"
+    assert build_model("digitnet").input_shape == (1, 8, 8)  # the zoo's, not the file's
+    assert build_model("./digitnet").input_shape == (1, 32, 32)  # the file, named as a path

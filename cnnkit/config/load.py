@@ -40,10 +40,11 @@ def load_run(run: str | Path | dict[str, Any], overrides: list[str] | None = Non
         raw["model"] = {"network": raw["model"]}  # model.weights=... on `model: resnet50`
     if "data.path" in given and "data.source" not in given:
         _folder_as_written(raw)
+    _relative_to(raw, base)  # the run file's files: beside it
     for item in overrides or []:
         apply_override(raw, item)
     notes = source_follows_path(raw, overrides, resumed=trained)
-    _relative_to(raw, base)
+    _relative_to(raw, None)  # the command line's: in the working directory
     absolute_data(raw)
     _source_of_path(raw)
     _crop_for_network(raw)
@@ -93,7 +94,11 @@ def _relative_to(raw: dict[str, Any], base: Path | None) -> None:
 
 def _file_at(name: str, base: Path | None) -> str:
     """`name` made absolute where it is a file beside the run file (`base`), else in the
-    working directory; as it is otherwise (a zoo name)."""
+    working directory (the command line's: `base` None); as it is otherwise (a zoo name)."""
+    from cnnkit.zoo import zoo_name
+
+    if zoo_name(name):
+        return name
     for place in ([base] if base is not None else []) + [Path.cwd()]:
         if (place / name).is_file():
             return os.path.abspath(place / name)
@@ -355,10 +360,10 @@ def _read_run(run: str | Path | dict[str, Any],
     data_given = bool(given & {"data.path", "data.source"})
     if isinstance(run, dict):  # as a file would give it (a date as text, never an object)
         return plain_data(run), None
-    from cnnkit.zoo import NETS, RUNS, net_path, runs_training
+    from cnnkit.zoo import NETS, RUNS, net_path, runs_training, zoo_name
 
     path = Path(run)
-    if not path.is_file():
+    if not path.is_file() or zoo_name(str(run)):
         if str(run) in NETS and data_given:  # the train section's defaults
             return {"model": str(run), "data": {}}, None
         if str(run) in NETS:  # a network, not a run: say which runs train it

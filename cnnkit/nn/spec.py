@@ -351,10 +351,10 @@ def _run_model(model: dict[str, Any], source: str | None, hops: int) -> dict[str
 
 def _read_yaml_or_zoo(spec: str) -> tuple[Any, str]:
     from cnnkit.nn.yamlio import read_yaml
-    from cnnkit.zoo import net_path, zoo_names
+    from cnnkit.zoo import net_path, zoo_name, zoo_names
 
     path = Path(spec)
-    if not path.is_file():
+    if not path.is_file() or zoo_name(spec):
         zoo_file = net_path(spec)
         if zoo_file is None and path.is_dir():
             trained = " (a trained run's: model: {network: NET, weights: FILE})" * any(

@@ -91,6 +91,12 @@ def net_path(name: str) -> Path | None:
     return _HERE / entry[0] if entry else None
 
 
+def zoo_name(name: str) -> bool:
+    """A zoo network's or run's bare name (`digitnet`, not `./digitnet`): the zoo's, whatever
+    file of that name the working directory holds (one named `digitnet` took its place)."""
+    return "/" not in name and not Path(name).suffix and net_path(name) is not None
+
+
 def zoo_names() -> list[str]:
     """Every zoo network and run name."""
     return [*NETS, *RUNS]
