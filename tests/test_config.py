@@ -735,3 +735,10 @@ def test_command_line_paths_are_the_working_directorys_and_zoo_names_the_zoos(
     assert load_run("digits").model.network == "digitnet"
     assert build_model("digitnet").input_shape == (1, 8, 8)  # the zoo's, not the file's
     assert build_model("./digitnet").input_shape == (1, 32, 32)  # the file, named as a path
+
+
+@pytest.mark.parametrize("item", ["+train.lr=0.1", "++train.lr=0.1", "~train.lr"])
+def test_hydras_add_and_delete_prefixes_are_answered(item):
+    """`+train.lr=0.1` got the generic "expected key=value": it says what to write instead."""
+    with pytest.raises(ConfigError, match=r"Hydra's \+ and ~ are not used here: train\.lr=VALUE"):
+        load_run("digits", [item])

@@ -263,6 +263,11 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         whole = key[: index.start()]
         raise ConfigError(f"override {item!r}: list items cannot be set one by one: give the "
                           f"whole list, e.g. {whole}=[...]")  # fmt: skip
+    if item[:1] in ("+", "~"):  # Hydra's add (+, ++) and delete (~)
+        bare = item.lstrip("+~").partition("=")[0]
+        raise ConfigError(f"override {item!r}: Hydra's + and ~ are not used here: {bare}=VALUE "
+                          f"sets it, whether the run file gives it or not (left out, a setting "
+                          f"has its default: `cnnkit config RUN` lists them)")  # fmt: skip
     if not sep or not key or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", key):
         underscored = key.replace("-", "_")
         if sep and "-" in key and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", underscored):
