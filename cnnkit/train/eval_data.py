@@ -74,19 +74,24 @@ def eval_data(spec: str | None, trained: dict[str, Any], pre: Preprocess,
                 section["val_labels"] = labels
     else:
         raise DataError(f"--data {spec}: not a data source ({', '.join(SOURCES)}), file or folder")
-    try:
-        cfg = data_config(section)
-    except ConfigError as e:  # a data YAML's misspelt field: the one meant, as train says it
-        typo = re.fullmatch(r"data\.(\w+): unknown field", str(e))
-        if typo is None:
-            raise
-        raise ConfigError(f"{e}{did_you_mean(('data', typo[1]), {'data': section})}") from None
+    cfg = _validated(section)
     if section.get("source") == "packed":
         check_pack_fits(spec, read_meta(cfg.path), pre)
     cfg = cfg.evaluated_as(pre, mean_image)
     if spec is not None and section.get("val_path") == spec and section["source"] == "folder":
         cfg._labels_option = "--labels"  # --data DIR's label file, data.val_labels to the source
     return cfg
+
+
+def _validated(section: dict[str, Any]) -> DataConfig:
+    """data_config, a misspelt field answered with the one meant, as train answers it."""
+    try:
+        return data_config(section)
+    except ConfigError as e:
+        typo = re.fullmatch(r"data\.(\w+): unknown field", str(e))
+        if typo is None:
+            raise
+        raise ConfigError(f"{e}{did_you_mean(('data', typo[1]), {'data': section})}") from None
 
 
 def note_normalisation(data: str, cfg: DataConfig, image: torch.Tensor | None) -> None:
