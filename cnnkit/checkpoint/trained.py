@@ -21,7 +21,12 @@ from cnnkit.errors import (
     validation_message,
 )
 from cnnkit.nn import build_model
-from cnnkit.nn.weights import MEAN_IMAGE_KEY, check_finite_weights, check_state_fits
+from cnnkit.nn.weights import (
+    MEAN_IMAGE_KEY,
+    check_finite_weights,
+    check_state_fits,
+    holds_its_moving_average,
+)
 
 
 def load_trained(target: str | Path, device: Any = "cpu",
@@ -37,7 +42,7 @@ def load_trained(target: str | Path, device: Any = "cpu",
         return model.to(device).eval(), meta
     path = checkpoint_path(target, ema)
     state = load_checkpoint(path)
-    ema = ema or (path.name == "best_ema.pt" and bool(state.get("ema")))
+    ema = ema or holds_its_moving_average(path, state)
     try:
         model = build_model(state["model_spec"], num_classes=state["num_classes"])
         if ema and not state.get("ema"):

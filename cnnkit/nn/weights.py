@@ -19,6 +19,7 @@ from cnnkit.nn.yamlio import export_kind, export_said
 WRAPPERS = ("state_dict", "model", "model_state_dict")  # keys training scripts nest it under
 MEAN_IMAGE_KEY = "cnnkit.mean_image"  # a safetensors export's tensor beside the weights
 SHOWN = 3  # keys named per kind of mismatch
+GIVEN_STATE = "weights (a state_dict)"  # a state_dict given itself, as messages name it
 
 
 def read_state_dict(path: str | Path | Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -26,7 +27,7 @@ def read_state_dict(path: str | Path | Mapping[str, Any]) -> dict[str, torch.Ten
     checkpoint holding one under `state_dict` / `model`; a run's best_ema.pt its moving average),
     or of a state_dict given itself, with DDP's `module.` prefix removed."""
     if isinstance(path, Mapping):  # model.state_dict(), or a checkpoint loaded already
-        return _plain_state(dict(path), "weights (a state_dict)")
+        return _plain_state(dict(path), GIVEN_STATE)
     if not isinstance(path, (str, Path)):  # torchvision's ResNet18_Weights.DEFAULT, True...
         raise ConfigError(f"weights: a state_dict or the file of one (.safetensors, .pt, .pth), "
                           f"got {type(path).__name__} {str(path)[:60]!r}: nothing is downloaded "
@@ -39,13 +40,15 @@ def read_state_dict(path: str | Path | Mapping[str, Any]) -> dict[str, torch.Ten
     if not path.is_file():
         raise CheckpointError(f"{path}: no such weights file")
     state = _read_safetensors(path) if path.suffix == ".safetensors" else _read_pt(path)
-    if (
-        path.name == "best_ema.pt"
-        and isinstance(state, dict)
-        and isinstance(state.get("ema"), dict)
-    ):
-        state = state["ema"]  # a cnnkit run's best moving average: its weights are those
+    if holds_its_moving_average(path, state):
+        state = state["ema"]
     return _plain_state(state, path)
+
+
+def holds_its_moving_average(path: Path, state: Any) -> bool:
+    """Whether `state`, read from `path`, is a cnnkit run's best_ema.pt (the epoch whose moving
+    average of the weights, train.ema, scored best): its weights are that average's."""
+    return path.name == "best_ema.pt" and isinstance(state, dict) and bool(state.get("ema"))
 
 
 def _plain_state(state: Any, path: Any) -> dict[str, torch.Tensor]:
@@ -168,7 +171,7 @@ def load_weights(network: nn.Module, path: str | Path | Mapping[str, Any]) -> li
     and return the keys left as initialised: the classifier of a network built for another
     class count (its `heads`), so fine-tuning starts from everything else."""
     state = published_keys(read_state_dict(path), getattr(network, "spec", {}))
-    path = "weights (a state_dict)" if isinstance(path, Mapping) else path  # (for messages)
+    path = GIVEN_STATE if isinstance(path, Mapping) else path  # (for messages)
     check_finite_weights(state, path)
     own = network.state_dict()
     heads = tuple(f"{h}." for h in getattr(network, "heads", ()))
