@@ -273,3 +273,28 @@ def test_a_pack_worker_that_dies_is_one_line_not_a_hang(shapes, tmp_path):
     assert "the same command resumes from them" in lines[0]
     s = pack_folder(shapes, tmp_path / "p", size=16, shard_size=4, progress=False)
     assert s.images == 15 and 0 < s.resumed_shards < s.shards
+
+
+def test_a_disk_that_fills_at_the_mean_image_says_so(small_disk, tmp_path, capsys):
+    """numpy's own write of an array to a file raises an OSError with no errno on a full disk:
+    the mean image is written as bytes, so the line says the disk is full."""
+    synth_shapes(tmp_path / "src", classes=2, per_class=4, size=40)
+    argv = ["pack", str(tmp_path / "src"), "DST", "--size", "128", "-j", "1"]
+    pack_folder(tmp_path / "src", tmp_path / "sized", size=128, workers=1, progress=False)
+    pages = lambda p: -(-p.stat().st_size // 4096) * 4096  # noqa: E731 (tmpfs: whole pages)
+    before = sum(
+        pages(p)
+        for p in (tmp_path / "sized").rglob("*")
+        if p.is_file() and p.name not in ("mean.npy", "files.txt", "bad_images.tsv", "meta.json")
+    )
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    with open(small_disk / "filler", "wb") as f:  # room for all but half the mean image
+        os.posix_fallocate(f.fileno(), 0, free - before - 8 * 4096 - (3 * 128 * 128 * 4) // 2)
+    argv[2] = str(small_disk / "p")
+    code, out, err = run_cli(argv, capsys)
+    (line,) = err.splitlines()
+    assert code == 1 and "the disk is full" in line and "mean.npy" in line, line
+    assert not (small_disk / "p/meta.json").exists()
+    (small_disk / "filler").unlink()
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err

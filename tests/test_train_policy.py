@@ -244,7 +244,8 @@ def test_augmixs_geometric_ops_are_torchvisions_bilinear_ones(op):
             theirs.append(TF.affine(images[i], angle=0.0, translate=shift, scale=1.0,
                                     shear=[0.0, 0.0], interpolation=bilinear))  # fmt: skip
     diff = (ours.int() - torch.stack(theirs).int()).abs()
-    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.002
+    # a level off on a few pixels: float rounding at .5 (0.25% on a Xeon with AMX, shear_y)
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.005
 
 
 def test_augmix_mixes_its_chains_with_the_image_by_dirichlet_weights(monkeypatch):

@@ -49,7 +49,7 @@ def pack(
     in DST/bad_images.tsv; a class folder with no images is refused. Resumes when run again.
     """
     from cnnkit.data.pack import pack_folder
-    from cnnkit.errors import plural
+    from cnnkit.errors import DataError, plural
 
     s = pack_folder(src, dst, size, resize, format, quality, workers, labels,
                     interpolation=interpolation)  # fmt: skip
@@ -64,9 +64,16 @@ def pack(
               "class folders?)", file=sys.stderr)  # fmt: skip
     if s.converted or s.skipped:
         print(f"converted {s.converted}, skipped {s.skipped} (reasons: {dst / 'bad_images.tsv'})")
-    for name in s.empty_classes:
-        print(f"cnnkit: warning: class {name!r} has no usable image (all skipped: see "
-              f"{dst / 'bad_images.tsv'})", file=sys.stderr)  # fmt: skip
+    if s.empty_classes:  # (the pack is whole, but no run trains on it)
+        more = (
+            f" (and {plural(len(s.empty_classes) - 1, 'other')})"
+            if len(s.empty_classes) > 1
+            else ""
+        )
+        raise DataError(f"class {s.empty_classes[0]!r}{more} has no usable image (all skipped: "
+                        f"see {dst / 'bad_images.tsv'}); fix its images and run the same cnnkit "
+                        "pack again (it takes them then), or remove its folder and pack into a "
+                        "new folder")  # fmt: skip
 
 
 def shapes(

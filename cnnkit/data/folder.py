@@ -33,7 +33,7 @@ from cnnkit.data.regions import (
     smaller_than,
 )
 from cnnkit.data.resize import Interpolation, ResizeSetting, box_region
-from cnnkit.data.scan import printable, scan_folder
+from cnnkit.data.scan import Scan, printable, scan_folder, shared_files
 from cnnkit.data.slots import new_batch
 from cnnkit.errors import ConfigError, DataError
 from cnnkit.runtime import torch_threads
@@ -269,9 +269,9 @@ class FolderConfig(ImageSetConfig):
         same = self.val_path and Path(self.val_path).resolve() == root.resolve()
         # one folder evaluated whole (eval --data DIR [--labels FILE]): scanned once
         option = self._labels_option if same else None  # data.path itself takes none
-        files, labels, classes = scan_folder(root, self.val_labels if same else None,
-                                             skip_empty=self._evaluating,
-                                             labels_option=option)  # fmt: skip
+        scan = scan_folder(root, self.val_labels if same else None,
+                           skip_empty=self._evaluating, labels_option=option)  # fmt: skip
+        files, labels, classes = scan.files, scan.labels, scan.classes
         fraction = 0.0 if self.val_path else self.val_fraction
         train_ids, val_ids = holdout_split(labels, fraction, keys=files)
         drawn = holdout_id(files, val_ids, len(files)) if fraction else None
@@ -281,10 +281,12 @@ class FolderConfig(ImageSetConfig):
         if same:
             val = FolderImages(root, files, labels, np.arange(len(files)), *resizing)
         elif self.val_path:
-            vfiles, vlabels, _ = scan_folder(self.val_path, self.val_labels, classes,
-                                             labels_option=self._labels_option)  # fmt: skip
-            val = FolderImages(Path(self.val_path), vfiles, vlabels, np.arange(len(vfiles)),
-                               *resizing)  # fmt: skip
+            held_out = scan_folder(self.val_path, self.val_labels, classes,
+                                   labels_option=self._labels_option)  # fmt: skip
+            if not self._evaluating:  # (eval --data may well be the training images)
+                _check_disjoint(held_out, scan, Path(self.val_path), root)
+            val = FolderImages(Path(self.val_path), held_out.files, held_out.labels,
+                               np.arange(len(held_out.files)), *resizing)  # fmt: skip
         else:
             val = FolderImages(root, files, labels, val_ids, *resizing)
         mean, std = self.mean or IMAGENET_MEAN, self.std or IMAGENET_STD
@@ -303,3 +305,17 @@ class FolderConfig(ImageSetConfig):
                 train_s, val_s, classes, (3, self.crop, self.crop), pre, labels, image, drawn
             )  # fmt: skip
         )
+
+
+def _check_disjoint(held_out: Scan, training: Scan, val_root: Path, root: Path) -> None:
+    """DataError where data.val_path takes files of data.path itself (links, hard links): its
+    held-out figures would count images the run trains on."""
+    shared = shared_files(held_out, training)
+    if shared:
+        val, train = shared[0]
+        raise DataError(f"data.val_path {printable(str(val_root))}: {len(shared)} of its "
+                        f"{len(held_out.files)} images are data.path's own files (links or hard "
+                        f"links: {printable(str(val_root / val))} is "
+                        f"{printable(str(root / train))}); held-out images must not be trained "
+                        "on: give a folder of other images, or data.val_path=null to hold out "
+                        "data.val_fraction of data.path")  # fmt: skip

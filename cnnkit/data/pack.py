@@ -24,6 +24,7 @@ DST may hold, and how a failure leaves it, pack_dst.py.
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing as mp
 import os
@@ -39,7 +40,15 @@ import torch
 
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import ResizeMode
-from cnnkit.data.pack_dst import check_no_clash, shards_done, shards_to_pack, tidy, write_error
+from cnnkit.data.pack_dst import (
+    check_no_clash,
+    check_not_images,
+    shards_done,
+    shards_to_pack,
+    shards_with_fixed_images,
+    tidy,
+    write_error,
+)
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
 from cnnkit.data.packfiles import PACK_FORMAT, is_plan, read_index, read_meta
 from cnnkit.data.resize import Interpolation, resize_mode
@@ -105,6 +114,7 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
         return plan
     scan = scan_images(src, labels_file, labels_option="--labels")
     _check_outside(dst, src, scan)
+    check_not_images(dst)
     # ~32+ shards so every process stays busy, at most 512 images (100 MB raw) per shard
     shard_size = shard_size or min(512, max(16, -(-len(scan.files) // 32)))
     plan = {"params": params, "files": scan.files, "labels": scan.labels,
@@ -271,8 +281,10 @@ def _finalize(plan: dict, dst: Path, jobs: list[PackJob]) -> dict:
                             f"(first: {first})")  # fmt: skip
     with atomic(dst / "index.npz") as f:
         np.savez(f, **arrays)
+    mean_image = io.BytesIO()  # written whole: numpy's own write to a file of a full disk
+    np.save(mean_image, (total["image"] / count).astype(np.float32))  # raises with no errno
     with atomic(dst / "mean.npy") as f:
-        np.save(f, (total["image"] / count).astype(np.float32))
+        f.write(mean_image.getbuffer())
     write_text(dst / "files.txt", "".join(f"{printable(f)}\n" for f in files))
     report = plan.get("skipped", []) + report
     write_text(dst / "bad_images.tsv", "path\tstatus\treason\n" + "".join(f"{r}\n" for r in report))
@@ -323,6 +335,7 @@ def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
     jobs = _jobs(plan, src, dst)
     (dst / "shards").mkdir(parents=True, exist_ok=True)  # (also where a resumed pack lost it)
     todo = shards_to_pack(dst, jobs)
+    todo += shards_with_fixed_images(dst, jobs, todo)
     done_images = sum(len(j.files) for j in jobs if j not in todo)
     meta = None if todo else _finished(dst)
     if meta is None:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cnnkit.data.decode import BadImage, holds_images, load_resized
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackJob
 from cnnkit.data.scan import printable
-from cnnkit.errors import ConfigError, DataError
+from cnnkit.errors import ConfigError, DataError, plural
 from cnnkit.runtime import os_reason
 
 SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
@@ -33,6 +34,14 @@ def check_no_clash(dst: Path) -> None:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise ConfigError(f"{printable(str(dst))}: holds {shown}, which a pack writes, but is not "
                           "a pack (no plan.json); pack into an empty or new folder")  # fmt: skip
+
+
+def check_not_images(dst: Path) -> None:
+    """ConfigError where DST, about to become a pack, holds images (`cnnkit pack train val`:
+    SRC and DST swapped, or a second SRC): they would be hidden by the pack beside them."""
+    if holds_images(dst):
+        raise ConfigError(f"{printable(str(dst))}: holds images, and is not a pack; pack into an "
+                          "empty or new folder (DST is where the pack is written)")  # fmt: skip
 
 
 def tidy(dst: Path, created: bool, discard: bool) -> None:
@@ -90,6 +99,34 @@ def shards_to_pack(dst: Path, jobs: list[PackJob]) -> list[PackJob]:
         more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
         print(f"cnnkit: note: {damaged[0]}{more}: packed again", file=sys.stderr)
     return todo
+
+
+def shards_with_fixed_images(dst: Path, jobs: list[PackJob], todo: list[PackJob]
+                             ) -> list[PackJob]:  # fmt: skip
+    """The done shards holding an image skipped as unreadable that now reads (fixed, or
+    replaced, since): packed again, so the same command takes it. Only those images are
+    decoded; the rest of a finished pack is not read."""
+    fixed = []
+    for job in jobs:
+        if job in todo:
+            continue
+        with np.load(dst / "shards" / f"{job.shard:05d}.npz") as z:
+            kept = set(z["kept"].tolist())
+        skipped = [rel for i, rel in enumerate(job.files) if i not in kept]
+        if any(_reads(Path(job.root) / rel, job) for rel in skipped):
+            fixed.append(job)
+    if fixed:
+        print(f"cnnkit: note: {plural(len(fixed), 'shard')} with an image skipped before that "
+              "now reads: packed again", file=sys.stderr)  # fmt: skip
+    return fixed
+
+
+def _reads(path: Path, job: PackJob) -> bool:
+    try:
+        load_resized(path, job.size, job.resize, interpolation=job.interpolation)
+    except BadImage:
+        return False
+    return True
 
 
 def _shard_damage(shard: Path, marker: Path) -> str | None:

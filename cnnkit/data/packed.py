@@ -182,6 +182,28 @@ def _val_label_map(train_classes: list[str], val_classes: list[str], where: str)
     return np.array([lookup[c] for c in val_classes], np.int64)
 
 
+def _check_disjoint(val_path: str, path: str, val_meta: dict, meta: dict) -> None:
+    """DataError where the val pack was packed from data.path's own folder and holds images the
+    training pack holds too (`cnnkit pack train val_pack`: its held-out figures would count
+    images trained on); one pack given as both is one set evaluated whole (eval --data)."""
+    source = meta.get("source")
+    if source is None or val_meta.get("source") != source:
+        return
+    if Path(val_path).resolve() == Path(path).resolve():
+        return
+    try:
+        names = [(Path(p) / "files.txt").read_text().splitlines() for p in (val_path, path)]
+    except OSError:  # (a pack of an older cnnkit: no file list to tell)
+        return
+    shared = set(names[0]).intersection(names[1])
+    if shared:
+        raise DataError(f"data.val_path {val_path}: packed from the training pack's own folder "
+                        f"({source}), and {len(shared)} of its {len(names[0])} images "
+                        f"are in data.path's pack too (first: {min(shared)}); held-out images "
+                        "must not be trained on: pack the held-out folder, or data.val_path="
+                        "null to hold out data.val_fraction of data.path")  # fmt: skip
+
+
 class PackedConfig(ImageSetConfig):
     """Train from sets written by `cnnkit pack` (raw memory-mapped or JPEG shards)."""
 
@@ -212,6 +234,7 @@ class PackedConfig(ImageSetConfig):
                         for s, r, i in made]  # fmt: skip
                 raise DataError(f"{self.val_path}: packed with {said[0]}, the training set with "
                                 f"{said[1]}: pack both alike")  # fmt: skip
+            _check_disjoint(self.val_path, self.path, val_meta, meta)
             label_map = _val_label_map(meta["classes"], val_meta["classes"], self.val_path)
             val = PackedImages(self.val_path, label_map=label_map)
             drawn = OWN_VAL_SET

@@ -25,20 +25,23 @@ from cnnkit.errors import DataError, plural, suggest
 FileKey = tuple[int, int]  # (st_dev, st_ino): one real file or folder
 Found = tuple[str, FileKey, bool]  # (path under the root, key, is a link)
 REPORTED_LINES = 10  # skipped entries named one per line on stderr; the rest are counted
+SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "test", "testing"}
 ALREADY_SCANNED = "a folder already scanned (a symlink loop, a second link or another class)"
 
 
 @dataclass
 class Scan:
     """What a folder holds: image paths relative to the root (in a fixed order), their labels,
-    the class names, the (relative path, reason) of everything passed over, and every real
-    folder walked (key -> its path under the root: a folder reached through a link is there)."""
+    the class names, the (relative path, reason) of everything passed over, every real
+    folder walked (key -> its path under the root: a folder reached through a link is there)
+    and every real file taken (key -> its path)."""
 
     files: list[str]
     labels: list[int]
     classes: list[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     folders: dict[FileKey, str] = field(default_factory=dict)
+    taken: dict[FileKey, str] = field(default_factory=dict)  # real file -> its path in files
 
 
 def printable(text: str) -> str:
@@ -203,6 +206,12 @@ def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False
             names.append(entry.name)
     if not names:
         raise DataError(f"{printable(str(src))}: no class subfolders ({flat_hint(labels_option)})")
+    if classes is None and len(names) > 1 and all(n.lower() in SPLIT_NAMES for n in names):
+        train = next((n for n in names if n.lower() in ("train", "training")), names[0])
+        raise DataError(f"{printable(str(src))}: its subfolders {', '.join(names)} are a data "
+                        "set's splits, not classes; give the split's own folder "
+                        f"({printable(str(src / train))}), whose subfolders are the "
+                        "classes")  # fmt: skip
     files, labels, kept = [], [], []
     taken = walker.take(walker.found(names))
     unreadable = next((name for name in names if name in walker.unreadable), None)
@@ -219,7 +228,7 @@ def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False
         kept.append(name)
     if not files:
         raise DataError(f"{printable(str(src))}: no images in the class subfolders")
-    return Scan(files, labels, kept, walker.skipped, walker.folders)
+    return Scan(files, labels, kept, walker.skipped, walker.folders, walker.taken)
 
 
 def flat_hint(labels_option: str | None) -> str:
@@ -313,7 +322,7 @@ def flat_with_labels(src: Path, labels_file: Path,
     found = {key for n in files for key in (n, Path(n).stem)}
     absent = [(n, f"named in {labels_file.name} but not in the folder") for n in mapping
               if n not in found]  # fmt: skip
-    return files, names, Scan(files, [], [], walker.skipped + absent, walker.folders)
+    return files, names, Scan(files, [], [], walker.skipped + absent, walker.folders, walker.taken)
 
 
 def scan_images(src: str | Path, labels_file: str | Path | None = None,
@@ -348,7 +357,7 @@ def scan_images(src: str | Path, labels_file: str | Path | None = None,
     if unknown:
         raise DataError(f"{src}: class {unknown[0]!r} is not among the training classes"
                         f"{unknown_classes(unknown, classes)}")  # fmt: skip
-    return Scan(files, [lookup[n] for n in names], classes, scan.skipped, scan.folders)
+    return Scan(files, [lookup[n] for n in names], classes, scan.skipped, scan.folders, scan.taken)
 
 
 def unknown_classes(unknown: list[str], classes: list[str], indexed: bool = True) -> str:
@@ -366,13 +375,19 @@ def unknown_classes(unknown: list[str], classes: list[str], indexed: bool = True
 
 def scan_folder(src: str | Path, labels_file: str | Path | None = None,
                 classes: list[str] | None = None, skip_empty: bool = False,
-                labels_option: str | None = None,
-                ) -> tuple[list[str], list[int], list[str]]:  # fmt: skip
-    """(relative files, labels, class names) of scan_images; what it skipped is named on
-    stderr, as the loader names the images it cannot decode."""
+                labels_option: str | None = None) -> Scan:  # fmt: skip
+    """scan_images, with what it skipped named on stderr, as the loader names the images it
+    cannot decode."""
     scan = scan_images(src, labels_file, classes, skip_empty, labels_option)
     report_skipped(scan.skipped, Path(src))
-    return scan.files, scan.labels, scan.classes
+    return scan
+
+
+def shared_files(held_out: Scan, training: Scan) -> list[tuple[str, str]]:
+    """(held-out path, training path) of each real file both sets take: a link or a hard link
+    in one to a file of the other (whose held-out figures would count images trained on)."""
+    both = held_out.taken.keys() & training.taken.keys()
+    return sorted((held_out.taken[k], training.taken[k]) for k in both)
 
 
 def report_skipped(skipped: list[tuple[str, str]], root: Path | None = None) -> None:

@@ -99,8 +99,9 @@ def check_every_class_trains(data: DataBundle, path: str | None = None) -> None:
         where = f"data.path {path}: " if path else ""
         raise DataError(f"{where}class {empty[0]!r}{more} has no image to train on (a pack "
                         "keeps a class whose every file was unreadable: see its "
-                        "bad_images.tsv); fix its images, or remove its folder and pack "
-                        "again")  # fmt: skip
+                        "bad_images.tsv); fix its images and run the same cnnkit pack again "
+                        "(it takes them then), or remove its folder and pack into a new "
+                        "folder")  # fmt: skip
 
 
 def check_same_data(state: dict[str, Any], data: DataBundle, run_dir: Path) -> None:
