@@ -372,3 +372,42 @@ def test_build_model_of_trained_weights_says_what_loads_them(digits_run):
     with pytest.raises(ConfigError, match=r"trained weights, not a network description: "
                        r".*build_model\(NET, weights=FILE\).*Classifier\.load"):  # fmt: skip
         build_model(str(digits_run / "best.pt"))
+
+
+HEAD_NET = {"input": [3, 8, 8], "num_classes": 6, "layers": [
+    {"name": "c", "type": "conv", "out_channels": 4, "kernel_size": 3},
+    {"name": "g", "type": "global_avgpool"}, {"name": "fc", "type": "linear"}]}  # fmt: skip
+
+
+@pytest.mark.parametrize("fc", [{"fc.weight": (6, 5), "fc.bias": (6,)},
+                                {"fc.weight": (6, 4), "fc.bias": (7,)},
+                                {"fc.weight": (10, 5), "fc.bias": (10,)}])  # fmt: skip
+def test_a_classifier_of_other_inputs_or_half_fitting_is_never_left_fresh(tmp_path, fc):
+    """Only a class count of its own starts a classifier fresh: other inputs, or a bias that
+    does not fit its weight, are mis-shaped keys, named, even when fine-tuning."""
+    state = {"c.weight": torch.randn(4, 3, 3, 3), "c.bias": torch.randn(4)}
+    state |= {k: torch.randn(shape) for k, shape in fc.items()}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    for num_classes in (None, 6, 3):
+        with pytest.raises(CheckpointError, match=r"mis-shaped \(fc\.(weight|bias): file"):
+            build_model(HEAD_NET, num_classes=num_classes, weights=tmp_path / "w.safetensors")
+
+
+def test_weights_for_other_classes_are_refused_where_the_network_scores_as_it_is(tmp_path):
+    """A network built as its file says (classify, eval, export, build_model without
+    num_classes) refuses a classifier for other classes: its scores would be made up."""
+    state = {"c.weight": torch.randn(4, 3, 3, 3), "c.bias": torch.randn(4),
+             "fc.weight": torch.randn(10, 4), "fc.bias": torch.randn(10)}  # fmt: skip
+    save_file(state, str(tmp_path / "w.safetensors"))
+    with pytest.raises(CheckpointError, match=r"its classifier \(fc\) is for 10 classes, the "
+                                              r"network's for 6 \(num_classes\)"):  # fmt: skip
+        build_model(HEAD_NET, weights=tmp_path / "w.safetensors")
+    tuned = build_model(HEAD_NET, num_classes=6, weights=tmp_path / "w.safetensors")
+    assert tuned.fresh_keys == ["fc.weight", "fc.bias"]
+    torch.testing.assert_close(tuned.c.weight, state["c.weight"])
+    fits = build_model(HEAD_NET, num_classes=10, weights=tmp_path / "w.safetensors")
+    assert fits.fresh_keys == [] and torch.equal(fits.fc.bias, state["fc.bias"])
+    del state["c.bias"]
+    save_file(state, str(tmp_path / "w.safetensors"))
+    with pytest.raises(CheckpointError, match=r"1 missing \(c\.bias\); 2 mis-shaped \(fc\.weight"):
+        build_model(HEAD_NET, weights=tmp_path / "w.safetensors")  # every problem named

@@ -62,6 +62,7 @@ class Network(nn.Module):
             self.num_classes = out[0] if len(out) == 1 else None
             self.output_shape: Shape = out
             self.heads = tuple(node.name for node in nodes if node.head)  # sized by num_classes
+            self.fresh_keys: list[str] = []  # a classifier left fresh by weights of other classes
             frees = _last_reads(nodes, self._output)
             # (module name, input value indices, values to drop after it); modules are looked up by
             # name at run time, so replacing one (SyncBatchNorm, quantised, ...) takes effect.
@@ -221,7 +222,9 @@ def build_model(
 
     `weights` (else the file's `weights:`) names a state_dict file, safetensors or a
     weights-only .pt (torchvision's, timm's), or is a state_dict (another model's
-    `state_dict()`), loaded into it; not on the meta device."""
+    `state_dict()`), loaded into it; not on the meta device. With `num_classes` given (to
+    fine-tune), a classifier whose weights are for another class count keeps fresh ones, and
+    `fresh_keys` names them; without it, weights must fit the network whole."""
     _not_trained_weights(spec)
     model = read_spec(spec)
     network = Network(model, num_classes=num_classes, device=device)
@@ -229,7 +232,7 @@ def build_model(
     if weights is not None and (device is None or torch.device(device).type != "meta"):
         from cnnkit.nn.weights import load_weights
 
-        load_weights(network, weights)
+        network.fresh_keys = load_weights(network, weights, other_classes=num_classes is not None)
     return network
 
 

@@ -23,7 +23,7 @@ MAX_NAME = 200
 RESERVED = {"input", "previous"}
 # keep in sync with graph.Network (a test checks it)
 NETWORK_ATTRIBUTES = frozenset({"spec", "name", "input_shape", "param_count", "activation_count",
-                                "table", "num_classes", "output_shape", "heads", "multipliers",
+                                "table", "num_classes", "output_shape", "heads", "fresh_keys", "multipliers",
                                 "param_groups", "reset_parameters", "_apply_init", "unreached",
                                 "_forward_hooked", "_groups", "_steps", "_nodes", "_output"})  # fmt: skip
 MODULE_ATTRIBUTES = frozenset(dir(nn.Module()))

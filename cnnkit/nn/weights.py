@@ -166,22 +166,48 @@ def check_finite_weights(weights: Mapping[str, Any], source: Any) -> None:
             )
 
 
-def load_weights(network: nn.Module, path: str | Path | Mapping[str, Any]) -> list[str]:
+def load_weights(network: nn.Module, path: str | Path | Mapping[str, Any],
+                 other_classes: bool = True) -> list[str]:  # fmt: skip
     """Load a state_dict file (or a state_dict) into `network` (names and shapes must agree)
-    and return the keys left as initialised: the classifier of a network built for another
-    class count (its `heads`), so fine-tuning starts from everything else."""
+    and return the keys left as initialised. `other_classes` (fine-tuning: the network was
+    built for another class count): a classifier (`heads`) whose tensors differ from the
+    file's in their class count alone keeps its fresh weights, so training starts from
+    everything else; any other difference is refused, and with other_classes False (a
+    network to score with as it is), that one too."""
     state = published_keys(read_state_dict(path), getattr(network, "spec", {}))
     path = GIVEN_STATE if isinstance(path, Mapping) else path  # (for messages)
     check_finite_weights(state, path)
+    fresh = _other_class_count(network, state)
+    # everything named where more than the class count differs (a fine-tuning run: the rest)
+    check_state_fits(network, state if fresh and not other_classes else
+                     {k: v for k, v in state.items() if k not in fresh}, path,
+                     fresh, other_only=not other_classes)  # fmt: skip
+    if fresh and not other_classes:  # a classifier that would score with made-up weights
+        theirs, ours = state[fresh[0]].shape[0], network.state_dict()[fresh[0]].shape[0]
+        raise CheckpointError(f"{path}: its classifier ({fresh[0].rsplit('.', 1)[0]}) is for "
+                              f"{theirs} classes, the network's for {ours} (num_classes): "
+                              f"weights for other classes only start a fine-tuning run "
+                              f"(cnnkit train), or give num_classes: {theirs}")  # fmt: skip
     own = network.state_dict()
-    heads = tuple(f"{h}." for h in getattr(network, "heads", ()))
-    fresh = [
-        k for k in own if k.startswith(heads) and k in state and state[k].shape != own[k].shape
-    ]
-    check_state_fits(network, {k: v for k, v in state.items() if k not in fresh}, path, fresh)
     state = {**state, **{k: own[k] for k in fresh}}  # heads keep their fresh initialisation
     with torch.no_grad():
         network.load_state_dict(state)
+    return fresh
+
+
+def _other_class_count(network: nn.Module, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The keys of each classifier (`heads`) whose tensors in `state` all differ from the
+    network's in their first dimension (the class count) alone: a head with any other
+    difference (its inputs, half its tensors) is left to check_state_fits to name."""
+    own, fresh = network.state_dict(), []
+    for head in getattr(network, "heads", ()):
+        keys = [k for k in own if k.startswith(f"{head}.") and k in state]
+        if not keys or any(state[k].dim() != own[k].dim() or state[k].dim() == 0
+                           or state[k].shape[1:] != own[k].shape[1:] for k in keys):  # fmt: skip
+            continue
+        counts = {state[k].shape[0] for k in keys}  # the file's class count, one for all
+        if len(counts) == 1 and counts != {own[keys[0]].shape[0]}:
+            fresh += keys
     return fresh
 
 
@@ -206,14 +232,17 @@ def published_keys(state: dict[str, torch.Tensor], spec: dict) -> dict[str, torc
 
 
 def check_state_fits(network: nn.Module, state: Mapping[str, Any], source: Any,
-                     fresh: Collection[str] = ()) -> None:  # fmt: skip
+                     fresh: Collection[str] = (), other_only: bool = False) -> None:  # fmt: skip
     """CheckpointError naming the keys that keep `state` from loading into `network`: missing
-    (but those in `fresh`), unexpected and mis-shaped ones, with both shapes."""
+    (but those in `fresh`), unexpected and mis-shaped ones, with both shapes. `other_only`:
+    none where the mis-shaped keys are `fresh` ones alone (said otherwise by the caller)."""
     own = network.state_dict()
     missing = [k for k in own if k not in state and k not in fresh
                and not k.endswith("num_batches_tracked")]  # fmt: skip
     unexpected = [k for k in state if k not in own]
     misshaped = [k for k in own if k in state and state[k].shape != own[k].shape]
+    if other_only and not missing and not unexpected and set(misshaped) <= set(fresh):
+        return
     if missing or unexpected or misshaped:
         problems = [
             _named(missing, "missing", lambda k: k),

@@ -3,6 +3,7 @@ the engine with the settings chosen for it (rank 0's choice, or a resumed run's 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -175,6 +176,10 @@ def build_run_engine(config: RunConfig, data: DataBundle, device: torch.device,
     (each takes its share of the batch and, from --nproc, of the cores: a dry run of N
     chooses what N ranks will run)."""
     network = build_network(config, data, fresh=resume is None)
+    if network.fresh_keys and resume is None and dist.is_main:
+        print(f"cnnkit: note: model.weights: {', '.join(network.fresh_keys)} start fresh (the "
+              f"file's classifier is for other classes than the data's {len(data.classes)})",
+              file=sys.stderr)  # fmt: skip
     per_rank = config.data.batch_size // ranks
     if not (config.train.sync_bn and ranks > 1):  # (SyncBatchNorm counts every rank's values)
         images = min(per_rank, len(data.train_labels) // ranks)  # (a set smaller than a batch)
