@@ -3,6 +3,7 @@ engine's step and its peaks, and the plain loops it is compared with. Tiny netwo
 tiny repeat counts: correctness, not speed."""
 
 import json
+import signal
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from helpers import TINY_NET_MACS as TINY_MACS
 
 from cnnkit.bench.baseline import PlainProcess, amp_dtype, peer_label, plain_model
 from cnnkit.bench.layers import bench_layers
+from cnnkit.bench.peak import Kernel
 from cnnkit.bench.throughput import (
     bench_throughput,
     make_train_step,
@@ -144,6 +146,31 @@ def test_infer_with_a_forced_memory_format_stays_classifys_fp32(monkeypatch):
     assert r["channels_last"] is False and r["settings"]["as"] == "cnnkit classify"
 
 
+def test_a_step_on_fewer_threads_is_set_against_a_peak_on_as_many(monkeypatch):
+    """The peak kernels run on the step's threads, and the paper peak counts its cores: a
+    1-thread step against a peak of every core read as a fraction of that core count."""
+    import cnnkit.bench.peak as peak
+    import cnnkit.bench.throughput as throughput
+
+    monkeypatch.setattr(peak, "available_cores", lambda: 4)
+    on_paper = peak.theoretical_peak(CPU, "fp32")
+    if on_paper is None:
+        pytest.skip("no paper peak for this CPU")
+    assert peak.theoretical_peak(CPU, "fp32", 1)[0] == pytest.approx(on_paper[0] / 4)
+    assert "1 core x" in peak.theoretical_peak(CPU, "fp32", 1)[1]
+    seen, real = [], throughput.peak_kernels
+
+    def kernels(*args):
+        return [Kernel(k.name, k.precision, k.flops,
+                       lambda x, run=k.run: (seen.append(torch.get_num_threads()), run(x))[1])
+                for k in real(*args)]  # fmt: skip
+
+    monkeypatch.setattr(throughput, "peak_kernels", kernels)
+    r = bench_throughput(TINY, "infer", 4, CPU, precision="fp32", threads=1, repeats=1,
+                         warmup=0, quick_peak=True, cache=False)  # fmt: skip
+    assert r["threads"] == 1 and seen and set(seen) == {1}
+
+
 @pytest.mark.parametrize("ratio", [0.5, 2.0])
 def test_a_cpu_estimate_under_the_measured_peak_says_why(ratio):
     """Under a hypervisor /proc/cpuinfo gives the nominal clock, and boosting cores beat the
@@ -243,6 +270,11 @@ def test_a_comparison_loop_that_fails_is_one_error_never_a_hang():
         PlainProcess(model, "train", 4, torch.device("cuda"))
     peer = PlainProcess(model, "train", 4, CPU)
     assert 0 < peer() < 60  # one step runs: its seconds, timed there
+    ignored = int(
+        open(f"/proc/{peer._process.pid}/status").read().split("SigIgn:")[1].split()[0], 16
+    )
+    assert ignored & (1 << (signal.SIGINT - 1))  # Ctrl-C is the parent's: no child traceback
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's kept
     peer._process.kill()
     with pytest.raises(CnnkitError, match="exit code -9"):
         peer()

@@ -246,3 +246,25 @@ def test_the_progress_bar_shows_the_loss_read_where_the_loop_syncs_never_its_own
     assert Loss.reads == 3  # steps 16, 32 and the epoch's last, 40
     assert shown[:15] == ["-"] * 15 and shown[15] == shown[30] == "0.1600"
     assert shown[31] == "0.3200" and shown[-1] == "0.4000"
+
+
+def test_tensorboards_step_rate_is_the_rate_since_its_previous_point():
+    """step/images_per_second: the images/s of the steps since the last point (the epoch's
+    average would hide a slowdown), from each epoch's start again."""
+
+    class Log:
+        rates: list[float] = []
+
+        def write_step(self, global_step, loss, lr, images_per_second):
+            self.rates.append(images_per_second)
+
+    console = Console(quiet=True, log=Log())
+    # 16 steps of 10 images a second at 100 images/s, then 16 at 25 images/s
+    for epoch in (1, 2):
+        seconds = images = 0.0
+        for step in range(1, 33):
+            seconds += 0.1 if step <= 16 else 0.4
+            images += 10
+            console.step(StepInfo(epoch, 2, step, 32, torch.tensor(1.0), step, 0.1,
+                                  images / seconds, 0.0, seconds))  # fmt: skip
+    assert Log.rates == pytest.approx([100.0, 25.0, 100.0, 25.0])

@@ -36,7 +36,10 @@ def test_every_point_is_drawn_even_at_zero_error():
     assert list(val.get_ydata())[2:] == [0.0] * 4  # the 0% epochs, in percent
     assert "best 0.0% at epoch 3" in error.get_title()  # best.pt's: the first of a tie
     assert list(lr.get_lines()[0].get_ydata()) == pytest.approx([r["lr"] for r in rows])
-    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train", "val"]
+    # the training loss is smoothed or mixed where the run says so: not called cross-entropy
+    legend = [t.get_text() for t in loss.get_legend().get_texts()]
+    assert legend == ["train (as optimised)", "val (cross-entropy)"]
+    assert loss.get_ylabel() == "loss"
 
 
 def test_the_epoch_axis_has_whole_epochs_only():

@@ -229,7 +229,8 @@ def test_bad_files(tmp_path):
             build_model(str(empty))
         assert (
             str(e.value)
-            == f"{empty}: the file is empty (a network file has model: {{input, layers}})"
+            == f"{empty}: the file is empty (a network file has model: {{input, layers}}, or "
+            "input and layers at its top)"
         )
 
 

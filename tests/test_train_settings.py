@@ -75,6 +75,19 @@ def test_measured_once_then_cached_per_batch(tmp_path, monkeypatch):
     assert share.how == "measured" and len(json.loads(cache.read_text())) == 3
 
 
+def test_no_speed_up_is_claimed_where_fp32_nchw_was_not_timed(tmp_path):
+    """A precision or format set in the run leaves fp32 NCHW out of the grid: no ratio to it."""
+    net = build_model("digitnet")
+    for cfg in (
+        TrainConfig(precision="bf16", threads=1),
+        TrainConfig(channels_last=True, threads=1),
+    ):
+        s = choose_settings(net, cfg, CPU, 16, cache=tmp_path / "c.json")
+        assert s.how == "measured" and s.speedup is None and "x fp32 NCHW" not in s.describe(1)
+    s = choose_settings(net, TrainConfig(threads=1), CPU, 16, cache=tmp_path / "c.json")
+    assert s.speedup is not None and s.speedup > 0
+
+
 def test_a_damaged_cache_entry_is_measured_anew(tmp_path):
     """An entry edited by hand or half-written by another version (a field gone, a value not
     of its kind, a precision or kernel this machine lacks, a layer the network lacks) is

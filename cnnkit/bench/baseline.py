@@ -7,9 +7,11 @@ networks, the cnnkit network built afresh and run the same way."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
+import threading
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -144,7 +146,8 @@ class PlainProcess:
             block,
         )
         self._process = context.Process(target=_serve_plain, args=args, daemon=True)
-        self._process.start()
+        with _sigint_ignored():  # inherited: Ctrl-C is the parent's, which ends the child
+            self._process.start()
         child.close()  # the child's end lives in the child only: its exit is an EOF here
         self.name, self.threads = self._answer()  # the threads the child runs on
 
@@ -172,6 +175,21 @@ class PlainProcess:
             pass
         self._process.join(timeout=30)
         self._conn.close()
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while a child starts (a spawned Python keeps an ignored SIGINT ignored):
+    a Ctrl-C mid-import in the child would print a traceback of its own beside the parent's
+    one line. Only the main thread may set handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _serve_plain(conn, spec: dict, num_classes: int, mode: str, batch: int, device: str,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cnnkit.errors import plural
 from cnnkit.nn import Network
 from cnnkit.runtime import available_cores, cpu_flags, in_tf32
 
@@ -139,8 +140,10 @@ def math_mode(device: torch.device, precision: str) -> str:
     return "fp32 (TF32 convolutions)" if conv else "fp32 (true fp32)"
 
 
-def theoretical_peak(device: torch.device, precision: str) -> tuple[float, str] | None:
-    """(FLOP/s, where the figure comes from) on paper, or None where it cannot be known."""
+def theoretical_peak(device: torch.device, precision: str,
+                     threads: int | None = None) -> tuple[float, str] | None:  # fmt: skip
+    """(FLOP/s, where the figure comes from) on paper, or None where it cannot be known; on a
+    CPU, of the cores `threads` run on (one thread a core; None: every core it may use)."""
     if device.type == "cuda":
         sheet = data_sheet(torch.cuda.get_device_name(device))
         if sheet is None:
@@ -153,8 +156,8 @@ def theoretical_peak(device: torch.device, precision: str) -> tuple[float, str] 
     mhz = _cpu_mhz()
     if not per_cycle or not mhz:
         return None
-    cores = available_cores()
-    note = f"estimate: {units}, {cores} cores x {mhz / 1000:.2f} GHz"
+    cores = min(available_cores(), threads or available_cores())
+    note = f"estimate: {units}, {plural(cores, 'core')} x {mhz / 1000:.2f} GHz"
     return per_cycle * cores * mhz * 1e6, note
 
 

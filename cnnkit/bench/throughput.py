@@ -144,7 +144,8 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
         steps.update({p.name: p for p in peers})
         precisions = tuple(dict.fromkeys((*hardware_precisions(device), settings.precision)))
         kernels = peak_kernels(model, batch, device, precisions, quick_peak)
-        steps.update({k.name + " " + k.precision: k.run for k in kernels})
+        steps.update({k.name + " " + k.precision: _on_threads(k.run, device, settings.threads)
+                      for k in kernels})  # fmt: skip
         warmup, repeats = _counts(device, compile, warmup, repeats)
         try:
             timings = measure_interleaved(
@@ -162,6 +163,20 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
                          peers, combos)  # fmt: skip
         report["settings"]["as"] = runs_as
         return report
+
+
+def _on_threads(run: Callable[[object], object], device: torch.device,
+                threads: int) -> Callable[[object], object]:  # fmt: skip
+    """A peak kernel run on the step's threads on a CPU: a peak on more cores than the step
+    uses would understate its share (as the step's own rate above it would overstate it)."""
+    if device.type != "cpu":
+        return run
+
+    def on_threads(x: object) -> object:
+        with torch_threads(threads):
+            return run(x)
+
+    return on_threads
 
 
 @contextmanager
@@ -223,7 +238,7 @@ def _report(model, mode, batch, device, settings: Settings, cfg, timings, block,
     peaks = best_rates(kernels, {name: t.median for name, t in timings.items()})
     measured = peaks[settings.precision]["flops_per_second"]
     peak = max(measured, flops_per_second)
-    paper = theoretical_peak(device, settings.precision)
+    paper = theoretical_peak(device, settings.precision, settings.threads)
     report = {
         "net": model.name, "mode": mode, "device": str(device), "hardware": machine_name(device),
         "torch": torch.__version__, "batch": batch,

@@ -68,7 +68,8 @@ INFER_COMPILE = typer.Option(
 )  # fmt: skip
 MAX_SECONDS = typer.Option(
     120.0, "--max-seconds", min=1.0,
-    help="Stop repeating after this long (at least one repeat of each timed step): keep it "
+    help="Stop repeating after this long (at least two repeats of each timed step, one in "
+    "each order, and the warm-ups): keep it "
     "under a caller's own time limit, so a slow run still reports what it measured.",
 )  # fmt: skip
 
@@ -204,8 +205,8 @@ def scaling(
     if chosen[1]:
         print(chosen[1])  # CPU only: say so before the run, not after
     report = run_scaling(chosen, precision, quick=quick)
+    paths = write_outputs(report, out)  # first: a broken stdout loses no study
     print_scaling(report)
-    paths = write_outputs(report, out)
     print("wrote " + ", ".join(str(p) for p in paths))
     _emit(report, as_json)
 

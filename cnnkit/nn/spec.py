@@ -225,7 +225,8 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
         data, source = _read_yaml_or_zoo(str(spec))
     if data is None and source:  # no document, or only comments
         raise ConfigError(
-            f"{source}: the file is empty (a network file has model: {{input, layers}})"
+            f"{source}: the file is empty (a network file has model: {{input, layers}}, or "
+            "input and layers at its top)"
         )
     if not isinstance(data, dict):
         raise ConfigError(

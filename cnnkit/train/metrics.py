@@ -151,8 +151,9 @@ def curves_figure(history: list[dict[str, float]]):
     fig.subplots_adjust(left=0.065, right=0.99, bottom=0.12, top=0.91, wspace=0.3)
     loss, error, lr = fig.subplots(1, 3)
     style = {"marker": "o", "markersize": 3 if len(epochs) <= 60 else 0, "linewidth": 1.5}
-    for split in ("train", "val"):
-        loss.plot(epochs, [r[f"{split}_loss"] for r in history], label=split, **style)
+    # the training loss is the one optimised (label smoothing, mixing), the held-out one plain
+    for split, said in (("train", "train (as optimised)"), ("val", "val (cross-entropy)")):
+        loss.plot(epochs, [r[f"{split}_loss"] for r in history], label=said, **style)
         error.plot(epochs, [100 * (1 - r[f"{split}_top1"]) for r in history], label=split, **style)
     top = max([100 * (1 - r[f"{k}_top1"]) for r in history for k in ("train", "val")] + [1.0])
     error.set_ylim(-0.04 * top, 1.06 * top)  # 0% sits just above the axis, never off it
@@ -160,7 +161,7 @@ def curves_figure(history: list[dict[str, float]]):
     lr.plot(epochs, [r.get("lr", float("nan")) for r in history], color="C2", **style)
     for ax in (loss, lr):  # short tick labels (1e-4 etc. above the axis): they fit the margin
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
-    loss.set(ylabel="cross-entropy", title="loss")
+    loss.set(ylabel="loss", title="loss")
     error.set(ylabel="top-1 error", title="top-1 error" + _best(epochs, history))
     lr.set(ylabel="learning rate", title="learning rate")
     for ax in (loss, error, lr):
@@ -251,6 +252,7 @@ class Console:
         self._task = None
         self._last = 0.0
         self._loss = "-"  # the bar's: the loss last read at a step that reads the device
+        self._logged = (0, 0.0, 0.0)  # (step, images, seconds) of the epoch at the last log point
         self.console = RichConsole(highlight=False)  # stdout: `| tee` and `> log` keep it
         self.terminal = self.console.is_terminal
 
@@ -284,6 +286,14 @@ class Console:
             "", total=steps, completed=done, loss=self._loss, speed="-"
         )
 
+    def _window_rate(self, info: StepInfo) -> float:
+        """Images/s over the steps since the previous log point of the epoch (the epoch's own
+        average, which the epoch line gives, would hide a slowdown late in a long epoch)."""
+        images = info.images_per_second * info.seconds
+        step, before, then = self._logged if self._logged[0] < info.step else (0, 0.0, 0.0)
+        self._logged = (info.step, images, info.seconds)
+        return (images - before) / max(info.seconds - then, 1e-9)
+
     def step(self, info: StepInfo) -> None:
         """Refresh the bar at most 10 times a second, or print a line every `every` seconds.
         Reading the loss syncs the device: the bar shows the loss read where the loop reads
@@ -293,7 +303,7 @@ class Console:
         if at_sync and self.progress is not None:
             self._loss = f"{float(info.loss):.4f}"
         if self.log is not None and at_sync:
-            self.log.write_step(info.global_step, info.loss, info.lr, info.images_per_second)
+            self.log.write_step(info.global_step, info.loss, info.lr, self._window_rate(info))
         if self.quiet:
             return
         now = time.monotonic()

@@ -209,11 +209,12 @@ def measure_settings(network: Network, cfg: TrainConfig, device: torch.device,
         timer = CandidateTimer(network, device, batch)
         times = timer.run(grid)
         chosen = _fastest(times)
-        speedup = times.get(("fp32", False, chosen[2], ()), times[chosen]) / times[chosen]
+        plain = times.get(("fp32", False, chosen[2], ()))  # (not timed: no ratio to give)
+        speedup = None if plain is None else plain / times[chosen]
         busy = timer.busy
-        if _plans_kernels(network, cfg, device, chosen):
+        if _plans_kernels(network, cfg, device, chosen):  # (fp32 NCHW was timed)
             chosen, gain, plan_busy = _with_kernels(network, device, batch, chosen, times[chosen])
-            speedup *= gain
+            speedup = None if speedup is None else speedup * gain
             busy = max((b for b in (busy, plan_busy) if b is not None), default=None)
     precision, channels_last, threads, kernels = chosen
     return Settings(precision, channels_last, threads, "measured", speedup, kernels, busy)
