@@ -89,31 +89,33 @@ def test_dct_downscaling_never_goes_below_the_size_needed(tmp_path, backend):
     path.write_bytes(jpeg_bytes(photo(480, 640)))
     full, _ = read_image(path)
     assert full.shape == (480, 640, 3)
-    squash, _ = read_image(path, 100, "squash")  # 1/4 scale: 120x160 >= 100x100
-    assert squash.shape == (120, 160, 3)
-    shorter, _ = read_image(path, 200, "shorter")  # 1/2 scale: 240x320, shorter side >= 200
-    assert shorter.shape == (240, 320, 3)
-    small, _ = read_image(path, 300, "squash")  # 1/2 would be 240 < 300: the full image
+    # the decode keeps twice the pixels needed: the resize's filter does the last halving
+    squash, _ = read_image(path, 100, "squash")  # 1/2 scale: 240x320 >= 2 x 100; 1/4 not
+    assert squash.shape == (240, 320, 3)
+    shorter, _ = read_image(path, 60, "shorter")  # 1/4 scale: 120x160, shorter side >= 2 x 60
+    assert shorter.shape == (120, 160, 3)
+    small, _ = read_image(path, 200, "shorter")  # 1/2 would be 240 < 2 x 200: the full image
     assert small.shape == (480, 640, 3)
 
 
 @pytest.mark.parametrize("mode", ["squash", "shorter"])
 def test_dct_downscaling_keeps_the_geometry_when_sides_are_not_multiples(tmp_path, backend, mode):
-    """258 x 330 at 1/4 is 65 x 83 pixels whose last row and column cover 2 source
-    pixels: resized as a full decode is, not stretched (on 16-pixel squares, the DCT filter
-    alone is a few levels off a full decode; stretched, the squares' edges moved)."""
+    """258 x 330 at 1/4 (for 32 x 32: twice that kept) is 65 x 83 pixels whose last row and
+    column cover 2 source pixels: resized as a full decode is, not stretched (on 16-pixel
+    squares, the DCT filter alone is a few levels off a full decode; stretched, the squares'
+    edges moved)."""
     y, x = np.mgrid[:258, :330]
     stripes = np.where(((x // 16) + (y // 16)) % 2 == 0, 30, 220).astype(np.uint8)
     path = tmp_path / "stripes.jpg"
     Image.fromarray(np.stack([stripes] * 3, -1)).save(path, quality=98, subsampling=0)
-    array, _, factor, source = decode.decode_image(path, 64, mode)
+    array, _, factor, source = decode.decode_image(path, 32, mode)
     if mode == "shorter":  # the centre square starts on a decoded pixel's edge: column 36 here
-        assert decode.dct_factor(258, 334, 64, mode) == 2  # column 38: a multiple of 2, not 4
+        assert decode.dct_factor(258, 334, 32, mode) == 2  # column 38: a multiple of 2, not 4
     assert factor == 4 and array.shape == (65, 83, 3) and source == (258, 330)
-    got = load_resized(path, 64, mode)[0].float()
-    full = resize_uint8(read_image(path)[0], 64, mode).float()
+    got = load_resized(path, 32, mode)[0].float()
+    full = resize_uint8(read_image(path)[0], 32, mode).float()
     error = (got - full).abs()
-    assert error.mean() < 10 and error.max() < 60  # 5-6 and 38 here; 20 and 105 stretched
+    assert error.mean() < 5 and error.max() < 30  # 2-3 and 13-14 here (5-6 and 38 at 1/4 for 64)
 
 
 def test_resize_matches_torch_interpolate_and_pil():

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from cnnkit.data.decode import decode_data, image_shape, read_file
+from cnnkit.data.decode import DCT_MARGIN, decode_data, image_shape, read_file
 from cnnkit.data.resize import Interpolation, ResizeMode, resize_crop, resize_uint8
 
 
@@ -49,11 +49,11 @@ def file_shape(path: str | Path) -> tuple[int, int]:
 
 def region_factor(region: tuple[int, int, int, int], crop: int) -> int:
     """The DCT scaling (8, 4, 2 or 1) at which a JPEG's region (y0, x0, y1, x1) still has more
-    than crop x crop pixels: resizing it to the crop never upsamples what a full decode would
-    not."""
+    than DCT_MARGIN times crop x crop pixels: resizing it to the crop never upsamples what a
+    full decode would not, and its antialiased filter does the last halving (dct_factor)."""
     h, w = region[2] - region[0], region[3] - region[1]
     factor = 8  # a pixel to spare: the region's edges are rounded to the decoded pixels
-    while factor >= 2 and (h // factor <= crop or w // factor <= crop):
+    while factor >= 2 and (h // factor <= DCT_MARGIN * crop or w // factor <= DCT_MARGIN * crop):
         factor //= 2
     return max(factor, 1)
 
