@@ -75,8 +75,9 @@ def test_a_pack_into_a_folder_reached_through_a_symlink_is_refused(shapes, tmp_p
     shutil.copytree(shapes / classes[2], src / classes[2])
     os.symlink(elsewhere / "a", src / "ext")
     os.symlink(elsewhere / "deep", src / classes[2] / "more")
-    for dst, link in ((elsewhere / "a/pk", "ext"), (elsewhere / "a", "ext"),
-                      (elsewhere / "deep/x/pk", f"{classes[2]}/more")):  # fmt: skip
+    code, _, err = run_cli(["pack", str(src), str(elsewhere / "a"), "--size", "16"], capsys)
+    assert code == 2 and f"{elsewhere / 'a'}: holds images, and is not a pack" in err, err
+    for dst, link in ((elsewhere / "a/pk", "ext"), (elsewhere / "deep/x/pk", f"{classes[2]}/more")):
         before = [sorted(os.listdir(elsewhere / name)) for name in ("a", "deep")]
         code, _, err = run_cli(["pack", str(src), str(dst), "--size", "16"], capsys)
         (line,) = err.splitlines()

@@ -52,6 +52,9 @@ def test_a_held_out_folder_of_links_to_the_training_images_is_refused(splits, tm
         with pytest.raises(DataError, match=rf"{val}: {shared} of its \d+ images are data.path's "
                                             r"own files .*must not be trained on"):  # fmt: skip
             _build(splits / "train", tmp_path / val)
+    cfg = {"source": "folder", "path": str(splits / "train"), "val_path": str(tmp_path / "links"),
+           "size": 16, "crop": 16, "batch_size": 4, "workers": 0}  # fmt: skip
+    data_config(cfg).drawn_as(None).build(torch.device("cpu"))  # a run resumed or evaluated
 
 
 def test_a_val_pack_of_the_training_folder_is_refused(splits, tmp_path):
@@ -61,6 +64,9 @@ def test_a_val_pack_of_the_training_folder_is_refused(splits, tmp_path):
     with pytest.raises(DataError, match=r"same: packed from the training pack's own folder .* "
                                         r"12 of its 12 images"):  # fmt: skip
         _build(tmp_path / "p", tmp_path / "same", "packed")
+    cfg = {"source": "packed", "path": str(tmp_path / "p"), "val_path": str(tmp_path / "same"),
+           "crop": 16, "batch_size": 4, "workers": 0}  # fmt: skip
+    data_config(cfg).drawn_as(None).build(torch.device("cpu"))  # a run resumed or evaluated
 
 
 def test_a_pack_into_an_image_folder_is_refused_untouched(splits, capsys):
@@ -68,6 +74,14 @@ def test_a_pack_into_an_image_folder_is_refused_untouched(splits, capsys):
     code, _, err = run_cli(["pack", str(splits / "train"), str(splits / "val")], capsys)
     assert code == 2 and "holds images, and is not a pack" in err, err
     assert sorted(p.name for p in (splits / "val").rglob("*")) == before
+
+
+def test_a_pack_into_a_data_sets_root_is_refused_before_the_scan(splits, capsys, monkeypatch):
+    import cnnkit.data.pack as pack
+
+    monkeypatch.setattr(pack, "scan_images", lambda *a, **k: pytest.fail("scanned first"))
+    code, _, err = run_cli(["pack", str(splits / "train"), str(splits)], capsys)
+    assert code == 2 and "holds images, and is not a pack" in err, err  # (train/cat/x.png)
 
 
 def test_split_folders_are_not_taken_for_classes(splits, tmp_path, capsys):
@@ -78,7 +92,7 @@ def test_split_folders_are_not_taken_for_classes(splits, tmp_path, capsys):
         data_config({"source": "folder", "path": str(splits)}).build(torch.device("cpu"))
 
 
-def test_fixed_images_are_taken_by_the_same_pack_run_again(splits, tmp_path, capsys):
+def test_fixed_images_are_taken_by_the_same_pack_run_again(splits, tmp_path, capsys, monkeypatch):
     src = splits / "train"
     for f in (src / "dog").iterdir():
         f.write_bytes(b"not an image")  # every dog unreadable: the class is empty
@@ -86,6 +100,15 @@ def test_fixed_images_are_taken_by_the_same_pack_run_again(splits, tmp_path, cap
     code, out, err = run_cli(argv, capsys)
     assert code == 1 and "class 'dog' has no usable image" in err and "same cnnkit pack" in err
     assert (tmp_path / "p/meta.json").exists()
+    import cnnkit.data.pack_dst as pack_dst
+
+    decoded, reads = [], pack_dst._reads
+    monkeypatch.setattr(
+        pack_dst, "_reads", lambda path, job: decoded.append(path) or reads(path, job)
+    )
+    code, _, err = run_cli(argv, capsys)
+    assert code == 1 and decoded == []  # unchanged since packed: not decoded again
+    monkeypatch.undo()
     shutil.rmtree(src / "dog")
     shutil.copytree(splits / "val/dog", src / "dog", dirs_exist_ok=True)  # (other names: gone)
     code, _, err = run_cli(argv, capsys)

@@ -179,9 +179,10 @@ class PlainProcess:
 
 @contextmanager
 def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored while a child starts (a spawned Python keeps an ignored SIGINT ignored):
-    a Ctrl-C mid-import in the child would print a traceback of its own beside the parent's
-    one line. Only the main thread may set handlers; elsewhere nothing changes."""
+    """SIGINT ignored while a child starts (a spawned Python keeps an ignored SIGINT ignored,
+    until the child sets its own handler): a Ctrl-C mid-import in the child would print a
+    traceback of its own beside the parent's one line. Only the main thread may set
+    handlers; elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -195,7 +196,9 @@ def _sigint_ignored() -> Iterator[None]:
 def _serve_plain(conn, spec: dict, num_classes: int, mode: str, batch: int, device: str,
                  threads: int, peer: str, block: int) -> None:  # fmt: skip
     """The child's side of PlainProcess: build the peer, then `block` steps per request. Every
-    reply is (kind, value); an exception goes back as ("error", its first line)."""
+    reply is (kind, value); an exception goes back as ("error", its first line). Ctrl-C,
+    ignored while it started, ends it at once from here on (the parent ends too)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         name, run = _plain_runner(spec, num_classes, mode, batch, device, threads, peer, block)
         conn.send(("ok", (name, torch.get_num_threads())))

@@ -128,7 +128,7 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
                      max_seconds: float = 120.0) -> dict[str, Any]:  # fmt: skip
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak
     (`calibrate`, `deterministic`: a run's `train.calibrate` and `deterministic`; repeats stop
-    after `max_seconds`, each timed step repeated at least once)."""
+    after `max_seconds`, each timed step repeated at least twice, once in each order)."""
     with _as_training_runs(deterministic):
         cfg = train_config(device, precision, channels_last, compile, threads, calibrate)
         model = load_network(net, device, num_classes)

@@ -95,21 +95,20 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def holds_images(folder: Path, look: int = 200) -> bool:
+def holds_images(folder: Path | str, look: int = 200, depth: int = 1) -> bool:
     """Whether `folder` looks like an image folder: an image name among its first `look`
-    entries or those of its first subfolders (ImageFolder's class folders), for messages
-    only (a bounded look, never a walk of a million files)."""
+    entries or, `depth` levels down, those of its first subfolders (ImageFolder's class
+    folders; 2: a data set's split folders too), a bounded look, never a walk of a million
+    files."""
     try:
         with os.scandir(folder) as top:
             entries = list(islice(top, look))
-        subfolders = [e.path for e in entries if e.is_dir()][:8]
-        names = [e.name for e in entries]
-        for sub in subfolders:
-            with os.scandir(sub) as inner:
-                names += [e.name for e in islice(inner, look)]
+        if any(is_image_name(e.name) for e in entries):
+            return True
+        subfolders = [e.path for e in entries if e.is_dir()][:8] if depth > 0 else []
     except OSError:
         return False
-    return any(is_image_name(name) for name in names)
+    return any(holds_images(sub, look, depth - 1) for sub in subfolders)
 
 
 DCT_MARGIN = 2  # a DCT-scaled decode keeps twice the pixels a resize needs (see dct_factor)

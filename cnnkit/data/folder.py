@@ -206,7 +206,13 @@ class FolderConfig(ImageSetConfig):
         return data
 
     _evaluating: bool = PrivateAttr(False)  # evaluated_as: an empty class folder is skipped
+    _drawn: bool = PrivateAttr(False)  # a run's data (resumed, evaluated), not a new run's
     _labels_option: str = PrivateAttr("data.val_labels")  # eval --data DIR: its --labels
+
+    def drawn_as(self, holdout: str | None) -> FolderConfig:
+        out = self.model_copy()
+        out._drawn = True
+        return out
 
     def training_notes(self) -> list[str]:
         """ImageSetConfig's, and: a label file without the flat folder it labels; a crop that
@@ -283,8 +289,8 @@ class FolderConfig(ImageSetConfig):
         elif self.val_path:
             held_out = scan_folder(self.val_path, self.val_labels, classes,
                                    labels_option=self._labels_option)  # fmt: skip
-            if not self._evaluating:  # (eval --data may well be the training images)
-                _check_disjoint(held_out, scan, Path(self.val_path), root)
+            if not (self._evaluating or self._drawn):  # a new run's: eval --data, a resumed
+                _check_disjoint(held_out, scan, Path(self.val_path), root)  # run's, as they were
             val = FolderImages(Path(self.val_path), held_out.files, held_out.labels,
                                np.arange(len(held_out.files)), *resizing)  # fmt: skip
         else:

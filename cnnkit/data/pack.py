@@ -112,9 +112,9 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
         _check_outside(dst, src, scan)
         _check_unchanged(plan, scan, src, dst)
         return plan
+    check_not_images(dst)  # (before the scan: ImageNet's takes a while)
     scan = scan_images(src, labels_file, labels_option="--labels")
     _check_outside(dst, src, scan)
-    check_not_images(dst)
     # ~32+ shards so every process stays busy, at most 512 images (100 MB raw) per shard
     shard_size = shard_size or min(512, max(16, -(-len(scan.files) // 32)))
     plan = {"params": params, "files": scan.files, "labels": scan.labels,

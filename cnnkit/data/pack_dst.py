@@ -6,6 +6,7 @@ is done only where its file is the size its done marker says."""
 from __future__ import annotations
 
 import errno
+import os
 import re
 import sys
 import zipfile
@@ -39,7 +40,7 @@ def check_no_clash(dst: Path) -> None:
 def check_not_images(dst: Path) -> None:
     """ConfigError where DST, about to become a pack, holds images (`cnnkit pack train val`:
     SRC and DST swapped, or a second SRC): they would be hidden by the pack beside them."""
-    if holds_images(dst):
+    if holds_images(dst, depth=2):
         raise ConfigError(f"{printable(str(dst))}: holds images, and is not a pack; pack into an "
                           "empty or new folder (DST is where the pack is written)")  # fmt: skip
 
@@ -104,21 +105,32 @@ def shards_to_pack(dst: Path, jobs: list[PackJob]) -> list[PackJob]:
 def shards_with_fixed_images(dst: Path, jobs: list[PackJob], todo: list[PackJob]
                              ) -> list[PackJob]:  # fmt: skip
     """The done shards holding an image skipped as unreadable that now reads (fixed, or
-    replaced, since): packed again, so the same command takes it. Only those images are
-    decoded; the rest of a finished pack is not read."""
+    replaced, since): packed again, so the same command takes it. Only skipped files changed
+    since their shard was packed (their inode's change time, which a copy keeping the old
+    modification time moves too) are decoded again; the rest of a finished pack is not read."""
     fixed = []
     for job in jobs:
         if job in todo:
             continue
-        with np.load(dst / "shards" / f"{job.shard:05d}.npz") as z:
+        marker = dst / "shards" / f"{job.shard:05d}.npz"
+        with np.load(marker) as z:
             kept = set(z["kept"].tolist())
-        skipped = [rel for i, rel in enumerate(job.files) if i not in kept]
-        if any(_reads(Path(job.root) / rel, job) for rel in skipped):
+        packed = marker.stat().st_mtime_ns
+        skipped = [Path(job.root) / rel for i, rel in enumerate(job.files) if i not in kept]
+        if any(_changed_since(path, packed) and _reads(path, job) for path in skipped):
             fixed.append(job)
     if fixed:
         print(f"cnnkit: note: {plural(len(fixed), 'shard')} with an image skipped before that "
               "now reads: packed again", file=sys.stderr)  # fmt: skip
     return fixed
+
+
+def _changed_since(path: Path, ns: int) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:  # gone: the plan's check says so
+        return False
+    return max(st.st_mtime_ns, st.st_ctime_ns) > ns
 
 
 def _reads(path: Path, job: PackJob) -> bool:

@@ -234,7 +234,8 @@ class PackedConfig(ImageSetConfig):
                         for s, r, i in made]  # fmt: skip
                 raise DataError(f"{self.val_path}: packed with {said[0]}, the training set with "
                                 f"{said[1]}: pack both alike")  # fmt: skip
-            _check_disjoint(self.val_path, self.path, val_meta, meta)
+            if not self._drawn:  # a new run's (a resumed or evaluated one's: as it was)
+                _check_disjoint(self.val_path, self.path, val_meta, meta)
             label_map = _val_label_map(meta["classes"], val_meta["classes"], self.val_path)
             val = PackedImages(self.val_path, label_map=label_map)
             drawn = OWN_VAL_SET

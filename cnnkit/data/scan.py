@@ -207,11 +207,15 @@ def class_folders(src: Path, classes: list[str] | None, skip_empty: bool = False
     if not names:
         raise DataError(f"{printable(str(src))}: no class subfolders ({flat_hint(labels_option)})")
     if classes is None and len(names) > 1 and all(n.lower() in SPLIT_NAMES for n in names):
-        train = next((n for n in names if n.lower() in ("train", "training")), names[0])
+        train = next((n for n in names if n.lower() in ("train", "training")), None)
+        which = (
+            f"({printable(str(src / train))})"
+            if train
+            else f"(e.g. {printable(str(src / names[0]))})"
+        )
         raise DataError(f"{printable(str(src))}: its subfolders {', '.join(names)} are a data "
-                        "set's splits, not classes; give the split's own folder "
-                        f"({printable(str(src / train))}), whose subfolders are the "
-                        "classes")  # fmt: skip
+                        f"set's splits, not classes; give the split's own folder {which}, "
+                        "whose subfolders are the classes")  # fmt: skip
     files, labels, kept = [], [], []
     taken = walker.take(walker.found(names))
     unreadable = next((name for name in names if name in walker.unreadable), None)

@@ -187,7 +187,7 @@ def load_weights(network: nn.Module, path: str | Path | Mapping[str, Any],
         raise CheckpointError(f"{path}: its classifier ({fresh[0].rsplit('.', 1)[0]}) is for "
                               f"{theirs} classes, the network's for {ours} (num_classes): "
                               f"weights for other classes only start a fine-tuning run "
-                              f"(cnnkit train), or give num_classes: {theirs}")  # fmt: skip
+                              f"(cnnkit train), or set num_classes: {theirs} in the network file")  # fmt: skip
     own = network.state_dict()
     state = {**state, **{k: own[k] for k in fresh}}  # heads keep their fresh initialisation
     with torch.no_grad():

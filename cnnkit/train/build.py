@@ -177,7 +177,8 @@ def build_run_engine(config: RunConfig, data: DataBundle, device: torch.device,
     chooses what N ranks will run)."""
     network = build_network(config, data, fresh=resume is None)
     if network.fresh_keys and resume is None and dist.is_main:
-        print(f"cnnkit: note: model.weights: {', '.join(network.fresh_keys)} start fresh (the "
+        given = "model.weights" if config.model.weights else "the network file's weights:"
+        print(f"cnnkit: note: {given} {', '.join(network.fresh_keys)} start fresh (the "
               f"file's classifier is for other classes than the data's {len(data.classes)})",
               file=sys.stderr)  # fmt: skip
     per_rank = config.data.batch_size // ranks

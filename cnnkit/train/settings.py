@@ -48,7 +48,8 @@ SMALL_STEP_MACS = 1e9  # static rule: below this per step, extra CPU threads mos
 PLAN_BATCH = 64  # the largest batch kernels per layer are timed at
 PLAN_S = 12.0  # and smaller where the check that a plan pays (PLAN_STEPS steps) would take longer
 PLAN_STEPS = 2 * (1 + MIN_ROUNDS)  # that check: the step with and without, warm-up and rounds
-METHOD = 6  # how settings are measured; part of the cache key, so a new method measures anew
+METHOD = 7  # how settings are measured; part of the cache key, so a new method measures anew
+# (7: no fp32 NCHW speed-up where fp32 NCHW was not timed)
 
 
 @dataclass(frozen=True)
