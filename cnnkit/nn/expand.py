@@ -26,7 +26,9 @@ from cnnkit.nn.expr import (
 )
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layer_line import (
+    check_field_names,
     check_own_init,
+    check_unexpanded,
     infer_shape,
     layer_label,
     shape_params,
@@ -84,6 +86,7 @@ class Expander:
         self.holders: dict[str, str] = {}  # each dotted prefix of a module name -> that name
         self.later = {str(raw["name"]) for raw in net.layers if "name" in raw}
         self.entries = 0  # entries expanded so far (see MAX_ENTRIES)
+        self.expanded: set[str] = set()  # blocks whose lines were expanded at least once
 
     def run(self) -> tuple[list[Node], int]:
         """The nodes, and the output's value: the last entry's (if absent, its input's)."""
@@ -92,6 +95,7 @@ class Expander:
         for index, raw in enumerate(self.net.layers):
             scope.index = index
             self._entry(raw, index, scope)
+        check_unexpanded(self.net.blocks, self.expanded)
         return self.nodes, scope.last
 
     # -- entries ----------------------------------------------------------------------------------
@@ -144,6 +148,7 @@ class Expander:
         in_shapes = [self.shapes[i] for i in inputs]
         env = {**scope.params, **shape_params(in_shapes[0])}
         if not self._present(label, condition, env):
+            check_field_names(label, kind, fields)
             return self._alias(scope, short, inputs[0])
         written = fields
         fields = self._sub(label, None, {**fields, "type": kind}, env)
@@ -197,6 +202,7 @@ class Expander:
     ) -> int:  # fmt: skip
         """Expand the copies of a block line in turn (each takes the one before's output as
         its first input, the `others` as given); the value the last one outputs."""
+        self.expanded.add(block_name)
         for r in range(stage.repeat):
             number = stage.start + r
             given, this, this_name, where = dict(raw), block, block_name, label

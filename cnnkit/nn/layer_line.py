@@ -9,7 +9,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cnnkit.errors import ConfigError, suggest, validation_message
+from cnnkit.errors import ConfigError, brief, suggest, validation_message
+from cnnkit.nn.expr import is_expression
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Layer, ParamLayer, Shape, ShapeError, fmt_shape
 
@@ -64,6 +65,37 @@ def validate_layer(label: str, kind: str, fields: dict[str, Any]) -> Layer:
         hint = hint or (suggest(typo, KINDS[kind].model_fields) if typo else "")
         what = f"{typo}: unknown field{hint}" if typo else None
         raise ConfigError(f"{label}: {what or validation_message(e)}") from None
+
+
+def check_field_names(label: str, kind: str, fields: dict[str, Any]) -> None:
+    """A line left out (`if:` false) is not validated as a layer (its values may hold only
+    where it is present), but a field its kind does not have is a typo wherever it is."""
+    typo = next((str(k) for k in fields if k not in KINDS[kind].model_fields), None)
+    if typo is not None:
+        hint = f" ({TORCH_ARGUMENTS[typo]})" if typo in TORCH_ARGUMENTS else None
+        hint = hint or suggest(typo, KINDS[kind].model_fields)
+        raise ConfigError(f"{label}: {typo}: unknown field{hint}")
+
+
+def check_unexpanded(blocks: dict[str, Any], expanded: set[str]) -> None:
+    """A block no line expanded (unused, or used only where `if:` is false) is not built, but
+    its lines' layer types, field names and blocks are checked all the same: a typo there
+    would surface only once some use reached it."""
+    for name, block in blocks.items():
+        if name in expanded:
+            continue
+        for i, line in enumerate(block.layers):
+            label, kind = f"model: blocks.{name}.layers[{i}]", line.get("type")
+            inner = line.get("block")
+            if inner is not None and not is_expression(inner) and inner not in blocks:
+                raise ConfigError(f"{label}: block: unknown block {brief(inner)}"
+                                  f"{suggest(inner, blocks)}")  # fmt: skip
+            if inner is None and isinstance(kind, str) and not is_expression(kind):
+                if kind not in KINDS:
+                    raise ConfigError(f"{label}: type: unknown type {brief(kind)}"
+                                      f"{suggest(kind, KINDS)}")  # fmt: skip
+                fields = {k: v for k, v in line.items() if k not in ("if", "inputs")}
+                check_field_names(label, kind, fields)
 
 
 def check_own_init(label: str, raw: dict[str, Any], layer: Layer) -> None:
