@@ -424,6 +424,9 @@ def test_the_crop_and_size_from_a_network_stay_within_what_a_folder_takes(shapes
     ("lr_scheduler", "schedule"), ("lr_policy", "schedule"), ("warmup", "warmup_epochs"),
     ("clip_grad_norm", "grad_clip"), ("model_ema", "ema"), ("stepvalue", "milestones"),
     ("warmup_lr", None),  # timm's, an lr: not warmup_start, a factor, however spelt alike
+    ("warmup_prefix", None),  # timm's: where the cosine starts, not warmup_start
+    ("weight_decay_bias", "bias_weight_decay"), ("norm_wd", "norm_weight_decay"),
+    ("nesterov", "optimizer"),
     ("model.arch", "network"), ("arch", "model"),
 ])  # fmt: skip
 def test_the_names_peers_give_a_training_setting_are_met_with_ours(key, meant):

@@ -144,6 +144,12 @@ def test_a_mid_epoch_resume_refuses_what_changes_the_epochs_order(finished_run):
                                               r"in progress \(epoch 2, 4 steps of it done\)"):  # fmt: skip
             resume_config(state, [override])
     assert resume_config(state, ["data.eval_batch_size=7", "train.epochs=3"]).train.epochs == 3
+    assert resume_config(state, ["data.mixup=0.2"]).data.mixup == 0.2  # each batch's: same order
+    digits = {**state, "config": {**state["config"], "data": {"source": "digits",
+                                                              "batch_size": 16}}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--resume: data.split_seed changes the run's held-out "
+                                          r"images: .*resume with the data as it was"):  # fmt: skip
+        resume_config(digits, ["data.split_seed=1"])
     for override in ("model.network=lenet5", "model=digitnet"):  # it said 'model.name: unknown'
         with pytest.raises(ConfigError, match="cannot change: a resumed run keeps its network"):
             resume_config(state, [override])

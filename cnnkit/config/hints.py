@@ -85,7 +85,15 @@ PEER_NAMES: dict[str, str | tuple[str, ...]] = {  # (a tuple: the first the sect
     **dict.fromkeys(("lr_gamma", "decay_rate"), "gamma"),
     **dict.fromkeys(("warmup", "lr_warmup_epochs", "warmup_epoch"), "warmup_epochs"),
     **dict.fromkeys(("lr_warmup_decay", "warmup_factor"), "warmup_start"),  # (factors of lr)
-    **dict.fromkeys(("warmup_lr", "crop_pct"), ()),  # timm's, with no setting of ours alike
+    **dict.fromkeys(("warmup_lr", "crop_pct", "warmup_prefix"), ()),  # timm's, none alike
+    **dict.fromkeys(("weight_decay_bias", "bias_decay", "bias_wd"), "bias_weight_decay"),
+    **dict.fromkeys(
+        ("weight_decay_norm", "norm_wd", "bn_weight_decay", "norm_decay", "bn_wd"),
+        "norm_weight_decay",
+    ),
+    "nesterov": "optimizer",  # optimizer: nesterov
+    "mixup_alpha": "mixup",
+    "cutmix_alpha": "cutmix",
     **dict.fromkeys(("model_ema", "ema_decay", "model_ema_decay"), "ema"),
     **dict.fromkeys(("amp", "dtype", "mixed_precision", "half", "fp16", "bf16"), "precision"),
     **dict.fromkeys(("clip_grad", "clip_grad_norm", "clip_gradients", "max_norm"), "grad_clip"),

@@ -40,7 +40,11 @@ class TrainConfig(Section):
     )
     lr: PositiveFloat = Field(0.01, description="base learning rate (layers scale it by lr_mult)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
-    weight_decay: NonNegativeFloat = Field(5e-4, description="L2 decay (layers scale: decay_mult)")
+    weight_decay: NonNegativeFloat = Field(
+        5e-4,
+        description="L2 decay; decoupled with adamw, as torch's AdamW (torch's default "
+        "there: 1e-2) (layers scale: decay_mult)",
+    )
     norm_weight_decay: NonNegativeFloat | None = Field(
         None, description="normalisation layers' decay in place of weight_decay (0: timm's "
         "default; torchvision's --norm-weight-decay)",

@@ -235,18 +235,28 @@ def _same_optimizer_state(state: dict[str, Any], raw: dict[str, Any]) -> None:
 
 
 HARMLESS_DATA = {"workers", "prefetch", "eval_batch_size", "decode"}  # no effect on the order
+# augmentations of each batch, drawn from the batch's own generator: the order is the same
+AUGMENTATIONS = {"mixup", "cutmix", "erasing", "policy", "magnitude", "num_ops", "shift",
+                 "rotate", "scale", "mirror", "padding", "contrast", "brightness", "lighting"}  # fmt: skip
+SPLIT = {"val_fraction", "split_seed", "val_path", "val_labels"}  # which images are held out
 
 
 def _same_epoch_order(state: dict[str, Any], raw: dict[str, Any]) -> None:
     """A run stopped mid-epoch resumes by skipping the batches it did: an override that changes
     the epoch's order or batches (the seed, the batch size, the data) would skip the wrong
-    images, or train some twice. ConfigError naming it."""
+    images, or train some twice. ConfigError naming it (the held-out split's settings as
+    such); each batch's augmentation may change."""
     before, after = state["config"], raw
     changed = ["seed"] if before.get("seed") != after.get("seed") else []
     old, new = dict(before.get("data") or {}), after.get("data") or {}
     absolute_data({"data": old})  # an older run's relative folder is the same folder
-    changed += [f"data.{k}" for k in sorted(old.keys() | new.keys())
-                if k not in HARMLESS_DATA and old.get(k) != new.get(k)]  # fmt: skip
+    keys = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    split = [k for k in keys if k in SPLIT]
+    if split:  # (said as a finished epoch's resume would say it: no epoch's end allows it)
+        raise ConfigError(f"--resume: data.{split[0]} changes the run's held-out images: its "
+                          "held-out figures would count images it trained on; resume with the "
+                          "data as it was, or start a new run from its weights")  # fmt: skip
+    changed += [f"data.{k}" for k in keys if k not in HARMLESS_DATA | AUGMENTATIONS]
     if changed:
         raise ConfigError(f"--resume: {changed[0]} changes the order of the epoch in progress "
                           f"(epoch {state['epoch'] + 1}, {state['step']} steps of it done): "
