@@ -104,7 +104,7 @@ NETWORKS = [  # (what is wrong, file text, a piece of the expected message)
     ("condition not boolean", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, if: $in_channels}"), "if: must be true or false, got 3"),
     ("400 TB linear", NET.replace("[3, 16, 16]", "[10000000]").replace(LAYER, "    - {name: fc0, type: linear, out_features: 10000000}\n"), "needs 400.0 TB"),
     ("huge activations", NET.replace("[3, 16, 16]", "[3, 100000, 100000]").replace("out_channels: 8", "out_channels: 1000, padding: 1"), "activation values per image"),
-    ("lrn convention", layer("{name: n, type: lrn}"), "layer 0 (n): convention: Field required"),
+    ("lrn convention", layer("{name: n, type: lrn}"), "layer 0 (n): convention: required: paper or caffe"),
     ("dropout p", layer("{name: d, type: dropout, p: 1.5}"), "p: Input should be less than 1"),
     ("init rule", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, init: {weight: gaussian}}"), "init: unknown init 'gaussian'"),
     ("init std < 0", layer("{name: c1, type: conv, out_channels: 8, kernel_size: 3, init: {weight: {normal: -1}}}"), "init 'normal': std -1 is negative"),

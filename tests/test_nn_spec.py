@@ -164,7 +164,10 @@ BAD = [
         net({"type": "linear"}),
         "layer 0 (linear0): out_features: is not set and the network has no num_classes",
     ),
-    (net({"name": "l", "type": "lrn", "size": 5}), "layer 0 (l): convention: Field required"),
+    (
+        net({"name": "l", "type": "lrn", "size": 5}),
+        "layer 0 (l): convention: required: paper or caffe",
+    ),
     (net({"name": "u", "block": "nope"}), "layer 0 (u): block: unknown block 'nope'"),
     (
         net(conv("a", init={"weight": {"gaussian": 1}})),

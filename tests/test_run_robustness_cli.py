@@ -298,3 +298,16 @@ def test_schedules_this_run_never_reaches_are_said(tmp_path, capsys):
             "step would use it)\n") in err  # a setting the run's schedule never reads  # fmt: skip
     code, _, said = run_cli(["config", "digits", "train.step_size=1"], capsys)
     assert code == 0 and "train.schedule cosine does not use train.step_size" in said  # as train
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_a_full_standard_output_is_named_as_such(tmp_path):
+    """print()'s error names no file: `cnnkit zoo > log` on a full disk said only 'No space
+    left on device', as if a file of its own had failed."""
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "cnnkit", "zoo"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == "cnnkit: error: standard output: No space left on device\n"

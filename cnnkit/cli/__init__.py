@@ -12,6 +12,7 @@ import inspect
 import os
 import re
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -374,11 +375,30 @@ def _end_now(signum: int, frame: object) -> None:
     os._exit(128 + signal.SIGINT)
 
 
+def _stdout_fails() -> bool:
+    """Whether stdout has no room (a file on a full disk, /dev/full): then it, not a file of
+    the command's, is what print()'s nameless error was about. Looked at, never written to;
+    left to /dev/null after, so the exit does not fail on it again."""
+    try:
+        st = os.fstat(sys.__stdout__.fileno())
+        if stat.S_ISCHR(st.st_mode):
+            full = st.st_rdev == os.makedev(1, 7)  # /dev/full
+        else:
+            full = stat.S_ISREG(st.st_mode) and os.fstatvfs(sys.__stdout__.fileno()).f_bavail == 0
+    except (OSError, AttributeError, ValueError):
+        return False
+    if full:
+        _stdout_to_devnull()
+    return full
+
+
 def _os_error_line(e: OSError) -> str:
     """A full disk's or a path's OSError as one line: the file (long names shortened), why."""
     from cnnkit.runtime import os_reason
 
     name = str(e.filename) if e.filename else ""
+    if not name and _stdout_fails():  # print()'s error names no file: `> log` on a full disk
+        name = "standard output"
     where = f"{name if len(name) <= 120 else name[:60] + '...' + name[-40:]}: " if name else ""
-    kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS else ""
+    kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS and e.filename else ""
     return f"{where}{os_reason(e)}{kept}"

@@ -5,7 +5,7 @@ its own `init:` checked, its output shape inferred; `layer_label` is how message
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import ValidationError
 
@@ -63,8 +63,19 @@ def validate_layer(label: str, kind: str, fields: dict[str, Any]) -> Layer:
         typo = next((str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden"), None)
         hint = f" ({TORCH_ARGUMENTS[typo]})" if typo in TORCH_ARGUMENTS else None
         hint = hint or (suggest(typo, KINDS[kind].model_fields) if typo else "")
-        what = f"{typo}: unknown field{hint}" if typo else None
+        what = f"{typo}: unknown field{hint}" if typo else _missing_choice(kind, e)
         raise ConfigError(f"{label}: {what or validation_message(e)}") from None
+
+
+def _missing_choice(kind: str, e: ValidationError) -> str | None:
+    """`convention: required: paper or caffe` for a missing field of a few values (an LRN's
+    convention), which pydantic calls only 'Field required'."""
+    missing = next((str(x["loc"][0]) for x in e.errors() if x["type"] == "missing"), None)
+    field = KINDS[kind].model_fields.get(missing) if missing else None
+    choices = get_args(field.annotation) if field is not None else ()
+    if get_origin(field.annotation if field is not None else None) is not Literal or not choices:
+        return None
+    return f"{missing}: required: {' or '.join(map(str, choices))}"
 
 
 def check_field_names(label: str, kind: str, fields: dict[str, Any]) -> None:
