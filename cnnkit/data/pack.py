@@ -27,7 +27,6 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing as mp
-import os
 import signal
 import sys
 import threading
@@ -43,6 +42,7 @@ from cnnkit.data.decode import ResizeMode
 from cnnkit.data.pack_dst import (
     check_no_clash,
     check_not_images,
+    check_outside,
     shards_done,
     shards_to_pack,
     shards_with_fixed_images,
@@ -109,12 +109,12 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
                             "or delete it")  # fmt: skip
         plan["params"] = then  # (an older plan's, with what it meant said)
         scan = scan_images(src, labels_file, labels_option="--labels")
-        _check_outside(dst, src, scan)
+        check_outside(dst, src, scan)
         _check_unchanged(plan, scan, src, dst)
         return plan
     check_not_images(dst)  # (before the scan: ImageNet's takes a while)
     scan = scan_images(src, labels_file, labels_option="--labels")
-    _check_outside(dst, src, scan)
+    check_outside(dst, src, scan)
     # ~32+ shards so every process stays busy, at most 512 images (100 MB raw) per shard
     shard_size = shard_size or min(512, max(16, -(-len(scan.files) // 32)))
     plan = {"params": params, "files": scan.files, "labels": scan.labels,
@@ -123,23 +123,6 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
     (dst / "shards").mkdir(parents=True, exist_ok=True)
     write_text(plan_path, json.dumps(plan))
     return plan
-
-
-def _check_outside(dst: Path, src: Path, scan: Scan) -> None:
-    """ConfigError where DST lies in a folder the scan walked through a symlink (pack_folder
-    has refused DST inside SRC itself): the pack's shards would become images of that class."""
-    where = dst.resolve()
-    for folder in (where, *where.parents):
-        try:
-            st = os.stat(folder)
-        except OSError:  # (not made yet)
-            continue
-        rel = scan.folders.get((st.st_dev, st.st_ino))
-        if rel is not None:
-            raise ConfigError(f"{printable(str(dst))}: inside a folder being packed "
-                              f"({printable(os.path.join(src, rel))}, which is "
-                              f"{printable(str(folder))} through a symlink); pack into a folder "
-                              "outside it")  # fmt: skip
 
 
 def _check_unchanged(plan: dict, scan: Scan, src: Path, dst: Path) -> None:

@@ -1,5 +1,7 @@
-"""What `cnnkit pack` may write in DST, and how a failure leaves it: a DST holding files of a
-pack's names but no plan is refused before anything is written; a failed pack removes only
+"""What `cnnkit pack` may write in DST, and how a failure leaves it: a DST holding images, or
+files of a pack's names but no plan, or lying in a folder being packed, is refused before
+anything is written; a finished pack's shards whose skipped images now read are packed
+again; a failed pack removes only
 what it wrote (its .tmp files, and everything of its own where nothing was packed); a shard
 is done only where its file is the size its done marker says."""
 
@@ -16,7 +18,7 @@ import numpy as np
 
 from cnnkit.data.decode import BadImage, holds_images, load_resized
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackJob
-from cnnkit.data.scan import printable
+from cnnkit.data.scan import Scan, printable
 from cnnkit.errors import ConfigError, DataError, plural
 from cnnkit.runtime import os_reason
 
@@ -35,6 +37,23 @@ def check_no_clash(dst: Path) -> None:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise ConfigError(f"{printable(str(dst))}: holds {shown}, which a pack writes, but is not "
                           "a pack (no plan.json); pack into an empty or new folder")  # fmt: skip
+
+
+def check_outside(dst: Path, src: Path, scan: Scan) -> None:
+    """ConfigError where DST lies in a folder the scan walked through a symlink (pack_folder
+    has refused DST inside SRC itself): the pack's shards would become images of that class."""
+    where = dst.resolve()
+    for folder in (where, *where.parents):
+        try:
+            st = os.stat(folder)
+        except OSError:  # (not made yet)
+            continue
+        rel = scan.folders.get((st.st_dev, st.st_ino))
+        if rel is not None:
+            raise ConfigError(f"{printable(str(dst))}: inside a folder being packed "
+                              f"({printable(os.path.join(src, rel))}, which is "
+                              f"{printable(str(folder))} through a symlink); pack into a folder "
+                              "outside it")  # fmt: skip
 
 
 def check_not_images(dst: Path) -> None:
