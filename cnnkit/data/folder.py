@@ -206,13 +206,7 @@ class FolderConfig(ImageSetConfig):
         return data
 
     _evaluating: bool = PrivateAttr(False)  # evaluated_as: an empty class folder is skipped
-    _drawn: bool = PrivateAttr(False)  # a run's data (resumed, evaluated), not a new run's
     _labels_option: str = PrivateAttr("data.val_labels")  # eval --data DIR: its --labels
-
-    def drawn_as(self, holdout: str | None) -> FolderConfig:
-        out = self.model_copy()
-        out._drawn = True
-        return out
 
     def training_notes(self) -> list[str]:
         """ImageSetConfig's, and: a label file without the flat folder it labels; a crop that

@@ -64,6 +64,7 @@ class ImageSetConfig(DataConfigBase):
     grey: bool = Field(False, description="luma of the RGB images (ITU-R 601, as torchvision's "
                        "Grayscale): for a network with 1 input channel")  # fmt: skip
     _mean_image: torch.Tensor | None = PrivateAttr(None)  # a trained run's (evaluated_as)
+    _drawn: bool = PrivateAttr(False)  # a run's data (resumed, evaluated), not a new run's
     # the mean and std a source takes where none are given (None: the set's own, a pack's)
     default_stats: ClassVar[tuple[tuple[float, ...], tuple[float, ...]] | None] = None
 
@@ -71,6 +72,13 @@ class ImageSetConfig(DataConfigBase):
     def trained_mean(self) -> torch.Tensor | None:
         """The trained run's mean image these images are normalised with (evaluated_as)."""
         return self._mean_image
+
+    def drawn_as(self, holdout: str | None) -> ImageSetConfig:
+        """A copy marked as a run's data (`_drawn`): checks of a new run's data (a held-out
+        set sharing its files) are not made again of what it trained on."""
+        out = self.model_copy()
+        out._drawn = True
+        return out
 
     def evaluated_as(self, preprocess: Preprocess,
                      mean_image: torch.Tensor | None = None) -> ImageSetConfig:  # fmt: skip

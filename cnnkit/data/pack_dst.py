@@ -127,9 +127,9 @@ def shards_with_fixed_images(dst: Path, jobs: list[PackJob], todo: list[PackJob]
     replaced, since): packed again, so the same command takes it. Only skipped files changed
     since their shard was packed (their inode's change time, which a copy keeping the old
     modification time moves too) are decoded again; the rest of a finished pack is not read."""
-    fixed = []
+    fixed, pending = [], {job.shard for job in todo}
     for job in jobs:
-        if job in todo:
+        if job.shard in pending:
             continue
         marker = dst / "shards" / f"{job.shard:05d}.npz"
         with np.load(marker) as z:

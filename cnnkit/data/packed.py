@@ -211,7 +211,6 @@ class PackedConfig(ImageSetConfig):
     path: str = Field(description="packed training set (cnnkit pack output)")
     val_path: str | None = Field(None, description="packed validation set (default: hold out)")
     _holdout: str | None = PrivateAttr(None)  # the split a run drew (drawn_as)
-    _drawn: bool = PrivateAttr(False)  # a run's data (resumed, evaluated), not a new run's
 
     def class_names(self) -> list[str]:
         return read_meta(self.path, "data.path")["classes"]
@@ -259,8 +258,8 @@ class PackedConfig(ImageSetConfig):
                                       pre, labels, image, drawn))  # fmt: skip
 
     def drawn_as(self, holdout: str | None) -> PackedConfig:
-        out = self.model_copy()
-        out._holdout, out._drawn = holdout, True
+        out = super().drawn_as(holdout)
+        out._holdout = holdout
         return out
 
     def _split(self, every: PackedImages) -> tuple[np.ndarray, np.ndarray, str | None]:

@@ -290,7 +290,7 @@ class Console:
         """Images/s over the steps since the previous log point of the epoch (the epoch's own
         average, which the epoch line gives, would hide a slowdown late in a long epoch)."""
         images = info.images_per_second * info.seconds
-        step, before, then = self._logged if self._logged[0] < info.step else (0, 0.0, 0.0)
+        _, before, then = self._logged if self._logged[0] < info.step else (0, 0.0, 0.0)
         self._logged = (info.step, images, info.seconds)
         return (images - before) / max(info.seconds - then, 1e-9)
 
