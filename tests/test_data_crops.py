@@ -184,6 +184,25 @@ def test_jobs_hand_out_free_slots_only():
     assert sorted(fresh[:2]) == [0, 1] and fresh[2:] == [None] * 3
 
 
+def test_jobs_draw_their_crops_on_one_thread(monkeypatch):
+    """The workers' crops are drawn in the main process on one thread, its count restored:
+    on the main process's threads those few small kernels wait for the cores the workers hold
+    (ten times the CPU time with both cores busy)."""
+    augment = CropAugment(8, train_crop="resized").to(CPU)
+    seen, sample = [], augment.sample
+    monkeypatch.setattr(augment, "sample",
+                        lambda *a, **k: (seen.append(torch.get_num_threads()), sample(*a, **k))[1])  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        jobs = list(JobSampler(EpochBatchSampler(12, 4, 0, 1, seed=0, shuffle=True), None,
+                               augment, 10))  # fmt: skip
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1, 1, 1] and all(job.crops.draws is not None for job in jobs)
+
+
 def test_a_ring_that_cannot_be_page_locked_says_so(capsys):
     """Pinning asked for (a CUDA feed) and refused: still correct, one note saying the copies
     lose their overlap (the first GPU run must show it, not hide it); none when not asked."""
