@@ -46,6 +46,31 @@ def test_pack_resumes_after_an_interrupt(shapes, tmp_path, monkeypatch):
         )
 
 
+def test_a_second_pack_into_a_dst_being_packed_is_refused(shapes, tmp_path, monkeypatch):
+    """Two packs into one DST wrote the same shards and removed each other's .tmp files; now
+    the second is one line, and leaves the first's files alone; once the first has ended, the
+    same command resumes."""
+    from cnnkit.data.pack_dst import DstLock
+
+    calls, _ = interrupt_pack_after(monkeypatch, 1)
+    with pytest.raises(Interrupted):
+        pack_folder(shapes, tmp_path / "p", size=16, workers=1, shard_size=4, progress=False)
+    monkeypatch.undo()
+    writing = tmp_path / "p/shards/00001.u8.tmp"  # the first pack's shard in progress
+    writing.write_bytes(b"partial")
+    first = DstLock(tmp_path / "p")
+    first.take()
+    try:
+        with pytest.raises(DataError, match=r"p: another cnnkit pack is writing it; when that "
+                           r"one has ended, the same command resumes"):  # fmt: skip
+            pack_folder(shapes, tmp_path / "p", size=16, workers=1, progress=False)
+        assert writing.read_bytes() == b"partial" and not (tmp_path / "p/meta.json").exists()
+    finally:
+        first.release()
+    s = pack_folder(shapes, tmp_path / "p", size=16, workers=1, progress=False)
+    assert s.resumed_shards == 1 and s.images == 15 and not writing.exists()
+
+
 def test_a_pack_resumes_where_its_shards_folder_was_removed(shapes, tmp_path, monkeypatch):
     import cnnkit.data.pack as pack
 

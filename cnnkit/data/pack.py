@@ -28,7 +28,6 @@ import io
 import json
 import multiprocessing as mp
 import signal
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +39,12 @@ import torch
 from cnnkit.data.base import MAX_SIDE
 from cnnkit.data.decode import ResizeMode
 from cnnkit.data.pack_dst import (
+    Busy,
+    DstLock,
     check_no_clash,
     check_not_images,
     check_outside,
+    finished_meta,
     shards_done,
     shards_to_pack,
     shards_with_fixed_images,
@@ -50,10 +52,10 @@ from cnnkit.data.pack_dst import (
     write_error,
 )
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackFormat, PackJob, pack_shard, write_text
-from cnnkit.data.packfiles import PACK_FORMAT, is_plan, read_index, read_meta
+from cnnkit.data.packfiles import PACK_FORMAT, is_plan
 from cnnkit.data.resize import Interpolation, resize_mode
 from cnnkit.data.scan import Scan, printable, scan_images
-from cnnkit.errors import ConfigError, DataError, Interrupted, one_line
+from cnnkit.errors import ConfigError, DataError, Interrupted
 from cnnkit.runtime import atomic, available_cores
 
 
@@ -311,16 +313,17 @@ def _check_options(src: Path, size: int, resize: str, format: str, quality: int,
         raise ConfigError(f"--format: {format!r} is not {' or '.join(SHARD_SUFFIX)}")
 
 
-def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
-          shard_size: int | None, workers: int | None, progress: bool) -> PackSummary:  # fmt: skip
-    """Plan (or reload the plan), pack the shards not done yet, finalize."""
+def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None, shard_size: int | None,
+          workers: int | None, progress: bool, lock: DstLock) -> PackSummary:  # fmt: skip
+    """Plan (or reload the plan), hold DST, pack the shards not done yet, finalize."""
     plan = _plan(src, dst, params, labels_file, shard_size)
+    lock.take()
     jobs = _jobs(plan, src, dst)
     (dst / "shards").mkdir(parents=True, exist_ok=True)  # (also where a resumed pack lost it)
     todo = shards_to_pack(dst, jobs)
     todo += shards_with_fixed_images(dst, jobs, todo)
     done_images = sum(len(j.files) for j in jobs if j not in todo)
-    meta = None if todo else _finished(dst)
+    meta = None if todo else finished_meta(dst)
     if meta is None:
         if todo:
             workers = max(1, min(workers or available_cores(), len(todo)))
@@ -329,22 +332,6 @@ def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None,
     return PackSummary(dst, meta["num_images"], len(jobs), len(meta["classes"]),
                        meta["converted"], meta["skipped"], len(jobs) - len(todo),
                        meta.get("empty_classes", []))  # fmt: skip
-
-
-def _finished(dst: Path) -> dict | None:
-    """The meta.json of a finished pack that reads as a set, else None: none yet, or damaged
-    (a hand-edited meta.json or index.npz), then named on stderr and written again from the
-    shards' done markers."""
-    if not (dst / "meta.json").exists():
-        return None
-    try:
-        meta = read_meta(dst)
-        read_index(dst, meta)
-    except DataError as e:  # (its advice, to pack the set again, left out: this does it)
-        why = one_line(str(e).rsplit("; ", 1)[0])
-        print(f"cnnkit: note: {why}: written again from the shards", file=sys.stderr)
-        return None
-    return meta
 
 
 def pack_folder(
@@ -376,9 +363,11 @@ def pack_folder(
               "quality": quality, "interpolation": interpolation}  # fmt: skip
     check_no_clash(dst)
     created = not dst.exists()
-    labels = Path(labels_file) if labels_file else None
+    labels, lock = Path(labels_file) if labels_file else None, DstLock(dst)
     try:
-        return _pack(src, dst, params, labels, shard_size, workers, progress)
+        return _pack(src, dst, params, labels, shard_size, workers, progress, lock)
+    except Busy:  # (its .tmp files are the other pack's)
+        raise
     except NothingPacked as e:
         tidy(dst, created, discard=True)
         raise DataError(f"{printable(str(src))}: {e}") from None
@@ -402,3 +391,5 @@ def pack_folder(
     except BaseException:
         tidy(dst, created, discard=False)
         raise
+    finally:
+        lock.release()  # (after the tidying: no other pack starts meanwhile)

@@ -3,7 +3,7 @@ files of a pack's names but no plan, or lying in a folder being packed, is refus
 anything is written; a finished pack's shards whose skipped images now read are packed
 again; a failed pack removes only
 what it wrote (its .tmp files, and everything of its own where nothing was packed); a shard
-is done only where its file is the size its done marker says."""
+is done only where its file is the size its done marker says; one pack at a time writes a DST."""
 
 from __future__ import annotations
 
@@ -14,12 +14,18 @@ import sys
 import zipfile
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # (Windows: no advisory locks; one pack at a time is the user's care)
+    fcntl = None
+
 import numpy as np
 
 from cnnkit.data.decode import BadImage, holds_images, load_resized
 from cnnkit.data.pack_shard import SHARD_SUFFIX, PackJob
+from cnnkit.data.packfiles import read_index, read_meta
 from cnnkit.data.scan import Scan, printable
-from cnnkit.errors import ConfigError, DataError, plural
+from cnnkit.errors import ConfigError, DataError, one_line, plural
 from cnnkit.runtime import os_reason
 
 SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in DST/shards
@@ -37,6 +43,42 @@ def check_no_clash(dst: Path) -> None:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise ConfigError(f"{printable(str(dst))}: holds {shown}, which a pack writes, but is not "
                           "a pack (no plan.json); pack into an empty or new folder")  # fmt: skip
+
+
+class Busy(DataError):
+    """Another process packs into DST."""
+
+
+class DstLock:
+    """DST held by one pack at a time: an advisory lock (flock) on the folder, taken once the
+    plan is in DST (a refused folder still leaves no DST) and released when the pack ends, or
+    its process does, however it ends. Without it, two packs into one DST wrote the same
+    shards, removed each other's .tmp files, and both failed on a file gone missing."""
+
+    def __init__(self, dst: Path) -> None:
+        self.dst, self.fd = dst, None
+
+    def take(self) -> None:
+        """Busy where another process holds DST; nothing where the file system takes no locks."""
+        if fcntl is None or self.fd is not None:
+            return
+        fd = os.open(self.dst, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Busy(f"{printable(str(self.dst))}: another cnnkit pack is writing it; when that "
+                       "one has ended, the same command resumes from its shards (or finds the "
+                       "pack done)") from None  # fmt: skip
+        except OSError:  # (no locks on this file system: as before them)
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # (the lock goes with the last descriptor: forked workers' too)
+            self.fd = None
 
 
 def check_outside(dst: Path, src: Path, scan: Scan) -> None:
@@ -172,3 +214,19 @@ def _shard_damage(shard: Path, marker: Path) -> str | None:
     except OSError:
         return "missing"
     return None if have == need else f"{have:,} bytes, its records need {need:,}"
+
+
+def finished_meta(dst: Path) -> dict | None:
+    """The meta.json of a finished pack that reads as a set, else None: none yet, or damaged
+    (a hand-edited meta.json or index.npz), then named on stderr and written again from the
+    shards' done markers."""
+    if not (dst / "meta.json").exists():
+        return None
+    try:
+        meta = read_meta(dst)
+        read_index(dst, meta)
+    except DataError as e:  # (its advice, to pack the set again, left out: this does it)
+        why = one_line(str(e).rsplit("; ", 1)[0])
+        print(f"cnnkit: note: {why}: written again from the shards", file=sys.stderr)
+        return None
+    return meta
