@@ -220,13 +220,38 @@ def test_too_little_shared_memory_is_one_clear_line(sets, monkeypatch):
         next(iter(stream))
 
 
+def test_without_workers_the_ring_takes_no_shared_memory(sets, monkeypatch):
+    """data.workers=0, the way out of a small /dev/shm, made its ring there all the same and was
+    refused for want of it; now the ring is two slots of this process's own memory."""
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny() if p == "/dev/shm" else real(p))
+    bundle = data_config({**sections(sets)[1], "workers": 0}).build(CPU)
+    assert bundle.train.ring_slots() == 2 and bundle.train.shared_bytes() == 0
+    bundle.train.check_room()
+    assert sum(len(y) for _, y in bundle.train) == 16
+    assert not bundle.train._ring.buffers.untyped_storage().is_shared()
+
+
+def test_a_stream_without_images_starts_no_workers(sets):
+    """bench loader holds out nothing: its empty held-out stream forked a second set of
+    workers beside training's."""
+    bundle = data_config({**sections(sets)[1], "workers": 2, "val_fraction": 0.0}).build(CPU)
+    assert bundle.val.processes() == 0 and bundle.train.processes() == 2
+    bundle.val.start_workers()
+    assert bundle.val.loader().num_workers == 0 and list(bundle.val) == []
+
+
 def test_the_validation_ring_is_counted_before_training_starts(sets, monkeypatch):
     """Room for training's ring but not for validation's too: refused before the first
     training batch, not after an epoch's work; then both fit and the stream runs."""
     from cnnkit.data import slots
 
     bundle = data_config({**sections(sets)[1], "workers": 1}).build(CPU)
-    train, val = bundle.train.ring_bytes(), bundle.val.ring_bytes()
+    train, val = bundle.train.shared_bytes(), bundle.val.shared_bytes()
     assert train > 0 and val > 0
     real, free = os.statvfs, [train + slots.SHM_MARGIN + val // 2]
 
@@ -265,7 +290,7 @@ def test_a_ring_holds_no_more_images_a_batch_than_the_set_has(sets):
     images = sum(len(y) for _, y in bundle.val)
     assert images == 6
     alone = data_config({**sections(sets)[1], "workers": 1, "val_fraction": 0.0}).build(CPU)
-    assert alone.val.ring_bytes() == 0 and alone.train._ring_needs() == ("data.workers=1", 0)
+    assert alone.val.shared_bytes() == 0 and alone.train._ring_needs() == ("data.workers=1", 0)
 
 
 def test_shared_memory_is_counted_for_every_process_on_the_machine(sets, monkeypatch):
@@ -274,7 +299,7 @@ def test_shared_memory_is_counted_for_every_process_on_the_machine(sets, monkeyp
     from cnnkit.data import slots
 
     one = data_config({**sections(sets)[1], "workers": 1}).build(CPU)
-    need = one.train.ring_bytes() + one.val.ring_bytes() + slots.SHM_MARGIN
+    need = one.train.shared_bytes() + one.val.shared_bytes() + slots.SHM_MARGIN
     real = os.statvfs
 
     class Room:

@@ -479,9 +479,9 @@ def test_workers_keep_the_inherited_ring_under_the_file_system_strategy(monkeypa
     after the process: the ring is used as inherited."""
     import torch.multiprocessing as mp
 
-    from cnnkit.data.slots import mapped_afresh, shared
+    from cnnkit.data.slots import in_shared_memory, mapped_afresh
 
-    ring = shared((2, 3, 4, 4))
+    ring = in_shared_memory((2, 3, 4, 4))
     assert mapped_afresh(ring).data_ptr() != ring.data_ptr()  # file_descriptor: mapped anew
     monkeypatch.setattr("cnnkit.data.slots.get_sharing_strategy", lambda: "file_system")
     assert mapped_afresh(ring) is ring

@@ -102,55 +102,65 @@ class ImageBatches:
         side = self.augment.crop if self.mode == "crops" else self.dataset.size
         return (self.sampler.largest(), 3, side, side)  # (a set smaller than a batch: its own)
 
+    def processes(self) -> int:
+        """The worker processes this stream starts: data.workers, but none where batches are
+        views or the stream has no images (a bench's empty held-out split, a rank with none)."""
+        return 0 if self.mode == "views" or not self.sampler.total() else self.workers
+
     def ring_slots(self) -> int:
-        """Shared-memory slots of this stream's ring: every batch in flight (no more than an
-        epoch has: a validation set of 7 batches needs no 32 slots of 50 MB), plus two (none
-        where batches are views or JPEG bytes, or the stream has no images)."""
+        """Slots of this stream's ring: every batch in flight (no more than an epoch has: a
+        validation set of 7 batches needs no 32 slots of 50 MB), plus two; two where no
+        workers start (none where batches are views or JPEG bytes, or there are no images)."""
         if self.mode not in ("crops", "whole") or not self.sampler.largest():
             return 0
-        return min(max(self.workers, 1) * self.prefetch, max(self.sampler.total(), 1)) + 2
+        if not self.processes():
+            return 2
+        return min(self.workers * self.prefetch, max(self.sampler.total(), 1)) + 2
 
-    def ring_bytes(self) -> int:
-        return self.ring_slots() * math.prod(self._slot_shape())
+    def shared_bytes(self) -> int:
+        """The /dev/shm bytes of the ring: none where no workers start (this process's memory)."""
+        return self.ring_slots() * math.prod(self._slot_shape()) if self.processes() else 0
 
     def _ring_needs(self) -> tuple[str, int]:
         """Who the ring is for, and the bytes of validation's, made while this one lives."""
-        also = self.validation.ring_bytes() if self.validation is not None else 0
+        also = self.validation.shared_bytes() if self.validation is not None else 0
         return f"data.workers={self.workers}" + (" (training and validation)" if also else ""), also
 
     def check_room(self) -> None:
         """The shared memory this stream's ring will take (and validation's beside it), checked
         now: a training run does before it writes anything, not when its first epoch starts
         (a refused resume had rewritten config.yaml by then)."""
-        if self.ring_slots():
-            what, also = self._ring_needs()
-            check_shared_memory(self.ring_bytes() + also, what, ranks=self.local_ranks)
+        what, also = self._ring_needs()
+        if self.shared_bytes() + also:
+            check_shared_memory(self.shared_bytes() + also, what, ranks=self.local_ranks)
 
     def loader(self) -> DataLoader:
         """The torch DataLoader over this stream's jobs. Its workers persist across epochs, the
-        validation ones idle while training (never two sets busy at once), both forked as the
-        first epoch starts (start_workers): a fork while another thread holds CPython's
-        thread-state lock hangs the child on Python 3.10-3.11 (validation's, forked afresh
-        every epoch, left a --nproc run waiting for good now and then)."""
+        validation ones idle while training (but for reading the first validation's batches
+        ahead), both forked as the first epoch starts (start_workers): a fork while another
+        thread holds CPython's thread-state lock hangs the child on Python 3.10-3.11
+        (validation's, forked afresh every epoch, left a --nproc run waiting for good now and
+        then)."""
         if self._loader is None:
             if self.ring_slots():
                 what, also = self._ring_needs()
                 self._ring = SlotRing(self.ring_slots(), self._slot_shape(),
                                       pin=self._feed is not None, what=what, also=also,
-                                      ranks=self.local_ranks)  # fmt: skip
+                                      ranks=self.local_ranks, shared=self.processes() > 0)  # fmt: skip
                 self.dataset.slots = self._ring.buffers  # set before the workers start
             crops = self.augment if self.mode == "crops" else None
             jobs = JobSampler(self.sampler, self._ring, crops, self.dataset.size,
                               encoded=self.mode == "encoded")  # fmt: skip
+            workers = self.processes()
             extra = {"prefetch_factor": self.prefetch, "persistent_workers": True}
             # its own generator: starting workers draws a seed (unused: they draw nothing random)
             # that would otherwise come from the global one and shift a resumed run's dropout
             with no_worker_count_warning():
                 self._loader = DataLoader(self.dataset, batch_size=None, sampler=jobs,
-                                          num_workers=self.workers, pin_memory=False,
+                                          num_workers=workers, pin_memory=False,
                                           worker_init_fn=start_worker,
                                           generator=torch.Generator(),
-                                          **(extra if self.workers else {}))  # fmt: skip
+                                          **(extra if workers else {}))  # fmt: skip
         return self._loader
 
     def worker_batches(self) -> Iterator[tuple[torch.Tensor, WorkerBatch]]:
@@ -170,7 +180,7 @@ class ImageBatches:
         as training's first epoch starts, so that both sets are forked together, while the
         process is young (its pages, which the idle workers keep while training rewrites
         them, are then the ones training's workers keep too)."""
-        if not self.workers or self.mode == "views" or self._early is not None:
+        if not self.processes() or self._early is not None:
             return
         loader = self.loader()
         if getattr(loader, "_iterator", None) is None:  # (not started yet)
@@ -292,7 +302,7 @@ class ImageBatches:
         crop = self.augment.crop
         out = self._pool.take((x.shape[0], x.shape[1], crop, crop)) if self._pool else None
         # while workers decode, main's per-image kernels on many threads only fight them
-        busy = self._pool is not None and self.workers > 0 and self.mode != "views"
+        busy = self._pool is not None and self.processes() > 0
         with torch_threads(1) if busy else nullcontext():
             if not self.train:
                 return self.augment.eval(x, out)

@@ -22,14 +22,14 @@ from cnnkit.errors import DataError
 SHM = "/dev/shm"
 
 
-def shared(shape: tuple[int, ...]) -> torch.Tensor:
+def in_shared_memory(shape: tuple[int, ...]) -> torch.Tensor:
     """An empty uint8 tensor in shared memory (other processes map it; nothing is copied)."""
     storage = torch.UntypedStorage._new_shared(math.prod(shape))
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
 
 
 def mapped_afresh(memory: torch.Tensor) -> torch.Tensor:
-    """`memory` (made by `shared`) mapped anew in this process, from the file behind it.
+    """`memory` (made by `in_shared_memory`) mapped anew in this process, from the file behind it.
 
     A forked loader worker inherits the parent's mapping of the ring, unless the parent's
     mapping was page-locked by a driver that marks such memory MADV_DONTFORK (ROCm's did;
@@ -52,7 +52,9 @@ def new_batch(n: int, size: int, channels: int = 3) -> torch.Tensor:
     """An empty uint8 (n, C, size, size) batch. In a loader worker it lives in shared memory
     already, so handing it to the main process sends a file descriptor and copies nothing."""
     shape = (n, channels, size, size)
-    return torch.empty(shape, dtype=torch.uint8) if get_worker_info() is None else shared(shape)
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    return in_shared_memory(shape)
 
 
 SHM_ADVICE = ("give the container more /dev/shm (docker run --shm-size=8g), or lower "
@@ -83,7 +85,8 @@ def _mib(n: int) -> str:
 
 
 class SlotRing:
-    """`count` uint8 batch buffers of `shape` (B, C, H, W) in shared memory, made once.
+    """`count` uint8 batch buffers of `shape` (B, C, H, W) in shared memory, made once (in this
+    process's own memory, not `shared`, where no worker process writes them).
 
     The main process takes a free slot for each job it sends (or None when all are in
     flight: the worker then makes fresh memory) and releases it once the batch is read; on
@@ -92,12 +95,14 @@ class SlotRing:
     """
 
     def __init__(self, count: int, shape: tuple[int, ...], pin: bool = False, what: str = "loader",
-                 also: int = 0, ranks: int = 1):  # fmt: skip
+                 also: int = 0, ranks: int = 1, shared: bool = True):  # fmt: skip
         """`also`: bytes of another ring that will be made while this one lives (validation's,
         next to training's), checked against /dev/shm now, before any worker starts, for each
         of the `ranks` processes on this machine."""
-        check_shared_memory(count * math.prod(shape) + also, what, ranks=ranks)
-        self.buffers = shared((count, *shape))
+        shape = (count, *shape)
+        if shared or also:
+            check_shared_memory(math.prod(shape) * shared + also, what, ranks=ranks)
+        self.buffers = in_shared_memory(shape) if shared else torch.empty(shape, dtype=torch.uint8)
         self.free: deque[int] = deque(range(count))
         self.copying: deque[tuple[int, torch.cuda.Event]] = deque()  # slot, copy-done event
         self.pinned = pin and _register(self.buffers)
