@@ -245,6 +245,22 @@ def test_a_stream_without_images_starts_no_workers(sets):
     assert bundle.val.loader().num_workers == 0 and list(bundle.val) == []
 
 
+def test_a_pass_begun_early_is_begun_again_for_another_epoch(sets):
+    """start_workers begins a pass ahead (validation's, as training starts); a set_epoch after
+    it read that pass's batches all the same: 4 batches of epoch 0 for 2 of epoch 1."""
+    stream = data_config({**sections(sets)[1], "workers": 1}).build(CPU).train
+    stream.set_epoch(1, 2)
+    expected = [y.clone() for _, y in stream]
+    early = data_config({**sections(sets)[1], "workers": 1}).build(CPU).train
+    early.start_workers()
+    early.set_epoch(1, 2)
+    got = [y.clone() for _, y in early]
+    assert len(got) == len(expected) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    early.set_epoch(0)  # the persistent workers go on as before
+    assert len(list(early)) == 4
+
+
 def test_the_validation_ring_is_counted_before_training_starts(sets, monkeypatch):
     """Room for training's ring but not for validation's too: refused before the first
     training batch, not after an epoch's work; then both fit and the stream runs."""

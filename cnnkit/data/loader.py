@@ -66,6 +66,8 @@ class ImageBatches:
             say_more_workers_than_cores(workers, cores)
         self._loader: DataLoader | None = None
         self._early: Iterator[WorkerBatch] | None = None  # a pass begun by start_workers
+        self._early_order: tuple[int, int] = (0, 0)  # the (epoch, skip) it was begun for
+        self._passes = 0  # begun by the DataLoader (its persistent workers) so far
         self._ring: SlotRing | None = None
         self._feed = DeviceFeed(self.device) if self.device.type == "cuda" else None
         self._pool = BufferPool() if self.device.type == "cpu" else None
@@ -183,15 +185,18 @@ class ImageBatches:
         if not self.processes() or self._early is not None:
             return
         loader = self.loader()
-        if getattr(loader, "_iterator", None) is None:  # (not started yet)
+        if not self._passes:
+            self._early_order = (self.sampler.epoch, self.sampler.skip)
             self._early = self._begun(loader)
 
     def _started(self, loader: DataLoader) -> Iterator[WorkerBatch]:
         """The loader's batches; shared memory running out (as its workers start: their queues
         and semaphores live in /dev/shm too, or in a worker) and a worker that died (found as
         an epoch's workers resume, or while a batch is awaited) are one line each."""
-        if self.validation is not None and getattr(loader, "_iterator", None) is None:
+        if self.validation is not None and not self._passes:
             self.validation.start_workers()  # training's first epoch: both sets forked now
+        if self._early_order != (self.sampler.epoch, self.sampler.skip):
+            self._early = None  # set_epoch since: that pass's batches are not this one's
         batches = self._early if self._early is not None else self._begun(loader)
         self._early = None
         try:
@@ -211,6 +216,7 @@ class ImageBatches:
                 raise
             raise self._no_shared_memory(e.strerror, "starting the loader's workers") from None
         deaths_found_here(batches)
+        self._passes += 1
         return batches
 
     def _failed(self, e: Exception, batches: Any) -> Exception:
@@ -243,7 +249,7 @@ class ImageBatches:
                 batches._shutdown_workers()
         except Exception:  # noqa: BLE001 - best effort: the DataError says what happened
             pass
-        self._loader, self._early = None, None  # a next epoch starts workers afresh
+        self._loader, self._early, self._passes = None, None, 0  # a next epoch starts afresh
 
     def release(self, batch: WorkerBatch, copied: torch.cuda.Event | None = None) -> None:
         """The batch's slot is read (or will be once `copied` completes): it may take another."""
