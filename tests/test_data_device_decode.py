@@ -220,6 +220,25 @@ def test_too_little_shared_memory_is_one_clear_line(sets, monkeypatch):
         next(iter(stream))
 
 
+def test_every_set_and_stream_keeps_the_loaders_contract(sets):
+    """The loader's protocols, checked on what implements them: both image sets are
+    BatchDatasets; image streams, in-memory ones and evaluation's counting wrapper are
+    Batches, so the run and evaluation call them without asking what they are."""
+    from cnnkit.data.base import Batches
+    from cnnkit.data.batch import BatchDataset
+    from cnnkit.train.evaluation import CountedBatches
+
+    for section in sections(sets):
+        bundle = data_config(section).build(CPU)
+        assert isinstance(bundle.train.dataset, BatchDataset)
+        for stream in (bundle.train, bundle.val, CountedBatches(bundle.val)):
+            assert isinstance(stream, Batches)
+    digits = data_config({"source": "digits"}).build(CPU)
+    assert isinstance(digits.train, Batches) and isinstance(CountedBatches(digits.val), Batches)
+    digits.train.check_room()  # (nothing to check: in memory)
+    assert not isinstance(object(), Batches) and not isinstance(object(), BatchDataset)
+
+
 def test_without_workers_the_ring_takes_no_shared_memory(sets, monkeypatch):
     """data.workers=0, the way out of a small /dev/shm, made its ring there all the same and was
     refused for want of it; now the ring is two slots of this process's own memory."""

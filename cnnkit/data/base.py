@@ -13,7 +13,7 @@ import types
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import (
@@ -206,6 +206,7 @@ class DataConfigBase(Section):
         return self
 
 
+@runtime_checkable
 class Batches(Protocol):
     """A stream of batches for one rank: what the training loop and evaluation iterate.
 
@@ -221,6 +222,8 @@ class Batches(Protocol):
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None: ...  # seeded order; resume
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def check_room(self) -> None: ...  # DataError now where its workers' memory will not fit
 
 
 MAX_SIDE = 8192  # the largest image side an evaluation may resize to (a bound, not a taste)

@@ -9,7 +9,7 @@ every slot is in flight, or nowhere: JPEG bytes handed back undecoded, for the d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -113,6 +113,7 @@ class ImageList:
         return torch.from_numpy(self.views[i])
 
 
+@runtime_checkable
 class BatchDataset(Protocol):
     """An image set the loader reads: FolderImages and PackedImages implement it."""
 

@@ -105,6 +105,9 @@ class TensorBatches:
             return len(self.images) // self.batch_size
         return math.ceil(len(self._val_indices()) / self.batch_size)
 
+    def check_room(self) -> None:
+        """Nothing to check: the images are in memory already, and no worker starts."""
+
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Choose this epoch's seeded order; skip the first batches (mid-epoch resume)."""
         self.epoch, self.skip = epoch, skip_batches

@@ -43,7 +43,7 @@ def start_worker(worker_id: int) -> None:
     survive the fork)."""
     torch.set_num_threads(1)
     dataset = get_worker_info().dataset
-    if getattr(dataset, "slots", None) is not None:
+    if dataset.slots is not None:
         dataset.slots = mapped_afresh(dataset.slots)
 
 

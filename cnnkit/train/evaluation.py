@@ -204,10 +204,13 @@ class CountedBatches:
     def __init__(self, batches: Any, label_map: torch.Tensor | None = None,
                  grey: tuple[float, float] | None = None):  # fmt: skip
         self.batches, self.images, self.label_map, self.grey = batches, 0, label_map, grey
-        self.num_samples = batches.num_samples
+        self.num_samples, self.num_images = batches.num_samples, batches.num_images
 
     def __len__(self) -> int:
         return len(self.batches)
+
+    def check_room(self) -> None:
+        self.batches.check_room()
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.batches.set_epoch(epoch, skip_batches)

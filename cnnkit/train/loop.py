@@ -154,7 +154,7 @@ def evaluate(engine: Engine, batches: Batches, dist: Processes | None = None) ->
 def check_read(images: float, batches: Batches) -> None:
     """DataError when a validation stream that lists images yielded none (every one
     unreadable): no figure rather than a 0% one."""
-    listed = getattr(batches, "num_samples", 0)
+    listed = batches.num_samples
     if images == 0 and listed:
         raise DataError(f"no held-out image could be read: all {listed} were unreadable")
 

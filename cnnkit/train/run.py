@@ -211,8 +211,7 @@ def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quie
     data = source.build(
         device, dist.rank, dist.world_size, config.seed, local_ranks=dist.local_world_size
     )
-    if hasattr(data.train, "check_room"):  # (image streams: their shared memory, up front)
-        data.train.check_room()
+    data.train.check_room()  # (image streams: their shared memory, up front)
     if resume:
         check_same_data(resume, data, run_dir)
     elif config.data.source == "packed":  # (new runs: one that trained so is not stopped now)
