@@ -84,6 +84,17 @@ def test_huge_non_jpeg_is_skipped(tmp_path, monkeypatch):
         read_image(tmp_path / "big.png")
 
 
+def test_a_pack_record_claiming_huge_dimensions_is_refused_before_decoding(backend):
+    """A damaged JPEG record of a pack whose header claims 60000 x 60000 pixels: BadImage from
+    its header, as every other decode checks, not a 10 GB allocation."""
+    record = bytearray(jpeg_bytes(photo(32, 32)))
+    sof = record.index(b"\xff\xc0")
+    record[sof + 5 : sof + 9] = (60000).to_bytes(2, "big") * 2  # height, width
+    with pytest.raises(BadImage, match=r"huge image \((60000x60000 =|3,600,000,000 pixels)"):
+        decode.decode_jpeg_bytes(bytes(record), 32)
+    assert decode.decode_jpeg_bytes(jpeg_bytes(photo(32, 32)), 32).shape == (32, 32, 3)
+
+
 def test_dct_downscaling_never_goes_below_the_size_needed(tmp_path, backend):
     path = tmp_path / "big.jpg"
     path.write_bytes(jpeg_bytes(photo(480, 640)))

@@ -99,7 +99,7 @@ def test_a_batch_of_only_corrupt_jpegs_is_empty_on_the_device(device):
 
     junk = [b"\xff\xd8\xff\xe0" + bytes(range(60)), b"\xff\xd8\xff\xdb" + bytes(40)]
     batch = WorkerBatch(torch.tensor([0, 1]), encoded=Encoded.join(junk), names=["a", "b"])
-    pixels, kept = decode_batch(None, batch, Set(), torch.device(device))
+    pixels, kept = decode_batch(batch, Set(), torch.device(device))
     assert pixels.shape == (0, 3, 16, 16) and pixels.device.type == device
     assert len(kept) == 0 and [name for name, _ in kept.bad] == ["a", "b"]
 
@@ -128,7 +128,7 @@ def test_jpegs_for_the_device_keep_their_photos_sizes(tmp_path):
     items[coded.index(junk)] = torch.frombuffer(bytearray(b"\xff\xd8\xff\xdb" + bytes(40)),
                                                 dtype=torch.uint8)  # fmt: skip
     batch.encoded = Encoded.join([t.numpy() for t in items])
-    pixels, kept = decode_batch(None, batch, ds, CPU)
+    pixels, kept = decode_batch(batch, ds, CPU)
     assert len(pixels) == len(kept) == 3
     assert kept.sources.tolist() == [want[n] for i, n in enumerate(names) if i != junk]
 

@@ -145,6 +145,14 @@ def test_buffer_pool_reuses_only_released_buffers():
     assert loss.requires_grad and view.shape == (3,)
 
 
+@pytest.mark.parametrize("keep", [1, 2, 4])
+def test_buffer_pool_keeps_at_most_keep_buffers(keep):
+    """Buffers still held are replaced, the oldest let go: keep=1 kept every one made."""
+    pool = BufferPool(keep)
+    held = [pool.take((2, 3)) for _ in range(6)]
+    assert len(pool._buffers) == len(pool._idle) == keep and held[-1] is pool._buffers[-1]
+
+
 def test_buffer_pool_without_the_private_use_count_makes_fresh_buffers(packed, monkeypatch):
     """Where torch lacks the storage use count, buffers are never reused, and the stream's
     batches are the same as with reuse."""

@@ -151,7 +151,7 @@ class CropAugment:
     lighting: float = 0.0  # std of the PCA alphas (0.1 in the 2012 paper); 0 = off
     mean: torch.Tensor | None = None  # (C,) per channel or (C, H, W) mean image, 0-255 units
     std: torch.Tensor | None = None  # (C,), 0-255 units
-    eigval: torch.Tensor | None = None  # (3,) std along each principal axis, 0-255 units
+    eigval: torch.Tensor | None = None  # (3,) eigenvalues of the 0-1 RGB covariance, x 255
     eigvec: torch.Tensor | None = None  # (3, 3) columns = principal axes
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)

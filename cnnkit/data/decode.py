@@ -363,15 +363,13 @@ def device_jpeg(path: str | Path) -> bytes | None:
 
 
 def decode_jpeg_bytes(data: bytes | memoryview, size: int | None = None) -> np.ndarray:
-    """Decode JPEG bytes (a packed shard's record) to (H, W, 3) uint8 RGB."""
-    if simplejpeg is not None:
-        return simplejpeg.decode_jpeg(
-            data, colorspace="RGB", min_height=size or 0, min_width=size or 0
-        )
-    im = Image.open(io.BytesIO(data))
-    if size:
-        im.draft("RGB", (size, size))
-    return np.array(im.convert("RGB"))
+    """Decode JPEG bytes (a packed shard's record) to (H, W, 3) uint8 RGB; BadImage where its
+    header claims more pixels than MAX_PIXELS (a damaged record: nothing is allocated)."""
+    if simplejpeg is None:  # (Pillow's path says what else is wrong as BadImage too)
+        return _decode_pillow(bytes(data), size, "squash", ".jpg", None).array
+    h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+    check_pixels(w, h)
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=size or 0, min_width=size or 0)
 
 
 def encode_jpeg(image_chw: np.ndarray, quality: int) -> bytes:

@@ -140,7 +140,7 @@ def _resized(images: dict[int, torch.Tensor], size: int, mode: str,
     return out
 
 
-def decode_batch(pixels: torch.Tensor | None, batch: WorkerBatch, dataset: BatchDataset,
+def decode_batch(batch: WorkerBatch, dataset: BatchDataset,
                  device: torch.device) -> tuple[torch.Tensor, WorkerBatch]:  # fmt: skip
     """The batch's images as uint8 (B, 3, size, size) on `device`, and the record of the images
     kept (undecodable ones are added to `bad` and dropped)."""

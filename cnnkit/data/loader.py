@@ -272,7 +272,7 @@ class ImageBatches:
         else:
             for position, (pixels, batch) in enumerate(self.worker_batches(), self.sampler.skip):
                 if self.mode == "encoded":
-                    pixels, batch = decode_batch(pixels, batch, self.dataset, self.device)
+                    pixels, batch = decode_batch(batch, self.dataset, self.device)
                     self._report(batch.bad)
                 x = self._augment(pixels.to(self.device), position, batch.alpha, batch.sources)
                 self.release(batch)  # normalised into a buffer of its own: the slot is read
@@ -285,7 +285,7 @@ class ImageBatches:
 
             def prepare(pixels=pixels, batch=batch, position=position) -> tuple:
                 if self.mode == "encoded":
-                    x, batch = decode_batch(pixels, batch, self.dataset, self.device)
+                    x, batch = decode_batch(batch, self.dataset, self.device)
                     self._report(batch.bad)
                 else:
                     x = pixels.to(self.device, non_blocking=True)

@@ -209,8 +209,8 @@ class BufferPool:
         for i in range(len(self._buffers)):  # indices, not items: no loop variable holds one
             if self._buffers[i].shape == shape and self._refs(i) == self._idle[i]:
                 return self._buffers[i]
-        self._buffers = self._buffers[-(self.keep - 1) :]
-        self._idle = self._idle[-(self.keep - 1) :]
+        drop = max(0, len(self._buffers) - self.keep + 1)  # room for the new one: `keep` at most
+        del self._buffers[:drop], self._idle[:drop]
         self._buffers.append(torch.empty(shape))
         self._idle.append(self._refs(len(self._buffers) - 1))
         return self._buffers[-1]
