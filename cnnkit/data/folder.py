@@ -142,24 +142,24 @@ class FolderImages(Dataset):
     def _encoded(self, job: BatchJob) -> WorkerBatch:
         """JPEG bytes for the device; other images decoded here; broken ones reported."""
         ids = self.ids[job.positions]
-        coded, decoded, kept, names, bad, sources = [], {}, [], [], [], []
+        coded, decoded, kept_ids, names, bad, sources = [], {}, [], [], [], []
         for i in ids:
             path = self.root / self.files[i]
             try:
                 data = device_jpeg(path)
                 if data is None:  # not a JPEG the device decoders take: decode it here
                     image, _, source = self._resized(path)
-                    decoded[len(kept)] = image
+                    decoded[len(kept_ids)] = image
                 else:
                     coded.append(data)
                     source = image_shape(data)
             except BadImage as e:
                 bad.append((str(path), str(e)))
                 continue
-            kept.append(i)
+            kept_ids.append(i)
             names.append(str(path))
             sources.append(source)
-        labels = torch.from_numpy(self.labels[np.asarray(kept, np.int64)])
+        labels = torch.from_numpy(self.labels[np.asarray(kept_ids, np.int64)])
         return WorkerBatch(labels, encoded=Encoded.join(coded), decoded=decoded, names=names,
                            bad=bad, sources=self._sources(sources))  # fmt: skip
 

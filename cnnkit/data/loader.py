@@ -328,13 +328,11 @@ def build_streams(cfg: ImageSetConfig, train: BatchDataset, val: BatchDataset,
     n_train, n_val = len(train), len(val)
     train_sampler = EpochBatchSampler(n_train, local, rank, world_size, seed, shuffle=True)
     val_sampler = EpochBatchSampler(n_val, local_eval, rank, world_size, seed, shuffle=False)
-    per_rank = n_train // world_size
-    seen = per_rank - per_rank % local if per_rank >= local else per_rank
     workers = cfg.worker_count(local_ranks)
     common = dict(device=device, workers=workers, prefetch=cfg.prefetch, decode=cfg.decode,
                   local_ranks=local_ranks)  # fmt: skip
     training = ImageBatches(train, train_sampler, augment, train=True,
-                            num_samples=seen * world_size, **common)  # fmt: skip
+                            num_samples=train_sampler.images() * world_size, **common)  # fmt: skip
     training.validation = ImageBatches(val, val_sampler, augment, train=False, num_samples=n_val,
                                        **common)  # fmt: skip
     return training, training.validation

@@ -96,14 +96,14 @@ class PackedImages(Dataset):
         """Every image's source file (files.txt), the names a held-out split is drawn by; None
         where that list is missing or does not match the index."""
         if self._files is None:
-            self.source(0)  # reads files.txt
+            self.packed_from(0)  # reads files.txt
         return self._files if len(self._files) == len(self.labels) else None
 
     def name(self, i: int) -> str:
         """How reports name image i: the set and its index."""
         return f"{self.path} image {i}"
 
-    def source(self, i: int) -> str:
+    def packed_from(self, i: int) -> str:
         """The file image i was packed from (files.txt), or '?' where that list is missing."""
         if self._files is None:
             try:
@@ -141,18 +141,18 @@ class PackedImages(Dataset):
         kept, bad, c = [], [], job.crops
         boxes = None if c is None else self._boxes(c, ids)
         for k, i in enumerate(ids):
-            slot = out[len(kept)]
+            row = out[len(kept)]
             try:
                 if c is None and self.direct:
-                    slot.view(-1).copy_(torch.from_numpy(self._record(i)))
+                    row.view(-1).copy_(torch.from_numpy(self._record(i)))
                 elif c is None:
-                    planar(self._image(i), slot)
+                    planar(self._image(i), row)
                 else:
                     top, left, h, w = boxes[k].tolist()
                     region = self._image(i)[:, top : top + h, left : left + w]
-                    resize_crop(region, c.side, bool(c.flip[k]), slot, self.interpolation)
+                    resize_crop(region, c.side, bool(c.flip[k]), row, self.interpolation)
             except BadImage as e:
-                bad.append((f"{self.name(i)} (packed from {self.source(i)})", str(e)))
+                bad.append((f"{self.name(i)} (packed from {self.packed_from(i)})", str(e)))
                 continue
             kept.append(k)
         return kept, bad

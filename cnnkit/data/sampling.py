@@ -37,26 +37,35 @@ class EpochBatchSampler(Sampler[list[int]]):
         """Order of `epoch`; iteration starts after `skip_batches` batches."""
         self.epoch, self.skip = epoch, skip_batches
 
+    def _slice(self) -> tuple[int, int]:
+        """Where this rank's images lie: in the set (validation) or the epoch's permutation."""
+        if self.shuffle:
+            per = self.n // self.world
+            return self.rank * per, (self.rank + 1) * per
+        return self.rank * self.n // self.world, (self.rank + 1) * self.n // self.world
+
     def _mine(self) -> torch.Tensor:
+        lo, hi = self._slice()
         if not self.shuffle:
-            lo, hi = self.rank * self.n // self.world, (self.rank + 1) * self.n // self.world
             return torch.arange(lo, hi)
         g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
-        per = self.n // self.world
-        return torch.randperm(self.n, generator=g)[self.rank * per : (self.rank + 1) * per]
+        return torch.randperm(self.n, generator=g)[lo:hi]
 
     def batches(self) -> list[list[int]]:
         """All batches of this epoch for this rank (before skipping)."""
-        mine = self._mine().tolist()
-        full = self.shuffle and len(mine) >= self.batch
-        cut = len(mine) - len(mine) % self.batch if full else len(mine)
-        return [mine[i : i + self.batch] for i in range(0, cut, self.batch)]
+        mine = self._mine().tolist()[: self.images()]
+        return [mine[i : i + self.batch] for i in range(0, len(mine), self.batch)]
 
     def _per_rank(self) -> int:
         """This rank's images an epoch (validation's contiguous slice, or training's share)."""
-        if self.shuffle:
-            return self.n // self.world
-        return (self.rank + 1) * self.n // self.world - self.rank * self.n // self.world
+        lo, hi = self._slice()
+        return hi - lo
+
+    def images(self) -> int:
+        """The images this rank's batches hold an epoch: training's whole batches only, where
+        at least one fits; every one of its images otherwise."""
+        per = self._per_rank()
+        return per - per % self.batch if self.shuffle and per >= self.batch else per
 
     def largest(self) -> int:
         """The most images one of this rank's batches holds: the batch, or all of this rank's
@@ -65,10 +74,7 @@ class EpochBatchSampler(Sampler[list[int]]):
 
     def total(self) -> int:
         """Batches per epoch for this rank."""
-        per = self._per_rank()
-        if self.shuffle and per >= self.batch:
-            return per // self.batch
-        return -(-per // self.batch)
+        return -(-self.images() // self.batch)
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches()[self.skip :])
