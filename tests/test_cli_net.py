@@ -163,7 +163,7 @@ def test_kernel_larger_than_input_exits_2_naming_the_layer(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"cnnkit: error: {spec}: layer 0 (c1): kernel_size: kernel 11 is larger than its input 8 "
+        f"cnnkit: error: {spec}: line 4: layer 0 (c1): kernel_size: kernel 11 is larger than its input 8 "
         "(input (1, 8, 8))"
     ]
 

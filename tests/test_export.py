@@ -382,7 +382,7 @@ def test_a_layer_named_by_a_python_keyword_is_refused_before_any_export(tmp_path
     out = tmp_path / f"net{suffix}"
     code, _, err = run_cli(["export", str(net), "-o", str(out), "--check"], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert f"{net}: layer 0 (in): name: 'in' is a Python keyword" in err
+    assert f"{net}: line 4: layer 0 (in): name: 'in' is a Python keyword" in err
     assert not out.exists()
 
 

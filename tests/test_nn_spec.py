@@ -1,10 +1,14 @@
 """The network file: blocks, repeat, inputs, defaults, num_classes, and every error it reports."""
 
+import re
+import textwrap
+
 import pytest
 import torch
 
 from cnnkit import ConfigError, build_model
 from cnnkit.data.base import Preprocess
+from cnnkit.nn.yamlio import layer_line
 
 
 def net(*layers, **extra):
@@ -401,6 +405,50 @@ def test_default_names_never_take_a_name_the_file_gives(tmp_path):
     assert [row.name for row in model.table] == ["relu1", "relu1_1"]
 
 
+def test_layer_errors_name_the_line_of_their_layer(tmp_path):
+    """Errors naming a top-level layer (cnnkit's `layer N`, pydantic's `layers.N`) name its line
+    too: flow or block style, a block's line for the layers it makes, a file with or without
+    `model:`; a network given as a dict has no lines to name."""
+    text = textwrap.dedent("""\
+        model:
+          input: [3, 16, 16]
+          num_classes: 4
+          blocks:
+            pair:
+              params: {out: null}
+              layers:
+                - {type: conv, out_channels: $out, kernel_size: 3, padding: 1}
+                - {type: relu}
+          layers:
+            - {type: conv, out_channels: 8, kernel_size: 3}
+            - {name: stage, block: pair, out: 8, repeat: 2}
+            - type: global_avgpool
+            - type: linear
+        """)  # fmt: skip
+    cases = {
+        "kernel_size: 3}": ("kernel_size: 3, bogus: 1}", 11, r"layer 0 \(conv0\): bogus"),
+        "- type: linear": ("- {type: linear, bogus: 1}", 14, r"layer 3 \(linear3\): bogus"),
+        "kernel_size: 3, padding: 1}": ("kernel_size: 99, padding: 1}", 12,
+                                        r"layer 1 \(stage\.0\.conv0\): kernel_size: kernel 99"),
+        "- type: global_avgpool": ("- relu", 13, r"model: layers\.2: Input should be"),
+    }  # fmt: skip
+    for old, (new, line, words) in cases.items():
+        path = tmp_path / "net.yaml"
+        path.write_text(text.replace(old, new, 1))
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: line {line}: {words}"):
+            build_model(str(path))
+    flat = tmp_path / "flat.yaml"  # no model: at the top
+    flat.write_text("input: [3, 8, 8]\nlayers:\n  - type: conv\n    out_channels: 2\n"
+                    "    kernel_sise: 3\n")  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(flat))}: line 3: layer 0 \(conv0\)"):
+        build_model(str(flat))
+    with pytest.raises(ConfigError, match=r"^layer 0 \(conv0\): kernel_sise"):
+        build_model({"input": [3, 8, 8], "layers": [{"type": "conv", "kernel_sise": 3}]})
+    flat.write_text("blocks: {b: {layers: [&c {type: relu}]}}\nlayers:\n  - *c\n  - *c\n")
+    assert layer_line(flat, "layer 1 (relu1): ...") is None  # an alias: its anchor's line misleads
+    assert layer_line(flat, "layer 2 (x): ...") is None and layer_line(flat, "model: x") is None
+
+
 def test_errors_name_the_network_file_a_run_file_names(tmp_path):
     _net(
         tmp_path,
@@ -409,10 +457,10 @@ def test_errors_name_the_network_file_a_run_file_names(tmp_path):
     )
     run = _net(tmp_path, "model: bad.yaml\ndata: {source: digits}\n", "run.yaml")
     with pytest.raises(
-        ConfigError, match=r"^\S*bad.yaml: layer 0 \(conv0\): kernel_size: kernel 30"
+        ConfigError, match=r"^\S*bad.yaml: line 4: layer 0 \(conv0\): kernel_size: kernel 30"
     ):
         build_model(str(run))
-    with pytest.raises(ConfigError, match=r"^\S*bad.yaml: layer 0"):  # one prefix, not two
+    with pytest.raises(ConfigError, match=r"^\S*bad.yaml: line 4: layer 0"):  # one prefix, not two
         build_model(str(tmp_path / "bad.yaml"))
     with pytest.raises(ConfigError, match=r"^lenet5: model: num_classes"):  # a zoo net: its name
         build_model("lenet5", num_classes=2**40)
@@ -493,10 +541,15 @@ def test_python_keywords_are_refused_as_layer_names_naming_layer_and_file(tmp_pa
 
     *block, short = name.split(".")
     layer = {"name": short, "type": "relu"}
-    layers = [{"name": block[0], "block": "b"}] if block else [layer]
+    layers = [{"name": block[0], "block": "b"}] if block else [dict(layer)]  # (no YAML alias)
     spec = net(conv("c"), *layers, blocks={"b": {"layers": [layer]}})
     path = tmp_path / "net.yaml"
     path.write_text(yaml.safe_dump({"model": spec}))
     with pytest.raises(ConfigError) as e:
         build_model(str(path))
-    assert str(e.value).startswith(f"{path}: layer 1 ({name}): name: {word!r} is a Python keyword")
+    lines = path.read_text().splitlines()
+    start = lines.index("  layers:")  # the second item of the top-level list: layer 1
+    line = [i + 1 for i in range(start, len(lines)) if lines[i].startswith("  - ")][1]
+    assert str(e.value).startswith(
+        f"{path}: line {line}: layer 1 ({name}): name: {word!r} is a Python keyword"
+    )

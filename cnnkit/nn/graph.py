@@ -20,6 +20,7 @@ from cnnkit.nn.layers import ParamLayer, Shape
 from cnnkit.nn.memory import check_fits
 from cnnkit.nn.modules import bare_scale_keys, scale_weight_keys
 from cnnkit.nn.spec import read_spec
+from cnnkit.nn.yamlio import layer_line
 
 
 @dataclass(frozen=True)
@@ -252,13 +253,18 @@ def _not_trained_weights(spec: Any) -> None:
 @contextmanager
 def _naming(source: str | None) -> Iterator[None]:
     """Errors in a network read from a file (or the zoo) name it: a run file may name a network
-    file that names another."""
+    file that names another; and the line of the layer they name, where the file says."""
     try:
         yield
     except ConfigError as e:
-        if source is None or str(e).startswith(f"{source}: "):
+        if source is None:
             raise
-        raise ConfigError(f"{source}: {e}") from None
+        message = str(e).removeprefix(f"{source}: ")
+        line = layer_line(source, message)
+        if line is None and message != str(e):
+            raise
+        where = f"{source}: line {line}" if line is not None else source
+        raise ConfigError(f"{where}: {message}") from None
 
 
 def _describe(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import datetime
 import os
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -253,6 +254,44 @@ def read_yaml(path: str | Path, instead: str | None = None) -> Any:
                           f"column {column}): save it as UTF-8") from None  # fmt: skip
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or one_line(e, 160)}") from None
+
+
+_LAYER_NAMED = re.compile(r"(?:model: )?(?:layer (\d+)\b|layers\.(\d+)\b)")
+
+
+def layer_line(path: str | Path, message: str) -> int | None:
+    """The line in a network file of the top-level layer an error names first (cnnkit's
+    `layer 3 (...)`, pydantic's `layers.3`), read again from the file only when an error needs
+    it; None where it names none, or the file does not say."""
+    found = _LAYER_NAMED.match(message)
+    if found is None:
+        return None
+    try:
+        loader = _Loader(_text(Path(path).read_bytes()))
+        try:
+            root = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    model = _value(root, "model")
+    layers = _value(root if model is None else model, "layers")
+    index = int(found[1] or found[2])
+    if not isinstance(layers, SequenceNode) or index >= len(layers.value):
+        return None
+    mark = layers.value[index].start_mark
+    if not layers.start_mark.index <= mark.index < layers.end_mark.index:
+        return None  # an alias (*name): written where its anchor is, not at this layer's place
+    return mark.line + 1
+
+
+def _value(node: Node | None, key: str) -> Node | None:
+    """The node under `key` of a mapping node, None where there is none."""
+    if isinstance(node, MappingNode):
+        for k, v in node.value:
+            if isinstance(k, ScalarNode) and k.value == key:
+                return v
+    return None
 
 
 def _text(data: bytes) -> str:
