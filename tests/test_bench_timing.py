@@ -308,3 +308,32 @@ def test_alexnet_owt_baseline_is_torchvision_alexnet():
     # on a GPU the plain loop keeps torch's defaults, unlike cnnkit's fp32 (TF32 matmuls too)
     assert peer_label("plain", torch.device("cuda")).endswith("(TF32 convolutions, fp32 matmuls)")
     assert sum(p.numel() for p in peer.parameters()) == sum(r.params for r in model.table)
+
+
+def test_a_busy_machine_is_named_on_a_terminal(monkeypatch, capsys):
+    """Other programs' load sampled from /proc/stat as a benchmark starts, said on a terminal
+    (figures come out lower than on an idle machine); nothing where stderr is no terminal."""
+    import io
+    import os
+    import sys
+
+    from cnnkit.bench import timing
+
+    if os.path.exists("/proc/stat"):
+        used = timing.busy_cores(0.05)
+        assert used is not None and 0 <= used <= os.cpu_count() + 0.5
+    monkeypatch.setattr(timing, "busy_cores", lambda: 1.7)
+    timing.say_if_busy(2)
+    assert capsys.readouterr().err == ""  # (captured: no terminal)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for load, said in ((1.7, True), (0.2, False)):
+        monkeypatch.setattr(timing, "busy_cores", lambda load=load: load)
+        monkeypatch.setattr(sys, "stderr", Terminal())
+        timing.say_if_busy(2)
+        text = sys.stderr.getvalue()
+        assert ("other programs keep 1.7 of this machine's cores busy (2 for this process)"
+                in text) is said and (text == "") is not said  # fmt: skip

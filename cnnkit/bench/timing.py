@@ -6,7 +6,9 @@ loader's (bench/loader.py) is one window of batches after warm-up, as a stream i
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -143,3 +145,37 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager:
         return nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device.type, dtype=dtype)
+
+
+BUSY = 0.5  # cores' worth of other programs' work from which a benchmark says so
+
+
+def busy_cores(seconds: float = 0.3) -> float | None:
+    """Cores' worth of CPU time the machine's other programs use, sampled from /proc/stat over
+    `seconds` while this process sleeps; None where there is no /proc/stat."""
+
+    def busy() -> tuple[int, float]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait..
+        return sum(ticks) - ticks[3] - ticks[4], time.monotonic()
+
+    try:
+        (before, start), _ = busy(), time.sleep(seconds)
+        after, end = busy()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (after - before) / (os.sysconf("SC_CLK_TCK") * (end - start))
+
+
+def say_if_busy(cores: int) -> None:
+    """A note on a terminal's stderr where other programs keep over BUSY of the machine's cores
+    busy as a benchmark starts: its figures come out lower than on an idle machine (ratios
+    against a peer timed in the same run suffer less). Not sampled where stderr is no terminal
+    (a script's or a test's run: their output stays the same from one run to the next)."""
+    if not sys.stderr.isatty():
+        return
+    used = busy_cores()
+    if used is not None and used > BUSY:
+        print(f"cnnkit bench: note: other programs keep {used:.1f} of this machine's cores busy "
+              f"({cores} for this process): figures come out lower than on an idle machine "
+              "(ratios against a peer timed in the same run, less so)", file=sys.stderr)  # fmt: skip

@@ -75,11 +75,14 @@ MAX_SECONDS = typer.Option(
 
 
 def _as_the_command_runs() -> None:
-    """What `cnnkit train` starts with, so that a benchmark measures what training runs."""
+    """What `cnnkit train` starts with, so that a benchmark measures what training runs; a note
+    where other programs keep the machine busy."""
     import torch
 
-    from cnnkit.runtime import keep_freed_memory, tf32_matmuls
+    from cnnkit.bench.timing import say_if_busy
+    from cnnkit.runtime import available_cores, keep_freed_memory, tf32_matmuls
 
+    say_if_busy(available_cores())
     keep_freed_memory()
     torch.backends.cudnn.benchmark = True  # as `cnnkit train` runs (unless deterministic)
     tf32_matmuls()  # as `cnnkit train` runs fp32 on CUDA

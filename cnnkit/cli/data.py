@@ -118,8 +118,11 @@ def loader(
 ) -> None:
     """Images/s of the loader alone (no model), device-side augmentation included."""
     from cnnkit.bench.loader import bench_loader, print_loader
+    from cnnkit.bench.timing import say_if_busy
     from cnnkit.distributed import resolve_device
+    from cnnkit.runtime import available_cores
 
+    say_if_busy(available_cores())
     options = {"crop": crop} if crop else {}
     options["decode"] = decode
     if resized:
