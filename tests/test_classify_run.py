@@ -412,3 +412,86 @@ def test_probabilities_and_the_constructor_refuse_what_they_do_not_take(digits_r
             classifier.probabilities(bad)
     with pytest.raises(ConfigError, match=r"Classifier.load\(PATH\) loads a run"):
         Classifier(str(digits_run))
+
+
+def test_a_run_checkpoint_as_a_network_files_weights_keeps_the_runs_preprocessing(
+    digits_run, digit_pngs, tmp_path, capsys
+):
+    """`weights: RUN/best.pt` beside its network took the network's default scaling and class
+    names (class0...): other figures than the run's, exit 0; now the checkpoint's records are
+    read as an export's are, and a damaged one is refused by its checksums."""
+    from cnnkit.infer.load import load_for_inference
+
+    wrapped = tmp_path / "net.yaml"
+    wrapped.write_text(f"network: digitnet\nweights: {digits_run / 'best.pt'}\n")
+    run, net = load_for_inference(digits_run), load_for_inference(wrapped)
+    assert net.trained and net.classes == run.classes and net.preprocess == run.preprocess
+    paths, _ = digit_pngs
+    got = Classifier(net).predict(paths[:8], top=2)
+    expected = Classifier(run).predict(paths[:8], top=2)
+    assert [p.labels for p in got] == [p.labels for p in expected]
+    damaged = bytearray((digits_run / "best.pt").read_bytes())
+    start = damaged.index(b"archive/data/0") + 200  # inside the first tensor's record
+    damaged[start : start + 64] = bytes(b ^ 0xFF for b in damaged[start : start + 64])
+    (tmp_path / "flipped.pt").write_bytes(damaged)
+    for target, what in ((tmp_path / "flipped.pt", "checkpoint"), (wrapped, "weights file")):
+        if target == wrapped:
+            wrapped.write_text(f"network: digitnet\nweights: {tmp_path / 'flipped.pt'}\n")
+        code, out, err = run_cli(["classify", str(target), str(paths[0])], capsys)
+        assert code == 1 and not out and f"a damaged {what}: its record " in err, err
+        assert "fails its checksum" in err and len(err.splitlines()) == 1
+
+
+def test_an_export_of_fresh_weights_is_refused_through_a_network_file_too(
+    digits_run, digit_pngs, tmp_path, capsys
+):
+    """An export of untrained weights is refused by classify; named as a network file's
+    weights: it went through, scoring noise."""
+    code, _, _ = run_cli(["export", "digitnet", "--num-classes", "10", "-o",
+                          str(tmp_path / "fresh.safetensors")], capsys)  # fmt: skip
+    assert code == 0
+    (tmp_path / "net.yaml").write_text("network: digitnet\nweights: fresh.safetensors\n")
+    code, out, err = run_cli(["classify", str(tmp_path / "net.yaml"), str(digit_pngs[0][0])],
+                             capsys)  # fmt: skip
+    assert code == 2 and not out
+    assert "fresh.safetensors: the export of a network without trained weights" in err
+
+
+def test_a_checkpoint_or_export_named_otherwise_is_read_by_its_contents(
+    digits_run, digit_pngs, tmp_path
+):
+    """m.PT, model.ckpt or M.SAFETENSORS were taken for network files ('not a text file')."""
+    import shutil
+
+    from cnnkit.infer.load import load_for_inference, save_safetensors
+
+    run = load_for_inference(digits_run)
+    save_safetensors(run, tmp_path / "m.safetensors")
+    shutil.copy(digits_run / "best.pt", tmp_path / "m.PT")
+    shutil.copy(digits_run / "best.pt", tmp_path / "model.ckpt")
+    shutil.copy(tmp_path / "m.safetensors", tmp_path / "M.SAFETENSORS")
+    shutil.copy(tmp_path / "m.safetensors", tmp_path / "weights")
+    expected = Classifier(run).predict(digit_pngs[0][:4])
+    for name in ("m.PT", "model.ckpt", "M.SAFETENSORS", "weights"):
+        loaded = load_for_inference(tmp_path / name)
+        assert loaded.trained and loaded.classes == run.classes, name
+        got = Classifier(loaded).predict(digit_pngs[0][:4])
+        assert [p.labels for p in got] == [p.labels for p in expected], name
+
+
+def test_eval_data_naming_the_runs_own_bundled_set_scores_its_own_split(tmp_path, capsys,
+                                                                       monkeypatch):  # fmt: skip
+    """--data digits for a run trained on digits with another split scored the default split,
+    most of which the run trained on; it scores the run's own held-out split now."""
+    from helpers import cli_ok
+
+    run = tmp_path / "seeded"
+    cli_ok(["train", "digits", "--out", str(run), "train.epochs=1", "data.split_seed=1",
+            "data.val_fraction=0.1", "--quiet"])  # fmt: skip
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)  # (no ./digits here)
+    code, own, _ = run_cli(["eval", str(run), "--json"], capsys)
+    code2, named, err = run_cli(["eval", str(run), "--data", "digits", "--json"], capsys)
+    assert code == code2 == 0 and "--data digits: the run's own data set" in err
+    own, named = json.loads(own[own.index("{") :]), json.loads(named[named.index("{") :])
+    assert named["images"] == own["images"] == 180 and named["top1"] == own["top1"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
+from cnnkit.checkpoint.saved import is_checkpoint
 from cnnkit.errors import CheckpointError, ConfigError, plural
 
 
@@ -42,6 +44,34 @@ def checkpoint_path(target: str | Path, ema: bool = False) -> Path:
         )
     check_not_a_record(target)
     return target
+
+
+def file_kind(path: Path) -> Literal["export", "checkpoint"] | None:
+    """What a trained model's file is, by its name (any case), else by its first bytes (m.PT,
+    a checkpoint saved as model.ckpt): "export" (safetensors), "checkpoint" (a torch.save
+    file), None for anything else (a network file, a folder, no file)."""
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        return "export"
+    if suffix in (".pt", ".pth"):
+        return "checkpoint"
+    if suffix in NETWORK_SUFFIXES or not path.is_file():
+        return None
+    if is_safetensors(path):
+        return "export"
+    return "checkpoint" if is_checkpoint(path) else None
+
+
+def is_safetensors(path: Path) -> bool:
+    """Whether a file starts as safetensors does: its header's length (8 bytes, little-endian,
+    within the file), then the header's JSON object."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+        size = path.stat().st_size
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
 
 
 CHECKPOINTS = ("best.pt", "last.pt")

@@ -25,7 +25,7 @@ from pydantic import (
 
 from cnnkit.data.base import Preprocess, Section
 from cnnkit.errors import CheckpointError, validation_message
-from cnnkit.nn.weights import starts_as_torch_save, unreadable
+from cnnkit.nn.weights import check_checksums, starts_as_torch_save, unreadable
 
 FORMAT = "cnnkit-checkpoint/1"
 EXPORT_FORMAT = "cnnkit-safetensors/1"  # `cnnkit export --format safetensors`
@@ -157,6 +157,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not starts_as_torch_save(path):  # text read as a pickle would name a made-up "object"
         raise CheckpointError(unreadable(path, "checkpoint"))
+    check_checksums(path, "checkpoint")
     try:
         with warnings.catch_warnings():  # e.g. a foreign pickle's protocol: the error says it
             warnings.simplefilter("ignore")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from cnnkit.checkpoint.locate import checkpoint_path
+from cnnkit.checkpoint.locate import checkpoint_path, file_kind
 from cnnkit.checkpoint.saved import EXPORT_FORMAT, RunSettings, check_mean_image, load_checkpoint
 from cnnkit.data.base import Preprocess
 from cnnkit.errors import (
@@ -35,7 +35,7 @@ def load_trained(target: str | Path, device: Any = "cpu",
     directory, a checkpoint file or a .safetensors export (whose config is empty: it records
     no data section). `ema`: the moving average of the weights instead (train.ema), as named
     best_ema.pt means (the epoch its moving average scored best: those are its weights)."""
-    if Path(target).suffix == ".safetensors":
+    if file_kind(Path(target)) == "export":
         if ema:
             raise export_ema_error(target)
         model, meta = read_export(Path(target))

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,6 +18,7 @@ from cnnkit.checkpoint import (
     checkpoint_path,
     dated_run_hint,
     export_ema_error,
+    file_kind,
     load_checkpoint,
     load_trained,
     read_export,
@@ -51,6 +52,7 @@ class Loaded:
     mean_image: torch.Tensor | None = None  # (C, S, S) a normalize: mean_image run subtracted
     mean_averaged: bool = False  # such a run's older checkpoint: only the image's averages
     ran: dict[str, Any] | None = None  # a checkpoint's settings (precision, channels_last, device)
+    untrained: str | None = None  # why weights: named are no trained ones (require_trained)
 
 
 def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = False,
@@ -69,16 +71,17 @@ def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = Fals
             raise ConfigError(f"{target}: no such network or run file")
         raise CheckpointError(f"{target}: no such run directory, checkpoint, export or network"
                               f"{dated_run_hint(target)}")  # fmt: skip
-    if ema and path.suffix == ".safetensors":
+    kind = file_kind(path)  # (by its name, else its first bytes: m.PT, model.ckpt)
+    if ema and kind == "export":
         raise export_ema_error(target)
-    if ema and not (run_folder(path) or path.suffix in (".pt", ".pth")):
+    if ema and not (run_folder(path) or kind == "checkpoint"):
         raise ConfigError(f"--ema: {target} is not a run directory or checkpoint (only those keep "
                           "a moving average of the weights)")  # fmt: skip
-    if path.suffix == ".safetensors":
+    if kind == "export":
         loaded = load_safetensors(path, device)  # (a damaged file: said first)
         _no_class_count(target, num_classes)
         return loaded
-    if run_folder(path) or path.suffix in (".pt", ".pth"):
+    if run_folder(path) or kind == "checkpoint":
         model, meta = load_trained(path, device, ema)  # (a folder not a run: said there)
         _no_class_count(target, num_classes)
         preprocess = Preprocess.from_dict(meta["preprocess"])
@@ -125,25 +128,57 @@ def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None)
     model = model.to(target)
     out = tuple(model.output_shape)  # a vector of scores: one name per output
     outputs = model.num_classes or (out[0] if len(out) == 1 else 0)
-    given, named, image = exported_records(description.get("weights"), model, outputs)
-    given, named = description.get("preprocess", given), description.get("classes", named)
-    image = image if "preprocess" not in description else None
+    records = trained_records(description.get("weights"), model, outputs)
+    given = description.get("preprocess", records.preprocess)
+    named = description.get("classes", records.classes)
+    image = records.mean_image if "preprocess" not in description else None
     preprocess = network_preprocess(spec, tuple(model.input_shape), given)
     if num_classes is not None and isinstance(named, list) and len(named) != num_classes:
         raise ConfigError(f"--num-classes {num_classes}: {spec} names {len(named)} classes "
                           "(classes:)")  # fmt: skip
     classes = class_names(named, outputs, spec)
-    return Loaded(model.eval(), classes, preprocess, spec, "weights" in description,
-                  mean_image=image)  # fmt: skip
+    untrained = (
+        records.untrained and f"{spec}: weights: {description['weights']}: {records.untrained}"
+    )
+    return Loaded(model.eval(), classes, preprocess, spec, "weights" in description and not untrained,
+                  mean_image=image, untrained=untrained or None)  # fmt: skip
 
 
-def exported_records(weights: Any, model: Network, outputs: int) -> tuple[dict | None, list | None,
-                                                                          torch.Tensor | None]:  # fmt: skip
-    """The preprocess, classes and mean image of a `cnnkit export` named as a network file's
-    weights (where it read the input this network reads, and has as many classes), which the
-    file's own `preprocess:` and `classes:` replace; (None, None, None) for any other file."""
-    if not isinstance(weights, str) or not weights.endswith(".safetensors"):
-        return None, None, None
+class Records(NamedTuple):
+    """What a network file's weights record beside them: a run's preprocessing, classes and
+    mean image (None where they record none, or another input or class count), and why they
+    are not trained weights (an export of fresh ones: its metadata says so)."""
+
+    preprocess: dict | None = None
+    classes: list | None = None
+    mean_image: torch.Tensor | None = None
+    untrained: str | None = None
+
+
+def trained_records(weights: Any, model: Network, outputs: int) -> Records:
+    """The Records of a `cnnkit export` or a cnnkit checkpoint named as a network file's weights
+    (the preprocessing only where it read the input this network reads, the classes where as
+    many), which the file's own `preprocess:` and `classes:` replace; none for other files
+    (torchvision's and timm's state_dicts: the network file says how they read images)."""
+    if not isinstance(weights, str) or not Path(weights).is_file():
+        return Records()  # (build_model said what is wrong with it)
+    if file_kind(Path(weights)) == "export":
+        found = _export_records(weights)
+    elif file_kind(Path(weights)) == "checkpoint":
+        found = _checkpoint_records(weights)
+    else:
+        return Records()
+    if found is None:
+        return Records()
+    pre, classes, image, untrained = found
+    shape = tuple(model.input_shape)
+    fits = isinstance(pre, dict) and len(shape) == 3 and (
+        pre.get("channels"), pre.get("crop")) == (shape[0], shape[-1])  # fmt: skip
+    named = classes if isinstance(classes, list) and len(classes) == outputs else None
+    return Records(pre if fits else None, named, image if fits else None, untrained)
+
+
+def _export_records(weights: str) -> Records | None:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -152,16 +187,22 @@ def exported_records(weights: Any, model: Network, outputs: int) -> tuple[dict |
             keys = set(f.keys())
             image = f.get_tensor(MEAN_IMAGE_KEY).float() if MEAN_IMAGE_KEY in keys else None
         if meta.get("format") != EXPORT_FORMAT:
-            return None, None, None
+            return None
         pre, classes = json.loads(meta["preprocess"]), json.loads(meta["classes"])
     except (SafetensorError, OSError, ValueError, KeyError):
-        return None, None, None  # (build_model read its weights: nothing to add)
-    if not isinstance(pre, dict):
-        return None, None, None  # (not an export cnnkit wrote)
-    shape = tuple(model.input_shape)
-    fits = len(shape) == 3 and (pre.get("channels"), pre.get("crop")) == (shape[0], shape[-1])
-    named = classes if isinstance(classes, list) and len(classes) == outputs else None
-    return (pre, named, image) if fits else (None, named, None)
+        return None  # (build_model read its weights: nothing to add)
+    untrained = meta.get("trained") == "false"
+    return Records(pre, classes, image,
+                   "the export of a network without trained weights (its metadata says so)"
+                   if untrained else None)  # fmt: skip
+
+
+def _checkpoint_records(weights: str) -> Records | None:
+    try:
+        state = load_checkpoint(weights)
+    except CheckpointError:  # a state_dict (torchvision's, timm's): it records nothing more
+        return None
+    return Records(state["preprocess"], state["classes"], state.get("mean_image"))
 
 
 def check_sized_by(num_classes: int | None, network: Network, name: str) -> None:
@@ -197,7 +238,9 @@ def require_trained(loaded: Loaded, target: str | Path) -> None:
     detect): a run directory, checkpoint, export or network file with `weights:` is needed."""
     if loaded.trained:
         return
-    if Path(loaded.source).suffix == ".safetensors":
+    if loaded.untrained:
+        raise ConfigError(f"{loaded.untrained}: export a run directory or checkpoint instead")
+    if file_kind(Path(loaded.source)) == "export":
         raise ConfigError(f"{target}: the export of a network without trained weights (its "
                           "metadata says so): export a run directory or checkpoint instead")  # fmt: skip
     run = run_of_settings(target)
@@ -273,12 +316,12 @@ def network_of(target: str, num_classes: int | None = None, weights_note: bool =
         from cnnkit.caffe import import_caffe
 
         spec = import_caffe(path)
-    elif run_folder(path) or (path.suffix in (".pt", ".pth") and path.exists()):
+    elif run_folder(path) or file_kind(path) == "checkpoint":
         state = load_checkpoint(checkpoint_path(path))
         _no_class_count(target, None if num_classes == state["num_classes"] else num_classes)
         spec, num_classes = state["model_spec"], state["num_classes"]
         network_file = False  # its preprocessing is the run's data's, kept beside the network
-    elif path.suffix == ".safetensors" and path.is_file():
+    elif file_kind(path) == "export" and path.is_file():
         spec, saved = _export_spec(path)
         _no_class_count(target, None if num_classes == saved else num_classes)  # as export
         num_classes, network_file = saved, False  # (as a checkpoint)

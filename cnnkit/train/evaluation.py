@@ -78,6 +78,7 @@ def evaluate_checkpoint(
     with the kernels classification measures as fastest (settings.inference_settings)."""
     network, meta = loaded if loaded is not None else _trained(target, ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
+    data = None if _own_bundled_set(data, config) else data
     cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"), labels)
     if data is not None and uses_mean_image(config):
         note_normalisation(data, cfg, meta.get("mean_image"))
@@ -118,6 +119,19 @@ def evaluate_checkpoint(
     return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,
             "checkpoint": meta["path"], "epoch": meta.get("epoch"), "device": str(dev),
             "classes": len(meta["classes"])}  # fmt: skip
+
+
+def _own_bundled_set(data: str | None, config: dict[str, Any]) -> bool:
+    """Whether --data names the bundled set the run trained on (digits, faces): its default
+    split held out other images than the run's, most of which the run trained on, so the run's
+    own held-out split is scored instead, as `eval RUN` scores it (a note says so)."""
+    own = config.get("data", {}).get("source")
+    if data is None or data != own or data in ("folder", "packed") or Path(data).exists():
+        return False  # (a path ./digits is that folder: eval_data says so)
+    print(f"cnnkit: note: --data {data}: the run's own data set: its held-out split is scored, "
+          "as the run drew it (another split would count images it trained on)",
+          file=sys.stderr)  # fmt: skip
+    return True
 
 
 def _grey_for(cfg: DataConfig, pre: Preprocess) -> tuple[DataConfig, tuple[float, float] | None]:
