@@ -11,8 +11,10 @@ import sys
 from typing import Any
 
 
-def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """`cnnkit train --nproc N ...`: run torchrun for one machine; returns its exit status."""
+def start_local(nproc: int, argv: list[str], max_restarts: int = 0,
+                run_dir: str = "RUN_DIR") -> int:  # fmt: skip
+    """`cnnkit train --nproc N ...`: run torchrun for one machine; returns its exit status
+    (`run_dir`: where the run writes, named by the hint after a second Ctrl-C)."""
     cmd = [
         sys.executable, "-m", "cnnkit.agent", "--standalone",
         f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "cnnkit", *argv,
@@ -51,7 +53,7 @@ def start_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         print("cnnkit: interrupted", file=sys.stderr)
     elif code == 130 and len(interrupts) > 1:  # a second Ctrl-C ends the ranks before they speak
         print("cnnkit: interrupted again: the processes stopped at once (`cnnkit train --resume "
-              f"RUN_DIR --nproc {nproc}` continues from the last checkpoint saved)",
+              f"{run_dir} --nproc {nproc}` continues from the last checkpoint saved)",
               file=sys.stderr)  # fmt: skip
     elif code in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the ranks end without a word
         print("cnnkit: terminated (SIGTERM)", file=sys.stderr)

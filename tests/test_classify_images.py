@@ -257,7 +257,7 @@ def test_classify_whose_stdout_reader_goes_stops_quietly_not_as_a_failed_image(
     torch.save(build_model(spec).state_dict(), tmp_path / "w.pt")
     (tmp_path / "net.yaml").write_text(json.dumps({"model": {**spec, "weights": "w.pt"}}))
     Image.new("L", (8, 8)).save(tmp_path / "a.png")
-    monkeypatch.setattr(cnnkit.cli, "_stdout_to_devnull", lambda: None)  # pytest's own fd 1
+    monkeypatch.setattr(cnnkit.cli, "to_devnull", lambda stream: None)  # pytest's own fd 1
     monkeypatch.setattr("sys.stdout", _ClosedPipe())
     code, _, err = run_cli(
         ["classify", str(tmp_path / "net.yaml"), str(tmp_path / "a.png")], capsys
@@ -351,7 +351,7 @@ def test_train_help_whose_reader_goes_stops_quietly(argv, capsys, monkeypatch):
     (and a dry run) trains nothing, so it stops as any other command's output does."""
     import cnnkit.cli
 
-    monkeypatch.setattr(cnnkit.cli, "_stdout_to_devnull", lambda: None)  # pytest's own fd 1
+    monkeypatch.setattr(cnnkit.cli, "to_devnull", lambda stream: None)  # pytest's own fd 1
     monkeypatch.setattr("sys.stdout", _ClosedPipe())
     code, _, err = run_cli(argv, capsys)
     assert (code, err) == (141, "")

@@ -392,7 +392,17 @@ def test_eval_says_which_epochs_weights_it_scored(digits_run, capsys):
     assert code == 0
     assert out.startswith(f"{digits_run / 'best.pt'} (epoch {best}, the best held-out top-1): ")
     code, out, _ = run_cli(["eval", str(digits_run / "last.pt"), "--json"], capsys)
-    assert code == 0 and json.loads(out)["epoch"] == last
+    assert code == 0 and json.loads(out)["epoch"] == last and json.loads(out)["step"] == 0
+
+
+def test_eval_of_a_mid_epoch_checkpoint_says_how_far_into_its_epoch(digits_run, tmp_path, capsys):
+    """A last.pt saved 5 steps into epoch 2 was labelled '(epoch 1)', the epochs it had done."""
+    from cnnkit.checkpoint import load_checkpoint, save_checkpoint
+
+    state = load_checkpoint(digits_run / "last.pt")
+    save_checkpoint({**state, "epoch": 1, "step": 5}, tmp_path / "last.pt")
+    code, out, _ = run_cli(["eval", str(tmp_path / "last.pt")], capsys)
+    assert code == 0 and out.startswith(f"{tmp_path / 'last.pt'} (epoch 2, 5 steps of it done): ")
 
 
 def test_probabilities_and_the_constructor_refuse_what_they_do_not_take(digits_run):

@@ -197,7 +197,9 @@ def test_more_cpu_processes_than_cores_is_refused_unless_asked_for(tmp_path, cap
 
     started = []
     monkeypatch.setattr("cnnkit.runtime.available_cores", lambda: 2)
-    monkeypatch.setattr(cnnkit.agent, "start_local", lambda n, argv, r=0: started.append(n) or 0)
+    monkeypatch.setattr(
+        cnnkit.agent, "start_local", lambda n, argv, r=0, d="": started.append(n) or 0
+    )
     for dry in ([], ["--dry-run"]):
         args = ["train", "digits", "train.device=cpu", "--nproc", "64", *dry]
         code, _, err = run_cli([*args, "--out", str(tmp_path / "run")], capsys)

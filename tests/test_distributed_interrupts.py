@@ -136,10 +136,10 @@ def test_a_second_ctrl_c_under_nproc_is_said(monkeypatch, capsys):
 
     monkeypatch.setattr(cnnkit.agent.subprocess, "Popen", Agent)
     for presses, said in ((1, ""), (2, "cnnkit: interrupted again: the processes stopped at once")):
-        assert cnnkit.agent.start_local(2, ["train", "digits"]) == 130
+        assert cnnkit.agent.start_local(2, ["train", "digits"], 0, "runs/digits-1") == 130
         err = capsys.readouterr().err
         assert err.startswith(said) and (err == "") == (presses == 1), err
-        assert presses == 1 or "`cnnkit train --resume RUN_DIR --nproc 2` continues" in err
+        assert presses == 1 or "`cnnkit train --resume runs/digits-1 --nproc 2` continues" in err
 
 
 def test_a_rank_of_nproc_ends_with_its_agent(tmp_path):

@@ -235,6 +235,26 @@ def test_a_lock_being_written_is_never_taken_for_a_dead_runs(tmp_path):
     assert not list(tmp_path.glob(".lock*")), list(tmp_path.iterdir())
 
 
+def test_a_live_run_keeps_its_lock_from_a_job_of_the_same_id(tmp_path):
+    """A second torchrun given the run's --rdzv-id (a README example's fixed ax1) took over the
+    lock of a run still training on this host, and both wrote the directory; it is refused
+    now. A dead holder's lock, of the same job or not, is taken over, and another host's of
+    the same job too (an elastic restart there, a requeued job: its pid cannot be checked)."""
+    import socket
+
+    from cnnkit.train.rundir import LOCK, in_use, run_lock
+
+    with run_lock(tmp_path, job="ax1"):
+        assert "in use by another run" in in_use(tmp_path, job="ax1")
+        with pytest.raises(ConfigError, match="in use by another run"), run_lock(tmp_path, "ax1"):
+            pass
+    holder = {"pid": 2**22 + 7, "host": socket.gethostname(), "start": "1", "job": "ax1"}
+    (tmp_path / LOCK).write_text(json.dumps(holder))  # a dead process's
+    assert in_use(tmp_path, job="ax1") is None and in_use(tmp_path) is None
+    (tmp_path / LOCK).write_text(json.dumps({**holder, "host": "elsewhere", "pid": 1}))
+    assert in_use(tmp_path, job="ax1") is None and "in use" in in_use(tmp_path, job="ax2")
+
+
 def test_config_yaml_names_its_files_from_anywhere(tmp_path, monkeypatch, capsys):
     """A network file relative to the run file, and data folders relative to where training
     started, are written absolute: --resume and `cnnkit config` work from another directory."""

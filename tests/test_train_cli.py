@@ -431,3 +431,19 @@ def test_a_pack_class_whose_every_file_was_unreadable_is_refused(tmp_path, capsy
     assert code == 1 and err.startswith(f"cnnkit: error: data.path {tmp_path / 'p'}: class 'c' "
                                         "has no image to train on"), err  # fmt: skip
     assert not (tmp_path / "r").exists()
+
+
+def test_an_error_whose_stderr_reader_has_gone_keeps_its_exit_status(tmp_path):
+    """`cnnkit ... 2>&1 | head -1` after the reader has gone: printing the error line failed
+    and the status became 1 (a usage error's 2, a Ctrl-C's 130, lost)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "cnnkit", "info", str(tmp_path / "missing.yaml")]
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    run.stderr.close()  # gone before the command says anything (its imports take seconds)
+    assert run.wait(timeout=120) == 2

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import RESUME_RUN as RUN
+from helpers import run_cli
 
 from cnnkit.checkpoint import FORMAT, load_checkpoint, load_trained, save_checkpoint
 from cnnkit.config import validate_run
@@ -110,6 +111,17 @@ def test_a_resume_with_nothing_left_leaves_config_yaml_as_last_pt_has_it(finishe
     summary = fit(again, run, resume=resume_state(run), quiet=True)
     assert (run / "config.yaml").read_text() == before
     assert summary["wall_seconds"] == wall  # nothing trained: no time added
+
+
+def test_a_dry_run_of_a_finished_run_says_it_would_train_nothing(finished_run, capsys):
+    """The dry run said '... steps an epoch from epoch 2; would write RUN' where the resume
+    itself trains nothing (all epochs done); with more epochs it says where it would start."""
+    code, out, err = run_cli(["train", "--resume", str(finished_run), "--dry-run"], capsys)
+    assert code == 0 and "its 1 epoch done: would train nothing (train.epochs=N for more)" in out
+    assert "from epoch" not in out, out
+    code, out, _ = run_cli(["train", "--resume", str(finished_run), "--dry-run",
+                            "train.epochs=2"], capsys)  # fmt: skip
+    assert code == 0 and "an epoch from epoch 2; would write" in out, out
 
 
 def test_a_resumed_session_that_does_not_finish_leaves_no_stale_summary(finished_run, tmp_path):

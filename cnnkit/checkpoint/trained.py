@@ -58,7 +58,8 @@ def load_trained(target: str | Path, device: Any = "cpu",
     except (RuntimeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: weights do not fit its network: {one_line(e)}") from None
     meta = {k: state[k] for k in ("classes", "preprocess", "config")}
-    meta.update(path=str(path), epoch=state.get("epoch"), metrics=state.get("metrics", {}),
+    meta.update(path=str(path), epoch=state.get("epoch"), step=state.get("step", 0),
+                metrics=state.get("metrics", {}),
                 settings=state.get("settings"), mean_image=state.get("mean_image"),
                 holdout=state.get("holdout"))  # fmt: skip
     check_input_fits(meta["preprocess"], model, path)

@@ -12,7 +12,6 @@ import inspect
 import os
 import re
 import signal
-import stat
 import sys
 import time
 import traceback
@@ -27,6 +26,14 @@ except ImportError:  # pragma: no cover - older typer
     from click import exceptions as click_errors
 
 from cnnkit.cli import bench, data, infer, net, train
+from cnnkit.cli.streams import (
+    CommandOutput,
+    ReaderGone,
+    TrainingOutput,
+    say,
+    stdout_fails,
+    to_devnull,
+)
 from cnnkit.errors import CheckpointError, CnnkitError, ConfigError, DataError, Interrupted
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
@@ -148,81 +155,6 @@ def _traceback_exit(code: int) -> None:
     sys.exit(code)
 
 
-class _TrainingOutput:
-    """stdout of `cnnkit train`: when its reader goes (`| head`, a `| tee` whose terminal
-    closed), the run trains on, its log dropped (metrics.csv and TensorBoard keep it), said
-    once on stderr; a run does not die of its log."""
-
-    def __init__(self, stream) -> None:
-        self._stream, self._gone = stream, False
-
-    def write(self, text: str) -> int:
-        if not self._gone:
-            try:
-                return self._stream.write(text)
-            except BrokenPipeError:
-                self._reader_gone()
-        return len(text)
-
-    def flush(self) -> None:
-        if not self._gone:
-            try:
-                self._stream.flush()
-            except BrokenPipeError:
-                self._reader_gone()
-
-    def _reader_gone(self) -> None:
-        self._gone = True
-        _stdout_to_devnull()  # what is left in the buffer goes nowhere, quietly, at exit
-        try:
-            print("cnnkit: stdout's reader has gone: training goes on without printing its log "
-                  "(metrics.csv and TensorBoard keep it)", file=sys.stderr, flush=True)  # fmt: skip
-        except OSError:
-            pass
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-class _ReaderGone(Exception):
-    """stdout's reader has gone: not an OSError, so it passes typer, which makes EPIPE status 1
-    (classify's "an image failed"), on to _main, which stops quietly."""
-
-
-class _CommandOutput:
-    """stdout of every command but train: when its reader goes (`| head`), the command stops
-    quietly with SIGPIPE's status, as Unix tools do."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            raise _ReaderGone from None
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            raise _ReaderGone from None
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-def _stdout_to_devnull() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, sys.__stdout__.fileno())
-        finally:
-            os.close(devnull)  # fd 1 keeps its own copy
-    except (OSError, AttributeError, ValueError):
-        pass
-
-
 def _out_of_memory(e: BaseException) -> str | None:
     """What an allocation that failed asked for ("a tensor of 409.6 GB"), or None when `e` is
     not an allocation failure (CPU: torch's allocator or Python's MemoryError; CUDA)."""
@@ -260,10 +192,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     if not debug:  # a damaged file's header (TIFF tags past its end): the file is noted instead
         warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
-    if isinstance(sys.stdout, (_TrainingOutput, _CommandOutput)):  # main run again in-process
+    if isinstance(sys.stdout, (TrainingOutput, CommandOutput)):  # main run again in-process
         _main(argv, debug)
         return
-    output = _TrainingOutput if _trains(argv) else _CommandOutput
+    output = TrainingOutput if _trains(argv) else CommandOutput
     stdout, sys.stdout = sys.stdout, output(sys.stdout)
     try:
         _main(argv, debug)
@@ -321,25 +253,25 @@ def _main(argv: list[str], debug: bool) -> None:
         hint = _settings_hint(message) if see == " (see cnnkit train --help)" else ""
         if hint:  # not typer's closest option name: what the user meant
             message, see = re.sub(r" \(Possible options: [^)]*\)", "", message), hint
-        print(f"cnnkit: error: {message}{see}", file=sys.stderr)
+        say(f"cnnkit: error: {message}{see}")
         sys.exit(e.exit_code)
     except typer.Abort:  # typer's name for an EOFError inside a command (a peer lost, ...)
         if debug:
             _traceback_exit(1)
-        print("cnnkit: error: aborted (end of input: --debug shows where)", file=sys.stderr)
+        say("cnnkit: error: aborted (end of input: --debug shows where)")
         sys.exit(1)
     except CnnkitError as e:
         if debug:
             _traceback_exit(e.exit_code)
         kind = "" if isinstance(e, Interrupted) else "error: "
         if not _said_by_first_rank(e):
-            print(f"cnnkit: {kind}{e}", file=sys.stderr)
+            say(f"cnnkit: {kind}{e}")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training step
         if debug:
             _traceback_exit(130)
         if not _other_rank():
-            print("cnnkit: interrupted", file=sys.stderr)
+            say("cnnkit: interrupted")
         sys.exit(130)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         size = _out_of_memory(e)
@@ -347,21 +279,23 @@ def _main(argv: list[str], debug: bool) -> None:
             raise
         if debug:
             _traceback_exit(1)
-        print(f"cnnkit: error: out of memory: {size} did not fit (--debug shows where); "
-              f"{_needs_less(argv)} needs less", file=sys.stderr)  # fmt: skip
+        say(
+            f"cnnkit: error: out of memory: {size} did not fit (--debug shows where); "
+            f"{_needs_less(argv)} needs less"
+        )
         sys.exit(1)
-    except _ReaderGone:  # stdout's reader has gone (`| head`): stop quietly, as Unix tools
-        _stdout_to_devnull()
+    except ReaderGone:  # stdout's reader has gone (`| head`): stop quietly, as Unix tools
+        to_devnull(sys.__stdout__)
         sys.exit(128 + 13)  # (SIGPIPE's status)
     except OSError as e:  # a full disk, a read-only or missing folder: one line
         if e.errno not in DISK_ERRORS and e.errno not in PATH_ERRORS:
             raise
         if debug:
             _traceback_exit(1)
-        print(f"cnnkit: error: {_os_error_line(e)}", file=sys.stderr)
+        say(f"cnnkit: error: {_os_error_line(e)}")
         sys.exit(1)
     if code == 130 and not _other_rank():  # typer's own return for a Ctrl-C it caught
-        print("cnnkit: interrupted", file=sys.stderr)
+        say("cnnkit: interrupted")
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(code); commands return None
 
 
@@ -375,29 +309,12 @@ def _end_now(signum: int, frame: object) -> None:
     os._exit(128 + signal.SIGINT)
 
 
-def _stdout_fails() -> bool:
-    """Whether stdout has no room (a file on a full disk, /dev/full): then it, not a file of
-    the command's, is what print()'s nameless error was about. Looked at, never written to;
-    left to /dev/null after, so the exit does not fail on it again."""
-    try:
-        st = os.fstat(sys.__stdout__.fileno())
-        if stat.S_ISCHR(st.st_mode):
-            full = st.st_rdev == os.makedev(1, 7)  # /dev/full
-        else:
-            full = stat.S_ISREG(st.st_mode) and os.fstatvfs(sys.__stdout__.fileno()).f_bavail == 0
-    except (OSError, AttributeError, ValueError):
-        return False
-    if full:
-        _stdout_to_devnull()
-    return full
-
-
 def _os_error_line(e: OSError) -> str:
     """A full disk's or a path's OSError as one line: the file (long names shortened), why."""
     from cnnkit.runtime import os_reason
 
     name = str(e.filename) if e.filename else ""
-    if not name and _stdout_fails():  # print()'s error names no file: `> log` on a full disk
+    if not name and stdout_fails():  # print()'s error names no file: `> log` on a full disk
         name = "standard output"
     where = f"{name if len(name) <= 120 else name[:60] + '...' + name[-40:]}: " if name else ""
     kept = " (nothing half-written was kept)" if e.errno in DISK_ERRORS and e.filename else ""

@@ -180,9 +180,9 @@ def _start_processes(run, overrides, out, resume, quiet, nproc: int, max_restart
     _check_group(config, nproc, resume, oversubscribe)  # here, once, not by N processes each
     argv += ["--quiet"] if quiet else []
     if resume is not None:
-        return start_local(nproc, [*argv, "--resume", str(resume)], max_restarts)
+        return start_local(nproc, [*argv, "--resume", str(resume)], max_restarts, str(resume))
     with claimed_run_dir(config.name, out, reserve=out is None) as run_dir:
-        code = start_local(nproc, [*argv, "--out", str(run_dir)], max_restarts)
+        code = start_local(nproc, [*argv, "--out", str(run_dir)], max_restarts, str(run_dir))
         if code:  # a failed run leaves no empty directory of its own behind
             raise typer.Exit(code)
     return 0
@@ -357,6 +357,8 @@ def _which_epoch(result: dict) -> str:
         return ""
     why = {"best.pt": ", the best held-out top-1",
            "best_ema.pt": ", the moving average's best held-out top-1"}  # fmt: skip
+    if result.get("step"):  # saved mid-epoch (Ctrl-C, checkpoint_every): the next one's steps
+        return f" (epoch {result['epoch'] + 1}, {result['step']} steps of it done)"
     return f" (epoch {result['epoch']}{why.get(Path(result['checkpoint']).name, '')})"
 
 

@@ -117,7 +117,8 @@ def evaluate_checkpoint(
     if not batches.images:  # never a 0% figure for an empty set
         raise DataError(nothing_held_out(data, cfg))
     return {**result, "images": batches.images, "skipped": bundle.val.num_samples - batches.images,
-            "checkpoint": meta["path"], "epoch": meta.get("epoch"), "device": str(dev),
+            "checkpoint": meta["path"], "epoch": meta.get("epoch"), "step": meta.get("step"),
+            "device": str(dev),
             "classes": len(meta["classes"])}  # fmt: skip
 
 

@@ -267,12 +267,16 @@ def _dry_run(console: Console, config: RunConfig, engine: Engine, data: DataBund
     """Everything built: say what would run, write nothing."""
     params = sum(p.numel() for p in engine.network.parameters())
     many = f", {processes} processes" if processes > 1 else ""
+    n = config.train.epochs
+    plan = (f"{plural(len(data.train), 'step')} an epoch from epoch {progress.epoch + 1}; would "
+            f"write {run_dir}" if progress.epoch < n else  # fmt: skip
+            f"{'all ' + str(n) + ' epochs' if n != 1 else 'its 1 epoch'} done: would train "
+            f"nothing (train.epochs=N for more) in {run_dir}")  # fmt: skip
     console.print(
         f"dry run of {config.name}: {engine.network.name} ({params:,} parameters) on "
         f"{engine.device}{many} ({engine.settings.describe(config.train.threads)}), "
         f"{_train_images(data)} / {plural(data.val.num_samples, 'held-out image')}{_crops(config)}"
-        f"{_recipe(config)}, {plural(len(data.train), 'step')} an epoch from epoch "
-        f"{progress.epoch + 1}; would write {run_dir} (nothing written there)"
+        f"{_recipe(config)}, {plan} (nothing written there)"
     )
     _train_notes(config, main)
     mining = getattr(config.data, "hard_negatives", None)

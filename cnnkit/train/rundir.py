@@ -288,14 +288,14 @@ def _holder(path: Path) -> dict[str, Any] | None:
 
 
 def _stale(holder: dict[str, Any] | None, job: str | None) -> bool:
-    """A lock whose writer is gone: died on this host, or an earlier attempt of this torchrun
-    job (an elastic restart)."""
+    """A lock whose writer is gone: died on this host (its pid gone, or another process's now),
+    or, on another host, an earlier attempt of this torchrun job (an elastic restart, a
+    requeued job). A live process on this host holds its lock whatever its job id: a second
+    torchrun given the same --rdzv-id took over a run still training, and both wrote it."""
     if holder is None:  # unreadable: written by a process killed mid-write
         return True
-    if job is not None and holder.get("job") == job:
-        return True
-    if holder.get("host") != socket.gethostname():
-        return False  # another machine's process: cannot tell, so it is not stale
+    if holder.get("host") != socket.gethostname():  # another machine's: its pid cannot be
+        return job is not None and holder.get("job") == job  # checked, its job id can
     start = _process_start(int(holder.get("pid", -1)))
     return start is None or (start != "?" and start != holder.get("start"))
 
