@@ -553,3 +553,21 @@ def test_python_keywords_are_refused_as_layer_names_naming_layer_and_file(tmp_pa
     assert str(e.value).startswith(
         f"{path}: line {line}: layer 1 ({name}): name: {word!r} is a Python keyword"
     )
+
+
+def test_an_empty_name_and_a_network_both_named_and_described_say_what_they_are(tmp_path):
+    """`name:` left empty read 'not a name: None'; a model: with both network: and layers:
+    read 'network: unknown field' (info) or 'model.layers: unknown field' (train)."""
+    from cnnkit.config import validate_run
+
+    with pytest.raises(ConfigError, match=r"layer 0: name: empty \(null\); give a name, or "
+                                          r"leave name: out"):  # fmt: skip
+        build_model(net({"name": None, "type": "relu"}))
+    both = tmp_path / "both.yaml"
+    both.write_text("model:\n  network: digitnet\n  layers:\n    - {type: relu}\n")
+    with pytest.raises(ConfigError, match=r"both.yaml: model: both network: .* and layers: "
+                                          r".*give one of the two"):  # fmt: skip
+        build_model(str(both))
+    with pytest.raises(ConfigError, match=r"model: both network: .* and layers: .*give one"):
+        validate_run({"model": {"network": "digitnet", "layers": [{"type": "relu"}]},
+                      "data": {"source": "digits"}})  # fmt: skip

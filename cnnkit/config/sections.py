@@ -254,6 +254,9 @@ class ModelConfig(Section):
     def _shorthand(cls, value: Any) -> Any:
         if isinstance(value, str) or (isinstance(value, dict) and "network" not in value):
             return {"network": value}
+        if isinstance(value, dict) and "layers" in value:  # (said for what it is, not unknown)
+            raise ValueError("both network: (a network named) and layers: (a network described "
+                             "here); give one of the two")  # fmt: skip
         if isinstance(value, dict) and "classes" in value:  # (a network file's own are kept)
             raise ValueError("classes names a network's outputs for classify, eval and "
                              "export; training takes the data's classes (leave it out of a "

@@ -258,6 +258,9 @@ class Expander:
     def _short(self, raw: dict[str, Any], default: str, scope: _Scope) -> str:
         if "name" in raw:
             name = raw["name"]
+            if name is None:  # `name:` left empty, or null: YAML's nothing
+                raise ConfigError(f"layer {scope.index}: name: empty (null); give a name, or "
+                                  "leave name: out to have the layer named by its type and place")  # fmt: skip
             if not is_name(name):
                 raise ConfigError(f"layer {scope.index}: name: not a name: {brief(name)}")
             return str(name)

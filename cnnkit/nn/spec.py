@@ -235,6 +235,10 @@ def read_spec(spec: str | Path | dict[str, Any], _hops: int = 0) -> dict[str, An
     if "model" in data:
         _check_run_keys(data, source)
     model = data.get("model", data)
+    if isinstance(model, dict) and "network" in model and "layers" in model:
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}model: both network: (a network named, as a run file names "
+                          "one) and layers: (a network described here); give one of the two")  # fmt: skip
     if isinstance(model, dict) and "network" in model and "layers" not in model:
         return _run_model(model, source, _hops)  # a run file's {network:, weights:}
     if isinstance(model, str):  # a run file naming a zoo network or another file
