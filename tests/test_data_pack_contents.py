@@ -57,6 +57,20 @@ def test_a_packs_shards_are_mapped_once_and_hold_no_open_files(shapes, tmp_path)
         torch.testing.assert_close(every._image(i), x[i], rtol=0, atol=0)
 
 
+def test_a_pack_in_a_folder_whose_name_is_not_utf8_is_read(shapes, tmp_path):
+    """torch maps files by UTF-8 names only: a pack under a name of other bytes (Linux takes
+    any) is mapped through its descriptor, as np.memmap read it."""
+    dst = tmp_path / os.fsdecode(b"p\xff")
+    try:
+        dst.mkdir()
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes UTF-8 names only")
+    pack_folder(shapes, dst / "pack", size=16, workers=1, shard_size=8, progress=False)
+    packed, shards = PackedImages(dst / "pack"), sorted((dst / "pack/shards").glob("*.u8"))
+    raw = np.fromfile(shards[0], np.uint8)[: 3 * 16 * 16].reshape(3, 16, 16)
+    torch.testing.assert_close(packed._image(0), torch.from_numpy(raw), rtol=0, atol=0)
+
+
 def test_jpeg_pack_is_smaller_and_close(shapes, tmp_path):
     pack_folder(shapes, tmp_path / "raw", size=48, progress=False, workers=1)
     pack_folder(shapes, tmp_path / "jpg", size=48, format="jpeg", quality=90, progress=False)

@@ -71,6 +71,44 @@ def test_a_second_pack_into_a_dst_being_packed_is_refused(shapes, tmp_path, monk
     assert s.resumed_shards == 1 and s.images == 15 and not writing.exists()
 
 
+def test_a_pack_into_a_new_dst_another_pack_took_during_its_scan(shapes, tmp_path, monkeypatch):
+    """Two packs into one new DST both scan; the first to hold DST writes its plan. The other
+    overwrote that plan (another --size: the finished pack's meta said 16 and its plan 32) and
+    its Ctrl-C during the scan removed the first's .tmp files; now it leaves both alone: busy
+    while the first runs, and after it, a plan to resume or refuse as any pack's."""
+    import cnnkit.data.pack as pack
+    from cnnkit.data.pack_dst import DstLock
+
+    pack_folder(shapes, tmp_path / "a", size=16, workers=1, shard_size=4, progress=False)
+    theirs = (tmp_path / "a/plan.json").read_text()
+    dst, real, first = tmp_path / "p", pack.scan_images, DstLock(tmp_path / "p")
+
+    def scan_while_another_packs(*args, interrupt=False, **kwargs):
+        (dst / "shards").mkdir(parents=True, exist_ok=True)  # the first pack, meanwhile
+        (dst / "plan.json").write_text(theirs)
+        (dst / "shards/00000.u8.tmp").write_bytes(b"theirs")
+        first.take()
+        if interrupt:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pack, "scan_images", scan_while_another_packs)
+    with pytest.raises(DataError, match="another cnnkit pack is writing it"):
+        pack_folder(shapes, dst, size=32, workers=1, progress=False)
+    assert (dst / "plan.json").read_text() == theirs and (dst / "shards/00000.u8.tmp").exists()
+    first.release()
+    shutil.rmtree(dst)
+    monkeypatch.setattr(pack, "scan_images", lambda *a, **k: scan_while_another_packs(
+        *a, interrupt=True, **k))  # fmt: skip
+    with pytest.raises(Interrupted, match="before its first shard: nothing was packed"):
+        pack_folder(shapes, dst, size=32, workers=1, progress=False)
+    assert (dst / "plan.json").read_text() == theirs and (dst / "shards/00000.u8.tmp").exists()
+    first.release()
+    monkeypatch.setattr(pack, "scan_images", real)
+    with pytest.raises(DataError, match=r"holds a different pack \(--size 32 here, 16 there\)"):
+        pack_folder(shapes, dst, size=32, workers=1, progress=False)
+
+
 def test_a_pack_resumes_where_its_shards_folder_was_removed(shapes, tmp_path, monkeypatch):
     import cnnkit.data.pack as pack
 

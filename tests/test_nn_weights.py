@@ -41,6 +41,30 @@ def test_torchvisions_weights_in_any_file_form_give_its_logits(tmp_path, squeeze
         torch.testing.assert_close(model(x), squeezenet(x), rtol=0, atol=1e-5)
 
 
+def test_weights_named_otherwise_or_saved_without_checksums_load(tmp_path, squeezenet):
+    """A safetensors file named M.SAFETENSORS or model.bin was read as a torch.save file and
+    refused; a torch.save file written with compute_crc32=False (its records' CRC 0) was
+    refused as damaged by the checksum check, where torch.load reads it."""
+    state = squeezenet.state_dict()
+    for name in ("M.SAFETENSORS", "model.bin"):
+        save_file(state, str(tmp_path / name))
+    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    crc = getattr(getattr(config, "save", None), "compute_crc32", None)
+    names = ["M.SAFETENSORS", "model.bin"]
+    if crc is not None:  # (a torch that can save without checksums)
+        config.save.compute_crc32 = False
+        try:
+            torch.save(state, tmp_path / "nocrc.pt")
+        finally:
+            config.save.compute_crc32 = crc
+        names.append("nocrc.pt")
+    x = torch.randn(2, 3, 64, 64)
+    for name in names:
+        model = build_model("squeezenet1_1", weights=tmp_path / name).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), squeezenet(x), rtol=0, atol=1e-5)
+
+
 def test_a_state_dict_itself_is_weights_and_anything_else_one_line(squeezenet):
     """build_model(weights=other.state_dict()) raised pathlib's TypeError, as did torchvision's
     weights enum (which downloads: cnnkit does not)."""

@@ -151,13 +151,23 @@ BUSY = 0.5  # cores' worth of other programs' work from which a benchmark says s
 
 
 def busy_cores(seconds: float = 0.3) -> float | None:
-    """Cores' worth of CPU time the machine's other programs use, sampled from /proc/stat over
-    `seconds` while this process sleeps; None where there is no /proc/stat."""
+    """Cores' worth of CPU time other programs use on the cores this process may run on (its
+    affinity), sampled from /proc/stat over `seconds` while this process sleeps; None where
+    there is no /proc/stat."""
+    try:
+        mine = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+    except (AttributeError, OSError):
+        mine = None
 
     def busy() -> tuple[int, float]:
+        total = 0
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait..
-        return sum(ticks) - ticks[3] - ticks[4], time.monotonic()
+            for line in f:
+                name, *values = line.split()
+                if name.startswith("cpu") and name != "cpu" and (mine is None or name in mine):
+                    ticks = [int(v) for v in values[:8]]  # user nice system idle iowait ...
+                    total += sum(ticks) - ticks[3] - ticks[4]
+        return total, time.monotonic()
 
     try:
         (before, start), _ = busy(), time.sleep(seconds)

@@ -9,6 +9,7 @@ from typing import Literal
 
 from cnnkit.checkpoint.saved import is_checkpoint
 from cnnkit.errors import CheckpointError, ConfigError, plural
+from cnnkit.nn.weights import is_safetensors
 
 
 def dated_run_hint(target: str | Path) -> str:
@@ -60,18 +61,6 @@ def file_kind(path: Path) -> Literal["export", "checkpoint"] | None:
     if is_safetensors(path):
         return "export"
     return "checkpoint" if is_checkpoint(path) else None
-
-
-def is_safetensors(path: Path) -> bool:
-    """Whether a file starts as safetensors does: its header's length (8 bytes, little-endian,
-    within the file), then the header's JSON object."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-        size = path.stat().st_size
-    except OSError:
-        return False
-    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
 
 
 CHECKPOINTS = ("best.pt", "last.pt")

@@ -250,6 +250,7 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
     `cnnkit train` runs NET: where NET is a run (a zoo run, a run file, a run directory or a
     checkpoint in one: its config.yaml), its data.batch_size and what its `train:` and
     `deterministic` set (options given here win); for a network, the options."""
+    from cnnkit.checkpoint import file_kind
     from cnnkit.config import load_run
     from cnnkit.errors import ConfigError
     from cnnkit.zoo import NETS
@@ -260,7 +261,8 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
     if net in NETS:
         return chosen
     path = Path(net)  # a run directory, or a checkpoint in one: the run's own config.yaml
-    folder = path if path.is_dir() else path.parent if path.suffix in (".pt", ".pth") else None
+    checkpoint = file_kind(path) == "checkpoint"  # (by its contents where its name does not say)
+    folder = path if path.is_dir() else path.parent if checkpoint else None
     if folder is not None and (folder / "config.yaml").is_file():
         net = str(folder / "config.yaml")
     if not _a_run_file(net):  # a network file: build_model says what is wrong with it
@@ -303,12 +305,13 @@ def _network_of(net: str, num_classes: int | None) -> tuple[str | dict, int | No
     directory, checkpoint, .safetensors export or Caffe prototxt to its network's description;
     a zoo name or a network / run file as given, a run file's head sized by its data's
     classes."""
+    from cnnkit.checkpoint import file_kind
     from cnnkit.cli.net import network_for
     from cnnkit.infer.load import run_folder
 
     network = network_for(net, num_classes)
     path = Path(net)
-    trained = path.suffix in (".pt", ".pth", ".safetensors") and path.is_file()
+    trained = file_kind(path) is not None  # a checkpoint or an export, by name or contents
     if run_folder(path) or trained or path.suffix == ".prototxt":
         return network.spec, network.num_classes
     return net, num_classes if num_classes is not None else network.num_classes

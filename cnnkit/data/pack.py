@@ -89,13 +89,16 @@ def _shown(key: str, value: Any) -> str:
 
 
 def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
-          shard_size: int | None) -> dict:  # fmt: skip
-    """The pack's fixed plan (file list, labels, params); reused when resuming into DST.
+          shard_size: int | None, lock: DstLock) -> dict:  # fmt: skip
+    """The pack's fixed plan (file list, labels, params); reused when resuming into DST, DST
+    held first (`lock`: one pack at a time).
 
-    The folder is scanned before anything is written: a refused folder leaves no DST.
+    The folder is scanned before anything is written: a refused folder leaves no DST. A new
+    DST is held once scanned, and a plan another pack wrote meanwhile is read as a resume's.
     """
     plan_path = dst / "plan.json"
     if plan_path.exists():
+        lock.take()
         try:
             plan = json.loads(plan_path.read_text())
         except (ValueError, UnicodeDecodeError):  # not JSON: a user's own file, never deleted
@@ -123,6 +126,9 @@ def _plan(src: Path, dst: Path, params: dict, labels_file: Path | None,
             "classes": scan.classes, "shard_size": shard_size,
             "skipped": [f"{printable(p)}\tskipped\t{r}" for p, r in scan.skipped]}  # fmt: skip
     (dst / "shards").mkdir(parents=True, exist_ok=True)
+    lock.take()
+    if plan_path.exists():  # written by another pack during the scan (which has ended)
+        return _plan(src, dst, params, labels_file, shard_size, lock)
     write_text(plan_path, json.dumps(plan))
     return plan
 
@@ -315,9 +321,8 @@ def _check_options(src: Path, size: int, resize: str, format: str, quality: int,
 
 def _pack(src: Path, dst: Path, params: dict, labels_file: Path | None, shard_size: int | None,
           workers: int | None, progress: bool, lock: DstLock) -> PackSummary:  # fmt: skip
-    """Plan (or reload the plan), hold DST, pack the shards not done yet, finalize."""
-    plan = _plan(src, dst, params, labels_file, shard_size)
-    lock.take()
+    """Plan (or reload the plan), holding DST; pack the shards not done yet, finalize."""
+    plan = _plan(src, dst, params, labels_file, shard_size, lock)
     jobs = _jobs(plan, src, dst)
     (dst / "shards").mkdir(parents=True, exist_ok=True)  # (also where a resumed pack lost it)
     todo = shards_to_pack(dst, jobs)
@@ -364,32 +369,36 @@ def pack_folder(
     check_no_clash(dst)
     created = not dst.exists()
     labels, lock = Path(labels_file) if labels_file else None, DstLock(dst)
+
+    def tidy_held(discard: bool) -> None:  # a pack that never held DST leaves it alone
+        if lock.held:  # (another pack's .tmp files, or its plan, may be there)
+            tidy(dst, created, discard)
+
     try:
         return _pack(src, dst, params, labels, shard_size, workers, progress, lock)
-    except Busy:  # (its .tmp files are the other pack's)
+    except Busy:
         raise
     except NothingPacked as e:
-        tidy(dst, created, discard=True)
+        tidy_held(discard=True)
         raise DataError(f"{printable(str(src))}: {e}") from None
     except OSError as e:
-        tidy(dst, created, discard=not (dst / "plan.json").exists())
+        tidy_held(discard=not (dst / "plan.json").exists())
         raise write_error(e, dst) from None
     except WorkerDied as e:
-        tidy(dst, created, discard=False)
+        tidy_held(discard=False)
         raise DataError(f"pack: a worker process died ({e}): out of memory, or a crash decoding "
                         f"an image; {shards_done(dst)} shards done in {printable(str(dst))}, the "
                         "same command resumes from them") from None  # fmt: skip
     except KeyboardInterrupt:
-        tidy(dst, created, discard=False)
-        done = shards_done(dst)
-        if not (dst / "plan.json").exists():
+        tidy_held(discard=False)
+        if not lock.held or not (dst / "plan.json").exists():
             raise Interrupted(
                 "pack interrupted before its first shard: nothing was packed"
             ) from None
-        raise Interrupted(f"pack interrupted: {done} shards done in {printable(str(dst))}; the "
-                          "same command resumes from them") from None  # fmt: skip
+        raise Interrupted(f"pack interrupted: {shards_done(dst)} shards done in "
+                          f"{printable(str(dst))}; the same command resumes from them") from None  # fmt: skip
     except BaseException:
-        tidy(dst, created, discard=False)
+        tidy_held(discard=False)
         raise
     finally:
         lock.release()  # (after the tidying: no other pack starts meanwhile)

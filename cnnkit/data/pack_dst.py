@@ -50,17 +50,22 @@ class Busy(DataError):
 
 
 class DstLock:
-    """DST held by one pack at a time: an advisory lock (flock) on the folder, taken once the
-    plan is in DST (a refused folder still leaves no DST) and released when the pack ends, or
-    its process does, however it ends. Without it, two packs into one DST wrote the same
-    shards, removed each other's .tmp files, and both failed on a file gone missing."""
+    """DST held by one pack at a time: an advisory lock (flock) on the folder, taken before the
+    pack writes there (after a new DST's scan: a refused folder still leaves no DST) and
+    released when the pack ends, or its process does, however it ends. Without it, two packs
+    into one DST wrote the same shards, removed each other's .tmp files, and both failed on a
+    file gone missing. Only a pack that `held` DST tidies it after a failure."""
 
     def __init__(self, dst: Path) -> None:
-        self.dst, self.fd = dst, None
+        self.dst, self.fd, self.held = dst, None, False
 
     def take(self) -> None:
-        """Busy where another process holds DST; nothing where the file system takes no locks."""
-        if fcntl is None or self.fd is not None:
+        """Busy where another process holds DST; held without a lock where the file system
+        takes none (as before locks)."""
+        if self.held:
+            return
+        if fcntl is None:
+            self.held = True
             return
         fd = os.open(self.dst, os.O_RDONLY)
         try:
@@ -72,13 +77,14 @@ class DstLock:
                        "pack done)") from None  # fmt: skip
         except OSError:  # (no locks on this file system: as before them)
             os.close(fd)
-            return
-        self.fd = fd
+        else:
+            self.fd = fd
+        self.held = True
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # (the lock goes with the last descriptor: forked workers' too)
-            self.fd = None
+        self.fd, self.held = None, False
 
 
 def check_outside(dst: Path, src: Path, scan: Scan) -> None:

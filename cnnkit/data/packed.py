@@ -6,6 +6,7 @@ JPEG shards are decoded by the workers.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -337,4 +338,16 @@ def _mapped(path: Path) -> np.ndarray:
     size = path.stat().st_size
     if size == 0:
         return np.zeros(0, np.uint8)
-    return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8).numpy()
+    name = str(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a name of other bytes, which torch cannot pass: by descriptor
+        if not os.path.isdir("/proc/self/fd"):
+            return np.memmap(path, np.uint8, "c")  # (one open file each, as before)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=size,
+                                   dtype=torch.uint8).numpy()  # fmt: skip
+        finally:
+            os.close(fd)  # (the mapping stays)
+    return torch.from_file(name, shared=False, size=size, dtype=torch.uint8).numpy()
