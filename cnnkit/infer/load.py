@@ -137,11 +137,12 @@ def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None)
         raise ConfigError(f"--num-classes {num_classes}: {spec} names {len(named)} classes "
                           "(classes:)")  # fmt: skip
     classes = class_names(named, outputs, spec)
-    untrained = (
-        records.untrained and f"{spec}: weights: {description['weights']}: {records.untrained}"
-    )
-    return Loaded(model.eval(), classes, preprocess, spec, "weights" in description and not untrained,
-                  mean_image=image, untrained=untrained or None)  # fmt: skip
+    untrained = None  # (an export of fresh weights named as weights: refused as it is alone)
+    if records.untrained:
+        untrained = f"{spec}: weights: {description['weights']}: {records.untrained}"
+    trained = "weights" in description and untrained is None
+    return Loaded(model.eval(), classes, preprocess, spec, trained, mean_image=image,
+                  untrained=untrained)  # fmt: skip
 
 
 class Records(NamedTuple):
@@ -162,12 +163,9 @@ def trained_records(weights: Any, model: Network, outputs: int) -> Records:
     (torchvision's and timm's state_dicts: the network file says how they read images)."""
     if not isinstance(weights, str) or not Path(weights).is_file():
         return Records()  # (build_model said what is wrong with it)
-    if file_kind(Path(weights)) == "export":
-        found = _export_records(weights)
-    elif file_kind(Path(weights)) == "checkpoint":
-        found = _checkpoint_records(weights)
-    else:
-        return Records()
+    kind = file_kind(Path(weights))
+    read = {"export": _export_records, "checkpoint": _checkpoint_records}.get(kind)
+    found = read(weights) if read is not None else None
     if found is None:
         return Records()
     pre, classes, image, untrained = found
