@@ -23,6 +23,7 @@ from cnnkit.errors import CnnkitError, ConfigError, one_line
 from cnnkit.infer.images import crops_of, to_channels, to_hwc
 from cnnkit.infer.load import Loaded, load_safetensors, metadata, save_safetensors
 from cnnkit.infer.pools import onnx_countable_pools
+from cnnkit.nn.weights import is_safetensors
 from cnnkit.nn.yamlio import archive_format
 from cnnkit.runtime import write_atomic
 
@@ -100,16 +101,15 @@ def check_replaceable(path: Path, fmt: str) -> None:
 
 def held_format(path: Path) -> str | None:
     """The export format a file holds, told by its first bytes; None for anything else."""
+    if is_safetensors(path):
+        return "safetensors"
     try:
         with open(path, "rb") as f:
-            head = f.read(9)
-        size = path.stat().st_size
+            head = f.read(4)
     except OSError:
         return None
-    if head[:4] == b"PK\x03\x04":
+    if head == b"PK\x03\x04":
         return archive_format(path)
-    if head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
-        return "safetensors"  # a little-endian header length, then the JSON header
     if head[:1] == b"\x08" and head[1:2] and head[1] < 0x80:
         return "onnx"  # a ModelProto starts with its ir_version (field 1, a small varint)
     return None

@@ -114,7 +114,7 @@ def is_safetensors(path: Path) -> bool:
         size = path.stat().st_size
     except OSError:
         return False
-    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8
 
 
 def check_checksums(path: Path, what: str) -> None:
