@@ -10,6 +10,7 @@ Attributes are imported on first use, so `import cnnkit` (and `cnnkit --help`) s
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +62,17 @@ def fit(
     figures); either may raise `cnnkit.StopTraining` to end the run there, files written.
     `on_step(epoch, step, global_step)`: a function called as on_step_end is (epoch and step
     from 1, as logged). The run seeds torch, numpy and python from its `seed`; the caller's
-    generators are as they were when it returns.
+    generators are as they were when it returns. Calls from threads of one process train one
+    after the other: the generators and torch's settings a run sets are the process's.
     """
     from cnnkit.runtime import random_state_kept
     from cnnkit.train.run import launch
 
     _check_resume(run, out, resume)
+    _check_run(run, overrides)
     overrides, callbacks = _checked_arguments(overrides, callbacks, on_step)
     hooks = {"quiet": quiet, "on_step": on_step, "callbacks": callbacks}
-    with random_state_kept():
+    with _ONE_RUN_AT_A_TIME, random_state_kept():
         mined = _fit_mining(run, overrides, out, resume, dry_run, hooks)
         if mined is not None:
             return mined
@@ -77,6 +80,20 @@ def fit(
 
 
 _HOOK_METHODS = ("on_step_end", "on_epoch_end")
+_ONE_RUN_AT_A_TIME = threading.RLock()  # (two runs in threads drew from each other's seeds)
+
+
+def _check_run(run: Any, overrides: Any) -> None:
+    """A run that is no name, path or mapping is one line (fit(5) raised pathlib's TypeError;
+    fit(["train.epochs=1"]), its run left out, too)."""
+    from cnnkit.errors import ConfigError, brief
+
+    if run is None or isinstance(run, (str, Path, dict)):
+        return
+    hint = ""
+    if isinstance(run, (list, tuple)) and all(isinstance(o, str) and "=" in o for o in run):
+        hint = " (overrides go second: fit(RUN, [...]))"
+    raise ConfigError(f"run: a zoo run, a run file or a mapping, got {brief(run)}{hint}")
 
 
 def _check_resume(run: Any, out: Any, resume: Any) -> None:
@@ -98,6 +115,9 @@ def _checked_arguments(overrides: Any, callbacks: Any, on_step: Any) -> tuple[li
     callback alone is a list of one."""
     from cnnkit.errors import ConfigError, brief
 
+    if isinstance(callbacks, type) or any(isinstance(cb, type) for cb in _listed(callbacks)):
+        raise ConfigError(f"callbacks: objects, not classes: give {_class_of(callbacks)}() (its "
+                          "methods are called on an object)")  # fmt: skip
     if isinstance(overrides, str):
         raise ConfigError(f"overrides: a list of key=value strings ([{overrides!r}]), got the "
                           f"string {brief(overrides)}")  # fmt: skip
@@ -115,6 +135,17 @@ def _checked_arguments(overrides: Any, callbacks: Any, on_step: Any) -> tuple[li
             f"on_step: a function of (epoch, step, global_step), got {brief(on_step)}"
         )
     return list(overrides or []), list(callbacks)
+
+
+def _listed(callbacks: Any) -> list:
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else []
+
+
+def _class_of(callbacks: Any) -> str:
+    """The name of the first class given as a callback."""
+    found = callbacks if isinstance(callbacks, type) else next(
+        cb for cb in _listed(callbacks) if isinstance(cb, type))  # fmt: skip
+    return found.__name__
 
 
 def _fit_mining(run, overrides, out, resume, dry_run: bool, hooks: dict) -> dict | None:

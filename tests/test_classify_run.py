@@ -505,3 +505,29 @@ def test_eval_data_naming_the_runs_own_bundled_set_scores_its_own_split(tmp_path
     assert code == code2 == 0 and "--data digits: the run's own data set" in err
     own, named = json.loads(own[own.index("{") :]), json.loads(named[named.index("{") :])
     assert named["images"] == own["images"] == 180 and named["top1"] == own["top1"]
+
+
+def test_loading_leaves_the_callers_generator_and_a_stack_of_grey_images_is_refused(
+    digits_run, tmp_path
+):
+    """Classifier.load of a run advanced the caller's torch generator (a network built with
+    fresh weights, then replaced) where a network file's did not; predict(X[:3]) on a grey
+    network read three digits as one (C, H, W) colour image, one answer; build_model's
+    device='gpu' was torch's own RuntimeError."""
+    from cnnkit import ConfigError, build_model
+    from cnnkit.infer.load import load_for_inference, save_safetensors
+
+    save_safetensors(load_for_inference(digits_run), tmp_path / "m.safetensors")
+    for target in (digits_run, digits_run / "best.pt", tmp_path / "m.safetensors"):
+        torch.manual_seed(0)
+        expected = torch.rand(3)
+        torch.manual_seed(0)
+        clf = Classifier.load(target)
+        assert torch.equal(torch.rand(3), expected), target
+    stack, _ = held_out_digits(4)
+    with pytest.raises(ConfigError, match=r"a \(3, 8, 8\) array for a 1-channel network: one "
+                                          r"colour image \(C, H, W\) or 3 grey images\?"):  # fmt: skip
+        clf.predict(stack[:3])
+    assert len(clf.predict(list(stack[:3]))) == 3 and clf.predict(stack[0]).label
+    with pytest.raises(ConfigError, match=r"device: 'gpu' is not a device"):
+        build_model("digitnet", device="gpu")

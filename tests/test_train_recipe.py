@@ -256,9 +256,14 @@ def test_fits_overrides_and_callbacks_are_checked_before_anything_is_written(tmp
         ({"callbacks": 5}, r"callbacks: objects with an on_step_end\(epoch, step, global_step\)"),
         ({"callbacks": [object()]}, "callbacks: objects with"),
         ({"on_step": 3}, r"on_step: a function of \(epoch, step, global_step\), got 3"),
+        ({"callbacks": [Epochs]}, r"callbacks: objects, not classes: give Epochs\(\)"),
+        ({"callbacks": Epochs}, r"callbacks: objects, not classes: give Epochs\(\)"),
+        ({"run": 5}, r"run: a zoo run, a run file or a mapping, got 5$"),
+        ({"run": ["train.epochs=1"]}, r"overrides go second: fit\(RUN, \[...\]\)"),
     ):
+        run = kwargs.pop("run", "digits")
         with pytest.raises(cnnkit.CnnkitError, match=message):
-            cnnkit.fit("digits", out=tmp_path / "r", **kwargs)
+            cnnkit.fit(run, out=tmp_path / "r", **kwargs)
         assert not (tmp_path / "r").exists()
     seen = Epochs()
     cnnkit.fit("digits", ["train.epochs=1"], out=tmp_path / "r", quiet=True, callbacks=seen)
@@ -287,3 +292,40 @@ def test_fit_refuses_a_run_or_out_given_with_resume_and_counts_on_steps_epochs_f
     with pytest.raises(ConfigError, match="the run digits cannot be given with it"):
         cnnkit.fit("digits", resume=tmp_path / "r")
     assert not (tmp_path / "z").exists()
+
+
+def test_fit_keeps_the_callers_deterministic_warn_only_and_runs_one_at_a_time(monkeypatch):
+    """fit restored use_deterministic_algorithms' on/off but not its warn_only; and two fits in
+    threads drew from each other's seeds (their runs differed): they now run one after the
+    other."""
+    import threading
+
+    import cnnkit.train.run as run_module
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        cnnkit.fit("digits", ["train.epochs=1"], dry_run=True, quiet=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    inside, most, real = [0], [0], run_module.launch
+
+    def counted(*args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            return real(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(run_module, "launch", counted)
+    runs = [threading.Thread(target=cnnkit.fit, args=("digits", ["train.epochs=1"]),
+                             kwargs={"dry_run": True, "quiet": True}) for _ in range(2)]  # fmt: skip
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join(120)
+    assert most[0] == 1 and inside[0] == 0

@@ -44,7 +44,8 @@ def load_trained(target: str | Path, device: Any = "cpu",
     state = load_checkpoint(path)
     ema = ema or holds_its_moving_average(path, state)
     try:
-        model = build_model(state["model_spec"], num_classes=state["num_classes"])
+        with torch.random.fork_rng(devices=[]):  # fresh weights, replaced: the caller's draws
+            model = build_model(state["model_spec"], num_classes=state["num_classes"])
         if ema and not state.get("ema"):
             raise CheckpointError(f"{path}: no moving average of the weights (train.ema was 0)")
         weights = state["ema"] if ema else state["model"]
@@ -110,7 +111,8 @@ def read_export(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     if meta.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{path}: no cnnkit metadata (expected format {EXPORT_FORMAT!r})")
     try:
-        model = build_model(json.loads(meta["model_spec"]), json.loads(meta["num_classes"]))
+        with torch.random.fork_rng(devices=[]):  # fresh weights, replaced: the caller's draws
+            model = build_model(json.loads(meta["model_spec"]), json.loads(meta["num_classes"]))
         check_state_fits(model, weights, path)
         model.load_state_dict(weights)
         classes = json.loads(meta["classes"])

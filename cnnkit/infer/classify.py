@@ -90,15 +90,28 @@ class Classifier:
         self, images: ImageInput | Sequence[ImageInput], top: int = 5, tencrop: bool = False
     ) -> Prediction | list[Prediction]:
         """Classify one image (-> Prediction) or a list or other iterable of them (-> list); an
-        unreadable image raises."""
+        unreadable image raises. An array or tensor is one image ((H, W), (H, W, C) or
+        (C, H, W)); a batch of them is given as list(batch)."""
         single = isinstance(images, (str, Path, np.ndarray, torch.Tensor, Image.Image)) or not (
             isinstance(images, Iterable))  # fmt: skip
+        self._one_image_or_a_stack(images)
         batch = [images] if single else list(images)
         results = list(self.iter_predict(batch, top, tencrop))
         failed = next((r for r in results if r.error), None)
         if failed is not None:
             raise CnnkitError(f"{failed.image}: {failed.error}")
         return results[0] if single else results
+
+    def _one_image_or_a_stack(self, images: Any) -> None:
+        """ConfigError for a (3 or 4, H, W) array given to a grey network: one colour image
+        (C, H, W), or 3 or 4 grey images stacked? It was read as the first, and a notebook's
+        predict(X[:3]) got one answer for three digits."""
+        shape = tuple(getattr(images, "shape", ()))
+        if self.preprocess.channels == 1 and len(shape) == 3 and shape[0] in (3, 4) and (
+            shape[2] not in (1, 3, 4)):  # fmt: skip
+            raise ConfigError(f"a {shape} array for a 1-channel network: one colour image "
+                              f"(C, H, W) or {shape[0]} grey images? give list(array) for "
+                              "images, or one colour image as (H, W, C)")  # fmt: skip
 
     def iter_predict(
         self,

@@ -227,6 +227,12 @@ def build_model(
     fine-tune), a classifier whose weights are for another class count keeps fresh ones, and
     `fresh_keys` names them; without it, weights must fit the network whole."""
     _not_trained_weights(spec)
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):  # torch's own words list every device type it knows
+            raise ConfigError(f"device: {device!r} is not a device (cpu, cuda, cuda:N, mps, "
+                              "meta)") from None  # fmt: skip
     model = read_spec(spec)
     network = Network(model, num_classes=num_classes, device=device)
     weights = weights if weights is not None else model.get("weights")

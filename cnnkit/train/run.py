@@ -133,6 +133,7 @@ def deterministic_mode(on: bool, device: torch.device) -> Iterator[None]:
     default leaves them in true fp32: an fp32 run's linear layers 7x slower on an H100).
     All restored afterwards."""
     before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()  # (the caller's, kept)
     benchmark = torch.backends.cudnn.benchmark
     if on != before:  # the call imports torch's compiler stack (3 s): only when it changes
         torch.use_deterministic_algorithms(on, warn_only=device.type != "cpu")
@@ -142,7 +143,7 @@ def deterministic_mode(on: bool, device: torch.device) -> Iterator[None]:
         yield
     finally:
         if on != before:
-            torch.use_deterministic_algorithms(before)
+            torch.use_deterministic_algorithms(before, warn_only=warn_only)
         torch.backends.cudnn.benchmark = benchmark
         if matmuls is not None:
             restore_matmuls(matmuls)
