@@ -233,3 +233,21 @@ def test_a_crop_no_size_could_hold_is_said_so(tmp_path, capsys):
     code, _, err = run_cli(["bench", "loader", str(tmp_path / "src"), "--crop", "100000"], capsys)
     assert (code, err) == (2, "cnnkit: error: --crop: 100000 is over the largest side a network "
                               "may read (8192)\n")  # fmt: skip
+
+
+def test_a_crop_area_range_or_a_mean_beside_a_mean_image_is_said_to_be_unused(tmp_path):
+    """data.scale with plain random crops, and data.mean / data.std with normalize: mean_image,
+    changed nothing and said nothing; a run's config.yaml (every field written) says nothing."""
+    from cnnkit.data import data_config
+
+    section = {"source": "folder", "path": str(tmp_path), "crop": 24, "size": 32}
+    notes = data_config({**section, "scale": [0.5, 1.0]}).training_notes()
+    assert any(n.startswith("data.scale [0.5, 1.0] is not used: it is the area range of "
+                            "random-resized crops") for n in notes), notes  # fmt: skip
+    assert not any("scale" in n for n in data_config(
+        {**section, "scale": [0.5, 1.0], "train_crop": "resized"}).training_notes())  # fmt: skip
+    notes = data_config({**section, "normalize": "mean_image", "mean": [100, 100, 100]}
+                        ).training_notes()  # fmt: skip
+    assert any(n.startswith("data.mean not used: data.normalize: mean_image") for n in notes)
+    dumped = data_config(section).model_dump()
+    assert not any("scale" in n or "mean" in n for n in data_config(dumped).training_notes())

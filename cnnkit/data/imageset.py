@@ -109,8 +109,18 @@ class ImageSetConfig(DataConfigBase):
 
     def training_notes(self) -> list[str]:
         """A validation set that is the training set is refused (its figures would not be held
-        out); a held-out fraction beside a validation set is said to be unused."""
+        out); a held-out fraction beside a validation set, a crop area range beside a plain
+        random crop and a mean or std beside a mean image are said to be unused."""
         notes = super().training_notes()
+        fields = type(self).model_fields
+        if self.train_crop != "resized" and tuple(self.scale) != fields["scale"].default:
+            notes.append(f"data.scale {list(self.scale)} is not used: it is the area range of "
+                         "random-resized crops (data.train_crop: resized), and the crop is "
+                         "random")  # fmt: skip
+        given = [k for k in ("mean", "std") if getattr(self, k) is not None]
+        if given and self.normalize == "mean_image":
+            notes.append(f"data.{' and data.'.join(given)} not used: data.normalize: mean_image "
+                         "subtracts the set's mean image, and divides by nothing")  # fmt: skip
         val_path = getattr(self, "val_path", None)
         if not val_path:
             return notes

@@ -78,7 +78,7 @@ def evaluate_checkpoint(
     with the kernels classification measures as fastest (settings.inference_settings)."""
     network, meta = loaded if loaded is not None else _trained(target, ema)
     config, pre = meta["config"], Preprocess.from_dict(meta["preprocess"])
-    data = None if _own_bundled_set(data, config) else data
+    data = None if _own_data(data, config) else data
     cfg = eval_data(data, config.get("data", {}), pre, meta.get("mean_image"), labels)
     if data is not None and uses_mean_image(config):
         note_normalisation(data, cfg, meta.get("mean_image"))
@@ -122,13 +122,26 @@ def evaluate_checkpoint(
             "classes": len(meta["classes"])}  # fmt: skip
 
 
-def _own_bundled_set(data: str | None, config: dict[str, Any]) -> bool:
-    """Whether --data names the bundled set the run trained on (digits, faces): its default
-    split held out other images than the run's, most of which the run trained on, so the run's
-    own held-out split is scored instead, as `eval RUN` scores it (a note says so)."""
-    own = config.get("data", {}).get("source")
-    if data is None or data != own or data in ("folder", "packed") or Path(data).exists():
-        return False  # (a path ./digits is that folder: eval_data says so)
+def _own_data(data: str | None, config: dict[str, Any]) -> bool:
+    """Whether --data names the data the run trained on, its held-out split drawn from it: the
+    bundled set (digits, faces), whose default split held out other images than the run's, or
+    its data.path (a folder or a pack), every image of which was scored, most of them trained
+    on. The run's own held-out split is scored instead, as `eval RUN` scores it (a note says
+    so). A data.path none of whose images were held out (data.val_path's were) is scored
+    whole, in a note."""
+    section = config.get("data", {})
+    if data is None or data in ("folder", "packed"):
+        return False
+    bundled = data == section.get("source") and not Path(data).exists()  # (./digits: a folder)
+    path = section.get("path")
+    trained = isinstance(path, str) and Path(data).is_dir() and (
+        Path(data).resolve() == Path(path).resolve())  # fmt: skip
+    if trained and section.get("val_path"):
+        print(f"cnnkit: note: --data {data}: the run's data.path, every image of which it "
+              "trained on (its held-out images are data.val_path's)", file=sys.stderr)  # fmt: skip
+        return False
+    if not (bundled or trained):
+        return False
     print(f"cnnkit: note: --data {data}: the run's own data set: its held-out split is scored, "
           "as the run drew it (another split would count images it trained on)",
           file=sys.stderr)  # fmt: skip
