@@ -363,6 +363,14 @@ def test_a_crop_left_out_fits_before_the_crops_own_checks(shapes):
     ("digits", "pth", "(data.path is a setting of data.source folder / packed, not digits)"),
     ("folder", "shfit", "(data.shift is a setting of data.source digits / faces, not folder)"),
     ("folder", "xyz", ""),  # no peer name and nothing close: nothing said
+    # another source's own field: said as such, not a field spelt alike, nor this very command
+    ("digits", "val_path", "(a setting of data.source folder / packed, not digits: `cnnkit "
+                           "train digitnet data.path=DIR data.val_path=...` trains the run's "
+                           "network, digitnet, on such data)"),
+    ("folder", "shift", "(a setting of data.source digits / faces, not folder)"),
+    ("folder", "split_seed", "(a setting of data.source digits / faces, not folder: a folder's "
+                             "or a pack's held-out images are data.val_fraction of data.path "
+                             "(drawn by file name), or data.val_path)"),
 ])  # fmt: skip
 def test_the_names_peers_give_a_data_setting_are_met_with_ours(source, key, meant):
     """torchvision's, timm's and Caffe's names for our settings are answered with ours, never

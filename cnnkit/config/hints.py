@@ -147,7 +147,8 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
     if owners and parts[:1] != ["data"] and len(parts) > 1:  # train.workers: an image set's
         return f" (data.{peer or key} is a setting of data.source {' / '.join(owners)})"
     close = difflib.get_close_matches(key, list(section.model_fields), n=1)  # (train.LR: lr)
-    if close and not known:  # (image_size is not batch_size, where a source has no crop)
+    if close and not known and not owners:  # (image_size is not batch_size; val_path, another
+        # source's own field, is not eval_batch_size)
         return f" (did you mean {close[0]!r}?)"
     this = source_said or data.get("source")
     renamed = peer or (key if key != parts[-1] else None)  # (data.PATH: path)
@@ -159,6 +160,11 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
     if parts[:1] == ["data"] and owners and data.get("source") in SOURCES:
         model = raw.get("model")  # `model: digitnet` or `model: {network: digitnet, ...}`
         network = model.get("network") if isinstance(model, dict) else model
+        if not {"folder", "packed"} & set(owners):  # (no data.path would take it either)
+            split = (": a folder's or a pack's held-out images are data.val_fraction of "
+                     "data.path (drawn by file name), or data.val_path" if key == "split_seed"
+                     else "")  # fmt: skip
+            return f" (a setting of data.source {' / '.join(owners)}, not {this}{split})"
         if isinstance(network, str):  # `train digits data.path=DIR`: the network on that data
             also = "" if key == "path" else f" data.{parts[-1]}=..."
             return (f" (a setting of data.source {' / '.join(owners)}, not {this}: `cnnkit "
