@@ -123,24 +123,26 @@ def evaluate_checkpoint(
 
 
 def _own_data(data: str | None, config: dict[str, Any]) -> bool:
-    """Whether --data names the data the run trained on, its held-out split drawn from it: the
-    bundled set (digits, faces), whose default split held out other images than the run's, or
-    its data.path (a folder or a pack), every image of which was scored, most of them trained
-    on. The run's own held-out split is scored instead, as `eval RUN` scores it (a note says
-    so). A data.path none of whose images were held out (data.val_path's were) is scored
-    whole, in a note."""
+    """Whether --data names the bundled set the run trained on (digits, faces): its default
+    split held out other images than the run's, most of which the run trained on, so the run's
+    own held-out split is scored instead, as `eval RUN` scores it (a note says so). --data DIR
+    naming the run's own data.path (a folder or its pack) is scored whole, every image in it
+    as ever, in a note saying that it holds the images the run trained on."""
     section = config.get("data", {})
     if data is None or data in ("folder", "packed"):
         return False
-    bundled = data == section.get("source") and not Path(data).exists()  # (./digits: a folder)
     path = section.get("path")
-    trained = isinstance(path, str) and Path(data).is_dir() and (
-        Path(data).resolve() == Path(path).resolve())  # fmt: skip
-    if trained and section.get("val_path"):
-        print(f"cnnkit: note: --data {data}: the run's data.path, every image of which it "
-              "trained on (its held-out images are data.val_path's)", file=sys.stderr)  # fmt: skip
+    if (
+        isinstance(path, str)
+        and Path(data).is_dir()
+        and Path(data).resolve() == Path(path).resolve()
+    ):
+        held = ("data.val_path's" if section.get("val_path") else
+                "a split of it, which `cnnkit eval RUN` scores")  # fmt: skip
+        print(f"cnnkit: note: --data {data}: the run's own data.path, every image in it scored, "
+              f"the ones it trained on too (its held-out images: {held})", file=sys.stderr)  # fmt: skip
         return False
-    if not (bundled or trained):
+    if data != section.get("source") or Path(data).exists():  # (./digits: that folder)
         return False
     print(f"cnnkit: note: --data {data}: the run's own data set: its held-out split is scored, "
           "as the run drew it (another split would count images it trained on)",
