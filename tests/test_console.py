@@ -3,6 +3,8 @@ scalars, top-5 hidden below 6 classes, and the last line naming the last and bes
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -125,6 +127,10 @@ def test_a_kill_between_last_pt_and_the_metrics_files_loses_no_tensorboard_epoch
     monkeypatch.undo()
     from cnnkit.train.run import resume_state
 
+    # TensorBoard reads a run's event files in name order: two made in the same second by one
+    # process differ by a counter, whose 10 sorts before 9 (the resumed file read first, the
+    # first file's earlier steps then purging it as out of order): a second apart, as runs are
+    time.sleep(1.05)
     fit(validate_run(run), tmp_path / "r", resume=resume_state(tmp_path / "r"), quiet=True)
     events = EventAccumulator(str(tmp_path / "r"))
     events.Reload()
