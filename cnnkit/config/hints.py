@@ -116,18 +116,24 @@ TAKEN_FROM_DATA = {
 }
 
 
-def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None) -> str:
-    """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section
-    (`source_said`: the data source as a message names it, where the run names none)."""
+def _section_of(path: list[str], raw: dict[str, Any]) -> type[BaseModel]:
+    """The settings class a dotted path leads to (data: the run's source's)."""
     section: type[BaseModel] = RunConfig
-    parts = [str(p) for p in loc if str(p) not in SOURCES]
-    for part in parts[:-1]:
+    for part in path:
         if part == "data" and isinstance(raw.get("data"), dict):
             section = SOURCES.get(raw["data"].get("source"), section)
             continue
         annotation = section.model_fields.get(part)
         kind = getattr(annotation, "annotation", None)
         section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else section
+    return section
+
+
+def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None) -> str:
+    """` (did you mean 'lr'?)` for a mistyped field, from the fields of its section
+    (`source_said`: the data source as a message names it, where the run names none)."""
+    parts = [str(p) for p in loc if str(p) not in SOURCES]
+    section = _section_of(parts[:-1], raw)
     key = parts[-1].lower().replace("-", "_")
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     source = SOURCES.get(data.get("source"), RunConfig)  # (synthetic data has num_classes)
@@ -147,8 +153,7 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
     if owners and parts[:1] != ["data"] and len(parts) > 1:  # train.workers: an image set's
         return f" (data.{peer or key} is a setting of data.source {' / '.join(owners)})"
     close = difflib.get_close_matches(key, list(section.model_fields), n=1)  # (train.LR: lr)
-    if close and not known and not owners:  # (image_size is not batch_size; val_path, another
-        # source's own field, is not eval_batch_size)
+    if close and not known and not owners:  # (image_size: not batch_size; val_path: its own)
         return f" (did you mean {close[0]!r}?)"
     this = source_said or data.get("source")
     renamed = peer or (key if key != parts[-1] else None)  # (data.PATH: path)
@@ -161,10 +166,7 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
         model = raw.get("model")  # `model: digitnet` or `model: {network: digitnet, ...}`
         network = model.get("network") if isinstance(model, dict) else model
         if not {"folder", "packed"} & set(owners):  # (no data.path would take it either)
-            split = (": a folder's or a pack's held-out images are data.val_fraction of "
-                     "data.path (drawn by file name), or data.val_path" if key == "split_seed"
-                     else "")  # fmt: skip
-            return f" (a setting of data.source {' / '.join(owners)}, not {this}{split})"
+            return _bundled_only(key, owners, this)
         if isinstance(network, str):  # `train digits data.path=DIR`: the network on that data
             also = "" if key == "path" else f" data.{parts[-1]}=..."
             return (f" (a setting of data.source {' / '.join(owners)}, not {this}: `cnnkit "
@@ -181,6 +183,13 @@ def did_you_mean(loc: tuple, raw: dict[str, Any], source_said: str | None = None
             return (f" (data.{near[0]} is a setting of data.source {' / '.join(owners)}, not "
                     f"{this})")  # fmt: skip
     return ""
+
+
+def _bundled_only(key: str, owners: list[str], this: str) -> str:
+    """A field of the bundled sets alone (digits, faces), given to a folder or a pack."""
+    split = (": a folder's or a pack's held-out images are data.val_fraction of data.path "
+             "(drawn by file name), or data.val_path" if key == "split_seed" else "")  # fmt: skip
+    return f" (a setting of data.source {' / '.join(owners)}, not {this}{split})"
 
 
 def data_typo(net: str, given: set[str]) -> None:

@@ -41,6 +41,7 @@ from cnnkit.data.decode import ResizeMode
 from cnnkit.data.pack_dst import (
     Busy,
     DstLock,
+    check_dst,
     check_no_clash,
     check_not_images,
     check_outside,
@@ -358,12 +359,7 @@ def pack_folder(
     if interpolation not in get_args(Interpolation):
         raise ConfigError(f"--interpolation: {interpolation!r} is not bilinear or bicubic")
     resize = resize_mode(resize)  # (shorter-side-crop: shorter, as meta.json says it)
-    if dst.resolve().is_relative_to(src.resolve()):  # its shards would become a class
-        raise ConfigError(f"{printable(str(dst))}: inside the folder being packed "
-                          f"({printable(str(src))}); pack into a folder outside it")  # fmt: skip
-    if dst.exists() and not dst.is_dir():
-        raise ConfigError(f"{printable(str(dst))}: exists and is not a folder (DST is the "
-                          "folder the pack is written to)")  # fmt: skip
+    check_dst(src, dst)
     params = {"source": str(src.resolve()), "size": size, "resize": resize, "storage": format,
               "quality": quality, "interpolation": interpolation}  # fmt: skip
     check_no_clash(dst)

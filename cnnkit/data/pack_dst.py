@@ -32,6 +32,16 @@ SHARD_NAME = re.compile(r"\d{5}\.(u8|jpg|npz)(\.tmp)?")  # what a pack writes in
 OWN_FILES = ("plan.json", "index.npz", "mean.npy", "files.txt", "bad_images.tsv", "meta.json")
 
 
+def check_dst(src: Path, dst: Path) -> None:
+    """ConfigError where DST lies inside SRC (its shards would become a class) or is a file."""
+    if dst.resolve().is_relative_to(src.resolve()):
+        raise ConfigError(f"{printable(str(dst))}: inside the folder being packed "
+                          f"({printable(str(src))}); pack into a folder outside it")  # fmt: skip
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(f"{printable(str(dst))}: exists and is not a folder (DST is the "
+                          "folder the pack is written to)")  # fmt: skip
+
+
 def check_no_clash(dst: Path) -> None:
     """ConfigError where DST, not a pack (no plan.json), holds files of the names a pack writes:
     the pack would overwrite them, and remove them if it failed."""

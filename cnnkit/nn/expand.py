@@ -36,7 +36,7 @@ from cnnkit.nn.layer_line import (
     with_defaults,
 )
 from cnnkit.nn.layers import Layer, Linear, Shape
-from cnnkit.nn.names import check_name, given_names, input_names, is_name, written
+from cnnkit.nn.names import check_name, given_name, given_names, input_names, is_name, written
 from cnnkit.nn.spec import BLOCK_LINE_KEYS, BlockDef, NetSpec
 from cnnkit.nn.stages import MAX_LAYERS, Stage, stage_of
 
@@ -257,13 +257,7 @@ class Expander:
 
     def _short(self, raw: dict[str, Any], default: str, scope: _Scope) -> str:
         if "name" in raw:
-            name = raw["name"]
-            if name is None:  # `name:` left empty, or null: YAML's nothing
-                raise ConfigError(f"layer {scope.index}: name: empty (null); give a name, or "
-                                  "leave name: out to have the layer named by its type and place")  # fmt: skip
-            if not is_name(name):
-                raise ConfigError(f"layer {scope.index}: name: not a name: {brief(name)}")
-            return str(name)
+            return str(given_name(raw["name"], scope.index))
         if scope.sequential:
             return str(scope.counter)
         name, k = default, 1

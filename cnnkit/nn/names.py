@@ -81,6 +81,17 @@ def is_name(value: Any) -> bool:
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
+def given_name(name: Any, index: int) -> str | int:
+    """A layer line's `name:` (layer `index` in its list), or ConfigError: left empty (null),
+    or no name (a list, true)."""
+    if name is None:  # `name:` left empty, or null: YAML's nothing
+        raise ConfigError(f"layer {index}: name: empty (null); give a name, or leave name: out "
+                          "to have the layer named by its type and place")  # fmt: skip
+    if not is_name(name):
+        raise ConfigError(f"layer {index}: name: not a name: {brief(name)}")
+    return name
+
+
 def given_names(
     lines: list[Any], blocks: dict[str, Any], seen: frozenset[str] = frozenset()
 ) -> frozenset[str]:
