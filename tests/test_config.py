@@ -63,7 +63,7 @@ def test_a_network_written_in_a_run_file_names_it_in_its_layer_errors(tmp_path, 
                                    "data: {source: digits}\n")  # fmt: skip
     with pytest.raises(ConfigError) as error:
         build_model(load_run("inline.yaml").model.spec())
-    assert str(error.value) == "inline.yaml: model: layer 1 (add): inputs: unknown layer 'c9'"
+    assert str(error.value) == "inline.yaml: line 1: layer 1 (add): inputs: unknown layer 'c9'"
 
 
 def test_a_fine_tuning_run_file_builds_with_its_weights(tmp_path):

@@ -222,6 +222,12 @@ BAD = [
      "model: blocks.unused.layers[0]: type: unknown type 'convv' (did you mean 'conv'?)"),
     (net(conv("a"), blocks={"unused": {"layers": [{"block": "nosuch"}]}}),
      "model: blocks.unused.layers[0]: block: unknown block 'nosuch'"),
+    (net(conv("a"), blocks={"unused": {"params": {"stride": 1}, "layers": [conv()]},
+                            "user": {"layers": [{"block": "unused", "strde": 2}]}}),
+     "model: blocks.user.layers[0]: block 'unused' has no parameter 'strde' (did you mean 'stride'?)"),
+    (net(conv("a"), {"name": "d", "block": "b", "strde": 2, "if": False},
+         blocks={"b": {"params": {"stride": 1}, "layers": [conv(stride="$stride")]}}),
+     "layer 1 (d): block 'b' has no parameter 'strde' (it takes stride) (did you mean 'stride'?)"),
     (net(conv("a"), defaults={"convv": {"bias": False}}), "model: defaults: unknown type 'convv' (did you mean 'conv'?)"),
     (net({"name": "s", "block": "b", "repeat": 10_000_000}, blocks={"b": {"layers": [conv()]}}),
      "layer 0 (s): repeat: must be a whole number from 1 to 20,000"),
@@ -239,7 +245,8 @@ BAD = [
      "model: blocks.b.params: 'in_channels' is set by cnnkit"),
     (net({"name": "s", "block": "b", "start": 0}, blocks={"b": {"params": {"start": 1}, "layers": [conv()]}}),
      "model: blocks.b.params: 'start' is a keyword of the line that uses a block"),  # (was copy numbering)
-    (net({"name": "x" * 5000, "type": "relu"}), "is not a usable name"),
+    (net({"name": "x" * 5000, "type": "relu"}), "makes a name of 5000 characters (at most 200)"),
+    (net({"name": "ñandú", "type": "relu"}), "is not a usable name (ASCII letters"),
     (net({"name": "c\n", "type": "relu"}), "is not a usable name"),  # ($ matches before a \n)
     (net({"type": "x" * 5000}), "type: unknown type 'xxxxxxxx"),
     (net(conv("a"), conv("b", inputs=["a", "a"])), "layer 1 (b): inputs: a conv layer takes one input"),
@@ -436,6 +443,8 @@ def _one_block(*layers, **line):
     (_one_block(conv(out_channels="$s"), s="$in_channels / 2"), r"\('\$s' is 2.0, a real"),
     (_one_block(conv(out_channels="$c * 1.5")),  # no division to blame
      r"\('\$c \* 1.5' is 12.0, a real number: a real factor makes one; sizes are whole"),
+    (_one_block(conv(stride="$in_channels - 3.0")),  # neither division nor a factor
+     r"\('\$in_channels - 3.0' is 1.0, a real number: sizes are whole numbers\)"),
     (_one_block({"type": "channel_split", "points": ["$in_channels / 8"], "part": 0}),
      r"points.0: .*\(got 0.5\) \('\$in_channels / 8' is 0.5, a real number"),
     (_one_block(conv("c1", inputs="stem")), r"inputs: 'stem' is outside this block, whose "

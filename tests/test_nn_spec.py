@@ -466,6 +466,36 @@ def test_errors_name_the_network_file_a_run_file_names(tmp_path):
         build_model("lenet5", num_classes=2**40)
 
 
+def test_a_class_count_no_layer_takes_is_refused_not_dropped(tmp_path):
+    fixed = net({"type": "global_avgpool"}, {"name": "fc", "type": "linear", "out_features": 5})
+    with pytest.raises(ConfigError, match=r"^num_classes=3: no layer of net is sized by "
+                       r"num_classes: the last layer fc \(linear\) gives \[5\] \(a linear layer "
+                       "that leaves out out_features takes the class count"):  # fmt: skip
+        build_model(fixed, num_classes=3)
+    assert build_model(fixed, num_classes=5).output_shape == (5,)  # what it gives: no matter
+    path = _net(tmp_path, "model:\n  input: [3, 8, 8]\n  num_classes: 10\n  layers:\n"
+                "    - {type: flatten}\n    - {type: linear, out_features: 5}\n")  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{re.escape(str(path))}: num_classes: 10: no layer "
+        r"is sized by num_classes: the last layer linear1 \(linear\) gives \[5\]",
+    ):
+        build_model(str(path))
+    assert build_model(str(path), num_classes=5).output_shape == (5,)  # the file's, overridden
+    headed = build_model(net({"type": "flatten"}, {"type": "linear"}, num_classes=10), 3)
+    assert headed.output_shape == (3,) and headed.heads == ("linear1",)
+
+
+def test_a_run_files_own_network_errors_name_their_line(tmp_path):
+    from cnnkit.config.load import load_run
+
+    run = _net(tmp_path, "data: {source: digits}\nmodel:\n  input: [1, 8, 8]\n  layers:\n"
+               "    - {type: relu}\n    - {type: conv, out_channels: 2, kernel_size: 30}\n",
+               "run.yaml")  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(run))}: line 6: layer 1 \(conv1\)"):
+        build_model(load_run(str(run)).model.spec())
+
+
 def test_missing_num_classes_and_contradicting_init_are_said(tmp_path):
     spec = {
         "input": [2, 4, 4],

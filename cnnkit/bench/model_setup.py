@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from cnnkit.errors import ConfigError
-from cnnkit.nn import Network, build_model
+from cnnkit.nn import Network, build_unchecked
 
 
 def load_network(
@@ -19,7 +19,7 @@ def load_network(
     channels_last: bool = False,
 ) -> Network:
     """Build a zoo name / file / dict on `device`, optionally in channels_last memory format."""
-    model = build_model(net, num_classes=num_classes, device=device)
+    model = build_unchecked(net, num_classes=num_classes, device=device)
     if model.num_classes is None:
         raise ConfigError(
             f"{model.name}: the network does not end in class scores (output "
@@ -38,7 +38,7 @@ def check_batch(net: str | Path | dict[str, Any], batch: int, device: torch.devi
     from cnnkit.nn.memory import check_batch_fits
     from cnnkit.train.checks import check_batchnorm
 
-    model = build_model(net, num_classes=num_classes, device="meta")
+    model = build_unchecked(net, num_classes=num_classes, device="meta")
     check_batch_fits(model.name, model.param_count, model.activation_count, batch, device)
     if training:
         check_batchnorm(model, batch, field="--batch")

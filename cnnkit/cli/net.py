@@ -14,6 +14,7 @@ NUM_CLASSES = typer.Option(
     None,
     "--num-classes",
     min=1,
+    max=2**31 - 1,
     help="The network's class count, where its file sets none or another (fresh weights).",
 )
 

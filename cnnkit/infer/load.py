@@ -34,7 +34,7 @@ from cnnkit.errors import (
     one_line,
     suggest,
 )
-from cnnkit.nn import Network, build_model, read_spec
+from cnnkit.nn import Network, build_unchecked, read_spec
 from cnnkit.nn.memory import check_fits
 from cnnkit.nn.weights import MEAN_IMAGE_KEY
 from cnnkit.runtime import write_atomic
@@ -118,7 +118,7 @@ def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None)
     with torch.random.fork_rng(devices=[]):  # the same fresh weights at every export, drawn
         torch.default_generator.manual_seed(0)  # by the CPU's generator (CUDA's untouched)
         try:
-            model = build_model(description, num_classes=num_classes,
+            model = build_unchecked(description, num_classes=num_classes,
                                 device="meta" if target.type == "meta" else "cpu")  # fmt: skip
         except CheckpointError as e:  # its weights: file (beside it): say whose
             raise CheckpointError(f"{spec}: weights: {e}") from None
@@ -325,7 +325,7 @@ def network_of(target: str, num_classes: int | None = None, weights_note: bool =
         num_classes, network_file = saved, False  # (as a checkpoint)
     elif num_classes is None:
         num_classes = _run_classes(target)
-    network = build_model(spec, num_classes=num_classes, device="meta")
+    network = build_unchecked(spec, num_classes=num_classes, device="meta")
     if network_file:  # its preprocess: checked as classify would
         described = read_spec(spec) if isinstance(spec, str) else spec
         network_preprocess(target, tuple(network.input_shape), described.get("preprocess"))

@@ -1,6 +1,6 @@
 """Network description -> torch module: layer kinds, blocks, shape inference, init, summary."""
 
-from cnnkit.nn.graph import LayerInfo, Network, build_model
+from cnnkit.nn.graph import LayerInfo, Network, build_model, build_unchecked
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.spec import read_spec, with_input
 from cnnkit.nn.weights import load_weights, read_state_dict
@@ -10,6 +10,7 @@ __all__ = [
     "LayerInfo",
     "Network",
     "build_model",
+    "build_unchecked",
     "load_weights",
     "read_spec",
     "read_state_dict",

@@ -183,6 +183,7 @@ class Expander:
             if key in raw:
                 raw[key] = self._sub(label, key, raw[key], env)
         stage = stage_of(label, short, raw, named, scope.sequential)
+        self._known_params(label, block_name, block, raw)  # a line left out by if: too
         if not self._present(label, condition, env):
             return self._alias(scope, short, value)
         if scope.depth >= MAX_BLOCK_DEPTH:
@@ -316,14 +317,7 @@ class Expander:
         return self._resolve(label, short, refs, scope)
 
     def _block_params(self, label: str, name: str, block: BlockDef, given: dict, env: dict) -> dict:
-        unknown = [k for k in given if k not in block.params]
-        if unknown:
-            takes = ", ".join(block.params) or "no parameters"
-            if label.endswith(": first"):
-                takes += "; the line's parameters go to the first copy too"
-            hint = suggest(str(unknown[0]), [*block.params, *BLOCK_LINE_KEYS])
-            raise ConfigError(f"{label}: block {brief(name)} has no parameter "
-                              f"{brief(unknown[0])} (it takes {takes}){hint}")  # fmt: skip
+        self._known_params(label, name, block, given)
         shape_env = {k: v for k, v in env.items() if k.startswith("in_")}
         params: dict[str, Any] = {"num_classes": self.net.num_classes}
         for key, default in block.params.items():
@@ -334,6 +328,17 @@ class Expander:
             if params[key] is None:
                 raise ConfigError(f"{label}: block {brief(name)} needs parameter {brief(key)}")
         return params
+
+    @staticmethod
+    def _known_params(label: str, name: str, block: BlockDef, given: dict) -> None:
+        unknown = [k for k in given if k not in block.params]
+        if unknown:
+            takes = ", ".join(block.params) or "no parameters"
+            if label.endswith(": first"):
+                takes += "; the line's parameters go to the first copy too"
+            hint = suggest(str(unknown[0]), [*block.params, *BLOCK_LINE_KEYS])
+            raise ConfigError(f"{label}: block {brief(name)} has no parameter "
+                              f"{brief(unknown[0])} (it takes {takes}){hint}")  # fmt: skip
 
     def _present(self, label: str, condition: Any, env: dict[str, Any]) -> bool:
         if condition is None:

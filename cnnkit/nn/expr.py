@@ -244,9 +244,9 @@ def division_hint(message: str, label: str, written: dict[str, Any],
         for index, part, value in pairs:
             real = isinstance(value, float) and math.isfinite(value)
             if is_expression(part) and real and message.startswith(f"{label}: {key}{index}:"):
-                factor = "*" in str(part) and "/" not in str(part)  # `$c * 1.5`: no division
-                why = ("a real factor makes one; sizes are whole numbers" if factor
-                       else "// divides to a whole one, / to a real one")  # fmt: skip
+                why = ("// divides to a whole one, / to a real one" if "/" in str(part)
+                       else "a real factor makes one; sizes are whole numbers" if "*" in str(part)
+                       else "sizes are whole numbers")  # fmt: skip
                 return f" ({brief(part)} is {value!r}, a real number: {why})"
     return ""
 

@@ -63,6 +63,8 @@ class Network(nn.Module):
             self.num_classes = out[0] if len(out) == 1 else None
             self.output_shape: Shape = out
             self.heads = tuple(node.name for node in nodes if node.head)  # sized by num_classes
+            if num_classes is None and net.num_classes is not None:  # the file's own count
+                check_classes(self, net.num_classes, f"num_classes: {net.num_classes}")
             self.fresh_keys: list[str] = []  # a classifier left fresh by weights of other classes
             frees = _last_reads(nodes, self._output)
             # (module name, input value indices, values to drop after it); modules are looked up by
@@ -213,19 +215,52 @@ def norm_parameters(module: nn.Module) -> set[str]:
             for pname, _ in sub.named_parameters(recurse=False)}  # fmt: skip
 
 
+def check_classes(network: Network, num_classes: int, asked: str, of: str = "") -> None:
+    """ConfigError where `num_classes` (`asked`: what gave it) sizes no layer of `network` (`of`:
+    its file, where the message names it) and the fixed output is not that many scores: a
+    class count asked for, then silently not given. (Not a Network method: a layer may take any
+    name but the Network's own attributes'.)"""
+    if network.heads or network.num_classes == num_classes:
+        return
+    last = network.table[-1]
+    raise ConfigError(
+        f"{asked}: no layer{f' of {of}' if of else ''} is sized by num_classes: the last "
+        f"layer {last.name} ({last.type}) gives {list(network.output_shape)} (a linear layer "
+        "that leaves out out_features takes the class count)"
+    )
+
+
 def build_model(
     spec: str | Path | dict[str, Any],
     num_classes: int | None = None,
     device: Any = None,
     weights: str | Path | Mapping[str, Any] | None = None,
 ) -> Network:
-    """Build a network from a zoo name, a YAML path or a dict; `num_classes` overrides the file's.
+    """Build a network from a zoo name, a YAML path or a dict; `num_classes` overrides the file's
+    (it sizes the layers that leave their size out; a network whose output is fixed at another
+    count is refused).
 
     `weights` (else the file's `weights:`) names a state_dict file, safetensors or a
     weights-only .pt (torchvision's, timm's), or is a state_dict (another model's
     `state_dict()`), loaded into it; not on the meta device. With `num_classes` given (to
     fine-tune), a classifier whose weights are for another class count keeps fresh ones, and
     `fresh_keys` names them; without it, weights must fit the network whole."""
+    return _build(spec, num_classes, device, weights, checked=True)
+
+
+def build_unchecked(
+    spec: str | Path | dict[str, Any],
+    num_classes: int | None = None,
+    device: Any = None,
+    weights: str | Path | Mapping[str, Any] | None = None,
+) -> Network:
+    """build_model without its check of `num_classes` against a fixed output: for the callers
+    that say it in their own words (a run's data classes, the command line's --num-classes)."""
+    return _build(spec, num_classes, device, weights, checked=False)
+
+
+def _build(spec: str | Path | dict[str, Any], num_classes: int | None, device: Any,
+           weights: str | Path | Mapping[str, Any] | None, checked: bool) -> Network:  # fmt: skip
     _not_trained_weights(spec)
     if device is not None:
         try:
@@ -235,6 +270,9 @@ def build_model(
                               "meta)") from None  # fmt: skip
     model = read_spec(spec)
     network = Network(model, num_classes=num_classes, device=device)
+    if num_classes is not None and checked:
+        check_classes(network, num_classes, f"num_classes={num_classes}",
+                      getattr(model, "source", None) or network.name)  # fmt: skip
     weights = weights if weights is not None else model.get("weights")
     if weights is not None and (device is None or torch.device(device).type != "meta"):
         from cnnkit.nn.weights import load_weights
@@ -266,10 +304,11 @@ def _naming(source: str | None) -> Iterator[None]:
         if source is None:
             raise
         message = str(e).removeprefix(f"{source}: ")
-        line = layer_line(source, message)
+        file = source.removesuffix(": model")  # (a run file's own network mapping)
+        line = layer_line(file, message)
         if line is None and message != str(e):
             raise
-        where = f"{source}: line {line}" if line is not None else source
+        where = f"{file}: line {line}" if line is not None else source
         raise ConfigError(f"{where}: {message}") from None
 
 

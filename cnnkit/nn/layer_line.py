@@ -13,6 +13,7 @@ from cnnkit.errors import ConfigError, brief, suggest, validation_message
 from cnnkit.nn.expr import is_expression
 from cnnkit.nn.kinds import KINDS
 from cnnkit.nn.layers import Layer, ParamLayer, Shape, ShapeError, fmt_shape
+from cnnkit.nn.spec import BLOCK_LINE_KEYS
 
 MERGED_FIELDS = ("init", "lr_mult", "decay_mult")  # dict fields that defaults merge key by key
 
@@ -98,9 +99,16 @@ def check_unexpanded(blocks: dict[str, Any], expanded: set[str]) -> None:
         for i, line in enumerate(block.layers):
             label, kind = f"model: blocks.{name}.layers[{i}]", line.get("type")
             inner = line.get("block")
-            if inner is not None and not is_expression(inner) and inner not in blocks:
-                raise ConfigError(f"{label}: block: unknown block {brief(inner)}"
-                                  f"{suggest(inner, blocks)}")  # fmt: skip
+            if inner is not None and not is_expression(inner):
+                if inner not in blocks:
+                    raise ConfigError(f"{label}: block: unknown block {brief(inner)}"
+                                      f"{suggest(inner, blocks)}")  # fmt: skip
+                params = blocks[inner].params
+                typo = next((k for k in line if k not in params and k not in BLOCK_LINE_KEYS),
+                            None)  # fmt: skip
+                if typo is not None:
+                    raise ConfigError(f"{label}: block {brief(inner)} has no parameter "
+                                      f"{brief(typo)}{suggest(str(typo), params)}")  # fmt: skip
             if inner is None and isinstance(kind, str) and not is_expression(kind):
                 if kind not in KINDS:
                     raise ConfigError(f"{label}: type: unknown type {brief(kind)}"

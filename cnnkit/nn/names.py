@@ -41,10 +41,13 @@ def check_name(label: str, name: str, short: str, taken: set[str], holders: dict
     """Raise unless `name` (full, dotted; `short` its last part as written) is usable: unique
     among `taken`, and neither holding nor held by another (`a` and `a.b`; `holders` maps each
     dotted prefix of a taken name to that name): a set lookup per dot."""
-    if len(name) > MAX_NAME or not NAME_RE.fullmatch(name) or short in RESERVED:
+    if len(name) > MAX_NAME:
+        raise ConfigError(f"{label}: name: {brief(short)} makes a name of {len(name)} "
+                          f"characters (at most {MAX_NAME})")  # fmt: skip
+    if not NAME_RE.fullmatch(name) or short in RESERVED:
         raise ConfigError(
-            f"{label}: name: {brief(short)} is not a usable name (letters, digits, _ and -, "
-            "dots between parts as in layer4.1; not 'input' or 'previous')"
+            f"{label}: name: {brief(short)} is not a usable name (ASCII letters, digits, _ and "
+            "-, dots between parts as in layer4.1; not 'input' or 'previous')"
         )
     parts = name.split(".")
     word = next((p for p in parts if p in KEYWORDS), None)

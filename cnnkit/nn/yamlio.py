@@ -275,6 +275,8 @@ def layer_line(path: str | Path, message: str) -> int | None:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     model = _value(root, "model")
+    if isinstance(_value(model, "network"), MappingNode):  # a run file's {network: {layers}}
+        model = _value(model, "network")
     layers = _value(root if model is None else model, "layers")
     index = int(found[1] or found[2])
     if not isinstance(layers, SequenceNode) or index >= len(layers.value):

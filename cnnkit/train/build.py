@@ -15,7 +15,7 @@ from cnnkit.data.packfiles import is_pack, read_meta
 from cnnkit.data.preprocess import network_preprocess
 from cnnkit.distributed import Processes
 from cnnkit.errors import ConfigError, DataError, validation_message
-from cnnkit.nn import Network, build_model
+from cnnkit.nn import Network, build_unchecked
 from cnnkit.runtime import available_cores, torch_threads
 from cnnkit.train.checks import check_batchnorm
 from cnnkit.train.engine import Engine, balanced_weights, build_engine, smallest_chunk
@@ -118,7 +118,7 @@ def build_network(config: RunConfig, data: DataBundle, fresh: bool = True) -> Ne
         raise DataError(f"data: {len(data.classes)} class ({', '.join(data.classes)}){where}: a "
                         f"classifier needs at least 2{hint}")  # fmt: skip
     spec = config.model.spec()
-    network = build_model(spec, num_classes=len(data.classes), weights=config.model.weights)
+    network = build_unchecked(spec, num_classes=len(data.classes), weights=config.model.weights)
     if fresh:
         file = config.model.network
         named = file if isinstance(file, str) else (config.model._source or "run: model")
