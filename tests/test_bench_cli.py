@@ -71,6 +71,37 @@ def test_bench_of_a_run_keeps_its_calibration_determinism_and_batch(sets, tmp_pa
         assert sets_of["batch"] == 4 and not (sets_of["calibrate"] and not sets_of["deterministic"])
 
 
+def test_bench_of_a_run_times_its_own_step(tmp_path, capsys, monkeypatch):
+    """`bench train RUN` builds the step from the run's whole `train:` section (it timed a
+    default SGD step whatever the run's optimizer, micro-batches, EMA or loss) and says what
+    that step does beyond the peers' plain SGD."""
+    import cnnkit.bench.throughput as throughput
+
+    built, build = [], throughput.build_engine
+    monkeypatch.setattr(throughput, "build_engine",
+                        lambda *a, **k: built.append(build(*a, **k)) or built[-1])  # fmt: skip
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits", "batch_size": 4},
+                                   "train": {"optimizer": "adamw", "accumulate": 2, "ema": 0.9,
+                                             "label_smoothing": 0.1, "precision": "fp32",
+                                             "threads": 1}}))  # fmt: skip
+    args = ["bench", "train", str(run), "--repeats", "1", "--warmup", "0", "--quick", "--json"]
+    code, out, err = run_cli(args, capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0, err
+    assert (report["optimizer"], report["accumulate"]) == ("adamw", 2)
+    assert report["step_extras"] == ["adamw", "2 micro-batches", "EMA 0.9", "label smoothing 0.1"]
+    assert "the run's step: adamw, 2 micro-batches, EMA 0.9, label smoothing 0.1" in out
+    assert built and all(isinstance(e.optimizer, torch.optim.AdamW) and e.accumulate == 2
+                         and e.ema is not None for e in built)  # fmt: skip
+    assert built[0].loss_fn.label_smoothing == 0.1
+    built.clear()
+    code, out, err = run_cli([*args[:2], "lenet5", *args[3:], "--batch", "2"], capsys)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and (report["optimizer"], report["step_extras"]) == ("sgd", []), err
+    assert type(built[0].optimizer) is torch.optim.SGD and "the run's step" not in out
+
+
 def test_cli_train_json_is_the_last_line(tmp_path, capsys):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump({"model": TINY}))
@@ -289,6 +320,8 @@ def test_bench_reads_what_info_reads_and_refuses_what_info_refuses(tmp_path, cap
         code, _, err = run_cli([*command, str(fixed), "--num-classes", "3"], capsys)
         assert (code, err) == (2, f"cnnkit: error: --num-classes 3: no layer of {fixed} is "
                                   "sized by num_classes (its output is 5)\n")  # fmt: skip
+    code, _, err = run_cli(["info", str(fixed), "--num-classes", str(2**31)], capsys)
+    assert code == 2 and "'--num-classes': Input should be less than or equal to 2147483647" in err
     (tmp_path / "runs" / "digits-20261207-090000").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     for command in (["info"], ["bench", "layers"], ["show", "net", "-o", "n.png"]):

@@ -47,13 +47,35 @@ TRAIN_FLOPS_FACTOR = 3.0  # forward + backward (grad of inputs and of weights) ~
 
 def train_config(device: torch.device, precision: str | None = "auto",
                  channels_last: bool | None = None, compile: bool = False,
-                 threads: int | None = None, calibrate: bool = True) -> TrainConfig:  # fmt: skip
-    """`cnnkit train`'s default `train:` section with this device and these overrides."""
+                 threads: int | None = None, calibrate: bool = True,
+                 step: TrainConfig | None = None) -> TrainConfig:  # fmt: skip
+    """`cnnkit train`'s `train:` section (a run's `step`, else the default) with this device
+    and these overrides."""
     if precision not in (None, "auto"):
         check_precision(precision, device)
-    return TrainConfig(device=str(device), precision=precision or "auto",
-                       channels_last=channels_last, compile=compile, threads=threads,
-                       calibrate=calibrate)  # fmt: skip
+    given = step.model_dump() if step is not None else {}
+    return TrainConfig(**{**given, "device": str(device), "precision": precision or "auto",
+                          "channels_last": channels_last, "compile": compile,
+                          "threads": threads, "calibrate": calibrate})  # fmt: skip
+
+
+def step_extras(cfg: TrainConfig) -> list[str]:
+    """What a run's training step does beyond the peers' plain one (SGD with momentum 0.9 and
+    weight decay 5e-4 on a cross-entropy loss): its optimizer and the rest, in words."""
+    extras = [] if cfg.optimizer == "sgd" else [cfg.optimizer]
+    if cfg.optimizer == "sgd" and (cfg.momentum, cfg.weight_decay) != (0.9, 5e-4):
+        extras.append(f"momentum {cfg.momentum:g}, weight decay {cfg.weight_decay:g}")
+    if cfg.accumulate > 1:
+        extras.append(f"{cfg.accumulate} micro-batches")
+    if cfg.grad_clip is not None:
+        extras.append(f"gradient clipping at {cfg.grad_clip:g}")
+    if cfg.ema > 0:
+        extras.append(f"EMA {cfg.ema:g}")
+    if cfg.label_smoothing > 0:
+        extras.append(f"label smoothing {cfg.label_smoothing:g}")
+    if cfg.class_weights != "none":
+        extras.append("balanced class weights")
+    return extras
 
 
 def settings_for(net: Any, device: torch.device, batch: int, precision: str | None = "auto",
@@ -125,12 +147,15 @@ def bench_throughput(net: str | dict[str, Any], mode: str, batch: int, device: t
                      num_classes: int | None = None, quick_peak: bool = False,
                      baseline: bool = False, threads: int | None = None, explore: bool = False,
                      cache: Any = True, calibrate: bool = True, deterministic: bool = False,
-                     max_seconds: float = 120.0) -> dict[str, Any]:  # fmt: skip
+                     max_seconds: float = 120.0,
+                     step: TrainConfig | None = None) -> dict[str, Any]:  # fmt: skip
     """Time `mode` ('train' or 'infer') steps of a network; a JSON-ready report with the peak
-    (`calibrate`, `deterministic`: a run's `train.calibrate` and `deterministic`; repeats stop
-    after `max_seconds`, each timed step repeated at least twice, once in each order)."""
+    (`calibrate`, `deterministic`: a run's `train.calibrate` and `deterministic`; `step`: the
+    run's `train:` section, whose optimizer, micro-batches, clipping, EMA and loss the step
+    runs; repeats stop after `max_seconds`, each timed step repeated at least twice, once in
+    each order)."""
     with _as_training_runs(deterministic):
-        cfg = train_config(device, precision, channels_last, compile, threads, calibrate)
+        cfg = train_config(device, precision, channels_last, compile, threads, calibrate, step)
         model = load_network(net, device, num_classes)
         settings, runs_as = _chosen(model, mode, cfg, device, batch, cache, deterministic)
         block = 10 if device.type == "cuda" else 1
@@ -252,6 +277,9 @@ def _report(model, mode, batch, device, settings: Settings, cfg, timings, block,
         "peak_fraction": flops_per_second / peak,
         "theoretical_peak": None if paper is None else {"flops_per_second": paper[0], "source": paper[1]},
     }  # fmt: skip
+    if mode == "train":
+        report["optimizer"], report["accumulate"] = cfg.optimizer, cfg.accumulate
+        report["step_extras"] = step_extras(cfg)
     if synced is not None:
         report["synced"] = {"images_per_second": batch / synced.median, "step": synced.to_dict()}
     for peer, name in zip(peers, PEERS, strict=False):
@@ -282,6 +310,9 @@ def print_throughput(report: dict[str, Any], console: Any = None) -> None:
         f"torch {r['torch']}")  # fmt: skip
     say(f"  settings as `{r['settings']['as']}` chooses them: {r['settings']['describe']}"
         f"{'  compile' if r['compile'] else ''}  [{r['math']}]")  # fmt: skip
+    if r.get("step_extras"):
+        peers = "; the peers' steps are plain SGD" if "baseline" in r else ""
+        say(f"  the run's step: {', '.join(r['step_extras'])}{peers}")
     steady = (
         f"{r['steps_per_measurement']} steps between two syncs"
         if r["steps_per_measurement"] > 1

@@ -121,7 +121,7 @@ def layers(
 
     dev = resolve_device(device)
     run = _as_the_run_sets(net, batch, precision, channels_last, threads, device=dev)
-    run.pop("compile")  # (per-layer times run the layers eagerly)
+    run.pop("compile"), run.pop("step")  # (per-layer times: the layers' passes, eagerly)
     batch, (net, num_classes) = run["batch"], _network_of(net, num_classes)
     _positive(batch=batch, repeats=repeats, **({"threads": threads} if threads else {}))
     check_batch(net, batch, dev, num_classes, training=True)
@@ -246,10 +246,11 @@ def _throughput(
 def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last: bool | None,
                      threads: int | None, compile: bool | None = None,
                      device: Any = None) -> dict[str, Any]:  # fmt: skip
-    """batch, precision, channels_last, threads, compile, calibrate and deterministic as
-    `cnnkit train` runs NET: where NET is a run (a zoo run, a run file, a run directory or a
-    checkpoint in one: its config.yaml), its data.batch_size and what its `train:` and
-    `deterministic` set (options given here win); for a network, the options."""
+    """batch, precision, channels_last, threads, compile, calibrate, deterministic and the
+    step (its `train:` section) as `cnnkit train` runs NET: where NET is a run (a zoo run, a
+    run file, a run directory or a checkpoint in one: its config.yaml), its data.batch_size
+    and what its `train:` and `deterministic` set (options given here win); for a network,
+    the options and the default step."""
     from cnnkit.checkpoint import file_kind
     from cnnkit.config import load_run
     from cnnkit.errors import ConfigError
@@ -257,7 +258,7 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
 
     chosen = {"batch": DEFAULT_BATCH if batch is None else batch, "precision": precision,
               "channels_last": channels_last, "threads": threads, "calibrate": True,
-              "deterministic": False, "compile": bool(compile)}  # fmt: skip
+              "deterministic": False, "compile": bool(compile), "step": None}  # fmt: skip
     if net in NETS:
         return chosen
     path = Path(net)  # a run directory, or a checkpoint in one: the run's own config.yaml
@@ -278,7 +279,8 @@ def _as_the_run_sets(net: str, batch: int | None, precision: str, channels_last:
             "channels_last": train.channels_last if channels_last is None else channels_last,
             "threads": train.threads if threads is None else threads,
             "compile": train.compile if compile is None else compile,
-            "calibrate": train.calibrate, "deterministic": run.deterministic}  # fmt: skip
+            "calibrate": train.calibrate, "deterministic": run.deterministic,
+            "step": train}  # fmt: skip
 
 
 def _a_run_file(net: str) -> bool:
