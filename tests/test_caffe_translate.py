@@ -353,6 +353,24 @@ def test_pooling_caffe_sizes_otherwise_is_one_line():
         _pooled("pool: MAX kernel_size: 3 stride: 2 pad: 2")
 
 
+@pytest.mark.parametrize(("params", "words"), [
+    ("kernel_size: 3 stride: 0", "stride: Input should be greater than 0 (got 0)"),  # was a
+    ("kernel_size: 3 stride_h: 0 stride_w: 2", "stride: Input should be greater than 0 (got 0)"),
+    ("kernel_size: 0 stride: 1", "kernel_size: Input should be greater than 0 (got 0)"),
+    ("kernel_size: -3", "kernel_size: Input should be greater than 0 (got -3)"),
+    ("global_pooling: true kernel_size: 3", "global_pooling: true takes no kernel_size (its "
+     "window is the whole input: Caffe refuses this too)"),
+    ("global_pooling: true stride: 2", "global_pooling: true takes no stride"),
+])  # fmt: skip
+def test_pooling_sizes_caffe_refuses_are_one_line(params, words):
+    """A zero stride or kernel is refused as a convolution's is (a stride of 0 was a
+    ZeroDivisionError; a kernel of 0 or -3 blamed the rounding or the padding); a global
+    pooling given a window is refused, as Caffe's LayerSetUp does."""
+    with pytest.raises(ConfigError) as error:
+        _pooled(f"pool: MAX {params}")
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
 def test_a_reshape_imports_as_a_flatten_a_reshape_or_nothing():
     """TensorFlow ports end in `dim: 0 dim: 0` over (N, C, 1, 1) scores; `dim: 0 dim: -1`
     flattens anything; a reshape to the same shape is nothing; any other reshapes each image as

@@ -207,6 +207,32 @@ TRANSPOSED = """layer { name: "fc8" type: "InnerProduct" bottom: "data" top: "fc
         inner_product_param { num_output: 3 transpose: true } }"""
 
 
+def test_only_colour_images_are_turned_to_rgb_and_grey_ones_say_their_scaling(tmp_path):
+    """A net that reads vectors of 3 numbers imports as they are (it was given a channel
+    reversal that needs (C, H, W) input, and ImageNet's mean); a 1-channel image net, whose
+    scaling no deploy prototxt says, says what cnnkit feeds it."""
+    from cnnkit.caffe import read_caffe
+
+    prototxt = prototxt_file(tmp_path, TRANSPOSED, "dim: 1 dim: 3")
+    weight, bias = torch.randn(3, 3), torch.randn(3)
+    write_caffemodel(tmp_path / "net.caffemodel", {"fc8": [weight, bias]})
+    imported = read_caffe(prototxt, tmp_path / "net.caffemodel")
+    assert "preprocess" not in imported.model and imported.notes == []
+    net = build_model(imported.model).eval()
+    net.load_state_dict(imported.state)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(net(x), x @ weight + bias)
+    conv = """layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 2 kernel_size: 3 } }"""
+    grey = prototxt_file(tmp_path, conv, "dim: 1 dim: 1 dim: 8 dim: 8")
+    write_caffemodel(tmp_path / "grey.caffemodel",
+                     {"conv1": [torch.randn(2, 1, 3, 3), torch.randn(2)]})  # fmt: skip
+    imported = read_caffe(grey, tmp_path / "grey.caffemodel")
+    assert "preprocess" not in imported.model
+    assert any(n.startswith("preprocess: none in a deploy prototxt: cnnkit feeds greyscale "
+                            "pixels / 255") for n in imported.notes), imported.notes  # fmt: skip
+
+
 @pytest.mark.parametrize("v1", [False, True])  # V1: the weight as a (1, 1, in, out) blob
 def test_transposed_inner_product_computes_x_times_w(tmp_path, v1):
     prototxt = prototxt_file(tmp_path, TRANSPOSED, "dim: 1 dim: 6")

@@ -90,6 +90,10 @@ class LayerTypes(ShapeTypes):
         why = " (stochastic pooling is not imported)" if method == "STOCHASTIC" else ""
         require(self.here, method in ("MAX", "AVE"), f"pool: {method} is not MAX or AVE{why}")
         if flag(self.here, p, "global_pooling", False):
+            given = [k for k in ("kernel_size", "kernel_h", "kernel_w", "stride", "stride_h",
+                                 "stride_w", "pad", "pad_h", "pad_w") if p.get(k) is not None]  # fmt: skip
+            require(self.here, not given, f"global_pooling: true takes no {given[0] if given else ''}"
+                    " (its window is the whole input: Caffe refuses this too)")  # fmt: skip
             shape = self.shapes[self._first_bottom(layer)]
             require(
                 self.here, len(shape) == 3, f"global_pooling needs a (C, H, W) input, not {shape}"
@@ -106,6 +110,9 @@ class LayerTypes(ShapeTypes):
             self.here, p, "stride", 1
         )  # Caffe's default is 1, torch's the kernel
         put(spec, "padding", sizes(self.here, p, "pad", 0), 0)
+        for field, values in (("kernel_size", spec["kernel_size"]), ("stride", spec["stride"])):
+            low = min(_pair(values))  # (said before the checks that divide by them)
+            require(self.here, low > 0, f"{field}: Input should be greater than 0 (got {low})")
         for k, pad in zip(_pair(spec["kernel_size"]), _pair(spec.get("padding", 0)), strict=True):
             require(self.here, pad <= k // 2, f"Pooling pad {pad} over half its kernel {k}: "
                     f"Caffe pads that far, torch's pooling (and so cnnkit's) {k // 2} at most")  # fmt: skip

@@ -44,8 +44,14 @@ def read_caffe(path: str | Path, caffemodel: str | Path | None = None, keep_bgr:
     state = None
     if caffemodel is not None:
         state = caffe_state_dict(model, translator.sources, read_caffemodel(caffemodel))
-        if not keep_bgr and model["input"][0] == 3:
+        if not keep_bgr and len(model["input"]) == 3 and model["input"][0] == 3:  # images
             translator.notes += bgr_to_rgb(model, state)
+        if len(model["input"]) == 3 and model["input"][0] == 1 and "preprocess" not in model:
+            translator.notes.append(
+                "preprocess: none in a deploy prototxt: cnnkit feeds greyscale pixels / 255 "
+                "(near Caffe's LeNet's transform_param scale 0.00390625); for a net trained "
+                "on 0-255 pixels less a mean, set preprocess: {mean: [M], std: [1]}"
+            )
     return CaffeImport(model, state, translator.notes)
 
 
