@@ -122,6 +122,26 @@ def test_augmentation_jitters_images_but_not_labels():
     assert (flipped | same).all() and flipped.any() and same.any()
 
 
+@pytest.mark.parametrize("padding", ["zeros", "border"])
+def test_what_a_shift_brings_in_is_black_or_the_edge_in_pixels(padding):
+    """The batch is normalised before it is jittered: `zeros` filled with 0 in normalised
+    units, the data set's mean grey (78 of 255 on digits), not the black torchvision's
+    RandomAffine fills; it fills -mean / std now, black in pixels."""
+    from cnnkit.data.base import Preprocess
+    from cnnkit.data.memory import TensorBatches
+
+    images = torch.full((4, 1, 8, 8), 200, dtype=torch.uint8)
+    pre = Preprocess(channels=1, crop=8, mean=[78.0], std=[60.0])
+    stream = TensorBatches(images, torch.arange(4), 4, pre, train=True,
+                           augment=Jitter(shift=0.5, padding=padding))  # fmt: skip
+    x, _ = next(iter(stream))
+    pixels = (x * 60 + 78).round()
+    if padding == "border":
+        assert (pixels == 200).all()
+    else:  # black came in (the grey was 78), blended with the image at the edges
+        assert pixels.min() == 0 and (pixels == 0).float().mean() > 0.1
+
+
 def test_contrast_and_brightness_jitter_per_image():
     x = torch.randn(64, 1, 8, 8)
     gen = torch.Generator().manual_seed(0)

@@ -31,7 +31,9 @@ class BundledConfig(DataConfigBase):
     rotate: float = Field(0.0, ge=0.0, le=180.0, description="max random rotation, degrees")
     scale: float = Field(0.0, ge=0.0, lt=1.0, description="max random zoom (0.1: 0.9x-1.1x)")
     mirror: bool = Field(False, description="random horizontal flip")
-    padding: Literal["zeros", "border"] = Field("zeros", description="fill outside the image")
+    padding: Literal["zeros", "border"] = Field(
+        "zeros", description="what enters from outside: zeros (black) | border (its edge)"
+    )
     contrast: float = Field(0.0, ge=0.0, lt=1.0, description="max random contrast change")
     brightness: float = Field(0.0, ge=0.0, description="max random brightness shift (stds)")
 

@@ -36,8 +36,11 @@ class Jitter:
         geometric = self.shift or self.rotate or self.scale or self.mirror
         return bool(geometric or self.contrast or self.brightness)
 
-    def __call__(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """x float (B, C, H, W) -> the same shape, each image jittered differently."""
+    def __call__(self, x: torch.Tensor, gen: torch.Generator,
+                 fill: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """x float (B, C, H, W) -> the same shape, each image jittered differently; with
+        padding "zeros", what enters from outside is `fill` (per channel, in x's units: black
+        of normalised images is -mean / std), else 0."""
         b = x.shape[0]
         r = torch.rand(b, 5, generator=gen, device=gen.device).to(x.device) * 2 - 1  # (B, 5)
         angle = r[:, 0] * math.radians(self.rotate)
@@ -54,7 +57,10 @@ class Jitter:
             1,
         )  # (B, 2, 3): affine_grid works in [-1, 1] units, so a full side is 2
         grid = F.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
-        x = F.grid_sample(x, grid, padding_mode=self.padding, align_corners=False)
+        if fill is not None and self.padding == "zeros":  # grid_sample fills 0: shift it
+            x = F.grid_sample(x - fill, grid, align_corners=False).add_(fill)
+        else:
+            x = F.grid_sample(x, grid, padding_mode=self.padding, align_corners=False)
         return self._photometric(x, gen) if self.contrast or self.brightness else x
 
     def _photometric(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -131,7 +137,7 @@ class TensorBatches:
     def _batch(self, idx: torch.Tensor, gen: torch.Generator | None):
         x = (self.images[idx].float() - self.mean) / self.std  # (B, C, H, W) normalised
         if gen is not None and self.augment is not None and self.augment.active:
-            x = self.augment(x, gen)
+            x = self.augment(x, gen, fill=-self.mean / self.std)  # black, as torchvision fills
         return x, self.labels[idx]
 
     def _val_indices(self) -> torch.Tensor:
