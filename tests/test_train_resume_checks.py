@@ -492,3 +492,26 @@ def test_a_last_pt_of_another_run_is_refused(finished_run, tmp_path):
         del state["run_id"]
     save_checkpoint(ahead, run / "best.pt")
     assert resume_state(run)["epoch"] == 1
+
+
+def test_a_ctrl_c_once_the_last_step_is_done_lets_the_run_finish(tmp_path, monkeypatch):
+    """A Ctrl-C after the last epoch's save, while the curves and summary.json are written,
+    ended the run at once ("interrupted", no summary.json, no resume hint); the first one
+    there lets it finish, as one during the epochs lets it save and stop."""
+    import os
+    import signal
+
+    import cnnkit.train.run as run_module
+
+    finish = run_module.finish
+
+    def pressed_first(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # (the handler runs before the next line)
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "finish", pressed_first)
+    monkeypatch.chdir(tmp_path)
+    result = fit(validate_run({**RUN, "train": {**RUN["train"], "epochs": 1}}), "r", quiet=True)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["epochs"] == result["epochs"] == 1 and summary["val_top1"] == result["val_top1"]
+    assert summary["run_dir"] == str(tmp_path / "r")  # absolute, as config.yaml's paths are

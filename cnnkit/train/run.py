@@ -233,23 +233,25 @@ def _build(config: RunConfig, run_dir: Path, resume: dict[str, Any] | None, quie
 def _train(ctx: RunContext, engine: Engine, schedule: Schedule, progress: Progress,
            hooks: Hooks, quiet: bool, last_line: bool) -> dict[str, Any]:  # fmt: skip
     """The epochs, then the summary; however they end, the bar is gone, every checkpoint on
-    disk and the log closed before anything more is said."""
+    disk and the log closed before anything more is said. A first Ctrl-C once the last step
+    is done lets the run finish (its curves and summary.json written), as one during the
+    epochs lets it save and stop; a second stops it at once."""
     main = ctx.dist.is_main
     console = Console(quiet or not main, top5=len(ctx.data.classes) > 5, log=ctx.log,
                       last=main and last_line)  # fmt: skip
     _describe(console, ctx, engine, progress)
     writer, done_before = CheckpointWriter(), progress.global_step
-    try:
-        with stop_on_interrupt() as stop:
+    with stop_on_interrupt() as stop:
+        try:
             train_epochs(engine, schedule, progress, console, hooks, ctx, writer, stop)
-    finally:
-        console.close()  # the bar gone before any line of how the run ended
-        writer.wait()  # every checkpoint on disk before the run reports anything
-        if ctx.log is not None:
-            ctx.log.close()
-    # a session that trained nothing (all epochs done) adds nothing to the run's wall time
-    spent = None if progress.global_step == done_before else time.perf_counter() - ctx.started
-    return finish(engine, progress, ctx, spent, console)
+        finally:
+            console.close()  # the bar gone before any line of how the run ended
+            writer.wait()  # every checkpoint on disk before the run reports anything
+            if ctx.log is not None:
+                ctx.log.close()
+        # a session that trained nothing (all epochs done) adds nothing to the run's wall time
+        spent = None if progress.global_step == done_before else time.perf_counter() - ctx.started
+        return finish(engine, progress, ctx, spent, console)
 
 
 @contextmanager

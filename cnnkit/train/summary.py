@@ -52,7 +52,7 @@ def finish(engine: Engine, progress: Progress, ctx: RunContext, seconds: float |
     scored = int(last.get("val_images", ctx.data.val.num_samples))  # unreadable ones skipped
     summary = {
         "name": config.name,
-        "run_dir": str(ctx.run_dir),
+        "run_dir": str(Path(ctx.run_dir).absolute()),  # (config.yaml's paths are too)
         "epochs": len(history),
         "val_top1": last.get("val_top1"),
         "val_top5": last.get("val_top5"),
