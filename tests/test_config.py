@@ -704,6 +704,10 @@ def test_more_epochs_on_resume_says_the_cosine_schedule_stretches():
     stepped = {**state, "config": {**state["config"], "train": {
         **state["config"]["train"], "schedule": "step"}}}  # fmt: skip
     assert resume_config(stepped, ["train.epochs=5"])._notes == []  # (epochs move no step)
+    midway = {**state, "epoch": 1, "step": 5}  # refused by the epochs-left check: no note
+    assert resume_config(midway, ["train.epochs=1"])._notes == []  # before its error line
+    assert resume_config(state, ["train.epochs=2"])._notes == []
+    assert resume_config(midway, ["train.epochs=2"])._notes != []  # (it finishes epoch 2)
 
 
 def test_a_section_given_as_a_mapping_on_the_command_line_sets_those_settings():

@@ -200,6 +200,8 @@ def _schedule_stretched(state: dict[str, Any], config: RunConfig) -> list[str]:
     if train.schedule != "cosine" or not isinstance(was, int) or was == train.epochs:
         return []
     done = state.get("epoch", 0)
+    if train.epochs < done + bool(state.get("step")):  # refused (check_epochs_left): unsaid
+        return []
     before = Schedule(train.model_copy(update={"epochs": was})).lr(done)
     after = Schedule(train).lr(done)
     if math.isclose(before, after, rel_tol=0.01):
