@@ -207,17 +207,25 @@ class Rounds:
                 rows.append(_round_row(r, summary, len(negatives), loaded, self.faces,
                                        self.held_out))  # fmt: skip
             except Interrupted as e:  # a round's Ctrl-C: the mining run is what resumes
+                self._write_rounds(rows, seconds_before, started)  # its time so far counts
                 where = str(e).partition("; resume with")[0]
                 raise Interrupted(f"round {r}: {where}; {self.resume_hint()}") from None
             except KeyboardInterrupt:  # while mining or measuring (or a second Ctrl-C)
+                self._write_rounds(rows, seconds_before, started)
                 raise Interrupted(f"interrupted in round {r}; {self.resume_hint()}") from None
-            seconds = seconds_before + time.perf_counter() - started
-            write_atomic(self.run_dir / ROUNDS,
-                             json.dumps({"rounds": rows, "seconds": seconds}).encode())  # fmt: skip
+            self._write_rounds(rows, seconds_before, started)
             if not self.quiet:
                 print(_describe(rows[-1]))
         seconds = seconds_before + time.perf_counter() - started
         return _keep_best(self.run_dir, rows, seconds)
+
+    def _write_rounds(self, rows: list[dict[str, Any]], before: float, started: float) -> None:
+        """rounds.json: the rounds finished, and the seconds spent so far, a round begun and
+        interrupted included (its resume goes on from where it stopped)."""
+        seconds = before + time.perf_counter() - started
+        write_atomic(
+            self.run_dir / ROUNDS, json.dumps({"rounds": rows, "seconds": seconds}).encode()
+        )
 
     def resume_hint(self) -> str:
         return f"resume with `cnnkit train --resume {self.run_dir}`"

@@ -129,10 +129,19 @@ def test_interrupted_mining_run_resumes_to_the_uninterrupted_result(tmp_path, ca
     whole_hook, whole_calls = interrupt_at(0)
     whole = cnnkit.fit(quick_run(), out=tmp_path / "whole", quiet=True, on_step=whole_hook)
     run = tmp_path / "run"
-    hook, calls = interrupt_at(25)  # round 0 takes 18 steps (150 images, batch 16)
+    press, calls = interrupt_at(25)  # round 0 takes 18 steps (150 images, batch 16)
+    after_round_0 = []
+
+    def hook(*args):
+        if calls[0] == 18:  # round 1's first step next: round 0's time written
+            after_round_0.append(json.loads((run / "rounds.json").read_text())["seconds"])
+        press(*args)
+
     with pytest.raises(Interrupted, match=r"round 1: interrupted at epoch 1 step 8 \(saved\)") as e:
         cnnkit.fit(quick_run(rounds=1), out=run, quiet=True, on_step=hook)
     assert str(e.value).endswith(f"resume with `cnnkit train --resume {run}`")
+    # the interrupted round's time so far counts too (the resumed run's total was short of it)
+    assert json.loads((run / "rounds.json").read_text())["seconds"] > after_round_0[0]
     with pytest.raises(ConfigError, match="already holds a run"):
         cnnkit.fit(quick_run(), out=run, quiet=True)
     with pytest.raises(ConfigError, match="a round of the mining run"):
