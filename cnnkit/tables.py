@@ -22,6 +22,12 @@ class _TableConsole(Console):
         return None
 
 
+PIPED_WIDTH = 100_000  # no line of a table, or of text, is cut or wrapped in a file or a pipe
+
+
 def wide_console() -> Console:
-    """A console at least 120 columns wide, so tables piped to a file are not cut."""
-    return _TableConsole(width=max(Console().width, 120))
+    """A console at least 120 columns wide on a terminal; piped, as wide as its lines are, so
+    tables piped to a file are not cut (a 120-column table cut densenet121's layer names to
+    `features.denseblock1.den…`, every row alike)."""
+    console = Console()
+    return _TableConsole(width=max(console.width, 120) if console.is_terminal else PIPED_WIDTH)

@@ -52,6 +52,15 @@ def test_info_resnet50_counts_torchvisions_parameters(capsys):
     assert code == 0 and "parameters: 25,557,032" in out and "layer4.2.relu3" in out
 
 
+def test_info_piped_cuts_no_layer_name(capsys):
+    """Piped, the table was 120 columns: densenet121's layer names and a concat's inputs were
+    cut to `features.denseblock1.den…`, every row alike."""
+    code, out, _ = run_cli(["info", "densenet121"], capsys)
+    assert code == 0 and "…" not in out
+    assert "features.denseblock4.denselayer16.conv2" in out
+    assert " \n" not in out  # (piped: no line padded to the width)
+
+
 def test_info_reads_prototxts_runs_checkpoints_and_exports(digits_run, tmp_path, capsys):
     from helpers import cli_ok
 

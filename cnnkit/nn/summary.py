@@ -17,8 +17,8 @@ def print_layer_table(model: Network, console: Console) -> None:
     """Print name, type, inputs, output shape, parameters and multiply-adds of every layer."""
     title = f"{model.name}  input {_shape(model.input_shape)}"
     table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("#", "name", "type", "inputs", "output"):
-        table.add_column(column)
+    for column in ("#", "name", "type", "inputs", "output"):  # long names wrap, never cut
+        table.add_column(column, overflow="fold")
     table.add_column("params", justify="right")
     table.add_column("mult-adds", justify="right")
     previous = "input"
