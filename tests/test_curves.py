@@ -71,13 +71,34 @@ def test_curves_png_is_laptop_sized(tmp_path):
     assert math.isnan(lr.get_lines()[0].get_ydata()[0])
 
 
+def test_the_weights_moving_average_is_drawn_and_the_run_named(tmp_path):
+    """metrics.csv's val_*_ema columns (best_ema.pt's choice) were left out of the picture,
+    and nothing in it named the run (a mining run's curves.png is its chosen round's)."""
+    from cnnkit.train.metrics import run_title
+
+    rows = history(4)
+    for r in rows[1:]:  # (turned on at a resume: no value for the first epoch)
+        r.update(val_loss_ema=0.5 / r["epoch"], val_top1_ema=0.6)
+    fig = curves_figure(rows, "digits-20261208-0900")
+    loss, error, _ = fig.axes
+    ema = next(line for line in error.get_lines() if line.get_label() == "val, weights' EMA")
+    assert math.isnan(ema.get_ydata()[0]) and list(ema.get_ydata())[1:] == pytest.approx([40.0] * 3)
+    assert [t.get_text() for t in loss.get_legend().get_texts()][-1] == "val, weights' EMA"
+    assert fig._suptitle.get_text() == "digits-20261208-0900"
+    assert len(curves_figure(history(4)).axes[1].get_lines()) == 2  # none kept: none drawn
+    assert run_title(tmp_path / "faces-1" / "round-4") == "faces-1 round-4"
+    assert run_title(tmp_path / "digits-1") == "digits-1"
+
+
+@pytest.mark.parametrize("title", [None, "a-run-directory-20261208-090000"])
 @pytest.mark.parametrize("scale", [1e-4, 1.0, 2e3])
-def test_labels_stay_inside_the_fixed_margins(scale):
+def test_labels_stay_inside_the_fixed_margins(scale, title):
     """Tiny and huge losses and learning rates: every panel's tick labels, axis labels and
-    title are drawn inside the picture, clear of the neighbouring panel's."""
+    title are drawn inside the picture, clear of the neighbouring panel's (and the run's
+    name above them all)."""
     rows = [{**r, "train_loss": scale * r["train_loss"], "val_loss": scale * r["val_loss"],
              "lr": scale * r["lr"] / 3} for r in history(120)]  # fmt: skip
-    fig = curves_figure(rows)
+    fig = curves_figure(rows, title)
     canvas = FigureCanvasAgg(fig)  # as savefig draws it
     canvas.draw()
     renderer = canvas.get_renderer()
@@ -90,3 +111,6 @@ def test_labels_stay_inside_the_fixed_margins(scale):
     for boxes in (panels, titles):
         for left, right in itertools.pairwise(boxes):
             assert left.x1 < right.x0
+    if title:  # above the panels' titles, inside the picture
+        top = fig._suptitle.get_window_extent(renderer)
+        assert top.y1 <= page.y1 and all(top.y0 > box.y1 for box in titles)

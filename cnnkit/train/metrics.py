@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -76,7 +78,7 @@ class RunLog:
             self._plot()
 
     def _plot(self) -> None:
-        plot_curves(self.history, self.run_dir / "curves.png")
+        plot_curves(self.history, self.run_dir / "curves.png", run_title(self.run_dir))
         self._last_plot, self._plotted = time.monotonic(), len(self.history)
 
     def write_step(self, global_step: int, loss: Any, lr: float, images_per_second: float) -> None:
@@ -131,34 +133,56 @@ def _fmt(v: float) -> str:
     return str(int(v)) if float(v).is_integer() and abs(v) < 1e9 else f"{v:.6g}"
 
 
-def plot_curves(history: list[dict[str, float]], path: Path) -> None:
-    """curves.png: loss, top-1 error and learning rate per epoch (written to a temporary file
-    and renamed, so a viewer never reads half a picture)."""
+def run_title(run_dir: Path) -> str:
+    """How a run's pictures name it: its directory's name, a mining round's with its run's
+    (`faces-20261208-0900 round-4`: the run's own curves.png is its chosen round's)."""
+    run_dir = Path(run_dir)
+    if re.fullmatch(r"round-\d+", run_dir.name) and run_dir.parent.name:
+        return f"{run_dir.parent.name} {run_dir.name}"
+    return run_dir.name
+
+
+def plot_curves(history: list[dict[str, float]], path: Path, title: str | None = None) -> None:
+    """curves.png: loss, top-1 error and learning rate per epoch, under `title` (written to a
+    temporary file and renamed, so a viewer never reads half a picture)."""
     picture = io.BytesIO()
-    curves_figure(history).savefig(picture, dpi=110, format="png")
+    curves_figure(history, title).savefig(picture, dpi=110, format="png")
     write_atomic(path, picture.getvalue())
 
 
-def curves_figure(history: list[dict[str, float]]):
+def curves_figure(history: list[dict[str, float]], title: str | None = None):
     """Three panels, 12 x 4 inches (1320 x 440 pixels at 110 dpi): loss, top-1 error (linear,
-    in %, so that an epoch at 0% stays in the picture) train vs validation, learning rate.
+    in %, so that an epoch at 0% stays in the picture) train vs validation (and the weights'
+    moving average where the run keeps one), learning rate; `title` above them.
     The margins are fixed: a layout engine measuring every label doubled the drawing's time."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import PercentFormatter
 
     epochs = [r["epoch"] for r in history]
     fig = Figure(figsize=(12, 4))
-    fig.subplots_adjust(left=0.065, right=0.99, bottom=0.12, top=0.91, wspace=0.3)
+    fig.subplots_adjust(left=0.065, right=0.99, bottom=0.12, top=0.84 if title else 0.91,
+                        wspace=0.3)  # fmt: skip
+    if title:
+        fig.suptitle(title, fontsize=11)
     loss, error, lr = fig.subplots(1, 3)
     style = {"marker": "o", "markersize": 3 if len(epochs) <= 60 else 0, "linewidth": 1.5}
     # the training loss is the one optimised (label smoothing, mixing), the held-out one plain
-    for split, said in (("train", "train (as optimised)"), ("val", "val (cross-entropy)")):
-        loss.plot(epochs, [r[f"{split}_loss"] for r in history], label=said, **style)
-        error.plot(epochs, [100 * (1 - r[f"{split}_top1"]) for r in history], label=split, **style)
-    top = max([100 * (1 - r[f"{k}_top1"]) for r in history for k in ("train", "val")] + [1.0])
+    splits = [
+        ("train", "", "train (as optimised)", "train"),
+        ("val", "", "val (cross-entropy)", "val"),
+    ]
+    if any("val_top1_ema" in r for r in history):  # (NaN where a resume turned it on later)
+        splits.append(("val", "_ema", "val, weights' EMA", "val, weights' EMA"))
+    for split, ema, said, short in splits:
+        loss.plot(epochs, [r.get(f"{split}_loss{ema}", math.nan) for r in history], label=said,
+                  **style)  # fmt: skip
+        errors = [100 * (1 - r.get(f"{split}_top1{ema}", math.nan)) for r in history]
+        error.plot(epochs, errors, label=short, **style)
+    top = max([100 * (1 - r[k]) for r in history for k in ("train_top1", "val_top1",
+               "val_top1_ema") if k in r] + [1.0])  # fmt: skip
     error.set_ylim(-0.04 * top, 1.06 * top)  # 0% sits just above the axis, never off it
     error.yaxis.set_major_formatter(PercentFormatter(decimals=None))
-    lr.plot(epochs, [r.get("lr", float("nan")) for r in history], color="C2", **style)
+    lr.plot(epochs, [r.get("lr", float("nan")) for r in history], color="C4", **style)
     for ax in (loss, lr):  # short tick labels (1e-4 etc. above the axis): they fit the margin
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
     loss.set(ylabel="loss", title="loss")
