@@ -104,6 +104,27 @@ def test_scaling_writes_json_and_png(tmp_path):
     assert "QUICK: a smoke run, not figures" in console.file.getvalue()
 
 
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_picture_names_the_hardware_the_batch_and_a_smoke_run(tmp_path, monkeypatch, quick):
+    """scaling.png alone said only `cnnkit scaling study (fp32): cpu`: a --quick smoke run's
+    (three repeats of tiny networks) looked like a study's figures."""
+    from matplotlib.figure import Figure
+
+    from cnnkit.bench.scaling import plot_scaling
+
+    titles, suptitle = [], Figure.suptitle
+    monkeypatch.setattr(Figure, "suptitle",
+                        lambda fig, text, **kw: titles.append(text) or suptitle(fig, text, **kw))  # fmt: skip
+    times = {"cpu": {"train_ms_per_image": 2.0, "infer_ms_per_image": 1.0}}
+    rows = [{"family": "lenet5", "batch": 8, "macs": m, "results": times, "speedup": None}
+            for m in (1e5, 1e6)]  # fmt: skip
+    report = {"precision": "fp32", "devices": {"cpu": "Intel Xeon (2 cores)"}, "quick": quick,
+              "networks": rows}  # fmt: skip
+    plot_scaling(report, tmp_path / "s.png")
+    assert titles[0].startswith("cnnkit scaling study (fp32, batch 8): cpu (Intel Xeon (2 cores))")
+    assert ("QUICK: a smoke run, not figures" in titles[0]) is quick
+
+
 def test_a_failed_write_keeps_the_last_pair_or_writes_neither(tmp_path, monkeypatch):
     """scaling.json and scaling.png are one study: a JSON that cannot be written (a full disk)
     leaves the last run's pair as it was, or an empty folder, never a new drawing beside it."""
@@ -128,6 +149,29 @@ def test_a_failed_write_keeps_the_last_pair_or_writes_neither(tmp_path, monkeypa
         write_outputs({**report, "note": "another study"}, tmp_path / "out")
     assert (json_path.read_bytes(), png_path.read_bytes()) == before
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["scaling.json", "scaling.png"]
+
+
+def test_a_full_disk_names_scaling_png_and_still_shows_the_figures(tmp_path, monkeypatch,
+                                                                    capsys):  # fmt: skip
+    """The error named the hidden `.scaling.png.<pid>.new`, and the study's figures were
+    never printed: a full study's hour lost. It names scaling.png; the table is shown."""
+    from cnnkit.bench import scaling
+
+    report = run_scaling(([CPU], "CPU only"), "fp32", quick=True,
+                         entries=[Entry("tiny", "x1", TINY, 2)])  # fmt: skip
+
+    def full(report, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(scaling, "plot_scaling", full)
+    with pytest.raises(OSError) as error:
+        write_outputs(report, tmp_path / "out")
+    assert error.value.filename == str(tmp_path / "out" / "scaling.png")
+    monkeypatch.setattr(scaling, "run_scaling", lambda *a, **k: report)
+    code, out, err = run_cli(["bench", "scaling", "--devices", "cpu", "--quick", "-o",
+                              str(tmp_path / "cli")], capsys)  # fmt: skip
+    assert code == 1 and "tiny" in out and "QUICK" in out
+    assert f"{tmp_path / 'cli' / 'scaling.png'}: No space left on device" in err
 
 
 def test_cli_scaling_refuses_what_it_cannot_do_before_any_timing(capsys):

@@ -277,6 +277,10 @@ def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
         plot_scaling(report, staged)
         write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), private=True)
         os.replace(staged, png_path)
+    except OSError as e:
+        if e.filename == str(staged):  # the file the user asked for, not the hidden one
+            e.filename = str(png_path)
+        raise
     finally:
         staged.unlink(missing_ok=True)
     return [json_path, png_path]
@@ -305,7 +309,11 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     _axes(left, "time per image (ms)", "time per image")
     left.legend(fontsize=7)
     _plot_speedup(right, report, families, markers)
-    fig.suptitle(f"cnnkit scaling study ({report['precision']}): " + ", ".join(report["devices"]))
+    batches = sorted({row["batch"] for row in report["networks"]})
+    on = ", ".join(f"{d} ({name})" for d, name in report["devices"].items())
+    smoke = "\nQUICK: a smoke run, not figures" if report.get("quick") else ""
+    fig.suptitle(f"cnnkit scaling study ({report['precision']}, batch "
+                 f"{'/'.join(map(str, batches))}): {on}{smoke}", fontsize=11)  # fmt: skip
     fig.tight_layout()
     with atomic(Path(path), private=True) as f:
         fig.savefig(f, dpi=110, format="png", metadata=figure_metadata("png"))  # marked ours

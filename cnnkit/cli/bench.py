@@ -208,7 +208,11 @@ def scaling(
     if chosen[1]:
         print(chosen[1])  # CPU only: say so before the run, not after
     report = run_scaling(chosen, precision, quick=quick)
-    paths = write_outputs(report, out)  # first: a broken stdout loses no study
+    try:
+        paths = write_outputs(report, out)  # first: a broken stdout loses no study
+    except OSError:  # (a full disk): the figures on the screen at least, then the error
+        print_scaling(report)
+        raise
     print_scaling(report)
     print("wrote " + ", ".join(str(p) for p in paths))
     _emit(report, as_json)
