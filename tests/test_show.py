@@ -82,13 +82,13 @@ def test_show_net_writes_png_and_svg_with_text(tmp_path, capsys):
     assert code == 0, err
     assert Image.open(png).size[1] > 400
     labels = net_layout(load_network(str(CAFFE / "every_layer.prototxt")).model)[1]
-    assert labels["conv1"].splitlines()[1] == "conv 3x5/1, 8, groups 2"
+    assert labels["conv1"].splitlines()[1] == "conv 3x5/1, 8, pad 1x2, groups 2"
     assert "dilation 2" in labels["dil"]
     net = build_model("alexnet", device="meta")
     draw_net(net, svg)
     text = svg.read_text()
     assert all(f">{row.name}<" in text for row in net.table)  # searchable text, not paths
-    assert ">conv 5x5/1, 256, groups 2<" in text and ">96x55x55<" in text
+    assert ">conv 5x5/1, 256, pad 2, groups 2<" in text and ">96x55x55<" in text
     with pytest.raises(ConfigError, match="use one of"):
         draw_net(build_model("lenet5", device="meta"), tmp_path / "net.gif")
     code, _, err = run_cli(["show", "net", "lenet5", "-o", str(tmp_path / "n.gif")], capsys)
@@ -109,6 +109,18 @@ def test_filter_grid_stretches_each_filter():
     framed = filter_grid(weight[:1, :1], cell=4, gap=3, frame=80)  # one 2x2 filter, 2x larger
     assert framed.shape == (10, 10) and framed[2, 2] == 80 and framed[0, 0] == 255
     assert (framed[3:5, 3:5] == framed[3, 3]).all()  # nearest neighbour: a pixel becomes 2x2
+
+
+def test_a_grid_of_filters_is_a_whole_rectangle_where_one_is_near_square():
+    """96 filters were 10 x 10 with 4 empty cells, 32 were 6 x 6 with 4: AlexNet's 12 x 8,
+    8 x 4; a prime count keeps the square."""
+    from cnnkit.infer.show import grid_columns
+
+    for count, (cols, rows) in {96: (12, 8), 32: (8, 4), 64: (8, 8), 6: (3, 2), 7: (3, 3),
+                                25: (5, 5), 1: (1, 1)}.items():  # fmt: skip
+        grid = filter_grid(torch.randn(count, 3, 2, 2), cell=2, gap=1)
+        assert grid.shape[:2] == (rows * 3 + 1, cols * 3 + 1), count
+        assert grid_columns(count) == cols
 
 
 def test_a_constant_filter_is_mid_grey_and_a_grouped_first_conv_is_not_drawn_as_rgb(
@@ -221,6 +233,20 @@ def test_labels_show_both_strides_and_dilations_and_filters_the_first_conv_of_th
     assert first_conv(model)[0] == "conv0"  # not pre.conv, which registers first as `pre`
 
 
+def test_labels_show_padding_and_a_pool_that_rounds_up():
+    """`maxpool 2x2/2` turning 21x21 into 11x11 looked like a shape error: the label says
+    ceil (and any padding), as the shapes beside it need."""
+    spec = {"input": [3, 21, 21], "layers": [
+        {"name": "c", "type": "conv", "out_channels": 4, "kernel_size": 3, "padding": [1, 0]},
+        {"name": "s", "type": "conv", "out_channels": 4, "kernel_size": 3, "padding": "same"},
+        {"name": "p", "type": "maxpool", "kernel_size": 2, "stride": 2, "ceil_mode": True},
+        {"name": "a", "type": "avgpool", "kernel_size": 3, "stride": 2, "padding": 1}]}  # fmt: skip
+    _, labels = net_layout(build_model(spec))
+    said = {name: text.splitlines()[1] for name, text in labels.items()}
+    assert said["c"] == "conv 3x3/1, 4, pad 1x0" and said["s"] == "conv 3x3/1, 4, pad same"
+    assert said["p"] == "maxpool 2x2/2, ceil" and said["a"] == "avgpool 3x3/2, pad 1"
+
+
 def test_conv_transpose_labels_show_kernel_stride_and_groups_as_conv_labels_do():
     spec = {"input": [4, 8, 8], "layers": [
         {"name": "up", "type": "conv_transpose", "out_channels": 6, "kernel_size": 4,
@@ -228,7 +254,7 @@ def test_conv_transpose_labels_show_kernel_stride_and_groups_as_conv_labels_do()
         {"name": "odd", "type": "conv_transpose", "out_channels": 2, "kernel_size": [3, 1],
          "stride": [2, 1], "output_padding": [1, 0], "dilation": 2}]}  # fmt: skip
     _, labels = net_layout(build_model(spec))
-    assert labels["up"].splitlines()[1] == "conv_transpose 4x4/2, 6, groups 2"
+    assert labels["up"].splitlines()[1] == "conv_transpose 4x4/2, 6, pad 1, groups 2"
     assert labels["odd"].splitlines()[1] == (
         "conv_transpose 3x1/2x1, 2, dilation 2, output_padding 1x0"
     )

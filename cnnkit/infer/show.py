@@ -69,19 +69,29 @@ def _steps(size: tuple[int, ...]) -> str:
     return str(size[0]) if len(set(size)) == 1 else "x".join(map(str, size))
 
 
+def _padding(layer: nn.Module) -> str:
+    """`, pad 2` (`, pad 1x0`, `, pad same`) where a layer pads its input; "" where not."""
+    padding = layer.padding
+    if isinstance(padding, str):
+        return "" if padding == "valid" else f", pad {padding}"
+    padding = pair(padding)
+    return f", pad {_steps(padding)}" if max(padding) > 0 else ""
+
+
 def describe(kind: str, layer: nn.Module) -> str:
-    """`conv 11x11/4, 96, groups 2` (and dilation > 1; a conv_transpose's output_padding > 0),
-    `maxpool 3x3/2`, `linear 4096`, `lrn 5`, `dropout 0.5`."""
+    """`conv 11x11/4, 96, pad 2, groups 2` (and dilation > 1; a conv_transpose's
+    output_padding > 0), `maxpool 3x3/2, ceil` (its padding, and ceil where the output size
+    rounds up: the shapes beside it follow), `linear 4096`, `lrn 5`, `dropout 0.5`."""
     if isinstance(layer, (nn.Conv2d, nn.ConvTranspose2d)):
         (kh, kw), s = layer.kernel_size, _steps(layer.stride)
-        text = f"{kind} {kh}x{kw}/{s}, {layer.out_channels}"
+        text = f"{kind} {kh}x{kw}/{s}, {layer.out_channels}{_padding(layer)}"
         text += f", groups {layer.groups}" if layer.groups > 1 else ""
         text += f", dilation {_steps(layer.dilation)}" if max(layer.dilation) > 1 else ""
         extra = getattr(layer, "output_padding", (0,))  # a transposed conv's
         return text + (f", output_padding {_steps(extra)}" if max(extra) > 0 else "")
     if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)):
         (kh, kw), s = pair(layer.kernel_size), _steps(pair(layer.stride))
-        return f"{kind} {kh}x{kw}/{s}"
+        return f"{kind} {kh}x{kw}/{s}{_padding(layer)}" + (", ceil" if layer.ceil_mode else "")
     if isinstance(layer, nn.Linear):
         return f"{kind} {layer.out_features}"
     if isinstance(layer, nn.LocalResponseNorm):
@@ -200,7 +210,7 @@ def filter_grid(
     scale = max(1, cell // max(w.shape[-2:]))
     w = w.repeat_interleave(scale, -2).repeat_interleave(scale, -1)  # nearest upscaling
     n, c, h, wd = w.shape
-    cols = math.ceil(math.sqrt(n))
+    cols = grid_columns(n)
     rows = math.ceil(n / cols)
     grid = np.full((rows * (h + gap) + gap, cols * (wd + gap) + gap, c), 255, np.uint8)
     for i in range(n):
@@ -211,10 +221,20 @@ def filter_grid(
     return grid if c == 3 else grid[:, :, 0]
 
 
+def grid_columns(count: int) -> int:
+    """Columns of a grid of `count` filters: a whole rectangle at most twice as wide as tall
+    where one is (96: 12 x 8, 32: 8 x 4, not 10 x 10 and 6 x 6 with empty cells), else the
+    square's."""
+    square = math.ceil(math.sqrt(count))
+    return next((cols for cols in range(square, 2 * square + 1)
+                 if count % cols == 0 and cols <= 2 * (count // cols)), square)  # fmt: skip
+
+
 def filter_cell(count: int, width: int = 560) -> int:
     """Cell side (pixels) that makes a grid of `count` filters about `width` pixels wide,
-    between 40 and 120: a 5x5 filter becomes 120x120 pixels, an 11x11 one 55x55 in a grid of 96."""
-    return min(120, max(40, width // math.ceil(math.sqrt(count))))
+    between 40 and 120: a 5x5 filter becomes 120x120 pixels, an 11x11 one 46x46 in a grid of
+    96 (12 across)."""
+    return min(120, max(40, width // grid_columns(count)))
 
 
 def draw_filters(model: nn.Module, path: Path, trained: bool = True,
