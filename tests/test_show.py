@@ -15,7 +15,15 @@ from PIL import Image
 from cnnkit import ConfigError, build_model
 from cnnkit.infer.layout import crossings, layered_layout
 from cnnkit.infer.load import load_network
-from cnnkit.infer.show import draw_net, filter_cell, filter_grid, net_layout
+from cnnkit.infer.show import (
+    draw_net,
+    filter_cell,
+    filter_grid,
+    filter_title,
+    first_conv,
+    grid_columns,
+    net_layout,
+)
 
 CAFFE = Path(__file__).parent / "data" / "caffe"
 
@@ -114,8 +122,6 @@ def test_filter_grid_stretches_each_filter():
 def test_a_grid_of_filters_is_a_whole_rectangle_where_one_is_near_square():
     """96 filters were 10 x 10 with 4 empty cells, 32 were 6 x 6 with 4: AlexNet's 12 x 8,
     8 x 4; a prime count keeps the square."""
-    from cnnkit.infer.show import grid_columns
-
     for count, (cols, rows) in {96: (12, 8), 32: (8, 4), 64: (8, 8), 6: (3, 2), 7: (3, 3),
                                 25: (5, 5), 1: (1, 1)}.items():  # fmt: skip
         grid = filter_grid(torch.randn(count, 3, 2, 2), cell=2, gap=1)
@@ -147,8 +153,15 @@ def test_show_filters_of_a_trained_run(digits_run, tmp_path, capsys):
     assert n >= 4 and image.shape[1] >= 300  # enlarged: readable on a screen
     side = k * (filter_cell(n) // k)
     assert side >= 40
-    title = image[: image.shape[0] - int(np.ceil(n / np.ceil(np.sqrt(n)))) * (side + 6)]
+    title = image[: image.shape[0] - -(-n // grid_columns(n)) * (side + 6)]
     assert (title < 128).any()  # the title is written above the grid
+    from cnnkit.infer.load import load_for_inference
+
+    loaded = load_for_inference(digits_run)  # the title names the weights it drew
+    name, conv = first_conv(loaded.model)
+    said = filter_title(loaded.model, name, conv, weights=loaded.source)[0]
+    assert said.startswith(f"digitnet {name} ({digits_run}/best.pt): "), said
+    assert "(" not in filter_title(loaded.model, name, conv, False, loaded.source)[0].split(":")[0]
     code, _, err = run_cli(["show", "filters", str(digits_run), "-o", str(out) + ".txt"], capsys)
     assert code == 2 and "use one of" in err
     settings = str(digits_run / "config.yaml")  # the run's settings: its learned filters lie beside

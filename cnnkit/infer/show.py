@@ -238,21 +238,23 @@ def filter_cell(count: int, width: int = 560) -> int:
 
 
 def draw_filters(model: nn.Module, path: Path, trained: bool = True,
-                 source: str = "the network") -> tuple[int, ...]:  # fmt: skip
+                 source: str = "the network", weights: str | None = None) -> tuple[int, ...]:  # fmt: skip
     """Save the first convolution's filters as a titled grid image (the title says so where
-    the weights are not `trained`: random initial ones); returns the weight's shape. `source`
-    names the network in errors."""
+    the weights are not `trained`: random initial ones, and names the `weights` file where
+    they are); returns the weight's shape. `source` names the network in errors."""
     check_suffix(path, IMAGE_SUFFIXES)
     name, conv = first_conv(model, source)
     grid = filter_grid(conv.weight, filter_cell(len(conv.weight)), gap=6, frame=80,
                        colour=_reads_rgb(conv))  # fmt: skip
     grid = Image.fromarray(grid).convert("RGB")
-    save_picture(titled(grid, filter_title(model, name, conv, trained)), path)
+    save_picture(titled(grid, filter_title(model, name, conv, trained, weights)), path)
     return tuple(conv.weight.shape)
 
 
-def filter_title(model: nn.Module, name: str, conv: nn.Conv2d, trained: bool = True) -> list[str]:
-    """The lines above the filters: the layer and its filters, how they are drawn."""
+def filter_title(model: nn.Module, name: str, conv: nn.Conv2d, trained: bool = True,
+                 weights: str | None = None) -> list[str]:  # fmt: skip
+    """The lines above the filters: the layer and its filters (and the weights file they
+    were read from), how they are drawn."""
     o, i, kh, kw = conv.weight.shape
     how = (
         "colour (RGB)"
@@ -264,8 +266,9 @@ def filter_title(model: nn.Module, name: str, conv: nn.Conv2d, trained: bool = T
     if conv.groups > 1:
         how += f", {conv.groups} groups of {conv.in_channels // conv.groups} input channels"
     untrained = "" if trained else ", untrained (random initial weights)"
-    return [f"{getattr(model, 'name', 'net')} {name}: {plural(o, 'filter')} of {i}x{kh}x{kw}"
-            f"{untrained}", f"each stretched to its own min-max, {how}"]  # fmt: skip
+    read = f" ({weights})" if trained and weights else ""
+    return [f"{getattr(model, 'name', 'net')} {name}{read}: {plural(o, 'filter')} of "
+            f"{i}x{kh}x{kw}{untrained}", f"each stretched to its own min-max, {how}"]  # fmt: skip
 
 
 def _reads_rgb(conv: nn.Conv2d) -> bool:
