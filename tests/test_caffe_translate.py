@@ -360,7 +360,8 @@ def test_pooling_caffe_sizes_otherwise_is_one_line():
     ("kernel_size: -3", "kernel_size: Input should be greater than 0 (got -3)"),
     ("global_pooling: true kernel_size: 3", "global_pooling: true takes no kernel_size (its "
      "window is the whole input: Caffe refuses this too)"),
-    ("global_pooling: true stride: 2", "global_pooling: true takes no stride"),
+    ("global_pooling: true stride: 2", "global_pooling: true takes only stride 1 (as Caffe), got 2"),
+    ("global_pooling: true pad_h: 1 pad_w: 0", "global_pooling: true takes only pad 0 (as Caffe), got 0x1"),
 ])  # fmt: skip
 def test_pooling_sizes_caffe_refuses_are_one_line(params, words):
     """A zero stride or kernel is refused as a convolution's is (a stride of 0 was a
@@ -369,6 +370,10 @@ def test_pooling_sizes_caffe_refuses_are_one_line(params, words):
     with pytest.raises(ConfigError) as error:
         _pooled(f"pool: MAX {params}")
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_global_pooling_may_say_caffes_own_stride_and_pad():
+    assert _pooled("pool: AVE global_pooling: true stride: 1 pad: 0").output_shape == (1,)
 
 
 def test_a_reshape_imports_as_a_flatten_a_reshape_or_nothing():

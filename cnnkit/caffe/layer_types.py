@@ -90,10 +90,13 @@ class LayerTypes(ShapeTypes):
         why = " (stochastic pooling is not imported)" if method == "STOCHASTIC" else ""
         require(self.here, method in ("MAX", "AVE"), f"pool: {method} is not MAX or AVE{why}")
         if flag(self.here, p, "global_pooling", False):
-            given = [k for k in ("kernel_size", "kernel_h", "kernel_w", "stride", "stride_h",
-                                 "stride_w", "pad", "pad_h", "pad_w") if p.get(k) is not None]  # fmt: skip
-            require(self.here, not given, f"global_pooling: true takes no {given[0] if given else ''}"
+            window = [k for k in ("kernel_size", "kernel_h", "kernel_w") if p.get(k) is not None]
+            require(self.here, not window, f"global_pooling: true takes no {window[0] if window else ''}"
                     " (its window is the whole input: Caffe refuses this too)")  # fmt: skip
+            for field, only in (("stride", 1), ("pad", 0)):  # Caffe: only pad 0 and stride 1
+                values = set(_pair(sizes(self.here, p, field, only)))
+                require(self.here, values == {only}, f"global_pooling: true takes only {field} "
+                        f"{only} (as Caffe), got {'x'.join(map(str, sorted(values)))}")  # fmt: skip
             shape = self.shapes[self._first_bottom(layer)]
             require(
                 self.here, len(shape) == 3, f"global_pooling needs a (C, H, W) input, not {shape}"
