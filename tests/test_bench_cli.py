@@ -84,22 +84,40 @@ def test_bench_of_a_run_times_its_own_step(tmp_path, capsys, monkeypatch):
     run.write_text(yaml.safe_dump({"model": TINY, "data": {"source": "digits", "batch_size": 4},
                                    "train": {"optimizer": "adamw", "accumulate": 2, "ema": 0.9,
                                              "label_smoothing": 0.1, "precision": "fp32",
-                                             "threads": 1}}))  # fmt: skip
+                                             "class_weights": "balanced", "threads": 1}}))  # fmt: skip
     args = ["bench", "train", str(run), "--repeats", "1", "--warmup", "0", "--quick", "--json"]
     code, out, err = run_cli(args, capsys)
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0, err
     assert (report["optimizer"], report["accumulate"]) == ("adamw", 2)
-    assert report["step_extras"] == ["adamw", "2 micro-batches", "EMA 0.9", "label smoothing 0.1"]
-    assert "the run's step: adamw, 2 micro-batches, EMA 0.9, label smoothing 0.1" in out
+    assert report["step_extras"] == ["adamw", "2 micro-batches", "EMA 0.9", "label smoothing 0.1",
+                                     "balanced class weights"]  # fmt: skip
+    assert "the run's step: adamw, 2 micro-batches, EMA 0.9, label smoothing 0.1, balanced" in out
     assert built and all(isinstance(e.optimizer, torch.optim.AdamW) and e.accumulate == 2
                          and e.ema is not None for e in built)  # fmt: skip
-    assert built[0].loss_fn.label_smoothing == 0.1
+    assert built[0].loss_fn.label_smoothing == 0.1 and built[0].loss_fn.weight is not None
     built.clear()
     code, out, err = run_cli([*args[:2], "lenet5", *args[3:], "--batch", "2"], capsys)
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and (report["optimizer"], report["step_extras"]) == ("sgd", []), err
     assert type(built[0].optimizer) is torch.optim.SGD and "the run's step" not in out
+
+
+def test_bench_of_a_run_checks_its_micro_batches_as_train_does(tmp_path, capsys):
+    """The step splits --batch into the run's `accumulate` micro-batches: too few images, or
+    micro-batches of one through a BatchNorm on vectors, are one line (a traceback from
+    torch's BatchNorm once the step ran them)."""
+    net = {"input": [1, 8, 8], "layers": [{"type": "flatten"}, {"type": "linear",
+           "out_features": 16}, {"type": "batchnorm"}, {"type": "relu"}, {"type": "linear"}]}  # fmt: skip
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"model": net, "data": {"source": "digits", "batch_size": 8},
+                                   "train": {"accumulate": 4, "threads": 1}}))  # fmt: skip
+    code, _, err = run_cli(["bench", "train", str(run), "--batch", "4", "--quick"], capsys)
+    assert (code, err) == (2, "cnnkit: error: --batch: micro-batches of 1 image(s), and "
+                              "BatchNorm layer batchnorm2 (16) needs at least 2 values per "
+                              "channel to train: use larger batches\n")  # fmt: skip
+    code, _, err = run_cli(["bench", "train", str(run), "--batch", "2", "--quick"], capsys)
+    assert code == 2 and "splits it into 4 micro-batches: give at least 4 images" in err
 
 
 def test_cli_train_json_is_the_last_line(tmp_path, capsys):
@@ -320,6 +338,8 @@ def test_bench_reads_what_info_reads_and_refuses_what_info_refuses(tmp_path, cap
         code, _, err = run_cli([*command, str(fixed), "--num-classes", "3"], capsys)
         assert (code, err) == (2, f"cnnkit: error: --num-classes 3: no layer of {fixed} is "
                                   "sized by num_classes (its output is 5)\n")  # fmt: skip
+    code, out, err = run_cli(["info", str(fixed), "--num-classes", "5"], capsys)
+    assert (code, err) == (0, "") and "output: 5" in out  # the count it gives: asked, given
     code, _, err = run_cli(["info", str(fixed), "--num-classes", str(2**31)], capsys)
     assert code == 2 and "'--num-classes': Input should be less than or equal to 2147483647" in err
     (tmp_path / "runs" / "digits-20261207-090000").mkdir(parents=True)

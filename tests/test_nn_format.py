@@ -316,6 +316,18 @@ def test_an_inline_block_inside_a_block_names_its_layers_there_as_at_the_top_lev
     torch.testing.assert_close(model(x), model.o.c(x) + x)
 
 
+def test_a_single_copy_whose_first_block_takes_the_lines_parameters_builds():
+    """repeat: 1 with first: {block: down}: the one copy is down's, so the line's stride is
+    down's parameter (the check of a line left out by if: refused it as plain's)."""
+    blocks = {"plain": {"params": {"out": 4}, "layers": [conv(out_channels="$out")]},
+              "down": {"params": {"out": 4, "stride": 1},
+                       "layers": [conv(out_channels="$out", stride="$stride")]}}  # fmt: skip
+    line = {"name": "s", "block": "plain", "repeat": 1, "first": {"block": "down"}, "stride": 2}
+    assert build_model(net(line, blocks=blocks), device="meta").output_shape == (4, 4, 4)
+    unused = {**blocks, "user": {"layers": [{k: v for k, v in line.items() if k != "name"}]}}
+    assert build_model(net(conv("a"), blocks=unused), device="meta").output_shape == (4, 8, 8)
+
+
 def test_a_first_block_with_other_parameters_is_named_in_the_error():
     blocks = {
         "unit": {"params": {"out": None, "p": 0.0}, "layers": [conv("c", out_channels="$out")]},

@@ -470,7 +470,8 @@ def test_a_class_count_no_layer_takes_is_refused_not_dropped(tmp_path):
     fixed = net({"type": "global_avgpool"}, {"name": "fc", "type": "linear", "out_features": 5})
     with pytest.raises(ConfigError, match=r"^num_classes=3: no layer of net is sized by "
                        r"num_classes: the last layer fc \(linear\) gives \[5\] \(a linear layer "
-                       "that leaves out out_features takes the class count"):  # fmt: skip
+                       "that leaves out out_features, or a layer given .num_classes, takes the "
+                       "class count"):  # fmt: skip
         build_model(fixed, num_classes=3)
     assert build_model(fixed, num_classes=5).output_shape == (5,)  # what it gives: no matter
     path = _net(tmp_path, "model:\n  input: [3, 8, 8]\n  num_classes: 10\n  layers:\n"
@@ -484,6 +485,11 @@ def test_a_class_count_no_layer_takes_is_refused_not_dropped(tmp_path):
     assert build_model(str(path), num_classes=5).output_shape == (5,)  # the file's, overridden
     headed = build_model(net({"type": "flatten"}, {"type": "linear"}, num_classes=10), 3)
     assert headed.output_shape == (3,) and headed.heads == ("linear1",)
+    fcn = net({"type": "conv", "out_channels": 10, "kernel_size": 8}, num_classes=10)
+    assert build_model(fcn).output_shape == (10, 1, 1)  # ten scores, fully convolutional
+    with pytest.raises(ConfigError, match=r"gives \[10, 1, 1\] \(a linear layer that leaves "
+                       r"out out_features, or a layer given \$num_classes, takes"):  # fmt: skip
+        build_model({**fcn, "num_classes": 7})
 
 
 def test_a_run_files_own_network_errors_name_their_line(tmp_path):

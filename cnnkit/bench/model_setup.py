@@ -31,17 +31,23 @@ def load_network(
 
 
 def check_batch(net: str | Path | dict[str, Any], batch: int, device: torch.device,
-                num_classes: int | None = None, training: bool = False) -> None:  # fmt: skip
+                num_classes: int | None = None, training: bool = False,
+                accumulate: int = 1) -> None:  # fmt: skip
     """One line before any timing when `batch` images cannot fit on `device` (not a traceback
-    from the allocator minutes later), or, `training`, cannot train (a BatchNorm layer given
-    one value per channel), as `cnnkit train` says it."""
+    from the allocator minutes later), or, `training`, cannot train (more micro-batches, a
+    run's `accumulate`, than images; a BatchNorm layer given one value per channel), as
+    `cnnkit train` says it."""
     from cnnkit.nn.memory import check_batch_fits
     from cnnkit.train.checks import check_batchnorm
+    from cnnkit.train.engine import smallest_chunk
 
     model = build_unchecked(net, num_classes=num_classes, device="meta")
     check_batch_fits(model.name, model.param_count, model.activation_count, batch, device)
+    if training and accumulate > batch:
+        raise ConfigError(f"--batch {batch}: the run's train.accumulate splits it into "
+                          f"{accumulate} micro-batches: give at least {accumulate} images")  # fmt: skip
     if training:
-        check_batchnorm(model, batch, field="--batch")
+        check_batchnorm(model, smallest_chunk(batch, accumulate), accumulate > 1, field="--batch")
 
 
 def synthetic_batch(

@@ -91,8 +91,13 @@ def settings_for(net: Any, device: torch.device, batch: int, precision: str | No
 
 def make_train_step(network: Network, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
                     settings: Settings | None = None) -> tuple[Callable[[Any], Any], Engine]:  # fmt: skip
-    """The training engine's real step (optimizer, precision, memory format as `cnnkit train`)."""
-    engine = build_engine(network, cfg, torch.device(cfg.device), settings=settings)
+    """The training engine's real step (optimizer, precision, memory format as `cnnkit train`;
+    a run's balanced class weights as uniform ones: the same work, whatever the data)."""
+    weights = None
+    if cfg.class_weights != "none" and network.num_classes:
+        weights = torch.ones(network.num_classes)
+    engine = build_engine(network, cfg, torch.device(cfg.device), class_weights=weights,
+                          settings=settings)  # fmt: skip
     x = engine.prepare(x)
     return (lambda _: train_step(engine, x, y)), engine
 

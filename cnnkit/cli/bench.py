@@ -239,7 +239,9 @@ def _throughput(
     _positive(batch=options["batch"], repeats=options["repeats"] or 1)
     if threads is not None:
         _positive(threads=threads)
-    check_batch(net, options["batch"], dev, options["num_classes"], training=mode == "train")
+    step = options.get("step")
+    check_batch(net, options["batch"], dev, options["num_classes"], training=mode == "train",
+                accumulate=step.accumulate if step is not None else 1)  # fmt: skip
     with deterministic_mode(options.get("deterministic", False), dev):
         report = bench_throughput(net, mode, device=dev, quick_peak=quick, threads=threads,
                                   **options)  # fmt: skip

@@ -35,6 +35,7 @@ from cnnkit.errors import (
     suggest,
 )
 from cnnkit.nn import Network, build_unchecked, read_spec
+from cnnkit.nn.graph import scores
 from cnnkit.nn.memory import check_fits
 from cnnkit.nn.weights import MEAN_IMAGE_KEY
 from cnnkit.runtime import write_atomic
@@ -53,6 +54,7 @@ class Loaded:
     mean_averaged: bool = False  # such a run's older checkpoint: only the image's averages
     ran: dict[str, Any] | None = None  # a checkpoint's settings (precision, channels_last, device)
     untrained: str | None = None  # why weights: named are no trained ones (require_trained)
+    weights: str | None = None  # a network file's weights: file (else `source` holds them)
 
 
 def load_for_inference(target: str | Path, device: Any = "cpu", ema: bool = False,
@@ -142,7 +144,7 @@ def load_network(spec: str, device: Any = "cpu", num_classes: int | None = None)
         untrained = f"{spec}: weights: {description['weights']}: {records.untrained}"
     trained = "weights" in description and untrained is None
     return Loaded(model.eval(), classes, preprocess, spec, trained, mean_image=image,
-                  untrained=untrained)  # fmt: skip
+                  untrained=untrained, weights=weights if trained else None)  # fmt: skip
 
 
 class Records(NamedTuple):
@@ -204,8 +206,9 @@ def _checkpoint_records(weights: str) -> Records | None:
 
 
 def check_sized_by(num_classes: int | None, network: Network, name: str) -> None:
-    """A --num-classes that sizes no layer of the network (its output fixed) is one line."""
-    if num_classes is not None and not network.heads:
+    """A --num-classes that sizes no layer of the network (its output fixed at another count)
+    is one line."""
+    if num_classes is not None and not network.heads and scores(network) != num_classes:
         raise ConfigError(f"--num-classes {num_classes}: no layer of {name} is sized by "
                           f"num_classes (its output is {' x '.join(map(str, network.output_shape))})")  # fmt: skip
 

@@ -183,7 +183,8 @@ class Expander:
             if key in raw:
                 raw[key] = self._sub(label, key, raw[key], env)
         stage = stage_of(label, short, raw, named, scope.sequential)
-        self._known_params(label, block_name, block, raw)  # a line left out by if: too
+        if not (stage.repeat == 1 and stage.first and "block" in stage.first):  # (else: its
+            self._known_params(label, block_name, block, raw)  # parameters are first's alone)
         if not self._present(label, condition, env):
             return self._alias(scope, short, value)
         if scope.depth >= MAX_BLOCK_DEPTH:

@@ -220,14 +220,21 @@ def check_classes(network: Network, num_classes: int, asked: str, of: str = "") 
     its file, where the message names it) and the fixed output is not that many scores: a
     class count asked for, then silently not given. (Not a Network method: a layer may take any
     name but the Network's own attributes'.)"""
-    if network.heads or network.num_classes == num_classes:
+    if network.heads or scores(network) == num_classes:
         return
     last = network.table[-1]
     raise ConfigError(
         f"{asked}: no layer{f' of {of}' if of else ''} is sized by num_classes: the last "
         f"layer {last.name} ({last.type}) gives {list(network.output_shape)} (a linear layer "
-        "that leaves out out_features takes the class count)"
+        "that leaves out out_features, or a layer given $num_classes, takes the class count)"
     )
+
+
+def scores(network: Network) -> int | None:
+    """How many class scores a network gives: its output's size, (N,) or a fully
+    convolutional (N, 1, 1); None for any other shape."""
+    out = tuple(network.output_shape)
+    return out[0] if len(out) == 1 or out[1:] == (1, 1) else None
 
 
 def build_model(

@@ -103,9 +103,9 @@ def check_unexpanded(blocks: dict[str, Any], expanded: set[str]) -> None:
                 if inner not in blocks:
                     raise ConfigError(f"{label}: block: unknown block {brief(inner)}"
                                       f"{suggest(inner, blocks)}")  # fmt: skip
-                params = blocks[inner].params
-                typo = next((k for k in line if k not in params and k not in BLOCK_LINE_KEYS),
-                            None)  # fmt: skip
+                params = blocks[inner].params  # (a line with first: may pass first's own)
+                typo = None if "first" in line else next(
+                    (k for k in line if k not in params and k not in BLOCK_LINE_KEYS), None)  # fmt: skip
                 if typo is not None:
                     raise ConfigError(f"{label}: block {brief(inner)} has no parameter "
                                       f"{brief(typo)}{suggest(str(typo), params)}")  # fmt: skip
