@@ -396,7 +396,7 @@ def _keep_best(run_dir: Path, rounds: list[dict], seconds: float) -> dict[str, A
     for other in run_dir.glob("round-*/*"):  # what an earlier kept round put there (its
         if other.name not in kept and (run_dir / other.name).is_file():  # best_ema.pt, or an
             (run_dir / other.name).unlink()  # older cnnkit's TensorBoard copy): one round's
-    summary.update(run_dir=str(run_dir), chosen_round=best["round"], rounds=rounds)
+    summary.update(run_dir=str(Path(run_dir).absolute()), chosen_round=best["round"], rounds=rounds)
     summary["wall_seconds"] = round(seconds, 3)  # every round's training and mining
     write_summary(run_dir / "summary.json", summary)
     print(f"kept round {best['round']} ({seconds:.1f}s in all) -> {run_dir}")  # quiet or not

@@ -3,6 +3,7 @@ filter grid."""
 
 from __future__ import annotations
 
+import json
 from itertools import combinations, pairwise
 from pathlib import Path
 
@@ -344,3 +345,21 @@ def test_a_drawing_replaces_only_a_picture_cnnkit_drew(tmp_path, capsys, suffix)
             "a drawing replaces): give a new name\n"
         )
         assert given.read_bytes() == before and not drawn_by_cnnkit(given)
+
+
+def test_filters_of_a_network_file_name_its_weights_file(tmp_path):
+    """A network file's weights: are what was drawn, not the file that names them."""
+    from safetensors.torch import save_file
+
+    from cnnkit.infer.load import load_for_inference
+
+    spec = {"input": [3, 8, 8], "layers": [{"name": "c", "type": "conv", "out_channels": 4,
+                                            "kernel_size": 3}]}  # fmt: skip
+    save_file(build_model(spec).state_dict(), str(tmp_path / "w.safetensors"))
+    net = tmp_path / "net.yaml"
+    net.write_text(json.dumps({"model": {**spec, "weights": str(tmp_path / "w.safetensors")}}))
+    loaded = load_for_inference(str(net))
+    assert loaded.trained and loaded.weights == str(tmp_path / "w.safetensors")
+    name, conv = first_conv(loaded.model)
+    title = filter_title(loaded.model, name, conv, weights=loaded.weights or loaded.source)
+    assert title[0].startswith(f"net c ({tmp_path / 'w.safetensors'}): 4 filters")

@@ -174,11 +174,14 @@ def test_interrupted_mining_run_resumes_to_the_uninterrupted_result(tmp_path, ca
     assert same_weights(run / "best.pt", tmp_path / "whole" / "best.pt")
 
 
-def test_finished_mining_run_resumes_with_more_rounds(tmp_path):
+def test_finished_mining_run_resumes_with_more_rounds(tmp_path, monkeypatch):
     """data.hard_negatives.rounds=N on a finished run mines on (later rounds take the other
-    overrides too); its finished rounds stay as they were."""
-    run = tmp_path / "run"
+    overrides too); its finished rounds stay as they were. summary.json's run_dir is
+    absolute, as a round's is (given as `run`, it said `run`)."""
+    monkeypatch.chdir(tmp_path)
+    run = Path("run")
     first = fit_rounds(load_run(quick_run(rounds=1, epochs=1)), run, quiet=True)
+    assert first["run_dir"] == str(tmp_path / "run")
     more = cnnkit.fit(None, ["data.hard_negatives.rounds=2", "train.epochs=2"], resume=run,
                       quiet=True)  # fmt: skip
     assert more["rounds"][:2] == first["rounds"] and len(more["rounds"]) == 3

@@ -206,7 +206,8 @@ def show_filters(
     writable_out(out, target, example="filters.png", picture=True)
     check_suffix(out, IMAGE_SUFFIXES)
     loaded = load_for_inference(target)
-    shape = draw_filters(loaded.model, out, loaded.trained, source=target, weights=loaded.source)
+    shape = draw_filters(loaded.model, out, loaded.trained, source=target,
+                         weights=loaded.weights or loaded.source)  # fmt: skip
     if not loaded.trained:  # a zoo name or a network file without weights: nothing learned
         typer.echo(f"cnnkit: note: {target} has no trained weights: these are its random "
                    "initial filters (a run directory or checkpoint has learned ones)", err=True)  # fmt: skip

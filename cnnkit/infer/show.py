@@ -80,8 +80,9 @@ def _padding(layer: nn.Module) -> str:
 
 def describe(kind: str, layer: nn.Module) -> str:
     """`conv 11x11/4, 96, pad 2, groups 2` (and dilation > 1; a conv_transpose's
-    output_padding > 0), `maxpool 3x3/2, ceil` (its padding, and ceil where the output size
-    rounds up: the shapes beside it follow), `linear 4096`, `lrn 5`, `dropout 0.5`."""
+    output_padding > 0), `maxpool 3x3/2, ceil` (its padding, and ceil for a pool that rounds
+    its output size up, ceil_mode, as Caffe's do: the shapes beside it follow), `linear 4096`,
+    `lrn 5`, `dropout 0.5`."""
     if isinstance(layer, (nn.Conv2d, nn.ConvTranspose2d)):
         (kh, kw), s = layer.kernel_size, _steps(layer.stride)
         text = f"{kind} {kh}x{kw}/{s}, {layer.out_channels}{_padding(layer)}"
