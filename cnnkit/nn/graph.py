@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +18,6 @@ from cnnkit.nn.init import apply_rule
 from cnnkit.nn.layers import ParamLayer, Shape
 from cnnkit.nn.memory import check_fits
 from cnnkit.nn.modules import bare_scale_keys, scale_weight_keys
-from cnnkit.nn.spec import read_spec
 from cnnkit.nn.yamlio import layer_line
 
 
@@ -235,70 +233,6 @@ def scores(network: Network) -> int | None:
     convolutional (N, 1, 1); None for any other shape."""
     out = tuple(network.output_shape)
     return out[0] if len(out) == 1 or out[1:] == (1, 1) else None
-
-
-def build_model(
-    spec: str | Path | dict[str, Any],
-    num_classes: int | None = None,
-    device: Any = None,
-    weights: str | Path | Mapping[str, Any] | None = None,
-) -> Network:
-    """Build a network from a zoo name, a YAML path or a dict; `num_classes` overrides the file's
-    (it sizes the layers that leave their size out; a network whose output is fixed at another
-    count is refused).
-
-    `weights` (else the file's `weights:`) names a state_dict file, safetensors or a
-    weights-only .pt (torchvision's, timm's), or is a state_dict (another model's
-    `state_dict()`), loaded into it; not on the meta device. With `num_classes` given (to
-    fine-tune), a classifier whose weights are for another class count keeps fresh ones, and
-    `fresh_keys` names them; without it, weights must fit the network whole."""
-    return _build(spec, num_classes, device, weights, checked=True)
-
-
-def build_unchecked(
-    spec: str | Path | dict[str, Any],
-    num_classes: int | None = None,
-    device: Any = None,
-    weights: str | Path | Mapping[str, Any] | None = None,
-) -> Network:
-    """build_model without its check of `num_classes` against a fixed output: for the callers
-    that say it in their own words (a run's data classes, the command line's --num-classes)."""
-    return _build(spec, num_classes, device, weights, checked=False)
-
-
-def _build(spec: str | Path | dict[str, Any], num_classes: int | None, device: Any,
-           weights: str | Path | Mapping[str, Any] | None, checked: bool) -> Network:  # fmt: skip
-    _not_trained_weights(spec)
-    if device is not None:
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError):  # torch's own words list every device type it knows
-            raise ConfigError(f"device: {device!r} is not a device (cpu, cuda, cuda:N, mps, "
-                              "meta)") from None  # fmt: skip
-    model = read_spec(spec)
-    network = Network(model, num_classes=num_classes, device=device)
-    if num_classes is not None and checked:
-        check_classes(network, num_classes, f"num_classes={num_classes}",
-                      getattr(model, "source", None) or network.name)  # fmt: skip
-    weights = weights if weights is not None else model.get("weights")
-    if weights is not None and (device is None or torch.device(device).type != "meta"):
-        from cnnkit.nn.weights import load_weights
-
-        network.fresh_keys = load_weights(network, weights, other_classes=num_classes is not None)
-    return network
-
-
-def _not_trained_weights(spec: Any) -> None:
-    """A checkpoint or export given to build_model, which builds a network from its
-    description: one line saying what loads it (the YAML reader's "not a text file ... or a
-    trained model" named what build_model does not take; a run directory is said there)."""
-    if not isinstance(spec, (str, Path)) or not Path(spec).is_file():
-        return
-    if Path(spec).suffix.lower() in (".pt", ".pth", ".safetensors", ".ckpt"):
-        raise ConfigError(f"{spec}: trained weights, not a network description: give the "
-                          "network with them (a run file's model: {network: NET, weights: "
-                          "FILE}; build_model(NET, weights=FILE)), or, in Python, "
-                          f"cnnkit.Classifier.load({str(spec)!r}).model")  # fmt: skip
 
 
 @contextmanager
