@@ -220,8 +220,7 @@ class Rounds:
         return _keep_best(self.run_dir, rows, seconds)
 
     def _write_rounds(self, rows: list[dict[str, Any]], before: float, started: float) -> None:
-        """rounds.json: the rounds finished, and the seconds spent so far, a round begun and
-        interrupted included (its resume goes on from where it stopped)."""
+        """rounds.json: the rounds finished, the seconds so far (an interrupted round's too)."""
         seconds = before + time.perf_counter() - started
         write_atomic(
             self.run_dir / ROUNDS, json.dumps({"rounds": rows, "seconds": seconds}).encode()

@@ -183,9 +183,9 @@ class Expander:
             if key in raw:
                 raw[key] = self._sub(label, key, raw[key], env)
         stage = stage_of(label, short, raw, named, scope.sequential)
-        if not (stage.repeat == 1 and stage.first and "block" in stage.first):  # (else: its
-            self._known_params(label, block_name, block, raw)  # parameters are first's alone)
-        if not self._present(label, condition, env):
+        if not self._present(label, condition, env):  # (a present line's copies check theirs)
+            if not (stage.repeat == 1 and stage.first and "block" in stage.first):  # (else:
+                self._known_params(label, block_name, block, raw)  # its parameters: first's)
             return self._alias(scope, short, value)
         if scope.depth >= MAX_BLOCK_DEPTH:
             raise ConfigError(
